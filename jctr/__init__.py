@@ -1,0 +1,27 @@
+"""jctr: click-through-rate recommender training and serving with huge hash embeddings on JAX.
+
+Importing jctr enables 64-bit integers in JAX, because embedding keys are 64-bit end to end;
+every float array jctr creates carries an explicit dtype so nothing silently becomes float64.
+
+Example::
+
+    import jctr
+    trainer = jctr.Trainer.from_config("configs/dlrm_synthetic.json")
+    trainer.fit()
+    print(trainer.evaluate())
+"""
+
+import jax
+
+jax.config.update("jax_enable_x64", True)
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy, so that `import jctr.config` does not pull the trainer and its dependencies.
+    if name == "Trainer":
+        from jctr.train.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(name)

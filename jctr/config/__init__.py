@@ -1,0 +1,18 @@
+"""Configuration: typed dataclasses and the HugeCTR JSON parser."""
+
+from jctr.config.parser import load_config, parse_config
+from jctr.config.reader import ConfigError
+from jctr.config.schema import (
+    DataConfig,
+    EmbeddingConfig,
+    LayerConfig,
+    ModelConfig,
+    OptimizerConfig,
+    SolverConfig,
+    SparseInputConfig,
+)
+
+__all__ = [
+    "ConfigError", "DataConfig", "EmbeddingConfig", "LayerConfig", "ModelConfig",
+    "OptimizerConfig", "SolverConfig", "SparseInputConfig", "load_config", "parse_config",
+]

@@ -1,0 +1,575 @@
+"""Parse a HugeCTR-style JSON config into :class:`ModelConfig`, validating as it goes."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from jctr.config.reader import ConfigError, ObjectReader, describe, join_path
+from jctr.config.schema import (
+    COMPUTE_DTYPES,
+    DATA_FORMATS,
+    EMBEDDING_TYPES,
+    LOSS_TYPES,
+    MIXED_PRECISION_SCALERS,
+    OPTIMIZER_TYPES,
+    SPARSE_INPUT_TYPES,
+    UPDATE_TYPES,
+    BatchNormParam,
+    DataConfig,
+    DropoutParam,
+    EluParam,
+    EmbeddingConfig,
+    FcParam,
+    FmOrder2Param,
+    LayerConfig,
+    LossParam,
+    Metric,
+    ModelConfig,
+    MultiCrossParam,
+    MultiplyParam,
+    NoParam,
+    OptimizerConfig,
+    ReduceSumParam,
+    ReshapeParam,
+    SliceParam,
+    SolverConfig,
+    SparseInputConfig,
+    SyntheticConfig,
+)
+
+_HPARAM_KEYS = {
+    "Adam": "adam_hparam",
+    "MomentumSGD": "momentum_sgd_hparam",
+    "Nesterov": "nesterov_hparam",
+    "SGD": "sgd_hparam",
+    "AdaGrad": "adagrad_hparam",
+}
+
+
+def load_config(config: str | os.PathLike | dict, *, require_solver: bool = True) -> ModelConfig:
+    """Parse and validate a config given as a JSON file path or an already-loaded dict.
+
+    Example::
+
+        cfg = load_config("configs/dlrm.json")
+        cfg.solver.batchsize, [e.embedding_vec_size for e in cfg.embeddings]
+    """
+    source = None
+    base_dir = "."
+    if isinstance(config, (str, os.PathLike)):
+        source = os.fspath(config)
+        base_dir = os.path.dirname(os.path.abspath(source))
+        try:
+            with open(source, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise ConfigError("<file>", f"cannot read config: {e.strerror}", source) from e
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"line {e.lineno} column {e.colno}", f"invalid JSON: {e.msg}",
+                              source) from e
+    else:
+        raw = config
+    return parse_config(raw, source=source, base_dir=base_dir, require_solver=require_solver)
+
+
+def parse_config(raw: Any, *, source: str | None = None, base_dir: str = ".",
+                 require_solver: bool = True) -> ModelConfig:
+    root = ObjectReader(raw, "", source)
+    solver = (parse_solver(root.child("solver")) if (root.has("solver") or require_solver)
+              else SolverConfig())
+    optimizer = parse_optimizer(root.child("optimizer"))
+    layers_raw = root.list("layers")
+    root.finish()
+    data, embeddings, layers = parse_layers(layers_raw, source)
+    cfg = ModelConfig(solver=solver, optimizer=optimizer, data=data, embeddings=embeddings,
+                      layers=layers, source=source, base_dir=base_dir)
+    validate_config(cfg)
+    return cfg
+
+
+# ---- solver -------------------------------------------------------------------------------
+
+
+def parse_solver(r: ObjectReader) -> SolverConfig:
+    lr_policy = r.choice("lr_policy", ("fixed",), "fixed")
+    display = r.int("display", 200, min_value=1)
+    max_iter = r.int("max_iter", None, min_value=1)
+    num_epochs = r.int("num_epochs", None, min_value=1)
+    gpu = _parse_gpu(r)
+    batchsize = r.int("batchsize", 2048, min_value=1)
+    batchsize_eval = r.int("batchsize_eval", batchsize, min_value=1)
+    snapshot = r.int("snapshot", 0, min_value=0)
+    snapshot_prefix = r.str("snapshot_prefix", "./")
+    eval_interval = r.int("eval_interval", 1000, min_value=1)
+    eval_batches = r.int("eval_batches", 100, min_value=1)
+    dense_model_file = r.str("dense model_file", None)
+    if dense_model_file is None:
+        dense_model_file = r.str("dense_model_file", None)
+    sparse_model_file = r.str_or_list("sparse_model_file", ())
+    mixed_precision = None
+    if r.has("mixed_precision"):
+        value = r.raw("mixed_precision")
+        if value not in MIXED_PRECISION_SCALERS or isinstance(value, bool):
+            raise r.error("mixed_precision",
+                          f"expected one of 128, 256, 512, 1024, got {describe(value)}")
+        mixed_precision = int(value)
+    enable_tf32 = r.bool("enable_tf32_compute", False)
+    metrics = _parse_metrics(r)
+    input_key_type = r.choice("input_key_type", ("I32", "I64"), "I32")
+    compute_dtype = r.choice("compute_dtype", COMPUTE_DTYPES,
+                             "float16" if mixed_precision else "float32")
+    if mixed_precision and compute_dtype != "float16":
+        raise r.error("compute_dtype", "mixed_precision (loss scaling) implies float16; "
+                      "drop mixed_precision to use bfloat16")
+    seed = r.int("seed", 0, min_value=0)
+    log_dir = r.str("log_dir", None)
+    # Accepted for HugeCTR compatibility; XLA schedules the step as a whole already.
+    r.bool("cuda_graph", True)
+    r.finish()
+    return SolverConfig(
+        lr_policy=lr_policy, display=display, max_iter=max_iter, num_epochs=num_epochs, gpu=gpu,
+        batchsize=batchsize, batchsize_eval=batchsize_eval, snapshot=snapshot,
+        snapshot_prefix=snapshot_prefix, eval_interval=eval_interval, eval_batches=eval_batches,
+        dense_model_file=dense_model_file, sparse_model_file=sparse_model_file,
+        mixed_precision=mixed_precision, enable_tf32_compute=enable_tf32, eval_metrics=metrics,
+        input_key_type=input_key_type, compute_dtype=compute_dtype, seed=seed, log_dir=log_dir)
+
+
+def _parse_gpu(r: ObjectReader) -> tuple[tuple[int, ...], ...]:
+    value = r.raw("gpu", [0])
+    msg = "expected a list of device indices or a list of such lists (one per host)"
+    if not isinstance(value, list) or not value:
+        raise r.error("gpu", f"{msg}, got {describe(value)}")
+    if all(isinstance(v, list) for v in value):
+        hosts = value
+    elif all(not isinstance(v, list) for v in value):
+        hosts = [value]
+    else:
+        raise r.error("gpu", f"{msg}; do not mix the two")
+    out = []
+    for h, host in enumerate(hosts):
+        if not host:
+            raise r.error("gpu", f"host {h} lists no device")
+        for v in host:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise r.error("gpu", f"{msg}, got {describe(v)} among them")
+        if len(set(host)) != len(host):
+            raise r.error("gpu", f"host {h} lists a device twice: {host}")
+        out.append(tuple(host))
+    return tuple(out)
+
+
+def _parse_metrics(r: ObjectReader) -> tuple[Metric, ...]:
+    value = r.raw("eval_metrics", ["AUC"])
+    if not isinstance(value, list):
+        raise r.error("eval_metrics", f"expected a list such as [\"AUC:0.8025\", "
+                      f"\"AverageLoss\"], got {describe(value)}")
+    metrics = []
+    for i, item in enumerate(value):
+        path = join_path(join_path(r.path, "eval_metrics"), i)
+        if not isinstance(item, str):
+            raise ConfigError(path, f"expected \"AUC\", \"AUC:<threshold>\" or \"AverageLoss\", "
+                              f"got {describe(item)}", r.source)
+        name, _, threshold = item.partition(":")
+        if name == "AverageLoss" and not threshold:
+            metrics.append(Metric("AverageLoss"))
+        elif name == "AUC":
+            t = None
+            if threshold:
+                try:
+                    t = float(threshold)
+                except ValueError:
+                    t = -1.0
+                if not 0.0 < t <= 1.0:
+                    raise ConfigError(path, f"AUC threshold must be a number in (0, 1], got "
+                                      f"{describe(threshold)}", r.source)
+            metrics.append(Metric("AUC", t))
+        else:
+            raise ConfigError(path, f"expected \"AUC\", \"AUC:<threshold>\" or \"AverageLoss\", "
+                              f"got {describe(item)}", r.source)
+    return tuple(metrics)
+
+
+# ---- optimizer ----------------------------------------------------------------------------
+
+
+def parse_optimizer(r: ObjectReader) -> OptimizerConfig:
+    opt_type = r.choice("type", OPTIMIZER_TYPES)
+    update_type = r.choice("update_type", UPDATE_TYPES, "Local")
+    # Older HugeCTR configs carry a boolean "learning_rate" flag here; it has no effect.
+    r.bool("learning_rate", True)
+    r.bool("global_update", False)
+    kwargs: dict[str, Any] = {}
+    hkey = _HPARAM_KEYS[opt_type]
+    for other_type, other_key in _HPARAM_KEYS.items():
+        if other_type != opt_type and r.has(other_key):
+            raise r.error(other_key, f"belongs to optimizer type \"{other_type}\", but type is "
+                          f"\"{opt_type}\" (expected \"{hkey}\")")
+    if r.has(hkey):
+        h = r.child(hkey)
+        kwargs["learning_rate"] = h.float("learning_rate", 0.001 if opt_type == "Adam" else 0.01,
+                                          positive=True)
+        if opt_type == "Adam":
+            kwargs["beta1"] = h.float("beta1", 0.9, min_value=0.0, max_value=0.999999)
+            kwargs["beta2"] = h.float("beta2", 0.999, min_value=0.0, max_value=0.999999)
+            kwargs["epsilon"] = h.float("epsilon", 1e-7, positive=True)
+        elif opt_type in ("MomentumSGD", "Nesterov"):
+            kwargs["momentum_factor"] = h.float("momentum_factor", 0.0, min_value=0.0,
+                                                max_value=0.999999)
+        elif opt_type == "AdaGrad":
+            kwargs["initial_accu_value"] = h.float("initial_accu_value", 0.0, min_value=0.0)
+            kwargs["epsilon"] = h.float("epsilon", 1e-7, positive=True)
+        elif opt_type == "SGD":
+            h.bool("atomic_update", True)  # HugeCTR GPU detail; updates here are deterministic
+        kwargs["warmup_steps"] = h.int("warmup_steps", 0, min_value=0)
+        kwargs["decay_start"] = h.int("decay_start", 0, min_value=0)
+        kwargs["decay_steps"] = h.int("decay_steps", 0, min_value=0)
+        kwargs["decay_power"] = h.float("decay_power", 2.0, positive=True)
+        kwargs["end_lr"] = h.float("end_lr", 0.0, min_value=0.0)
+        h.finish()
+        if kwargs["decay_start"] and not kwargs["decay_steps"]:
+            raise h.error("decay_steps", "must be positive when decay_start is set")
+    else:
+        kwargs["learning_rate"] = 0.001 if opt_type == "Adam" else 0.01
+    r.finish()
+    return OptimizerConfig(type=opt_type, update_type=update_type, **kwargs)
+
+
+# ---- layers -------------------------------------------------------------------------------
+
+
+def parse_layers(layers_raw: list, source: str | None):
+    if not layers_raw:
+        raise ConfigError("layers", "expected a non-empty list of layers", source)
+    data = None
+    embeddings: list[EmbeddingConfig] = []
+    dense: list[LayerConfig] = []
+    for i, raw in enumerate(layers_raw):
+        path = f"layers[{i}]"
+        r = ObjectReader(raw, path, source)
+        ltype = r.str("type")
+        if i == 0 and ltype != "Data":
+            raise r.error("type", f"the first layer must be the Data layer, got {describe(ltype)}")
+        if ltype == "Data":
+            if data is not None:
+                raise r.error("type", "a second Data layer; a config has exactly one")
+            data = parse_data(r)
+        elif ltype in EMBEDDING_TYPES:
+            if dense:
+                raise r.error("type", "embedding layers must precede the dense layers "
+                              f"(dense layer \"{dense[0].name}\" comes before)")
+            embeddings.append(parse_embedding(r, ltype))
+        elif ltype in LAYER_SPECS:
+            dense.append(parse_dense_layer(r, ltype))
+        else:
+            known = ", ".join(["Data", *EMBEDDING_TYPES, *sorted(LAYER_SPECS)])
+            raise r.error("type", f"unknown layer type {describe(ltype)}; known: {known}")
+    if not embeddings:
+        raise ConfigError("layers", "no embedding layer; expected at least one of "
+                          + ", ".join(EMBEDDING_TYPES), source)
+    return data, tuple(embeddings), tuple(dense)
+
+
+def parse_data(r: ObjectReader) -> DataConfig:
+    name = r.str("name", "data")
+    fmt = r.choice("format", DATA_FORMATS, "Norm")
+    source_value = r.str_or_list("source")
+    eval_value = r.str_or_list("eval_source")
+    check = r.choice("check", ("Sum", "None"), "None")
+    if fmt != "Norm" and check != "None":
+        raise r.error("check", f"format {fmt} has no checksum; expected \"None\"")
+    label = r.child("label")
+    label_top = label.str("top")
+    label_dim = label.int("label_dim", 1, min_value=1)
+    label.finish()
+    dense = r.child("dense")
+    dense_top = dense.str("top")
+    dense_dim = dense.int("dense_dim", min_value=0)
+    dense.finish()
+    sparse_raw = r.list("sparse")
+    if not sparse_raw:
+        raise r.error("sparse", "expected a non-empty list of sparse inputs")
+    sparse = []
+    for j, s_raw in enumerate(sparse_raw):
+        s = ObjectReader(s_raw, join_path(join_path(r.path, "sparse"), j), r.source)
+        top = s.str("top")
+        stype = s.choice("type", SPARSE_INPUT_TYPES)
+        slot_num = s.int("slot_num", min_value=1)
+        max_feat = s.int("max_feature_num_per_sample", min_value=1)
+        max_nnz = s.int("max_nnz", max_feat, min_value=1)
+        s.bool("is_fixed_length", False)
+        s.finish()
+        if max_feat < slot_num and max_nnz == 1:
+            raise s.error("max_feature_num_per_sample",
+                          f"one-hot input (max_nnz 1) needs at least slot_num={slot_num}, "
+                          f"got {max_feat}")
+        sparse.append(SparseInputConfig(top=top, type=stype, max_feature_num_per_sample=max_feat,
+                                        slot_num=slot_num, max_nnz=max_nnz))
+    num_samples = r.int("num_samples", None, min_value=1)
+    eval_num_samples = r.int("eval_num_samples", None, min_value=1)
+    slot_size_array = r.int_list("slot_size_array", (), min_value=1)
+    float_label_dense = r.bool("float_label_dense", False)
+    cache = r.raw("cache_eval_data", 0)
+    if isinstance(cache, bool):
+        cache = int(cache)
+    elif not isinstance(cache, int) or cache < 0:
+        raise r.error("cache_eval_data", f"expected true, false or a non-negative count of "
+                      f"batches, got {describe(cache)}")
+    synthetic = _parse_synthetic(r.child("synthetic")) if r.has("synthetic") else None
+    r.finish()
+    if synthetic is not None and fmt != "Norm":
+        raise r.error("synthetic", "synthetic generation writes the Norm format; set format Norm")
+    if fmt == "Raw":
+        if num_samples is None:
+            raise r.error("num_samples", "required for format Raw (the file has no header)")
+        if eval_num_samples is None:
+            raise r.error("eval_num_samples", "required for format Raw")
+    if fmt in ("Raw", "Parquet"):
+        total_slots = sum(s.slot_num for s in sparse)
+        if not slot_size_array:
+            raise r.error("slot_size_array", f"required for format {fmt}")
+        if len(slot_size_array) != total_slots:
+            raise r.error("slot_size_array", f"has {len(slot_size_array)} entries but the sparse "
+                          f"inputs have {total_slots} slots in all")
+    tops = [label_top, dense_top, *(s.top for s in sparse)]
+    dup = {t for t in tops if tops.count(t) > 1}
+    if dup:
+        raise r.error("sparse", f"top name {describe(sorted(dup)[0])} is used twice")
+    return DataConfig(
+        name=name, source=",".join(source_value), eval_source=",".join(eval_value),
+        label_top=label_top, label_dim=label_dim, dense_top=dense_top, dense_dim=dense_dim,
+        sparse=tuple(sparse), format=fmt, check=check, num_samples=num_samples,
+        eval_num_samples=eval_num_samples, slot_size_array=slot_size_array,
+        float_label_dense=float_label_dense, cache_eval_data=cache, synthetic=synthetic)
+
+
+def _parse_synthetic(r: ObjectReader) -> SyntheticConfig:
+    out = SyntheticConfig(
+        num_samples=r.int("num_samples", min_value=1),
+        eval_num_samples=r.int("eval_num_samples", min_value=1),
+        vocabulary_size=r.int("vocabulary_size", 100_000, min_value=1),
+        alpha=r.float("alpha", 1.2, positive=True),
+        num_files=r.int("num_files", 4, min_value=1),
+        seed=r.int("seed", 0, min_value=0),
+        signal=r.float("signal", 1.0, min_value=0.0),
+    )
+    r.finish()
+    return out
+
+
+def parse_embedding(r: ObjectReader, etype: str) -> EmbeddingConfig:
+    name = r.str("name")
+    bottom = r.str("bottom")
+    top = r.str("top")
+    plan_file = r.str("plan_file", None)
+    h = r.child("sparse_embedding_hparam")
+    vocab = h.int("max_vocabulary_size_per_gpu", min_value=1)
+    vec = h.int("embedding_vec_size", min_value=1)
+    combiner_raw = h.raw("combiner", 0)
+    combiner = {0: "sum", 1: "mean", "sum": "sum", "mean": "mean"}.get(
+        combiner_raw if not isinstance(combiner_raw, bool) else None)
+    if combiner is None:
+        raise h.error("combiner", f"expected 0 (sum) or 1 (mean), got {describe(combiner_raw)}")
+    h.int("load_factor", 1)  # legacy field, capacity here is exact
+    init_range = h.float("init_range", None, positive=True)
+    h.finish()
+    optimizer = parse_optimizer(r.child("optimizer")) if r.has("optimizer") else None
+    r.finish()
+    return EmbeddingConfig(name=name, type=etype, bottom=bottom, top=top,
+                           max_vocabulary_size_per_gpu=vocab, embedding_vec_size=vec,
+                           combiner=combiner, optimizer=optimizer, plan_file=plan_file,
+                           init_range=init_range)
+
+
+def _fc(r: ObjectReader):
+    p = r.child("fc_param")
+    out = FcParam(num_output=p.int("num_output", min_value=1), bias=p.bool("bias", True))
+    p.finish()
+    return out
+
+
+def _elu(r: ObjectReader):
+    if not r.has("elu_param"):
+        return EluParam()
+    p = r.child("elu_param")
+    out = EluParam(alpha=p.float("alpha", 1.0))
+    p.finish()
+    return out
+
+
+def _dropout(r: ObjectReader):
+    return DropoutParam(rate=r.float("rate", 0.5, min_value=0.0, max_value=0.99))
+
+
+def _bn(r: ObjectReader):
+    if not r.has("bn_param"):
+        return BatchNormParam()
+    p = r.child("bn_param")
+    out = BatchNormParam(factor=p.float("factor", 1.0, min_value=0.0, max_value=1.0),
+                         eps=p.float("eps", 1e-5, positive=True))
+    p.finish()
+    return out
+
+
+def _reshape(r: ObjectReader):
+    return ReshapeParam(leading_dim=r.int("leading_dim", min_value=1))
+
+
+def _slice(r: ObjectReader):
+    ranges = r.list("ranges")
+    out = []
+    for i, rg in enumerate(ranges):
+        if (not isinstance(rg, list) or len(rg) != 2
+                or not all(isinstance(v, int) and not isinstance(v, bool) for v in rg)
+                or not 0 <= rg[0] < rg[1]):
+            raise ConfigError(join_path(join_path(r.path, "ranges"), i),
+                              f"expected [begin, end) with 0 <= begin < end, got {describe(rg)}",
+                              r.source)
+        out.append((rg[0], rg[1]))
+    if not out:
+        raise r.error("ranges", "expected at least one range")
+    return SliceParam(ranges=tuple(out))
+
+
+def _multiply(r: ObjectReader):
+    dims = r.int_list("weight_dims", min_value=1)
+    if len(dims) != 2:
+        raise r.error("weight_dims", f"expected [slot_num, vec_size], got {list(dims)}")
+    return MultiplyParam(weight_dims=(dims[0], dims[1]))
+
+
+def _fm(r: ObjectReader):
+    return FmOrder2Param(out_dim=r.int("out_dim", min_value=1))
+
+
+def _multicross(r: ObjectReader):
+    p = r.child("mc_param")
+    out = MultiCrossParam(num_layers=p.int("num_layers", min_value=1))
+    p.finish()
+    return out
+
+
+def _reduce_sum(r: ObjectReader):
+    return ReduceSumParam(axis=r.int("axis", 1, min_value=0))
+
+
+def _loss(r: ObjectReader):
+    reg = r.choice("regularizer", ("L1", "L2"), None)
+    lam = r.float("lambda", 1e-4 if reg else 0.0, min_value=0.0)
+    target = ()
+    if r.has("target_weight"):
+        tw = r.list("target_weight")
+        if not tw or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in tw):
+            raise r.error("target_weight", f"expected a list of numbers, got {describe(tw)}")
+        target = tuple(float(v) for v in tw)
+    return LossParam(regularizer=reg, lambda_=lam, target_weight=target)
+
+
+def _none(r: ObjectReader):
+    return NoParam()
+
+
+# type -> (param parser, (min bottoms, max bottoms), tops: int or None for "one per range")
+LAYER_SPECS: dict[str, tuple[Callable[[ObjectReader], object], tuple[int, int], int | None]] = {
+    "InnerProduct": (_fc, (1, 1), 1),
+    "FusedInnerProduct": (_fc, (1, 1), 1),
+    "ReLU": (_none, (1, 1), 1),
+    "ELU": (_elu, (1, 1), 1),
+    "Dropout": (_dropout, (1, 1), 1),
+    "BatchNorm": (_bn, (1, 1), 1),
+    "Reshape": (_reshape, (1, 1), 1),
+    "Concat": (_none, (2, 5), 1),
+    "Slice": (_slice, (1, 1), None),
+    "Split": (_none, (1, 1), -1),  # any number >= 2 of copies
+    "Multiply": (_multiply, (1, 1), 1),
+    "FmOrder2": (_fm, (1, 1), 1),
+    "MultiCross": (_multicross, (1, 1), 1),
+    "ReduceSum": (_reduce_sum, (1, 1), 1),
+    "Add": (_none, (2, 16), 1),
+    "Interaction": (_none, (2, 2), 1),
+    "BinaryCrossEntropyLoss": (_loss, (2, 2), 1),
+    "CrossEntropyLoss": (_loss, (2, 2), 1),
+    "MultiCrossEntropyLoss": (_loss, (2, 2), 1),
+}
+
+
+def parse_dense_layer(r: ObjectReader, ltype: str) -> LayerConfig:
+    parse_params, (lo, hi), n_tops = LAYER_SPECS[ltype]
+    r.has("type")
+    name = r.str("name")
+    bottoms = r.str_or_list("bottom")
+    tops = r.str_or_list("top")
+    params = parse_params(r)
+    r.finish()
+    if not lo <= len(bottoms) <= hi:
+        want = str(lo) if lo == hi else f"{lo} to {hi}"
+        raise r.error("bottom", f"{ltype} takes {want} bottom(s), got {len(bottoms)}")
+    if n_tops is None:
+        n_tops = len(params.ranges)  # Slice: one top per range
+    if n_tops == -1:
+        if len(tops) < 2:
+            raise r.error("top", f"{ltype} needs at least 2 tops, got {len(tops)}")
+    elif len(tops) != n_tops:
+        raise r.error("top", f"{ltype} produces {n_tops} top(s), got {len(tops)}")
+    return LayerConfig(name=name, type=ltype, bottoms=bottoms, tops=tops, params=params,
+                       path=r.path)
+
+
+# ---- whole-config checks ------------------------------------------------------------------
+
+
+def validate_config(cfg: ModelConfig) -> None:
+    """Cross-field checks: names resolve to earlier tops, exactly one loss, last."""
+    src = cfg.source
+    sparse_tops = {s.top for s in cfg.data.sparse}
+    available = {cfg.data.label_top, cfg.data.dense_top, *sparse_tops}
+    names = set()
+    for i, emb in enumerate(cfg.embeddings):
+        path = f"layers[{1 + i}]"
+        if emb.name in names:
+            raise ConfigError(f"{path}.name", f"duplicate layer name \"{emb.name}\"", src)
+        names.add(emb.name)
+        if emb.bottom not in sparse_tops:
+            raise ConfigError(f"{path}.bottom", f"\"{emb.bottom}\" is not a sparse input of the "
+                              f"Data layer; expected one of {sorted(sparse_tops)}", src)
+        if emb.top in available:
+            raise ConfigError(f"{path}.top", f"\"{emb.top}\" is already defined", src)
+        if emb.type == "LocalizedSlotSparseEmbeddingOneHot":
+            sp = cfg.data.sparse_input(emb.bottom)
+            if not sp.one_hot:
+                raise ConfigError(f"{path}.type", "LocalizedSlotSparseEmbeddingOneHot needs a "
+                                  f"one-hot input (max_nnz 1); \"{sp.top}\" has max_nnz "
+                                  f"{sp.max_nnz}", src)
+        available.add(emb.top)
+    losses = [layer for layer in cfg.layers if layer.type in LOSS_TYPES]
+    if len(losses) != 1:
+        raise ConfigError("layers", f"expected exactly one loss layer ({', '.join(LOSS_TYPES)}), "
+                          f"found {len(losses)}", src)
+    for layer in cfg.layers:
+        if layer.name in names:
+            raise ConfigError(f"{layer.path}.name", f"duplicate layer name \"{layer.name}\"", src)
+        names.add(layer.name)
+        for b in layer.bottoms:
+            if b not in available:
+                raise ConfigError(f"{layer.path}.bottom", f"\"{b}\" is not the top of any earlier "
+                                  "layer or input", src)
+        for t in layer.tops:
+            if t in available:
+                raise ConfigError(f"{layer.path}.top", f"\"{t}\" is already defined", src)
+            available.add(t)
+    if cfg.layers[-1].type not in LOSS_TYPES:
+        raise ConfigError(f"{cfg.layers[-1].path}.type", "the loss layer must be the last layer",
+                          src)
+    loss = losses[0]
+    if loss.bottoms[1] != cfg.data.label_top:
+        raise ConfigError(f"{loss.path}.bottom", f"the second bottom of the loss must be the "
+                          f"label \"{cfg.data.label_top}\", got \"{loss.bottoms[1]}\"", src)
+    n_sparse_model = len(cfg.solver.sparse_model_file)
+    if n_sparse_model and n_sparse_model != len(cfg.embeddings):
+        raise ConfigError("solver.sparse_model_file", f"lists {n_sparse_model} files for "
+                          f"{len(cfg.embeddings)} embeddings", src)

@@ -1,0 +1,184 @@
+"""Typed access to raw JSON objects with JSON-path error messages.
+
+Every value that leaves this module has been checked against the type the caller asked for, and
+every key of an object must be consumed by someone: :meth:`ObjectReader.finish` rejects the rest and
+lists the keys it knows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+_MISSING = object()
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or of the wrong type or range.
+
+    The message starts with the JSON path of the offending value, e.g.
+    ``layers[3].fc_param.num_output: expected a positive integer, got "abc"``.
+    """
+
+    def __init__(self, path: str, message: str, source: str | None = None):
+        self.path = path
+        self.source = source
+        where = f"{source}: " if source else ""
+        super().__init__(f"{where}{path}: {message}")
+
+
+def describe(value: Any) -> str:
+    """A short, JSON-looking rendering of a value for error messages."""
+    if isinstance(value, str):
+        return f'"{value}"' if len(value) < 60 else f'"{value[:57]}..."'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return f"a list of {len(value)}"
+    return repr(value)
+
+
+def join_path(path: str, key: str | int) -> str:
+    if isinstance(key, int):
+        return f"{path}[{key}]"
+    return f"{path}.{key}" if path else key
+
+
+class ObjectReader:
+    """Reads the fields of one JSON object, remembering which keys were asked for."""
+
+    def __init__(self, obj: Any, path: str, source: str | None = None):
+        if not isinstance(obj, dict):
+            raise ConfigError(path or "<root>", f"expected an object, got {describe(obj)}", source)
+        self.obj = obj
+        self.path = path
+        self.source = source
+        self.known: list[str] = []
+
+    def error(self, key: str | int | None, message: str) -> ConfigError:
+        path = self.path if key is None else join_path(self.path, key)
+        return ConfigError(path or "<root>", message, self.source)
+
+    def has(self, key: str) -> bool:
+        if key not in self.known:
+            self.known.append(key)
+        return key in self.obj
+
+    def raw(self, key: str, default: Any = _MISSING) -> Any:
+        self.has(key)
+        if key in self.obj:
+            return self.obj[key]
+        if default is _MISSING:
+            raise self.error(key, "required field is missing")
+        return default
+
+    def child(self, key: str) -> ObjectReader:
+        return ObjectReader(self.raw(key), join_path(self.path, key), self.source)
+
+    def _typed(self, key, default, check: Callable[[Any], bool], expected: str, convert=None):
+        value = self.raw(key, default)
+        if value is default and default is not _MISSING:
+            return value
+        if not check(value):
+            raise self.error(key, f"expected {expected}, got {describe(value)}")
+        return convert(value) if convert else value
+
+    def int(self, key: str, default: Any = _MISSING, *, min_value: int | None = None) -> int:
+        expected = "an integer"
+        if min_value == 1:
+            expected = "a positive integer"
+        elif min_value == 0:
+            expected = "a non-negative integer"
+        elif min_value is not None:
+            expected = f"an integer >= {min_value}"
+        return self._typed(
+            key,
+            default,
+            lambda v: _is_int(v) and (min_value is None or int(v) >= min_value),
+            expected,
+            int,
+        )
+
+    def float(self, key: str, default: Any = _MISSING, *, min_value: float | None = None,
+              positive: bool = False, max_value: float | None = None) -> float:
+        expected = "a number"
+        if positive:
+            expected = "a positive number"
+        elif min_value is not None and max_value is not None:
+            expected = f"a number in [{min_value}, {max_value}]"
+        elif min_value is not None:
+            expected = f"a number >= {min_value}"
+
+        def ok(v):
+            if not _is_number(v):
+                return False
+            v = float(v)
+            if positive and not v > 0:
+                return False
+            if min_value is not None and v < min_value:
+                return False
+            return max_value is None or v <= max_value
+
+        return self._typed(key, default, ok, expected, float)
+
+    def bool(self, key: str, default: Any = _MISSING) -> bool:
+        return self._typed(key, default, lambda v: isinstance(v, bool), "true or false")
+
+    def str(self, key: str, default: Any = _MISSING) -> str:
+        return self._typed(key, default, lambda v: isinstance(v, str) and v != "",
+                           "a non-empty string")
+
+    def choice(self, key: str, choices: Sequence[str], default: Any = _MISSING) -> str:
+        return self._typed(key, default, lambda v: isinstance(v, str) and v in choices,
+                           "one of " + ", ".join(f'"{c}"' for c in choices))
+
+    def str_or_list(self, key: str, default: Any = _MISSING) -> tuple[str, ...]:
+        value = self.raw(key, default)
+        if value is default and default is not _MISSING:
+            return value
+        if isinstance(value, str) and value:
+            return (value,)
+        if (isinstance(value, list) and value
+                and all(isinstance(v, str) and v for v in value)):
+            return tuple(value)
+        raise self.error(key, f"expected a name or a list of names, got {describe(value)}")
+
+    def int_list(self, key: str, default: Any = _MISSING, *, min_value: int | None = None
+                 ) -> tuple[int, ...]:
+        value = self.raw(key, default)
+        if value is default and default is not _MISSING:
+            return value
+        if not isinstance(value, list):
+            raise self.error(key, f"expected a list of integers, got {describe(value)}")
+        for i, v in enumerate(value):
+            if not _is_int(v) or (min_value is not None and int(v) < min_value):
+                what = "a positive integer" if min_value == 1 else "an integer"
+                raise ConfigError(join_path(join_path(self.path, key), i),
+                                  f"expected {what}, got {describe(v)}", self.source)
+        return tuple(int(v) for v in value)
+
+    def list(self, key: str, default: Any = _MISSING) -> list:
+        return self._typed(key, default, lambda v: isinstance(v, list), "a list")
+
+    def finish(self) -> None:
+        """Raise on keys nobody asked for, listing the known ones."""
+        unknown = [k for k in self.obj if k not in self.known]
+        if unknown:
+            known = ", ".join(f'"{k}"' for k in sorted(self.known)) or "none"
+            raise self.error(unknown[0], f"unknown key; known keys here: {known}")
+
+
+def _is_int(v: Any) -> bool:
+    if isinstance(v, bool):
+        return False
+    if isinstance(v, int):
+        return True
+    return isinstance(v, float) and v.is_integer()
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)

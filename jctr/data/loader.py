@@ -1,0 +1,210 @@
+"""From files to fixed-shape batches: file lists, epochs, padding of the last batch, prefetch."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from jctr.config.schema import DataConfig, SparseInputConfig
+from jctr.data.batch import Batch
+from jctr.data.norm import DataError, RecordBlock, read_file_list, read_norm_file
+
+
+def build_batch(block: RecordBlock, batch_size: int, sparse: tuple[SparseInputConfig, ...],
+                source: str = "<data>", first_record: int = 0) -> Batch:
+    """Pack up to ``batch_size`` records into a Batch (missing samples are masked padding)."""
+    n = len(block)
+    if n > batch_size:
+        raise ValueError(f"{n} records for a batch of {batch_size}")
+    label = np.zeros((batch_size, block.label.shape[1]), np.float32)
+    label[:n] = block.label
+    dense = np.zeros((batch_size, block.dense.shape[1]), np.float32)
+    dense[:n] = block.dense
+    mask = np.zeros(batch_size, bool)
+    mask[:n] = True
+    key_start = block.key_offsets()[:-1, None] + np.cumsum(block.nnz, axis=1) - block.nnz
+    keys_out, segs_out = [], []
+    s0 = 0
+    for sp in sparse:
+        sl = slice(s0, s0 + sp.slot_num)
+        s0 += sp.slot_num
+        nnz = block.nnz[:, sl]
+        starts = key_start[:, sl]
+        pad_seg = batch_size * sp.slot_num
+        if sp.one_hot:
+            if nnz.size and nnz.max() > 1:
+                r, s = np.argwhere(nnz > 1)[0]
+                raise DataError(f"{source}: record {first_record + r}: slot {sl.start + s} has "
+                                f"{nnz[r, s]} keys but sparse input \"{sp.top}\" is one-hot "
+                                "(max_nnz 1)")
+            keys = np.zeros(batch_size * sp.slot_num, np.int64)
+            segs = np.full(batch_size * sp.slot_num, pad_seg, np.int32)
+            flat = nnz.ravel() == 1
+            pos = np.nonzero(flat)[0]
+            keys[pos] = block.keys[starts.ravel()[pos]]
+            segs[pos] = pos
+        else:
+            m = sp.max_feature_num_per_sample
+            per_sample = nnz.sum(axis=1)
+            if per_sample.size and per_sample.max() > m:
+                r = int(np.argmax(per_sample > m))
+                raise DataError(f"{source}: record {first_record + r}: {per_sample[r]} keys in "
+                                f"sparse input \"{sp.top}\" exceed max_feature_num_per_sample {m}")
+            if nnz.size and nnz.max() > sp.max_nnz:
+                r, s = np.argwhere(nnz > sp.max_nnz)[0]
+                raise DataError(f"{source}: record {first_record + r}: slot {sl.start + s} has "
+                                f"{nnz[r, s]} keys, more than max_nnz {sp.max_nnz}")
+            counts = nnz.ravel().astype(np.int64)
+            total = int(counts.sum())
+            first = np.cumsum(counts) - counts
+            j = np.arange(total) - np.repeat(first, counts)
+            key_idx = np.repeat(starts.ravel(), counts) + j
+            sample = np.repeat(np.repeat(np.arange(n), sp.slot_num), counts)
+            slot = np.repeat(np.tile(np.arange(sp.slot_num), n), counts)
+            sample_first = np.cumsum(per_sample) - per_sample
+            rank = np.arange(total) - np.repeat(sample_first, per_sample)
+            pos = sample * m + rank
+            keys = np.zeros(batch_size * m, np.int64)
+            segs = np.full(batch_size * m, pad_seg, np.int32)
+            keys[pos] = block.keys[key_idx]
+            segs[pos] = sample * sp.slot_num + slot
+        keys_out.append(keys)
+        segs_out.append(segs)
+    return Batch(label, dense, tuple(keys_out), tuple(segs_out), mask)
+
+
+@dataclass
+class ReaderPosition:
+    """Where a reader stands: enough to continue exactly (checkpoints store it)."""
+
+    epoch: int = 0
+    file_index: int = 0
+    record: int = 0  # records of that file already consumed
+
+
+class NormDataset:
+    """Batches from a Norm file list, in list order, reading one file at a time.
+
+    Example::
+
+        ds = NormDataset("data/train/_file_list.txt", cfg.data, key_type="I64")
+        for batch in ds.batches(1024, epochs=1):
+            ...
+    """
+
+    def __init__(self, file_list: str, data: DataConfig, key_type: str = "I32"):
+        self.file_list = file_list
+        self.files = read_file_list(file_list)
+        if not self.files:
+            raise DataError(f"{file_list}: the file list names no data file")
+        self.data = data
+        self.key_type = key_type
+        self.position = ReaderPosition()
+        self._cache: dict[int, RecordBlock] = {}
+
+    def read_file(self, index: int) -> RecordBlock:
+        if index in self._cache:
+            return self._cache[index]
+        d = self.data
+        return read_norm_file(self.files[index], label_dim=d.label_dim, dense_dim=d.dense_dim,
+                              slot_num=d.total_slots, key_type=self.key_type, check=d.check)
+
+    def cache_all(self) -> None:
+        """Keep every file's records in memory (small evaluation sets)."""
+        for i in range(len(self.files)):
+            self._cache[i] = self.read_file(i)
+
+    def num_records(self) -> int:
+        return sum(len(self.read_file(i)) for i in range(len(self.files)))
+
+    def batches(self, batch_size: int, epochs: int | None = None) -> Iterator[Batch]:
+        """Fixed-size batches. With ``epochs`` the last batch of each epoch is padded (masked);
+        with ``epochs=None`` the data repeats forever and batches run across epoch ends."""
+        pos = self.position
+        pending: list[RecordBlock] = []
+        pending_n = 0
+        while epochs is None or pos.epoch < epochs:
+            block = self.read_file(pos.file_index)
+            name = self.files[pos.file_index]
+            start = pos.record
+            while start < len(block):
+                take = min(batch_size - pending_n, len(block) - start)
+                pending.append(block.slice(start, start + take))
+                pending_n += take
+                start += take
+                pos.record = start
+                if pending_n == batch_size:
+                    yield build_batch(RecordBlock.concat(pending), batch_size, self.data.sparse,
+                                      name, start - take)
+                    pending, pending_n = [], 0
+            pos.file_index += 1
+            pos.record = 0
+            if pos.file_index == len(self.files):
+                pos.file_index = 0
+                pos.epoch += 1
+                if epochs is not None and pending_n:
+                    yield build_batch(RecordBlock.concat(pending), batch_size, self.data.sparse,
+                                      name)
+                    pending, pending_n = [], 0
+
+
+def open_dataset(path: str, data: DataConfig, key_type: str) -> NormDataset:
+    """The reader for the Data layer's format (Norm here; other formats arrive with their issue).
+    """
+    if data.format != "Norm":
+        raise DataError(f"{path}: format \"{data.format}\" is not readable yet; jctr reads Norm "
+                        "file lists in this version")
+    if not os.path.exists(path):
+        hint = " (add a \"synthetic\" clause to the Data layer to generate it)" \
+            if data.synthetic is None else ""
+        raise DataError(f"{path}: file list does not exist{hint}")
+    return NormDataset(path, data, key_type)
+
+
+class Prefetcher:
+    """Runs an iterator on a background thread, ``depth`` items ahead, applying ``transform``
+    (e.g. ``jax.device_put``) there too. Errors surface on the consumer side."""
+
+    _END = object()
+
+    def __init__(self, it: Iterator, depth: int = 2, transform=None):
+        self._q: queue.Queue = queue.Queue(maxsize=depth)
+        self._stop = threading.Event()
+        self._transform = transform or (lambda x: x)
+        self._thread = threading.Thread(target=self._run, args=(it,), daemon=True)
+        self._thread.start()
+
+    def _run(self, it):
+        try:
+            for item in it:
+                item = self._transform(item)
+                while not self._stop.is_set():
+                    try:
+                        self._q.put(item, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if self._stop.is_set():
+                    return
+            self._q.put(self._END)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+            self._q.put(e)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = self._q.get()
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def close(self):
+        self._stop.set()

@@ -1,0 +1,341 @@
+"""HugeCTR's Norm format: a file list plus binary data files (header + variable-length records).
+
+Byte layout (little endian), as in HugeCTR's data generator and reader:
+
+* header: 8 x int64 ``error_check, number_of_records, label_dim, dense_dim, slot_num,
+  reserved[3]``;
+* each record: ``label_dim`` float32, ``dense_dim`` float32, then per slot an int32 ``nnz`` and
+  ``nnz`` keys (uint32 for ``input_key_type`` I32, int64 for I64).
+
+With ``check: Sum`` (``error_check`` 1) every chunk -- the header and each record -- is wrapped as
+``int32 length`` (payload bytes), the payload, and one check byte: the sum of the payload's bytes
+modulo 256.
+
+Reading is vectorised: record boundaries are found by pointer doubling over the byte (or word)
+positions, and fields are gathered for all records at once.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+HEADER_BYTES = 64
+
+
+class DataError(ValueError):
+    """Input data that does not match its format or the config; names file, record and field."""
+
+
+@dataclass
+class RecordBlock:
+    """Columnar samples: labels, dense features, per-slot key counts and the flat keys."""
+
+    label: np.ndarray  # float32 [R, label_dim]
+    dense: np.ndarray  # float32 [R, dense_dim]
+    nnz: np.ndarray  # int32 [R, slot_num]
+    keys: np.ndarray  # int64 [sum(nnz)], record-major, slot order within a record
+
+    def __len__(self) -> int:
+        return self.label.shape[0]
+
+    def key_offsets(self) -> np.ndarray:
+        """int64 [R + 1]: keys of record r are keys[off[r]:off[r+1]]."""
+        off = np.zeros(len(self) + 1, np.int64)
+        np.cumsum(self.nnz.sum(axis=1, dtype=np.int64), out=off[1:])
+        return off
+
+    def slice(self, start: int, stop: int) -> RecordBlock:
+        off = self.key_offsets()
+        return RecordBlock(self.label[start:stop], self.dense[start:stop], self.nnz[start:stop],
+                           self.keys[off[start]:off[stop]])
+
+    @staticmethod
+    def concat(blocks: list[RecordBlock]) -> RecordBlock:
+        if len(blocks) == 1:
+            return blocks[0]
+        return RecordBlock(*(np.concatenate([getattr(b, f) for b in blocks])
+                             for f in ("label", "dense", "nnz", "keys")))
+
+
+def _key_width(key_type: str) -> int:
+    return 4 if key_type == "I32" else 8
+
+
+# ---- writing --------------------------------------------------------------------------------
+
+
+def write_norm_file(path: str, block: RecordBlock, *, key_type: str = "I64",
+                    check: str = "None") -> None:
+    """Write one Norm data file (atomically: a temporary file renamed into place)."""
+    r_count, label_dim = block.label.shape
+    dense_dim = block.dense.shape[1]
+    slot_num = block.nnz.shape[1]
+    kw = _key_width(key_type)
+    nnz = block.nnz.astype(np.int64)
+    slot_bytes = 4 + kw * nnz  # [R, S]
+    payload = 4 * (label_dim + dense_dim) + slot_bytes.sum(axis=1)
+    wrap = 5 if check == "Sum" else 0
+    rec_start = np.cumsum(payload + wrap) - (payload + wrap)
+    body_len = int((payload + wrap).sum())
+    buf = np.zeros(body_len, np.uint8)
+    ps = rec_start + (4 if wrap else 0)
+
+    def put(positions: np.ndarray, values: np.ndarray, width: int):
+        raw = np.ascontiguousarray(values).view(np.uint8).reshape(-1, width)
+        buf[(positions[:, None] + np.arange(width)).ravel()] = raw.ravel()
+
+    fl = 4 * label_dim
+    if label_dim:
+        put(np.repeat(ps, label_dim) + np.tile(np.arange(label_dim) * 4, r_count),
+            block.label.astype("<f4").ravel(), 4)
+    if dense_dim:
+        put(np.repeat(ps, dense_dim) + fl + np.tile(np.arange(dense_dim) * 4, r_count),
+            block.dense.astype("<f4").ravel(), 4)
+    slot_off = 4 * (label_dim + dense_dim) + np.cumsum(slot_bytes, axis=1) - slot_bytes
+    slot_pos = ps[:, None] + slot_off  # [R, S]
+    put(slot_pos.ravel(), nnz.astype("<i4").ravel(), 4)
+    counts = nnz.ravel()
+    first = np.cumsum(counts) - counts
+    j = np.arange(int(counts.sum())) - np.repeat(first, counts)
+    key_pos = np.repeat(slot_pos.ravel() + 4, counts) + kw * j
+    keys = block.keys.astype("<u4" if kw == 4 else "<i8")
+    if kw == 4 and block.keys.size and (block.keys.min() < 0 or block.keys.max() >= 2**32):
+        raise ValueError("input_key_type I32 holds keys in [0, 2^32); use I64")
+    put(key_pos, keys, kw)
+    header = np.array([1 if check == "Sum" else 0, r_count, label_dim, dense_dim, slot_num,
+                       0, 0, 0], "<i8").view(np.uint8)
+    if wrap:
+        csum = np.concatenate([[0], np.cumsum(buf, dtype=np.int64)])
+        put(rec_start, payload.astype("<i4"), 4)
+        buf[ps + payload] = ((csum[ps + payload] - csum[ps]) % 256).astype(np.uint8)
+        header = np.concatenate([np.array([HEADER_BYTES], "<i4").view(np.uint8), header,
+                                 np.array([int(header.sum()) % 256], np.uint8)])
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(header.tobytes())
+        f.write(buf.tobytes())
+    os.replace(tmp, path)
+
+
+def write_file_list(path: str, files: list[str]) -> None:
+    """A file list: the count, then one data file per line (relative to the list's folder)."""
+    base = os.path.dirname(os.path.abspath(path))
+    lines = [str(len(files))] + [os.path.relpath(os.path.abspath(f), base) for f in files]
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+# ---- reading --------------------------------------------------------------------------------
+
+
+def read_file_list(path: str) -> list[str]:
+    """Data files of a file list; relative entries resolve against the list's folder, then the
+    working directory (HugeCTR's convention)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = [ln.strip() for ln in f.read().splitlines()]
+    except OSError as e:
+        raise DataError(f"{path}: cannot read file list: {e.strerror}") from e
+    lines = [ln for ln in lines if ln]
+    if not lines:
+        raise DataError(f"{path}: empty file list; expected a count line, then file paths")
+    try:
+        count = int(lines[0])
+    except ValueError:
+        raise DataError(f"{path}: line 1: expected the number of files, got {lines[0]!r}") from None
+    files = lines[1:]
+    if count != len(files):
+        raise DataError(f"{path}: line 1 says {count} files but {len(files)} are listed")
+    base = os.path.dirname(os.path.abspath(path))
+    out = []
+    for i, name in enumerate(files):
+        cand = name if os.path.isabs(name) else os.path.join(base, name)
+        if not os.path.exists(cand) and os.path.exists(name):
+            cand = name
+        if not os.path.exists(cand):
+            raise DataError(f"{path}: line {i + 2}: data file {name!r} does not exist")
+        out.append(cand)
+    return out
+
+
+def _gather_i32(buf: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    raw = buf[pos[:, None] + np.arange(4)]
+    return raw.view("<i4").reshape(-1)
+
+
+def _gather(buf: np.ndarray, pos: np.ndarray, dtype: str, width: int) -> np.ndarray:
+    raw = np.ascontiguousarray(buf[pos[:, None] + np.arange(width)])
+    return raw.view(dtype).reshape(-1)
+
+
+def _chain(nxt: np.ndarray, end: int) -> np.ndarray:
+    """All positions visited from 0 by ``p -> nxt[p]`` before reaching ``end`` (pointer doubling;
+    ``nxt`` is strictly increasing along the chain and maps ``end`` to itself)."""
+    starts = np.zeros(1, np.int64)
+    jump = nxt
+    for _ in range(64):
+        step = jump[starts]
+        more = step[step < end]
+        starts = np.concatenate([starts, more])
+        if more.size < step.size:
+            return starts
+        jump = jump[jump]
+    raise AssertionError("unreachable: a chain longer than 2^64")
+
+
+def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
+                   key_type: str = "I32", check: str = "None") -> RecordBlock:
+    """Read and validate one Norm data file against the config's dimensions."""
+    try:
+        buf = np.fromfile(path, dtype=np.uint8)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read data file: {e.strerror}") from e
+    wrap = check == "Sum"
+    hdr_len = HEADER_BYTES + (5 if wrap else 0)
+    if buf.size < hdr_len:
+        raise DataError(f"{path}: truncated: {buf.size} bytes, shorter than the "
+                        f"{hdr_len}-byte header")
+    if wrap:
+        length = int(buf[:4].view("<i4")[0])
+        if length != HEADER_BYTES:
+            raise DataError(f"{path}: header: check mode Sum expects a {HEADER_BYTES}-byte "
+                            f"length prefix, got {length} (is the file written without check?)")
+        hb = buf[4:4 + HEADER_BYTES]
+        if int(hb.sum()) % 256 != int(buf[4 + HEADER_BYTES]):
+            raise DataError(f"{path}: header: checksum mismatch")
+    else:
+        hb = buf[:HEADER_BYTES]
+    error_check, n_records, h_label, h_dense, h_slots = (int(v) for v in hb.view("<i8")[:5])
+    if error_check != int(wrap):
+        raise DataError(f"{path}: header: error_check is {error_check} but the config's check "
+                        f"is \"{check}\" (expected {int(wrap)})")
+    for name, got, want in (("label_dim", h_label, label_dim), ("dense_dim", h_dense, dense_dim),
+                            ("slot_num", h_slots, slot_num)):
+        if got != want:
+            where = "the sparse inputs' slot_num summed" if name == "slot_num" else name
+            raise DataError(f"{path}: header: {name} is {got} but the config has {want} "
+                            f"({where})")
+    if n_records < 0:
+        raise DataError(f"{path}: header: number_of_records is negative ({n_records})")
+    body = buf[hdr_len:]
+    kw = _key_width(key_type)
+    fixed = 4 * (label_dim + dense_dim)
+    starts = _record_starts(path, body, n_records, fixed, slot_num, kw, wrap)
+    payload_start = starts + (4 if wrap else 0)
+    # fields of all records at once; the slot walk loops over slots, not samples
+    label = _gather(body, (payload_start[:, None] + 4 * np.arange(label_dim)).ravel(), "<f4", 4)
+    dense = _gather(body, (payload_start[:, None] + 4 * (label_dim + np.arange(dense_dim))).ravel(),
+                    "<f4", 4)
+    nnz = np.empty((starts.size, slot_num), np.int32)
+    pos = payload_start + fixed
+    slot_pos = np.empty((starts.size, slot_num), np.int64)
+    for s in range(slot_num):
+        slot_pos[:, s] = pos
+        nnz[:, s] = _gather_i32(body, pos)
+        pos = pos + 4 + kw * nnz[:, s].astype(np.int64)
+    counts = nnz.ravel().astype(np.int64)
+    first = np.cumsum(counts) - counts
+    j = np.arange(int(counts.sum())) - np.repeat(first, counts)
+    key_pos = np.repeat(slot_pos.ravel() + 4, counts) + kw * j
+    if kw == 4:
+        keys = _gather(body, key_pos, "<u4", 4).astype(np.int64)
+    else:
+        keys = _gather(body, key_pos, "<i8", 8)
+    if wrap:
+        payload_len = _gather_i32(body, starts).astype(np.int64)
+        walked = pos - payload_start
+        bad = np.nonzero(walked != payload_len)[0]
+        if bad.size:
+            r = int(bad[0])
+            raise DataError(f"{path}: record {r}: length field says {payload_len[r]} bytes but "
+                            f"its slots span {walked[r]}")
+        ends = payload_start + payload_len
+        csum = np.concatenate([[0], np.cumsum(body, dtype=np.int64)])
+        sums = (csum[ends] - csum[payload_start]) % 256
+        bad = np.nonzero(sums != body[ends].astype(np.int64))[0]
+        if bad.size:
+            raise DataError(f"{path}: record {int(bad[0])}: checksum mismatch (check: Sum)")
+    return RecordBlock(label.reshape(-1, label_dim), dense.reshape(-1, dense_dim), nnz, keys)
+
+
+def _record_starts(path, body, n_records, fixed, slot_num, kw, wrap) -> np.ndarray:
+    size = body.size
+    if n_records == 0:
+        if size:
+            raise DataError(f"{path}: header says 0 records but {size} bytes follow it")
+        return np.zeros(0, np.int64)
+    if wrap:
+        # every record announces its payload length: next = p + 4 + length + 1
+        n = size - 3
+        if n <= 0:
+            raise DataError(f"{path}: record 0: truncated (file ends inside the record)")
+        # int32 at every byte offset (unaligned view)
+        lengths = np.lib.stride_tricks.as_strided(body, shape=(n, 4), strides=(1, 1))
+        lengths = np.ascontiguousarray(lengths).view("<i4").ravel().astype(np.int64)
+        nxt = np.arange(n, dtype=np.int64) + 5 + lengths
+        nxt = np.where((lengths < 0) | (nxt > size), size + 1, nxt)
+        nxt = np.concatenate([nxt, np.full(3, size + 1), [size, size + 1]])
+        starts = _chain(nxt, size)
+        end_of_last = int(nxt[starts[-1]])
+        unit = 1
+    else:
+        if size % 4:
+            raise DataError(f"{path}: truncated: the body is {size} bytes, not a whole number of "
+                            "4-byte fields")
+        words = body.view("<i4")
+        w = words.size
+        unit = 4
+        # fast path: every record the same size as the first (one-hot data)
+        first_len = _walk_one(words, 0, fixed // 4, slot_num, kw // 4)
+        if first_len is not None and first_len > 0 and w % first_len == 0 \
+                and w // first_len == n_records:
+            starts_w = np.arange(n_records, dtype=np.int64) * first_len
+            if _all_same_layout(words, starts_w, fixed // 4, slot_num, kw // 4, first_len):
+                return starts_w * 4
+        # general path: slot hop g(p) = p + 1 + nnz(p) * key_words, composed slot_num times
+        ar = np.arange(w, dtype=np.int64)
+        g = ar + 1 + words.astype(np.int64) * (kw // 4)
+        g = np.where((words < 0) | (g > w), w + 1, g)
+        g = np.append(g, [w + 1, w + 1])
+        h = np.minimum(np.append(ar, [w, w + 1]) + fixed // 4, w + 1)
+        hop, k = g, slot_num
+        while k:  # h = g^slot_num applied after the fixed part (binary powering)
+            if k & 1:
+                h = hop[h]
+            k >>= 1
+            if k:
+                hop = hop[hop]
+        h[w] = w
+        starts = _chain(h, w)
+        end_of_last = int(h[starts[-1]])
+        size = w
+    if end_of_last > size:
+        raise DataError(f"{path}: record {starts.size - 1}: truncated (file ends inside the "
+                        f"record at byte {int(starts[-1]) * unit + 0})")
+    if starts.size != n_records:
+        raise DataError(f"{path}: header says {n_records} records but the file holds "
+                        f"{starts.size}" + (" (truncated?)" if starts.size < n_records else ""))
+    return starts * unit
+
+
+def _walk_one(words, p, fixed_w, slot_num, kwords):
+    p += fixed_w
+    for _ in range(slot_num):
+        if p >= words.size or words[p] < 0:
+            return None
+        p += 1 + int(words[p]) * kwords
+    return p if p <= words.size else None
+
+
+def _all_same_layout(words, starts_w, fixed_w, slot_num, kwords, rec_len) -> bool:
+    p = fixed_w
+    first = starts_w[0]
+    for _ in range(slot_num):
+        nnz0 = int(words[first + p])
+        if not np.all(words[starts_w + p] == nnz0):
+            return False
+        p += 1 + nnz0 * kwords
+    return p == rec_len

@@ -1,0 +1,16 @@
+"""Hash embeddings: tables with dynamic insertion of 64-bit keys, bags, row-wise optimizers."""
+
+from jctr.embedding.collection import (
+    EmbeddingSpec,
+    EmbeddingState,
+    apply_gradients,
+    init_embedding,
+    lookup_vectors,
+    pool,
+)
+from jctr.embedding.hash_table import HashTable, TableFullError, create_table, export_items, lookup
+
+__all__ = [
+    "EmbeddingSpec", "EmbeddingState", "HashTable", "TableFullError", "apply_gradients",
+    "create_table", "export_items", "init_embedding", "lookup", "lookup_vectors", "pool",
+]

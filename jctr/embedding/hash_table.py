@@ -1,0 +1,101 @@
+"""A fixed-capacity hash table from 64-bit keys to embedding rows (functional, jittable).
+
+``capacity`` rows (``max_vocabulary_size_per_gpu``) live in a dense value array; keys map to rows
+through an open-addressing slot array at most half full, so probe chains stay short. Rows are
+handed out in insertion order; training inserts unseen keys, evaluation never does.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jctr.ops import EMPTY_KEY, find_slots, representatives
+
+
+class TableFullError(RuntimeError):
+    """More distinct keys arrived than the table has rows."""
+
+
+class HashTable(NamedTuple):
+    """Key -> row index. A pytree; every field is an array."""
+
+    slot_keys: jax.Array  # int64 [num_slots], EMPTY_KEY where free
+    slot_rows: jax.Array  # int32 [num_slots], -1 where free
+    scratch: jax.Array  # int32 [num_slots], dedupe workspace (contents never matter)
+    size: jax.Array  # int32 [], rows in use
+    overflow: jax.Array  # int32 [], keys refused because the table was full (sticky)
+
+    @property
+    def num_slots(self) -> int:
+        return self.slot_keys.shape[0]
+
+
+def num_slots_for(capacity: int) -> int:
+    """Slots for a capacity: a power of two at least twice the capacity (load <= 1/2)."""
+    return max(16, 1 << int(2 * capacity - 1).bit_length())
+
+
+def create_table(capacity: int) -> HashTable:
+    n = num_slots_for(capacity)
+    return HashTable(
+        slot_keys=jnp.full((n,), EMPTY_KEY, jnp.int64),
+        slot_rows=jnp.full((n,), -1, jnp.int32),
+        scratch=jnp.zeros((n,), jnp.int32),
+        size=jnp.zeros((), jnp.int32),
+        overflow=jnp.zeros((), jnp.int32),
+    )
+
+
+class Lookup(NamedTuple):
+    """Where the keys of a batch live."""
+
+    rows: jax.Array  # int32 [n], -1 for padding and unknown keys
+    rep: jax.Array  # int32 [n], position of one occurrence of the same row (-1 if none)
+
+
+def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *,
+           insert: bool, dedupe: bool = True) -> tuple[HashTable, Lookup]:
+    """Rows of ``keys``; with ``insert`` unseen keys get fresh rows (training).
+
+    ``dedupe`` computes ``rep`` (needed for updates and inserts; evaluation skips it).
+
+    A key that finds the table full gets row -1 (its embedding reads as the default, zeros)
+    and is counted in ``table.overflow``; the trainer turns that into a :class:`TableFullError`.
+    """
+    slot_keys, slots = find_slots(table.slot_keys, keys, valid, insert=insert)
+    if dedupe or insert:
+        scratch, rep = representatives(table.scratch, slots)
+    else:
+        scratch, rep = table.scratch, jnp.full(slots.shape, -1, jnp.int32)
+    slot_rows = table.slot_rows
+    size, overflow = table.size, table.overflow
+    rows = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
+    if insert:
+        ar = jnp.arange(keys.shape[0], dtype=jnp.int32)
+        new = (slots >= 0) & (rows < 0) & (rep == ar)
+        new_rows = size + jnp.cumsum(new, dtype=jnp.int32) - 1
+        granted = new & (new_rows < capacity)
+        slot_rows = slot_rows.at[jnp.where(granted, slots, slot_rows.shape[0])].set(
+            new_rows, mode="drop")
+        n_new = jnp.sum(new, dtype=jnp.int32)
+        n_granted = jnp.sum(granted, dtype=jnp.int32)
+        size = size + n_granted
+        overflow = overflow + (n_new - n_granted)
+        rows = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
+    rep = jnp.where(rows >= 0, rep, -1)
+    table = HashTable(slot_keys, slot_rows, scratch, size, overflow)
+    return table, Lookup(rows=rows, rep=rep)
+
+
+def export_items(table: HashTable) -> tuple[np.ndarray, np.ndarray]:
+    """All (keys, rows) in the table, ordered by row (host numpy)."""
+    keys = np.asarray(table.slot_keys)
+    rows = np.asarray(table.slot_rows)
+    used = rows >= 0
+    keys, rows = keys[used], rows[used]
+    order = np.argsort(rows, kind="stable")
+    return keys[order], rows[order]

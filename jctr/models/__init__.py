@@ -1,0 +1,7 @@
+"""Flax NNX layers, the config graph builder, and the WDL / DCN / DeepFM / DLRM networks."""
+
+from jctr.models.graph import GraphNetwork, build_network
+from jctr.models.layers import Context
+from jctr.models.zoo import DCN, DLRM, WDL, DeepFM
+
+__all__ = ["DCN", "DLRM", "WDL", "Context", "DeepFM", "GraphNetwork", "build_network"]

@@ -1,0 +1,199 @@
+"""WDL, DCN, DeepFM and DLRM: the classic CTR networks as HugeCTR layer lists and NNX modules.
+
+The same layer lists produce the shipped JSON configs (``scripts/make_configs.py``), so a module
+built here and a network built from ``configs/<model>.json`` are the same graph.
+
+Inputs are named as in HugeCTR's samples: ``label``, ``dense``, ``sparse_embedding1`` (and
+``sparse_embedding2`` for the wide / first-order part of WDL and DeepFM).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from flax import nnx
+
+from jctr.config.parser import parse_dense_layer
+from jctr.config.reader import ObjectReader
+from jctr.models.graph import GraphNetwork
+
+
+def _fc(name, bottom, n, fused=False):
+    return {"name": name, "type": "FusedInnerProduct" if fused else "InnerProduct",
+            "bottom": bottom, "top": name, "fc_param": {"num_output": n}}
+
+
+def _simple(name, ltype, bottom, **extra):
+    return {"name": name, "type": ltype, "bottom": bottom, "top": name, **extra}
+
+
+def _mlp(prefix: str, bottom: str, sizes: Sequence[int], dropout: float, layers: list) -> str:
+    for i, n in enumerate(sizes, 1):
+        layers.append(_fc(f"{prefix}fc{i}", bottom, n))
+        layers.append(_simple(f"{prefix}relu{i}", "ReLU", f"{prefix}fc{i}"))
+        bottom = f"{prefix}relu{i}"
+        if dropout:
+            layers.append(_simple(f"{prefix}dropout{i}", "Dropout", bottom, rate=dropout))
+            bottom = f"{prefix}dropout{i}"
+    return bottom
+
+
+def _loss(bottom: str) -> dict:
+    return {"name": "loss", "type": "BinaryCrossEntropyLoss", "bottom": [bottom, "label"],
+            "top": "loss"}
+
+
+def wdl_layers(dense_dim=13, num_slots=26, embedding_dim=16, wide_slots=1,
+               hidden=(1024, 1024), dropout=0.5) -> list[dict]:
+    layers = [
+        _simple("reshape1", "Reshape", "sparse_embedding1", leading_dim=num_slots * embedding_dim),
+        _simple("reshape2", "Reshape", "sparse_embedding2", leading_dim=wide_slots),
+        _simple("reshape3", "ReduceSum", "reshape2", axis=1),
+        {"name": "concat1", "type": "Concat", "bottom": ["reshape1", "dense"], "top": "concat1"},
+    ]
+    top = _mlp("", "concat1", hidden, dropout, layers)
+    layers.append(_fc("fc_out", top, 1))
+    layers.append({"name": "add1", "type": "Add", "bottom": ["fc_out", "reshape3"],
+                   "top": "add1"})
+    layers.append(_loss("add1"))
+    return layers
+
+
+def dcn_layers(dense_dim=13, num_slots=26, embedding_dim=16, cross_layers=6,
+               hidden=(1024, 1024), dropout=0.5) -> list[dict]:
+    width = num_slots * embedding_dim + dense_dim
+    layers = [
+        _simple("reshape1", "Reshape", "sparse_embedding1", leading_dim=num_slots * embedding_dim),
+        {"name": "concat1", "type": "Concat", "bottom": ["reshape1", "dense"], "top": "concat1"},
+        {"name": "slice1", "type": "Slice", "bottom": "concat1",
+         "ranges": [[0, width], [0, width]], "top": ["slice11", "slice12"]},
+        {"name": "multicross1", "type": "MultiCross", "bottom": "slice11", "top": "multicross1",
+         "mc_param": {"num_layers": cross_layers}},
+    ]
+    top = _mlp("", "slice12", hidden, dropout, layers)
+    layers.append({"name": "concat2", "type": "Concat", "bottom": [top, "multicross1"],
+                   "top": "concat2"})
+    layers.append(_fc("fc_out", "concat2", 1))
+    layers.append(_loss("fc_out"))
+    return layers
+
+
+def deepfm_layers(dense_dim=13, num_slots=26, embedding_dim=10, hidden=(400, 400, 400),
+                  dropout=0.5) -> list[dict]:
+    width = (num_slots + dense_dim) * embedding_dim
+    layers = [
+        _simple("reshape1", "Reshape", "sparse_embedding1", leading_dim=num_slots * embedding_dim),
+        _simple("multiply1", "Multiply", "dense", weight_dims=[dense_dim, embedding_dim]),
+        {"name": "concat1", "type": "Concat", "bottom": ["reshape1", "multiply1"],
+         "top": "concat1"},
+        {"name": "slice1", "type": "Slice", "bottom": "concat1",
+         "ranges": [[0, width], [0, width]], "top": ["slice11", "slice12"]},
+        _simple("fmorder2", "FmOrder2", "slice12", out_dim=embedding_dim),
+        _simple("reducesum1", "ReduceSum", "fmorder2", axis=1),
+        _simple("reshape2", "Reshape", "sparse_embedding2", leading_dim=num_slots),
+        _simple("reducesum2", "ReduceSum", "reshape2", axis=1),
+        _fc("fc_dense", "dense", 1),
+    ]
+    top = _mlp("", "slice11", hidden, dropout, layers)
+    layers.append(_fc("fc_out", top, 1))
+    layers.append({"name": "add1", "type": "Add",
+                   "bottom": ["fc_out", "reducesum1", "reducesum2", "fc_dense"], "top": "add1"})
+    layers.append(_loss("add1"))
+    return layers
+
+
+def dlrm_layers(dense_dim=13, num_slots=26, embedding_dim=16, bottom_mlp=(512, 256, 64, 16),
+                top_mlp=(512, 256, 1)) -> list[dict]:
+    if bottom_mlp[-1] != embedding_dim:
+        raise ValueError(f"the bottom MLP must end at embedding_dim {embedding_dim}, "
+                         f"got {bottom_mlp[-1]}")
+    layers = []
+    bottom = "dense"
+    for i, n in enumerate(bottom_mlp, 1):
+        layers.append(_fc(f"bot_fc{i}", bottom, n, fused=True))
+        bottom = f"bot_fc{i}"
+    layers.append({"name": "interaction1", "type": "Interaction",
+                   "bottom": [bottom, "sparse_embedding1"], "top": "interaction1"})
+    bottom = "interaction1"
+    for i, n in enumerate(top_mlp, 1):
+        layers.append(_fc(f"top_fc{i}", bottom, n, fused=i < len(top_mlp)))
+        bottom = f"top_fc{i}"
+    layers.append(_loss(bottom))
+    return layers
+
+
+def _parse(layers: list[dict]):
+    return [parse_dense_layer(ObjectReader(d, f"layers[{i}]"), d["type"])
+            for i, d in enumerate(layers)]
+
+
+def _shapes(dense_dim, num_slots, dim, extra=None):
+    s = {"label": (1,), "dense": (dense_dim,), "sparse_embedding1": (num_slots, dim)}
+    s.update(extra or {})
+    return s
+
+
+class WDL(GraphNetwork):
+    """Wide & Deep. Inputs: ``dense`` [b, dense_dim], ``sparse_embedding1`` [b, num_slots, dim]
+    (deep), ``sparse_embedding2`` [b, wide_slots, 1] (wide), ``label`` [b, 1].
+
+    Example::
+
+        net = WDL(dense_dim=13, num_slots=26, embedding_dim=16, rngs=nnx.Rngs(0))
+    """
+
+    def __init__(self, dense_dim=13, num_slots=26, embedding_dim=16, wide_slots=1,
+                 hidden=(1024, 1024), dropout=0.5, *, rngs: nnx.Rngs):
+        super().__init__(
+            _parse(wdl_layers(dense_dim, num_slots, embedding_dim, wide_slots, hidden, dropout)),
+            _shapes(dense_dim, num_slots, embedding_dim,
+                    {"sparse_embedding2": (wide_slots, 1)}), rngs=rngs)
+
+
+class DCN(GraphNetwork):
+    """Deep & Cross Network: a cross network and an MLP over [embeddings, dense].
+
+    Example::
+
+        net = DCN(dense_dim=13, num_slots=26, embedding_dim=16, rngs=nnx.Rngs(0))
+    """
+
+    def __init__(self, dense_dim=13, num_slots=26, embedding_dim=16, cross_layers=6,
+                 hidden=(1024, 1024), dropout=0.5, *, rngs: nnx.Rngs):
+        super().__init__(
+            _parse(dcn_layers(dense_dim, num_slots, embedding_dim, cross_layers, hidden,
+                              dropout)),
+            _shapes(dense_dim, num_slots, embedding_dim), rngs=rngs)
+
+
+class DeepFM(GraphNetwork):
+    """DeepFM: FM (first and second order) plus an MLP over shared field embeddings.
+    ``sparse_embedding2`` [b, num_slots, 1] holds the first-order weights.
+
+    Example::
+
+        net = DeepFM(dense_dim=13, num_slots=26, embedding_dim=10, rngs=nnx.Rngs(0))
+    """
+
+    def __init__(self, dense_dim=13, num_slots=26, embedding_dim=10, hidden=(400, 400, 400),
+                 dropout=0.5, *, rngs: nnx.Rngs):
+        super().__init__(
+            _parse(deepfm_layers(dense_dim, num_slots, embedding_dim, hidden, dropout)),
+            _shapes(dense_dim, num_slots, embedding_dim,
+                    {"sparse_embedding2": (num_slots, 1)}), rngs=rngs)
+
+
+class DLRM(GraphNetwork):
+    """DLRM: bottom MLP on dense features, dot interaction with the embeddings, top MLP.
+
+    Example::
+
+        net = DLRM(dense_dim=13, num_slots=26, embedding_dim=16, rngs=nnx.Rngs(0))
+        loss, prob = net({"dense": d, "sparse_embedding1": e, "label": y}, ctx)
+    """
+
+    def __init__(self, dense_dim=13, num_slots=26, embedding_dim=16,
+                 bottom_mlp=(512, 256, 64, 16), top_mlp=(512, 256, 1), *, rngs: nnx.Rngs):
+        super().__init__(
+            _parse(dlrm_layers(dense_dim, num_slots, embedding_dim, bottom_mlp, top_mlp)),
+            _shapes(dense_dim, num_slots, embedding_dim), rngs=rngs)

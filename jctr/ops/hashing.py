@@ -1,0 +1,136 @@
+"""Open-addressing hash probing of 64-bit keys (jnp reference implementation).
+
+The table is an int64 array of slots whose length is a power of two; ``EMPTY_KEY`` (the smallest
+int64) marks a free slot and is therefore the one key value users cannot store. Linear probing.
+
+Find-or-insert resolves the whole batch in a few dense probe rounds, then finishes the rare long
+chains on a compacted remainder, so the cost stays linear in the batch (DESIGN.md, measured costs).
+Concurrent inserts of one key within a batch get one slot: free slots are claimed by a scatter-max
+and every claimant reads the winner back.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+EMPTY_KEY = np.int64(np.iinfo(np.int64).min)
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+
+
+def hash_keys(keys: jax.Array) -> jax.Array:
+    """splitmix64 finaliser: a well-mixed uint64 for every int64 key."""
+    z = keys.astype(jnp.uint64)
+    z = (z ^ (z >> np.uint64(30))) * _M1
+    z = (z ^ (z >> np.uint64(27))) * _M2
+    return z ^ (z >> np.uint64(31))
+
+
+def home_slots(keys: jax.Array, num_slots: int) -> jax.Array:
+    """First probe position of every key (top bits of the mixed hash)."""
+    bits = int(num_slots).bit_length() - 1
+    if bits == 0:
+        return jnp.zeros(keys.shape, jnp.int32)
+    return (hash_keys(keys) >> np.uint64(64 - bits)).astype(jnp.int32)
+
+
+def _probe_round(slot_keys, keys, pos, active, insert: bool):
+    """One probe of every active key at ``pos``.
+
+    Returns (slot_keys, pos, found, missing): ``found`` keys sit at ``pos``; ``missing`` keys met a
+    free slot without inserting; the others moved one slot on.
+    """
+    num_slots = slot_keys.shape[0]
+    cur = slot_keys[pos]
+    found = active & (cur == keys)
+    free = active & (cur == EMPTY_KEY)
+    if insert:
+        slot_keys = slot_keys.at[jnp.where(free, pos, num_slots)].max(keys, mode="drop")
+        found = found | (free & (slot_keys[pos] == keys))
+        missing = jnp.zeros_like(found)
+    else:
+        missing = free
+    moving = active & ~found & ~missing
+    pos = jnp.where(moving, (pos + 1) & (num_slots - 1), pos)
+    return slot_keys, pos, found, missing
+
+
+def find_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array, *, insert: bool,
+               dense_rounds: int = 3, chunk: int | None = None):
+    """Find (and with ``insert`` claim) the slot of every valid key.
+
+    Args:
+      slot_keys: int64 [num_slots] (power of two), ``EMPTY_KEY`` where free.
+      keys: int64 [n]; valid: bool [n] (invalid entries are ignored).
+      insert: claim a free slot for keys not present (training); lookups never insert.
+      dense_rounds: probe rounds over the whole batch before compacting the remainder.
+      chunk: size of the compacted remainder arrays (default n // 8, at least 64).
+
+    Returns:
+      (slot_keys, slots): slots int32 [n], -1 for invalid keys and keys absent without insert.
+      With ``insert`` the table must have a free slot for every new key (callers keep the load
+      factor at most 1/2, so probing always terminates).
+    """
+    n = keys.shape[0]
+    num_slots = slot_keys.shape[0]
+    pos = home_slots(keys, num_slots)
+    slots = jnp.full((n,), -1, jnp.int32)
+    active = valid
+    for _ in range(dense_rounds):
+        slot_keys, pos, found, missing = _probe_round(slot_keys, keys, pos, active, insert)
+        slots = jnp.where(found, pos, slots)
+        active = active & ~found & ~missing
+    if chunk is None:
+        chunk = max(64, n // 8)
+    chunk = min(chunk, n)
+
+    def outer_cond(carry):
+        return jnp.any(carry[3])
+
+    def outer_body(carry):
+        slot_keys, pos, slots, active = carry
+        idx = jnp.nonzero(active, size=chunk, fill_value=n)[0]
+        sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
+        sub_pos = pos.at[idx].get(mode="fill", fill_value=0)
+        sub_active = active.at[idx].get(mode="fill", fill_value=False)
+        sub_slots = jnp.full((chunk,), -1, jnp.int32)
+
+        def inner_cond(c):
+            return jnp.any(c[2])
+
+        def inner_body(c):
+            sk, sp, sa, ss = c
+            sk, sp, found, missing = _probe_round(sk, sub_keys, sp, sa, insert)
+            ss = jnp.where(found, sp, ss)
+            return sk, sp, sa & ~found & ~missing, ss
+
+        slot_keys, sub_pos, _, sub_slots = jax.lax.while_loop(
+            inner_cond, inner_body, (slot_keys, sub_pos, sub_active, sub_slots))
+        slots = slots.at[idx].set(sub_slots, mode="drop")
+        active = active.at[idx].set(False, mode="drop")
+        pos = pos.at[idx].set(sub_pos, mode="drop")
+        return slot_keys, pos, slots, active
+
+    slot_keys, pos, slots, active = jax.lax.while_loop(
+        outer_cond, outer_body, (slot_keys, pos, slots, active))
+    return slot_keys, slots
+
+
+def representatives(scratch: jax.Array, slots: jax.Array):
+    """For each position, the position of one chosen occurrence of the same slot.
+
+    Linear and sort-free: positions are scattered into slot order (``scratch`` is a persistent
+    int32 [num_slots] buffer; stale contents never matter because every slot read was just
+    written) and gathered back. Positions with slot -1 get -1.
+
+    Returns (scratch, rep) with ``rep[i] == i`` exactly for one position per distinct slot.
+    """
+    n = slots.shape[0]
+    num_slots = scratch.shape[0]
+    ar = jnp.arange(n, dtype=jnp.int32)
+    target = jnp.where(slots >= 0, slots, num_slots)
+    scratch = scratch.at[target].set(ar, mode="drop")
+    rep = jnp.where(slots >= 0, scratch.at[target].get(mode="fill", fill_value=-1), -1)
+    return scratch, rep

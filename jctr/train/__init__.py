@@ -1,0 +1,1 @@
+"""Training: the trainer loop, jitted steps, optimizers, schedules, metrics and the CLI."""

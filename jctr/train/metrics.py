@@ -1,0 +1,38 @@
+"""Evaluation metrics on host arrays: exact AUC (ties averaged) and average log loss."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def auc(labels: np.ndarray, scores: np.ndarray) -> float:
+    """Exact ROC AUC (Mann-Whitney U with tied scores sharing ranks); NaN if one class only.
+
+    Example::
+
+        auc(np.array([0, 1, 1]), np.array([0.1, 0.9, 0.4]))  # 1.0
+    """
+    labels = np.asarray(labels).ravel() > 0.5
+    scores = np.asarray(scores, np.float64).ravel()
+    n_pos = int(labels.sum())
+    n_neg = labels.size - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    order = np.argsort(scores, kind="mergesort")
+    s = scores[order]
+    ranks = np.empty(s.size, np.float64)
+    # average rank over runs of equal scores
+    change = np.concatenate([[True], s[1:] != s[:-1]])
+    run_id = np.cumsum(change) - 1
+    run_start = np.nonzero(change)[0]
+    run_end = np.append(run_start[1:], s.size)
+    avg = (run_start + run_end - 1) / 2.0 + 1.0
+    ranks[order] = avg[run_id]
+    u = ranks[labels].sum() - n_pos * (n_pos + 1) / 2.0
+    return float(u / (n_pos * n_neg))
+
+
+def log_loss(labels: np.ndarray, probs: np.ndarray) -> float:
+    p = np.clip(np.asarray(probs, np.float64).ravel(), 1e-7, 1 - 1e-7)
+    y = np.asarray(labels, np.float64).ravel()
+    return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))

@@ -1,0 +1,123 @@
+"""The training state and the jitted, pure train and eval steps."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from jctr.data.batch import Batch
+from jctr.embedding.collection import (
+    EmbeddingSpec,
+    EmbeddingState,
+    apply_gradients,
+    lookup_vectors,
+    pool,
+)
+from jctr.models.layers import Context
+from jctr.train.schedules import learning_rate_schedule
+
+
+class TrainState(NamedTuple):
+    """Everything that changes during training, as one pytree."""
+
+    step: jax.Array  # int32 [], updates done
+    rng: jax.Array  # uint32 [2], base key; step keys are folded from it
+    params: Any  # nnx.State of nnx.Param
+    batch_stats: Any  # nnx.State of the rest (BatchNorm running statistics)
+    opt_state: Any  # optax state of the dense part
+    embeddings: tuple[EmbeddingState, ...]
+
+
+class StepConfig(NamedTuple):
+    """Static (hashable) inputs of the step functions."""
+
+    graphdef: Any
+    specs: tuple[EmbeddingSpec, ...]
+    emb_tops: tuple[str, ...]
+    label_top: str
+    dense_top: str
+    compute_dtype: Any
+    loss_scale: float
+    matmul_precision: str
+
+
+def _cast(tree, dtype):
+    if dtype == jnp.float32:
+        return tree
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+                        else x, tree)
+
+
+def _forward(sc: StepConfig, params, batch_stats, vectors, batch: Batch, rng, train: bool):
+    b = batch.label.shape[0]
+    inputs = {sc.label_top: batch.label,
+              sc.dense_top: batch.dense.astype(sc.compute_dtype)}
+    for spec, top, vecs in zip(sc.specs, sc.emb_tops, vectors):
+        pooled = pool(spec, vecs, batch.segments[spec.input_index], b)
+        inputs[top] = pooled.astype(sc.compute_dtype)
+    model = nnx.merge(sc.graphdef, _cast(params, sc.compute_dtype), batch_stats)
+    ctx = Context(train=train, rng=rng, mask=batch.mask.astype(jnp.float32))
+    loss, pred = model(inputs, ctx)
+    new_stats = nnx.state(model, nnx.BatchStat) if train else batch_stats
+    return loss, (pred, new_stats)
+
+
+def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation):
+    """``train_step(state, batch) -> (state, metrics)``; jit it with the state donated."""
+    schedules = [learning_rate_schedule(s.optimizer) for s in sc.specs]
+
+    def train_step(state: TrainState, batch: Batch):
+        with jax.default_matmul_precision(sc.matmul_precision):
+            b = batch.label.shape[0]
+            embs, lookups, vectors = [], [], []
+            for spec, es in zip(sc.specs, state.embeddings):
+                es, lk, vecs = lookup_vectors(spec, es, batch.keys[spec.input_index],
+                                              batch.segments[spec.input_index], b, train=True)
+                embs.append(es)
+                lookups.append(lk)
+                vectors.append(vecs)
+            rng = jax.random.fold_in(state.rng, state.step)
+
+            def loss_fn(params, vectors):
+                loss, aux = _forward(sc, params, state.batch_stats, vectors, batch, rng, True)
+                return loss * sc.loss_scale, aux
+
+            (scaled, (pred, new_stats)), (g_params, g_vecs) = jax.value_and_grad(
+                loss_fn, argnums=(0, 1), has_aux=True)(state.params, vectors)
+            inv = 1.0 / sc.loss_scale
+            g_params = jax.tree.map(lambda g: (g * inv).astype(jnp.float32), g_params)
+            updates, opt_state = dense_tx.update(g_params, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            count = state.step + 1
+            new_embs = []
+            for spec, es, lk, g, sched in zip(sc.specs, embs, lookups, g_vecs, schedules):
+                g = (g * inv).astype(jnp.float32)
+                new_embs.append(apply_gradients(spec, es, lk, g, sched(state.step), count))
+            overflow = sum(es.table.overflow for es in new_embs)
+            new_state = TrainState(count, state.rng, params, new_stats, opt_state,
+                                   tuple(new_embs))
+            return new_state, {"loss": scaled * inv, "overflow": overflow}
+
+    return train_step
+
+
+def make_eval_step(sc: StepConfig):
+    """``eval_step(state, batch) -> (loss, prediction)``; never inserts keys."""
+
+    def eval_step(state: TrainState, batch: Batch):
+        with jax.default_matmul_precision(sc.matmul_precision):
+            b = batch.label.shape[0]
+            vectors = []
+            for spec, es in zip(sc.specs, state.embeddings):
+                _, _, vecs = lookup_vectors(spec, es, batch.keys[spec.input_index],
+                                            batch.segments[spec.input_index], b, train=False)
+                vectors.append(vecs)
+            loss, (pred, _) = _forward(sc, state.params, state.batch_stats, vectors, batch,
+                                       None, False)
+            return loss, pred
+
+    return eval_step

@@ -1,0 +1,217 @@
+"""The training loop: data in, jitted steps, progress on the terminal and JSON-lines logs."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jctr.config import ConfigError, ModelConfig, load_config
+from jctr.data.batch import Batch
+from jctr.data.loader import NormDataset, Prefetcher, open_dataset
+from jctr.data.synthetic import generate_for_config
+from jctr.embedding.collection import EmbeddingSpec, init_embedding
+from jctr.embedding.hash_table import TableFullError
+from jctr.models.graph import build_network
+from jctr.train.metrics import auc, log_loss
+from jctr.train.optimizers import dense_optimizer
+from jctr.train.step import StepConfig, TrainState, make_eval_step, make_train_step
+
+_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
+
+
+class Trainer:
+    """Trains a model described by a parsed config.
+
+    Example::
+
+        trainer = Trainer.from_config("configs/dlrm_synthetic.json", max_iter=200)
+        trainer.fit()
+        trainer.evaluate()           # {"AUC": ..., "AverageLoss": ...}
+        trainer.predict(batch)       # click probabilities, one per sample
+    """
+
+    def __init__(self, cfg: ModelConfig, *, log: Callable[[str], None] | None = None,
+                 generate_data: bool = True):
+        self.cfg = cfg
+        self.solver = cfg.solver
+        self._print = log or (lambda s: print(s, file=sys.stderr, flush=True))
+        if generate_data:
+            generate_for_config(cfg)
+        self.specs = tuple(EmbeddingSpec.from_config(cfg, e) for e in cfg.embeddings)
+        net = build_network(cfg, nnx.Rngs(cfg.solver.seed))
+        graphdef, params, batch_stats = nnx.split(net, nnx.Param, ...)
+        loss_scale = float(cfg.solver.mixed_precision or 1.0)
+        self.step_config = StepConfig(
+            graphdef=graphdef, specs=self.specs, emb_tops=tuple(e.top for e in cfg.embeddings),
+            label_top=cfg.data.label_top, dense_top=cfg.data.dense_top,
+            compute_dtype=_DTYPES[cfg.solver.compute_dtype], loss_scale=loss_scale,
+            matmul_precision="tensorfloat32" if cfg.solver.enable_tf32_compute else "float32")
+        self.dense_tx = dense_optimizer(cfg.optimizer)
+        key = jax.random.PRNGKey(cfg.solver.seed)
+        emb_keys = jax.random.split(jax.random.fold_in(key, 1), len(self.specs))
+        self.state = TrainState(
+            step=jnp.zeros((), jnp.int32), rng=key, params=params, batch_stats=batch_stats,
+            opt_state=self.dense_tx.init(params),
+            embeddings=tuple(init_embedding(s, k) for s, k in zip(self.specs, emb_keys)))
+        self.train_step = jax.jit(make_train_step(self.step_config, self.dense_tx),
+                                  donate_argnums=0)
+        self.eval_step = jax.jit(make_eval_step(self.step_config))
+        self._train_data: NormDataset | None = None
+        self._eval_data: NormDataset | None = None
+        self.history: list[dict[str, Any]] = []
+        self._log_file = None
+
+    @classmethod
+    def from_config(cls, config: str | os.PathLike | dict, **solver_overrides) -> Trainer:
+        """Build from a JSON path or dict; keyword arguments override solver fields."""
+        cfg = load_config(config, require_solver=False)
+        if solver_overrides:
+            cfg = cfg.with_solver(**solver_overrides)
+        return cls(cfg)
+
+    # ---- data ---------------------------------------------------------------------------
+
+    @property
+    def train_data(self) -> NormDataset:
+        if self._train_data is None:
+            self._train_data = open_dataset(self.cfg.data.source, self.cfg.data,
+                                            self.solver.input_key_type)
+        return self._train_data
+
+    @property
+    def eval_data(self) -> NormDataset:
+        if self._eval_data is None:
+            self._eval_data = open_dataset(self.cfg.data.eval_source, self.cfg.data,
+                                           self.solver.input_key_type)
+            self._eval_data.cache_all()
+        return self._eval_data
+
+    # ---- logging ------------------------------------------------------------------------
+
+    def _record(self, kind: str, **fields) -> None:
+        entry = {"kind": kind, "time": round(time.time(), 3), **fields}
+        self.history.append(entry)
+        if self.solver.log_dir:
+            if self._log_file is None:
+                os.makedirs(self.solver.log_dir, exist_ok=True)
+                self._log_file = open(os.path.join(self.solver.log_dir, "metrics.jsonl"), "a",
+                                      encoding="utf-8")
+            self._log_file.write(json.dumps(entry) + "\n")
+            self._log_file.flush()
+
+    # ---- training -----------------------------------------------------------------------
+
+    def _check_overflow(self, metrics) -> None:
+        if int(metrics["overflow"]):
+            full = [s for s, e in zip(self.specs, self.state.embeddings)
+                    if int(e.table.overflow)]
+            names = ", ".join(f"\"{s.name}\" ({s.capacity} rows)" for s in full)
+            raise TableFullError(
+                f"embedding table full: more distinct keys than max_vocabulary_size_per_gpu "
+                f"allows in {names}; raise sparse_embedding_hparam.max_vocabulary_size_per_gpu")
+
+    def fit(self, max_iter: int | None = None) -> list[dict[str, Any]]:
+        """Train for ``max_iter`` (or the solver's ``max_iter`` / ``num_epochs``), evaluating
+        every ``eval_interval`` steps and at the end. Returns the recorded history."""
+        s = self.solver
+        max_iter = max_iter or s.max_iter
+        epochs = None if max_iter else s.num_epochs
+        if max_iter is None and epochs is None:
+            raise ConfigError("solver", "set max_iter or num_epochs", self.cfg.source)
+        batches = Prefetcher(self.train_data.batches(s.batchsize, epochs=epochs),
+                             transform=jax.device_put)
+        self._print(f"[jctr] training {', '.join(e.name for e in self.cfg.embeddings)} + "
+                    f"{len(self.cfg.layers)} dense layers; batch {s.batchsize}; "
+                    f"{'max_iter ' + str(max_iter) if max_iter else str(epochs) + ' epoch(s)'}")
+        done = int(self.state.step)
+        start_step = done
+        t0 = time.perf_counter()
+        window_t, window_n = t0, 0
+        prev = None
+        stop = False
+        try:
+            for batch in batches:
+                self.state, metrics = self.train_step(self.state, batch)
+                if prev is not None:
+                    self._check_overflow(prev)  # one step behind: no stall of the pipeline
+                prev = metrics
+                done += 1
+                window_n += s.batchsize
+                if done % s.display == 0:
+                    loss = float(metrics["loss"])
+                    now = time.perf_counter()
+                    rate = window_n / (now - window_t)
+                    window_t, window_n = now, 0
+                    self._print(f"[jctr] iter {done}"
+                                + (f"/{max_iter}" if max_iter else "")
+                                + f"  loss {loss:.5f}  {rate:,.0f} samples/s")
+                    self._record("train", iter=done, loss=loss, samples_per_s=rate)
+                if done % s.eval_interval == 0 and not (max_iter and done == max_iter):
+                    stop = self._eval_and_report(done)
+                if stop or (max_iter and done - start_step >= max_iter):
+                    break
+        finally:
+            batches.close()
+        if prev is not None:
+            self._check_overflow(prev)
+            jax.block_until_ready(self.state)
+        elapsed = time.perf_counter() - t0
+        trained = done - start_step
+        self._record("summary", iters=trained,
+                     samples_per_s=trained * s.batchsize / max(elapsed, 1e-9))
+        if not stop:
+            self._eval_and_report(done)
+        return self.history
+
+    def _eval_and_report(self, step: int) -> bool:
+        result = self.evaluate()
+        parts = [f"{k} {v:.5f}" for k, v in result.items()]
+        self._print(f"[jctr] eval at iter {step}: " + "  ".join(parts))
+        self._record("eval", iter=step, **result)
+        threshold = self.solver.auc_threshold
+        if threshold is not None and result.get("AUC", 0.0) >= threshold:
+            self._print(f"[jctr] AUC {result['AUC']:.5f} reached the threshold {threshold}; "
+                        "stopping")
+            return True
+        return False
+
+    # ---- evaluation and prediction ------------------------------------------------------
+
+    def evaluate(self, num_batches: int | None = None) -> dict[str, float]:
+        """Metrics of the solver's ``eval_metrics`` over ``eval_batches`` batches (or the whole
+        evaluation set if it is shorter). Padding samples never count."""
+        s = self.solver
+        num_batches = num_batches or s.eval_batches
+        data = self.eval_data
+        data.position.epoch = data.position.file_index = data.position.record = 0
+        labels, preds = [], []
+        for i, batch in enumerate(data.batches(s.batchsize_eval, epochs=1)):
+            if i >= num_batches:
+                break
+            _, pred = self.eval_step(self.state, jax.device_put(batch))
+            m = batch.mask
+            labels.append(batch.label[m, 0])
+            preds.append(np.asarray(pred)[m] if np.ndim(pred) == 1 else np.asarray(pred)[m, 0])
+        y = np.concatenate(labels)
+        p = np.concatenate(preds)
+        out: dict[str, float] = {}
+        for metric in s.eval_metrics:
+            if metric.name == "AUC":
+                out["AUC"] = auc(y, p)
+            else:
+                out["AverageLoss"] = log_loss(y, p)
+        return out
+
+    def predict(self, batch: Batch) -> np.ndarray:
+        """Click probabilities of the batch's real samples (padding dropped)."""
+        _, pred = self.eval_step(self.state, jax.device_put(batch))
+        return np.asarray(pred)[np.asarray(batch.mask)]

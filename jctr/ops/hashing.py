@@ -69,9 +69,8 @@ def find_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array, *, inser
       chunk: size of the compacted remainder arrays (default n // 8, at least 64).
 
     Returns:
-      (slot_keys, slots): slots int32 [n], -1 for invalid keys and keys absent without insert.
-      With ``insert`` the table must have a free slot for every new key (callers keep the load
-      factor at most 1/2, so probing always terminates).
+      (slot_keys, slots): slots int32 [n], -1 for invalid keys, keys absent without insert, and
+      keys that found no free slot (probing stops after a sweep of the whole table).
     """
     n = keys.shape[0]
     num_slots = slot_keys.shape[0]
@@ -97,17 +96,20 @@ def find_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array, *, inser
         sub_active = active.at[idx].get(mode="fill", fill_value=False)
         sub_slots = jnp.full((chunk,), -1, jnp.int32)
 
+        # A full sweep of the table bounds the probing: keys still unresolved then have no
+        # free slot (a full table) and keep slot -1.
         def inner_cond(c):
-            return jnp.any(c[2])
+            return jnp.any(c[2]) & (c[4] < num_slots)
 
         def inner_body(c):
-            sk, sp, sa, ss = c
+            sk, sp, sa, ss, rounds = c
             sk, sp, found, missing = _probe_round(sk, sub_keys, sp, sa, insert)
             ss = jnp.where(found, sp, ss)
-            return sk, sp, sa & ~found & ~missing, ss
+            return sk, sp, sa & ~found & ~missing, ss, rounds + 1
 
-        slot_keys, sub_pos, _, sub_slots = jax.lax.while_loop(
-            inner_cond, inner_body, (slot_keys, sub_pos, sub_active, sub_slots))
+        slot_keys, sub_pos, _, sub_slots, _ = jax.lax.while_loop(
+            inner_cond, inner_body,
+            (slot_keys, sub_pos, sub_active, sub_slots, jnp.int32(dense_rounds)))
         slots = slots.at[idx].set(sub_slots, mode="drop")
         active = active.at[idx].set(False, mode="drop")
         pos = pos.at[idx].set(sub_pos, mode="drop")

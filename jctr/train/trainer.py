@@ -28,6 +28,32 @@ from jctr.train.step import StepConfig, TrainState, make_eval_step, make_train_s
 _DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
 
+def build_model(cfg: ModelConfig):
+    """The static step configuration, the dense optimizer and a function creating the initial
+    TrainState (separate so that shapes can be inspected without allocating: ``jax.eval_shape``).
+    """
+    specs = tuple(EmbeddingSpec.from_config(cfg, e) for e in cfg.embeddings)
+    net = build_network(cfg, nnx.Rngs(cfg.solver.seed))
+    graphdef, params, batch_stats = nnx.split(net, nnx.Param, ...)
+    step_config = StepConfig(
+        graphdef=graphdef, specs=specs, emb_tops=tuple(e.top for e in cfg.embeddings),
+        label_top=cfg.data.label_top, dense_top=cfg.data.dense_top,
+        compute_dtype=_DTYPES[cfg.solver.compute_dtype],
+        loss_scale=float(cfg.solver.mixed_precision or 1.0),
+        matmul_precision="tensorfloat32" if cfg.solver.enable_tf32_compute else "float32")
+    dense_tx = dense_optimizer(cfg.optimizer)
+
+    def init_state() -> TrainState:
+        key = jax.random.PRNGKey(cfg.solver.seed)
+        emb_keys = jax.random.split(jax.random.fold_in(key, 1), len(specs))
+        return TrainState(
+            step=jnp.zeros((), jnp.int32), rng=key, params=params, batch_stats=batch_stats,
+            opt_state=dense_tx.init(params),
+            embeddings=tuple(init_embedding(s, k) for s, k in zip(specs, emb_keys)))
+
+    return step_config, dense_tx, init_state
+
+
 class Trainer:
     """Trains a model described by a parsed config.
 
@@ -46,22 +72,9 @@ class Trainer:
         self._print = log or (lambda s: print(s, file=sys.stderr, flush=True))
         if generate_data:
             generate_for_config(cfg)
-        self.specs = tuple(EmbeddingSpec.from_config(cfg, e) for e in cfg.embeddings)
-        net = build_network(cfg, nnx.Rngs(cfg.solver.seed))
-        graphdef, params, batch_stats = nnx.split(net, nnx.Param, ...)
-        loss_scale = float(cfg.solver.mixed_precision or 1.0)
-        self.step_config = StepConfig(
-            graphdef=graphdef, specs=self.specs, emb_tops=tuple(e.top for e in cfg.embeddings),
-            label_top=cfg.data.label_top, dense_top=cfg.data.dense_top,
-            compute_dtype=_DTYPES[cfg.solver.compute_dtype], loss_scale=loss_scale,
-            matmul_precision="tensorfloat32" if cfg.solver.enable_tf32_compute else "float32")
-        self.dense_tx = dense_optimizer(cfg.optimizer)
-        key = jax.random.PRNGKey(cfg.solver.seed)
-        emb_keys = jax.random.split(jax.random.fold_in(key, 1), len(self.specs))
-        self.state = TrainState(
-            step=jnp.zeros((), jnp.int32), rng=key, params=params, batch_stats=batch_stats,
-            opt_state=self.dense_tx.init(params),
-            embeddings=tuple(init_embedding(s, k) for s, k in zip(self.specs, emb_keys)))
+        self.step_config, self.dense_tx, init_state = build_model(cfg)
+        self.specs = self.step_config.specs
+        self.state = init_state()
         self.train_step = jax.jit(make_train_step(self.step_config, self.dense_tx),
                                   donate_argnums=0)
         self.eval_step = jax.jit(make_eval_step(self.step_config))

@@ -1,0 +1,135 @@
+"""Row-wise optimizers against the dense (optax) optimizers of the same config."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jctr.config.schema import OptimizerConfig
+from jctr.embedding import optimizers as row_opt
+from jctr.embedding.collection import EmbeddingSpec, apply_gradients, init_embedding
+from jctr.embedding.collection import lookup_vectors
+from jctr.train.optimizers import dense_optimizer
+from jctr.train.schedules import learning_rate_schedule
+
+CAP, DIM = 40, 4
+OPTS = [
+    OptimizerConfig("SGD", learning_rate=0.1),
+    OptimizerConfig("MomentumSGD", learning_rate=0.1, momentum_factor=0.9),
+    OptimizerConfig("Nesterov", learning_rate=0.1, momentum_factor=0.9),
+    OptimizerConfig("Adam", learning_rate=0.01, beta1=0.9, beta2=0.99, epsilon=1e-7),
+    OptimizerConfig("AdaGrad", learning_rate=0.1, initial_accu_value=0.1, epsilon=1e-7),
+]
+
+
+def _run_rows(opt, values, steps):
+    slots = row_opt.init_slots(opt, CAP, DIM)
+    sched = learning_rate_schedule(opt)
+    for t, (rows, g) in enumerate(steps):
+        values, slots = row_opt.apply_rows(opt, values, slots, jnp.asarray(rows),
+                                           jnp.asarray(g), sched(jnp.int32(t)),
+                                           jnp.int32(t + 1))
+    return np.asarray(values)
+
+
+@pytest.mark.parametrize("opt", OPTS, ids=lambda o: o.type)
+def test_local_rows_equal_dense_optimizer_on_those_rows(opt):
+    rng = np.random.default_rng(0)
+    values = jnp.asarray(rng.normal(size=(CAP, DIM)).astype(np.float32))
+    rows = np.array([3, 17, 5, 39])
+    steps = [(rows, rng.normal(size=(4, DIM)).astype(np.float32)) for _ in range(4)]
+    got = _run_rows(opt, values, steps)
+    tx = dense_optimizer(opt)
+    p = values[rows]
+    state = tx.init(p)
+    for _, g in steps:
+        upd, state = tx.update(jnp.asarray(g), state, p)
+        p = optax.apply_updates(p, upd)
+    np.testing.assert_allclose(got[rows], np.asarray(p), rtol=1e-5, atol=1e-6)
+    untouched = np.setdiff1d(np.arange(CAP), rows)
+    np.testing.assert_array_equal(got[untouched], np.asarray(values)[untouched])
+
+
+@pytest.mark.parametrize("opt", OPTS, ids=lambda o: o.type)
+def test_global_equals_dense_optimizer_on_the_whole_table(opt):
+    opt = OptimizerConfig(**{**opt.__dict__, "update_type": "Global"})
+    rng = np.random.default_rng(1)
+    values = jnp.asarray(rng.normal(size=(CAP, DIM)).astype(np.float32))
+    steps = [(rng.choice(CAP, 5, replace=False), rng.normal(size=(5, DIM)).astype(np.float32))
+             for _ in range(4)]
+    got = _run_rows(opt, values, steps)
+    tx = dense_optimizer(opt)
+    p = values
+    state = tx.init(p)
+    for rows, g in steps:
+        dense = jnp.zeros((CAP, DIM), jnp.float32).at[rows].add(g)
+        upd, state = tx.update(dense, state, p)
+        p = optax.apply_updates(p, upd)
+    np.testing.assert_allclose(got, np.asarray(p), rtol=1e-5, atol=1e-6)
+
+
+def test_local_and_global_differ_for_adam_on_untouched_rows():
+    rng = np.random.default_rng(2)
+    values = jnp.asarray(rng.normal(size=(CAP, DIM)).astype(np.float32))
+    steps = [(np.array([1, 2]), np.ones((2, DIM), np.float32)),
+             (np.array([3]), np.ones((1, DIM), np.float32))]
+    local = _run_rows(OPTS[3], values, steps)
+    glob = _run_rows(OptimizerConfig(**{**OPTS[3].__dict__, "update_type": "Global"}),
+                     values, steps)
+    assert not np.allclose(local[1], glob[1])  # Global keeps moving row 1 at step 2
+    np.testing.assert_allclose(local[3], glob[3], rtol=1e-6)
+
+
+def test_lazy_global_applies_missed_decay():
+    opt = OptimizerConfig("Adam", update_type="LazyGlobal", learning_rate=0.01, beta1=0.9,
+                          beta2=0.99)
+    values = jnp.zeros((CAP, DIM), jnp.float32)
+    slots = row_opt.init_slots(opt, CAP, DIM)
+    g = jnp.ones((1, DIM), jnp.float32)
+    rows = jnp.array([7])
+    values, slots = row_opt.apply_rows(opt, values, slots, rows, g, jnp.float32(0.01),
+                                       jnp.int32(1))
+    # row 7 skips steps 2..4, then is touched at step 5: moments decay by beta^3 first
+    values, slots = row_opt.apply_rows(opt, values, slots, rows, g, jnp.float32(0.01),
+                                       jnp.int32(5))
+    m1 = 0.1
+    m5 = 0.9 * (m1 * 0.9 ** 3) + 0.1
+    np.testing.assert_allclose(np.asarray(slots["m"][7]), m5, rtol=1e-5)
+    assert int(slots["last_step"][7]) == 5
+
+
+@pytest.mark.parametrize("opt", OPTS, ids=lambda o: o.type)
+def test_duplicate_keys_sum_their_gradients(opt):
+    spec = EmbeddingSpec("e", capacity=CAP, dim=DIM, slot_num=3, max_features=6,
+                         one_hot=False, input_index=0, optimizer=opt)
+    state = init_embedding(spec, jax.random.PRNGKey(0))
+    keys = jnp.array([11, 22, 11, 11, 33, 22], jnp.int64)
+    segs = jnp.array([0, 1, 2, 3, 4, 6], jnp.int32)  # last key is padding (6 = 2 * 3)
+    state, lk, vecs = lookup_vectors(spec, state, keys, segs, 2, train=True)
+    grads = jnp.arange(6 * DIM, dtype=jnp.float32).reshape(6, DIM) / 10
+    new = apply_gradients(spec, state, lk, grads, jnp.float32(opt.learning_rate), jnp.int32(1))
+    rows = np.asarray(lk.rows)
+    # reference: dense optimizer on the 3 distinct rows with summed gradients
+    g = np.asarray(grads)
+    summed = np.stack([g[[0, 2, 3]].sum(0), g[1], g[4]])
+    tx = dense_optimizer(opt)
+    p = state.values[rows[[0, 1, 4]]]
+    upd, _ = tx.update(jnp.asarray(summed), tx.init(p), p)
+    want = optax.apply_updates(p, upd)
+    np.testing.assert_allclose(np.asarray(new.values)[rows[[0, 1, 4]]], np.asarray(want),
+                               rtol=1e-5, atol=1e-6)
+    assert rows[5] == -1
+
+
+def test_schedule_warmup_and_decay():
+    opt = OptimizerConfig("SGD", learning_rate=2.0, warmup_steps=10, decay_start=20,
+                          decay_steps=10, decay_power=2.0, end_lr=0.5)
+    s = learning_rate_schedule(opt)
+    lr = [float(s(jnp.int32(c))) for c in range(35)]
+    assert lr[0] == pytest.approx(0.2) and lr[9] == pytest.approx(2.0)
+    assert lr[15] == pytest.approx(2.0)
+    t = 25  # update number 25 -> count 24
+    assert lr[t - 1] == pytest.approx((2.0 - 0.5) * ((30 - t) / 10) ** 2 + 0.5)
+    assert lr[34] == pytest.approx(0.5)
+    assert s(jnp.int32(3)).dtype == jnp.float32

@@ -76,12 +76,12 @@ def model(name, *, small: bool):
            "vocabulary_size": vocab_per_slot, "alpha": 1.2, "num_files": 4, "seed": 0}
     tag = f"{name}_synthetic" if small else name
     capacity = slots * vocab_per_slot
-    sv = solver(max_iter=2000 if not small else 300, batch=2048 if not small else 512,
-                eval_interval=1000 if not small else 300, eval_batches=25 if not small else 16,
+    sv = solver(max_iter=1000 if not small else 300, batch=2048 if not small else 512,
+                eval_interval=500 if not small else 300, eval_batches=24 if not small else 16,
                 display=100 if not small else 50)
     if name == "dlrm":
-        bottom = (512, 256, dim) if not small else (64, dim)
-        top = (1024, 1024, 512, 256, 1) if not small else (64, 32, 1)
+        bottom = (512, 256, 64, dim) if not small else (64, dim)
+        top = (512, 256, 1) if not small else (64, 32, 1)
         layers = [data_layer(tag, slots, synthetic=syn),
                   embedding("sparse_embedding1", "data1", capacity, dim)]
         layers += dlrm_layers(13, slots, dim, bottom, top)

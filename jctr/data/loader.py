@@ -122,10 +122,13 @@ class NormDataset:
     def num_records(self) -> int:
         return sum(len(self.read_file(i)) for i in range(len(self.files)))
 
-    def batches(self, batch_size: int, epochs: int | None = None) -> Iterator[Batch]:
-        """Fixed-size batches. With ``epochs`` the last batch of each epoch is padded (masked);
-        with ``epochs=None`` the data repeats forever and batches run across epoch ends."""
-        pos = self.position
+    def batches(self, batch_size: int, epochs: int | None = None,
+                start: ReaderPosition | None = None) -> Iterator[Batch]:
+        """Fixed-size batches from ``start`` (default: the beginning). With ``epochs`` the last
+        batch of each epoch is padded (masked); with ``epochs=None`` the data repeats forever
+        and batches run across epoch ends. ``self.position`` follows the iteration."""
+        pos = ReaderPosition(**vars(start)) if start is not None else ReaderPosition()
+        self.position = pos
         pending: list[RecordBlock] = []
         pending_n = 0
         while epochs is None or pos.epoch < epochs:

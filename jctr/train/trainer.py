@@ -205,7 +205,6 @@ class Trainer:
         s = self.solver
         num_batches = num_batches or s.eval_batches
         data = self.eval_data
-        data.position.epoch = data.position.file_index = data.position.record = 0
         labels, preds = [], []
         for i, batch in enumerate(data.batches(s.batchsize_eval, epochs=1)):
             if i >= num_batches:

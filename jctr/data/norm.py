@@ -101,9 +101,9 @@ def write_norm_file(path: str, block: RecordBlock, *, key_type: str = "I64",
     first = np.cumsum(counts) - counts
     j = np.arange(int(counts.sum())) - np.repeat(first, counts)
     key_pos = np.repeat(slot_pos.ravel() + 4, counts) + kw * j
-    keys = block.keys.astype("<u4" if kw == 4 else "<i8")
     if kw == 4 and block.keys.size and (block.keys.min() < 0 or block.keys.max() >= 2**32):
-        raise ValueError("input_key_type I32 holds keys in [0, 2^32); use I64")
+        raise ValueError(f"{path}: input_key_type I32 holds keys in [0, 2^32); use I64")
+    keys = block.keys.astype("<u4" if kw == 4 else "<i8")
     put(key_pos, keys, kw)
     header = np.array([1 if check == "Sum" else 0, r_count, label_dim, dense_dim, slot_num,
                        0, 0, 0], "<i8").view(np.uint8)
@@ -209,6 +209,10 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
     else:
         hb = buf[:HEADER_BYTES]
     error_check, n_records, h_label, h_dense, h_slots = (int(v) for v in hb.view("<i8")[:5])
+    if not wrap and error_check & 0xFFFFFFFF == HEADER_BYTES:
+        raise DataError(f"{path}: header: the file starts with a {HEADER_BYTES}-byte length "
+                        "prefix, so it was written with check Sum; set the Data layer's check "
+                        "to \"Sum\"")
     if error_check != int(wrap):
         raise DataError(f"{path}: header: error_check is {error_check} but the config's check "
                         f"is \"{check}\" (expected {int(wrap)})")

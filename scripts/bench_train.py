@@ -1,0 +1,181 @@
+"""DLRM training throughput of jctr against a plain PyTorch baseline, measured in one run.
+
+Model (the Criteo Kaggle shape): 13 dense features, 26 slots with the Kaggle cardinalities capped
+at 1,000,000 rows, embedding dim 16, bottom MLP 512-256-64-16, top MLP 512-256-1, plain SGD.
+The baseline is the classic DLRM reference: one nn.EmbeddingBag(sparse=True) per slot, dense
+MLPs, dot interaction, torch.optim.SGD. Both train on the same power-law batches held in memory
+(the data pipeline is measured separately).
+
+    python scripts/bench_train.py                 # one-hot and 10-hot, batch 8192
+    python scripts/bench_train.py --hot 1 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jctr  # noqa: E402,F401
+from jctr.data.batch import Batch  # noqa: E402
+from jctr.data.synthetic import power_law_ranks  # noqa: E402
+from scripts.make_configs import KAGGLE_CAPPED  # noqa: E402
+
+DENSE, DIM = 13, 16
+BOTTOM, TOP = (512, 256, 64, 16), (512, 256, 1)
+
+
+def make_batches(n: int, batch: int, hot: int, seed: int = 0):
+    """``n`` batches: per slot ``hot`` keys per sample (ranks, per-slot power law)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(n):
+        ranks = np.stack([power_law_ranks(rng, batch * hot, c, 1.2).reshape(batch, hot)
+                          for c in KAGGLE_CAPPED], axis=1)  # [B, 26, hot]
+        dense = np.log1p(rng.exponential(1.0, (batch, DENSE))).astype(np.float32)
+        label = (rng.random((batch, 1)) < 0.25).astype(np.float32)
+        out.append((ranks, dense, label))
+    return out
+
+
+def jctr_batch(ranks, dense, label) -> Batch:
+    b, s, hot = ranks.shape
+    offsets = np.concatenate([[0], np.cumsum(KAGGLE_CAPPED)[:-1]])
+    keys = (ranks + offsets[None, :, None]).reshape(-1).astype(np.int64)
+    segs = np.repeat(np.arange(b * s, dtype=np.int32), hot)
+    return Batch(label, dense, (keys,), (segs,), np.ones(b, bool))
+
+
+def jctr_config(batch: int, hot: int) -> dict:
+    from jctr.models.zoo import dlrm_layers
+
+    slots = len(KAGGLE_CAPPED)
+    return {
+        "solver": {"max_iter": 1, "batchsize": batch, "input_key_type": "I64"},
+        "optimizer": {"type": "SGD", "sgd_hparam": {"learning_rate": 0.1}},
+        "layers": [
+            {"name": "data", "type": "Data", "source": "unused", "eval_source": "unused",
+             "label": {"top": "label", "label_dim": 1}, "dense": {"top": "dense",
+                                                                  "dense_dim": DENSE},
+             "sparse": [{"top": "data1", "type": "DistributedSlot",
+                         "max_feature_num_per_sample": slots * hot, "max_nnz": hot,
+                         "slot_num": slots}]},
+            {"name": "sparse_embedding1", "type": "DistributedSlotSparseEmbeddingHash",
+             "bottom": "data1", "top": "sparse_embedding1",
+             "sparse_embedding_hparam": {"max_vocabulary_size_per_gpu": sum(KAGGLE_CAPPED),
+                                         "embedding_vec_size": DIM, "combiner": 0}},
+            *dlrm_layers(DENSE, slots, DIM, BOTTOM, TOP),
+        ]}
+
+
+def bench_jctr(batches, steps: int, warmup: int) -> list[float]:
+    import jax
+
+    from jctr.config import parse_config
+    from jctr.train.step import make_train_step
+    from jctr.train.trainer import build_model
+
+    b, _, hot = batches[0][0].shape
+    cfg = parse_config(jctr_config(b, hot))
+    step_config, tx, init_state = build_model(cfg)
+    state = init_state()
+    step = jax.jit(make_train_step(step_config, tx), donate_argnums=0)
+    dev = [jax.device_put(jctr_batch(*x)) for x in batches]
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        state, m = step(state, dev[i % len(dev)])
+        jax.block_until_ready(m["loss"])
+        times.append(time.perf_counter() - t)
+    return times[warmup:]
+
+
+def bench_torch(batches, steps: int, warmup: int) -> list[float]:
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+
+    def mlp(sizes, last_relu):
+        layers = []
+        for i in range(len(sizes) - 1):
+            layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+            if i < len(sizes) - 2 or last_relu:
+                layers.append(nn.ReLU())
+        return nn.Sequential(*layers)
+
+    class DLRMRef(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.ModuleList(nn.EmbeddingBag(c, DIM, mode="sum", sparse=True)
+                                     for c in KAGGLE_CAPPED)
+            self.bot = mlp((DENSE, *BOTTOM), True)
+            f = len(KAGGLE_CAPPED) + 1
+            self.li, self.lj = torch.tril_indices(f, f, offset=-1)
+            self.top = mlp((DIM + f * (f - 1) // 2 + 1, *TOP), False)
+
+        def forward(self, dense, idx, offs):
+            x = self.bot(dense)
+            e = [m(i, o) for m, i, o in zip(self.emb, idx, offs)]
+            t = torch.stack([x, *e], dim=1)
+            z = torch.bmm(t, t.transpose(1, 2))[:, self.li, self.lj]
+            pad = torch.zeros(x.shape[0], 1)
+            return self.top(torch.cat([x, z, pad], dim=1))
+
+    model = DLRMRef()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = nn.BCEWithLogitsLoss()
+    prepared = []
+    for ranks, dense, label in batches:
+        b, s, hot = ranks.shape
+        idx = [torch.from_numpy(np.ascontiguousarray(ranks[:, j]).reshape(-1)) for j in range(s)]
+        offs = [torch.arange(0, b * hot, hot) for _ in range(s)]
+        prepared.append((torch.from_numpy(dense), idx, offs, torch.from_numpy(label)))
+    times = []
+    for i in range(warmup + steps):
+        dense, idx, offs, label = prepared[i % len(prepared)]
+        t = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(dense, idx, offs), label)
+        loss.backward()
+        opt.step()
+        times.append(time.perf_counter() - t)
+    return times[warmup:]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=8192)
+    ap.add_argument("--hot", type=int, nargs="+", default=[1, 10])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args()
+    results = []
+    for hot in args.hot:
+        batches = make_batches(4, args.batch, hot)
+        jt = bench_jctr(batches, args.steps, args.warmup)
+        tt = bench_torch(batches, args.steps, args.warmup)
+        j_rate = args.batch / statistics.median(jt)
+        t_rate = args.batch / statistics.median(tt)
+        row = {"hot": hot, "batch": args.batch, "jctr_samples_per_s": round(j_rate),
+               "torch_samples_per_s": round(t_rate), "ratio": round(j_rate / t_rate, 3)}
+        results.append(row)
+        print(f"{hot:>2}-hot batch {args.batch}: jctr {j_rate:,.0f} samples/s   "
+              f"pytorch {t_rate:,.0f} samples/s   ratio {j_rate / t_rate:.2f}x", flush=True)
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

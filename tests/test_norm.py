@@ -156,7 +156,7 @@ def test_dataset_epochs_and_positions(tmp_path):
         block = generate_block(n, slot_nnz=layout, vocab=[100] * len(layout),
                                dense_dim=data.dense_dim, seed=i)
         p = str(tmp_path / f"p{i}.data")
-        write_norm_file(p, block, key_type="I64")
+        write_norm_file(p, block, key_type="I64", check=data.check)
         files.append(p)
     lst = str(tmp_path / "l.txt")
     write_file_list(lst, files)

@@ -7,7 +7,7 @@ import pytest
 from flax import nnx
 
 from jctr.models import layers as L
-from jctr.ops import dot_interaction, embedding_bag
+from jctr.ops import dot_interaction, dot_interaction_reference, embedding_bag
 
 B = 6
 rng = np.random.default_rng(0)
@@ -123,6 +123,24 @@ def test_interaction():
     assert out.shape == (B, 4 + 6 + 1)
     close(out, want, 1e-4)
     close(dot_interaction(jnp.asarray(d), jnp.asarray(e)), want, 1e-4)
+    close(dot_interaction_reference(jnp.asarray(d), jnp.asarray(e)), want, 1e-4)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_interaction_gradient_matches_reference(dtype):
+    d = jnp.asarray(x2(8), dtype)
+    e = jnp.asarray(rng.normal(size=(B, 5, 8)), dtype)
+    w = jnp.asarray(rng.normal(size=(B, 8 + 15 + 1)), dtype)
+
+    def loss(fn):
+        return lambda d, e: jnp.sum((fn(d, e) * w).astype(jnp.float32))
+
+    got = jax.grad(loss(dot_interaction), argnums=(0, 1))(d, e)
+    want = jax.grad(loss(dot_interaction_reference), argnums=(0, 1))(d, e)
+    tol = 1e-4 if dtype == jnp.float32 else 5e-2
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32),
+                                   rtol=tol, atol=tol * 10)
 
 
 def test_embedding_bag_sum_mean_and_empty():

@@ -3,9 +3,13 @@ by platform (the GPU kernels issue adds Pallas variants behind these names)."""
 
 from jctr.ops.embedding_bag import embedding_bag
 from jctr.ops.hashing import EMPTY_KEY, find_slots, hash_keys, home_slots, representatives
-from jctr.ops.interaction import dot_interaction, interaction_output_dim
+from jctr.ops.interaction import (
+    dot_interaction,
+    dot_interaction_reference,
+    interaction_output_dim,
+)
 
 __all__ = [
-    "EMPTY_KEY", "dot_interaction", "embedding_bag", "find_slots", "hash_keys", "home_slots",
+    "EMPTY_KEY", "dot_interaction", "dot_interaction_reference", "embedding_bag", "find_slots", "hash_keys", "home_slots",
     "interaction_output_dim", "representatives",
 ]

@@ -77,10 +77,15 @@ def find_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array, *, inser
     pos = home_slots(keys, num_slots)
     slots = jnp.full((n,), -1, jnp.int32)
     active = valid
+    # The dense rounds only read: in steady state nearly every key already exists, and a
+    # scatter over the whole batch per round would cost more than the lookups. Keys that meet a
+    # free slot (new keys) stop there and claim it in the compacted remainder below.
     for _ in range(dense_rounds):
-        slot_keys, pos, found, missing = _probe_round(slot_keys, keys, pos, active, insert)
+        _, pos, found, missing = _probe_round(slot_keys, keys, pos, active, False)
         slots = jnp.where(found, pos, slots)
-        active = active & ~found & ~missing
+        active = active & ~found
+        if not insert:
+            active = active & ~missing
     if chunk is None:
         chunk = max(64, n // 8)
     chunk = min(chunk, n)

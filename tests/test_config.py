@@ -93,7 +93,8 @@ BAD = [
     (lambda: _mutate(["solver", "gpu"], [0, [1]]), "solver.gpu"),
     (lambda: _mutate(["optimizer", "adam_hparam"], {"learning_rate": 0.1}),
      'optimizer.adam_hparam: belongs to optimizer type "Adam"'),
-    (lambda: _mutate(["layers", 0, "format"], "Raw"), "layers[0].check: format Raw has no checksum"),
+    (lambda: _mutate(["layers", 0, "format"], "Raw"),
+     "layers[0].check: format Raw has no checksum"),
 ]
 
 

@@ -8,8 +8,7 @@ import pytest
 
 from jctr.config.schema import OptimizerConfig
 from jctr.embedding import optimizers as row_opt
-from jctr.embedding.collection import EmbeddingSpec, apply_gradients, init_embedding
-from jctr.embedding.collection import lookup_vectors
+from jctr.embedding.collection import EmbeddingSpec, apply_gradients, init_embedding, lookup_vectors
 from jctr.train.optimizers import dense_optimizer
 from jctr.train.schedules import learning_rate_schedule
 

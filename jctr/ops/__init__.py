@@ -10,6 +10,6 @@ from jctr.ops.interaction import (
 )
 
 __all__ = [
-    "EMPTY_KEY", "dot_interaction", "dot_interaction_reference", "embedding_bag", "find_slots", "hash_keys", "home_slots",
-    "interaction_output_dim", "representatives",
+    "EMPTY_KEY", "dot_interaction", "dot_interaction_reference", "embedding_bag", "find_slots",
+    "hash_keys", "home_slots", "interaction_output_dim", "representatives",
 ]

@@ -27,7 +27,7 @@ def dot_interaction_reference(dense: jax.Array, sparse: jax.Array) -> jax.Array:
     return jnp.concatenate([dense, flat.astype(dense.dtype), pad], axis=1)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pair_tables(f: int):
     li, lj = np.tril_indices(f, k=-1)
     pair = np.full((f, f), len(li))  # the index of the zero row

@@ -87,7 +87,7 @@ def parse_config(raw: Any, *, source: str | None = None, base_dir: str = ".",
     root.finish()
     data, embeddings, layers = parse_layers(layers_raw, source)
     cfg = ModelConfig(solver=solver, optimizer=optimizer, data=data, embeddings=embeddings,
-                      layers=layers, source=source, base_dir=base_dir)
+                      layers=layers, source=source, base_dir=base_dir, raw=raw)
     validate_config(cfg)
     return cfg
 
@@ -128,6 +128,7 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
                       "drop mixed_precision to use bfloat16")
     seed = r.int("seed", 0, min_value=0)
     log_dir = r.str("log_dir", None)
+    snapshot_keep = r.int("snapshot_keep", 3, min_value=1)
     # Accepted for HugeCTR compatibility; XLA schedules the step as a whole already.
     r.bool("cuda_graph", True)
     r.finish()
@@ -137,7 +138,8 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
         snapshot_prefix=snapshot_prefix, eval_interval=eval_interval, eval_batches=eval_batches,
         dense_model_file=dense_model_file, sparse_model_file=sparse_model_file,
         mixed_precision=mixed_precision, enable_tf32_compute=enable_tf32, eval_metrics=metrics,
-        input_key_type=input_key_type, compute_dtype=compute_dtype, seed=seed, log_dir=log_dir)
+        input_key_type=input_key_type, compute_dtype=compute_dtype, seed=seed, log_dir=log_dir,
+        snapshot_keep=snapshot_keep)
 
 
 def _parse_gpu(r: ObjectReader) -> tuple[tuple[int, ...], ...]:

@@ -77,6 +77,12 @@ class SolverConfig:
     compute_dtype: str = "float32"
     seed: int = 0
     log_dir: str | None = None
+    snapshot_keep: int = 3  # checkpoints kept (oldest deleted first)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where snapshots go: ``<snapshot_prefix>checkpoints``."""
+        return f"{self.snapshot_prefix}checkpoints"
 
     @property
     def auc_threshold(self) -> float | None:
@@ -264,6 +270,8 @@ class ModelConfig:
     layers: tuple[LayerConfig, ...]
     source: str | None = None  # file it came from
     base_dir: str = "."  # relative data paths resolve against this
+    # the JSON it was parsed from (checkpoints and inference bundles carry it)
+    raw: dict | None = field(default=None, compare=False, hash=False, repr=False)
 
     def embedding_optimizer(self, emb: EmbeddingConfig) -> OptimizerConfig:
         return emb.optimizer if emb.optimizer is not None else self.optimizer

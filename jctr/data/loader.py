@@ -104,7 +104,6 @@ class NormDataset:
             raise DataError(f"{file_list}: the file list names no data file")
         self.data = data
         self.key_type = key_type
-        self.position = ReaderPosition()
         self._cache: dict[int, RecordBlock] = {}
 
     def read_file(self, index: int) -> RecordBlock:
@@ -126,34 +125,47 @@ class NormDataset:
                 start: ReaderPosition | None = None) -> Iterator[Batch]:
         """Fixed-size batches from ``start`` (default: the beginning). With ``epochs`` the last
         batch of each epoch is padded (masked); with ``epochs=None`` the data repeats forever
-        and batches run across epoch ends. ``self.position`` follows the iteration."""
+        and batches run across epoch ends."""
+        for batch, _ in self.batches_with_position(batch_size, epochs, start):
+            yield batch
+
+    def batches_with_position(self, batch_size: int, epochs: int | None = None,
+                              start: ReaderPosition | None = None
+                              ) -> Iterator[tuple[Batch, ReaderPosition]]:
+        """Like :meth:`batches`, each batch paired with the position right after it: resuming
+        from that position continues with the next batch exactly (checkpoints store it)."""
         pos = ReaderPosition(**vars(start)) if start is not None else ReaderPosition()
-        self.position = pos
         pending: list[RecordBlock] = []
         pending_n = 0
         while epochs is None or pos.epoch < epochs:
             block = self.read_file(pos.file_index)
             name = self.files[pos.file_index]
-            start = pos.record
-            while start < len(block):
-                take = min(batch_size - pending_n, len(block) - start)
-                pending.append(block.slice(start, start + take))
+            start_rec = pos.record
+            while start_rec < len(block):
+                take = min(batch_size - pending_n, len(block) - start_rec)
+                pending.append(block.slice(start_rec, start_rec + take))
                 pending_n += take
-                start += take
-                pos.record = start
+                start_rec += take
+                pos.record = start_rec
                 if pending_n == batch_size:
-                    yield build_batch(RecordBlock.concat(pending), batch_size, self.data.sparse,
-                                      name, start - take)
+                    # "end of a file" is reported as the start of the next one
+                    nxt = (_advance_file(pos, len(self.files)) if start_rec == len(block)
+                           else ReaderPosition(**vars(pos)))
+                    yield (build_batch(RecordBlock.concat(pending), batch_size,
+                                       self.data.sparse, name, start_rec - take), nxt)
                     pending, pending_n = [], 0
-            pos.file_index += 1
-            pos.record = 0
-            if pos.file_index == len(self.files):
-                pos.file_index = 0
-                pos.epoch += 1
-                if epochs is not None and pending_n:
-                    yield build_batch(RecordBlock.concat(pending), batch_size, self.data.sparse,
-                                      name)
-                    pending, pending_n = [], 0
+            pos = _advance_file(pos, len(self.files))
+            if pos.file_index == 0 and epochs is not None and pending_n:
+                yield (build_batch(RecordBlock.concat(pending), batch_size, self.data.sparse,
+                                   name), ReaderPosition(**vars(pos)))
+                pending, pending_n = [], 0
+
+
+def _advance_file(pos: ReaderPosition, num_files: int) -> ReaderPosition:
+    nxt = ReaderPosition(pos.epoch, pos.file_index + 1, 0)
+    if nxt.file_index == num_files:
+        nxt = ReaderPosition(pos.epoch + 1, 0, 0)
+    return nxt
 
 
 def open_dataset(path: str, data: DataConfig, key_type: str) -> NormDataset:

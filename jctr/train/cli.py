@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from jctr.checkpoint.manager import CheckpointError
+from jctr.checkpoint.model_files import ModelFileError
 from jctr.config import ConfigError, load_config
 from jctr.data.norm import DataError
 from jctr.embedding.hash_table import TableFullError
@@ -31,6 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "layers). Progress goes to the terminal; --log-dir adds JSON lines.",
         epilog="Example: python -m jctr.train --config configs/dlrm_synthetic.json --max-iter 500")
     ap.add_argument("--config", required=True, help="JSON config file")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from the latest checkpoint under the solver's "
+                         "snapshot_prefix (state, RNG, schedule and data position)")
     ap.add_argument("--no-generate", action="store_true",
                     help="do not generate missing synthetic data (the Data layer's `synthetic`)")
     for flag, _, typ, hlp in _OVERRIDES:
@@ -57,8 +62,10 @@ def main(argv: list[str] | None = None) -> int:
         from jctr.train.trainer import Trainer
 
         trainer = Trainer(cfg, generate_data=not args.no_generate)
+        if args.resume:
+            trainer.restore_checkpoint()
         trainer.fit()
-    except (ConfigError, DataError, TableFullError) as e:
+    except (ConfigError, DataError, TableFullError, CheckpointError, ModelFileError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -82,12 +82,16 @@ def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation):
                 vectors.append(vecs)
             rng = jax.random.fold_in(state.rng, state.step)
 
-            def loss_fn(params, vectors):
-                loss, aux = _forward(sc, params, state.batch_stats, vectors, batch, rng, True)
+            # The BatchNorm statistics enter as a differentiated argument only so that NNX sees
+            # them on the same trace level as the layers that update them; their gradient is
+            # unused (a few floats).
+            def loss_fn(params, vectors, batch_stats):
+                loss, aux = _forward(sc, params, batch_stats, vectors, batch, rng, True)
                 return loss * sc.loss_scale, aux
 
-            (scaled, (pred, new_stats)), (g_params, g_vecs) = jax.value_and_grad(
-                loss_fn, argnums=(0, 1), has_aux=True)(state.params, vectors)
+            (scaled, (pred, new_stats)), (g_params, g_vecs, _) = jax.value_and_grad(
+                loss_fn, argnums=(0, 1, 2), has_aux=True)(state.params, vectors,
+                                                          state.batch_stats)
             inv = 1.0 / sc.loss_scale
             g_params = jax.tree.map(lambda g: (g * inv).astype(jnp.float32), g_params)
             updates, opt_state = dense_tx.update(g_params, state.opt_state, state.params)

@@ -16,7 +16,7 @@ from flax import nnx
 
 from jctr.config import ConfigError, ModelConfig, load_config
 from jctr.data.batch import Batch
-from jctr.data.loader import NormDataset, Prefetcher, open_dataset
+from jctr.data.loader import NormDataset, Prefetcher, ReaderPosition, open_dataset
 from jctr.data.synthetic import generate_for_config
 from jctr.embedding.collection import EmbeddingSpec, init_embedding
 from jctr.embedding.hash_table import TableFullError
@@ -24,6 +24,13 @@ from jctr.models.graph import build_network
 from jctr.train.metrics import auc, log_loss
 from jctr.train.optimizers import dense_optimizer
 from jctr.train.step import StepConfig, TrainState, make_eval_step, make_train_step
+
+
+def _version() -> str:
+    from jctr import __version__
+
+    return __version__
+
 
 _DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
 
@@ -82,6 +89,10 @@ class Trainer:
         self._eval_data: NormDataset | None = None
         self.history: list[dict[str, Any]] = []
         self._log_file = None
+        self.reader_position: ReaderPosition | None = None  # after the last consumed batch
+        self._checkpointer = None
+        if cfg.solver.dense_model_file or cfg.solver.sparse_model_file:
+            self.load_model_files(cfg.solver.dense_model_file, cfg.solver.sparse_model_file)
 
     @classmethod
     def from_config(cls, config: str | os.PathLike | dict, **solver_overrides) -> Trainer:
@@ -133,15 +144,18 @@ class Trainer:
                 f"allows in {names}; raise sparse_embedding_hparam.max_vocabulary_size_per_gpu")
 
     def fit(self, max_iter: int | None = None) -> list[dict[str, Any]]:
-        """Train for ``max_iter`` (or the solver's ``max_iter`` / ``num_epochs``), evaluating
-        every ``eval_interval`` steps and at the end. Returns the recorded history."""
+        """Train until iteration ``max_iter`` (or the solver's ``max_iter`` / ``num_epochs``;
+        a resumed run counts the iterations done before), evaluating every ``eval_interval``
+        steps and at the end. Returns the recorded history."""
         s = self.solver
         max_iter = max_iter or s.max_iter
         epochs = None if max_iter else s.num_epochs
         if max_iter is None and epochs is None:
             raise ConfigError("solver", "set max_iter or num_epochs", self.cfg.source)
-        batches = Prefetcher(self.train_data.batches(s.batchsize, epochs=epochs),
-                             transform=jax.device_put)
+        batches = Prefetcher(
+            self.train_data.batches_with_position(s.batchsize, epochs=epochs,
+                                                  start=self.reader_position),
+            transform=lambda item: (jax.device_put(item[0]), item[1]))
         self._print(f"[jctr] training {', '.join(e.name for e in self.cfg.embeddings)} + "
                     f"{len(self.cfg.layers)} dense layers; batch {s.batchsize}; "
                     f"{'max_iter ' + str(max_iter) if max_iter else str(epochs) + ' epoch(s)'}")
@@ -152,8 +166,9 @@ class Trainer:
         prev = None
         stop = False
         try:
-            for batch in batches:
+            for batch, position in batches:
                 self.state, metrics = self.train_step(self.state, batch)
+                self.reader_position = position
                 if prev is not None:
                     self._check_overflow(prev)  # one step behind: no stall of the pipeline
                 prev = metrics
@@ -168,9 +183,12 @@ class Trainer:
                                 + (f"/{max_iter}" if max_iter else "")
                                 + f"  loss {loss:.5f}  {rate:,.0f} samples/s")
                     self._record("train", iter=done, loss=loss, samples_per_s=rate)
+                if s.snapshot and done % s.snapshot == 0:
+                    self._check_overflow(metrics)
+                    self.save_checkpoint()
                 if done % s.eval_interval == 0 and not (max_iter and done == max_iter):
                     stop = self._eval_and_report(done)
-                if stop or (max_iter and done - start_step >= max_iter):
+                if stop or (max_iter and done >= max_iter):
                     break
         finally:
             batches.close()
@@ -181,6 +199,8 @@ class Trainer:
         trained = done - start_step
         self._record("summary", iters=trained,
                      samples_per_s=trained * s.batchsize / max(elapsed, 1e-9))
+        if self._checkpointer is not None:
+            self._checkpointer.wait()
         if not stop:
             self._eval_and_report(done)
         return self.history
@@ -196,6 +216,99 @@ class Trainer:
                         "stopping")
             return True
         return False
+
+    # ---- checkpoints and model files -----------------------------------------------------
+
+    @property
+    def checkpointer(self):
+        if self._checkpointer is None:
+            from jctr.checkpoint.manager import Checkpointer
+
+            self._checkpointer = Checkpointer(self.solver.checkpoint_dir,
+                                              keep=self.solver.snapshot_keep)
+        return self._checkpointer
+
+    def network(self):
+        """The dense network as a concrete NNX module (a view of the current state)."""
+        return nnx.merge(self.step_config.graphdef, self.state.params, self.state.batch_stats)
+
+    def save_checkpoint(self) -> int:
+        """Snapshot the whole state (asynchronously) plus the BatchNorm JSON beside it."""
+        from jctr.checkpoint.model_files import write_non_trainable
+
+        pos = self.reader_position or ReaderPosition()
+        ckpt = self.checkpointer
+        step = ckpt.save(self.state, self.specs,
+                         meta={"reader": vars(pos), "config": self.cfg.raw,
+                               "jctr_version": _version()})
+        write_non_trainable(os.path.join(ckpt.directory, f"non_trainable_{step}.json"),
+                            self.network())
+        kept = set(ckpt.steps()) | {step}
+        for name in os.listdir(ckpt.directory):
+            if name.startswith("non_trainable_") and name.endswith(".json"):
+                old = name[len("non_trainable_"):-len(".json")]
+                if old.isdigit() and int(old) not in kept:
+                    os.remove(os.path.join(ckpt.directory, name))
+        self._print(f"[jctr] snapshot of iter {step} -> {ckpt.step_dir(step)}")
+        self._record("snapshot", iter=step, path=ckpt.step_dir(step))
+        return step
+
+    def restore_checkpoint(self, step: int | None = None, directory: str | None = None) -> int:
+        """Continue from a checkpoint (default: the latest under the solver's directory):
+        state, RNG, schedule position and the training reader's position."""
+        from jctr.checkpoint.manager import Checkpointer
+
+        ckpt = Checkpointer(directory, keep=self.solver.snapshot_keep) if directory \
+            else self.checkpointer
+        self.state, meta = ckpt.restore(self.state, self.specs, step)
+        self.reader_position = ReaderPosition(**meta.get("reader", {}))
+        self._print(f"[jctr] resumed from iter {int(self.state.step)} ({ckpt.directory})")
+        return int(self.state.step)
+
+    def save_model_files(self, prefix: str) -> list[str]:
+        """HugeCTR-style files: ``<prefix>dense_<iter>.model``, one
+        ``<prefix><embedding>_sparse_<iter>.model`` folder per embedding and
+        ``<prefix>non_trainable_<iter>.json`` (layouts: :mod:`jctr.checkpoint.model_files`)."""
+        from jctr.checkpoint.model_files import (
+            write_dense_model,
+            write_non_trainable,
+            write_sparse_model,
+        )
+        from jctr.checkpoint.tables import export_table
+
+        step = int(self.state.step)
+        os.makedirs(os.path.dirname(os.path.abspath(prefix + "x")), exist_ok=True)
+        net = self.network()
+        paths = [f"{prefix}dense_{step}.model", f"{prefix}non_trainable_{step}.json"]
+        write_dense_model(paths[0], net)
+        write_non_trainable(paths[1], net)
+        for spec, es in zip(self.specs, self.state.embeddings):
+            t = export_table(es)
+            path = f"{prefix}{spec.name}_sparse_{step}.model"
+            write_sparse_model(path, t["keys"], t["values"])
+            paths.append(path)
+        return paths
+
+    def load_model_files(self, dense: str | None, sparse: tuple[str, ...] = ()) -> None:
+        """Warm start from HugeCTR-style model files (optimizer state starts fresh)."""
+        from jctr.checkpoint.model_files import load_dense_model, read_sparse_model
+        from jctr.checkpoint.tables import import_table
+
+        if dense:
+            net = self.network()
+            load_dense_model(dense, net)
+            _, params, stats = nnx.split(net, nnx.Param, ...)
+            self.state = self.state._replace(params=params, batch_stats=stats)
+        if sparse:
+            if len(sparse) != len(self.specs):
+                raise ConfigError("solver.sparse_model_file", f"{len(sparse)} files for "
+                                  f"{len(self.specs)} embeddings", self.cfg.source)
+            embs = []
+            for spec, es, path in zip(self.specs, self.state.embeddings, sparse):
+                keys, vectors = read_sparse_model(path, spec.dim)
+                embs.append(import_table(spec, es, {"keys": keys, "values": vectors},
+                                         source=path))
+            self.state = self.state._replace(embeddings=tuple(embs))
 
     # ---- evaluation and prediction ------------------------------------------------------
 

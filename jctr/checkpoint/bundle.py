@@ -1,0 +1,172 @@
+"""Inference bundles: everything needed to predict, without the trainer.
+
+Layout of a bundle folder:
+
+* ``manifest.json``: format and jctr versions, the checkpoint step, every embedding's key count
+  and vector size, the dense weight count, and the input shapes;
+* ``network.json``: the inputs (label, dense and sparse shapes), the embedding layers and the
+  dense layers of the config -- without the data reader and the loss -- plus ``output``: which
+  tensor is the logit and which activation turns it into a probability;
+* ``dense.model``, ``non_trainable.json`` and ``sparse/<embedding>.model/{key,emb_vector}``: the
+  files of :mod:`jctr.checkpoint.model_files`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jctr.checkpoint.model_files import (
+    ModelFileError,
+    load_dense_model,
+    load_non_trainable,
+    read_sparse_model,
+    write_dense_model,
+    write_non_trainable,
+    write_sparse_model,
+)
+from jctr.checkpoint.tables import export_table, import_table
+from jctr.config import parse_config
+from jctr.config.schema import LOSS_TYPES
+from jctr.data.batch import Batch
+
+BUNDLE_FORMAT = "jctr-inference-bundle"
+BUNDLE_VERSION = 1
+
+
+def network_json(raw: dict) -> dict:
+    """The inference network of a raw config: inputs, embeddings, dense layers, output."""
+    layers = raw["layers"]
+    data = layers[0]
+    embeddings, dense, output = [], [], None
+    for layer in layers[1:]:
+        if layer["type"] in LOSS_TYPES:
+            bottom = layer["bottom"]
+            output = {"bottom": bottom[0], "loss_type": layer["type"]}
+            if "target_weight" in layer:
+                output["target_weight"] = layer["target_weight"]
+        elif "sparse_embedding_hparam" in layer:
+            embeddings.append({k: v for k, v in layer.items() if k != "optimizer"})
+        else:
+            dense.append(layer)
+    inputs = {"label": data["label"], "dense": data["dense"], "sparse": data["sparse"]}
+    return {"inputs": inputs, "embeddings": embeddings, "layers": dense, "output": output}
+
+
+def config_from_network(net: dict) -> dict:
+    """A config dict (placeholder data sources, a loss for the activation) for the graph builder.
+    """
+    out = net["output"]
+    loss = {"name": "output", "type": out["loss_type"],
+            "bottom": [out["bottom"], net["inputs"]["label"]["top"]], "top": "output"}
+    if "target_weight" in out:
+        loss["target_weight"] = out["target_weight"]
+    data = {"name": "data", "type": "Data", "source": "-", "eval_source": "-",
+            **{k: net["inputs"][k] for k in ("label", "dense", "sparse")}}
+    return {"optimizer": {"type": "SGD"}, "layers": [data, *net["embeddings"], *net["layers"],
+                                                     loss]}
+
+
+def export_bundle(trainer, output: str, step: int | None = None) -> str:
+    """Write an inference bundle of ``trainer``'s current state."""
+    from jctr import __version__
+
+    tmp = output.rstrip("/") + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(os.path.join(tmp, "sparse"))
+    net = trainer.network()
+    write_dense_model(os.path.join(tmp, "dense.model"), net)
+    write_non_trainable(os.path.join(tmp, "non_trainable.json"), net)
+    tables = {}
+    for spec, es in zip(trainer.specs, trainer.state.embeddings):
+        t = export_table(es)
+        write_sparse_model(os.path.join(tmp, "sparse", f"{spec.name}.model"), t["keys"],
+                           t["values"])
+        tables[spec.name] = {"keys": int(t["keys"].shape[0]), "embedding_vec_size": spec.dim,
+                             "combiner": spec.combiner}
+    raw = trainer.cfg.raw
+    if raw is None:
+        raise ValueError("the trainer's config has no JSON form to export")
+    network = network_json(raw)
+    dense_count = int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(trainer.state.params)))
+    manifest = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "jctr_version": __version__,
+                "jax_version": jax.__version__, "step": int(trainer.state.step),
+                "embeddings": tables, "dense_weights": dense_count,
+                "inputs": network["inputs"]}
+    for name, obj in (("manifest.json", manifest), ("network.json", network)):
+        with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
+            json.dump(obj, f, indent=1)
+    shutil.rmtree(output, ignore_errors=True)
+    os.replace(tmp, output)
+    return output
+
+
+class InferenceModel:
+    """Predicts click probabilities from an inference bundle (CPU or any JAX device).
+
+    Example::
+
+        model = InferenceModel.load("bundles/dlrm")
+        probs = model.predict(batch)      # a jctr Batch, as the readers produce
+    """
+
+    def __init__(self, cfg, state, specs, step_fn, manifest: dict):
+        self.cfg = cfg
+        self.state = state
+        self.specs = specs
+        self._eval = step_fn
+        self.manifest = manifest
+
+    @classmethod
+    def load(cls, path: str) -> InferenceModel:
+        from jctr.train.step import make_eval_step
+        from jctr.train.trainer import build_model
+
+        manifest = _read_json(os.path.join(path, "manifest.json"))
+        if manifest.get("format") != BUNDLE_FORMAT or manifest.get("version", 0) > BUNDLE_VERSION:
+            raise ModelFileError(f"{path}/manifest.json: not a jctr inference bundle of "
+                                 f"version <= {BUNDLE_VERSION}")
+        network = _read_json(os.path.join(path, "network.json"))
+        raw = config_from_network(network)
+        # tables sized to what the bundle holds: inference never inserts
+        for emb in raw["layers"][1:1 + len(network["embeddings"])]:
+            n = manifest["embeddings"][emb["name"]]["keys"]
+            emb["sparse_embedding_hparam"] = {**emb["sparse_embedding_hparam"],
+                                              "max_vocabulary_size_per_gpu": max(n, 1)}
+        cfg = parse_config(raw, require_solver=False)
+        step_config, _, init_state = build_model(cfg)
+        state = init_state()
+        net = nnx.merge(step_config.graphdef, state.params, state.batch_stats)
+        load_dense_model(os.path.join(path, "dense.model"), net)
+        load_non_trainable(os.path.join(path, "non_trainable.json"), net)
+        _, params, stats = nnx.split(net, nnx.Param, ...)
+        embs = []
+        for spec, es in zip(step_config.specs, state.embeddings):
+            sp = os.path.join(path, "sparse", f"{spec.name}.model")
+            keys, vectors = read_sparse_model(sp, spec.dim)
+            es = es._replace(values=jnp.zeros_like(es.values))  # unknown keys read as zeros
+            embs.append(import_table(spec, es, {"keys": keys, "values": vectors}, source=sp))
+        state = state._replace(params=params, batch_stats=stats, opt_state=None,
+                               embeddings=tuple(embs))
+        return cls(cfg, state, step_config.specs, jax.jit(make_eval_step(step_config)),
+                   manifest)
+
+    def predict(self, batch: Batch) -> np.ndarray:
+        """Probabilities of the batch's real samples (padding dropped)."""
+        _, pred = self._eval(self.state, jax.device_put(batch))
+        return np.asarray(pred)[np.asarray(batch.mask)]
+
+
+def _read_json(path: str) -> Any:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"{path}: cannot read: {e}") from e

@@ -1,0 +1,161 @@
+"""HugeCTR-style model files and the non-trainable (BatchNorm) JSON.
+
+Byte layouts (all little endian):
+
+* **dense model file**: the trainable weights of the dense layers concatenated as float32, in the
+  order of the layers in the config, each layer's arrays in this order:
+  InnerProduct / FusedInnerProduct: kernel ``[in, out]`` row-major, then bias ``[out]`` (if any);
+  BatchNorm: gamma ``[n]``, beta ``[n]``; Multiply: weight ``[slots, dim]``;
+  MultiCross: for each cross layer ``i``: ``w_i [n]`` then ``b_i [n]``.
+  Layers without weights contribute nothing. No header: the file size must match exactly.
+* **sparse model** (one per embedding): a folder ``<name>.model`` holding ``key`` (int64 [n]) and
+  ``emb_vector`` (float32 [n, dim], row i belongs to key i).
+* **non-trainable JSON**: ``{"layers": [{"type": "BatchNorm", "mean": [...], "var": [...]}, ...]}``
+  with one entry per BatchNorm layer in config order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jctr.models import layers as L
+
+
+class ModelFileError(ValueError):
+    """A model file does not match the model; the message names the file and what differs."""
+
+
+def _weight_slots(net) -> list[tuple[object, str, tuple[int, ...], int | None]]:
+    """(module, attribute, shape, index along axis 0 or None) in file order."""
+    out = []
+    for mod in net.layers:
+        if isinstance(mod, L.InnerProduct):
+            out.append((mod, "kernel", mod.kernel[...].shape, None))
+            if mod.bias is not None:
+                out.append((mod, "bias", mod.bias[...].shape, None))
+        elif isinstance(mod, L.BatchNorm):
+            out.append((mod, "gamma", mod.gamma[...].shape, None))
+            out.append((mod, "beta", mod.beta[...].shape, None))
+        elif isinstance(mod, L.Multiply):
+            out.append((mod, "weight", mod.weight[...].shape, None))
+        elif isinstance(mod, L.MultiCross):
+            n = mod.w[...].shape[1]
+            for i in range(mod.num_layers):
+                out.append((mod, "w", (n,), i))
+                out.append((mod, "b", (n,), i))
+    return out
+
+
+def dense_weights(net) -> np.ndarray:
+    """All trainable dense weights as one float32 vector in file order."""
+    parts = []
+    for mod, attr, _, i in _weight_slots(net):
+        arr = np.asarray(getattr(mod, attr)[...], np.float32)
+        parts.append((arr[i] if i is not None else arr).ravel())
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+def write_dense_model(path: str, net) -> None:
+    _atomic_write(path, dense_weights(net).astype("<f4").tobytes())
+
+
+def load_dense_model(path: str, net) -> None:
+    """Set ``net``'s trainable weights from a dense model file (in place)."""
+    try:
+        flat = np.fromfile(path, dtype="<f4")
+    except OSError as e:
+        raise ModelFileError(f"{path}: cannot read dense model file: {e.strerror}") from e
+    slots = _weight_slots(net)
+    expected = sum(int(np.prod(shape)) for _, _, shape, _ in slots)
+    if flat.size != expected or os.path.getsize(path) != 4 * expected:
+        raise ModelFileError(f"{path}: dense model file holds {os.path.getsize(path)} bytes; "
+                             f"this network's weights need {4 * expected} "
+                             f"({expected} float32 in layer order)")
+    pos = 0
+    for mod, attr, shape, i in slots:
+        size = int(np.prod(shape))
+        chunk = jnp.asarray(flat[pos:pos + size].reshape(shape))
+        pos += size
+        var = getattr(mod, attr)
+        var[...] = chunk if i is None else var[...].at[i].set(chunk)
+
+
+def write_sparse_model(path: str, keys: np.ndarray, vectors: np.ndarray) -> None:
+    """Write one embedding's ``key`` and ``emb_vector`` files into the folder ``path``."""
+    os.makedirs(path, exist_ok=True)
+    _atomic_write(os.path.join(path, "key"), np.asarray(keys, "<i8").tobytes())
+    _atomic_write(os.path.join(path, "emb_vector"), np.asarray(vectors, "<f4").tobytes())
+
+
+def read_sparse_model(path: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """(keys [n], vectors [n, dim]) of a sparse model folder, checked against each other."""
+    kp, vp = os.path.join(path, "key"), os.path.join(path, "emb_vector")
+    for p in (kp, vp):
+        if not os.path.isfile(p):
+            raise ModelFileError(f"{p}: missing (a sparse model is a folder with `key` and "
+                                 "`emb_vector` files)")
+    if os.path.getsize(kp) % 8:
+        raise ModelFileError(f"{kp}: size {os.path.getsize(kp)} is not a multiple of 8 "
+                             "(int64 keys)")
+    keys = np.fromfile(kp, dtype="<i8")
+    want = keys.size * dim * 4
+    if os.path.getsize(vp) != want:
+        raise ModelFileError(f"{vp}: holds {os.path.getsize(vp)} bytes; {keys.size} keys of "
+                             f"embedding_vec_size {dim} need {want}")
+    vectors = np.fromfile(vp, dtype="<f4").reshape(keys.size, dim)
+    if np.unique(keys).size != keys.size:
+        raise ModelFileError(f"{kp}: duplicate keys")
+    return keys.astype(np.int64), vectors
+
+
+def non_trainable(net) -> dict:
+    """The non-trainable parameters (BatchNorm running statistics) in the seeds' JSON form."""
+    layers = []
+    for mod in net.layers:
+        if isinstance(mod, L.BatchNorm):
+            layers.append({"type": "BatchNorm",
+                           "mean": [float(v) for v in np.asarray(mod.mean[...])],
+                           "var": [float(v) for v in np.asarray(mod.var[...])]})
+    return {"layers": layers}
+
+
+def write_non_trainable(path: str, net) -> None:
+    _atomic_write(path, json.dumps(non_trainable(net), indent=1).encode())
+
+
+def load_non_trainable(path: str, net) -> None:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelFileError(f"{path}: cannot read non-trainable parameters: {e}") from e
+    bns = [m for m in net.layers if isinstance(m, L.BatchNorm)]
+    entries = data.get("layers", []) if isinstance(data, dict) else []
+    if len(entries) != len(bns):
+        raise ModelFileError(f"{path}: {len(entries)} BatchNorm entries for {len(bns)} "
+                             "BatchNorm layers")
+    for i, (mod, entry) in enumerate(zip(bns, entries)):
+        n = mod.mean[...].shape[0]
+        if len(entry.get("mean", [])) != n or len(entry.get("var", [])) != n:
+            raise ModelFileError(f"{path}: layers[{i}]: expected mean and var of length {n}")
+        mod.mean[...] = jnp.asarray(entry["mean"], jnp.float32)
+        mod.var[...] = jnp.asarray(entry["var"], jnp.float32)
+
+
+def merged(graphdef, params, batch_stats):
+    """A concrete network module from split state (for reading or writing files)."""
+    return nnx.merge(graphdef, params, batch_stats)
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

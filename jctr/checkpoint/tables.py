@@ -1,0 +1,77 @@
+"""Embedding tables stored by key (not by device or hash slot), so that any table capacity and,
+with sharding, any number of devices can load them.
+
+A stored table is a dict of host arrays ordered by row: ``keys`` int64 [n], ``values`` float32
+[n, dim] and one [n, dim] array per optimizer slot (``last_step`` [n] for LazyGlobal).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jctr.embedding.collection import EmbeddingSpec, EmbeddingState
+from jctr.embedding.hash_table import export_items, lookup
+
+_INSERT_CHUNK = 1 << 18
+
+
+def export_table(state: EmbeddingState) -> dict[str, np.ndarray]:
+    """The used rows of a table, ordered by row."""
+    keys, rows = export_items(state.table)
+    idx = jnp.asarray(rows)
+    out = {"keys": keys, "values": np.asarray(jnp.take(state.values, idx, axis=0))}
+    for name, arr in state.slots.items():
+        out[name] = np.asarray(jnp.take(arr, idx, axis=0))
+    return out
+
+
+_insert = jax.jit(lambda table, keys, valid, capacity: lookup(table, keys, valid, capacity,
+                                                              insert=True),
+                  static_argnums=3, donate_argnums=0)
+
+
+def import_table(spec: EmbeddingSpec, state: EmbeddingState,
+                 stored: dict[str, np.ndarray], *, source: str = "<table>") -> EmbeddingState:
+    """Insert stored keys into ``state`` (normally freshly initialised) and set their rows.
+
+    Keys go in in stored order, so an empty table gives them rows 0..n-1 again: a restored
+    run continues exactly. Rows of keys not stored keep ``state``'s values.
+    """
+    keys = np.asarray(stored["keys"], np.int64)
+    values = np.asarray(stored["values"], np.float32)
+    n = keys.shape[0]
+    if values.shape != (n, spec.dim):
+        raise ValueError(f"{source}: embedding \"{spec.name}\" expects values of shape "
+                         f"({n}, {spec.dim}), got {values.shape}")
+    if n > spec.capacity:
+        raise ValueError(f"{source}: {n} keys do not fit embedding \"{spec.name}\" of capacity "
+                         f"{spec.capacity} (max_vocabulary_size_per_gpu)")
+    table = state.table
+    rows = np.empty(n, np.int32)
+    for start in range(0, n, _INSERT_CHUNK):
+        chunk = keys[start:start + _INSERT_CHUNK]
+        pad = np.zeros(_INSERT_CHUNK, np.int64)
+        pad[:chunk.size] = chunk
+        valid = np.arange(_INSERT_CHUNK) < chunk.size
+        table, lk = _insert(table, jnp.asarray(pad), jnp.asarray(valid), spec.capacity)
+        rows[start:start + chunk.size] = np.asarray(lk.rows)[:chunk.size]
+    if (rows < 0).any():
+        raise ValueError(f"{source}: embedding \"{spec.name}\" could not place every key")
+    if len(np.unique(rows)) != n:
+        raise ValueError(f"{source}: embedding \"{spec.name}\" holds duplicate keys")
+    r = jnp.asarray(rows)
+    new_values = state.values.at[r].set(jnp.asarray(values))
+    new_slots = {}
+    for name, arr in state.slots.items():
+        if name in stored:
+            data = np.asarray(stored[name], arr.dtype)
+            if data.shape != (n, *arr.shape[1:]):
+                raise ValueError(f"{source}: embedding \"{spec.name}\" optimizer state "
+                                 f"\"{name}\" has shape {data.shape}, expected "
+                                 f"{(n, *arr.shape[1:])}")
+            new_slots[name] = arr.at[r].set(jnp.asarray(data))
+        else:  # warm start from files without optimizer state: fresh optimizer rows
+            new_slots[name] = arr
+    return EmbeddingState(table, new_values, new_slots)

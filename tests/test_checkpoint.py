@@ -134,6 +134,10 @@ def test_corrupted_checkpoint_names_the_path(tmp_path):
     for p in victims:
         p.write_bytes(p.read_bytes()[: max(1, p.stat().st_size // 3)])
     fresh = Trainer.from_config(_cfg(tmp_path, max_iter=4))
+    with pytest.raises(CheckpointError, match=r"/4/dense/\S+: damaged checkpoint file"):
+        fresh.restore_checkpoint()
+    # without the integrity record, Orbax's own failure is still reported with the path
+    os.remove(tmp_path / "run_checkpoints" / "4.integrity.json")
     with pytest.raises(CheckpointError, match=str(step_dir)):
         fresh.restore_checkpoint()
     (step_dir / "meta" / "metadata").write_text("{not json")
@@ -211,3 +215,31 @@ def test_export_load_predict_equals_eval(tmp_path):
     for batch in list(t.eval_data.batches(512, epochs=1))[:3]:
         np.testing.assert_allclose(model.predict(batch), t.predict(batch), rtol=1e-5,
                                    atol=1e-7)
+
+
+def test_tables_restore_into_another_capacity(tmp_path):
+    """Tables are stored by key: a table of another size (another device count) loads them."""
+    t = Trainer.from_config(_cfg(tmp_path, max_iter=10, snapshot=10, display=100))
+    t.fit()
+    cfg = _cfg(tmp_path, max_iter=10)
+    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] *= 3
+    bigger = Trainer.from_config(cfg)
+    bigger.restore_checkpoint()
+    assert bigger.specs[0].capacity == 3 * t.specs[0].capacity
+    batch = next(iter(t.eval_data.batches(512, epochs=1)))
+    np.testing.assert_allclose(bigger.predict(batch), t.predict(batch), rtol=1e-6)
+
+
+def test_cli_resume(tmp_path):
+    cfg = _cfg(tmp_path, max_iter=12, snapshot=6, display=6)
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(cfg))
+    run = [sys.executable, "-m", "jctr.train", "--config", str(path)]
+    first = subprocess.run(run + ["--max-iter", "6"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300)
+    assert first.returncode == 0, first.stderr
+    second = subprocess.run(run + ["--resume"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "resumed from iter 6" in second.stderr and "iter 12/12" in second.stderr
+    assert "iter 6/12" not in second.stderr

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import zlib
 from typing import Any
 
 import jax
@@ -54,6 +55,7 @@ class Checkpointer:
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
                                                enable_async_checkpointing=async_save)
         self.manager = ocp.CheckpointManager(self.directory, options=options)
+        self._unsealed: list[int] = []
 
     def steps(self) -> list[int]:
         return sorted(self.manager.all_steps())
@@ -70,14 +72,49 @@ class Checkpointer:
                 "tables": {s.name: {"rows": int(tables[s.name]["keys"].shape[0]), "dim": s.dim,
                                     "capacity": s.capacity} for s in specs},
                 **(meta or {})}
+        self.wait()  # one save in flight at a time; seals the previous one
         self.manager.save(step, args=ocp.args.Composite(
             dense=ocp.args.StandardSave(_dense_tree(state)),
             tables=ocp.args.StandardSave(tables),
             meta=ocp.args.JsonSave(info)))
+        self._unsealed.append(step)
         return step
 
     def wait(self) -> None:
+        """Wait for the save in flight, then record sizes and CRC32s of its files
+        (``<step>.integrity.json``) so that later damage is found and named on restore."""
         self.manager.wait_until_finished()
+        done = set(self.manager.all_steps())
+        for step in self._unsealed:
+            if step in done:
+                _atomic_json(self._integrity_path(step), _file_digests(self.step_dir(step)))
+        self._unsealed = []
+        for name in os.listdir(self.directory):
+            if name.endswith(".integrity.json"):
+                old = name.split(".", 1)[0]
+                if old.isdigit() and int(old) not in done:
+                    os.remove(os.path.join(self.directory, name))
+
+    def _integrity_path(self, step: int) -> str:
+        return os.path.join(self.directory, f"{step}.integrity.json")
+
+    def verify(self, step: int) -> None:
+        """Raise :class:`CheckpointError` naming the first missing or damaged file."""
+        path = self._integrity_path(step)
+        if not os.path.exists(path):
+            return  # written by a process that died before sealing: Orbax's own checks only
+        with open(path, encoding="utf-8") as f:
+            expected = json.load(f)
+        root = self.step_dir(step)
+        for rel, (size, crc) in expected.items():
+            full = os.path.join(root, rel)
+            if not os.path.isfile(full):
+                raise CheckpointError(f"{full}: missing from the checkpoint")
+            if os.path.getsize(full) != size:
+                raise CheckpointError(f"{full}: damaged checkpoint file (size "
+                                      f"{os.path.getsize(full)}, expected {size})")
+            if _crc32(full) != crc:
+                raise CheckpointError(f"{full}: damaged checkpoint file (checksum mismatch)")
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
@@ -114,6 +151,7 @@ class Checkpointer:
         which is what an uninterrupted run would have had.
         """
         step = self._pick(step)
+        self.verify(step)
         meta = self.read_meta(step)
         where = self.step_dir(step)
         for item in ("dense", "tables"):
@@ -147,6 +185,30 @@ class Checkpointer:
     def close(self) -> None:
         self.manager.wait_until_finished()
         self.manager.close()
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _file_digests(root: str) -> dict[str, list[int]]:
+    out = {}
+    for base, _, files in os.walk(root):
+        for name in files:
+            full = os.path.join(base, name)
+            out[os.path.relpath(full, root)] = [os.path.getsize(full), _crc32(full)]
+    return out
+
+
+def _atomic_json(path: str, obj) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f)
+    os.replace(tmp, path)
 
 
 def _first_line(e: Exception) -> str:

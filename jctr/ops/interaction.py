@@ -78,6 +78,7 @@ def dot_interaction(dense: jax.Array, sparse: jax.Array) -> jax.Array:
     """
     b, _ = dense.shape
     feats = jnp.concatenate([dense[:, None, :], sparse.astype(dense.dtype)], axis=1)
-    dots = _pair_dots(jnp.transpose(feats, (2, 1, 0))).T
+    # products accumulate in float32 whatever the compute dtype (as the einsum reference does)
+    dots = _pair_dots(jnp.transpose(feats, (2, 1, 0)).astype(jnp.float32)).T
     pad = jnp.zeros((b, 1), dense.dtype)
-    return jnp.concatenate([dense, dots, pad], axis=1)
+    return jnp.concatenate([dense, dots.astype(dense.dtype), pad], axis=1)

@@ -42,7 +42,7 @@ def test_no_recompilation_including_the_ragged_last_batch(tiny):
 def test_padding_samples_do_not_change_the_step(tiny):
     """A half-empty batch trains exactly like the same samples in a batch of their own size."""
     t = Trainer.from_config(tiny("dlrm", batchsize=8))
-    data = t.train_data.read_file(0).slice(0, 4)
+    data = t.train_data.read_unit(0).slice(0, 4)
     sp = t.cfg.data.sparse
     padded = build_batch(data, 8, sp)
     t2 = Trainer.from_config(tiny("dlrm", batchsize=4))

@@ -323,15 +323,19 @@ def parse_data(r: ObjectReader) -> DataConfig:
         raise r.error("cache_eval_data", f"expected true, false or a non-negative count of "
                       f"batches, got {describe(cache)}")
     synthetic = _parse_synthetic(r.child("synthetic")) if r.has("synthetic") else None
+    shuffle = r.bool("shuffle", False)
     r.finish()
-    if synthetic is not None and fmt != "Norm":
-        raise r.error("synthetic", "synthetic generation writes the Norm format; set format Norm")
+    if fmt == "FeatureSpec" and any(not s.one_hot for s in sparse):
+        raise r.error("sparse", "format FeatureSpec is one-hot: every sparse input needs "
+                      "max_nnz 1")
     if fmt == "Raw":
         if num_samples is None:
             raise r.error("num_samples", "required for format Raw (the file has no header)")
         if eval_num_samples is None:
             raise r.error("eval_num_samples", "required for format Raw")
     if fmt in ("Raw", "Parquet"):
+        if any(not s.one_hot for s in sparse):
+            raise r.error("sparse", f"format {fmt} is one-hot: every sparse input needs max_nnz 1")
         total_slots = sum(s.slot_num for s in sparse)
         if not slot_size_array:
             raise r.error("slot_size_array", f"required for format {fmt}")
@@ -347,7 +351,8 @@ def parse_data(r: ObjectReader) -> DataConfig:
         label_top=label_top, label_dim=label_dim, dense_top=dense_top, dense_dim=dense_dim,
         sparse=tuple(sparse), format=fmt, check=check, num_samples=num_samples,
         eval_num_samples=eval_num_samples, slot_size_array=slot_size_array,
-        float_label_dense=float_label_dense, cache_eval_data=cache, synthetic=synthetic)
+        float_label_dense=float_label_dense, cache_eval_data=cache, synthetic=synthetic,
+        shuffle=shuffle)
 
 
 def _parse_synthetic(r: ObjectReader) -> SyntheticConfig:

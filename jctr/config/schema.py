@@ -16,7 +16,7 @@ EMBEDDING_TYPES = (
     "LocalizedSlotSparseEmbeddingOneHot",
 )
 SPARSE_INPUT_TYPES = ("DistributedSlot", "LocalizedSlot")
-DATA_FORMATS = ("Norm", "Raw", "Parquet")
+DATA_FORMATS = ("Norm", "Raw", "Parquet", "FeatureSpec")
 MIXED_PRECISION_SCALERS = (128, 256, 512, 1024)
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
 
@@ -144,6 +144,7 @@ class DataConfig:
     float_label_dense: bool = False
     cache_eval_data: int = 0
     synthetic: SyntheticConfig | None = None
+    shuffle: bool = False  # jctr: permute file (unit) and record order per epoch, seeded
 
     @property
     def total_slots(self) -> int:

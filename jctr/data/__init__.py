@@ -1,10 +1,10 @@
 """Data: the Batch type, the Norm format, synthetic power-law data, batching and prefetch."""
 
 from jctr.data.batch import Batch
-from jctr.data.loader import NormDataset, Prefetcher, build_batch, open_dataset
+from jctr.data.loader import Dataset, NormDataset, Prefetcher, build_batch, open_dataset
 from jctr.data.norm import DataError, RecordBlock, read_norm_file, write_norm_file
 
 __all__ = [
-    "Batch", "DataError", "NormDataset", "Prefetcher", "RecordBlock", "build_batch",
+    "Batch", "DataError", "Dataset", "NormDataset", "Prefetcher", "RecordBlock", "build_batch",
     "open_dataset", "read_norm_file", "write_norm_file",
 ]

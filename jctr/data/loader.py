@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import os
 import queue
 import threading
@@ -87,39 +88,70 @@ class ReaderPosition:
     record: int = 0  # records of that file already consumed
 
 
-class NormDataset:
-    """Batches from a Norm file list, in list order, reading one file at a time.
+class Dataset(abc.ABC):
+    """Fixed-shape batches from a sequence of *units* (files, or record ranges of one file).
 
-    Example::
+    Units are read whole, in a deterministic order: the order of the source, or with ``seed`` a
+    permutation per epoch (records inside a unit are permuted too). With ``process_count > 1``
+    each process takes every ``process_count``-th unit, so hosts never overlap.
 
-        ds = NormDataset("data/train/_file_list.txt", cfg.data, key_type="I64")
-        for batch in ds.batches(1024, epochs=1):
-            ...
+    Subclasses define :meth:`num_units`, :meth:`unit_name` and :meth:`_read_unit`.
     """
 
-    def __init__(self, file_list: str, data: DataConfig, key_type: str = "I32"):
-        self.file_list = file_list
-        self.files = read_file_list(file_list)
-        if not self.files:
-            raise DataError(f"{file_list}: the file list names no data file")
+    def __init__(self, data: DataConfig, *, seed: int | None = None, process_index: int = 0,
+                 process_count: int = 1):
         self.data = data
-        self.key_type = key_type
+        self.seed = seed
+        self.process_index = process_index
+        self.process_count = process_count
         self._cache: dict[int, RecordBlock] = {}
 
-    def read_file(self, index: int) -> RecordBlock:
+    @abc.abstractmethod
+    def num_units(self) -> int:
+        """How many units the source has (before host splitting)."""
+
+    @abc.abstractmethod
+    def unit_name(self, index: int) -> str:
+        """A name for error messages (a file, or a file and its record range)."""
+
+    @abc.abstractmethod
+    def _read_unit(self, index: int) -> RecordBlock:
+        """The records of one unit, validated against the config."""
+
+    # -- shared
+    def read_unit(self, index: int) -> RecordBlock:
         if index in self._cache:
             return self._cache[index]
-        d = self.data
-        return read_norm_file(self.files[index], label_dim=d.label_dim, dense_dim=d.dense_dim,
-                              slot_num=d.total_slots, key_type=self.key_type, check=d.check)
+        return self._read_unit(index)
 
     def cache_all(self) -> None:
-        """Keep every file's records in memory (small evaluation sets)."""
-        for i in range(len(self.files)):
-            self._cache[i] = self.read_file(i)
+        """Keep every unit's records in memory (small evaluation sets)."""
+        for i in self.host_units():
+            self._cache[i] = self._read_unit(i)
+
+    def host_units(self) -> list[int]:
+        units = list(range(self.num_units()))[self.process_index::self.process_count]
+        if not units:
+            raise DataError(f"{self.unit_name(0)}: {self.num_units()} data unit(s) cannot be "
+                            f"split over {self.process_count} processes")
+        return units
+
+    def unit_order(self, epoch: int) -> list[int]:
+        units = self.host_units()
+        if self.seed is None:
+            return units
+        perm = np.random.default_rng([self.seed, epoch]).permutation(len(units))
+        return [units[i] for i in perm]
+
+    def _records(self, unit: int, epoch: int) -> RecordBlock:
+        block = self.read_unit(unit)
+        if self.seed is None:
+            return block
+        perm = np.random.default_rng([self.seed, epoch, unit, 1]).permutation(len(block))
+        return _take(block, perm)
 
     def num_records(self) -> int:
-        return sum(len(self.read_file(i)) for i in range(len(self.files)))
+        return sum(len(self.read_unit(i)) for i in self.host_units())
 
     def batches(self, batch_size: int, epochs: int | None = None,
                 start: ReaderPosition | None = None) -> Iterator[Batch]:
@@ -133,13 +165,17 @@ class NormDataset:
                               start: ReaderPosition | None = None
                               ) -> Iterator[tuple[Batch, ReaderPosition]]:
         """Like :meth:`batches`, each batch paired with the position right after it: resuming
-        from that position continues with the next batch exactly (checkpoints store it)."""
+        from that position continues with the next batch exactly (checkpoints store it).
+        ``file_index`` counts units in this epoch's order."""
         pos = ReaderPosition(**vars(start)) if start is not None else ReaderPosition()
         pending: list[RecordBlock] = []
         pending_n = 0
+        order = self.unit_order(pos.epoch)
+        n_units = len(order)
         while epochs is None or pos.epoch < epochs:
-            block = self.read_file(pos.file_index)
-            name = self.files[pos.file_index]
+            unit = order[pos.file_index]
+            block = self._records(unit, pos.epoch)
+            name = self.unit_name(unit)
             start_rec = pos.record
             while start_rec < len(block):
                 take = min(batch_size - pending_n, len(block) - start_rec)
@@ -148,17 +184,58 @@ class NormDataset:
                 start_rec += take
                 pos.record = start_rec
                 if pending_n == batch_size:
-                    # "end of a file" is reported as the start of the next one
-                    nxt = (_advance_file(pos, len(self.files)) if start_rec == len(block)
+                    # "end of a unit" is reported as the start of the next one
+                    nxt = (_advance_file(pos, n_units) if start_rec == len(block)
                            else ReaderPosition(**vars(pos)))
                     yield (build_batch(RecordBlock.concat(pending), batch_size,
                                        self.data.sparse, name, start_rec - take), nxt)
                     pending, pending_n = [], 0
-            pos = _advance_file(pos, len(self.files))
+            new = _advance_file(pos, n_units)
+            if new.epoch != pos.epoch:
+                order = self.unit_order(new.epoch)
+            pos = new
             if pos.file_index == 0 and epochs is not None and pending_n:
                 yield (build_batch(RecordBlock.concat(pending), batch_size, self.data.sparse,
                                    name), ReaderPosition(**vars(pos)))
                 pending, pending_n = [], 0
+
+
+def _take(block: RecordBlock, perm: np.ndarray) -> RecordBlock:
+    off = block.key_offsets()
+    counts = block.nnz.sum(axis=1)[perm].astype(np.int64)
+    first = np.cumsum(counts) - counts
+    idx = np.repeat(off[:-1][perm] - first, counts) + np.arange(int(counts.sum()))
+    return RecordBlock(block.label[perm], block.dense[perm], block.nnz[perm], block.keys[idx])
+
+
+class NormDataset(Dataset):
+    """Batches from a Norm file list; a unit is a file.
+
+    Example::
+
+        ds = NormDataset("data/train/_file_list.txt", cfg.data, key_type="I64")
+        for batch in ds.batches(1024, epochs=1):
+            ...
+    """
+
+    def __init__(self, file_list: str, data: DataConfig, key_type: str = "I32", **kw):
+        super().__init__(data, **kw)
+        self.file_list = file_list
+        self.files = read_file_list(file_list)
+        if not self.files:
+            raise DataError(f"{file_list}: the file list names no data file")
+        self.key_type = key_type
+
+    def num_units(self) -> int:
+        return len(self.files)
+
+    def unit_name(self, index: int) -> str:
+        return self.files[index]
+
+    def _read_unit(self, index: int) -> RecordBlock:
+        d = self.data
+        return read_norm_file(self.files[index], label_dim=d.label_dim, dense_dim=d.dense_dim,
+                              slot_num=d.total_slots, key_type=self.key_type, check=d.check)
 
 
 def _advance_file(pos: ReaderPosition, num_files: int) -> ReaderPosition:
@@ -168,17 +245,30 @@ def _advance_file(pos: ReaderPosition, num_files: int) -> ReaderPosition:
     return nxt
 
 
-def open_dataset(path: str, data: DataConfig, key_type: str) -> NormDataset:
-    """The reader for the Data layer's format (Norm here; other formats arrive with their issue).
-    """
-    if data.format != "Norm":
-        raise DataError(f"{path}: format \"{data.format}\" is not readable yet; jctr reads Norm "
-                        "file lists in this version")
+def open_dataset(path: str, data: DataConfig, key_type: str, *, eval: bool = False,
+                 seed: int | None = None, process_index: int = 0,
+                 process_count: int = 1) -> Dataset:
+    """The reader for the Data layer's format. ``eval`` picks Raw's ``eval_num_samples`` and the
+    feature specification's ``test`` mapping."""
+    kw = dict(seed=seed, process_index=process_index, process_count=process_count)
     if not os.path.exists(path):
         hint = " (add a \"synthetic\" clause to the Data layer to generate it)" \
             if data.synthetic is None else ""
-        raise DataError(f"{path}: file list does not exist{hint}")
-    return NormDataset(path, data, key_type)
+        raise DataError(f"{path}: does not exist{hint}")
+    if data.format == "Raw":
+        from jctr.data.raw import RawDataset
+
+        n = data.eval_num_samples if eval else data.num_samples
+        return RawDataset(path, data, n, **kw)
+    if data.format == "Parquet":
+        from jctr.data.parquet import ParquetDataset
+
+        return ParquetDataset(path, data, **kw)
+    if data.format == "FeatureSpec":
+        from jctr.data.feature_spec import FeatureSpecDataset
+
+        return FeatureSpecDataset(path, "test" if eval else "train", data, **kw)
+    return NormDataset(path, data, key_type, **kw)
 
 
 class Prefetcher:

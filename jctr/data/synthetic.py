@@ -117,6 +117,47 @@ def write_dataset(out_dir: str, num_samples: int, *, num_files: int = 4, stream:
     return file_list
 
 
+def write_format(fmt: str, path: str, n: int, *, eval_n: int = 0, num_files: int = 4,
+                 stream: int = 0, **kw) -> None:
+    """Write synthetic one-hot data in Raw, Parquet or FeatureSpec form at ``path`` (the Raw
+    file, the Parquet file list, or the feature-spec YAML with ``train`` and ``test``)."""
+    import yaml
+
+    from jctr.data.feature_spec import split_binary_spec, write_split_binary
+    from jctr.data.parquet import write_parquet_dataset
+    from jctr.data.raw import slot_offsets, write_raw_file
+
+    vocab = kw["vocab"]
+    offsets = slot_offsets(vocab)
+
+    def part(count, strm):
+        b = generate_block(count, key_type="I32", stream=strm, **kw)
+        return b.label, b.dense, b.keys.reshape(count, -1) - offsets[None, :]
+
+    folder = os.path.dirname(path) or "."
+    os.makedirs(folder, exist_ok=True)
+    if fmt == "Raw":
+        label, dense, keys = part(n, stream)
+        write_raw_file(path, label, dense, keys, float_label_dense=True)
+    elif fmt == "Parquet":
+        sizes = np.full(num_files, n // num_files)
+        sizes[: n % num_files] += 1
+        lst = write_parquet_dataset(folder, [part(int(c), stream * 10_000 + i)
+                                             for i, c in enumerate(sizes) if c])
+        if os.path.abspath(lst) != os.path.abspath(path):
+            os.replace(lst, path)
+    elif fmt == "FeatureSpec":
+        chunks = {}
+        for mapping, count, strm in (("train", n, stream), ("test", eval_n or n, stream + 1)):
+            label, dense, keys = part(count, strm)
+            chunks[mapping] = write_split_binary(folder, mapping, label, dense, keys, vocab)
+        spec = split_binary_spec(kw.get("label_dim", 1), kw["dense_dim"], vocab, chunks)
+        with open(path, "w", encoding="utf-8") as f:
+            yaml.safe_dump(spec, f, sort_keys=False)
+    else:
+        raise ValueError(f"unknown format {fmt!r}")
+
+
 def layout_from_config(cfg) -> dict:
     """Slot layout (``slot_nnz``, ``vocab``, dims) of a parsed config's Data layer."""
     data = cfg.data
@@ -140,6 +181,22 @@ def generate_for_config(cfg, *, force: bool = False) -> bool:
     if syn is None:
         return False
     layout = layout_from_config(cfg)
+    fmt = cfg.data.format
+    if fmt != "Norm":
+        if os.path.exists(cfg.data.source) and os.path.exists(cfg.data.eval_source) \
+                and not force:
+            return False
+        print(f"[jctr] generating synthetic {fmt} data at {cfg.data.source}", file=sys.stderr)
+        common = dict(alpha=syn.alpha, seed=syn.seed, signal=syn.signal, **layout)
+        if fmt == "FeatureSpec":
+            write_format(fmt, cfg.data.source, syn.num_samples, eval_n=syn.eval_num_samples,
+                         **common)
+        else:
+            write_format(fmt, cfg.data.source, syn.num_samples, num_files=syn.num_files,
+                         **common)
+            write_format(fmt, cfg.data.eval_source, syn.eval_num_samples,
+                         num_files=syn.num_files, stream=1, **common)
+        return True
     wrote = False
     for path, n, stream in ((cfg.data.source, syn.num_samples, 0),
                             (cfg.data.eval_source, syn.eval_num_samples, 1)):
@@ -170,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=100_000, help="distinct keys per slot")
     ap.add_argument("--alpha", type=float, default=1.2, help="power-law exponent")
     ap.add_argument("--key-type", choices=("I32", "I64"), default="I64")
+    ap.add_argument("--format", choices=("Norm", "Raw", "Parquet", "FeatureSpec"),
+                    default="Norm", help="Raw / Parquet / FeatureSpec are one-hot")
     ap.add_argument("--check", choices=("None", "Sum"), default="None")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
@@ -181,6 +240,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if not args.out:
         ap.error("give --config or --out")
+    if args.format != "Norm":
+        if args.nnz != 1:
+            ap.error(f"--format {args.format} is one-hot (--nnz 1)")
+        name = {"Raw": "data.bin", "Parquet": "_file_list.txt",
+                "FeatureSpec": "feature_spec.yaml"}[args.format]
+        path = os.path.join(args.out, name)
+        write_format(args.format, path, args.samples, num_files=args.files,
+                     slot_nnz=[1] * args.slots, vocab=[args.vocab] * args.slots,
+                     dense_dim=args.dense, alpha=args.alpha, seed=args.seed)
+        print(path)
+        return 0
     lst = write_dataset(args.out, args.samples, num_files=args.files, key_type=args.key_type,
                         check=args.check, slot_nnz=[args.nnz] * args.slots,
                         vocab=[args.vocab] * args.slots, dense_dim=args.dense,

@@ -16,7 +16,7 @@ from flax import nnx
 
 from jctr.config import ConfigError, ModelConfig, load_config
 from jctr.data.batch import Batch
-from jctr.data.loader import NormDataset, Prefetcher, ReaderPosition, open_dataset
+from jctr.data.loader import Dataset, Prefetcher, ReaderPosition, open_dataset
 from jctr.data.synthetic import generate_for_config
 from jctr.embedding.collection import EmbeddingSpec, init_embedding
 from jctr.embedding.hash_table import TableFullError
@@ -85,8 +85,8 @@ class Trainer:
         self.train_step = jax.jit(make_train_step(self.step_config, self.dense_tx),
                                   donate_argnums=0)
         self.eval_step = jax.jit(make_eval_step(self.step_config))
-        self._train_data: NormDataset | None = None
-        self._eval_data: NormDataset | None = None
+        self._train_data: Dataset | None = None
+        self._eval_data: Dataset | None = None
         self.history: list[dict[str, Any]] = []
         self._log_file = None
         self.reader_position: ReaderPosition | None = None  # after the last consumed batch
@@ -105,17 +105,19 @@ class Trainer:
     # ---- data ---------------------------------------------------------------------------
 
     @property
-    def train_data(self) -> NormDataset:
+    def train_data(self) -> Dataset:
         if self._train_data is None:
-            self._train_data = open_dataset(self.cfg.data.source, self.cfg.data,
-                                            self.solver.input_key_type)
+            self._train_data = open_dataset(
+                self.cfg.data.source, self.cfg.data, self.solver.input_key_type,
+                seed=self.solver.seed if self.cfg.data.shuffle else None,
+                process_index=jax.process_index(), process_count=jax.process_count())
         return self._train_data
 
     @property
-    def eval_data(self) -> NormDataset:
+    def eval_data(self) -> Dataset:
         if self._eval_data is None:
             self._eval_data = open_dataset(self.cfg.data.eval_source, self.cfg.data,
-                                           self.solver.input_key_type)
+                                           self.solver.input_key_type, eval=True)
             self._eval_data.cache_all()
         return self._eval_data
 

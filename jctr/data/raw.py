@@ -1,0 +1,100 @@
+"""HugeCTR's Raw format: one binary file of fixed-size int32 records, one-hot keys.
+
+Record layout (little endian): ``label_dim`` labels, ``dense_dim`` dense features, then one key
+per slot, every field 4 bytes. Labels and dense features are int32 unless ``float_label_dense``
+makes them float32; int dense features are turned into ``log(x + 1)`` (negative values count as
+0). Slot ``s`` holds keys in ``[0, slot_size_array[s])``; jctr adds the slot's offset (the sum of
+the earlier slot sizes) so that the slots share one hash table without collisions.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from jctr.config.schema import DataConfig
+from jctr.data.loader import Dataset
+from jctr.data.norm import DataError, RecordBlock
+
+UNIT_RECORDS = 1 << 18
+
+
+def slot_offsets(slot_size_array) -> np.ndarray:
+    sizes = np.asarray(slot_size_array, np.int64)
+    return np.cumsum(sizes) - sizes
+
+
+def check_slot_keys(keys: np.ndarray, slot_size_array, where: str, first_record: int = 0):
+    """Raise naming the record and slot of the first key outside its slot's range."""
+    sizes = np.asarray(slot_size_array, np.int64)
+    bad = (keys < 0) | (keys >= sizes[None, :])
+    if bad.any():
+        r, s = np.argwhere(bad)[0]
+        raise DataError(f"{where}: record {first_record + int(r)}: slot {int(s)} key "
+                        f"{int(keys[r, s])} is outside slot_size_array[{int(s)}] = "
+                        f"{int(sizes[s])}")
+
+
+class RawDataset(Dataset):
+    """Batches from a Raw file; a unit is a range of ``UNIT_RECORDS`` records."""
+
+    def __init__(self, path: str, data: DataConfig, num_samples: int, **kw):
+        super().__init__(data, **kw)
+        self.path = path
+        self.width = data.label_dim + data.dense_dim + data.total_slots
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: Raw data file does not exist")
+        size = os.path.getsize(path)
+        rec_bytes = 4 * self.width
+        if size % rec_bytes:
+            raise DataError(f"{path}: size {size} bytes is not a multiple of the record size "
+                            f"{rec_bytes} (4 x (label_dim {data.label_dim} + dense_dim "
+                            f"{data.dense_dim} + slots {data.total_slots}))")
+        n = size // rec_bytes
+        if n != num_samples:
+            raise DataError(f"{path}: holds {n} records but the config's num_samples / "
+                            f"eval_num_samples says {num_samples}")
+        self.n = n
+        self.offsets = slot_offsets(data.slot_size_array)
+
+    def num_units(self) -> int:
+        return max(1, -(-self.n // UNIT_RECORDS))
+
+    def unit_name(self, index: int) -> str:
+        return f"{self.path} [records {index * UNIT_RECORDS}..]"
+
+    def _read_unit(self, index: int) -> RecordBlock:
+        d = self.data
+        start = index * UNIT_RECORDS
+        count = min(UNIT_RECORDS, self.n - start)
+        mm = np.memmap(self.path, dtype="<i4", mode="r", shape=(self.n, self.width))
+        rec = np.array(mm[start:start + count])
+        del mm
+        ld, dd = d.label_dim, d.dense_dim
+        if d.float_label_dense:
+            label = rec[:, :ld].view("<f4").astype(np.float32)
+            dense = rec[:, ld:ld + dd].view("<f4").astype(np.float32)
+        else:
+            label = rec[:, :ld].astype(np.float32)
+            dense = np.log1p(np.maximum(rec[:, ld:ld + dd], 0).astype(np.float32))
+        keys = rec[:, ld + dd:].astype(np.int64)
+        check_slot_keys(keys, d.slot_size_array, self.path, start)
+        keys += self.offsets[None, :]
+        nnz = np.ones(keys.shape, np.int32)
+        return RecordBlock(label, dense, nnz, keys.ravel())
+
+
+def write_raw_file(path: str, label: np.ndarray, dense: np.ndarray, keys: np.ndarray, *,
+                   float_label_dense: bool = False) -> None:
+    """Write records; ``keys`` [n, slots] are per-slot (without offsets)."""
+    if float_label_dense:
+        lab = np.asarray(label, "<f4").view("<i4")
+        den = np.asarray(dense, "<f4").view("<i4")
+    else:
+        lab = np.asarray(label).astype("<i4")
+        den = np.asarray(dense).astype("<i4")
+    rec = np.concatenate([lab, den, np.asarray(keys).astype("<i4")], axis=1)
+    tmp = f"{path}.tmp{os.getpid()}"
+    rec.tofile(tmp)
+    os.replace(tmp, path)

@@ -63,14 +63,22 @@ class FeatureSpec:
     def base(self) -> str:
         return os.path.dirname(os.path.abspath(self.path))
 
-    def cardinalities(self) -> list[int]:
+    def cardinalities(self, mappings: dict[str, dict[str, np.ndarray]] | None = None
+                      ) -> list[int]:
+        """Per categorical feature; ``auto`` (or none) is inferred as the largest value + 1
+        over every mapping (read here unless given)."""
         out = []
         for f in self.channels.get("categorical", []):
-            c = self.features[f].get("cardinality")
-            if not isinstance(c, int) or c < 1:
+            c = self.features[f].get("cardinality", "auto")
+            if c == "auto" or c is None:
+                if mappings is None:
+                    mappings = {m: read_mapping(self, m) for m in self.source}
+                c = max((int(cols[f].max()) + 1 if len(cols[f]) else 1)
+                        for cols in mappings.values())
+            elif isinstance(c, bool) or not isinstance(c, int) or c < 1:
                 raise DataError(f"{self.path}: feature_spec.{f}.cardinality: expected a "
-                                f"positive integer, got {c!r}")
-            out.append(c)
+                                f"positive integer or auto, got {c!r}")
+            out.append(int(c))
         return out
 
     def to_yaml_dict(self) -> dict:
@@ -159,7 +167,10 @@ def _read_csv(path: str, names: list[str], dtypes: list[np.dtype]) -> dict[str, 
         table = pacsv.read_csv(path, read_options=pacsv.ReadOptions(column_names=names),
                                convert_options=pacsv.ConvertOptions(column_types=types))
     except pa.ArrowInvalid as e:
-        raise DataError(f"{path}: {e}") from e
+        row = _first_bad_row(path, len(names))
+        where = f"row {row}: expected {len(names)} fields ({', '.join(names)}); " \
+            if row is not None else ""
+        raise DataError(f"{path}: {where}{e}") from e
     out = {}
     for n in names:
         col = table.column(n)
@@ -168,6 +179,21 @@ def _read_csv(path: str, names: list[str], dtypes: list[np.dtype]) -> dict[str, 
             raise DataError(f"{path}: row {row}: field \"{n}\" is empty")
         out[n] = col.to_numpy()
     return out
+
+
+def _first_bad_row(path: str, ncols: int, delim: int = ord(",")) -> int | None:
+    """The first line whose field count is not ``ncols`` (vectorised over the bytes)."""
+    data = np.fromfile(path, np.uint8)
+    if data.size == 0:
+        return None
+    if data[-1] != ord("\n"):
+        data = np.append(data, np.uint8(ord("\n")))
+    ends = np.nonzero(data == ord("\n"))[0]
+    commas = np.concatenate([[0], np.cumsum(data == delim)])
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    fields = commas[ends] - commas[starts] + 1
+    bad = np.nonzero((fields != ncols) & (ends > starts))[0]
+    return int(bad[0]) if bad.size else None
 
 
 def read_mapping(spec: FeatureSpec, mapping: str) -> dict[str, np.ndarray]:

@@ -28,19 +28,17 @@ def transcode(input_dir: str, output_dir: str, spec_name: str = "feature_spec.ya
     spec = load_feature_spec(os.path.join(input_dir, spec_name))
     ch = spec.channels
     mappings = {m: read_mapping(spec, m) for m in spec.source}
-    cards = []
-    for f in ch.get("categorical", []):
-        card = spec.features[f].get("cardinality", "auto")
+    for m, cols in mappings.items():
+        for f in ch.get("categorical", []):
+            if len(cols[f]) and int(cols[f].min()) < 0:
+                raise DataError(f"{spec.path}: source_spec.{m}: feature {f} holds the negative "
+                                f"value {int(cols[f].min())}")
+    cards = spec.cardinalities(mappings)
+    for f, card in zip(ch.get("categorical", []), cards):
         top = max(int(cols[f].max()) + 1 if len(cols[f]) else 1 for cols in mappings.values())
-        low = min(int(cols[f].min()) if len(cols[f]) else 0 for cols in mappings.values())
-        if low < 0:
-            raise DataError(f"{spec.path}: feature {f}: negative categorical value {low}")
-        if card == "auto" or card is None:
-            card = top
-        elif not isinstance(card, int) or card < top:
-            raise DataError(f"{spec.path}: feature_spec.{f}.cardinality {card!r} is below the "
+        if card < top:
+            raise DataError(f"{spec.path}: feature_spec.{f}.cardinality {card} is below the "
                             f"largest value + 1 = {top}")
-        cards.append(int(card))
     chunks = {}
     for m, cols in mappings.items():
         label = np.stack([cols[f] for f in ch["label"]], 1)

@@ -229,6 +229,15 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
     fixed = 4 * (label_dim + dense_dim)
     starts = _record_starts(path, body, n_records, fixed, slot_num, kw, wrap)
     payload_start = starts + (4 if wrap else 0)
+    if wrap:
+        payload_len = _gather_i32(body, starts).astype(np.int64)
+        limit = payload_start + payload_len
+    else:
+        limit = np.append(starts[1:], body.size)
+    short = np.nonzero(payload_start + fixed > limit)[0]
+    if short.size:
+        raise DataError(f"{path}: record {int(short[0])}: shorter than its label and dense "
+                        "fields")
     # fields of all records at once; the slot walk loops over slots, not samples
     label = _gather(body, (payload_start[:, None] + 4 * np.arange(label_dim)).ravel(), "<f4", 4)
     dense = _gather(body, (payload_start[:, None] + 4 * (label_dim + np.arange(dense_dim))).ravel(),
@@ -237,9 +246,19 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
     pos = payload_start + fixed
     slot_pos = np.empty((starts.size, slot_num), np.int64)
     for s in range(slot_num):
+        over = np.nonzero(pos + 4 > limit)[0]
+        if over.size:
+            raise DataError(f"{path}: record {int(over[0])}: slot {s}: the record ends before "
+                            "its nnz field")
         slot_pos[:, s] = pos
         nnz[:, s] = _gather_i32(body, pos)
-        pos = pos + 4 + kw * nnz[:, s].astype(np.int64)
+        end = pos + 4 + kw * nnz[:, s].astype(np.int64)
+        bad = np.nonzero((nnz[:, s] < 0) | (end > limit))[0]
+        if bad.size:
+            r = int(bad[0])
+            raise DataError(f"{path}: record {r}: slot {s}: nnz {int(nnz[r, s])} runs past the "
+                            "end of the record")
+        pos = end
     counts = nnz.ravel().astype(np.int64)
     first = np.cumsum(counts) - counts
     j = np.arange(int(counts.sum())) - np.repeat(first, counts)
@@ -249,7 +268,6 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
     else:
         keys = _gather(body, key_pos, "<i8", 8)
     if wrap:
-        payload_len = _gather_i32(body, starts).astype(np.int64)
         walked = pos - payload_start
         bad = np.nonzero(walked != payload_len)[0]
         if bad.size:

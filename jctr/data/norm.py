@@ -227,6 +227,9 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
     body = buf[hdr_len:]
     kw = _key_width(key_type)
     fixed = 4 * (label_dim + dense_dim)
+    block = _parse_fixed(path, body, n_records, label_dim, dense_dim, slot_num, kw, wrap)
+    if block is not None:
+        return block
     starts = _record_starts(path, body, n_records, fixed, slot_num, kw, wrap)
     payload_start = starts + (4 if wrap else 0)
     if wrap:
@@ -283,6 +286,57 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
     return RecordBlock(label.reshape(-1, label_dim), dense.reshape(-1, dense_dim), nnz, keys)
 
 
+def _parse_fixed(path, body, n, label_dim, dense_dim, slot_num, kw, wrap):
+    """Fast path when every record has the first record's key counts (one-hot data): the
+    body is a [records, bytes] matrix and every field a column. None if the layout differs."""
+    if n == 0 or body.size % n:
+        return None
+    rec = body.size // n
+    rows = body.reshape(n, rec)
+    if wrap:
+        if rec < 5:
+            return None
+        plen = rec - 5
+        lengths = np.ascontiguousarray(rows[:, :4]).view("<i4").ravel()
+        if not np.all(lengths == plen):
+            return None
+        payload = rows[:, 4:4 + plen]
+    else:
+        plen = rec
+        payload = rows
+    if plen % 4:
+        return None
+    words = np.ascontiguousarray(payload).view("<i4")
+    kwords = kw // 4
+    p = label_dim + dense_dim
+    nnz_cols, key_cols = [], []
+    for _ in range(slot_num):
+        if p >= words.shape[1] or words[0, p] < 0:
+            return None
+        c = int(words[0, p])
+        nnz_cols.append(p)
+        key_cols.extend(range(p + 1, p + 1 + c * kwords))
+        p += 1 + c * kwords
+    if p != words.shape[1]:
+        return None
+    nnz = words[:, nnz_cols]
+    if not np.all(nnz == nnz[0]):
+        return None
+    if wrap:
+        sums = payload.sum(axis=1, dtype=np.int64) % 256
+        bad = np.nonzero(sums != rows[:, 4 + plen])[0]
+        if bad.size:
+            raise DataError(f"{path}: record {int(bad[0])}: checksum mismatch (check: Sum)")
+    label = words[:, :label_dim].view("<f4").astype(np.float32)
+    dense = words[:, label_dim:label_dim + dense_dim].view("<f4").astype(np.float32)
+    kw_ = np.ascontiguousarray(words[:, key_cols])
+    if kwords == 1:
+        keys = kw_.view("<u4").astype(np.int64).ravel()
+    else:
+        keys = kw_.view("<i8").ravel().copy()
+    return RecordBlock(label, dense, nnz.astype(np.int32), keys)
+
+
 def _record_starts(path, body, n_records, fixed, slot_num, kw, wrap) -> np.ndarray:
     size = body.size
     if n_records == 0:
@@ -310,13 +364,6 @@ def _record_starts(path, body, n_records, fixed, slot_num, kw, wrap) -> np.ndarr
         words = body.view("<i4")
         w = words.size
         unit = 4
-        # fast path: every record the same size as the first (one-hot data)
-        first_len = _walk_one(words, 0, fixed // 4, slot_num, kw // 4)
-        if first_len is not None and first_len > 0 and w % first_len == 0 \
-                and w // first_len == n_records:
-            starts_w = np.arange(n_records, dtype=np.int64) * first_len
-            if _all_same_layout(words, starts_w, fixed // 4, slot_num, kw // 4, first_len):
-                return starts_w * 4
         # general path: slot hop g(p) = p + 1 + nnz(p) * key_words, composed slot_num times
         ar = np.arange(w, dtype=np.int64)
         g = ar + 1 + words.astype(np.int64) * (kw // 4)
@@ -341,23 +388,3 @@ def _record_starts(path, body, n_records, fixed, slot_num, kw, wrap) -> np.ndarr
         raise DataError(f"{path}: header says {n_records} records but the file holds "
                         f"{starts.size}" + (" (truncated?)" if starts.size < n_records else ""))
     return starts * unit
-
-
-def _walk_one(words, p, fixed_w, slot_num, kwords):
-    p += fixed_w
-    for _ in range(slot_num):
-        if p >= words.size or words[p] < 0:
-            return None
-        p += 1 + int(words[p]) * kwords
-    return p if p <= words.size else None
-
-
-def _all_same_layout(words, starts_w, fixed_w, slot_num, kwords, rec_len) -> bool:
-    p = fixed_w
-    first = starts_w[0]
-    for _ in range(slot_num):
-        nnz0 = int(words[first + p])
-        if not np.all(words[starts_w + p] == nnz0):
-            return False
-        p += 1 + nnz0 * kwords
-    return p == rec_len

@@ -1,0 +1,138 @@
+"""Reader throughput per format, next to what DLRM training consumes and a raw read.
+
+For each format the same synthetic samples (26 one-hot slots with Criteo Kaggle cardinalities
+capped at 1M, 13 dense) are written once; then the reader's batches/s at batch 8192 (parsing,
+validation and batch packing included) are timed, together with a plain sequential read of the
+same files' bytes (np.fromfile) in the same run, and the training step's rate (the jctr DLRM
+step of scripts/bench_train.py, measured here unless --train-rate is given).
+
+    python scripts/bench_data.py --samples 262144
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import glob
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jctr  # noqa: E402,F401
+from jctr.config import parse_config  # noqa: E402
+from jctr.data.loader import open_dataset  # noqa: E402
+from jctr.data.synthetic import write_dataset, write_format  # noqa: E402
+from scripts.make_configs import KAGGLE_CAPPED  # noqa: E402
+
+BATCH = 8192
+
+
+def data_config(fmt: str, source: str, n: int, hot: int, check: str = "None") -> dict:
+    slots = len(KAGGLE_CAPPED)
+    layer = {"name": "data", "type": "Data", "format": fmt, "source": source,
+             "eval_source": source, "check": check,
+             "label": {"top": "label", "label_dim": 1},
+             "dense": {"top": "dense", "dense_dim": 13},
+             "sparse": [{"top": "data1", "type": "DistributedSlot",
+                         "max_feature_num_per_sample": slots * hot, "max_nnz": hot,
+                         "slot_num": slots}]}
+    if fmt in ("Raw", "Parquet"):
+        layer["slot_size_array"] = KAGGLE_CAPPED
+    if fmt == "Raw":
+        layer.update(num_samples=n, eval_num_samples=n, float_label_dense=True)
+    return {"optimizer": {"type": "SGD"}, "layers": [
+        layer,
+        {"name": "e", "type": "DistributedSlotSparseEmbeddingHash", "bottom": "data1",
+         "top": "e", "sparse_embedding_hparam": {"max_vocabulary_size_per_gpu": 10,
+                                                 "embedding_vec_size": 4}},
+        {"name": "r", "type": "Reshape", "bottom": "e", "top": "r", "leading_dim": slots * 4},
+        {"name": "fc", "type": "InnerProduct", "bottom": "r", "top": "fc",
+         "fc_param": {"num_output": 1}},
+        {"name": "loss", "type": "BinaryCrossEntropyLoss", "bottom": ["fc", "label"],
+         "top": "loss"}]}
+
+
+def time_reader(cfg_dict: dict, source: str, repeats: int = 2) -> float:
+    cfg = parse_config(cfg_dict, require_solver=False)
+    best = 0.0
+    for _ in range(repeats):
+        ds = open_dataset(source, cfg.data, "I64")
+        t = time.perf_counter()
+        n = sum(b.num_valid for b in ds.batches(BATCH, epochs=1))
+        best = max(best, n / (time.perf_counter() - t))
+    return best
+
+
+def raw_read(files: list[str], n: int, repeats: int = 2) -> float:
+    best = 0.0
+    for _ in range(repeats):
+        t = time.perf_counter()
+        total = sum(np.fromfile(f, np.uint8).size for f in files)
+        best = max(best, n / (time.perf_counter() - t))
+        del total
+    return best
+
+
+def train_rate() -> float:
+    from scripts.bench_train import bench_jctr, make_batches
+
+    times = bench_jctr(make_batches(2, BATCH, 1), steps=5, warmup=2)
+    return BATCH / float(np.median(times))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=262_144)
+    ap.add_argument("--train-rate", type=float, help="samples/s training consumes (skip "
+                    "measuring it)")
+    ap.add_argument("--dir", help="where to write the data (default: a temporary folder)")
+    args = ap.parse_args()
+    n = args.samples
+    root = args.dir or tempfile.mkdtemp(prefix="jctr_bench_data_")
+    kw = dict(vocab=KAGGLE_CAPPED, dense_dim=13, seed=0)
+    one_hot = dict(slot_nnz=[1] * len(KAGGLE_CAPPED), **kw)
+    cases = []
+    norm = write_dataset(os.path.join(root, "norm"), n, num_files=4, key_type="I64", **one_hot)
+    cases.append(("Norm one-hot", "Norm", norm, 1,
+                  glob.glob(os.path.join(root, "norm", "*.data"))))
+    norm_check = write_dataset(os.path.join(root, "norm_sum"), n, num_files=4, key_type="I64",
+                               check="Sum", **one_hot)
+    cases.append(("Norm one-hot, check Sum", "Norm", norm_check, 1,
+                  glob.glob(os.path.join(root, "norm_sum", "*.data"))))
+    multi = write_dataset(os.path.join(root, "norm10"), n // 4, num_files=4, key_type="I64",
+                          slot_nnz=[10] * len(KAGGLE_CAPPED), **kw)
+    cases.append(("Norm multi-hot (1-10 keys)", "Norm", multi, 10,
+                  glob.glob(os.path.join(root, "norm10", "*.data"))))
+    raw = os.path.join(root, "raw", "data.bin")
+    write_format("Raw", raw, n, **one_hot)
+    cases.append(("Raw", "Raw", raw, 1, [raw]))
+    pq = os.path.join(root, "parquet", "_file_list.txt")
+    write_format("Parquet", pq, n, num_files=4, **one_hot)
+    cases.append(("Parquet", "Parquet", pq, 1,
+                  glob.glob(os.path.join(root, "parquet", "*.parquet"))))
+    spec = os.path.join(root, "spec", "feature_spec.yaml")
+    write_format("FeatureSpec", spec, n, eval_n=BATCH, **one_hot)
+    cases.append(("FeatureSpec split binary", "FeatureSpec", spec, 1,
+                  glob.glob(os.path.join(root, "spec", "train", "*.bin"))))
+    consume = args.train_rate or train_rate()
+    print(f"training consumes {consume:,.0f} samples/s (DLRM, batch {BATCH}, one-hot)")
+    print(f"{'format':<28}{'reader samples/s':>18}{'raw read samples/s':>20}"
+          f"{'x training':>12}{'raw/reader':>12}")
+    for name, fmt, source, hot, files in cases:
+        samples = n // 4 if hot > 1 else n
+        cfg = data_config(fmt, source, samples, hot, "Sum" if "Sum" in name else "None")
+        rate = time_reader(copy.deepcopy(cfg), source)
+        base = raw_read(files, samples)
+        print(f"{name:<28}{rate:>18,.0f}{base:>20,.0f}{rate / consume:>12.1f}"
+              f"{base / rate:>12.1f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

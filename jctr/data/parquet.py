@@ -77,8 +77,10 @@ class ParquetDataset(Dataset):
         path = self.files[index]
         try:
             table = pq.read_table(path)
-        except (OSError, pa.ArrowException) as e:
-            raise DataError(f"{path}: cannot read Parquet file: {e}") from e
+            names = set(table.column_names)  # decoding names can fail on a damaged footer
+        except Exception as e:  # noqa: BLE001 - a damaged file fails in many ways inside Arrow
+            raise DataError(f"{path}: cannot read Parquet file ({type(e).__name__}: "
+                            f"{str(e)[:200]})") from e
         base = os.path.basename(path)
         want_rows = self.rows.get(base)
         if want_rows is None:
@@ -86,7 +88,6 @@ class ParquetDataset(Dataset):
         if table.num_rows != want_rows:
             raise DataError(f"{path}: holds {table.num_rows} rows but _metadata.json's "
                             f"file_stats says {want_rows}")
-        names = set(table.column_names)
 
         def column(name: str, kind: str) -> np.ndarray:
             if name not in names:

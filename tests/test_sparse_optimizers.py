@@ -8,7 +8,7 @@ import pytest
 
 from jctr.config.schema import OptimizerConfig
 from jctr.embedding import optimizers as row_opt
-from jctr.embedding.collection import EmbeddingSpec, apply_gradients, init_embedding, lookup_vectors
+from jctr.embedding.collection import EmbeddingSpec, apply_gradients, init_embedding, lookup_rows
 from jctr.train.optimizers import dense_optimizer
 from jctr.train.schedules import learning_rate_schedule
 
@@ -105,9 +105,13 @@ def test_duplicate_keys_sum_their_gradients(opt):
     state = init_embedding(spec, jax.random.PRNGKey(0))
     keys = jnp.array([11, 22, 11, 11, 33, 22], jnp.int64)
     segs = jnp.array([0, 1, 2, 3, 4, 6], jnp.int32)  # last key is padding (6 = 2 * 3)
-    state, lk, vecs = lookup_vectors(spec, state, keys, segs, 2, train=True)
-    grads = jnp.arange(6 * DIM, dtype=jnp.float32).reshape(6, DIM) / 10
-    new = apply_gradients(spec, state, lk, grads, jnp.float32(opt.learning_rate), jnp.int32(1))
+    state, lk = lookup_rows(spec, state, keys, segs, 2, train=True)
+    # the gradient w.r.t. the pooled [2, 3, dim] embeddings; sum combiner: every key of a
+    # segment gets that segment's gradient
+    grad_pooled = jnp.arange(6 * DIM, dtype=jnp.float32).reshape(2, 3, DIM) / 10
+    grads = grad_pooled.reshape(6, DIM)[jnp.minimum(segs, 5)]
+    new = apply_gradients(spec, state, lk, segs, grad_pooled, jnp.float32(opt.learning_rate),
+                          jnp.int32(1))
     rows = np.asarray(lk.rows)
     # reference: dense optimizer on the 3 distinct rows with summed gradients
     g = np.asarray(grads)

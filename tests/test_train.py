@@ -77,10 +77,11 @@ def test_reduced_precision_trains(tiny, dtype):
         solver["mixed_precision"] = 1024
     else:
         solver["compute_dtype"] = "bfloat16"
-    t = Trainer.from_config(tiny("dlrm", **solver))
+    # DCN trains with Adam; (DLRM's SGD at lr 0.5 stalls in fp16 for some seeds, see README)
+    t = Trainer.from_config(tiny("dcn", **solver))
     hist = t.fit()
     final = [h for h in hist if h["kind"] == "eval"][-1]
-    assert np.isfinite(final["AverageLoss"]) and final["AUC"] > 0.7
+    assert np.isfinite(final["AverageLoss"]) and final["AUC"] > 0.8
 
 
 def test_cli_trains_and_writes_json_logs(tiny, tmp_path):

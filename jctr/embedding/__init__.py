@@ -5,12 +5,12 @@ from jctr.embedding.collection import (
     EmbeddingState,
     apply_gradients,
     init_embedding,
-    lookup_vectors,
+    lookup_rows,
     pool,
 )
 from jctr.embedding.hash_table import HashTable, TableFullError, create_table, export_items, lookup
 
 __all__ = [
     "EmbeddingSpec", "EmbeddingState", "HashTable", "TableFullError", "apply_gradients",
-    "create_table", "export_items", "init_embedding", "lookup", "lookup_vectors", "pool",
+    "create_table", "export_items", "init_embedding", "lookup", "lookup_rows", "pool",
 ]

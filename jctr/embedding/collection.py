@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jctr.config.schema import EmbeddingConfig, ModelConfig, OptimizerConfig
 from jctr.embedding import optimizers as row_opt
 from jctr.embedding.hash_table import HashTable, Lookup, create_table, lookup
-from jctr.ops import embedding_bag
+from jctr.ops import embedding_bag_backward, embedding_bag_forward
 
 
 @dataclass(frozen=True)
@@ -66,37 +66,33 @@ def _safe_rows(rows: jax.Array, capacity: int) -> jax.Array:
     return jnp.where(rows >= 0, rows, capacity)
 
 
-def lookup_vectors(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array,
-                   segments: jax.Array, batch_size: int, *, train: bool):
-    """Rows of a batch's keys (inserting unseen ones when ``train``) and their vectors.
-
-    Returns (state, lookup, vectors [n, dim]); padding and unknown keys give zero vectors.
-    """
+def lookup_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array,
+                segments: jax.Array, batch_size: int, *, train: bool
+                ) -> tuple[EmbeddingState, Lookup]:
+    """Rows of a batch's keys, inserting unseen ones when ``train`` (-1: padding, unknown)."""
     valid = segments < batch_size * spec.slot_num
     table, lk = lookup(state.table, keys, valid, spec.capacity, insert=train, dedupe=train)
-    vecs = state.values.at[_safe_rows(lk.rows, spec.capacity)].get(mode="fill", fill_value=0.0)
-    return state._replace(table=table), lk, vecs
+    return state._replace(table=table), lk
 
 
-def pool(spec: EmbeddingSpec, vectors: jax.Array, segments: jax.Array,
+def pool(spec: EmbeddingSpec, values: jax.Array, rows: jax.Array, segments: jax.Array,
          batch_size: int) -> jax.Array:
-    """[batch, slot_num, dim]: the combiner over each slot's keys."""
-    if spec.one_hot:
-        return vectors.reshape(batch_size, spec.slot_num, spec.dim)
-    out = embedding_bag(vectors, segments, batch_size * spec.slot_num, spec.combiner)
+    """[batch, slot_num, dim]: the combiner over each slot's keys (unknown keys read as 0)."""
+    out = embedding_bag_forward(values, rows, segments, batch_size * spec.slot_num,
+                                spec.combiner, one_hot=spec.one_hot)
     return out.reshape(batch_size, spec.slot_num, spec.dim)
 
 
-def apply_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup, grads: jax.Array,
-                    lr: jax.Array, count: jax.Array) -> EmbeddingState:
-    """Sparse update from the gradient w.r.t. the gathered vectors ([n, dim])."""
-    opt = spec.optimizer
-    if opt.type == "SGD":
-        rows, g = _safe_rows(lk.rows, spec.capacity), grads
-    else:
-        n = grads.shape[0]
-        ar = jnp.arange(n, dtype=jnp.int32)
-        g = jnp.zeros_like(grads).at[jnp.where(lk.rep >= 0, lk.rep, n)].add(grads, mode="drop")
-        rows = jnp.where(lk.rep == ar, _safe_rows(lk.rows, spec.capacity), spec.capacity)
-    values, slots = row_opt.apply_rows(opt, state.values, state.slots, rows, g, lr, count)
+def apply_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
+                    segments: jax.Array, grad_pooled: jax.Array, lr: jax.Array,
+                    count: jax.Array) -> EmbeddingState:
+    """Sparse update from the gradient w.r.t. the pooled embeddings [batch, slots, dim]."""
+    b = grad_pooled.shape[0]
+    n = segments.shape[0]
+    g = embedding_bag_backward(grad_pooled.reshape(b * spec.slot_num, spec.dim), segments,
+                               lk.rep, b * spec.slot_num, spec.combiner, one_hot=spec.one_hot)
+    ar = jnp.arange(n, dtype=jnp.int32)
+    rows = jnp.where(lk.rep == ar, _safe_rows(lk.rows, spec.capacity), spec.capacity)
+    values, slots = row_opt.apply_rows(spec.optimizer, state.values, state.slots, rows, g, lr,
+                                       count)
     return state._replace(values=values, slots=slots)

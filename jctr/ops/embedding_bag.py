@@ -1,4 +1,10 @@
-"""Embedding bag: reduce gathered rows per (sample, slot) segment (jnp reference)."""
+"""Embedding bag: gather table rows by key and reduce them per (sample, slot) segment.
+
+Forward: ``out[s] = combine(values[rows[i]] for i with segments[i] == s)``; rows -1 (padding,
+unknown keys) contribute nothing; ids >= num_segments are dropped; empty segments give zeros.
+Backward: the gradient of every key's row, summed per distinct row and stored at that row's
+representative position (``rep[i] == i``), ready for the row-wise optimizer.
+"""
 
 from __future__ import annotations
 
@@ -6,17 +12,41 @@ import jax
 import jax.numpy as jnp
 
 
+def _counts(segments, num_segments, dtype):
+    return jax.ops.segment_sum(jnp.ones(segments.shape, dtype), segments,
+                               num_segments=num_segments, indices_are_sorted=True)
+
+
+def gather_rows(values: jax.Array, rows: jax.Array) -> jax.Array:
+    """``values[rows]`` with zeros for rows < 0 (negative indices must not wrap)."""
+    safe = jnp.where(rows >= 0, rows, values.shape[0])
+    return values.at[safe].get(mode="fill", fill_value=0.0)
+
+
 def embedding_bag(vectors: jax.Array, segments: jax.Array, num_segments: int,
                   combiner: str = "sum") -> jax.Array:
-    """Sum or mean of ``vectors`` [n, d] per segment id; ids >= num_segments are dropped.
-
-    Segments are sorted (sample-major), which lets XLA use a cheaper reduction.
-    Empty segments give zeros for both combiners.
-    """
+    """Sum or mean of already gathered ``vectors`` [n, d] per segment id."""
     out = jax.ops.segment_sum(vectors, segments, num_segments=num_segments,
                               indices_are_sorted=True)
     if combiner == "mean":
-        counts = jax.ops.segment_sum(jnp.ones(segments.shape, vectors.dtype), segments,
-                                     num_segments=num_segments, indices_are_sorted=True)
-        out = out / jnp.maximum(counts, 1.0)[:, None]
+        out = out / jnp.maximum(_counts(segments, num_segments, vectors.dtype), 1.0)[:, None]
     return out
+
+
+def embedding_bag_forward_reference(values: jax.Array, rows: jax.Array, segments: jax.Array,
+                                    num_segments: int, combiner: str = "sum") -> jax.Array:
+    """Reference forward: gather, then segment reduction."""
+    return embedding_bag(gather_rows(values, rows), segments, num_segments, combiner)
+
+
+def embedding_bag_backward_reference(grad_out: jax.Array, segments: jax.Array, rep: jax.Array,
+                                     num_segments: int, combiner: str = "sum") -> jax.Array:
+    """Reference backward: each key's gradient is its segment's (over the count for mean),
+    summed at the representative position of its row. Keys with rep -1 get nothing."""
+    n = segments.shape[0]
+    g = grad_out.at[segments].get(mode="fill", fill_value=0.0)
+    if combiner == "mean":
+        cnt = _counts(segments, num_segments, grad_out.dtype)
+        g = g / jnp.maximum(cnt.at[segments].get(mode="fill", fill_value=1.0), 1.0)[:, None]
+    target = jnp.where(rep >= 0, rep, n)
+    return jnp.zeros_like(g).at[target].add(g, mode="drop")

@@ -14,7 +14,7 @@ from jctr.embedding.collection import (
     EmbeddingSpec,
     EmbeddingState,
     apply_gradients,
-    lookup_vectors,
+    lookup_rows,
     pool,
 )
 from jctr.models.layers import Context
@@ -52,13 +52,11 @@ def _cast(tree, dtype):
                         else x, tree)
 
 
-def _forward(sc: StepConfig, params, batch_stats, vectors, batch: Batch, rng, train: bool):
-    b = batch.label.shape[0]
+def _forward(sc: StepConfig, params, batch_stats, pooled, batch: Batch, rng, train: bool):
     inputs = {sc.label_top: batch.label,
               sc.dense_top: batch.dense.astype(sc.compute_dtype)}
-    for spec, top, vecs in zip(sc.specs, sc.emb_tops, vectors):
-        pooled = pool(spec, vecs, batch.segments[spec.input_index], b)
-        inputs[top] = pooled.astype(sc.compute_dtype)
+    for top, p in zip(sc.emb_tops, pooled):
+        inputs[top] = p.astype(sc.compute_dtype)
     model = nnx.merge(sc.graphdef, _cast(params, sc.compute_dtype), batch_stats)
     ctx = Context(train=train, rng=rng, mask=batch.mask.astype(jnp.float32))
     loss, pred = model(inputs, ctx)
@@ -73,38 +71,49 @@ def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation):
     def train_step(state: TrainState, batch: Batch):
         with jax.default_matmul_precision(sc.matmul_precision):
             b = batch.label.shape[0]
-            embs, lookups, vectors = [], [], []
+            embs, lookups, pooled = [], [], []
             for spec, es in zip(sc.specs, state.embeddings):
-                es, lk, vecs = lookup_vectors(spec, es, batch.keys[spec.input_index],
-                                              batch.segments[spec.input_index], b, train=True)
+                segs = batch.segments[spec.input_index]
+                es, lk = lookup_rows(spec, es, batch.keys[spec.input_index], segs, b,
+                                     train=True)
                 embs.append(es)
                 lookups.append(lk)
-                vectors.append(vecs)
+                pooled.append(pool(spec, es.values, lk.rows, segs, b))
             rng = jax.random.fold_in(state.rng, state.step)
 
             # The BatchNorm statistics enter as a differentiated argument only so that NNX sees
             # them on the same trace level as the layers that update them; their gradient is
             # unused (a few floats).
-            def loss_fn(params, vectors, batch_stats):
-                loss, aux = _forward(sc, params, batch_stats, vectors, batch, rng, True)
+            def loss_fn(params, pooled, batch_stats):
+                loss, aux = _forward(sc, params, batch_stats, pooled, batch, rng, True)
                 return loss * sc.loss_scale, aux
 
-            (scaled, (pred, new_stats)), (g_params, g_vecs, _) = jax.value_and_grad(
-                loss_fn, argnums=(0, 1, 2), has_aux=True)(state.params, vectors,
+            (scaled, (pred, new_stats)), (g_params, g_pooled, _) = jax.value_and_grad(
+                loss_fn, argnums=(0, 1, 2), has_aux=True)(state.params, pooled,
                                                           state.batch_stats)
-            inv = 1.0 / sc.loss_scale
-            g_params = jax.tree.map(lambda g: (g * inv).astype(jnp.float32), g_params)
+            inv = jnp.float32(1.0 / sc.loss_scale)
+            finite = jnp.array(True)
+            if sc.loss_scale != 1.0:
+                # fp16 with a static loss scale: a step whose scaled gradients overflowed
+                # applies no gradient at all (instead of poisoning the weights)
+                for g in jax.tree.leaves((g_params, g_pooled)):
+                    finite = finite & jnp.all(jnp.isfinite(g))
+                inv = jnp.where(finite, inv, 0.0)
+            g_params = jax.tree.map(lambda g: jnp.nan_to_num(g * inv).astype(jnp.float32),
+                                    g_params)
             updates, opt_state = dense_tx.update(g_params, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             count = state.step + 1
             new_embs = []
-            for spec, es, lk, g, sched in zip(sc.specs, embs, lookups, g_vecs, schedules):
-                g = (g * inv).astype(jnp.float32)
-                new_embs.append(apply_gradients(spec, es, lk, g, sched(state.step), count))
+            for spec, es, lk, g, sched in zip(sc.specs, embs, lookups, g_pooled, schedules):
+                g = jnp.nan_to_num(g * inv).astype(jnp.float32)
+                new_embs.append(apply_gradients(spec, es, lk, batch.segments[spec.input_index],
+                                                g, sched(state.step), count))
             overflow = sum(es.table.overflow for es in new_embs)
             new_state = TrainState(count, state.rng, params, new_stats, opt_state,
                                    tuple(new_embs))
-            return new_state, {"loss": scaled * inv, "overflow": overflow}
+            return new_state, {"loss": scaled / sc.loss_scale, "overflow": overflow,
+                               "grads_finite": finite}
 
     return train_step
 
@@ -115,12 +124,13 @@ def make_eval_step(sc: StepConfig):
     def eval_step(state: TrainState, batch: Batch):
         with jax.default_matmul_precision(sc.matmul_precision):
             b = batch.label.shape[0]
-            vectors = []
+            pooled = []
             for spec, es in zip(sc.specs, state.embeddings):
-                _, _, vecs = lookup_vectors(spec, es, batch.keys[spec.input_index],
-                                            batch.segments[spec.input_index], b, train=False)
-                vectors.append(vecs)
-            loss, (pred, _) = _forward(sc, state.params, state.batch_stats, vectors, batch,
+                segs = batch.segments[spec.input_index]
+                _, lk = lookup_rows(spec, es, batch.keys[spec.input_index], segs, b,
+                                    train=False)
+                pooled.append(pool(spec, es.values, lk.rows, segs, b))
+            loss, (pred, _) = _forward(sc, state.params, state.batch_stats, pooled, batch,
                                        None, False)
             return loss, pred
 

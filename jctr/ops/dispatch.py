@@ -1,0 +1,63 @@
+"""The one place that picks an implementation per platform.
+
+``jax.lax.platform_dependent`` selects at lowering time, so one jitted function carries the
+Pallas/Triton kernel for ``cuda`` and the XLA formulation for ``cpu`` (measured faster there:
+``scripts/bench_ops.py``). ``JCTR_KERNELS=reference`` forces the jnp references everywhere
+(debugging), ``JCTR_KERNELS=pallas`` the kernels on GPU even where the reference is chosen.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from jctr.ops import embedding_bag as ref
+from jctr.ops import pallas_bag
+
+
+def _mode() -> str:
+    mode = os.environ.get("JCTR_KERNELS", "auto")
+    if mode not in ("auto", "reference", "pallas"):
+        raise ValueError(f"JCTR_KERNELS={mode!r}: expected auto, reference or pallas")
+    return mode
+
+
+def embedding_bag_forward(values, rows, segments, num_segments: int, combiner: str = "sum",
+                          *, one_hot: bool = False):
+    """[num_segments, dim] pooled rows (see :mod:`jctr.ops.embedding_bag`)."""
+    if one_hot:  # one key per segment: a plain gather is already optimal on every platform
+        return ref.gather_rows(values, rows)
+
+    def reference(values, rows, segments):
+        return ref.embedding_bag_forward_reference(values, rows, segments, num_segments,
+                                                   combiner)
+
+    if _mode() == "reference":
+        return reference(values, rows, segments)
+
+    def kernel(values, rows, segments):
+        return pallas_bag.bag_forward(values, rows, segments, num_segments=num_segments,
+                                      combiner=combiner)
+
+    return jax.lax.platform_dependent(values, rows, segments, cpu=reference, cuda=kernel,
+                                      default=reference)
+
+
+def embedding_bag_backward(grad_out, segments, rep, num_segments: int, combiner: str = "sum",
+                           *, one_hot: bool = False):
+    """[n, dim] row gradients summed at each row's representative position."""
+
+    def reference(grad_out, segments, rep):
+        return ref.embedding_bag_backward_reference(grad_out, segments, rep, num_segments,
+                                                    combiner)
+
+    if _mode() == "reference":
+        return reference(grad_out, segments, rep)
+
+    def kernel(grad_out, segments, rep):
+        return pallas_bag.bag_backward(grad_out, segments, rep, num_segments=num_segments,
+                                       combiner=combiner)
+
+    return jax.lax.platform_dependent(grad_out, segments, rep, cpu=reference, cuda=kernel,
+                                      default=reference)

@@ -13,7 +13,7 @@ import os
 import jax
 
 from jctr.ops import embedding_bag as ref
-from jctr.ops import pallas_bag
+from jctr.ops import interaction, pallas_bag, pallas_interaction
 
 
 def _mode() -> str:
@@ -61,3 +61,21 @@ def embedding_bag_backward(grad_out, segments, rep, num_segments: int, combiner:
 
     return jax.lax.platform_dependent(grad_out, segments, rep, cpu=reference, cuda=kernel,
                                       default=reference)
+
+
+def dot_interaction(dense, sparse):
+    """Concatenate ``dense`` [b, d] with the strictly-lower-triangular pairwise dot products of
+    the features ``[dense, sparse[:, 0], ..., sparse[:, s-1]]`` and one zero column (products
+    accumulate in float32 whatever the compute dtype).
+
+    Example::
+
+        dot_interaction(jnp.ones((2, 4)), jnp.ones((2, 3, 4))).shape  # (2, 4 + 6 + 1)
+    """
+    feats = jax.numpy.concatenate([dense[:, None, :], sparse.astype(dense.dtype)], axis=1)
+    if _mode() == "reference":
+        return interaction.dot_interaction_reference(dense, sparse)
+    dots = jax.lax.platform_dependent(
+        feats, cpu=interaction.pair_dots_xla, cuda=pallas_interaction.make_pair_dots(False),
+        default=interaction.pair_dots_xla)
+    return interaction.assemble(dense, dots)

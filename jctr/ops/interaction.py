@@ -68,17 +68,12 @@ def _pair_dots_bwd(feats_t, g):
 _pair_dots.defvjp(_pair_dots_fwd, _pair_dots_bwd)
 
 
-def dot_interaction(dense: jax.Array, sparse: jax.Array) -> jax.Array:
-    """Concatenate ``dense`` [b, d] with the strictly-lower-triangular pairwise dot products of
-    the features ``[dense, sparse[:, 0], ..., sparse[:, s-1]]`` and one zero column.
+def pair_dots_xla(feats: jax.Array) -> jax.Array:
+    """[b, f, d] -> [b, f(f-1)/2] in float32, the formulation that is fastest on XLA-CPU."""
+    return _pair_dots(jnp.transpose(feats, (2, 1, 0)).astype(jnp.float32)).T
 
-    Example::
 
-        dot_interaction(jnp.ones((2, 4)), jnp.ones((2, 3, 4))).shape  # (2, 4 + 6 + 1)
-    """
-    b, _ = dense.shape
-    feats = jnp.concatenate([dense[:, None, :], sparse.astype(dense.dtype)], axis=1)
-    # products accumulate in float32 whatever the compute dtype (as the einsum reference does)
-    dots = _pair_dots(jnp.transpose(feats, (2, 1, 0)).astype(jnp.float32)).T
-    pad = jnp.zeros((b, 1), dense.dtype)
+def assemble(dense: jax.Array, dots: jax.Array) -> jax.Array:
+    """``[dense, dots, 0]`` in the dense input's dtype (HugeCTR's layout)."""
+    pad = jnp.zeros((dense.shape[0], 1), dense.dtype)
     return jnp.concatenate([dense, dots.astype(dense.dtype), pad], axis=1)

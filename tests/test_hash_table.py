@@ -5,7 +5,7 @@ import pytest
 
 from jctr.embedding import create_table, export_items, lookup
 from jctr.embedding.hash_table import num_slots_for
-from jctr.ops import EMPTY_KEY, find_slots, home_slots
+from jctr.ops.hashing import EMPTY_KEY, find_slots, home_slots
 
 
 def _lookup(table, keys, capacity, insert, valid=None):

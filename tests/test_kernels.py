@@ -127,3 +127,41 @@ def test_interaction_kernels_lower_to_triton_for_cuda():
     bwd = _lowered_for_cuda(jax.grad(lambda d, s: jnp.sum(dot_interaction(d, s) * w),
                                      argnums=(0, 1)), dense, sparse)
     assert "jctr_interaction_bwd" in bwd
+
+
+@pytest.mark.parametrize("case", ["random", "all_colliding", "nearly_full"])
+def test_hash_lookup_kernel_matches_reference(case):
+    from jctr.ops.hashing import EMPTY_KEY, find_slots, home_slots
+    from jctr.ops.pallas_hash import lookup_slots_kernel
+
+    rng = np.random.default_rng(0)
+    num_slots = 64
+    if case == "all_colliding":
+        cand = rng.integers(-(2**62), 2**62, size=20_000, dtype=np.int64)
+        homes = np.asarray(home_slots(jnp.asarray(cand), num_slots))
+        stored = cand[homes == 5][:20]
+    elif case == "nearly_full":
+        stored = rng.choice(10**9, 63, replace=False).astype(np.int64)
+    else:
+        stored = rng.integers(0, 10**6, 25).astype(np.int64)
+    table, _ = find_slots(jnp.full((num_slots,), EMPTY_KEY), jnp.asarray(stored),
+                          jnp.ones(stored.shape, bool), insert=True)
+    queries = np.concatenate([stored, stored[:3], rng.integers(10**9, 2 * 10**9, 7)])
+    valid = np.ones(queries.shape, bool)
+    valid[-2:] = False
+    q, v = jnp.asarray(queries), jnp.asarray(valid)
+    got = lookup_slots_kernel(table, q, v, interpret=True)
+    _, want = find_slots(table, q, v, insert=False)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert (np.asarray(got)[: stored.size] >= 0).all()
+
+
+def test_hash_lookup_lowers_to_triton_for_cuda():
+    from jctr.ops import find_slots
+    from jctr.ops.hashing import EMPTY_KEY
+
+    table = jnp.full((64,), EMPTY_KEY)
+    keys = jnp.arange(10, dtype=jnp.int64)
+    text = _lowered_for_cuda(lambda t, k, v: find_slots(t, k, v, insert=False)[1], table, keys,
+                             jnp.ones(10, bool))
+    assert "jctr_hash_lookup" in text

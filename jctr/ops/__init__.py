@@ -1,9 +1,14 @@
-"""Operations with jnp reference implementations; the one place that picks an implementation
-by platform (the GPU kernels issue adds Pallas variants behind these names)."""
+"""Kernels and their jnp references. Code elsewhere calls these names only; ``dispatch`` picks
+the implementation per platform (Pallas/Triton kernels on GPU, the XLA formulations on CPU)."""
 
-from jctr.ops.dispatch import dot_interaction, embedding_bag_backward, embedding_bag_forward
+from jctr.ops.dispatch import (
+    dot_interaction,
+    embedding_bag_backward,
+    embedding_bag_forward,
+    find_slots,
+)
 from jctr.ops.embedding_bag import embedding_bag
-from jctr.ops.hashing import EMPTY_KEY, find_slots, hash_keys, home_slots, representatives
+from jctr.ops.hashing import EMPTY_KEY, hash_keys, home_slots, representatives
 from jctr.ops.interaction import dot_interaction_reference, interaction_output_dim
 
 __all__ = [

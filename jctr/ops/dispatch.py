@@ -13,7 +13,7 @@ import os
 import jax
 
 from jctr.ops import embedding_bag as ref
-from jctr.ops import interaction, pallas_bag, pallas_interaction
+from jctr.ops import hashing, interaction, pallas_bag, pallas_hash, pallas_interaction
 
 
 def _mode() -> str:
@@ -79,3 +79,17 @@ def dot_interaction(dense, sparse):
         feats, cpu=interaction.pair_dots_xla, cuda=pallas_interaction.make_pair_dots(False),
         default=interaction.pair_dots_xla)
     return interaction.assemble(dense, dots)
+
+
+def find_slots(slot_keys, keys, valid, *, insert: bool):
+    """Slots of keys in an open-addressing table (see :func:`jctr.ops.hashing.find_slots`).
+    Lookups use the Pallas kernel on GPU; inserts use the XLA formulation everywhere."""
+    if insert or _mode() == "reference":
+        return hashing.find_slots(slot_keys, keys, valid, insert=insert)
+
+    def reference(slot_keys, keys, valid):
+        return hashing.find_slots(slot_keys, keys, valid, insert=False)[1]
+
+    slots = jax.lax.platform_dependent(slot_keys, keys, valid, cpu=reference,
+                                       cuda=pallas_hash.lookup_slots_kernel, default=reference)
+    return slot_keys, slots

@@ -34,7 +34,7 @@ def _gram_kernel(t_ref, out_ref, *, f, d, fp, dp):
     cols = jnp.arange(dp, dtype=jnp.int32)[None, :]
     t = plt.load(t_ref.at[b, pl.ds(_ZERO, fp), pl.ds(_ZERO, dp)],
                  mask=(rows < f) & (cols < d), other=0.0)
-    g = pl.dot(t, t, trans_b=True).astype(jnp.float32)
+    g = plt.dot(t, t, trans_b=True).astype(jnp.float32)
     plt.store(out_ref.at[b, pl.ds(_ZERO, fp), pl.ds(_ZERO, fp)], g)
 
 
@@ -57,7 +57,7 @@ def _gram_bwd_kernel(t_ref, g_ref, out_ref, *, f, d, fp, dp):
     t = plt.load(t_ref.at[b, pl.ds(_ZERO, fp), pl.ds(_ZERO, dp)],
                  mask=(rows < f) & (cols < d), other=0.0).astype(jnp.float32)
     g = plt.load(g_ref.at[b, pl.ds(_ZERO, fp), pl.ds(_ZERO, fp)])
-    dt = pl.dot(g + g.T, t)
+    dt = plt.dot(g + g.T, t)
     plt.store(out_ref.at[b, pl.ds(_ZERO, fp), pl.ds(_ZERO, dp)], dt)
 
 

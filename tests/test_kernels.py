@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jctr.ops import embedding_bag_backward, embedding_bag_forward
-from jctr.ops.embedding_bag import (
+from jctr.ops.bag import (
     embedding_bag_backward_reference,
     embedding_bag_forward_reference,
 )

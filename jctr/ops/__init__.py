@@ -1,13 +1,13 @@
 """Kernels and their jnp references. Code elsewhere calls these names only; ``dispatch`` picks
 the implementation per platform (Pallas/Triton kernels on GPU, the XLA formulations on CPU)."""
 
+from jctr.ops.bag import embedding_bag
 from jctr.ops.dispatch import (
     dot_interaction,
     embedding_bag_backward,
     embedding_bag_forward,
     find_slots,
 )
-from jctr.ops.embedding_bag import embedding_bag
 from jctr.ops.hashing import EMPTY_KEY, hash_keys, home_slots, representatives
 from jctr.ops.interaction import dot_interaction_reference, interaction_output_dim
 

@@ -12,7 +12,7 @@ import os
 
 import jax
 
-from jctr.ops import embedding_bag as ref
+from jctr.ops import bag as ref
 from jctr.ops import hashing, interaction, pallas_bag, pallas_hash, pallas_interaction
 
 
@@ -25,7 +25,7 @@ def _mode() -> str:
 
 def embedding_bag_forward(values, rows, segments, num_segments: int, combiner: str = "sum",
                           *, one_hot: bool = False):
-    """[num_segments, dim] pooled rows (see :mod:`jctr.ops.embedding_bag`)."""
+    """[num_segments, dim] pooled rows (see :mod:`jctr.ops.bag`)."""
     if one_hot:  # one key per segment: a plain gather is already optimal on every platform
         return ref.gather_rows(values, rows)
 

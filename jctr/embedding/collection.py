@@ -13,6 +13,7 @@ from jctr.config.schema import EmbeddingConfig, ModelConfig, OptimizerConfig
 from jctr.embedding import optimizers as row_opt
 from jctr.embedding.hash_table import HashTable, Lookup, create_table, lookup
 from jctr.ops import embedding_bag_backward, embedding_bag_forward
+from jctr.ops.bag import key_gradients
 
 
 @dataclass(frozen=True)
@@ -89,10 +90,16 @@ def apply_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
     """Sparse update from the gradient w.r.t. the pooled embeddings [batch, slots, dim]."""
     b = grad_pooled.shape[0]
     n = segments.shape[0]
-    g = embedding_bag_backward(grad_pooled.reshape(b * spec.slot_num, spec.dim), segments,
-                               lk.rep, b * spec.slot_num, spec.combiner, one_hot=spec.one_hot)
-    ar = jnp.arange(n, dtype=jnp.int32)
-    rows = jnp.where(lk.rep == ar, _safe_rows(lk.rows, spec.capacity), spec.capacity)
+    flat = grad_pooled.reshape(b * spec.slot_num, spec.dim)
+    if spec.optimizer.type == "SGD":
+        # SGD's scatter-add sums duplicate rows itself: no per-row summation pass needed
+        g = key_gradients(flat, segments, b * spec.slot_num, spec.combiner)
+        rows = _safe_rows(lk.rows, spec.capacity)
+    else:
+        g = embedding_bag_backward(flat, segments, lk.rep, b * spec.slot_num, spec.combiner,
+                                   one_hot=spec.one_hot)
+        ar = jnp.arange(n, dtype=jnp.int32)
+        rows = jnp.where(lk.rep == ar, _safe_rows(lk.rows, spec.capacity), spec.capacity)
     values, slots = row_opt.apply_rows(spec.optimizer, state.values, state.slots, rows, g, lr,
                                        count)
     return state._replace(values=values, slots=slots)

@@ -39,14 +39,21 @@ def embedding_bag_forward_reference(values: jax.Array, rows: jax.Array, segments
     return embedding_bag(gather_rows(values, rows), segments, num_segments, combiner)
 
 
-def embedding_bag_backward_reference(grad_out: jax.Array, segments: jax.Array, rep: jax.Array,
-                                     num_segments: int, combiner: str = "sum") -> jax.Array:
-    """Reference backward: each key's gradient is its segment's (over the count for mean),
-    summed at the representative position of its row. Keys with rep -1 get nothing."""
-    n = segments.shape[0]
+def key_gradients(grad_out: jax.Array, segments: jax.Array, num_segments: int,
+                  combiner: str = "sum") -> jax.Array:
+    """[n, dim]: each key's gradient is its segment's (over the count for mean); padding 0."""
     g = grad_out.at[segments].get(mode="fill", fill_value=0.0)
     if combiner == "mean":
         cnt = _counts(segments, num_segments, grad_out.dtype)
         g = g / jnp.maximum(cnt.at[segments].get(mode="fill", fill_value=1.0), 1.0)[:, None]
+    return g
+
+
+def embedding_bag_backward_reference(grad_out: jax.Array, segments: jax.Array, rep: jax.Array,
+                                     num_segments: int, combiner: str = "sum") -> jax.Array:
+    """Reference backward: :func:`key_gradients` summed at the representative position of each
+    key's row. Keys with rep -1 get nothing."""
+    n = segments.shape[0]
+    g = key_gradients(grad_out, segments, num_segments, combiner)
     target = jnp.where(rep >= 0, rep, n)
     return jnp.zeros_like(g).at[target].add(g, mode="drop")

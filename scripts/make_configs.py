@@ -29,6 +29,7 @@ def data_layer(name, slots, *, wide=False, multi_hot=False, synthetic=None, voca
              "source": f"./data/{name}/train/_file_list.txt",
              "eval_source": f"./data/{name}/eval/_file_list.txt",
              "check": "Sum",
+             "cache_eval_data": True,
              "label": {"top": "label", "label_dim": 1},
              "dense": {"top": "dense", "dense_dim": 13},
              "sparse": sparse}

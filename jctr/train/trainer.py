@@ -118,7 +118,8 @@ class Trainer:
         if self._eval_data is None:
             self._eval_data = open_dataset(self.cfg.data.eval_source, self.cfg.data,
                                            self.solver.input_key_type, eval=True)
-            self._eval_data.cache_all()
+            if self.cfg.data.cache_eval_data:  # keep the parsed evaluation set in memory
+                self._eval_data.cache_all()
         return self._eval_data
 
     # ---- logging ------------------------------------------------------------------------

@@ -78,10 +78,10 @@ def raw_read(files: list[str], n: int, repeats: int = 2) -> float:
     return best
 
 
-def train_rate() -> float:
+def train_rate(hot: int = 1) -> float:
     from scripts.bench_train import bench_jctr, make_batches
 
-    times = bench_jctr(make_batches(2, BATCH, 1), steps=5, warmup=2)
+    times = bench_jctr(make_batches(2, BATCH, hot), steps=5, warmup=2)
     return BATCH / float(np.median(times))
 
 
@@ -89,8 +89,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--samples", type=int, default=262_144)
-    ap.add_argument("--train-rate", type=float, help="samples/s training consumes (skip "
-                    "measuring it)")
+    ap.add_argument("--train-rate", type=float, help="samples/s training consumes one-hot "
+                    "(skip measuring it)")
+    ap.add_argument("--train-rate-10hot", type=float, help="the same for 10-hot batches")
     ap.add_argument("--dir", help="where to write the data (default: a temporary folder)")
     args = ap.parse_args()
     n = args.samples
@@ -120,8 +121,10 @@ def main() -> int:
     write_format("FeatureSpec", spec, n, eval_n=BATCH, **one_hot)
     cases.append(("FeatureSpec split binary", "FeatureSpec", spec, 1,
                   glob.glob(os.path.join(root, "spec", "train", "*.bin"))))
-    consume = args.train_rate or train_rate()
-    print(f"training consumes {consume:,.0f} samples/s (DLRM, batch {BATCH}, one-hot)")
+    consume = {1: args.train_rate or train_rate(1),
+               10: args.train_rate_10hot or train_rate(10)}
+    print(f"training consumes {consume[1]:,.0f} samples/s one-hot and {consume[10]:,.0f} "
+          f"10-hot (DLRM, batch {BATCH}); multi-hot data is compared with the 10-hot step")
     print(f"{'format':<28}{'reader samples/s':>18}{'raw read samples/s':>20}"
           f"{'x training':>12}{'raw/reader':>12}")
     for name, fmt, source, hot, files in cases:
@@ -129,7 +132,7 @@ def main() -> int:
         cfg = data_config(fmt, source, samples, hot, "Sum" if "Sum" in name else "None")
         rate = time_reader(copy.deepcopy(cfg), source)
         base = raw_read(files, samples)
-        print(f"{name:<28}{rate:>18,.0f}{base:>20,.0f}{rate / consume:>12.1f}"
+        print(f"{name:<28}{rate:>18,.0f}{base:>20,.0f}{rate / consume[hot]:>12.1f}"
               f"{base / rate:>12.1f}", flush=True)
     return 0
 

@@ -179,22 +179,24 @@ def _gather(buf: np.ndarray, pos: np.ndarray, dtype: str, width: int) -> np.ndar
     return raw.view(dtype).reshape(-1)
 
 
-def _chain(nxt: np.ndarray, end: int) -> np.ndarray:
-    """All positions visited from 0 by ``p -> nxt[p]`` before reaching ``end`` (``nxt`` is
-    strictly increasing along the chain and maps positions >= ``end`` to themselves).
+def _chain(tables: list[np.ndarray], end: int, offset: int = 0) -> tuple[np.ndarray, int]:
+    """Record starts: from 0, ``p -> tables[-1][...tables[0][p + offset]]`` until ``end``.
 
-    Each step depends on the previous one, so this is one integer hop per record; ``nxt`` itself
-    (the costly part: a record's slots composed) is computed vectorised by the caller. The scan
-    is ~150x faster than pointer doubling over the whole file (measured: 3 ms against 490 ms for
-    32k records).
+    Each record's start depends on the previous one, so this is a scan with a few integer hops
+    per record; the tables (powers of the slot hop, or the length hop) are built vectorised by
+    the caller. Measured ~150x faster than pointer doubling over the whole file (32k records:
+    3 ms against 490 ms). Returns (starts, where the last record ends).
     """
     out = []
-    get = nxt.item
+    gets = [t.item for t in tables]
     p = 0
     while p < end:
         out.append(p)
-        p = get(p)
-    return np.asarray(out, np.int64)
+        q = min(p + offset, end + 1)
+        for get in gets:
+            q = get(q)
+        p = q
+    return np.asarray(out, np.int64), p
 
 
 def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
@@ -370,8 +372,7 @@ def _record_starts(path, body, n_records, fixed, slot_num, kw, wrap) -> np.ndarr
         nxt = np.arange(n, dtype=np.int64) + 5 + lengths
         nxt = np.where((lengths < 0) | (nxt > size), size + 1, nxt)
         nxt = np.concatenate([nxt, np.full(3, size + 1), [size, size + 1]])
-        starts = _chain(nxt, size)
-        end_of_last = int(nxt[starts[-1]])
+        starts, end_of_last = _chain([nxt], size)
         unit = 1
     else:
         if size % 4:
@@ -389,17 +390,16 @@ def _record_starts(path, body, n_records, fixed, slot_num, kw, wrap) -> np.ndarr
         g = ar + 1 + nnz_any * (kw // 4)
         g = np.where((nnz_any < 0) | (g > w), w + 1, g).astype(idx)
         g = np.append(g, np.array([w + 1, w + 1], idx))
-        h = np.minimum(np.append(ar, np.array([w, w + 1], idx)) + fixed // 4, w + 1).astype(idx)
-        hop, k = g, slot_num
-        while k:  # h = g^slot_num applied after the fixed part (binary powering)
+        # g^slot_num as the powers of two it is made of (binary powering); the scan applies
+        # them per record instead of composing them over every word
+        powers, hop, k = [], g, slot_num
+        while k:
             if k & 1:
-                h = hop[h]
+                powers.append(hop)
             k >>= 1
             if k:
                 hop = hop[hop]
-        h[w] = w
-        starts = _chain(h, w)
-        end_of_last = int(h[starts[-1]])
+        starts, end_of_last = _chain(powers, w, offset=fixed // 4)
         size = w
     if end_of_last > size:
         raise DataError(f"{path}: record {starts.size - 1}: truncated (file ends inside the "

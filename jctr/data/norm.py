@@ -385,11 +385,11 @@ def _record_starts(path, body, n_records, fixed, slot_num, kw, wrap) -> np.ndarr
         # int32 positions (w < 2^29 words) halve the memory traffic of the gathers below;
         # clipping nnz first keeps the arithmetic from overflowing
         idx = np.int32 if w < 2**29 else np.int64
-        ar = np.arange(w, dtype=idx)
-        nnz_any = np.clip(words, -1, w).astype(idx)
-        g = ar + 1 + nnz_any * (kw // 4)
-        g = np.where((nnz_any < 0) | (g > w), w + 1, g).astype(idx)
-        g = np.append(g, np.array([w + 1, w + 1], idx))
+        # a negative nnz hops like 0 here; the slot walk below rejects it with its record
+        g = np.arange(1, w + 3, dtype=idx)
+        g[:w] += np.clip(words, 0, w).astype(idx) * (kw // 4)
+        np.minimum(g, w + 1, out=g)
+        g[w:] = w + 1
         # g^slot_num as the powers of two it is made of (binary powering); the scan applies
         # them per record instead of composing them over every word
         powers, hop, k = [], g, slot_num

@@ -93,20 +93,21 @@ def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation):
                                                           state.batch_stats)
             inv = jnp.float32(1.0 / sc.loss_scale)
             finite = jnp.array(True)
+            unscale = lambda g: g.astype(jnp.float32)
             if sc.loss_scale != 1.0:
                 # fp16 with a static loss scale: a step whose scaled gradients overflowed
                 # applies no gradient at all (instead of poisoning the weights)
                 for g in jax.tree.leaves((g_params, g_pooled)):
                     finite = finite & jnp.all(jnp.isfinite(g))
                 inv = jnp.where(finite, inv, 0.0)
-            g_params = jax.tree.map(lambda g: jnp.nan_to_num(g * inv).astype(jnp.float32),
-                                    g_params)
+                unscale = lambda g: jnp.nan_to_num(g.astype(jnp.float32) * inv)
+            g_params = jax.tree.map(unscale, g_params)
             updates, opt_state = dense_tx.update(g_params, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             count = state.step + 1
             new_embs = []
             for spec, es, lk, g, sched in zip(sc.specs, embs, lookups, g_pooled, schedules):
-                g = jnp.nan_to_num(g * inv).astype(jnp.float32)
+                g = unscale(g)
                 new_embs.append(apply_gradients(spec, es, lk, batch.segments[spec.input_index],
                                                 g, sched(state.step), count))
             overflow = sum(es.table.overflow for es in new_embs)

@@ -24,4 +24,8 @@ def __getattr__(name):
         from jctr.train.trainer import Trainer
 
         return Trainer
+    if name == "InferenceModel":
+        from jctr.checkpoint.bundle import InferenceModel
+
+        return InferenceModel
     raise AttributeError(name)

@@ -211,6 +211,9 @@ def test_export_load_predict_equals_eval(tmp_path):
                                                                       "sparse_embedding2"}
     network = json.loads((tmp_path / "b" / "network.json").read_text())
     assert all(layer["type"] != "BinaryCrossEntropyLoss" for layer in network["layers"])
+    import jctr
+
+    assert jctr.InferenceModel is InferenceModel
     model = InferenceModel.load(str(tmp_path / "b"))
     for batch in list(t.eval_data.batches(512, epochs=1))[:3]:
         np.testing.assert_allclose(model.predict(batch), t.predict(batch), rtol=1e-5,

@@ -60,20 +60,23 @@ def build_batch(block: RecordBlock, batch_size: int, sparse: tuple[SparseInputCo
                 r, s = np.argwhere(nnz > sp.max_nnz)[0]
                 raise DataError(f"{source}: record {first_record + r}: slot {sl.start + s} has "
                                 f"{nnz[r, s]} keys, more than max_nnz {sp.max_nnz}")
-            counts = nnz.ravel().astype(np.int64)
-            total = int(counts.sum())
-            first = np.cumsum(counts) - counts
-            j = np.arange(total) - np.repeat(first, counts)
-            key_idx = np.repeat(starts.ravel(), counts) + j
-            sample = np.repeat(np.repeat(np.arange(n), sp.slot_num), counts)
-            slot = np.repeat(np.tile(np.arange(sp.slot_num), n), counts)
+            counts = nnz.ravel()
+            total = int(per_sample.sum())
+            # the segment (sample * slot_num + slot) of every key of this input, in order
+            seg = np.repeat(np.arange(n * sp.slot_num, dtype=np.int32), counts)
+            sample = seg // sp.slot_num
             sample_first = np.cumsum(per_sample) - per_sample
-            rank = np.arange(total) - np.repeat(sample_first, per_sample)
-            pos = sample * m + rank
+            pos = sample.astype(np.int64) * m + (np.arange(total) - sample_first[sample])
+            if block.nnz.shape[1] == sp.slot_num:  # the input owns every slot: keys in order
+                picked = block.keys
+            else:
+                first = np.cumsum(counts) - counts
+                key_idx = np.arange(total) + np.repeat(starts.ravel() - first, counts)
+                picked = block.keys[key_idx]
             keys = np.zeros(batch_size * m, np.int64)
             segs = np.full(batch_size * m, pad_seg, np.int32)
-            keys[pos] = block.keys[key_idx]
-            segs[pos] = sample * sp.slot_num + slot
+            keys[pos] = picked
+            segs[pos] = seg
         keys_out.append(keys)
         segs_out.append(segs)
     return Batch(label, dense, tuple(keys_out), tuple(segs_out), mask)

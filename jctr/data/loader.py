@@ -28,14 +28,18 @@ def build_batch(block: RecordBlock, batch_size: int, sparse: tuple[SparseInputCo
     dense[:n] = block.dense
     mask = np.zeros(batch_size, bool)
     mask[:n] = True
-    key_start = block.key_offsets()[:-1, None] + np.cumsum(block.nnz, axis=1) - block.nnz
+    key_start = None  # [R, slots]: index of each slot's first key, built only when needed
     keys_out, segs_out = [], []
     s0 = 0
     for sp in sparse:
         sl = slice(s0, s0 + sp.slot_num)
         s0 += sp.slot_num
         nnz = block.nnz[:, sl]
-        starts = key_start[:, sl]
+        needs_starts = not (block.nnz.shape[1] == sp.slot_num
+                            and (not sp.one_hot or block.keys.size == nnz.size))
+        if needs_starts and key_start is None:
+            key_start = block.key_offsets()[:-1, None] + np.cumsum(block.nnz, axis=1) - block.nnz
+        starts = key_start[:, sl] if needs_starts else None
         pad_seg = batch_size * sp.slot_num
         if sp.one_hot:
             if nnz.size and nnz.max() > 1:
@@ -45,10 +49,14 @@ def build_batch(block: RecordBlock, batch_size: int, sparse: tuple[SparseInputCo
                                 "(max_nnz 1)")
             keys = np.zeros(batch_size * sp.slot_num, np.int64)
             segs = np.full(batch_size * sp.slot_num, pad_seg, np.int32)
-            flat = nnz.ravel() == 1
-            pos = np.nonzero(flat)[0]
-            keys[pos] = block.keys[starts.ravel()[pos]]
-            segs[pos] = pos
+            if block.nnz.shape[1] == sp.slot_num and block.keys.size == nnz.size:
+                # every slot of every record holds its one key: already in batch order
+                keys[:nnz.size] = block.keys
+                segs[:nnz.size] = np.arange(nnz.size, dtype=np.int32)
+            else:
+                pos = np.nonzero(nnz.ravel() == 1)[0]
+                keys[pos] = block.keys[starts.ravel()[pos]]
+                segs[pos] = pos
         else:
             m = sp.max_feature_num_per_sample
             per_sample = nnz.sum(axis=1)

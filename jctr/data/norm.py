@@ -42,9 +42,13 @@ class RecordBlock:
         return self.label.shape[0]
 
     def key_offsets(self) -> np.ndarray:
-        """int64 [R + 1]: keys of record r are keys[off[r]:off[r+1]]."""
-        off = np.zeros(len(self) + 1, np.int64)
-        np.cumsum(self.nnz.sum(axis=1, dtype=np.int64), out=off[1:])
+        """int64 [R + 1]: keys of record r are keys[off[r]:off[r+1]] (computed once: a file
+        is sliced into many batches)."""
+        off = self.__dict__.get("_offsets")
+        if off is None:
+            off = np.zeros(len(self) + 1, np.int64)
+            np.cumsum(self.nnz.sum(axis=1, dtype=np.int64), out=off[1:])
+            self.__dict__["_offsets"] = off
         return off
 
     def slice(self, start: int, stop: int) -> RecordBlock:

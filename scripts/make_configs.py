@@ -78,9 +78,12 @@ def model(name, *, small: bool):
     tag = f"{name}_synthetic" if small else name
     capacity = slots * vocab_per_slot
     # the full DCN/DeepFM/WDL overfit the 400k samples after ~500 steps (measured)
-    sv = solver(max_iter=(1000 if name == "dlrm" else 500) if not small else 300, batch=2048 if not small else 512,
-                eval_interval=(500 if name == "dlrm" else 250) if not small else 300, eval_batches=24 if not small else 16,
-                display=100 if not small else 50)
+    if small:
+        sv = solver(max_iter=300, batch=512, eval_interval=300, eval_batches=16, display=50)
+    elif name == "dlrm":
+        sv = solver(max_iter=1000, batch=2048, eval_interval=500, eval_batches=24, display=100)
+    else:
+        sv = solver(max_iter=500, batch=2048, eval_interval=250, eval_batches=24, display=100)
     if name == "dlrm":
         bottom = (512, 256, 64, dim) if not small else (64, dim)
         top = (512, 256, 1) if not small else (64, 32, 1)

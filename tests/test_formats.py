@@ -354,6 +354,8 @@ def test_criteo_tsv_and_csv_agree(tmp_path):
     for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
     assert list(a[1][1][:3]) == [0, 2, 0]  # missing and negative integers become 0
+    with pytest.raises(DataError, match="nope.tsv: cannot read"):
+        read_criteo(str(tmp_path / "nope.tsv"))
     bad = tmp_path / "bad.tsv"
     bad.write_text("1\t2\t3\n")
     with pytest.raises(DataError, match="expected 40 fields"):

@@ -21,7 +21,6 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from jctr.models import layers as L
 
@@ -145,11 +144,6 @@ def load_non_trainable(path: str, net) -> None:
             raise ModelFileError(f"{path}: layers[{i}]: expected mean and var of length {n}")
         mod.mean[...] = jnp.asarray(entry["mean"], jnp.float32)
         mod.var[...] = jnp.asarray(entry["var"], jnp.float32)
-
-
-def merged(graphdef, params, batch_stats):
-    """A concrete network module from split state (for reading or writing files)."""
-    return nnx.merge(graphdef, params, batch_stats)
 
 
 def _atomic_write(path: str, data: bytes) -> None:

@@ -28,7 +28,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from jctr.data.norm import DataError, RecordBlock, write_file_list, write_norm_file
+from jctr.data.norm import (
+    DataError,
+    RecordBlock,
+    exit_on_data_error,
+    write_file_list,
+    write_norm_file,
+)
+from jctr.data.synthetic import mix64
 
 NUM_DENSE, NUM_CAT = 13, 26
 COLUMNS = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]
@@ -75,8 +82,11 @@ def _hex_values(arr: pa.Array, path: str, column: str) -> np.ndarray:
 
 def read_criteo(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(label [n], ints [n, 13] int64, cats [n, 26] int64 with MISSING) of one file."""
-    with open(path, "rb") as f:
-        first = f.readline()
+    try:
+        with open(path, "rb") as f:
+            first = f.readline()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read: {e.strerror}") from e
     header = first.startswith(b"label")
     delim = "\t" if b"\t" in first else ","
     ncols = first.count(delim.encode()) + 1
@@ -111,17 +121,11 @@ def read_criteo(path: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return label, ints, cats
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
-    from jctr.data.synthetic import _mix as mix
-
-    return mix(x)
-
-
 def hash_keys(cats: np.ndarray) -> np.ndarray:
     """63-bit keys, distinct per (slot, value)."""
     slot = np.arange(cats.shape[1], dtype=np.uint64)[None, :]
     with np.errstate(over="ignore"):
-        h = _mix(cats.astype(np.uint64) ^ (slot << np.uint64(40)) * np.uint64(0x9E3779B97F4A7C15))
+        h = mix64(cats.astype(np.uint64) ^ (slot << np.uint64(40)) * np.uint64(0x9E3779B97F4A7C15))
     return (h >> np.uint64(1)).astype(np.int64)
 
 
@@ -247,16 +251,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-files", type=int, default=4)
     args = ap.parse_args(argv)
-    try:
-        layer = convert(args.input, args.output, args.format, args.mode,
-                        min_freq=args.min_freq, buckets=args.buckets,
-                        val_fraction=args.val_fraction, shuffle_split=args.shuffle_split,
-                        seed=args.seed, num_files=args.num_files)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(layer, indent=1))
-    return 0
+    return exit_on_data_error(lambda: print(json.dumps(convert(
+        args.input, args.output, args.format, args.mode, min_freq=args.min_freq,
+        buckets=args.buckets, val_fraction=args.val_fraction,
+        shuffle_split=args.shuffle_split, seed=args.seed, num_files=args.num_files), indent=1)))
 
 
 if __name__ == "__main__":

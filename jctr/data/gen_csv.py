@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from jctr.data.feature_spec import load_feature_spec
-from jctr.data.norm import DataError
+from jctr.data.norm import exit_on_data_error
 
 
 def generate_csv(spec_path: str, output: str | None = None, size: int = 1000,
@@ -58,13 +58,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", type=int, default=1000, help="rows per mapping")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
-    try:
-        for p in generate_csv(args.feature_spec_in, args.output, args.size, args.seed):
-            print(p)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_on_data_error(lambda: print(
+        "\n".join(generate_csv(args.feature_spec_in, args.output, args.size, args.seed))))
 
 
 if __name__ == "__main__":

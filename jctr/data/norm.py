@@ -18,6 +18,7 @@ positions, and fields are gathered for all records at once.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,16 @@ HEADER_BYTES = 64
 
 class DataError(ValueError):
     """Input data that does not match its format or the config; names file, record and field."""
+
+
+def exit_on_data_error(action) -> int:
+    """Run a command-line action; a DataError becomes ``error: ...`` on stderr and exit code 2."""
+    try:
+        action()
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 @dataclass

@@ -24,7 +24,7 @@ from jctr.data.norm import RecordBlock, write_file_list, write_norm_file
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
-def _mix(x: np.ndarray) -> np.ndarray:
+def mix64(x: np.ndarray) -> np.ndarray:
     """splitmix64 finaliser on uint64 arrays."""
     with np.errstate(over="ignore"):
         z = x.astype(np.uint64)
@@ -49,14 +49,14 @@ def slot_keys(slot: int, ranks: np.ndarray, vocab_offsets: np.ndarray, key_type:
     if key_type == "I32":
         return vocab_offsets[slot] + ranks
     with np.errstate(over="ignore"):
-        h = _mix(ranks.astype(np.uint64) + np.uint64(slot + 1) * _GOLDEN)
+        h = mix64(ranks.astype(np.uint64) + np.uint64(slot + 1) * _GOLDEN)
     return (h >> np.uint64(1)).astype(np.int64)
 
 
 def key_weights(keys: np.ndarray, seed: int) -> np.ndarray:
     """Hidden weight of every key, uniform in [-1, 1), from a hash (no table needed)."""
     with np.errstate(over="ignore"):
-        h = _mix(keys.astype(np.uint64) ^ (np.uint64(seed) * _GOLDEN))
+        h = mix64(keys.astype(np.uint64) ^ (np.uint64(seed) * _GOLDEN))
     return (h >> np.uint64(11)).astype(np.float64) / float(1 << 53) * 2.0 - 1.0
 
 

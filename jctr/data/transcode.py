@@ -21,7 +21,7 @@ from jctr.data.feature_spec import (
     split_binary_spec,
     write_split_binary,
 )
-from jctr.data.norm import DataError
+from jctr.data.norm import DataError, exit_on_data_error
 
 
 def transcode(input_dir: str, output_dir: str, spec_name: str = "feature_spec.yaml") -> str:
@@ -62,12 +62,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--feature_spec", default="feature_spec.yaml",
                     help="YAML name inside --input")
     args = ap.parse_args(argv)
-    try:
-        print(transcode(args.input, args.output, args.feature_spec))
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return exit_on_data_error(
+        lambda: print(transcode(args.input, args.output, args.feature_spec)))
 
 
 if __name__ == "__main__":

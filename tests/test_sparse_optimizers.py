@@ -102,7 +102,7 @@ def test_lazy_global_applies_missed_decay():
 def test_duplicate_keys_sum_their_gradients(opt):
     spec = EmbeddingSpec("e", capacity=CAP, dim=DIM, slot_num=3, max_features=6,
                          one_hot=False, input_index=0, optimizer=opt)
-    state = init_embedding(spec, jax.random.PRNGKey(0))
+    state = init_embedding(spec)
     keys = jnp.array([11, 22, 11, 11, 33, 22], jnp.int64)
     segs = jnp.array([0, 1, 2, 3, 4, 6], jnp.int32)  # last key is padding (6 = 2 * 3)
     state, lk = lookup_rows(spec, state, keys, segs, 2, train=True)

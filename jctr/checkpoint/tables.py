@@ -2,7 +2,8 @@
 with sharding, any number of devices can load them.
 
 A stored table is a dict of host arrays ordered by row: ``keys`` int64 [n], ``values`` float32
-[n, dim] and one [n, dim] array per optimizer slot (``last_step`` [n] for LazyGlobal).
+[n, dim], ``slot`` int32 [n] (the input slot of each key: slot-wise placement needs it) and one
+[n, dim] array per optimizer slot (``last_step`` [n] for LazyGlobal).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ def export_table(state: EmbeddingState) -> dict[str, np.ndarray]:
     """The used rows of a table, ordered by row."""
     keys, rows = export_items(state.table)
     idx = jnp.asarray(rows)
-    out = {"keys": keys, "values": np.asarray(jnp.take(state.values, idx, axis=0))}
+    out = {"keys": keys, "values": np.asarray(jnp.take(state.values, idx, axis=0)),
+           "slot": np.asarray(jnp.take(state.row_slot, idx, axis=0))}
     for name, arr in state.slots.items():
         out[name] = np.asarray(jnp.take(arr, idx, axis=0))
     return out
@@ -74,4 +76,7 @@ def import_table(spec: EmbeddingSpec, state: EmbeddingState,
             new_slots[name] = arr.at[r].set(jnp.asarray(data))
         else:  # warm start from files without optimizer state: fresh optimizer rows
             new_slots[name] = arr
-    return EmbeddingState(table, new_values, new_slots)
+    row_slot = state.row_slot
+    if "slot" in stored:
+        row_slot = row_slot.at[r].set(jnp.asarray(np.asarray(stored["slot"], np.int32)))
+    return EmbeddingState(table, new_values, new_slots, row_slot)

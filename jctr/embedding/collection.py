@@ -13,7 +13,8 @@ from jctr.config.schema import EmbeddingConfig, ModelConfig, OptimizerConfig
 from jctr.embedding import optimizers as row_opt
 from jctr.embedding.hash_table import HashTable, Lookup, create_table, lookup
 from jctr.ops import embedding_bag_backward, embedding_bag_forward
-from jctr.ops.bag import key_gradients
+from jctr.ops.bag import key_gradients, sum_at_representatives
+from jctr.ops.hashing import key_uniform
 
 
 @dataclass(frozen=True)
@@ -36,30 +37,40 @@ class EmbeddingSpec:
     optimizer: OptimizerConfig
     combiner: str = "sum"
     init_range: float | None = None
+    seed: int = 0  # with the key, determines a new row's initial vector
+
+    @property
+    def init_bound(self) -> float:
+        return self.init_range if self.init_range is not None else 1.0 / float(self.dim) ** 0.5
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, emb: EmbeddingConfig) -> EmbeddingSpec:
         idx = next(i for i, s in enumerate(cfg.data.sparse) if s.top == emb.bottom)
         sp = cfg.data.sparse[idx]
+        number = [e.name for e in cfg.embeddings].index(emb.name)
         return cls(name=emb.name, capacity=emb.max_vocabulary_size_per_gpu,
                    dim=emb.embedding_vec_size, slot_num=sp.slot_num,
                    max_features=sp.slot_num if sp.one_hot else sp.max_feature_num_per_sample,
                    one_hot=sp.one_hot, input_index=idx, optimizer=cfg.embedding_optimizer(emb),
-                   combiner=emb.combiner, init_range=emb.init_range)
+                   combiner=emb.combiner, init_range=emb.init_range,
+                   seed=cfg.solver.seed * 1000 + number)
 
 
 class EmbeddingState(NamedTuple):
     table: HashTable
     values: jax.Array  # float32 [capacity, dim]
     slots: dict  # optimizer rows, each [capacity, dim] (LazyGlobal adds last_step [capacity])
+    row_slot: jax.Array  # int32 [capacity], the slot whose key created the row (-1: unused)
 
 
-def init_embedding(spec: EmbeddingSpec, key: jax.Array) -> EmbeddingState:
-    """Values are drawn once up front, so inserting a key costs no initialisation."""
-    r = spec.init_range if spec.init_range is not None else 1.0 / float(spec.dim) ** 0.5
-    values = jax.random.uniform(key, (spec.capacity, spec.dim), jnp.float32, -r, r)
-    return EmbeddingState(create_table(spec.capacity), values,
-                          row_opt.init_slots(spec.optimizer, spec.capacity, spec.dim))
+def init_embedding(spec: EmbeddingSpec, capacity: int | None = None) -> EmbeddingState:
+    """An empty table. A row gets its initial vector when its key is inserted
+    (:func:`jctr.ops.hashing.key_uniform` of the key), so the model does not depend on the
+    order keys arrive in or on how tables are placed on devices."""
+    capacity = capacity or spec.capacity
+    return EmbeddingState(create_table(capacity), jnp.zeros((capacity, spec.dim), jnp.float32),
+                          row_opt.init_slots(spec.optimizer, capacity, spec.dim),
+                          jnp.full((capacity,), -1, jnp.int32))
 
 
 def _safe_rows(rows: jax.Array, capacity: int) -> jax.Array:
@@ -72,8 +83,42 @@ def lookup_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array,
                 ) -> tuple[EmbeddingState, Lookup]:
     """Rows of a batch's keys, inserting unseen ones when ``train`` (-1: padding, unknown)."""
     valid = segments < batch_size * spec.slot_num
-    table, lk = lookup(state.table, keys, valid, spec.capacity, insert=train, dedupe=train)
-    return state._replace(table=table), lk
+    capacity = state.values.shape[0]
+    table, lk = lookup(state.table, keys, valid, capacity, insert=train, dedupe=train)
+    state = state._replace(table=table)
+    if train:
+        state = initialize_fresh_rows(spec, state, keys, lk, segments % spec.slot_num)
+    return state, lk
+
+
+def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array,
+                          lk: Lookup, key_slots: jax.Array) -> EmbeddingState:
+    """Write the initial vector (and slot) of the rows this lookup created.
+
+    New keys are few in steady state, so they are handled in compacted chunks: the cost per
+    step is one pass over the batch plus the new keys, not a random vector per key.
+    """
+    n = keys.shape[0]
+    capacity = state.values.shape[0]
+    chunk = min(n, max(64, n // 16))
+
+    def cond(c):
+        return jnp.any(c[0])
+
+    def body(c):
+        todo, values, row_slot = c
+        idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
+        sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
+        rows = lk.rows.at[idx].get(mode="fill", fill_value=-1)
+        rows = jnp.where(rows >= 0, rows, capacity)
+        values = values.at[rows].set(key_uniform(sub_keys, spec.dim, spec.seed, spec.init_bound),
+                                     mode="drop")
+        row_slot = row_slot.at[rows].set(key_slots.at[idx].get(mode="fill", fill_value=-1),
+                                         mode="drop")
+        return todo.at[idx].set(False, mode="drop"), values, row_slot
+
+    _, values, row_slot = jax.lax.while_loop(cond, body, (lk.fresh, state.values, state.row_slot))
+    return state._replace(values=values, row_slot=row_slot)
 
 
 def pool(spec: EmbeddingSpec, values: jax.Array, rows: jax.Array, segments: jax.Array,
@@ -89,17 +134,31 @@ def apply_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
                     count: jax.Array) -> EmbeddingState:
     """Sparse update from the gradient w.r.t. the pooled embeddings [batch, slots, dim]."""
     b = grad_pooled.shape[0]
-    n = segments.shape[0]
     flat = grad_pooled.reshape(b * spec.slot_num, spec.dim)
     if spec.optimizer.type == "SGD":
         # SGD's scatter-add sums duplicate rows itself: no per-row summation pass needed
         g = key_gradients(flat, segments, b * spec.slot_num, spec.combiner)
-        rows = _safe_rows(lk.rows, spec.capacity)
     else:
         g = embedding_bag_backward(flat, segments, lk.rep, b * spec.slot_num, spec.combiner,
                                    one_hot=spec.one_hot)
-        ar = jnp.arange(n, dtype=jnp.int32)
-        rows = jnp.where(lk.rep == ar, _safe_rows(lk.rows, spec.capacity), spec.capacity)
+    return _apply_rows(spec, state, lk, g, lr, count, summed=spec.optimizer.type != "SGD")
+
+
+def apply_key_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
+                        g_keys: jax.Array, lr: jax.Array, count: jax.Array) -> EmbeddingState:
+    """Sparse update from one gradient per looked-up key [n, dim] (duplicates are summed)."""
+    if spec.optimizer.type != "SGD":
+        g_keys = sum_at_representatives(g_keys, lk.rep)
+    return _apply_rows(spec, state, lk, g_keys, lr, count,
+                       summed=spec.optimizer.type != "SGD")
+
+
+def _apply_rows(spec, state, lk, g, lr, count, *, summed: bool) -> EmbeddingState:
+    capacity = state.values.shape[0]
+    rows = _safe_rows(lk.rows, capacity)
+    if summed:  # one update per distinct row, at its representative position
+        ar = jnp.arange(rows.shape[0], dtype=jnp.int32)
+        rows = jnp.where(lk.rep == ar, rows, capacity)
     values, slots = row_opt.apply_rows(spec.optimizer, state.values, state.slots, rows, g, lr,
                                        count)
     return state._replace(values=values, slots=slots)

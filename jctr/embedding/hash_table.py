@@ -55,6 +55,7 @@ class Lookup(NamedTuple):
 
     rows: jax.Array  # int32 [n], -1 for padding and unknown keys
     rep: jax.Array  # int32 [n], position of one occurrence of the same row (-1 if none)
+    fresh: jax.Array  # bool [n], the position that was just given a new row (one per new key)
 
 
 def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *,
@@ -73,6 +74,7 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
         scratch, rep = table.scratch, jnp.full(slots.shape, -1, jnp.int32)
     slot_rows = table.slot_rows
     size, overflow = table.size, table.overflow
+    granted = jnp.zeros(keys.shape, bool)
     rows = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
     if insert:
         ar = jnp.arange(keys.shape[0], dtype=jnp.int32)
@@ -88,7 +90,7 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
         rows = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
     rep = jnp.where(rows >= 0, rep, -1)
     table = HashTable(slot_keys, slot_rows, scratch, size, overflow)
-    return table, Lookup(rows=rows, rep=rep)
+    return table, Lookup(rows=rows, rep=rep, fresh=granted)
 
 
 def export_items(table: HashTable) -> tuple[np.ndarray, np.ndarray]:

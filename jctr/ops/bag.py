@@ -53,7 +53,10 @@ def embedding_bag_backward_reference(grad_out: jax.Array, segments: jax.Array, r
                                      num_segments: int, combiner: str = "sum") -> jax.Array:
     """Reference backward: :func:`key_gradients` summed at the representative position of each
     key's row. Keys with rep -1 get nothing."""
-    n = segments.shape[0]
-    g = key_gradients(grad_out, segments, num_segments, combiner)
-    target = jnp.where(rep >= 0, rep, n)
+    return sum_at_representatives(key_gradients(grad_out, segments, num_segments, combiner), rep)
+
+
+def sum_at_representatives(g: jax.Array, rep: jax.Array) -> jax.Array:
+    """[n, dim]: every key's gradient added at its row's representative position."""
+    target = jnp.where(rep >= 0, rep, g.shape[0])
     return jnp.zeros_like(g).at[target].add(g, mode="drop")

@@ -28,6 +28,34 @@ def hash_keys(keys: jax.Array) -> jax.Array:
     return z ^ (z >> np.uint64(31))
 
 
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def owner_shards(keys: jax.Array, num_shards: int) -> jax.Array:
+    """The shard (device) owning each key when a table is spread row-wise by key hash.
+
+    Uses the low bits of the mixed hash: the home slot inside a shard uses the top bits, so the
+    keys one shard receives still spread over its whole slot array.
+    """
+    if num_shards == 1:
+        return jnp.zeros(keys.shape, jnp.int32)
+    return (hash_keys(keys) % np.uint64(num_shards)).astype(jnp.int32)
+
+
+def key_uniform(keys: jax.Array, dim: int, seed: int, bound: float) -> jax.Array:
+    """[n, dim] float32 uniform in [-bound, bound), a pure function of (key, seed, column).
+
+    New embedding rows start from this, so a key's initial vector does not depend on which row
+    or device it lands in: any device count trains the same model.
+    """
+    salt = np.uint64((seed * 0x2545F4914F6CDD1D) & 0xFFFFFFFFFFFFFFFF).view(np.int64)
+    h = hash_keys(keys ^ salt)
+    cols = (jnp.arange(1, dim + 1, dtype=jnp.uint64) * _GOLDEN)[None, :]
+    bits = hash_keys((h[:, None] + cols).astype(jnp.int64)) >> np.uint64(40)  # 24 random bits
+    u = bits.astype(jnp.float32) * np.float32(1.0 / (1 << 24))
+    return (2.0 * u - 1.0) * np.float32(bound)
+
+
 def home_slots(keys: jax.Array, num_slots: int) -> jax.Array:
     """First probe position of every key (top bits of the mixed hash)."""
     bits = int(num_slots).bit_length() - 1

@@ -51,12 +51,10 @@ def build_model(cfg: ModelConfig):
     dense_tx = dense_optimizer(cfg.optimizer)
 
     def init_state() -> TrainState:
-        key = jax.random.PRNGKey(cfg.solver.seed)
-        emb_keys = jax.random.split(jax.random.fold_in(key, 1), len(specs))
         return TrainState(
-            step=jnp.zeros((), jnp.int32), rng=key, params=params, batch_stats=batch_stats,
-            opt_state=dense_tx.init(params),
-            embeddings=tuple(init_embedding(s, k) for s, k in zip(specs, emb_keys)))
+            step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(cfg.solver.seed),
+            params=params, batch_stats=batch_stats, opt_state=dense_tx.init(params),
+            embeddings=tuple(init_embedding(s) for s in specs))
 
     return step_config, dense_tx, init_state
 

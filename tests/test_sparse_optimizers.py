@@ -1,6 +1,5 @@
 """Row-wise optimizers against the dense (optax) optimizers of the same config."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax

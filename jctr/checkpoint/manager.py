@@ -23,8 +23,9 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jctr.checkpoint.tables import export_table, import_table
+from jctr.checkpoint.tables import export_placed, import_placed
 from jctr.embedding.collection import EmbeddingSpec
+from jctr.sharding.mesh import to_host
 from jctr.train.step import TrainState
 
 FORMAT = "jctr-checkpoint"
@@ -64,10 +65,13 @@ class Checkpointer:
         return self.manager.latest_step()
 
     def save(self, state: TrainState, specs: tuple[EmbeddingSpec, ...],
-             meta: dict[str, Any] | None = None) -> int:
-        """Start saving (asynchronously where Orbax allows); returns the step saved."""
-        step = int(state.step)
-        tables = {s.name: export_table(e) for s, e in zip(specs, state.embeddings)}
+             meta: dict[str, Any] | None = None, placements=None) -> int:
+        """Start saving (asynchronously where Orbax allows); returns the step saved.
+        ``placements`` (from the sharding plan) says how tables are laid out on devices."""
+        step = int(to_host(state.step))
+        placements = placements or (None,) * len(specs)
+        tables = {s.name: export_placed(e, p)
+                  for s, e, p in zip(specs, state.embeddings, placements)}
         info = {"format": FORMAT, "version": VERSION, "step": step,
                 "tables": {s.name: {"rows": int(tables[s.name]["keys"].shape[0]), "dim": s.dim,
                                     "capacity": s.capacity} for s in specs},
@@ -144,7 +148,7 @@ class Checkpointer:
         return step
 
     def restore(self, fresh: TrainState, specs: tuple[EmbeddingSpec, ...],
-                step: int | None = None) -> tuple[TrainState, dict[str, Any]]:
+                step: int | None = None, placements=None) -> tuple[TrainState, dict[str, Any]]:
         """Restore ``step`` (default: the latest complete one) onto a freshly built state.
 
         Table rows are re-inserted by key; rows never used keep ``fresh``'s initial values,
@@ -168,13 +172,15 @@ class Checkpointer:
         dense = restored["dense"]
         tables = restored["tables"]
         embeddings = []
-        for spec, es in zip(specs, fresh.embeddings):
+        placements = placements or (None,) * len(specs)
+        for spec, es, placement in zip(specs, fresh.embeddings, placements):
             if spec.name not in tables:
                 raise CheckpointError(f"{where}/tables: no table \"{spec.name}\"; stored: "
                                       f"{sorted(tables)}")
             stored = {k: np.asarray(v) for k, v in tables[spec.name].items()}
             try:
-                embeddings.append(import_table(spec, es, stored, source=f"{where}/tables"))
+                embeddings.append(import_placed(spec, es, stored, placement,
+                                                source=f"{where}/tables"))
             except ValueError as e:
                 raise CheckpointError(str(e)) from e
         state = TrainState(step=dense["step"], rng=dense["rng"], params=dense["params"],

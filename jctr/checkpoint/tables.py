@@ -80,3 +80,65 @@ def import_table(spec: EmbeddingSpec, state: EmbeddingState,
     if "slot" in stored:
         row_slot = row_slot.at[r].set(jnp.asarray(np.asarray(stored["slot"], np.int32)))
     return EmbeddingState(table, new_values, new_slots, row_slot)
+
+
+def export_placed(state: EmbeddingState, placement=None) -> dict[str, np.ndarray]:
+    """:func:`export_table` of a table in any placement: a sharded table's parts are exported
+    one after another (by key, so the result loads on any device count)."""
+    if placement is None or not placement.sharded:
+        return export_table(jax.tree.map(_host, state))
+    host = jax.tree.map(_host, state)
+    parts = [export_table(jax.tree.map(lambda x, i=i: x[i], host))
+             for i in range(placement.num_shards)]
+    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+
+
+def import_placed(spec: EmbeddingSpec, state: EmbeddingState, stored: dict[str, np.ndarray],
+                  placement=None, *, source: str = "<table>") -> EmbeddingState:
+    """:func:`import_table` into a table in any placement: every key goes to the part of the
+    device that owns it (by key hash, or by its slot for slot-wise placement)."""
+    if placement is None or not placement.sharded:
+        local = jax.tree.map(lambda x: jnp.asarray(_host(x)), state)
+        return _like(import_table(spec, local, stored, source=source), state)
+    keys = np.asarray(stored["keys"], np.int64)
+    if placement.kind == "localized":
+        if "slot" not in stored:
+            raise ValueError(f"{source}: embedding \"{spec.name}\" is placed slot-wise on "
+                             f"{placement.num_shards} devices, which needs the slot of every "
+                             "key; the stored table has no slot ids")
+        slot = np.asarray(stored["slot"], np.int64)
+        if slot.size and (slot.min() < 0 or slot.max() >= spec.slot_num):
+            raise ValueError(f"{source}: embedding \"{spec.name}\": slot ids outside "
+                             f"[0, {spec.slot_num})")
+        owner = np.asarray(placement.slot_owner, np.int64)[slot]
+    else:
+        from jctr.data.synthetic import mix64
+
+        owner = (mix64(keys.view(np.uint64)) % np.uint64(placement.num_shards)).astype(np.int64)
+    host = jax.tree.map(_host, state)
+    parts = []
+    for i in range(placement.num_shards):
+        part = jax.tree.map(lambda x, i=i: jnp.asarray(x[i]), host)
+        pick = owner == i
+        parts.append(import_table(spec, part, {k: np.asarray(v)[pick] for k, v in stored.items()},
+                                  source=f"{source} (device {i})"))
+    stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *parts)
+    return _like(stacked, state)
+
+
+def _host(x) -> np.ndarray:
+    from jctr.sharding.mesh import to_host
+
+    return to_host(x)
+
+
+def _like(new: EmbeddingState, old: EmbeddingState) -> EmbeddingState:
+    """``new`` (host or device arrays) placed like ``old``'s arrays."""
+
+    def put(x, ref):
+        x = np.asarray(x)
+        if isinstance(ref, jax.Array) and hasattr(ref, "sharding"):
+            return jax.make_array_from_callback(x.shape, ref.sharding, lambda idx: x[idx])
+        return jnp.asarray(x)
+
+    return jax.tree.map(put, new, old)

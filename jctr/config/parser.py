@@ -129,6 +129,7 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
     seed = r.int("seed", 0, min_value=0)
     log_dir = r.str("log_dir", None)
     snapshot_keep = r.int("snapshot_keep", 3, min_value=1)
+    replicate_table_bytes = r.int("replicate_table_bytes", 0, min_value=0)
     # Accepted for HugeCTR compatibility; XLA schedules the step as a whole already.
     r.bool("cuda_graph", True)
     r.finish()
@@ -139,7 +140,7 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
         dense_model_file=dense_model_file, sparse_model_file=sparse_model_file,
         mixed_precision=mixed_precision, enable_tf32_compute=enable_tf32, eval_metrics=metrics,
         input_key_type=input_key_type, compute_dtype=compute_dtype, seed=seed, log_dir=log_dir,
-        snapshot_keep=snapshot_keep)
+        snapshot_keep=snapshot_keep, replicate_table_bytes=replicate_table_bytes)
 
 
 def _parse_gpu(r: ObjectReader) -> tuple[tuple[int, ...], ...]:
@@ -384,13 +385,14 @@ def parse_embedding(r: ObjectReader, etype: str) -> EmbeddingConfig:
         raise h.error("combiner", f"expected 0 (sum) or 1 (mean), got {describe(combiner_raw)}")
     h.int("load_factor", 1)  # legacy field, capacity here is exact
     init_range = h.float("init_range", None, positive=True)
+    replicated = h.bool("replicated", None)
     h.finish()
     optimizer = parse_optimizer(r.child("optimizer")) if r.has("optimizer") else None
     r.finish()
     return EmbeddingConfig(name=name, type=etype, bottom=bottom, top=top,
                            max_vocabulary_size_per_gpu=vocab, embedding_vec_size=vec,
                            combiner=combiner, optimizer=optimizer, plan_file=plan_file,
-                           init_range=init_range)
+                           init_range=init_range, replicated=replicated)
 
 
 def _fc(r: ObjectReader):

@@ -78,6 +78,7 @@ class SolverConfig:
     seed: int = 0
     log_dir: str | None = None
     snapshot_keep: int = 3  # checkpoints kept (oldest deleted first)
+    replicate_table_bytes: int = 0  # on several devices, copy tables this small to every one
 
     @property
     def checkpoint_dir(self) -> str:
@@ -172,6 +173,8 @@ class EmbeddingConfig:
     plan_file: str | None = None
     # jctr extension: values start uniform in [-init_range, init_range]
     init_range: float | None = None
+    # jctr extension: a full copy on every device (data parallel); None lets the planner decide
+    replicated: bool | None = None
 
 
 # ---- dense layer parameters -------------------------------------------------------------

@@ -83,11 +83,17 @@ def lookup_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array,
                 ) -> tuple[EmbeddingState, Lookup]:
     """Rows of a batch's keys, inserting unseen ones when ``train`` (-1: padding, unknown)."""
     valid = segments < batch_size * spec.slot_num
+    return lookup_keys(spec, state, keys, valid, segments % spec.slot_num, train=train)
+
+
+def lookup_keys(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array, valid: jax.Array,
+                key_slots: jax.Array, *, train: bool) -> tuple[EmbeddingState, Lookup]:
+    """:func:`lookup_rows` for keys that are not laid out as a batch (e.g. routed to a shard)."""
     capacity = state.values.shape[0]
     table, lk = lookup(state.table, keys, valid, capacity, insert=train, dedupe=train)
     state = state._replace(table=table)
     if train:
-        state = initialize_fresh_rows(spec, state, keys, lk, segments % spec.slot_num)
+        state = initialize_fresh_rows(spec, state, keys, lk, key_slots)
     return state, lk
 
 

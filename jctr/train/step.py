@@ -64,21 +64,40 @@ def _forward(sc: StepConfig, params, batch_stats, pooled, batch: Batch, rng, tra
     return loss, (pred, new_stats)
 
 
-def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation):
-    """``train_step(state, batch) -> (state, metrics)``; jit it with the state donated."""
+class LocalEmbeddings:
+    """Lookups and updates of all embeddings on one device (the interface
+    :class:`jctr.sharding.ShardedEmbeddings` also implements for a mesh)."""
+
+    def __init__(self, specs: tuple[EmbeddingSpec, ...]):
+        self.specs = specs
+
+    def lookup(self, embs, batch: Batch, *, train: bool):
+        b = batch.label.shape[0]
+        new_embs, lookups, pooled = [], [], []
+        for spec, es in zip(self.specs, embs):
+            segs = batch.segments[spec.input_index]
+            es, lk = lookup_rows(spec, es, batch.keys[spec.input_index], segs, b, train=train)
+            new_embs.append(es)
+            lookups.append(lk)
+            pooled.append(pool(spec, es.values, lk.rows, segs, b))
+        return (tuple(new_embs) if train else embs), tuple(lookups), tuple(pooled)
+
+    def apply(self, embs, lookups, batch: Batch, grads, lrs, count):
+        return tuple(apply_gradients(spec, es, lk, batch.segments[spec.input_index],
+                                     g.astype(jnp.float32), lr, count)
+                     for spec, es, lk, g, lr in zip(self.specs, embs, lookups, grads, lrs))
+
+
+def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation, engine=None):
+    """``train_step(state, batch) -> (state, metrics)``; jit it with the state donated.
+
+    ``engine`` does the embedding lookups and updates (default: all tables on one device)."""
     schedules = [learning_rate_schedule(s.optimizer) for s in sc.specs]
+    engine = engine or LocalEmbeddings(sc.specs)
 
     def train_step(state: TrainState, batch: Batch):
         with jax.default_matmul_precision(sc.matmul_precision):
-            b = batch.label.shape[0]
-            embs, lookups, pooled = [], [], []
-            for spec, es in zip(sc.specs, state.embeddings):
-                segs = batch.segments[spec.input_index]
-                es, lk = lookup_rows(spec, es, batch.keys[spec.input_index], segs, b,
-                                     train=True)
-                embs.append(es)
-                lookups.append(lk)
-                pooled.append(pool(spec, es.values, lk.rows, segs, b))
+            embs, lookups, pooled = engine.lookup(state.embeddings, batch, train=True)
             rng = jax.random.fold_in(state.rng, state.step)
 
             # The BatchNorm statistics enter as a differentiated argument only so that NNX sees
@@ -105,12 +124,10 @@ def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation):
             updates, opt_state = dense_tx.update(g_params, state.opt_state, state.params)
             params = optax.apply_updates(state.params, updates)
             count = state.step + 1
-            new_embs = []
-            for spec, es, lk, g, sched in zip(sc.specs, embs, lookups, g_pooled, schedules):
-                g = unscale(g)
-                new_embs.append(apply_gradients(spec, es, lk, batch.segments[spec.input_index],
-                                                g, sched(state.step), count))
-            overflow = sum(es.table.overflow for es in new_embs)
+            lrs = tuple(sched(state.step) for sched in schedules)
+            new_embs = engine.apply(embs, lookups, batch, tuple(unscale(g) for g in g_pooled),
+                                    lrs, count)
+            overflow = sum(jnp.sum(es.table.overflow) for es in new_embs)
             new_state = TrainState(count, state.rng, params, new_stats, opt_state,
                                    tuple(new_embs))
             return new_state, {"loss": scaled / sc.loss_scale, "overflow": overflow,
@@ -119,18 +136,13 @@ def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation):
     return train_step
 
 
-def make_eval_step(sc: StepConfig):
+def make_eval_step(sc: StepConfig, engine=None):
     """``eval_step(state, batch) -> (loss, prediction)``; never inserts keys."""
+    engine = engine or LocalEmbeddings(sc.specs)
 
     def eval_step(state: TrainState, batch: Batch):
         with jax.default_matmul_precision(sc.matmul_precision):
-            b = batch.label.shape[0]
-            pooled = []
-            for spec, es in zip(sc.specs, state.embeddings):
-                segs = batch.segments[spec.input_index]
-                _, lk = lookup_rows(spec, es, batch.keys[spec.input_index], segs, b,
-                                    train=False)
-                pooled.append(pool(spec, es.values, lk.rows, segs, b))
+            _, _, pooled = engine.lookup(state.embeddings, batch, train=False)
             loss, (pred, _) = _forward(sc, state.params, state.batch_stats, pooled, batch,
                                        None, False)
             return loss, pred

@@ -21,6 +21,18 @@ from jctr.data.synthetic import generate_for_config
 from jctr.embedding.collection import EmbeddingSpec, init_embedding
 from jctr.embedding.hash_table import TableFullError
 from jctr.models.graph import build_network
+from jctr.sharding import (
+    ShardedEmbeddings,
+    build_mesh,
+    describe_mesh,
+    global_batch,
+    mesh_devices,
+    plan_embeddings,
+    to_host,
+)
+from jctr.sharding.mesh import replicated
+from jctr.sharding.plan import device_memory_bytes
+from jctr.sharding.routing import globalize_segments
 from jctr.train.metrics import auc, log_loss
 from jctr.train.optimizers import dense_optimizer
 from jctr.train.step import StepConfig, TrainState, make_eval_step, make_train_step
@@ -59,6 +71,13 @@ def build_model(cfg: ModelConfig):
     return step_config, dense_tx, init_state
 
 
+def _dense_bytes(init_state) -> int:
+    """Bytes of the dense parameters plus the dense optimizer state (one copy)."""
+    shapes = jax.eval_shape(lambda: (lambda st: (st.params, st.batch_stats, st.opt_state))(
+        init_state()))
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
 class Trainer:
     """Trains a model described by a parsed config.
 
@@ -79,10 +98,36 @@ class Trainer:
             generate_for_config(cfg)
         self.step_config, self.dense_tx, init_state = build_model(cfg)
         self.specs = self.step_config.specs
-        self.state = init_state()
-        self.train_step = jax.jit(make_train_step(self.step_config, self.dense_tx),
-                                  donate_argnums=0)
-        self.eval_step = jax.jit(make_eval_step(self.step_config))
+        self.mesh = build_mesh(cfg.solver.gpu, cfg.source)
+        self.num_devices = 1 if self.mesh is None else self.mesh.devices.size
+        self._check_batch_sizes()
+        self._print(describe_mesh(self.mesh))
+        # the plan is checked against device memory before any table is allocated
+        self.plan = plan_embeddings(
+            cfg, self.specs, self.num_devices, dense_bytes=_dense_bytes(init_state),
+            device_memory=device_memory_bytes(mesh_devices(cfg.solver.gpu, cfg.source)[0]))
+        self._print(self.plan.describe())
+        self.placements = self.plan.placements
+        if self.mesh is None:
+            self.engine = None
+            self.state = init_state()
+            self.train_step = jax.jit(make_train_step(self.step_config, self.dense_tx),
+                                      donate_argnums=0)
+        else:
+            self.engine = ShardedEmbeddings(self.mesh, self.specs, self.placements)
+            rep = replicated(self.mesh)
+            shardings = TrainState(rep, rep, rep, rep, rep, self.engine.shardings())
+
+            def init_sharded():
+                state = init_state()
+                return state._replace(embeddings=tuple(
+                    self.engine.init_one(s, p) for s, p in zip(self.specs, self.placements)))
+
+            self.state = jax.jit(init_sharded, out_shardings=shardings)()
+            self.train_step = jax.jit(
+                make_train_step(self.step_config, self.dense_tx, self.engine),
+                donate_argnums=0, out_shardings=(shardings, rep))
+        self.eval_step = jax.jit(make_eval_step(self.step_config, self.engine))
         self._train_data: Dataset | None = None
         self._eval_data: Dataset | None = None
         self.history: list[dict[str, Any]] = []
@@ -99,6 +144,34 @@ class Trainer:
         if solver_overrides:
             cfg = cfg.with_solver(**solver_overrides)
         return cls(cfg)
+
+    def _check_batch_sizes(self) -> None:
+        n = self.num_devices
+        for name in ("batchsize", "batchsize_eval"):
+            value = getattr(self.solver, name)
+            if value % n or value % jax.process_count():
+                raise ConfigError(f"solver.{name}", f"{value} does not split evenly over "
+                                  f"{n} devices in {jax.process_count()} process(es); use a "
+                                  "multiple of the device count", self.cfg.source)
+
+    def _to_devices(self, batch: Batch, process_local: bool) -> Batch:
+        """Host batch -> device arrays. On a mesh the batch is split over the devices; a
+        ``process_local`` batch is this process's share (its segment ids are made global)."""
+        if self.mesh is None:
+            return jax.device_put(batch)
+        if process_local and jax.process_count() > 1:
+            batch = globalize_segments(batch, tuple(sp.slot_num for sp in self.cfg.data.sparse),
+                                       jax.process_index(), jax.process_count())
+        return global_batch(self.mesh, batch)
+
+    def _process_share(self, batch: Batch) -> Batch:
+        """This process's contiguous share of a batch every process read whole."""
+        n, p = jax.process_count(), jax.process_index()
+        if n == 1:
+            return batch
+        cut = lambda x: x[p * x.shape[0] // n:(p + 1) * x.shape[0] // n]
+        return Batch(cut(batch.label), cut(batch.dense), tuple(map(cut, batch.keys)),
+                     tuple(map(cut, batch.segments)), cut(batch.mask))
 
     # ---- data ---------------------------------------------------------------------------
 
@@ -136,9 +209,9 @@ class Trainer:
     # ---- training -----------------------------------------------------------------------
 
     def _check_overflow(self, metrics) -> None:
-        if int(metrics["overflow"]):
+        if int(to_host(metrics["overflow"])):
             full = [s for s, e in zip(self.specs, self.state.embeddings)
-                    if int(e.table.overflow)]
+                    if int(np.sum(to_host(e.table.overflow)))]
             names = ", ".join(f"\"{s.name}\" ({s.capacity} rows)" for s in full)
             raise TableFullError(
                 f"embedding table full: more distinct keys than max_vocabulary_size_per_gpu "
@@ -154,13 +227,13 @@ class Trainer:
         if max_iter is None and epochs is None:
             raise ConfigError("solver", "set max_iter or num_epochs", self.cfg.source)
         batches = Prefetcher(
-            self.train_data.batches_with_position(s.batchsize, epochs=epochs,
-                                                  start=self.reader_position),
-            transform=lambda item: (jax.device_put(item[0]), item[1]))
+            self.train_data.batches_with_position(s.batchsize // jax.process_count(),
+                                                  epochs=epochs, start=self.reader_position),
+            transform=lambda item: (self._to_devices(item[0], True), item[1]))
         self._print(f"[jctr] training {', '.join(e.name for e in self.cfg.embeddings)} + "
                     f"{len(self.cfg.layers)} dense layers; batch {s.batchsize}; "
                     f"{'max_iter ' + str(max_iter) if max_iter else str(epochs) + ' epoch(s)'}")
-        done = int(self.state.step)
+        done = int(to_host(self.state.step))
         start_step = done
         t0 = time.perf_counter()
         window_t, window_n = t0, 0
@@ -176,7 +249,7 @@ class Trainer:
                 done += 1
                 window_n += s.batchsize
                 if done % s.display == 0:
-                    loss = float(metrics["loss"])
+                    loss = float(to_host(metrics["loss"]))
                     now = time.perf_counter()
                     rate = window_n / (now - window_t)
                     window_t, window_n = now, 0
@@ -241,7 +314,8 @@ class Trainer:
         ckpt = self.checkpointer
         step = ckpt.save(self.state, self.specs,
                          meta={"reader": vars(pos), "config": self.cfg.raw,
-                               "jctr_version": _version()})
+                               "jctr_version": _version(), "devices": self.num_devices},
+                         placements=self.placements)
         write_non_trainable(os.path.join(ckpt.directory, f"non_trainable_{step}.json"),
                             self.network())
         kept = set(ckpt.steps()) | {step}
@@ -261,10 +335,12 @@ class Trainer:
 
         ckpt = Checkpointer(directory, keep=self.solver.snapshot_keep) if directory \
             else self.checkpointer
-        self.state, meta = ckpt.restore(self.state, self.specs, step)
+        self.state, meta = ckpt.restore(self.state, self.specs, step, self.placements)
         self.reader_position = ReaderPosition(**meta.get("reader", {}))
-        self._print(f"[jctr] resumed from iter {int(self.state.step)} ({ckpt.directory})")
-        return int(self.state.step)
+        step = int(to_host(self.state.step))
+        self._print(f"[jctr] resumed from iter {step} ({ckpt.directory}, written on "
+                    f"{meta.get('devices', 1)} device(s), restored on {self.num_devices})")
+        return step
 
     def save_model_files(self, prefix: str) -> list[str]:
         """HugeCTR-style files: ``<prefix>dense_<iter>.model``, one
@@ -275,16 +351,16 @@ class Trainer:
             write_non_trainable,
             write_sparse_model,
         )
-        from jctr.checkpoint.tables import export_table
+        from jctr.checkpoint.tables import export_placed
 
-        step = int(self.state.step)
+        step = int(to_host(self.state.step))
         os.makedirs(os.path.dirname(os.path.abspath(prefix + "x")), exist_ok=True)
         net = self.network()
         paths = [f"{prefix}dense_{step}.model", f"{prefix}non_trainable_{step}.json"]
         write_dense_model(paths[0], net)
         write_non_trainable(paths[1], net)
-        for spec, es in zip(self.specs, self.state.embeddings):
-            t = export_table(es)
+        for spec, es, placement in zip(self.specs, self.state.embeddings, self.placements):
+            t = export_placed(es, placement)
             path = f"{prefix}{spec.name}_sparse_{step}.model"
             write_sparse_model(path, t["keys"], t["values"])
             paths.append(path)
@@ -293,7 +369,7 @@ class Trainer:
     def load_model_files(self, dense: str | None, sparse: tuple[str, ...] = ()) -> None:
         """Warm start from HugeCTR-style model files (optimizer state starts fresh)."""
         from jctr.checkpoint.model_files import load_dense_model, read_sparse_model
-        from jctr.checkpoint.tables import import_table
+        from jctr.checkpoint.tables import import_placed
 
         if dense:
             net = self.network()
@@ -305,10 +381,11 @@ class Trainer:
                 raise ConfigError("solver.sparse_model_file", f"{len(sparse)} files for "
                                   f"{len(self.specs)} embeddings", self.cfg.source)
             embs = []
-            for spec, es, path in zip(self.specs, self.state.embeddings, sparse):
+            for spec, es, path, placement in zip(self.specs, self.state.embeddings, sparse,
+                                                 self.placements):
                 keys, vectors = read_sparse_model(path, spec.dim)
-                embs.append(import_table(spec, es, {"keys": keys, "values": vectors},
-                                         source=path))
+                embs.append(import_placed(spec, es, {"keys": keys, "values": vectors},
+                                          placement, source=path))
             self.state = self.state._replace(embeddings=tuple(embs))
 
     # ---- evaluation and prediction ------------------------------------------------------
@@ -323,10 +400,10 @@ class Trainer:
         for i, batch in enumerate(data.batches(s.batchsize_eval, epochs=1)):
             if i >= num_batches:
                 break
-            _, pred = self.eval_step(self.state, jax.device_put(batch))
+            pred = self._predict_all(batch)
             m = batch.mask
             labels.append(batch.label[m, 0])
-            preds.append(np.asarray(pred)[m] if np.ndim(pred) == 1 else np.asarray(pred)[m, 0])
+            preds.append(pred[m] if pred.ndim == 1 else pred[m, 0])
         y = np.concatenate(labels)
         p = np.concatenate(preds)
         out: dict[str, float] = {}
@@ -337,7 +414,11 @@ class Trainer:
                 out["AverageLoss"] = log_loss(y, p)
         return out
 
+    def _predict_all(self, batch: Batch) -> np.ndarray:
+        """Predictions for every sample of a host batch (every process passes the same one)."""
+        _, pred = self.eval_step(self.state, self._to_devices(self._process_share(batch), False))
+        return to_host(pred)
+
     def predict(self, batch: Batch) -> np.ndarray:
         """Click probabilities of the batch's real samples (padding dropped)."""
-        _, pred = self.eval_step(self.state, jax.device_put(batch))
-        return np.asarray(pred)[np.asarray(batch.mask)]
+        return self._predict_all(batch)[np.asarray(batch.mask)]

@@ -1,0 +1,75 @@
+"""Multi-host start-up: ``jax.distributed.initialize`` from the environment.
+
+Recognised, in this order:
+
+* ``JCTR_COORDINATOR`` (``host:port`` of process 0), ``JCTR_NUM_PROCESSES``, ``JCTR_PROCESS_ID``
+  (what ``scripts/launch_local.sh`` sets; use them with any launcher);
+* SLURM (``SLURM_JOB_ID`` with ``SLURM_NTASKS`` > 1) and Open MPI (``OMPI_COMM_WORLD_SIZE`` > 1):
+  JAX's own cluster detection finds the coordinator, process count and id (``JCTR_COORDINATOR``
+  may still name the coordinator).
+
+Without any of these the run is a single process. Call this before anything else touches JAX
+devices (the CLI does).
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+_started = False
+
+
+def _int_env(name: str) -> int:
+    value = os.environ.get(name, "")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name}: expected an integer, got "
+                         f"{value!r}") from None
+
+
+def cluster_from_env() -> dict | None:
+    """The ``jax.distributed.initialize`` arguments the environment asks for, or None."""
+    if os.environ.get("JCTR_NUM_PROCESSES"):
+        n = _int_env("JCTR_NUM_PROCESSES")
+        if n <= 1:
+            return None
+        coord = os.environ.get("JCTR_COORDINATOR")
+        if not coord:
+            raise ValueError("JCTR_NUM_PROCESSES is set but JCTR_COORDINATOR (host:port of "
+                             "process 0) is not")
+        pid = _int_env("JCTR_PROCESS_ID")
+        if not 0 <= pid < n:
+            raise ValueError(f"JCTR_PROCESS_ID {pid} is outside [0, {n})")
+        return {"coordinator_address": coord, "num_processes": n, "process_id": pid}
+    slurm = os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1
+    ompi = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
+    if slurm or ompi:
+        coord = os.environ.get("JCTR_COORDINATOR")
+        return {"coordinator_address": coord} if coord else {}
+    return None
+
+
+def initialize_distributed(timeout_s: int = 300) -> bool:
+    """Join the cluster the environment describes; returns True when running multi-process.
+
+    Example (two processes on one machine; ``scripts/launch_local.sh`` does this)::
+
+        JCTR_COORDINATOR=127.0.0.1:12345 JCTR_NUM_PROCESSES=2 JCTR_PROCESS_ID=0 \\
+            python -m jctr.train --config cfg.json &
+        JCTR_COORDINATOR=127.0.0.1:12345 JCTR_NUM_PROCESSES=2 JCTR_PROCESS_ID=1 \\
+            python -m jctr.train --config cfg.json
+    """
+    global _started
+    if _started:
+        return jax.process_count() > 1
+    args = cluster_from_env()
+    if args is None:
+        return False
+    # CPU devices of different processes talk through gloo (the default has no collectives)
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(initialization_timeout=timeout_s, **args)
+    _started = True
+    return True

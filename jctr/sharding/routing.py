@@ -1,0 +1,251 @@
+"""Embedding lookups and sparse updates for tables placed over a device mesh.
+
+Inside ``jax.shard_map`` every device holds ``b = B / D`` samples of the batch and its part of
+each table. For a sharded table (``localized`` or ``distributed``):
+
+1. each key's owner is computed (slot -> device, or key hash -> device), keys are packed into a
+   ``[D, n]`` send buffer (row ``o`` holds the keys for device ``o``; ``n`` is the local key
+   count, so even a batch whose keys all belong to one device fits) and exchanged with
+   ``jax.lax.all_to_all``;
+2. the owner looks the keys up in its hash table (inserting unseen ones when training) and sends
+   the vectors back the same way; the requester pools them per (sample, slot);
+3. in the backward pass every key's gradient travels to its owner along the same route, and the
+   owner applies the row-wise optimizer to the distinct rows.
+
+A replicated table is looked up on every device with the keys of all devices (``all_gather``),
+so all copies insert the same keys into the same rows and apply the same updates.
+
+The dense network is data parallel through the jitted step's shardings (batch split over the
+mesh axis, parameters replicated), so its gradients are averaged over the whole batch by XLA.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from jctr.embedding.collection import (
+    EmbeddingSpec,
+    EmbeddingState,
+    apply_key_gradients,
+    init_embedding,
+    lookup_keys,
+    pool,
+)
+from jctr.embedding.hash_table import Lookup
+from jctr.ops import EMPTY_KEY, embedding_bag
+from jctr.ops.bag import gather_rows, key_gradients
+from jctr.ops.hashing import owner_shards
+from jctr.sharding.mesh import AXIS
+from jctr.sharding.plan import Placement
+
+
+def _squeeze(tree):
+    return jax.tree.map(lambda x: x[0], tree)
+
+
+def _expand(tree):
+    return jax.tree.map(lambda x: x[None], tree)
+
+
+def local_segments(segments: jax.Array, device: jax.Array, b: int, slot_num: int) -> jax.Array:
+    """Global segment ids (``sample * slot_num + slot`` over the whole batch) of one device's
+    keys -> ids within its ``b`` samples; padding -> ``b * slot_num``."""
+    lo = device * (b * slot_num)
+    inside = (segments >= lo) & (segments < lo + b * slot_num)
+    return jnp.where(inside, segments - lo, b * slot_num).astype(jnp.int32)
+
+
+def globalize_segments(batch, slot_nums: tuple[int, ...], process_index: int,
+                       process_count: int):
+    """A process's share of the global batch (host numpy): its segment ids, counted within the
+    share, become ids within the whole batch (padding -> the global padding id).
+    ``slot_nums`` has the slot count of every sparse input."""
+    b = batch.label.shape[0]
+    segs = []
+    for seg, slot_num in zip(batch.segments, slot_nums):
+        local_pad = b * slot_num
+        seg = np.where(seg < local_pad, seg + process_index * local_pad,
+                       process_count * local_pad).astype(np.int32)
+        segs.append(seg)
+    return batch._replace(segments=tuple(segs))
+
+
+def owners(placement: Placement, keys: jax.Array, segments: jax.Array, valid: jax.Array,
+           slot_num: int) -> jax.Array:
+    """The device owning each key (``num_shards`` for padding)."""
+    d = placement.num_shards
+    if placement.kind == "localized":
+        table = jnp.asarray(placement.slot_owner, jnp.int32)
+        own = table[jnp.clip(segments % slot_num, 0, slot_num - 1)]
+    else:
+        own = owner_shards(keys, d)
+    return jnp.where(valid, own, d)
+
+
+def send_positions(owner: jax.Array, num_shards: int) -> jax.Array:
+    """Each key's position in its owner's row of the send buffer (order of appearance)."""
+    onehot = (owner[:, None] == jnp.arange(num_shards, dtype=jnp.int32)[None, :])
+    ranks = jnp.cumsum(onehot.astype(jnp.int32), axis=0) - 1
+    return jnp.take_along_axis(ranks, jnp.clip(owner, 0, num_shards - 1)[:, None], axis=1)[:, 0]
+
+
+def _exchange(x: jax.Array) -> jax.Array:
+    """Row ``o`` of ``x`` goes to device ``o``; row ``s`` of the result came from device ``s``."""
+    return jax.lax.all_to_all(x, AXIS, 0, 0, tiled=False)
+
+
+class ShardedEmbeddings:
+    """Lookups and updates of all embeddings of a model on a one-axis mesh.
+
+    State layout: a sharded table's arrays carry a leading device axis ``[D, ...]`` split over
+    the mesh; a replicated table has the single-device layout on every device.
+
+    Example::
+
+        engine = ShardedEmbeddings(mesh, specs, plan.placements)
+        embs = engine.init()
+        embs, res, pooled = engine.lookup(embs, batch, train=True)
+        embs = engine.apply(embs, res, batch, grads_of_pooled, lrs, count)
+    """
+
+    def __init__(self, mesh: Mesh, specs: tuple[EmbeddingSpec, ...],
+                 placements: tuple[Placement, ...]):
+        self.mesh = mesh
+        self.specs = specs
+        self.placements = placements
+        self.num_devices = mesh.devices.size
+        self.state_specs = tuple(P(AXIS) if p.sharded else P() for p in placements)
+
+    # ---- state ---------------------------------------------------------------------------
+
+    def init_one(self, spec: EmbeddingSpec, placement: Placement) -> EmbeddingState:
+        """An empty table in this placement's layout (use under ``jit`` with out shardings)."""
+        es = init_embedding(spec)
+        if placement.sharded:
+            es = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.num_devices,) + x.shape), es)
+        return es
+
+    def shardings(self):
+        from jax.sharding import NamedSharding
+
+        return tuple(NamedSharding(self.mesh, s) for s in self.state_specs)
+
+    # ---- lookup --------------------------------------------------------------------------
+
+    def _inputs(self, batch):
+        keys = tuple(batch.keys[s.input_index] for s in self.specs)
+        segs = tuple(batch.segments[s.input_index] for s in self.specs)
+        return keys, segs
+
+    def lookup(self, embs, batch, *, train: bool):
+        """(embeddings, residuals for :meth:`apply`, pooled [B, slot_num, dim] per embedding).
+
+        With ``train`` unseen keys are inserted; otherwise they read as zeros and the returned
+        embeddings are the ones passed in."""
+        b = batch.label.shape[0] // self.num_devices
+        keys, segs = self._inputs(batch)
+
+        def local(embs, keys, segs):
+            dev = jax.lax.axis_index(AXIS)
+            out_embs, out_res, out_pooled = [], [], []
+            for spec, pl, es, k, sg in zip(self.specs, self.placements, embs, keys, segs):
+                sg = local_segments(sg, dev, b, spec.slot_num)
+                if pl.kind == "replicated":
+                    es, res, pooled = _replicated_lookup(spec, es, k, sg, b, dev, train)
+                else:
+                    es, res, pooled = _routed_lookup(spec, pl, _squeeze(es), k, sg, b, train)
+                    es = _expand(es)
+                out_embs.append(es)
+                out_res.append(_expand(res))
+                out_pooled.append(pooled)
+            return tuple(out_embs), tuple(out_res), tuple(out_pooled)
+
+        fn = jax.shard_map(local, mesh=self.mesh,
+                           in_specs=(self.state_specs, P(AXIS), P(AXIS)),
+                           out_specs=(self.state_specs, P(AXIS), P(AXIS)), check_vma=False)
+        new_embs, res, pooled = fn(embs, keys, segs)
+        return (new_embs if train else embs), res, pooled
+
+    # ---- update --------------------------------------------------------------------------
+
+    def apply(self, embs, residuals, batch, grads, lrs, count):
+        """Route every key's gradient (from the gradients of the pooled outputs) to its owner
+        and apply the row-wise optimizers."""
+        b = batch.label.shape[0] // self.num_devices
+        _, segs = self._inputs(batch)
+
+        def local(embs, residuals, segs, grads, lrs, count):
+            dev = jax.lax.axis_index(AXIS)
+            out = []
+            for spec, pl, es, res, sg, g, lr in zip(self.specs, self.placements, embs,
+                                                    residuals, segs, grads, lrs):
+                sg = local_segments(sg, dev, b, spec.slot_num)
+                flat = g.reshape(b * spec.slot_num, spec.dim).astype(jnp.float32)
+                g_keys = key_gradients(flat, sg, b * spec.slot_num, spec.combiner)
+                res = _squeeze(res)
+                if pl.kind == "replicated":
+                    rows, rep = res
+                    g_all = jax.lax.all_gather(g_keys, AXIS, tiled=True)
+                    es = apply_key_gradients(spec, es, _lookup(rows, rep), g_all, lr, count)
+                else:
+                    owner, rank, rows, rep = res
+                    d = self.num_devices
+                    send = jnp.zeros((d, g_keys.shape[0], spec.dim), jnp.float32)
+                    send = send.at[owner, rank].set(g_keys, mode="drop")
+                    recv = _exchange(send).reshape(-1, spec.dim)
+                    es = _expand(apply_key_gradients(spec, _squeeze(es), _lookup(rows, rep),
+                                                     recv, lr, count))
+                out.append(es)
+            return tuple(out)
+
+        fn = jax.shard_map(local, mesh=self.mesh,
+                           in_specs=(self.state_specs, P(AXIS), P(AXIS), P(AXIS), P(), P()),
+                           out_specs=self.state_specs, check_vma=False)
+        return fn(embs, residuals, segs, tuple(grads), tuple(lrs), count)
+
+
+def _lookup(rows, rep) -> Lookup:
+    return Lookup(rows=rows, rep=rep, fresh=jnp.zeros(rows.shape, bool))
+
+
+def _routed_lookup(spec: EmbeddingSpec, pl: Placement, es: EmbeddingState, keys, segs, b: int,
+                   train: bool):
+    d = pl.num_shards
+    n = keys.shape[0]
+    valid = segs < b * spec.slot_num
+    owner = owners(pl, keys, segs, valid, spec.slot_num)
+    rank = send_positions(owner, d)
+    send_keys = jnp.full((d, n), EMPTY_KEY, jnp.int64).at[owner, rank].set(keys, mode="drop")
+    recv_keys = _exchange(send_keys).reshape(-1)
+    recv_valid = recv_keys != EMPTY_KEY
+    if train:  # the slot of each key, remembered by the rows it creates
+        send_slots = jnp.zeros((d, n), jnp.int32).at[owner, rank].set(
+            segs % spec.slot_num, mode="drop")
+        recv_slots = _exchange(send_slots).reshape(-1)
+    else:
+        recv_slots = jnp.zeros(recv_keys.shape, jnp.int32)
+    es, lk = lookup_keys(spec, es, recv_keys, recv_valid, recv_slots, train=train)
+    vectors = gather_rows(es.values, lk.rows).reshape(d, n, spec.dim)
+    back = _exchange(vectors)
+    mine = back.at[owner, rank].get(mode="fill", fill_value=0.0)
+    pooled = embedding_bag(mine, segs, b * spec.slot_num, spec.combiner)
+    return es, (owner, rank, lk.rows, lk.rep), pooled.reshape(b, spec.slot_num, spec.dim)
+
+
+def _replicated_lookup(spec: EmbeddingSpec, es: EmbeddingState, keys, segs, b: int, dev,
+                       train: bool):
+    n = keys.shape[0]
+    valid = segs < b * spec.slot_num
+    if not train:  # every copy is complete: look up locally
+        _, lk = lookup_keys(spec, es, keys, valid, segs % spec.slot_num, train=False)
+        return es, (lk.rows, lk.rep), pool(spec, es.values, lk.rows, segs, b)
+    all_keys = jax.lax.all_gather(keys, AXIS, tiled=True)
+    all_valid = jax.lax.all_gather(valid, AXIS, tiled=True)
+    all_slots = jax.lax.all_gather(segs % spec.slot_num, AXIS, tiled=True)
+    es, lk = lookup_keys(spec, es, all_keys, all_valid, all_slots, train=train)
+    rows = jax.lax.dynamic_slice_in_dim(lk.rows, dev * n, n)
+    return es, (lk.rows, lk.rep), pool(spec, es.values, rows, segs, b)

@@ -4,7 +4,13 @@ import os
 
 import pytest
 
-import jctr  # noqa: F401  (64-bit keys on before tests touch JAX)
+# Multi-device tests run on 8 forced CPU devices; single-device code uses the first one.
+# Must be set before JAX starts (importing jctr imports it).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_force_host_platform_device_count=8").strip()
+
+import jctr  # noqa: E402,F401  (64-bit keys on before tests touch JAX)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")

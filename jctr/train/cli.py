@@ -10,6 +10,8 @@ from jctr.checkpoint.model_files import ModelFileError
 from jctr.config import ConfigError, load_config
 from jctr.data.norm import DataError
 from jctr.embedding.hash_table import TableFullError
+from jctr.sharding.distributed import initialize_distributed
+from jctr.sharding.plan import PlanError
 
 _OVERRIDES = (
     # flag, solver field, type, help
@@ -40,12 +42,28 @@ def build_parser() -> argparse.ArgumentParser:
                     help="do not generate missing synthetic data (the Data layer's `synthetic`)")
     for flag, _, typ, hlp in _OVERRIDES:
         ap.add_argument(flag, type=typ, help=f"override solver: {hlp}")
+    ap.add_argument("--gpu", help="override solver: devices, e.g. 0,1,2,3 (one host) or "
+                                  "0,1;0,1 (two hosts); on CPU force devices with "
+                                  "XLA_FLAGS=--xla_force_host_platform_device_count=N")
     return ap
+
+
+def _parse_gpu_flag(text: str) -> tuple[tuple[int, ...], ...]:
+    try:
+        hosts = tuple(tuple(int(x) for x in h.split(",")) for h in text.split(";"))
+    except ValueError:
+        raise ConfigError("--gpu", f"expected device ids like 0,1,2,3 (hosts separated by ;), "
+                          f"got {text!r}") from None
+    if any(not h or min(h) < 0 for h in hosts):
+        raise ConfigError("--gpu", f"expected non-negative device ids, got {text!r}")
+    return hosts
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        # before anything touches a device: join the cluster the environment describes
+        initialize_distributed()
         cfg = load_config(args.config)
         overrides = {field: getattr(args, flag[2:].replace("-", "_"))
                      for flag, field, _, _ in _OVERRIDES
@@ -54,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
             overrides.setdefault("num_epochs", None)
         if "num_epochs" in overrides and "max_iter" not in overrides:
             overrides["max_iter"] = None
+        if args.gpu is not None:
+            overrides["gpu"] = _parse_gpu_flag(args.gpu)
         if overrides.get("compute_dtype") not in (None, "float32", "float16", "bfloat16"):
             raise ConfigError("--compute-dtype", "expected float32, bfloat16 or float16")
         cfg = cfg.with_solver(**overrides)
@@ -65,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.resume:
             trainer.restore_checkpoint()
         trainer.fit()
-    except (ConfigError, DataError, TableFullError, CheckpointError, ModelFileError) as e:
+    except (ConfigError, DataError, TableFullError, CheckpointError, ModelFileError,
+            PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -93,9 +93,15 @@ class Trainer:
                  generate_data: bool = True):
         self.cfg = cfg
         self.solver = cfg.solver
-        self._print = log or (lambda s: print(s, file=sys.stderr, flush=True))
+        quiet = jax.process_index() != 0  # one process reports for all
+        self._print = log or (lambda s: None if quiet else print(s, file=sys.stderr, flush=True))
         if generate_data:
-            generate_for_config(cfg)
+            if jax.process_index() == 0:
+                generate_for_config(cfg)
+            if jax.process_count() > 1:  # the others wait until the files exist
+                from jax.experimental import multihost_utils
+
+                multihost_utils.sync_global_devices("jctr: synthetic data ready")
         self.step_config, self.dense_tx, init_state = build_model(cfg)
         self.specs = self.step_config.specs
         self.mesh = build_mesh(cfg.solver.gpu, cfg.source)
@@ -198,7 +204,7 @@ class Trainer:
     def _record(self, kind: str, **fields) -> None:
         entry = {"kind": kind, "time": round(time.time(), 3), **fields}
         self.history.append(entry)
-        if self.solver.log_dir:
+        if self.solver.log_dir and jax.process_index() == 0:
             if self._log_file is None:
                 os.makedirs(self.solver.log_dir, exist_ok=True)
                 self._log_file = open(os.path.join(self.solver.log_dir, "metrics.jsonl"), "a",

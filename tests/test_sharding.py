@@ -1,0 +1,256 @@
+"""Tables over a device mesh (8 forced CPU devices, see conftest) and across two processes."""
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import ROOT, tiny_config
+from jax.sharding import Mesh
+
+from jctr.config import ConfigError, OptimizerConfig, load_config
+from jctr.data.batch import Batch
+from jctr.data.loader import open_dataset
+from jctr.embedding.collection import EmbeddingSpec, init_embedding
+from jctr.sharding import Placement, PlanError, ShardedEmbeddings, plan_embeddings
+from jctr.sharding.routing import globalize_segments
+from jctr.train.step import LocalEmbeddings
+from jctr.train.trainer import Trainer
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8,
+                                reason="needs 8 devices (conftest forces 8 CPU devices)")
+
+STEPS = 20
+TYPES = ("LocalizedSlotSparseEmbeddingHash", "DistributedSlotSparseEmbeddingHash")
+
+
+def _config(tmp, model, gpu, etype=None, **solver):
+    cfg = tiny_config(tmp, model, max_iter=STEPS, display=1, eval_interval=10_000,
+                      eval_batches=2, batchsize=256, batchsize_eval=256, gpu=gpu, **solver)
+    if etype:
+        for layer in cfg["layers"]:
+            if "SparseEmbedding" in layer["type"]:
+                layer["type"] = etype
+    return cfg
+
+
+def _train(cfg):
+    t = Trainer(load_config(cfg), log=lambda s: None)
+    t.fit()
+    losses = [h["loss"] for h in t.history if h["kind"] == "train"]
+    auc = [h["AUC"] for h in t.history if h["kind"] == "eval"][-1]
+    return t, np.array(losses), auc
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("sharding")
+
+
+@pytest.fixture(scope="module")
+def single_runs(data_dir):
+    cache = {}
+
+    def get(model):
+        if model not in cache:
+            cache[model] = _train(_config(data_dir, model, [0]))[1:]
+        return cache[model]
+
+    return get
+
+
+@pytest.mark.parametrize("etype", TYPES)
+@pytest.mark.parametrize("model", ["dlrm", "dcn", "deepfm", "wdl"])
+def test_eight_devices_train_like_one(model, etype, data_dir, single_runs):
+    ref_losses, ref_auc = single_runs(model)
+    t, losses, auc = _train(_config(data_dir, model, list(range(8)), etype))
+    kinds = {p.kind for p in t.placements}
+    assert kinds == {"localized" if etype.startswith("Localized") else "distributed"}
+    assert len(losses) == STEPS
+    # same data, same initial vectors (key-derived): only the summation order differs
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    assert auc == pytest.approx(ref_auc, abs=1e-5)
+
+
+def test_replicated_and_mixed_placements(data_dir, single_runs):
+    ref_losses, _ = single_runs("wdl")
+    cfg = _config(data_dir, "wdl", list(range(8)), replicate_table_bytes=200_000)
+    t, losses, _ = _train(cfg)
+    kinds = [p.kind for p in t.placements]
+    assert sorted(kinds) == ["distributed", "replicated"]  # the wide table is the small one
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    # a replicated table is one identical copy per device
+    values = t.state.embeddings[kinds.index("replicated")].values
+    shards = [np.asarray(s.data) for s in values.addressable_shards]
+    assert all(np.array_equal(shards[0], s) for s in shards[1:])
+
+
+# ---- routing on skewed input ----------------------------------------------------------------
+
+
+def _batch(keys_per_sample, slot_num, max_features):
+    """A Batch for one multi-hot input from per-sample lists of (slot, key)."""
+    b = len(keys_per_sample)
+    keys = np.zeros(b * max_features, np.int64)
+    segs = np.full(b * max_features, b * slot_num, np.int32)
+    for s, items in enumerate(keys_per_sample):
+        for j, (slot, key) in enumerate(items):
+            keys[s * max_features + j] = key
+            segs[s * max_features + j] = s * slot_num + slot
+    mask = np.array([bool(items) for items in keys_per_sample])
+    return Batch(np.zeros((b, 1), np.float32), np.zeros((b, 1), np.float32), (keys,), (segs,),
+                 mask)
+
+
+@pytest.mark.parametrize("kind", ["distributed", "localized", "replicated"])
+@pytest.mark.parametrize("opt", ["SGD", "Adam"])
+def test_routing_with_skewed_keys(kind, opt):
+    d, slot_num, mf, b = 8, 3, 4, 16
+    spec = EmbeddingSpec("e", capacity=64, dim=5, slot_num=slot_num, max_features=mf,
+                         one_hot=False, input_index=0, optimizer=OptimizerConfig(opt),
+                         combiner="mean")
+    rng = np.random.default_rng(0)
+    samples = []
+    for s in range(b):
+        if s >= 10:  # the last devices hold padding samples only
+            samples.append([])
+        elif s % 2:  # one hot key, repeated within and across samples
+            samples.append([(0, 7), (0, 7), (2, 7)])
+        else:
+            samples.append([(int(rng.integers(slot_num)), int(rng.integers(1, 40)))
+                            for _ in range(int(rng.integers(0, mf + 1)))])
+    batch = _batch(samples, slot_num, mf)
+    owner = (0, 0, 0) if kind == "localized" else ()  # every slot on device 0: 7 empty shards
+    placement = Placement(kind, d, owner)
+    mesh = Mesh(np.array(jax.devices()[:d]), ("d",))
+    sharded = ShardedEmbeddings(mesh, (spec,), (placement,))
+    local = LocalEmbeddings((spec,))
+    grads = (jnp.asarray(rng.normal(size=(b, slot_num, spec.dim)), jnp.float32),)
+    lrs = (jnp.float32(0.1),)
+    count = jnp.int32(1)
+
+    @jax.jit
+    def run_sharded(batch):
+        embs = (sharded.init_one(spec, placement),)
+        embs, res, pooled = sharded.lookup(embs, batch, train=True)
+        return sharded.apply(embs, res, batch, grads, lrs, count), pooled
+
+    @jax.jit
+    def run_local(batch):
+        embs = (init_embedding(spec),)
+        embs, res, pooled = local.lookup(embs, batch, train=True)
+        return local.apply(embs, res, batch, grads, lrs, count), pooled
+
+    embs_s, pooled_s = run_sharded(jax.device_put(batch))
+    embs_l, pooled_l = run_local(batch)
+    np.testing.assert_allclose(np.asarray(pooled_s[0]), np.asarray(pooled_l[0]), rtol=1e-6,
+                               atol=1e-7)
+    from jctr.checkpoint.tables import export_placed
+
+    got = export_placed(embs_s[0], placement)
+    want = export_placed(embs_l[0])
+    order_g, order_w = np.argsort(got["keys"]), np.argsort(want["keys"])
+    np.testing.assert_array_equal(got["keys"][order_g], want["keys"][order_w])
+    for name in want:
+        np.testing.assert_allclose(got[name][order_g], want[name][order_w], rtol=1e-6,
+                                   atol=1e-7, err_msg=name)
+    if kind == "localized":  # every row sits on device 0
+        sizes = np.asarray(embs_s[0].table.size)
+        assert sizes[0] == len(want["keys"]) and not sizes[1:].any()
+
+
+# ---- plans and mesh errors -------------------------------------------------------------------
+
+
+def test_plan_that_does_not_fit_fails_before_allocating(tmp_path):
+    cfg = _config(tmp_path, "dlrm", list(range(8)))
+    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 5_000_000_000
+    with pytest.raises(PlanError, match=r'short by.*embedding "sparse_embedding1"'):
+        Trainer(load_config(cfg), log=lambda s: None, generate_data=False)
+
+
+def test_plan_balances_localized_slots_by_size(tmp_path):
+    cfg = load_config(_config(tmp_path, "dcn", [0], "LocalizedSlotSparseEmbeddingHash"))
+    n = cfg.data.sparse[0].slot_num
+    sizes = [1000] + [10] * (n - 1)
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data,
+                                                            slot_size_array=tuple(sizes)))
+    specs = tuple(EmbeddingSpec.from_config(cfg, e) for e in cfg.embeddings)
+    plan = plan_embeddings(cfg, specs, 4, device_memory=1 << 40)
+    owner = plan.placements[0].slot_owner
+    assert owner.count(owner[0]) == 1  # the big slot has a device to itself
+    loads = [sum(sizes[s] for s in range(n) if owner[s] == dev) for dev in range(4)]
+    assert max(loads[dev] for dev in range(4) if dev != owner[0]) - \
+        min(loads[dev] for dev in range(4) if dev != owner[0]) <= 10
+    text = plan.describe()
+    assert "localized" in text and "per device" in text
+
+
+def test_mesh_and_batch_errors(tmp_path):
+    with pytest.raises(ConfigError, match=r"solver\.gpu.*device 9 does not exist"):
+        Trainer(load_config(_config(tmp_path, "dlrm", [0, 9])), generate_data=False)
+    cfg = _config(tmp_path, "dlrm", list(range(8)))
+    cfg["solver"]["batchsize"] = 100
+    with pytest.raises(ConfigError, match=r"solver\.batchsize.*8 devices"):
+        Trainer(load_config(cfg), generate_data=False)
+    with pytest.raises(ConfigError, match=r"solver\.gpu.*2 hosts.*single process"):
+        Trainer(load_config(_config(tmp_path, "dlrm", [[0], [1]])), generate_data=False)
+
+
+# ---- checkpoints across device counts -------------------------------------------------------
+
+
+def test_checkpoint_written_on_8_devices_resumes_on_1_and_2(data_dir):
+    cfg = _config(data_dir, "deepfm", list(range(8)), TYPES[0], snapshot=10,
+                  snapshot_prefix=str(data_dir / "ck8") + "/")
+    full, losses, _ = _train(cfg)
+    batch = next(iter(full.eval_data.batches(256, epochs=1)))
+    for gpu in ([0], [0, 1]):
+        cfg_m = {**cfg, "solver": {**cfg["solver"], "gpu": gpu}}
+        t = Trainer(load_config(cfg_m), log=lambda s: None)
+        assert t.restore_checkpoint(step=10) == 10
+        t.fit()
+        resumed = np.array([h["loss"] for h in t.history if h["kind"] == "train"])
+        np.testing.assert_allclose(resumed, losses[10:], rtol=2e-6)
+        np.testing.assert_allclose(t.predict(batch), full.predict(batch), rtol=1e-5, atol=1e-6)
+
+
+# ---- two processes with jax.distributed -------------------------------------------------------
+
+
+def test_two_processes_agree_with_one_process(tmp_path):
+    cfg = _config(tmp_path, "dlrm", [0, 1, 2, 3], TYPES[1])
+    ref = Trainer(load_config(cfg), log=lambda s: None)  # also generates the data
+    c = ref.cfg
+    # the 4-device reference sees each global batch as process 0's share, then process 1's
+    shares = [open_dataset(c.data.source, c.data, c.solver.input_key_type, process_index=p,
+                           process_count=2).batches(128) for p in range(2)]
+    slot_nums = tuple(s.slot_num for s in c.data.sparse)
+    ref_losses = []
+    for _ in range(STEPS):
+        parts = [globalize_segments(next(it), slot_nums, p, 2) for p, it in enumerate(shares)]
+        batch = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+        ref.state, m = ref.train_step(ref.state, ref._to_devices(batch, False))
+        ref_losses.append(float(m["loss"]))
+    ref_auc = ref.evaluate()["AUC"]
+
+    cfg["solver"]["gpu"] = [[0, 1], [0, 1]]
+    cfg["solver"]["log_dir"] = str(tmp_path / "logs")
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2",
+                           str(path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mesh: 4 devices on 2 process(es)" in proc.stderr
+    lines = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in lines if x["kind"] == "train"]
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    auc = [x["AUC"] for x in lines if x["kind"] == "eval"][-1]
+    assert auc == pytest.approx(ref_auc, abs=1e-5)

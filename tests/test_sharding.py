@@ -239,18 +239,32 @@ def test_two_processes_agree_with_one_process(tmp_path):
         ref_losses.append(float(m["loss"]))
     ref_auc = ref.evaluate()["AUC"]
 
-    cfg["solver"]["gpu"] = [[0, 1], [0, 1]]
-    cfg["solver"]["log_dir"] = str(tmp_path / "logs")
-    path = tmp_path / "two.json"
-    path.write_text(json.dumps(cfg))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2",
-                           str(path)], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "mesh: 4 devices on 2 process(es)" in proc.stderr
-    lines = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
-    losses = [x["loss"] for x in lines if x["kind"] == "train"]
+    def launch(name, *flags, **solver):
+        cfg["solver"].update(gpu=[[0, 1], [0, 1]], log_dir=str(tmp_path / name), **solver)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(cfg))
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+               "PYTHON": sys.executable}
+        proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2",
+                               str(path), *flags], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "mesh: 4 devices on 2 process(es)" in proc.stderr
+        lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text()
+                 .splitlines()]
+        return ([x["loss"] for x in lines if x["kind"] == "train"],
+                [x["AUC"] for x in lines if x["kind"] == "eval"], proc.stderr)
+
+    losses, aucs, _ = launch("whole")
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
-    auc = [x["AUC"] for x in lines if x["kind"] == "eval"][-1]
-    assert auc == pytest.approx(ref_auc, abs=1e-5)
+    assert aucs[-1] == pytest.approx(ref_auc, abs=1e-5)
+
+    # a checkpoint written by the two processes resumes them exactly
+    prefix = str(tmp_path / "ck") + "/"
+    launch("first", "--max-iter", "10", snapshot=10, snapshot_prefix=prefix)
+    resumed, _, err = launch("second", "--resume", "--max-iter", str(STEPS), snapshot=10,
+                             snapshot_prefix=prefix)
+    assert "resumed from iter 10" in err
+    np.testing.assert_allclose(resumed, losses[10:], rtol=1e-6)
+    meta = json.loads((tmp_path / "ck" / "checkpoints" / "10" / "meta" / "metadata").read_text())
+    assert len(meta["readers"]) == 2 and meta["processes"] == 2

@@ -88,6 +88,9 @@ class Checkpointer:
         """Wait for the save in flight, then record sizes and CRC32s of its files
         (``<step>.integrity.json``) so that later damage is found and named on restore."""
         self.manager.wait_until_finished()
+        if jax.process_index() != 0:  # one process seals for all (the folder is shared)
+            self._unsealed = []
+            return
         done = set(self.manager.all_steps())
         for step in self._unsealed:
             if step in done:

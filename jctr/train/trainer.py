@@ -317,13 +317,27 @@ class Trainer:
         from jctr.checkpoint.model_files import write_non_trainable
 
         pos = self.reader_position or ReaderPosition()
+        readers = [vars(pos)]
+        if jax.process_count() > 1:  # every process reads its own files: keep every position
+            from jax.experimental import multihost_utils
+
+            mine = np.array([pos.epoch, pos.file_index, pos.record], np.int64)
+            allpos = np.asarray(multihost_utils.process_allgather(mine))
+            readers = [dict(zip(("epoch", "file_index", "record"), map(int, row)))
+                       for row in allpos.reshape(-1, 3)]
         ckpt = self.checkpointer
         step = ckpt.save(self.state, self.specs,
-                         meta={"reader": vars(pos), "config": self.cfg.raw,
-                               "jctr_version": _version(), "devices": self.num_devices},
+                         meta={"reader": readers[0], "readers": readers, "config": self.cfg.raw,
+                               "jctr_version": _version(), "devices": self.num_devices,
+                               "processes": jax.process_count()},
                          placements=self.placements)
+        if jax.process_index() != 0:  # one process writes the files beside the checkpoint
+            return step
+        host_net = nnx.merge(self.step_config.graphdef,
+                             jax.tree.map(to_host, self.state.params),
+                             jax.tree.map(to_host, self.state.batch_stats))
         write_non_trainable(os.path.join(ckpt.directory, f"non_trainable_{step}.json"),
-                            self.network())
+                            host_net)
         kept = set(ckpt.steps()) | {step}
         for name in os.listdir(ckpt.directory):
             if name.startswith("non_trainable_") and name.endswith(".json"):
@@ -337,12 +351,19 @@ class Trainer:
     def restore_checkpoint(self, step: int | None = None, directory: str | None = None) -> int:
         """Continue from a checkpoint (default: the latest under the solver's directory):
         state, RNG, schedule position and the training reader's position."""
-        from jctr.checkpoint.manager import Checkpointer
+        from jctr.checkpoint.manager import Checkpointer, CheckpointError
 
         ckpt = Checkpointer(directory, keep=self.solver.snapshot_keep) if directory \
             else self.checkpointer
+        meta = ckpt.read_meta(step)
+        readers = meta.get("readers") or [meta.get("reader", {})]
+        if len(readers) != jax.process_count():
+            raise CheckpointError(
+                f"{ckpt.directory}: written by {len(readers)} process(es), restored by "
+                f"{jax.process_count()}: each process's data position cannot be carried over; "
+                "restore with the same process count")
         self.state, meta = ckpt.restore(self.state, self.specs, step, self.placements)
-        self.reader_position = ReaderPosition(**meta.get("reader", {}))
+        self.reader_position = ReaderPosition(**readers[jax.process_index()])
         step = int(to_host(self.state.step))
         self._print(f"[jctr] resumed from iter {step} ({ckpt.directory}, written on "
                     f"{meta.get('devices', 1)} device(s), restored on {self.num_devices})")

@@ -71,7 +71,6 @@ def bench_devices(devices: int, batches, steps: int, warmup: int, etype: str) ->
     a2a_ms = 0.0
     if devices > 1:
         a2a_ms = _median_ms(_exchange_fn(trainer.mesh, devices, b * 26 * hot), steps, warmup)
-    del trainer, state, dev
     return {"devices": devices, "step_ms": step_ms, "samples_per_s": b / step_ms * 1000,
             "all_to_all_ms": a2a_ms}
 

@@ -218,6 +218,13 @@ def test_checkpoint_written_on_8_devices_resumes_on_1_and_2(data_dir):
         resumed = np.array([h["loss"] for h in t.history if h["kind"] == "train"])
         np.testing.assert_allclose(resumed, losses[10:], rtol=2e-6)
         np.testing.assert_allclose(t.predict(batch), full.predict(batch), rtol=1e-5, atol=1e-6)
+    # HugeCTR-style model files of the slot-wise table (with slot_id) warm-start 2 devices
+    paths = full.save_model_files(str(data_dir / "files8") + "/")
+    assert os.path.isfile(os.path.join(paths[2], "slot_id"))
+    cfg_2 = {**cfg, "solver": {**cfg["solver"], "gpu": [0, 1], "dense model_file": paths[0],
+                               "sparse_model_file": paths[2:]}}
+    warm = Trainer(load_config(cfg_2), log=lambda s: None)
+    np.testing.assert_allclose(warm.predict(batch), full.predict(batch), rtol=1e-5, atol=1e-6)
 
 
 # ---- two processes with jax.distributed -------------------------------------------------------

@@ -84,11 +84,26 @@ def load_dense_model(path: str, net) -> None:
         var[...] = chunk if i is None else var[...].at[i].set(chunk)
 
 
-def write_sparse_model(path: str, keys: np.ndarray, vectors: np.ndarray) -> None:
-    """Write one embedding's ``key`` and ``emb_vector`` files into the folder ``path``."""
+def write_sparse_model(path: str, keys: np.ndarray, vectors: np.ndarray,
+                       slots: np.ndarray | None = None) -> None:
+    """Write one embedding's ``key`` and ``emb_vector`` files into the folder ``path``, and
+    with ``slots`` a ``slot_id`` file (int64 per key, as HugeCTR's LocalizedSlot models)."""
     os.makedirs(path, exist_ok=True)
     _atomic_write(os.path.join(path, "key"), np.asarray(keys, "<i8").tobytes())
     _atomic_write(os.path.join(path, "emb_vector"), np.asarray(vectors, "<f4").tobytes())
+    if slots is not None:
+        _atomic_write(os.path.join(path, "slot_id"), np.asarray(slots, "<i8").tobytes())
+
+
+def read_slot_ids(path: str, num_keys: int) -> np.ndarray | None:
+    """The ``slot_id`` file of a sparse model folder (None when absent)."""
+    sp = os.path.join(path, "slot_id")
+    if not os.path.isfile(sp):
+        return None
+    if os.path.getsize(sp) != 8 * num_keys:
+        raise ModelFileError(f"{sp}: holds {os.path.getsize(sp)} bytes; {num_keys} keys need "
+                             f"{8 * num_keys} (one int64 slot id per key)")
+    return np.fromfile(sp, dtype="<i8").astype(np.int32)
 
 
 def read_sparse_model(path: str, dim: int) -> tuple[np.ndarray, np.ndarray]:

@@ -3,14 +3,17 @@
 Inside ``jax.shard_map`` every device holds ``b = B / D`` samples of the batch and its part of
 each table. For a sharded table (``localized`` or ``distributed``):
 
-1. each key's owner is computed (slot -> device, or key hash -> device), keys are packed into a
-   ``[D, n]`` send buffer (row ``o`` holds the keys for device ``o``; ``n`` is the local key
-   count, so even a batch whose keys all belong to one device fits) and exchanged with
-   ``jax.lax.all_to_all``;
-2. the owner looks the keys up in its hash table (inserting unseen ones when training) and sends
-   the vectors back the same way; the requester pools them per (sample, slot);
-3. in the backward pass every key's gradient travels to its owner along the same route, and the
-   owner applies the row-wise optimizer to the distinct rows.
+1. each key's owner is computed (slot -> device, or key hash -> device), keys and their
+   (sample, slot) segment ids are packed into ``[D, n]`` send buffers (row ``o`` for device
+   ``o``; ``n`` is the local key count, so even a batch whose keys all belong to one device
+   fits) and exchanged with ``jax.lax.all_to_all``;
+2. the owner looks the keys up in its hash table (inserting unseen ones when training), sums
+   the vectors per requester segment and sends the ``[D, b * slot_num, dim]`` partial sums back
+   with a second all-to-all; the requester adds the partial sums of all owners (HugeCTR's
+   reduce-scatter of the pooled output, in all-to-all form);
+3. in the backward pass the segment gradients go to every owner (``all_gather``); each owner
+   gives every key it served its segment's gradient and applies the row-wise optimizer to the
+   distinct rows.
 
 A replicated table is looked up on every device with the keys of all devices (``all_gather``),
 so all copies insert the same keys into the same rows and apply the same updates.
@@ -36,7 +39,7 @@ from jctr.embedding.collection import (
     pool,
 )
 from jctr.embedding.hash_table import Lookup
-from jctr.ops import EMPTY_KEY, embedding_bag
+from jctr.ops import EMPTY_KEY
 from jctr.ops.bag import gather_rows, key_gradients
 from jctr.ops.hashing import owner_shards
 from jctr.sharding.mesh import AXIS
@@ -184,21 +187,24 @@ class ShardedEmbeddings:
             for spec, pl, es, res, sg, g, lr in zip(self.specs, self.placements, embs,
                                                     residuals, segs, grads, lrs):
                 sg = local_segments(sg, dev, b, spec.slot_num)
-                flat = g.reshape(b * spec.slot_num, spec.dim).astype(jnp.float32)
-                g_keys = key_gradients(flat, sg, b * spec.slot_num, spec.combiner)
+                nseg = b * spec.slot_num
+                flat = g.reshape(nseg, spec.dim).astype(jnp.float32)
                 res = _squeeze(res)
                 if pl.kind == "replicated":
                     rows, rep = res
+                    g_keys = key_gradients(flat, sg, nseg, spec.combiner)
                     g_all = jax.lax.all_gather(g_keys, AXIS, tiled=True)
                     es = apply_key_gradients(spec, es, _lookup(rows, rep), g_all, lr, count)
                 else:
-                    owner, rank, rows, rep = res
-                    d = self.num_devices
-                    send = jnp.zeros((d, g_keys.shape[0], spec.dim), jnp.float32)
-                    send = send.at[owner, rank].set(g_keys, mode="drop")
-                    recv = _exchange(send).reshape(-1, spec.dim)
+                    target, rows, rep = res
+                    if spec.combiner == "mean":
+                        flat = flat / jnp.maximum(_segment_counts(sg, nseg), 1.0)[:, None]
+                    # every owner gets every requester's segment gradients, then each key
+                    # it served picks its segment's
+                    g_all = jax.lax.all_gather(flat, AXIS, tiled=True)  # [D * nseg, dim]
+                    g_keys = g_all.at[target].get(mode="fill", fill_value=0.0)
                     es = _expand(apply_key_gradients(spec, _squeeze(es), _lookup(rows, rep),
-                                                     recv, lr, count))
+                                                     g_keys, lr, count))
                 out.append(es)
             return tuple(out)
 
@@ -212,28 +218,37 @@ def _lookup(rows, rep) -> Lookup:
     return Lookup(rows=rows, rep=rep, fresh=jnp.zeros(rows.shape, bool))
 
 
+def _segment_counts(segs, num_segments: int):
+    return jax.ops.segment_sum(jnp.ones(segs.shape, jnp.float32), segs,
+                               num_segments=num_segments)
+
+
 def _routed_lookup(spec: EmbeddingSpec, pl: Placement, es: EmbeddingState, keys, segs, b: int,
                    train: bool):
     d = pl.num_shards
     n = keys.shape[0]
-    valid = segs < b * spec.slot_num
+    nseg = b * spec.slot_num
+    valid = segs < nseg
     owner = owners(pl, keys, segs, valid, spec.slot_num)
     rank = send_positions(owner, d)
     send_keys = jnp.full((d, n), EMPTY_KEY, jnp.int64).at[owner, rank].set(keys, mode="drop")
+    send_segs = jnp.full((d, n), nseg, jnp.int32).at[owner, rank].set(segs, mode="drop")
     recv_keys = _exchange(send_keys).reshape(-1)
-    recv_valid = recv_keys != EMPTY_KEY
-    if train:  # the slot of each key, remembered by the rows it creates
-        send_slots = jnp.zeros((d, n), jnp.int32).at[owner, rank].set(
-            segs % spec.slot_num, mode="drop")
-        recv_slots = _exchange(send_slots).reshape(-1)
-    else:
-        recv_slots = jnp.zeros(recv_keys.shape, jnp.int32)
-    es, lk = lookup_keys(spec, es, recv_keys, recv_valid, recv_slots, train=train)
-    vectors = gather_rows(es.values, lk.rows).reshape(d, n, spec.dim)
-    back = _exchange(vectors)
-    mine = back.at[owner, rank].get(mode="fill", fill_value=0.0)
-    pooled = embedding_bag(mine, segs, b * spec.slot_num, spec.combiner)
-    return es, (owner, rank, lk.rows, lk.rep), pooled.reshape(b, spec.slot_num, spec.dim)
+    recv_segs = _exchange(send_segs).reshape(-1)
+    recv_valid = recv_segs < nseg
+    es, lk = lookup_keys(spec, es, recv_keys, recv_valid, recv_segs % spec.slot_num,
+                         train=train)
+    # The owner sums the vectors of each requester's (sample, slot) it holds and sends back
+    # one partial sum per segment: for multi-hot bags this moves `hot` times less than
+    # returning every key's vector, and the gradient comes back per segment the same way.
+    source = jnp.arange(d * n, dtype=jnp.int32) // n
+    target = jnp.where(recv_valid, source * nseg + recv_segs, d * nseg)
+    partial = jax.ops.segment_sum(gather_rows(es.values, lk.rows), target,
+                                  num_segments=d * nseg)
+    pooled = _exchange(partial.reshape(d, nseg, spec.dim)).sum(axis=0)
+    if spec.combiner == "mean":
+        pooled = pooled / jnp.maximum(_segment_counts(segs, nseg), 1.0)[:, None]
+    return es, (target, lk.rows, lk.rep), pooled.reshape(b, spec.slot_num, spec.dim)
 
 
 def _replicated_lookup(spec: EmbeddingSpec, es: EmbeddingState, keys, segs, b: int, dev,

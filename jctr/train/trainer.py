@@ -381,27 +381,37 @@ class Trainer:
         from jctr.checkpoint.tables import export_placed
 
         step = int(to_host(self.state.step))
-        os.makedirs(os.path.dirname(os.path.abspath(prefix + "x")), exist_ok=True)
-        net = self.network()
+        # every process takes part in gathering the tables; process 0 writes
+        tables = [export_placed(es, p) for es, p in zip(self.state.embeddings, self.placements)]
         paths = [f"{prefix}dense_{step}.model", f"{prefix}non_trainable_{step}.json"]
+        paths += [f"{prefix}{spec.name}_sparse_{step}.model" for spec in self.specs]
+        if jax.process_index() != 0:
+            return paths
+        os.makedirs(os.path.dirname(os.path.abspath(prefix + "x")), exist_ok=True)
+        net = nnx.merge(self.step_config.graphdef, jax.tree.map(to_host, self.state.params),
+                        jax.tree.map(to_host, self.state.batch_stats))
         write_dense_model(paths[0], net)
         write_non_trainable(paths[1], net)
-        for spec, es, placement in zip(self.specs, self.state.embeddings, self.placements):
-            t = export_placed(es, placement)
-            path = f"{prefix}{spec.name}_sparse_{step}.model"
-            write_sparse_model(path, t["keys"], t["values"])
-            paths.append(path)
+        for path, t in zip(paths[2:], tables):
+            write_sparse_model(path, t["keys"], t["values"], t["slot"])
         return paths
 
     def load_model_files(self, dense: str | None, sparse: tuple[str, ...] = ()) -> None:
         """Warm start from HugeCTR-style model files (optimizer state starts fresh)."""
-        from jctr.checkpoint.model_files import load_dense_model, read_sparse_model
+        from jctr.checkpoint.model_files import (
+            ModelFileError,
+            load_dense_model,
+            read_slot_ids,
+            read_sparse_model,
+        )
         from jctr.checkpoint.tables import import_placed
 
         if dense:
             net = self.network()
             load_dense_model(dense, net)
             _, params, stats = nnx.split(net, nnx.Param, ...)
+            if self.mesh is not None:
+                params, stats = jax.device_put((params, stats), replicated(self.mesh))
             self.state = self.state._replace(params=params, batch_stats=stats)
         if sparse:
             if len(sparse) != len(self.specs):
@@ -411,8 +421,14 @@ class Trainer:
             for spec, es, path, placement in zip(self.specs, self.state.embeddings, sparse,
                                                  self.placements):
                 keys, vectors = read_sparse_model(path, spec.dim)
-                embs.append(import_placed(spec, es, {"keys": keys, "values": vectors},
-                                          placement, source=path))
+                stored = {"keys": keys, "values": vectors}
+                slots = read_slot_ids(path, keys.size)
+                if slots is not None:
+                    stored["slot"] = slots
+                try:
+                    embs.append(import_placed(spec, es, stored, placement, source=path))
+                except ValueError as e:
+                    raise ModelFileError(str(e)) from e
             self.state = self.state._replace(embeddings=tuple(embs))
 
     # ---- evaluation and prediction ------------------------------------------------------

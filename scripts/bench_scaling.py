@@ -3,8 +3,8 @@
 On a CPU-only machine the devices are forced host devices that share the same cores, so the
 figure to read is the overhead ratio (step time on D devices over the 1-device step, same run),
 not a speed-up. The all-to-all time per step is measured by running exactly the step's
-exchanges (keys and slots to their owners, vectors back, gradients to the owners) with the
-step's buffer shapes in a jitted ``shard_map`` of their own.
+collectives (keys and segment ids to their owners, partial sums back, segment gradients
+gathered) with the step's buffer shapes in a jitted ``shard_map`` of their own.
 
     python scripts/bench_scaling.py                  # one-hot, batch 8192
     python scripts/bench_scaling.py --hot 10 --batch 4096 --steps 5
@@ -70,35 +70,38 @@ def bench_devices(devices: int, batches, steps: int, warmup: int, etype: str) ->
     step_ms = _median_ms(one, steps, warmup)
     a2a_ms = 0.0
     if devices > 1:
-        a2a_ms = _median_ms(_exchange_fn(trainer.mesh, devices, b * 26 * hot), steps, warmup)
+        a2a_ms = _median_ms(_exchange_fn(trainer.mesh, devices, b * 26 * hot, b * 26), steps,
+                            warmup)
     return {"devices": devices, "step_ms": step_ms, "samples_per_s": b / step_ms * 1000,
             "all_to_all_ms": a2a_ms}
 
 
-def _exchange_fn(mesh, d: int, global_keys: int):
-    """The step's all-to-all traffic alone: [d, n] int64 keys + int32 slots out, [d, n, 16]
-    float32 vectors back, [d, n, 16] float32 gradients out (n = keys per device)."""
+def _exchange_fn(mesh, d: int, global_keys: int, global_segments: int):
+    """The step's collectives alone, with its buffer shapes: [d, n] int64 keys and int32 segment
+    ids to the owners, [d, nseg, 16] float32 partial sums back (all-to-all), and the [nseg, 16]
+    segment gradients gathered by every device (n keys and nseg segments per device)."""
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     from jctr.sharding.mesh import AXIS
 
-    n = global_keys // d
+    n, nseg = global_keys // d, global_segments // d
 
-    def local(keys, slots, vecs):
+    def local(keys, segs, partial):
         ex = lambda x: jax.lax.all_to_all(x, AXIS, 0, 0, tiled=False)
-        k, s = ex(keys[0]), ex(slots[0])
-        v = ex(vecs[0] + k[..., None].astype(jnp.float32) * 0)  # depends on the keys
-        g = ex(v * 0.5 + s[..., None].astype(jnp.float32))
+        k, s = ex(keys[0]), ex(segs[0])
+        # data dependencies keep the collectives in order and alive
+        p = ex(partial[0] + (k[:, :nseg, None] + s[:, :nseg, None]).astype(jnp.float32))
+        g = jax.lax.all_gather(p.sum(0), AXIS, tiled=True)
         return g[None]
 
     fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS), P(AXIS)),
                                out_specs=P(AXIS)))
     sh = NamedSharding(mesh, P(AXIS))
     keys = jax.device_put(np.arange(d * d * n, dtype=np.int64).reshape(d, d, n), sh)
-    slots = jax.device_put(np.zeros((d, d, n), np.int32), sh)
-    vecs = jax.device_put(np.ones((d, d, n, 16), np.float32), sh)
-    return lambda i: fn(keys, slots, vecs)
+    segs = jax.device_put(np.zeros((d, d, n), np.int32), sh)
+    partial = jax.device_put(np.ones((d, d, nseg, 16), np.float32), sh)
+    return lambda i: fn(keys, segs, partial)
 
 
 def main() -> int:

@@ -191,6 +191,14 @@ def test_plan_balances_localized_slots_by_size(tmp_path):
     assert "localized" in text and "per device" in text
 
 
+def test_single_device_other_than_zero(tmp_path):
+    t = Trainer(load_config(_config(tmp_path, "dlrm", [3])), log=lambda s: None)
+    t.fit(max_iter=3)
+    dev = jax.devices()[3]
+    assert t.state.embeddings[0].values.devices() == {dev}
+    assert all(x.devices() == {dev} for x in jax.tree.leaves(t.state.params))
+
+
 def test_mesh_and_batch_errors(tmp_path):
     with pytest.raises(ConfigError, match=r"solver\.gpu.*device 9 does not exist"):
         Trainer(load_config(_config(tmp_path, "dlrm", [0, 9])), generate_data=False)

@@ -105,18 +105,19 @@ class Trainer:
         self.step_config, self.dense_tx, init_state = build_model(cfg)
         self.specs = self.step_config.specs
         self.mesh = build_mesh(cfg.solver.gpu, cfg.source)
+        self.device = mesh_devices(cfg.solver.gpu, cfg.source)[0]  # the one device, if one
         self.num_devices = 1 if self.mesh is None else self.mesh.devices.size
         self._check_batch_sizes()
         self._print(describe_mesh(self.mesh))
         # the plan is checked against device memory before any table is allocated
         self.plan = plan_embeddings(
             cfg, self.specs, self.num_devices, dense_bytes=_dense_bytes(init_state),
-            device_memory=device_memory_bytes(mesh_devices(cfg.solver.gpu, cfg.source)[0]))
+            device_memory=device_memory_bytes(self.device))
         self._print(self.plan.describe())
         self.placements = self.plan.placements
         if self.mesh is None:
             self.engine = None
-            self.state = init_state()
+            self.state = jax.device_put(init_state(), self.device)
             self.train_step = jax.jit(make_train_step(self.step_config, self.dense_tx),
                                       donate_argnums=0)
         else:
@@ -164,7 +165,7 @@ class Trainer:
         """Host batch -> device arrays. On a mesh the batch is split over the devices; a
         ``process_local`` batch is this process's share (its segment ids are made global)."""
         if self.mesh is None:
-            return jax.device_put(batch)
+            return jax.device_put(batch, self.device)
         if process_local and jax.process_count() > 1:
             batch = globalize_segments(batch, tuple(sp.slot_num for sp in self.cfg.data.sparse),
                                        jax.process_index(), jax.process_count())
@@ -410,8 +411,8 @@ class Trainer:
             net = self.network()
             load_dense_model(dense, net)
             _, params, stats = nnx.split(net, nnx.Param, ...)
-            if self.mesh is not None:
-                params, stats = jax.device_put((params, stats), replicated(self.mesh))
+            params, stats = jax.device_put(
+                (params, stats), self.device if self.mesh is None else replicated(self.mesh))
             self.state = self.state._replace(params=params, batch_stats=stats)
         if sparse:
             if len(sparse) != len(self.specs):

@@ -55,7 +55,8 @@ def test_resume_after_sigkill_at_a_random_step(tmp_path):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
     reference = _losses(Trainer.from_config(_cfg(tmp_path, max_iter=40)).fit())
-    kill_at = random.Random(os.getpid()).randint(8, 30)
+    # a few steps after the first snapshot, so that its asynchronous save has completed
+    kill_at = random.Random(os.getpid()).randint(10, 30)
     proc = subprocess.Popen([sys.executable, "-m", "jctr.train", "--config", str(path)],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:

@@ -14,6 +14,8 @@ import numpy as np
 
 from jctr.embedding.collection import EmbeddingSpec, EmbeddingState
 from jctr.embedding.hash_table import export_items, lookup
+from jctr.ops.hashing import owner_shards
+from jctr.sharding.mesh import to_host
 
 _INSERT_CHUNK = 1 << 18
 
@@ -85,9 +87,9 @@ def import_table(spec: EmbeddingSpec, state: EmbeddingState,
 def export_placed(state: EmbeddingState, placement=None) -> dict[str, np.ndarray]:
     """:func:`export_table` of a table in any placement: a sharded table's parts are exported
     one after another (by key, so the result loads on any device count)."""
+    host = jax.tree.map(to_host, state)
     if placement is None or not placement.sharded:
-        return export_table(jax.tree.map(_host, state))
-    host = jax.tree.map(_host, state)
+        return export_table(host)
     parts = [export_table(jax.tree.map(lambda x, i=i: x[i], host))
              for i in range(placement.num_shards)]
     return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
@@ -98,7 +100,7 @@ def import_placed(spec: EmbeddingSpec, state: EmbeddingState, stored: dict[str, 
     """:func:`import_table` into a table in any placement: every key goes to the part of the
     device that owns it (by key hash, or by its slot for slot-wise placement)."""
     if placement is None or not placement.sharded:
-        local = jax.tree.map(lambda x: jnp.asarray(_host(x)), state)
+        local = jax.tree.map(lambda x: jnp.asarray(to_host(x)), state)
         return _like(import_table(spec, local, stored, source=source), state)
     keys = np.asarray(stored["keys"], np.int64)
     if placement.kind == "localized":
@@ -111,11 +113,9 @@ def import_placed(spec: EmbeddingSpec, state: EmbeddingState, stored: dict[str, 
             raise ValueError(f"{source}: embedding \"{spec.name}\": slot ids outside "
                              f"[0, {spec.slot_num})")
         owner = np.asarray(placement.slot_owner, np.int64)[slot]
-    else:
-        from jctr.data.synthetic import mix64
-
-        owner = (mix64(keys.view(np.uint64)) % np.uint64(placement.num_shards)).astype(np.int64)
-    host = jax.tree.map(_host, state)
+    else:  # the same owner function the routing uses
+        owner = np.asarray(owner_shards(jnp.asarray(keys), placement.num_shards))
+    host = jax.tree.map(to_host, state)
     parts = []
     for i in range(placement.num_shards):
         part = jax.tree.map(lambda x, i=i: jnp.asarray(x[i]), host)
@@ -124,12 +124,6 @@ def import_placed(spec: EmbeddingSpec, state: EmbeddingState, stored: dict[str, 
                                   source=f"{source} (device {i})"))
     stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *parts)
     return _like(stacked, state)
-
-
-def _host(x) -> np.ndarray:
-    from jctr.sharding.mesh import to_host
-
-    return to_host(x)
 
 
 def _like(new: EmbeddingState, old: EmbeddingState) -> EmbeddingState:

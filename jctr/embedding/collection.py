@@ -63,11 +63,11 @@ class EmbeddingState(NamedTuple):
     row_slot: jax.Array  # int32 [capacity], the slot whose key created the row (-1: unused)
 
 
-def init_embedding(spec: EmbeddingSpec, capacity: int | None = None) -> EmbeddingState:
+def init_embedding(spec: EmbeddingSpec) -> EmbeddingState:
     """An empty table. A row gets its initial vector when its key is inserted
     (:func:`jctr.ops.hashing.key_uniform` of the key), so the model does not depend on the
     order keys arrive in or on how tables are placed on devices."""
-    capacity = capacity or spec.capacity
+    capacity = spec.capacity
     return EmbeddingState(create_table(capacity), jnp.zeros((capacity, spec.dim), jnp.float32),
                           row_opt.init_slots(spec.optimizer, capacity, spec.dim),
                           jnp.full((capacity,), -1, jnp.int32))

@@ -27,7 +27,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jctr.embedding.collection import (
@@ -132,9 +132,11 @@ class ShardedEmbeddings:
             es = jax.tree.map(lambda x: jnp.broadcast_to(x, (self.num_devices,) + x.shape), es)
         return es
 
-    def shardings(self):
-        from jax.sharding import NamedSharding
+    def init(self) -> tuple[EmbeddingState, ...]:
+        """Every table, empty, in its placement's layout (jit with :meth:`shardings`)."""
+        return tuple(self.init_one(s, p) for s, p in zip(self.specs, self.placements))
 
+    def shardings(self) -> tuple[NamedSharding, ...]:
         return tuple(NamedSharding(self.mesh, s) for s in self.state_specs)
 
     # ---- lookup --------------------------------------------------------------------------

@@ -115,26 +115,7 @@ class Trainer:
             device_memory=device_memory_bytes(self.device))
         self._print(self.plan.describe())
         self.placements = self.plan.placements
-        if self.mesh is None:
-            self.engine = None
-            self.state = jax.device_put(init_state(), self.device)
-            self.train_step = jax.jit(make_train_step(self.step_config, self.dense_tx),
-                                      donate_argnums=0)
-        else:
-            self.engine = ShardedEmbeddings(self.mesh, self.specs, self.placements)
-            rep = replicated(self.mesh)
-            shardings = TrainState(rep, rep, rep, rep, rep, self.engine.shardings())
-
-            def init_sharded():
-                state = init_state()
-                return state._replace(embeddings=tuple(
-                    self.engine.init_one(s, p) for s, p in zip(self.specs, self.placements)))
-
-            self.state = jax.jit(init_sharded, out_shardings=shardings)()
-            self.train_step = jax.jit(
-                make_train_step(self.step_config, self.dense_tx, self.engine),
-                donate_argnums=0, out_shardings=(shardings, rep))
-        self.eval_step = jax.jit(make_eval_step(self.step_config, self.engine))
+        self._place(init_state)
         self._train_data: Dataset | None = None
         self._eval_data: Dataset | None = None
         self.history: list[dict[str, Any]] = []
@@ -151,6 +132,27 @@ class Trainer:
         if solver_overrides:
             cfg = cfg.with_solver(**solver_overrides)
         return cls(cfg)
+
+    def _place(self, init_state) -> None:
+        """Create the state on the device(s) and the jitted steps for that placement."""
+        if self.mesh is None:
+            self.engine = None
+            self.state = jax.device_put(init_state(), self.device)
+            self.train_step = jax.jit(make_train_step(self.step_config, self.dense_tx),
+                                      donate_argnums=0)
+        else:
+            self.engine = ShardedEmbeddings(self.mesh, self.specs, self.placements)
+            rep = replicated(self.mesh)
+            shardings = TrainState(rep, rep, rep, rep, rep, self.engine.shardings())
+
+            def init_sharded():  # tables in the engine's layout, everything else replicated
+                return init_state()._replace(embeddings=self.engine.init())
+
+            self.state = jax.jit(init_sharded, out_shardings=shardings)()
+            self.train_step = jax.jit(
+                make_train_step(self.step_config, self.dense_tx, self.engine),
+                donate_argnums=0, out_shardings=(shardings, rep))
+        self.eval_step = jax.jit(make_eval_step(self.step_config, self.engine))
 
     def _check_batch_sizes(self) -> None:
         n = self.num_devices

@@ -55,8 +55,9 @@ def test_resume_after_sigkill_at_a_random_step(tmp_path):
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
     reference = _losses(Trainer.from_config(_cfg(tmp_path, max_iter=40)).fit())
-    # a few steps after the first snapshot, so that its asynchronous save has completed
-    kill_at = random.Random(os.getpid()).randint(10, 30)
+    # after the second snapshot has started, which first waits for the asynchronous save of
+    # the first: some checkpoint is always complete when the process dies
+    kill_at = random.Random(os.getpid()).randint(11, 30)
     proc = subprocess.Popen([sys.executable, "-m", "jctr.train", "--config", str(path)],
                             cwd=ROOT, stderr=subprocess.PIPE, text=True)
     try:

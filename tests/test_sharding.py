@@ -162,6 +162,54 @@ def test_routing_with_skewed_keys(kind, opt):
     if kind == "localized":  # every row sits on device 0
         sizes = np.asarray(embs_s[0].table.size)
         assert sizes[0] == len(want["keys"]) and not sizes[1:].any()
+    if kind != "replicated":  # the hot key crowds one device: too much for small buffers
+        assert sharded.fits(batch)
+        assert not ShardedEmbeddings(mesh, (spec,), (placement,), capacity_factor=2.0).fits(batch)
+
+
+@pytest.mark.parametrize("kind", ["distributed", "localized"])
+def test_small_send_buffers_route_like_full_ones(kind):
+    d, slot_num, mf, b = 8, 4, 8, 64
+    spec = EmbeddingSpec("e", capacity=4096, dim=3, slot_num=slot_num, max_features=mf,
+                         one_hot=False, input_index=0, optimizer=OptimizerConfig("Adam"))
+    rng = np.random.default_rng(1)
+    samples = [[(int(rng.integers(slot_num)), int(rng.integers(1, 10**12)))
+                for _ in range(int(rng.integers(0, mf + 1)))] for _ in range(b)]
+    batch = _batch(samples, slot_num, mf)
+    placement = Placement(kind, d, tuple(s % d for s in range(slot_num)))
+    mesh = Mesh(np.array(jax.devices()[:d]), ("d",))
+    grads = (jnp.asarray(rng.normal(size=(b, slot_num, spec.dim)), jnp.float32),)
+    outs = []
+    for factor in (None, 2.5):
+        engine = ShardedEmbeddings(mesh, (spec,), (placement,), capacity_factor=factor)
+        assert engine.fits(batch)
+        assert engine.buffer_rows(b // d * mf) == (b // d * mf if factor is None else 20)
+
+        @jax.jit
+        def run(batch, engine=engine):
+            embs, res, pooled = engine.lookup(engine.init(), batch, train=True)
+            return engine.apply(embs, res, batch, grads, (jnp.float32(0.1),), jnp.int32(1)), pooled
+
+        embs, pooled = run(jax.device_put(batch))
+        from jctr.checkpoint.tables import export_placed
+
+        t = export_placed(embs[0], placement)
+        order = np.argsort(t["keys"])
+        outs.append((np.asarray(pooled[0]), {k: v[order] for k, v in t.items()}))
+    np.testing.assert_allclose(outs[0][0], outs[1][0], rtol=1e-6)
+    for name in outs[0][1]:
+        np.testing.assert_allclose(outs[0][1][name], outs[1][1][name], rtol=1e-6, err_msg=name)
+
+
+def test_skewed_batches_fall_back_to_full_buffers(tmp_path):
+    """Batches that overflow the small send buffers take the full-buffer step: same losses."""
+    cfg = _config(tmp_path, "dlrm", [0])
+    ref, ref_losses, _ = _train(cfg)
+    cfg8 = _config(tmp_path, "dlrm", list(range(8)), all2all_capacity_factor=1.0)
+    t, losses, _ = _train(cfg8)
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-6)
+    summary = [h for h in t.history if h["kind"] == "summary"][-1]
+    assert summary["routing_fallback_steps"] > 0  # factor 1: any imbalance falls back
 
 
 # ---- plans and mesh errors -------------------------------------------------------------------

@@ -14,7 +14,7 @@ import numpy as np
 
 from jctr.embedding.collection import EmbeddingSpec, EmbeddingState
 from jctr.embedding.hash_table import export_items, lookup
-from jctr.ops.hashing import owner_shards
+from jctr.ops.hashing import owner_shards_host
 from jctr.sharding.mesh import to_host
 
 _INSERT_CHUNK = 1 << 18
@@ -114,7 +114,7 @@ def import_placed(spec: EmbeddingSpec, state: EmbeddingState, stored: dict[str, 
                              f"[0, {spec.slot_num})")
         owner = np.asarray(placement.slot_owner, np.int64)[slot]
     else:  # the same owner function the routing uses
-        owner = np.asarray(owner_shards(jnp.asarray(keys), placement.num_shards))
+        owner = owner_shards_host(keys, placement.num_shards)
     host = jax.tree.map(to_host, state)
     parts = []
     for i in range(placement.num_shards):

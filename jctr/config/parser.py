@@ -130,6 +130,7 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
     log_dir = r.str("log_dir", None)
     snapshot_keep = r.int("snapshot_keep", 3, min_value=1)
     replicate_table_bytes = r.int("replicate_table_bytes", 0, min_value=0)
+    all2all_capacity_factor = r.float("all2all_capacity_factor", 2.0, min_value=0.0)
     # Accepted for HugeCTR compatibility; XLA schedules the step as a whole already.
     r.bool("cuda_graph", True)
     r.finish()
@@ -140,7 +141,8 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
         dense_model_file=dense_model_file, sparse_model_file=sparse_model_file,
         mixed_precision=mixed_precision, enable_tf32_compute=enable_tf32, eval_metrics=metrics,
         input_key_type=input_key_type, compute_dtype=compute_dtype, seed=seed, log_dir=log_dir,
-        snapshot_keep=snapshot_keep, replicate_table_bytes=replicate_table_bytes)
+        snapshot_keep=snapshot_keep, replicate_table_bytes=replicate_table_bytes,
+        all2all_capacity_factor=all2all_capacity_factor)
 
 
 def _parse_gpu(r: ObjectReader) -> tuple[tuple[int, ...], ...]:

@@ -79,6 +79,9 @@ class SolverConfig:
     log_dir: str | None = None
     snapshot_keep: int = 3  # checkpoints kept (oldest deleted first)
     replicate_table_bytes: int = 0  # on several devices, copy tables this small to every one
+    # send buffers per destination hold factor * keys / devices (0: every key, any skew); a
+    # batch that does not fit takes a step compiled with full buffers
+    all2all_capacity_factor: float = 2.0
 
     @property
     def checkpoint_dir(self) -> str:

@@ -35,7 +35,7 @@ from jctr.data.norm import (
     write_file_list,
     write_norm_file,
 )
-from jctr.data.synthetic import mix64
+from jctr.ops.hashing import mix64
 
 NUM_DENSE, NUM_CAT = 13, 26
 COLUMNS = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]

@@ -20,17 +20,9 @@ import sys
 import numpy as np
 
 from jctr.data.norm import RecordBlock, write_file_list, write_norm_file
+from jctr.ops.hashing import mix64
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def mix64(x: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser on uint64 arrays."""
-    with np.errstate(over="ignore"):
-        z = x.astype(np.uint64)
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        return z ^ (z >> np.uint64(31))
 
 
 def power_law_ranks(rng: np.random.Generator, n: int, vocab: int, alpha: float) -> np.ndarray:

@@ -20,6 +20,15 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
 
+def mix64(x: np.ndarray) -> np.ndarray:
+    """The same splitmix64 finaliser as :func:`hash_keys`, in numpy (host-side data work)."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(x).astype(np.uint64)
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        return z ^ (z >> np.uint64(31))
+
+
 def hash_keys(keys: jax.Array) -> jax.Array:
     """splitmix64 finaliser: a well-mixed uint64 for every int64 key."""
     z = keys.astype(jnp.uint64)
@@ -40,6 +49,14 @@ def owner_shards(keys: jax.Array, num_shards: int) -> jax.Array:
     if num_shards == 1:
         return jnp.zeros(keys.shape, jnp.int32)
     return (hash_keys(keys) % np.uint64(num_shards)).astype(jnp.int32)
+
+
+def owner_shards_host(keys: np.ndarray, num_shards: int) -> np.ndarray:
+    """:func:`owner_shards` in numpy."""
+    if num_shards == 1:
+        return np.zeros(np.shape(keys), np.int32)
+    return (mix64(np.asarray(keys, np.int64).view(np.uint64)) % np.uint64(num_shards)).astype(
+        np.int32)
 
 
 def key_uniform(keys: jax.Array, dim: int, seed: int, bound: float) -> jax.Array:

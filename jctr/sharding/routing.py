@@ -24,6 +24,8 @@ mesh axis, parameters replicated), so its gradients are averaged over the whole 
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -41,7 +43,7 @@ from jctr.embedding.collection import (
 from jctr.embedding.hash_table import Lookup
 from jctr.ops import EMPTY_KEY
 from jctr.ops.bag import gather_rows, key_gradients
-from jctr.ops.hashing import owner_shards
+from jctr.ops.hashing import owner_shards, owner_shards_host
 from jctr.sharding.mesh import AXIS
 from jctr.sharding.plan import Placement
 
@@ -116,11 +118,15 @@ class ShardedEmbeddings:
     """
 
     def __init__(self, mesh: Mesh, specs: tuple[EmbeddingSpec, ...],
-                 placements: tuple[Placement, ...]):
+                 placements: tuple[Placement, ...], capacity_factor: float | None = None):
         self.mesh = mesh
         self.specs = specs
         self.placements = placements
         self.num_devices = mesh.devices.size
+        # None: send buffers hold every local key for every device (fits any batch); a factor
+        # f sizes each destination's buffer at f * n / D keys, and :meth:`fits` says whether a
+        # batch's routing fits them
+        self.capacity_factor = capacity_factor
         self.state_specs = tuple(P(AXIS) if p.sharded else P() for p in placements)
 
     # ---- state ---------------------------------------------------------------------------
@@ -138,6 +144,41 @@ class ShardedEmbeddings:
 
     def shardings(self) -> tuple[NamedSharding, ...]:
         return tuple(NamedSharding(self.mesh, s) for s in self.state_specs)
+
+    def buffer_rows(self, local_keys: int) -> int:
+        """Keys per destination in the send buffers, for ``local_keys`` keys per device."""
+        if self.capacity_factor is None:
+            return local_keys
+        return min(local_keys, max(1, math.ceil(self.capacity_factor * local_keys
+                                                / self.num_devices)))
+
+    def fits(self, batch, devices: int | None = None) -> bool:
+        """Whether every key of a host batch fits its destination's send buffer.
+
+        ``batch`` is the part of the global batch the first ``devices`` devices (default: all)
+        hold, with segment ids counted within that part; host numpy, vectorised."""
+        if self.capacity_factor is None:
+            return True
+        d = self.num_devices
+        local_devices = devices or d
+        for spec, pl in zip(self.specs, self.placements):
+            if not pl.sharded:
+                continue
+            keys = np.asarray(batch.keys[spec.input_index])
+            segs = np.asarray(batch.segments[spec.input_index])
+            n = keys.shape[0] // local_devices
+            valid = segs < batch.label.shape[0] * spec.slot_num
+            if pl.kind == "localized":
+                owner = np.asarray(pl.slot_owner, np.int64)[np.where(valid, segs, 0)
+                                                            % spec.slot_num]
+            else:
+                owner = owner_shards_host(keys, d).astype(np.int64)
+            device = np.arange(keys.shape[0]) // n
+            cell = np.where(valid, device * d + owner, local_devices * d)
+            counts = np.bincount(cell, minlength=local_devices * d + 1)[:-1]
+            if counts.size and counts.max() > self.buffer_rows(n):
+                return False
+        return True
 
     # ---- lookup --------------------------------------------------------------------------
 
@@ -162,7 +203,8 @@ class ShardedEmbeddings:
                 if pl.kind == "replicated":
                     es, res, pooled = _replicated_lookup(spec, es, k, sg, b, dev, train)
                 else:
-                    es, res, pooled = _routed_lookup(spec, pl, _squeeze(es), k, sg, b, train)
+                    es, res, pooled = _routed_lookup(spec, pl, _squeeze(es), k, sg, b, train,
+                                                     self.buffer_rows(k.shape[0]))
                     es = _expand(es)
                 out_embs.append(es)
                 out_res.append(_expand(res))
@@ -226,9 +268,9 @@ def _segment_counts(segs, num_segments: int):
 
 
 def _routed_lookup(spec: EmbeddingSpec, pl: Placement, es: EmbeddingState, keys, segs, b: int,
-                   train: bool):
+                   train: bool, rows_per_device: int):
     d = pl.num_shards
-    n = keys.shape[0]
+    n = rows_per_device  # send buffer rows per destination (all local keys, or fewer)
     nseg = b * spec.slot_num
     valid = segs < nseg
     owner = owners(pl, keys, segs, valid, spec.slot_num)

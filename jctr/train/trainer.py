@@ -136,12 +136,16 @@ class Trainer:
     def _place(self, init_state) -> None:
         """Create the state on the device(s) and the jitted steps for that placement."""
         if self.mesh is None:
-            self.engine = None
+            self.engine = self.engine_full = None
             self.state = jax.device_put(init_state(), self.device)
             self.train_step = jax.jit(make_train_step(self.step_config, self.dense_tx),
                                       donate_argnums=0)
+            self.train_step_full = self.train_step
         else:
-            self.engine = ShardedEmbeddings(self.mesh, self.specs, self.placements)
+            factor = self.solver.all2all_capacity_factor or None
+            self.engine_full = ShardedEmbeddings(self.mesh, self.specs, self.placements)
+            self.engine = (ShardedEmbeddings(self.mesh, self.specs, self.placements, factor)
+                           if factor else self.engine_full)
             rep = replicated(self.mesh)
             shardings = TrainState(rep, rep, rep, rep, rep, self.engine.shardings())
 
@@ -149,10 +153,13 @@ class Trainer:
                 return init_state()._replace(embeddings=self.engine.init())
 
             self.state = jax.jit(init_sharded, out_shardings=shardings)()
-            self.train_step = jax.jit(
-                make_train_step(self.step_config, self.dense_tx, self.engine),
-                donate_argnums=0, out_shardings=(shardings, rep))
-        self.eval_step = jax.jit(make_eval_step(self.step_config, self.engine))
+            # small send buffers for the usual batch; full ones (compiled on first need) for a
+            # batch whose keys crowd onto a device
+            self.train_step, self.train_step_full = (
+                jax.jit(make_train_step(self.step_config, self.dense_tx, e), donate_argnums=0,
+                        out_shardings=(shardings, rep))
+                for e in (self.engine, self.engine_full))
+        self.eval_step = jax.jit(make_eval_step(self.step_config, self.engine_full))
 
     def _check_batch_sizes(self) -> None:
         n = self.num_devices
@@ -172,6 +179,12 @@ class Trainer:
             batch = globalize_segments(batch, tuple(sp.slot_num for sp in self.cfg.data.sparse),
                                        jax.process_index(), jax.process_count())
         return global_batch(self.mesh, batch)
+
+    def _routing_fits(self, local_batch: Batch) -> bool:
+        """Whether this process's batch fits the small all-to-all buffers (host check)."""
+        if self.engine is None or self.engine is self.engine_full:
+            return True
+        return self.engine.fits(local_batch, self.num_devices // jax.process_count())
 
     def _process_share(self, batch: Batch) -> Batch:
         """This process's contiguous share of a batch every process read whole."""
@@ -238,7 +251,8 @@ class Trainer:
         batches = Prefetcher(
             self.train_data.batches_with_position(s.batchsize // jax.process_count(),
                                                   epochs=epochs, start=self.reader_position),
-            transform=lambda item: (self._to_devices(item[0], True), item[1]))
+            transform=lambda item: (self._to_devices(item[0], True), item[1],
+                                    self._routing_fits(item[0])))
         self._print(f"[jctr] training {', '.join(e.name for e in self.cfg.embeddings)} + "
                     f"{len(self.cfg.layers)} dense layers; batch {s.batchsize}; "
                     f"{'max_iter ' + str(max_iter) if max_iter else str(epochs) + ' epoch(s)'}")
@@ -248,9 +262,17 @@ class Trainer:
         window_t, window_n = t0, 0
         prev = None
         stop = False
+        fallback_steps = 0
         try:
-            for batch, position in batches:
-                self.state, metrics = self.train_step(self.state, batch)
+            for batch, position, fits in batches:
+                if jax.process_count() > 1:  # every process must run the same program
+                    from jax.experimental import multihost_utils
+
+                    fits = bool(np.all(multihost_utils.process_allgather(np.array([fits]))))
+                if not fits:
+                    fallback_steps += 1
+                step_fn = self.train_step if fits else self.train_step_full
+                self.state, metrics = step_fn(self.state, batch)
                 self.reader_position = position
                 if prev is not None:
                     self._check_overflow(prev)  # one step behind: no stall of the pipeline
@@ -281,7 +303,8 @@ class Trainer:
         elapsed = time.perf_counter() - t0
         trained = done - start_step
         self._record("summary", iters=trained,
-                     samples_per_s=trained * s.batchsize / max(elapsed, 1e-9))
+                     samples_per_s=trained * s.batchsize / max(elapsed, 1e-9),
+                     routing_fallback_steps=fallback_steps)
         if self._checkpointer is not None:
             self._checkpointer.wait()
         if not stop:

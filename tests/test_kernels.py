@@ -165,3 +165,62 @@ def test_hash_lookup_lowers_to_triton_for_cuda():
     text = _lowered_for_cuda(lambda t, k, v: find_slots(t, k, v, insert=False)[1], table, keys,
                              jnp.ones(10, bool))
     assert "jctr_hash_lookup" in text
+
+
+@pytest.mark.parametrize("case", ["random", "duplicates", "all_colliding", "overfull",
+                                  "existing"])
+def test_hash_insert_kernel_builds_a_valid_table(case):
+    """Find-or-insert: every valid key ends in a slot holding it, one slot per distinct key,
+    keys already stored are found where they are, a full table refuses the rest (-1)."""
+    from jctr.ops.hashing import EMPTY_KEY, find_slots, home_slots
+    from jctr.ops.pallas_hash import insert_slots_kernel
+
+    rng = np.random.default_rng(0)
+    num_slots = 64
+    table = jnp.full((num_slots,), EMPTY_KEY)
+    if case == "random":
+        keys = rng.integers(-(2**62), 2**62, 40, dtype=np.int64)
+    elif case == "duplicates":
+        keys = rng.integers(0, 12, 60).astype(np.int64)
+    elif case == "all_colliding":
+        cand = rng.integers(-(2**62), 2**62, size=20_000, dtype=np.int64)
+        keys = cand[np.asarray(home_slots(jnp.asarray(cand), num_slots)) == 7][:30]
+        keys = np.concatenate([keys, keys[:5]])
+    elif case == "overfull":  # 80 distinct keys for 64 slots
+        keys = rng.choice(10**9, 80, replace=False).astype(np.int64)
+    else:
+        stored = rng.choice(10**9, 30, replace=False).astype(np.int64)
+        table, _ = find_slots(table, jnp.asarray(stored), jnp.ones(30, bool), insert=True)
+        keys = np.concatenate([stored[::2], rng.choice(10**9, 10).astype(np.int64) + 10**9])
+    valid = np.ones(keys.shape, bool)
+    valid[-1] = False
+    before = np.asarray(table)
+    new_table, slots = insert_slots_kernel(table, jnp.asarray(keys), jnp.asarray(valid),
+                                           interpret=True)
+    new_table, slots = np.asarray(new_table), np.asarray(slots)
+    assert slots[~valid].tolist() == [-1]
+    placed = slots >= 0
+    np.testing.assert_array_equal(new_table[slots[placed]], keys[placed])
+    # one slot per distinct key, and the table holds exactly the old keys plus the placed ones
+    pairs = {(int(k), int(s)) for k, s in zip(keys[placed], slots[placed])}
+    assert len(pairs) == len({k for k, _ in pairs}) == len({s for _, s in pairs})
+    old = set(before[before != EMPTY_KEY].tolist())
+    assert set(new_table[new_table != EMPTY_KEY].tolist()) == old | {k for k, _ in pairs}
+    for k, s in zip(keys[placed], slots[placed]):  # stored keys stay where they were
+        if k in old:
+            assert before[s] == k
+    want_table, want = find_slots(table, jnp.asarray(keys), jnp.asarray(valid), insert=True)
+    assert (np.asarray(want) >= 0).sum() == placed.sum()  # as many keys fit as with XLA
+    if case == "overfull":
+        assert (new_table != EMPTY_KEY).all() and (~placed[valid]).sum() == 79 - 64  # 79 valid keys
+
+
+def test_hash_insert_lowers_to_triton_for_cuda():
+    from jctr.ops import find_slots
+    from jctr.ops.hashing import EMPTY_KEY
+
+    table = jnp.full((64,), EMPTY_KEY)
+    keys = jnp.arange(10, dtype=jnp.int64)
+    text = _lowered_for_cuda(lambda t, k, v: find_slots(t, k, v, insert=True), table, keys,
+                             jnp.ones(10, bool))
+    assert "__gpu$xla.gpu.triton" in text and "jctr_hash_insert" in text

@@ -82,14 +82,23 @@ def dot_interaction(dense, sparse):
 
 
 def find_slots(slot_keys, keys, valid, *, insert: bool):
-    """Slots of keys in an open-addressing table (see :func:`jctr.ops.hashing.find_slots`).
-    Lookups use the Pallas kernel on GPU; inserts use the XLA formulation everywhere."""
-    if insert or _mode() == "reference":
+    """Slots of keys in an open-addressing table (see :func:`jctr.ops.hashing.find_slots`):
+    the Pallas kernels on GPU (lookup, and find-or-insert with atomic claims), the XLA
+    formulation on CPU."""
+    if _mode() == "reference":
         return hashing.find_slots(slot_keys, keys, valid, insert=insert)
+    if insert:
+        def reference(slot_keys, keys, valid):
+            return hashing.find_slots(slot_keys, keys, valid, insert=True)
 
-    def reference(slot_keys, keys, valid):
+        return jax.lax.platform_dependent(slot_keys, keys, valid, cpu=reference,
+                                          cuda=pallas_hash.insert_slots_kernel,
+                                          default=reference)
+
+    def lookup_reference(slot_keys, keys, valid):
         return hashing.find_slots(slot_keys, keys, valid, insert=False)[1]
 
-    slots = jax.lax.platform_dependent(slot_keys, keys, valid, cpu=reference,
-                                       cuda=pallas_hash.lookup_slots_kernel, default=reference)
+    slots = jax.lax.platform_dependent(slot_keys, keys, valid, cpu=lookup_reference,
+                                       cuda=pallas_hash.lookup_slots_kernel,
+                                       default=lookup_reference)
     return slot_keys, slots

@@ -331,3 +331,14 @@ def test_two_processes_agree_with_one_process(tmp_path):
     np.testing.assert_allclose(resumed, losses[10:], rtol=1e-6)
     meta = json.loads((tmp_path / "ck" / "checkpoints" / "10" / "meta" / "metadata").read_text())
     assert len(meta["readers"]) == 2 and meta["processes"] == 2
+
+
+def test_cli_gpu_flag(tmp_path, capsys):
+    from jctr.train.cli import main
+
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps(_config(tmp_path, "dlrm", [0])))
+    assert main(["--config", str(path), "--gpu", "0,1", "--max-iter", "2"]) == 0
+    assert "mesh: 2 devices on 1 process(es)" in capsys.readouterr().err
+    assert main(["--config", str(path), "--gpu", "0,x"]) == 2
+    assert "--gpu: expected device ids" in capsys.readouterr().err

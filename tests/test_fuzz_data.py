@@ -128,3 +128,75 @@ def test_mutated_raw_and_parquet_files_fail_cleanly(tmp_path, fmt, muts):
     finally:
         with open(victim, "wb") as f:
             f.write(original)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                   HealthCheck.function_scoped_fixture])
+@given(check=st.sampled_from(["None", "Sum"]), key_type=st.sampled_from(["I32", "I64"]),
+       muts=st.lists(mutation, min_size=1, max_size=3), resume=st.integers(0, 39))
+def test_mutated_one_hot_norm_batches_match_the_general_parser(tmp_path, check, key_type, muts,
+                                                               resume):
+    """The fixed-record batch path (one-hot Norm) on a mutated file: the same batches as the
+    general parser, or a DataError naming the file -- also when resuming mid-file."""
+    import dataclasses
+
+    import jctr.data.loader as loader
+    from jctr.config import parse_config
+    from jctr.data.loader import NormDataset, ReaderPosition
+    from jctr.data.norm import write_file_list
+    from tests.conftest import load_json
+
+    block = generate_block(40, slot_nnz=[1] * SLOTS, vocab=[100] * SLOTS, dense_dim=2,
+                           key_type=key_type, seed=7)
+    path = str(tmp_path / f"h_{check}_{key_type}.data")
+    write_norm_file(path, block, key_type=key_type, check=check)
+    with open(path, "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(_mutate(data, muts))
+    lst = str(tmp_path / f"h_{check}_{key_type}.txt")
+    write_file_list(lst, [path])
+    cfg = parse_config(load_json("dcn_synthetic.json")).data
+    sp = dataclasses.replace(cfg.sparse[0], slot_num=SLOTS, max_nnz=2,
+                             max_feature_num_per_sample=2 * SLOTS)
+    cfg = dataclasses.replace(cfg, sparse=(sp,), dense_dim=2, label_dim=1, check=check)
+    start = ReaderPosition(0, 0, resume)
+
+    def run():
+        try:
+            return [b for b, _ in NormDataset(lst, cfg, key_type).batches_with_position(
+                16, epochs=1, start=start)]
+        except DataError as e:
+            assert path in str(e)
+            return "error"
+
+    old = signal.signal(signal.SIGALRM, _alarm)
+    signal.alarm(20)
+    try:
+        got = run()
+        orig = loader.open_norm_records
+        loader.open_norm_records = lambda *a, **k: None
+        try:
+            want = run()
+        finally:
+            loader.open_norm_records = orig
+    except _Timeout:
+        raise AssertionError(f"reading hung on mutations {muts}") from None
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    if want == "error" or got == "error":
+        # the fixed path may only fail where the general one fails
+        assert got == want, (got if got == "error" else "batches", want)
+        return
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        for x, y in zip(jax_leaves(a), jax_leaves(b)):
+            np.testing.assert_array_equal(x, y)
+
+
+def jax_leaves(batch):
+    out = []
+    for f in batch:
+        out.extend(f if isinstance(f, tuple) else (f,))
+    return out

@@ -13,6 +13,7 @@ import numpy as np
 
 from jctr.config.schema import DataConfig, SparseInputConfig
 from jctr.data.batch import Batch
+from jctr.data.fixed import FixedChunk, FixedRecords, decode_batch, open_norm_records
 from jctr.data.norm import DataError, RecordBlock, read_file_list, read_norm_file
 
 
@@ -130,15 +131,25 @@ class Dataset(abc.ABC):
         """The records of one unit, validated against the config."""
 
     # -- shared
-    def read_unit(self, index: int) -> RecordBlock:
+    def _unit(self, index: int) -> RecordBlock | FixedRecords:
         if index in self._cache:
             return self._cache[index]
         return self._read_unit(index)
 
+    def read_unit(self, index: int) -> RecordBlock:
+        """The records of one unit, decoded into memory."""
+        unit = self._unit(index)
+        if isinstance(unit, FixedRecords):
+            unit = unit.load()
+            if isinstance(unit, FixedRecords):
+                return unit.slice(0, len(unit)).to_block()
+        return unit
+
     def cache_all(self) -> None:
         """Keep every unit's records in memory (small evaluation sets)."""
         for i in self.host_units():
-            self._cache[i] = self._read_unit(i)
+            unit = self._read_unit(i)
+            self._cache[i] = unit.load() if isinstance(unit, FixedRecords) else unit
 
     def host_units(self) -> list[int]:
         units = list(range(self.num_units()))[self.process_index::self.process_count]
@@ -154,15 +165,15 @@ class Dataset(abc.ABC):
         perm = np.random.default_rng([self.seed, epoch]).permutation(len(units))
         return [units[i] for i in perm]
 
-    def _records(self, unit: int, epoch: int) -> RecordBlock:
-        block = self.read_unit(unit)
+    def _records(self, unit: int, epoch: int) -> RecordBlock | FixedRecords:
+        block = self._unit(unit)
         if self.seed is None:
             return block
         perm = np.random.default_rng([self.seed, epoch, unit, 1]).permutation(len(block))
-        return _take(block, perm)
+        return block.take(perm) if isinstance(block, FixedRecords) else _take(block, perm)
 
     def num_records(self) -> int:
-        return sum(len(self.read_unit(i)) for i in self.host_units())
+        return sum(len(self._unit(i)) for i in self.host_units())
 
     def batches(self, batch_size: int, epochs: int | None = None,
                 start: ReaderPosition | None = None) -> Iterator[Batch]:
@@ -198,17 +209,27 @@ class Dataset(abc.ABC):
                     # "end of a unit" is reported as the start of the next one
                     nxt = (_advance_file(pos, n_units) if start_rec == len(block)
                            else ReaderPosition(**vars(pos)))
-                    yield (build_batch(RecordBlock.concat(pending), batch_size,
-                                       self.data.sparse, name, start_rec - take), nxt)
+                    yield (_make_batch(pending, batch_size, self.data.sparse, name,
+                                       start_rec - take), nxt)
                     pending, pending_n = [], 0
             new = _advance_file(pos, n_units)
             if new.epoch != pos.epoch:
                 order = self.unit_order(new.epoch)
             pos = new
             if pos.file_index == 0 and epochs is not None and pending_n:
-                yield (build_batch(RecordBlock.concat(pending), batch_size, self.data.sparse,
-                                   name), ReaderPosition(**vars(pos)))
+                yield (_make_batch(pending, batch_size, self.data.sparse, name),
+                       ReaderPosition(**vars(pos)))
                 pending, pending_n = [], 0
+
+
+def _make_batch(parts: list, batch_size: int, sparse: tuple[SparseInputConfig, ...],
+                source: str, first_record: int = 0) -> Batch:
+    """A batch from consecutive pieces of units: fixed-size record chunks of one-hot inputs
+    are decoded straight into the batch, anything else goes through :func:`build_batch`."""
+    if all(isinstance(p, FixedChunk) for p in parts) and all(sp.one_hot for sp in sparse):
+        return Batch(*decode_batch(parts, batch_size, tuple(sp.slot_num for sp in sparse)))
+    blocks = [p.to_block() if isinstance(p, FixedChunk) else p for p in parts]
+    return build_batch(RecordBlock.concat(blocks), batch_size, sparse, source, first_record)
 
 
 def _take(block: RecordBlock, perm: np.ndarray) -> RecordBlock:
@@ -245,8 +266,10 @@ class NormDataset(Dataset):
 
     def _read_unit(self, index: int) -> RecordBlock:
         d = self.data
-        return read_norm_file(self.files[index], label_dim=d.label_dim, dense_dim=d.dense_dim,
-                              slot_num=d.total_slots, key_type=self.key_type, check=d.check)
+        kw = dict(label_dim=d.label_dim, dense_dim=d.dense_dim, slot_num=d.total_slots,
+                  key_type=self.key_type, check=d.check)
+        return open_norm_records(self.files[index], **kw) or read_norm_file(self.files[index],
+                                                                            **kw)
 
 
 def _advance_file(pos: ReaderPosition, num_files: int) -> ReaderPosition:

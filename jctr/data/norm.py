@@ -214,13 +214,10 @@ def _chain(tables: list[np.ndarray], end: int, offset: int = 0) -> tuple[np.ndar
     return np.asarray(out, np.int64), p
 
 
-def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
-                   key_type: str = "I32", check: str = "None") -> RecordBlock:
-    """Read and validate one Norm data file against the config's dimensions."""
-    try:
-        buf = np.fromfile(path, dtype=np.uint8)
-    except OSError as e:
-        raise DataError(f"{path}: cannot read data file: {e.strerror}") from e
+def _parse_header(path: str, buf: np.ndarray, label_dim: int, dense_dim: int, slot_num: int,
+                  check: str) -> tuple[int, int]:
+    """Validate a data file's header (``buf`` holds at least its first bytes) against the
+    config: ``(number_of_records, header bytes)``."""
     wrap = check == "Sum"
     hdr_len = HEADER_BYTES + (5 if wrap else 0)
     if buf.size < hdr_len:
@@ -252,6 +249,18 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
                             f"({where})")
     if n_records < 0:
         raise DataError(f"{path}: header: number_of_records is negative ({n_records})")
+    return n_records, hdr_len
+
+
+def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
+                   key_type: str = "I32", check: str = "None") -> RecordBlock:
+    """Read and validate one Norm data file against the config's dimensions."""
+    try:
+        buf = np.fromfile(path, dtype=np.uint8)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read data file: {e.strerror}") from e
+    wrap = check == "Sum"
+    n_records, hdr_len = _parse_header(path, buf, label_dim, dense_dim, slot_num, check)
     body = buf[hdr_len:]
     kw = _key_width(key_type)
     fixed = 4 * (label_dim + dense_dim)

@@ -14,8 +14,9 @@ import os
 import numpy as np
 
 from jctr.config.schema import DataConfig
+from jctr.data.fixed import FixedLayout, FixedRecords
 from jctr.data.loader import Dataset
-from jctr.data.norm import DataError, RecordBlock
+from jctr.data.norm import DataError
 
 UNIT_RECORDS = 1 << 18
 
@@ -56,7 +57,14 @@ class RawDataset(Dataset):
             raise DataError(f"{path}: holds {n} records but the config's num_samples / "
                             f"eval_num_samples says {num_samples}")
         self.n = n
-        self.offsets = slot_offsets(data.slot_size_array)
+        ld, dd = data.label_dim, data.dense_dim
+        self.layout = FixedLayout(
+            record_bytes=rec_bytes, label_at=0, label_dim=ld, dense_at=4 * ld, dense_dim=dd,
+            key_at=4 * (ld + dd), key_stride=4, key_width=4, slot_num=data.total_slots,
+            int_label_dense=not data.float_label_dense,
+            slot_offsets=slot_offsets(data.slot_size_array),
+            slot_sizes=np.minimum(np.asarray(data.slot_size_array, np.int64),
+                                  2**32 - 1).astype(np.uint32))
 
     def num_units(self) -> int:
         return max(1, -(-self.n // UNIT_RECORDS))
@@ -64,25 +72,11 @@ class RawDataset(Dataset):
     def unit_name(self, index: int) -> str:
         return f"{self.path} [records {index * UNIT_RECORDS}..]"
 
-    def _read_unit(self, index: int) -> RecordBlock:
-        d = self.data
+    def _read_unit(self, index: int) -> FixedRecords:
         start = index * UNIT_RECORDS
         count = min(UNIT_RECORDS, self.n - start)
-        mm = np.memmap(self.path, dtype="<i4", mode="r", shape=(self.n, self.width))
-        rec = np.array(mm[start:start + count])
-        del mm
-        ld, dd = d.label_dim, d.dense_dim
-        if d.float_label_dense:
-            label = rec[:, :ld].view("<f4").astype(np.float32)
-            dense = rec[:, ld:ld + dd].view("<f4").astype(np.float32)
-        else:
-            label = rec[:, :ld].astype(np.float32)
-            dense = np.log1p(np.maximum(rec[:, ld:ld + dd], 0).astype(np.float32))
-        keys = rec[:, ld + dd:].astype(np.int64)
-        check_slot_keys(keys, d.slot_size_array, self.path, start)
-        keys += self.offsets[None, :]
-        nnz = np.ones(keys.shape, np.int32)
-        return RecordBlock(label, dense, nnz, keys.ravel())
+        return FixedRecords(self.path, start * 4 * self.width, count, self.layout,
+                            first_record=start)
 
 
 def write_raw_file(path: str, label: np.ndarray, dense: np.ndarray, keys: np.ndarray, *,

@@ -79,6 +79,7 @@ def bench_jctr(batches, steps: int, warmup: int) -> list[float]:
     import jax
 
     from jctr.config import parse_config
+    from jctr.ops.xla_options import step_compiler_options
     from jctr.train.step import make_train_step
     from jctr.train.trainer import build_model
 
@@ -86,7 +87,8 @@ def bench_jctr(batches, steps: int, warmup: int) -> list[float]:
     cfg = parse_config(jctr_config(b, hot))
     step_config, tx, init_state = build_model(cfg)
     state = init_state()
-    step = jax.jit(make_train_step(step_config, tx), donate_argnums=0)
+    step = jax.jit(make_train_step(step_config, tx), donate_argnums=0,
+                   compiler_options=step_compiler_options())
     dev = [jax.device_put(jctr_batch(*x)) for x in batches]
     times = []
     for i in range(warmup + steps):

@@ -224,3 +224,23 @@ def test_hash_insert_lowers_to_triton_for_cuda():
     text = _lowered_for_cuda(lambda t, k, v: find_slots(t, k, v, insert=True), table, keys,
                              jnp.ones(10, bool))
     assert "__gpu$xla.gpu.triton" in text and "jctr_hash_insert" in text
+
+
+def test_step_compiler_options_on_cpu(monkeypatch):
+    from jctr.ops.xla_options import step_compiler_options
+
+    probe = step_compiler_options.__wrapped__
+    monkeypatch.delenv("JCTR_XLA_DEFAULTS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    opts = probe()
+    assert opts == {"xla_cpu_experimental_ynn_fusion_type": ""}
+    # the options compile and give the same result as the default compile
+    f = jax.jit(lambda a, b: jnp.maximum(a @ b, 0.0).sum(), compiler_options=opts)
+    a, b = jnp.ones((64, 32)), jnp.full((32, 16), 0.5)
+    assert float(f(a, b)) == float(jax.jit(lambda a, b: jnp.maximum(a @ b, 0.0).sum())(a, b))
+    monkeypatch.setenv("JCTR_XLA_DEFAULTS", "0")
+    assert probe() == {}
+    monkeypatch.delenv("JCTR_XLA_DEFAULTS")
+    monkeypatch.setenv("XLA_FLAGS",
+                       "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_DOT")
+    assert probe() == {}  # the user's own setting wins

@@ -36,6 +36,7 @@ from jctr.checkpoint.tables import export_table, import_table
 from jctr.config import parse_config
 from jctr.config.schema import LOSS_TYPES
 from jctr.data.batch import Batch
+from jctr.ops.xla_options import step_compiler_options
 
 BUNDLE_FORMAT = "jctr-inference-bundle"
 BUNDLE_VERSION = 1
@@ -155,8 +156,8 @@ class InferenceModel:
             embs.append(import_table(spec, es, {"keys": keys, "values": vectors}, source=sp))
         state = state._replace(params=params, batch_stats=stats, opt_state=None,
                                embeddings=tuple(embs))
-        return cls(cfg, state, step_config.specs, jax.jit(make_eval_step(step_config)),
-                   manifest)
+        eval_step = jax.jit(make_eval_step(step_config), compiler_options=step_compiler_options())
+        return cls(cfg, state, step_config.specs, eval_step, manifest)
 
     def predict(self, batch: Batch) -> np.ndarray:
         """Probabilities of the batch's real samples (padding dropped)."""

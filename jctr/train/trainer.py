@@ -21,6 +21,7 @@ from jctr.data.synthetic import generate_for_config
 from jctr.embedding.collection import EmbeddingSpec, init_embedding
 from jctr.embedding.hash_table import TableFullError
 from jctr.models.graph import build_network
+from jctr.ops.xla_options import step_compiler_options
 from jctr.sharding import (
     ShardedEmbeddings,
     build_mesh,
@@ -135,11 +136,12 @@ class Trainer:
 
     def _place(self, init_state) -> None:
         """Create the state on the device(s) and the jitted steps for that placement."""
+        opts = step_compiler_options()
         if self.mesh is None:
             self.engine = self.engine_full = None
             self.state = jax.device_put(init_state(), self.device)
             self.train_step = jax.jit(make_train_step(self.step_config, self.dense_tx),
-                                      donate_argnums=0)
+                                      donate_argnums=0, compiler_options=opts)
             self.train_step_full = self.train_step
         else:
             factor = self.solver.all2all_capacity_factor or None
@@ -157,9 +159,10 @@ class Trainer:
             # batch whose keys crowd onto a device
             self.train_step, self.train_step_full = (
                 jax.jit(make_train_step(self.step_config, self.dense_tx, e), donate_argnums=0,
-                        out_shardings=(shardings, rep))
+                        out_shardings=(shardings, rep), compiler_options=opts)
                 for e in (self.engine, self.engine_full))
-        self.eval_step = jax.jit(make_eval_step(self.step_config, self.engine_full))
+        self.eval_step = jax.jit(make_eval_step(self.step_config, self.engine_full),
+                                 compiler_options=opts)
 
     def _check_batch_sizes(self) -> None:
         n = self.num_devices

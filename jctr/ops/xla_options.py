@@ -1,0 +1,38 @@
+"""XLA compiler options for the train and eval steps, per platform.
+
+On XLA:CPU the YNNPACK fusions (on by default in jaxlib 0.10) run this project's MLP backward
+matmuls 10-25% slower than XLA's own Eigen dots: ``python scripts/bench_train.py`` went from
+32.6k to 37.2k samples/s one-hot with them off. They are switched off for the jitted steps
+only (not process-wide), unless the user's ``XLA_FLAGS`` already say something about them or
+``JCTR_XLA_DEFAULTS=0``. A jaxlib that no longer knows the option gets none.
+
+Example::
+
+    step = jax.jit(train_step, donate_argnums=0, compiler_options=step_compiler_options())
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import jax
+import jax.numpy as jnp
+
+_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
+
+
+@functools.cache
+def step_compiler_options() -> dict[str, str]:
+    """Compiler options for jctr's jitted steps on the default backend (may be empty)."""
+    if os.environ.get("JCTR_XLA_DEFAULTS", "1") == "0" or jax.default_backend() != "cpu":
+        return {}
+    flags = os.environ.get("XLA_FLAGS", "")
+    options = {k: v for k, v in _CPU_OPTIONS.items() if k not in flags}
+    if not options:
+        return {}
+    try:  # probe: an option this jaxlib does not know is a compile error, not a crash
+        jax.jit(lambda x: x + 1, compiler_options=options)(jnp.zeros(()))
+    except Exception:  # noqa: BLE001 - any failure means: compile without the options
+        return {}
+    return options

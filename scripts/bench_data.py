@@ -4,7 +4,9 @@ For each format the same synthetic samples (26 one-hot slots with Criteo Kaggle 
 capped at 1M, 13 dense) are written once; then the reader's batches/s at batch 8192 (parsing,
 validation and batch packing included) are timed, together with a plain sequential read of the
 same files' bytes (np.fromfile) in the same run, and the training step's rate (the jctr DLRM
-step of scripts/bench_train.py, measured here unless --train-rate is given).
+step of scripts/bench_train.py, measured here unless --train-rate is given). Reader and raw read
+are each the best of 3 passes over files in the page cache; the raw read's rate swings by 2x
+between passes on a VM (page faults of its fresh destination), so compare within one run.
 
     python scripts/bench_data.py --samples 262144
 """
@@ -57,7 +59,7 @@ def data_config(fmt: str, source: str, n: int, hot: int, check: str = "None") ->
          "top": "loss"}]}
 
 
-def time_reader(cfg_dict: dict, source: str, repeats: int = 2) -> float:
+def time_reader(cfg_dict: dict, source: str, repeats: int = 3) -> float:
     cfg = parse_config(cfg_dict, require_solver=False)
     best = 0.0
     for _ in range(repeats):
@@ -68,7 +70,7 @@ def time_reader(cfg_dict: dict, source: str, repeats: int = 2) -> float:
     return best
 
 
-def raw_read(files: list[str], n: int, repeats: int = 2) -> float:
+def raw_read(files: list[str], n: int, repeats: int = 3) -> float:
     best = 0.0
     for _ in range(repeats):
         t = time.perf_counter()

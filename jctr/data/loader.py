@@ -73,9 +73,10 @@ def build_batch(block: RecordBlock, batch_size: int, sparse: tuple[SparseInputCo
             total = int(per_sample.sum())
             # the segment (sample * slot_num + slot) of every key of this input, in order
             seg = np.repeat(np.arange(n * sp.slot_num, dtype=np.int32), counts)
-            sample = seg // sp.slot_num
+            # key i of sample b goes to b * m + i: one repeat of each sample's shift
             sample_first = np.cumsum(per_sample) - per_sample
-            pos = sample.astype(np.int64) * m + (np.arange(total) - sample_first[sample])
+            pos = np.repeat(np.arange(n, dtype=np.int64) * m - sample_first, per_sample)
+            pos += np.arange(total, dtype=np.int64)
             if block.nnz.shape[1] == sp.slot_num:  # the input owns every slot: keys in order
                 picked = block.keys
             else:

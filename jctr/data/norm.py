@@ -348,8 +348,9 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
                         f"record starts at {int(limit[r])}")
     counts = nnz.ravel().astype(np.int64)
     first = np.cumsum(counts) - counts
-    j = np.arange(int(counts.sum())) - np.repeat(first, counts)
-    key_pos = np.repeat(slot_pos.ravel() + 4, counts) + kw * j
+    # key j of a slot sits at slot_pos + 4 + kw * j; one repeat gives every key's base
+    key_pos = np.repeat(slot_pos.ravel() + 4 - kw * first, counts)
+    key_pos += kw * np.arange(key_pos.size, dtype=np.int64)
     if kw == 4:
         keys = _gather(body, key_pos, "<u4", 4).astype(np.int64)
     else:
@@ -362,9 +363,12 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
             raise DataError(f"{path}: record {r}: length field says {payload_len[r]} bytes but "
                             f"its slots span {walked[r]}")
         ends = payload_start + payload_len
-        csum = np.concatenate([[0], np.cumsum(body, dtype=np.int64)])
-        sums = (csum[ends] - csum[payload_start]) % 256
-        bad = np.nonzero(sums != body[ends].astype(np.int64))[0]
+        # byte sums of [start, end) and of the gaps between payloads; uint8 wraps mod 256
+        bounds = np.stack([payload_start, ends], axis=1).ravel()
+        sums = np.add.reduceat(body, bounds[:-1] if ends[-1] == body.size else bounds,
+                               dtype=np.uint8)[::2]
+        sums[payload_len == 0] = 0  # reduceat gives body[start] for an empty range
+        bad = np.nonzero(sums != body[ends])[0]
         if bad.size:
             raise DataError(f"{path}: record {int(bad[0])}: checksum mismatch (check: Sum)")
     return RecordBlock(label.reshape(-1, label_dim), dense.reshape(-1, dense_dim), nnz, keys)

@@ -29,6 +29,7 @@ import jctr  # noqa: E402,F401
 from jctr.config import parse_config  # noqa: E402
 from jctr.data.loader import open_dataset  # noqa: E402
 from jctr.data.synthetic import write_dataset, write_format  # noqa: E402
+from jctr.ops.host_memory import reexec_with_huge_pages  # noqa: E402
 from scripts.make_configs import KAGGLE_CAPPED  # noqa: E402
 
 BATCH = 8192
@@ -96,6 +97,9 @@ def main() -> int:
     ap.add_argument("--train-rate-10hot", type=float, help="the same for 10-hot batches")
     ap.add_argument("--dir", help="where to write the data (default: a temporary folder)")
     args = ap.parse_args()
+    # the same host memory setting as `python -m jctr.train` (JCTR_HOST_MEMORY_TUNING=0: off)
+    reexec_with_huge_pages([os.path.abspath(__file__), *sys.argv[1:]])
+    print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}", flush=True)
     n = args.samples
     root = args.dir or tempfile.mkdtemp(prefix="jctr_bench_data_")
     kw = dict(vocab=KAGGLE_CAPPED, dense_dim=13, seed=0)

@@ -1,5 +1,7 @@
 """Pallas kernels: interpret mode on CPU against the jnp references, and lowering for CUDA."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -244,3 +246,30 @@ def test_step_compiler_options_on_cpu(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS",
                        "--xla_cpu_experimental_ynn_fusion_type=LIBRARY_FUSION_TYPE_DOT")
     assert probe() == {}  # the user's own setting wins
+
+
+def test_huge_page_env_for_glibc_malloc():
+    import platform
+    import subprocess
+    import sys
+
+    from jctr.ops.host_memory import huge_page_env
+
+    if platform.libc_ver()[0] != "glibc":
+        assert huge_page_env({}) is None
+        return
+    assert huge_page_env({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
+    env = huge_page_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "A": "b"})
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert env["A"] == "b"
+    assert huge_page_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None  # user's choice
+    assert huge_page_env({"JCTR_HOST_MEMORY_TUNING": "0"}) is None
+    # the CLI re-executes itself once with the tunable (and not again)
+    code = ("import os, sys; from jctr.ops.host_memory import reexec_with_huge_pages; "
+            "reexec_with_huge_pages(['-c', sys.argv[1] if len(sys.argv) > 1 else '']); "
+            "print(os.environ.get('GLIBC_TUNABLES'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES",
+                                                            "JCTR_HOST_MEMORY_TUNING")}
+    out = subprocess.run([sys.executable, "-c", code, code], env=env, capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip().splitlines() == ["glibc.malloc.hugetlb=1"]

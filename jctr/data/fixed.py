@@ -193,7 +193,7 @@ class FixedRecords:
     def _ensure_checked(self, stop: int) -> bool:
         """Validate records up to ``stop`` (from wherever validation stopped)."""
         while self._checked < stop and self._general is None:
-            end = min(self.n, max(stop, self._checked + 8192))
+            end = min(stop, self._checked + 65536)
             if not self._validate(self._rows_of(self._checked, end), self._checked):
                 self._general_block()
                 return False
@@ -208,12 +208,16 @@ class FixedRecords:
             return FixedChunk(self._rows[start:stop], self.layout)
         if self._checked >= stop:
             return FixedChunk(self._read(start, stop), self.layout)
-        if self._checked < start and not self._ensure_checked(start):
+        # a Norm file's offsets hold only if every earlier record is one-hot too; a Raw file's
+        # hold by its size
+        variable = self.fallback is not None
+        if variable and self._checked < start and not self._ensure_checked(start):
             return self._general.slice(start, stop)
         rows = self._read(start, stop)
         if not self._validate(rows, start):
             return self._general_block().slice(start, stop)
-        self._checked = max(self._checked, stop)
+        if start <= self._checked:  # the validated prefix grows only without gaps
+            self._checked = max(self._checked, stop)
         return FixedChunk(rows, self.layout)
 
     def load(self) -> FixedRecords | RecordBlock:

@@ -90,7 +90,9 @@ def lookup_keys(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array, val
                 key_slots: jax.Array, *, train: bool) -> tuple[EmbeddingState, Lookup]:
     """:func:`lookup_rows` for keys that are not laid out as a batch (e.g. routed to a shard)."""
     capacity = state.values.shape[0]
-    table, lk = lookup(state.table, keys, valid, capacity, insert=train, dedupe=train)
+    # plain SGD adds every key's gradient with one scatter-add: no per-row dedupe needed
+    dedupe = train and spec.optimizer.type != "SGD"
+    table, lk = lookup(state.table, keys, valid, capacity, insert=train, dedupe=dedupe)
     state = state._replace(table=table)
     if train:
         state = initialize_fresh_rows(spec, state, keys, lk, key_slots)

@@ -62,20 +62,25 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
            insert: bool, dedupe: bool = True) -> tuple[HashTable, Lookup]:
     """Rows of ``keys``; with ``insert`` unseen keys get fresh rows (training).
 
-    ``dedupe`` computes ``rep`` (needed for updates and inserts; evaluation skips it).
+    ``dedupe`` computes ``rep`` for every key (optimizers that sum a row's gradients need it);
+    without it ``rep`` is all -1, and an insert finds the one representative of each *new* key
+    only among the keys without a row (few in steady state: the scatter and gather of the
+    dedupe touch memory only for them).
 
     A key that finds the table full gets row -1 (its embedding reads as the default, zeros)
     and is counted in ``table.overflow``; the trainer turns that into a :class:`TableFullError`.
     """
     slot_keys, slots = find_slots(table.slot_keys, keys, valid, insert=insert)
-    if dedupe or insert:
+    slot_rows = table.slot_rows
+    rows = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
+    if dedupe:
         scratch, rep = representatives(table.scratch, slots)
+    elif insert:
+        scratch, rep = representatives(table.scratch, jnp.where(rows < 0, slots, -1))
     else:
         scratch, rep = table.scratch, jnp.full(slots.shape, -1, jnp.int32)
-    slot_rows = table.slot_rows
     size, overflow = table.size, table.overflow
     granted = jnp.zeros(keys.shape, bool)
-    rows = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
     if insert:
         ar = jnp.arange(keys.shape[0], dtype=jnp.int32)
         new = (slots >= 0) & (rows < 0) & (rep == ar)
@@ -88,7 +93,7 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
         size = size + n_granted
         overflow = overflow + (n_new - n_granted)
         rows = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
-    rep = jnp.where(rows >= 0, rep, -1)
+    rep = jnp.where(rows >= 0, rep, -1) if dedupe else jnp.full(slots.shape, -1, jnp.int32)
     table = HashTable(slot_keys, slot_rows, scratch, size, overflow)
     return table, Lookup(rows=rows, rep=rep, fresh=granted)
 

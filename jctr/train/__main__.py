@@ -1,6 +1,10 @@
 import sys
 
 import jctr  # noqa: F401  (enables 64-bit keys before anything else touches JAX)
-from jctr.train.cli import main
+from jctr.ops.host_memory import reexec_with_huge_pages
+
+reexec_with_huge_pages(["-m", "jctr.train", *sys.argv[1:]])
+
+from jctr.train.cli import main  # noqa: E402
 
 sys.exit(main())

@@ -5,8 +5,11 @@ capped at 1M, 13 dense) are written once; then the reader's batches/s at batch 8
 validation and batch packing included) are timed, together with a plain sequential read of the
 same files' bytes (np.fromfile) in the same run, and the training step's rate (the jctr DLRM
 step of scripts/bench_train.py, measured here unless --train-rate is given). Reader and raw read
-are each the best of 3 passes over files in the page cache; the raw read's rate swings by 2x
-between passes on a VM (page faults of its fresh destination), so compare within one run.
+alternate for --passes passes over files in the page cache; the table gives medians, and
+"best/best" the ratio of the fastest raw pass to the fastest reader pass. The raw read's rate
+swings by up to 3x between passes and runs (page faults of its fresh destination, depending on
+what the heap holds), so "copy/reader" also compares with reading the bytes into one reused
+8 MiB buffer: the floor of any read, with no destination to fault in.
 
     python scripts/bench_data.py --samples 262144
 """
@@ -60,25 +63,33 @@ def data_config(fmt: str, source: str, n: int, hot: int, check: str = "None") ->
          "top": "loss"}]}
 
 
-def time_reader(cfg_dict: dict, source: str, repeats: int = 3) -> float:
+def reader_pass(cfg_dict: dict, source: str) -> float:
+    """Samples/s of one pass of the reader over the source (batches of BATCH)."""
     cfg = parse_config(cfg_dict, require_solver=False)
-    best = 0.0
-    for _ in range(repeats):
-        ds = open_dataset(source, cfg.data, "I64")
-        t = time.perf_counter()
-        n = sum(b.num_valid for b in ds.batches(BATCH, epochs=1))
-        best = max(best, n / (time.perf_counter() - t))
-    return best
+    ds = open_dataset(source, cfg.data, "I64")
+    t = time.perf_counter()
+    n = sum(b.num_valid for b in ds.batches(BATCH, epochs=1))
+    return n / (time.perf_counter() - t)
 
 
-def raw_read(files: list[str], n: int, repeats: int = 3) -> float:
-    best = 0.0
-    for _ in range(repeats):
-        t = time.perf_counter()
-        total = sum(np.fromfile(f, np.uint8).size for f in files)
-        best = max(best, n / (time.perf_counter() - t))
-        del total
-    return best
+def copy_pass(files: list[str], n: int, buf: np.ndarray) -> float:
+    """Samples/s of reading the same bytes into one reused, already faulted buffer: the floor
+    of any read (a page-cache copy)."""
+    t = time.perf_counter()
+    for f in files:
+        with open(f, "rb", buffering=0) as fh:
+            got = fh.readinto(buf)
+            while got:
+                got = fh.readinto(buf)
+    return n / (time.perf_counter() - t)
+
+
+def raw_pass(files: list[str], n: int) -> float:
+    """Samples/s of reading the same files' bytes into fresh arrays (np.fromfile)."""
+    t = time.perf_counter()
+    total = sum(np.fromfile(f, np.uint8).size for f in files)
+    del total
+    return n / (time.perf_counter() - t)
 
 
 def train_rate(hot: int = 1) -> float:
@@ -96,6 +107,7 @@ def main() -> int:
                     "(skip measuring it)")
     ap.add_argument("--train-rate-10hot", type=float, help="the same for 10-hot batches")
     ap.add_argument("--dir", help="where to write the data (default: a temporary folder)")
+    ap.add_argument("--passes", type=int, default=5, help="passes of reader and raw read")
     args = ap.parse_args()
     # the same host memory setting as `python -m jctr.train` (JCTR_HOST_MEMORY_TUNING=0: off)
     reexec_with_huge_pages([os.path.abspath(__file__), *sys.argv[1:]])
@@ -131,15 +143,21 @@ def main() -> int:
                10: args.train_rate_10hot or train_rate(10)}
     print(f"training consumes {consume[1]:,.0f} samples/s one-hot and {consume[10]:,.0f} "
           f"10-hot (DLRM, batch {BATCH}); multi-hot data is compared with the 10-hot step")
-    print(f"{'format':<28}{'reader samples/s':>18}{'raw read samples/s':>20}"
-          f"{'x training':>12}{'raw/reader':>12}")
+    print(f"{'format':<28}{'reader samples/s':>17}{'x training':>11}{'raw read':>12}"
+          f"{'raw/reader':>11}{'best/best':>10}{'copy/reader':>12}")
+    buf = np.ones(8 << 20, np.uint8)
     for name, fmt, source, hot, files in cases:
         samples = n // 4 if hot > 1 else n
         cfg = data_config(fmt, source, samples, hot, "Sum" if "Sum" in name else "None")
-        rate = time_reader(copy.deepcopy(cfg), source)
-        base = raw_read(files, samples)
-        print(f"{name:<28}{rate:>18,.0f}{base:>20,.0f}{rate / consume[hot]:>12.1f}"
-              f"{base / rate:>12.1f}", flush=True)
+        rates, bases, copies = [], [], []
+        for _ in range(args.passes):  # interleaved, so all see the same machine state
+            rates.append(reader_pass(copy.deepcopy(cfg), source))
+            bases.append(raw_pass(files, samples))
+            copies.append(copy_pass(files, samples, buf))
+        rate, base = float(np.median(rates)), float(np.median(bases))
+        print(f"{name:<28}{rate:>17,.0f}{rate / consume[hot]:>11.1f}{base:>12,.0f}"
+              f"{base / rate:>11.1f}{max(bases) / max(rates):>10.1f}"
+              f"{float(np.median(copies)) / rate:>12.1f}", flush=True)
     return 0
 
 

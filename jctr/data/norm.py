@@ -11,8 +11,9 @@ With ``check: Sum`` (``error_check`` 1) every chunk -- the header and each recor
 ``int32 length`` (payload bytes), the payload, and one check byte: the sum of the payload's bytes
 modulo 256.
 
-Reading is vectorised: record boundaries are found by pointer doubling over the byte (or word)
-positions, and fields are gathered for all records at once.
+:func:`read_norm_file` parses any file: record boundaries come from a sequential walk compiled
+by XLA for the host CPU, then fields are gathered for all records at once with numpy. Files of
+one-hot records are read batch by batch instead (:mod:`jctr.data.fixed`).
 """
 
 from __future__ import annotations

@@ -95,5 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def console_main() -> int:
+    """The ``jctr-train`` command: like ``python -m jctr.train`` it first re-executes itself
+    with huge pages for malloc (:mod:`jctr.ops.host_memory`)."""
+    from jctr.ops.host_memory import reexec_with_huge_pages
+
+    reexec_with_huge_pages(["-m", "jctr.train", *sys.argv[1:]])
+    return main()
+
+
 if __name__ == "__main__":
     sys.exit(main())

@@ -253,8 +253,9 @@ def test_huge_page_env_for_glibc_malloc():
     import subprocess
     import sys
 
-    from jctr.ops.host_memory import huge_page_env
+    from jctr.ops.host_memory import describe_huge_pages, huge_page_env
 
+    assert describe_huge_pages().startswith("[jctr] host memory: ")
     if platform.libc_ver()[0] != "glibc":
         assert huge_page_env({}) is None
         return

@@ -49,3 +49,13 @@ def reexec_with_huge_pages(args: list[str]) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *args], env)
+
+
+def describe_huge_pages() -> str:
+    """One line for the run's header: whether malloc uses huge pages, and how to turn them on."""
+    if "glibc.malloc.hugetlb=1" in os.environ.get("GLIBC_TUNABLES", ""):
+        return "[jctr] host memory: huge pages for malloc (GLIBC_TUNABLES=glibc.malloc.hugetlb=1)"
+    if huge_page_env() is None:
+        return "[jctr] host memory: default malloc pages"
+    return ("[jctr] host memory: 4 KiB malloc pages; start Python with "
+            "GLIBC_TUNABLES=glibc.malloc.hugetlb=1 for faster embedding lookups on CPU")

@@ -212,8 +212,9 @@ def _walk(data: np.ndarray, size: int, cap: int, *, wrap: bool, fixed_words: int
     the end beyond ``size``.
     """
     bucket = 1 << max(10, int(size - 1).bit_length())
-    padded = np.zeros(bucket, data.dtype)
+    padded = np.empty(bucket, data.dtype)
     padded[:size] = data[:size]
+    padded[size:] = 0
     cap_bucket = 1 << max(4, int(cap - 1).bit_length())
     cpu = jax.local_devices(backend="cpu")[0]
     starts, count, end = _walk_xla(jax.device_put(padded, cpu), np.int64(size),

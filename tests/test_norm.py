@@ -166,3 +166,18 @@ def test_dataset_epochs_and_positions(tmp_path):
     one = list(ds.batches(5, epochs=1))
     assert [b.num_valid for b in one] == [5, 5, 2]
     assert os.path.basename(ds.files[0]) == "p0.data"
+
+
+def test_corrupt_nnz_in_first_record_does_not_exhaust_memory(tmp_path):
+    # found by the property test: slot 0's nnz zeroed makes slot 1's "nnz" the low word of a
+    # 64-bit key (~2^30); the one-hot fast path once built a key-column list that long
+    block = generate_block(40, slot_nnz=[1] * 4, vocab=[100] * 4, dense_dim=2, key_type="I64",
+                           seed=7)
+    path = str(tmp_path / "d.data")
+    write_norm_file(path, block, key_type="I64")
+    raw = bytearray(open(path, "rb").read())
+    raw[64 + 12:64 + 16] = (0).to_bytes(4, "little")  # record 0, slot 0: nnz 0
+    raw[64 + 16:64 + 20] = (1 << 30).to_bytes(4, "little")  # ... then a huge "nnz"
+    open(path, "wb").write(bytes(raw))
+    with pytest.raises(DataError, match=r"d.data: record 0"):
+        read_norm_file(path, label_dim=1, dense_dim=2, slot_num=4, key_type="I64")

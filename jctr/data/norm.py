@@ -404,6 +404,8 @@ def _parse_fixed(path, body, n, label_dim, dense_dim, slot_num, kw, wrap):
         if p >= words.shape[1] or words[0, p] < 0:
             return None
         c = int(words[0, p])
+        if p + 1 + c * kwords > words.shape[1]:  # not a layout of this record size (corrupt)
+            return None
         nnz_cols.append(p)
         key_cols.extend(range(p + 1, p + 1 + c * kwords))
         p += 1 + c * kwords

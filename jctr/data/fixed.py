@@ -57,6 +57,8 @@ class FixedLayout:
 def _field(rows: np.ndarray, at: int, count: int, dtype: str, stride: int) -> np.ndarray:
     """A strided view of ``count`` fields of ``dtype`` starting at byte ``at`` of every row of
     the uint8 matrix ``rows`` (unaligned views are fine for numpy)."""
+    if rows.shape[0] == 0:  # no buffer to point into
+        return np.empty((0, count), dtype)
     return np.ndarray((rows.shape[0], count), dtype, buffer=rows, offset=at,
                       strides=(rows.strides[0], stride))
 

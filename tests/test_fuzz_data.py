@@ -120,9 +120,16 @@ def test_mutated_raw_and_parquet_files_fail_cleanly(tmp_path, fmt, muts):
         d.update(num_samples=60, eval_num_samples=60, float_label_dense=True)
     try:
         ds = open_dataset(path, parse_config(raw).data, "I64")
+        blocks = []
         for i in ds.host_units():
             block = ds.read_unit(i)
             assert block.keys.size == int(block.nnz.sum())
+            blocks.append(block)
+        # the batch path (Raw: chunks validated and decoded one batch at a time) agrees
+        keys = np.concatenate([b.keys for b in blocks])
+        got = [b for b in open_dataset(path, parse_config(raw).data, "I64").batches(16, epochs=1)]
+        np.testing.assert_array_equal(
+            np.concatenate([b.keys[0][:b.num_valid * 8] for b in got]), keys)
     except DataError as e:
         assert victim in str(e) or path in str(e)
     finally:

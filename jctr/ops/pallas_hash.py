@@ -22,10 +22,10 @@ from jctr.ops.hashing import EMPTY_KEY, home_slots
 from jctr.ops.pallas_bag import _params
 
 
-def _lookup_kernel(keys_ref, home_ref, valid_ref, table_ref, slots_ref, *, num_slots):
+def _probe_chain(home_ref, valid_ref, slots_ref, num_slots, probe):
+    """Walk program ``i``'s key from its home slot: ``probe(pos) -> (found, stop)``; writes the
+    slot where it was found, -1 if it stopped elsewhere or swept the whole table."""
     i = pl.program_id(0)
-    key = keys_ref[i]
-    empty = jnp.int64(EMPTY_KEY)
 
     def cond(c):
         _, done, _, steps = c
@@ -33,9 +33,7 @@ def _lookup_kernel(keys_ref, home_ref, valid_ref, table_ref, slots_ref, *, num_s
 
     def body(c):
         pos, _, _, steps = c
-        cur = table_ref[pos]
-        found = cur == key
-        stop = found | (cur == empty)
+        found, stop = probe(pos)
         slot = jnp.where(found, pos, jnp.int32(-1))
         nxt = jnp.where(stop, pos, (pos + 1) & (num_slots - 1))
         return nxt, stop, slot, steps + 1
@@ -43,6 +41,17 @@ def _lookup_kernel(keys_ref, home_ref, valid_ref, table_ref, slots_ref, *, num_s
     start = (home_ref[i], ~valid_ref[i], jnp.int32(-1), jnp.int32(0))
     _, _, slot, _ = jax.lax.while_loop(cond, body, start)
     slots_ref[i] = slot
+
+
+def _lookup_kernel(keys_ref, home_ref, valid_ref, table_ref, slots_ref, *, num_slots):
+    key = keys_ref[pl.program_id(0)]
+
+    def probe(pos):  # stops at the key or at a free slot
+        cur = table_ref[pos]
+        found = cur == key
+        return found, found | (cur == jnp.int64(EMPTY_KEY))
+
+    _probe_chain(home_ref, valid_ref, slots_ref, num_slots, probe)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
@@ -65,20 +74,14 @@ def _insert_kernel(keys_ref, home_ref, valid_ref, _table_in, _claims_in, table_r
     increment of its claim counter sees 0 (an indexed compare-and-swap in two steps: Pallas'
     ``atomic_cas`` only takes whole refs); the owner publishes its key atomically and other
     claimants wait for it, then either share the slot (same key) or probe on."""
-    i = pl.program_id(0)
-    key = keys_ref[i]
+    key = keys_ref[pl.program_id(0)]
     empty = jnp.int64(EMPTY_KEY)
     zero = jnp.int64(0)
 
     def read(pos):  # an atomic read: sees keys other programs published
         return plt.atomic_add(table_ref, pos, zero)
 
-    def cond(c):
-        _, done, _, steps = c
-        return (~done) & (steps < num_slots)
-
-    def body(c):
-        pos, _, _, steps = c
+    def probe(pos):  # stops where the key is found or placed
         cur = read(pos)
         free = cur == empty
         # branch-free: occupied slots get +0 on their claim counter and max(key, EMPTY_KEY)
@@ -90,13 +93,9 @@ def _insert_kernel(keys_ref, home_ref, valid_ref, _table_in, _claims_in, table_r
         waiting = free & ~owner
         cur = jax.lax.while_loop(lambda v: waiting & (v == empty), lambda v: read(pos), cur)
         found = owner | (cur == key)
-        slot = jnp.where(found, pos, jnp.int32(-1))
-        nxt = jnp.where(found, pos, (pos + 1) & (num_slots - 1))
-        return nxt, found, slot, steps + 1
+        return found, found
 
-    start = (home_ref[i], ~valid_ref[i], jnp.int32(-1), jnp.int32(0))
-    _, _, slot, _ = jax.lax.while_loop(cond, body, start)
-    slots_ref[i] = slot
+    _probe_chain(home_ref, valid_ref, slots_ref, num_slots, probe)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))

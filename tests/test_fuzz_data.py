@@ -140,20 +140,22 @@ def test_mutated_raw_and_parquet_files_fail_cleanly(tmp_path, fmt, muts):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                    HealthCheck.function_scoped_fixture])
 @given(check=st.sampled_from(["None", "Sum"]), key_type=st.sampled_from(["I32", "I64"]),
-       muts=st.lists(mutation, min_size=1, max_size=3), resume=st.integers(0, 39))
-def test_mutated_one_hot_norm_batches_match_the_general_parser(tmp_path, check, key_type, muts,
-                                                               resume):
-    """The fixed-record batch path (one-hot Norm) on a mutated file: the same batches as the
-    general parser, or a DataError naming the file -- also when resuming mid-file."""
+       muts=st.lists(mutation, min_size=1, max_size=3), resume=st.integers(0, 39),
+       hot=st.sampled_from([1, 3]))
+def test_mutated_norm_batches_match_the_general_parser(tmp_path, check, key_type, muts, resume,
+                                                       hot):
+    """The batch paths (fixed records for one-hot Norm, the compiled kernels for multi-hot) on
+    a mutated file: the same batches as the general parser, or a DataError naming the file --
+    also when resuming mid-file."""
     import dataclasses
 
-    import jctr.data.loader as loader
     from jctr.config import parse_config
     from jctr.data.loader import NormDataset, ReaderPosition
     from jctr.data.norm import write_file_list
     from tests.conftest import load_json
+    from tests.test_varlen import general_parser_only
 
-    block = generate_block(40, slot_nnz=[1] * SLOTS, vocab=[100] * SLOTS, dense_dim=2,
+    block = generate_block(40, slot_nnz=[hot, 1, hot, 1], vocab=[100] * SLOTS, dense_dim=2,
                            key_type=key_type, seed=7)
     path = str(tmp_path / f"h_{check}_{key_type}.data")
     write_norm_file(path, block, key_type=key_type, check=check)
@@ -164,7 +166,7 @@ def test_mutated_one_hot_norm_batches_match_the_general_parser(tmp_path, check, 
     lst = str(tmp_path / f"h_{check}_{key_type}.txt")
     write_file_list(lst, [path])
     cfg = parse_config(load_json("dcn_synthetic.json")).data
-    sp = dataclasses.replace(cfg.sparse[0], slot_num=SLOTS, max_nnz=2,
+    sp = dataclasses.replace(cfg.sparse[0], slot_num=SLOTS, max_nnz=max(hot, 2),
                              max_feature_num_per_sample=2 * SLOTS)
     cfg = dataclasses.replace(cfg, sparse=(sp,), dense_dim=2, label_dim=1, check=check)
     start = ReaderPosition(0, 0, resume)
@@ -181,19 +183,15 @@ def test_mutated_one_hot_norm_batches_match_the_general_parser(tmp_path, check, 
     signal.alarm(20)
     try:
         got = run()
-        orig = loader.open_norm_records
-        loader.open_norm_records = lambda *a, **k: None
-        try:
+        with general_parser_only():
             want = run()
-        finally:
-            loader.open_norm_records = orig
     except _Timeout:
         raise AssertionError(f"reading hung on mutations {muts}") from None
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
     if want == "error" or got == "error":
-        # the fixed path may only fail where the general one fails
+        # the batch paths may only fail where the general one fails
         assert got == want, (got if got == "error" else "batches", want)
         return
     assert len(got) == len(want)

@@ -14,7 +14,8 @@ import numpy as np
 from jctr.config.schema import DataConfig, SparseInputConfig
 from jctr.data.batch import Batch
 from jctr.data.fixed import FixedChunk, FixedRecords, decode_batch, open_norm_records
-from jctr.data.norm import DataError, RecordBlock, read_file_list, read_norm_file
+from jctr.data.norm import DataError, RecordBlock, read_file_list
+from jctr.data.varlen import VarChunk, VarRecords, decode_var_batch, open_varlen_records
 
 
 def build_batch(block: RecordBlock, batch_size: int, sparse: tuple[SparseInputConfig, ...],
@@ -132,7 +133,7 @@ class Dataset(abc.ABC):
         """The records of one unit, validated against the config."""
 
     # -- shared
-    def _unit(self, index: int) -> RecordBlock | FixedRecords:
+    def _unit(self, index: int) -> RecordBlock | FixedRecords | VarRecords:
         if index in self._cache:
             return self._cache[index]
         return self._read_unit(index)
@@ -140,9 +141,9 @@ class Dataset(abc.ABC):
     def read_unit(self, index: int) -> RecordBlock:
         """The records of one unit, decoded into memory."""
         unit = self._unit(index)
-        if isinstance(unit, FixedRecords):
+        if isinstance(unit, (FixedRecords, VarRecords)):
             unit = unit.load()
-            if isinstance(unit, FixedRecords):
+            if isinstance(unit, (FixedRecords, VarRecords)):
                 return unit.slice(0, len(unit)).to_block()
         return unit
 
@@ -150,7 +151,7 @@ class Dataset(abc.ABC):
         """Keep every unit's records in memory (small evaluation sets)."""
         for i in self.host_units():
             unit = self._read_unit(i)
-            self._cache[i] = unit.load() if isinstance(unit, FixedRecords) else unit
+            self._cache[i] = unit.load() if isinstance(unit, (FixedRecords, VarRecords)) else unit
 
     def host_units(self) -> list[int]:
         units = list(range(self.num_units()))[self.process_index::self.process_count]
@@ -166,12 +167,14 @@ class Dataset(abc.ABC):
         perm = np.random.default_rng([self.seed, epoch]).permutation(len(units))
         return [units[i] for i in perm]
 
-    def _records(self, unit: int, epoch: int) -> RecordBlock | FixedRecords:
+    def _records(self, unit: int, epoch: int) -> RecordBlock | FixedRecords | VarRecords:
         block = self._unit(unit)
         if self.seed is None:
             return block
         perm = np.random.default_rng([self.seed, epoch, unit, 1]).permutation(len(block))
-        return block.take(perm) if isinstance(block, FixedRecords) else _take(block, perm)
+        if isinstance(block, (FixedRecords, VarRecords)):
+            return block.take(perm)
+        return _take(block, perm)
 
     def num_records(self) -> int:
         return sum(len(self._unit(i)) for i in self.host_units())
@@ -225,11 +228,17 @@ class Dataset(abc.ABC):
 
 def _make_batch(parts: list, batch_size: int, sparse: tuple[SparseInputConfig, ...],
                 source: str, first_record: int = 0) -> Batch:
-    """A batch from consecutive pieces of units: fixed-size record chunks of one-hot inputs
-    are decoded straight into the batch, anything else goes through :func:`build_batch`."""
+    """A batch from consecutive pieces of units: fixed-size record chunks of one-hot inputs and
+    chunks of indexed variable-length records are decoded straight into the batch, anything
+    else (and records that break a sparse input's limits, for the error) goes through
+    :func:`build_batch`."""
     if all(isinstance(p, FixedChunk) for p in parts) and all(sp.one_hot for sp in sparse):
         return Batch(*decode_batch(parts, batch_size, tuple(sp.slot_num for sp in sparse)))
-    blocks = [p.to_block() if isinstance(p, FixedChunk) else p for p in parts]
+    if all(isinstance(p, VarChunk) for p in parts):
+        fields = decode_var_batch(parts, batch_size, sparse)
+        if fields is not None:
+            return Batch(*fields)
+    blocks = [p.to_block() if isinstance(p, (FixedChunk, VarChunk)) else p for p in parts]
     return build_batch(RecordBlock.concat(blocks), batch_size, sparse, source, first_record)
 
 
@@ -269,8 +278,8 @@ class NormDataset(Dataset):
         d = self.data
         kw = dict(label_dim=d.label_dim, dense_dim=d.dense_dim, slot_num=d.total_slots,
                   key_type=self.key_type, check=d.check)
-        return open_norm_records(self.files[index], **kw) or read_norm_file(self.files[index],
-                                                                            **kw)
+        return (open_norm_records(self.files[index], **kw)
+                or open_varlen_records(self.files[index], **kw))
 
 
 def _advance_file(pos: ReaderPosition, num_files: int) -> ReaderPosition:

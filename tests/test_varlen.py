@@ -7,8 +7,8 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
+import jctr.data.kernels as kernels
 import jctr.data.loader as loader
-import jctr.data.varlen as varlen
 from jctr.config import parse_config
 from jctr.data.loader import NormDataset, ReaderPosition
 from jctr.data.norm import DataError, RecordBlock, read_norm_file, write_file_list, write_norm_file
@@ -173,16 +173,25 @@ def test_broken_files_raise_the_general_parsers_error(tmp_path, check, damage):
     kw = dict(label_dim=1, dense_dim=3, slot_num=SLOTS, key_type="I64", check=check)
     with pytest.raises(DataError) as want:
         read_norm_file(path, **kw)
-    with pytest.raises(DataError) as got:
-        open_varlen_records(path, **kw)
-    assert str(got.value) == str(want.value) and path in str(got.value)
+    lst = str(tmp_path / "list.txt")
+    write_file_list(lst, [path])
+    data = _data(1, check, 12)
+    for start in (None, ReaderPosition(0, 0, 20)):  # records are validated in file order
+        with pytest.raises(DataError) as got:
+            list(NormDataset(lst, data, "I64").batches(16, epochs=1, start=start))
+        assert str(got.value) == str(want.value) and path in str(got.value)
+    for use in ("load", "take"):  # a whole-file validation
+        records = open_varlen_records(path, **kw)
+        with pytest.raises(DataError) as got:
+            records.load() if use == "load" else records.take(np.arange(40))
+        assert str(got.value) == str(want.value)
 
 
 def test_without_numba_files_go_to_the_general_parser(tmp_path, monkeypatch):
     lst = _write(tmp_path, [_block(50, 4)])
     data = _data(1, max_features=12)
     want = _batches(lst, data, "I64", batch_size=16, epochs=1)
-    monkeypatch.setattr(varlen, "HAVE_KERNELS", False)
+    monkeypatch.setattr(kernels, "HAVE_KERNELS", False)
     ds = NormDataset(lst, data, "I64")
     assert isinstance(ds._unit(0), RecordBlock)
     _assert_same(list(ds.batches_with_position(16, epochs=1)), want)

@@ -1,0 +1,74 @@
+"""Recycled host buffers for readers: file bytes and batch arrays.
+
+A reader allocates tens of MB per batch and per file. Fresh memory from the OS is faulted in
+page by page on first write (the kernel zeroes every page): for multi-hot batches that cost as
+much as decoding them. :func:`take` hands out a buffer that nobody references any more instead
+of a fresh one. A buffer is free when the pool holds the only reference: the arrays carved from
+it (batch fields, views of file bytes) keep a reference to it while anyone (a queue, a training
+step, a device array sharing host memory) still holds them, so a buffer in use is never reused.
+
+Example::
+
+    buf = take(1 << 20)             # uint8, at least 1 MiB
+    keys = carve(buf, 0, np.int64, 1000)
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+
+import numpy as np
+
+MAX_BUFFERS = 8
+MAX_POOLED_BYTES = 1 << 30
+_ALIGN = 64
+
+_lock = threading.Lock()
+_pool: list[np.ndarray] = []
+
+
+def _calibrate() -> int:
+    """The reference count :func:`take` sees for a buffer only the pool holds (measured the
+    same way, so interpreter differences in counting cancel out)."""
+    probe = [np.empty(1, np.uint8)]
+    return sys.getrefcount(probe[0])
+
+
+_FREE_REFS = _calibrate()
+
+
+def take(nbytes: int) -> np.ndarray:
+    """A uint8 buffer of at least ``nbytes`` (contents undefined): a free pooled one of a
+    similar size, or a new one that joins the pool."""
+    with _lock:
+        for i in range(len(_pool)):
+            if (nbytes <= _pool[i].size <= 2 * nbytes + (1 << 20)
+                    and sys.getrefcount(_pool[i]) == _FREE_REFS):
+                return _pool[i]
+        buf = np.empty(max(nbytes, 1), np.uint8)
+        if len(_pool) == MAX_BUFFERS or sum(b.size for b in _pool) + buf.size > MAX_POOLED_BYTES:
+            # make room: drop free buffers, oldest first; if all are in use, do not pool this one
+            free = [i for i in range(len(_pool)) if sys.getrefcount(_pool[i]) == _FREE_REFS]
+            if not free:
+                return buf
+            del _pool[free[0]]
+        _pool.append(buf)
+        return buf
+
+
+def carve(buf: np.ndarray, offset: int, dtype, count: int) -> tuple[np.ndarray, int]:
+    """``count`` items of ``dtype`` from byte ``offset`` of ``buf`` (aligned to 64 bytes) and
+    the offset after them."""
+    dtype = np.dtype(dtype)
+    start = -(-offset // _ALIGN) * _ALIGN
+    end = start + dtype.itemsize * count
+    return buf[start:end].view(dtype), end
+
+
+def layout_bytes(fields: list[tuple[object, int]]) -> int:
+    """Bytes :func:`carve` needs for ``fields`` (dtype, count) one after another."""
+    offset = 0
+    for dtype, count in fields:
+        offset = -(-offset // _ALIGN) * _ALIGN + np.dtype(dtype).itemsize * count
+    return offset

@@ -151,11 +151,10 @@ def test_records_beyond_the_input_limits_get_the_general_error(tmp_path):
         list(NormDataset(lst, _data(2, max_features=6), "I64").batches(16, epochs=1))
 
 
-@pytest.mark.parametrize("check", ["None", "Sum"])
-@pytest.mark.parametrize("damage", ["truncate", "nnz", "extra", "checksum"])
+@pytest.mark.parametrize("check,damage", [(c, d) for c in ("None", "Sum")
+                                           for d in ("truncate", "nnz", "extra")]
+                         + [("Sum", "checksum")])
 def test_broken_files_raise_the_general_parsers_error(tmp_path, check, damage):
-    if damage == "checksum" and check == "None":
-        pytest.skip("no checksum without check Sum")
     path = str(tmp_path / "f.data")
     write_norm_file(path, _block(40, 2), check=check)
     raw = bytearray(open(path, "rb").read())

@@ -141,19 +141,22 @@ def test_mutated_raw_and_parquet_files_fail_cleanly(tmp_path, fmt, muts):
                                                                    HealthCheck.function_scoped_fixture])
 @given(check=st.sampled_from(["None", "Sum"]), key_type=st.sampled_from(["I32", "I64"]),
        muts=st.lists(mutation, min_size=1, max_size=3), resume=st.integers(0, 39),
-       hot=st.sampled_from([1, 3]))
+       hot=st.sampled_from([1, 3]), window=st.sampled_from([1 << 20, 37, 200]))
 def test_mutated_norm_batches_match_the_general_parser(tmp_path, check, key_type, muts, resume,
-                                                       hot):
+                                                       hot, window):
     """The batch paths (fixed records for one-hot Norm, the compiled kernels for multi-hot) on
     a mutated file: the same batches as the general parser, or a DataError naming the file --
     also when resuming mid-file."""
     import dataclasses
 
+    import jctr.data.varlen as varlen
     from jctr.config import parse_config
     from jctr.data.loader import NormDataset, ReaderPosition
     from jctr.data.norm import write_file_list
     from tests.conftest import load_json
     from tests.test_varlen import general_parser_only
+
+    default_window = varlen.WINDOW_BYTES
 
     block = generate_block(40, slot_nnz=[hot, 1, hot, 1], vocab=[100] * SLOTS, dense_dim=2,
                            key_type=key_type, seed=7)
@@ -173,11 +176,14 @@ def test_mutated_norm_batches_match_the_general_parser(tmp_path, check, key_type
 
     def run():
         try:
+            varlen.WINDOW_BYTES = window  # multi-hot files pass through windows of this size
             return [b for b, _ in NormDataset(lst, cfg, key_type).batches_with_position(
                 16, epochs=1, start=start)]
         except DataError as e:
             assert path in str(e)
             return "error"
+        finally:
+            varlen.WINDOW_BYTES = default_window
 
     old = signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(20)

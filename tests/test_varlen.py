@@ -9,6 +9,7 @@ import pytest
 
 import jctr.data.kernels as kernels
 import jctr.data.loader as loader
+import jctr.data.varlen as varlen
 from jctr.config import parse_config
 from jctr.data.loader import NormDataset, ReaderPosition
 from jctr.data.norm import DataError, RecordBlock, read_norm_file, write_file_list, write_norm_file
@@ -89,7 +90,11 @@ def _assert_same(got, want):
 @pytest.mark.parametrize("key_type", ["I32", "I64"])
 @pytest.mark.parametrize("check", ["None", "Sum"])
 @pytest.mark.parametrize("inputs", [1, 2])
-def test_varlen_batches_equal_the_general_parser(tmp_path, key_type, check, inputs):
+@pytest.mark.parametrize("window", [varlen.WINDOW_BYTES, 40, 333])
+def test_varlen_batches_equal_the_general_parser(tmp_path, monkeypatch, key_type, check, inputs,
+                                                 window):
+    # small windows: records straddle window ends, and 40 bytes is less than most records
+    monkeypatch.setattr(varlen, "WINDOW_BYTES", window)
     lst = _write(tmp_path, [_block(n, s, key_type) for s, n in enumerate((70, 33, 50))],
                  key_type, check)
     data = _data(inputs, check, max_features=12 if inputs == 1 else 6)
@@ -154,7 +159,10 @@ def test_records_beyond_the_input_limits_get_the_general_error(tmp_path):
 @pytest.mark.parametrize("check,damage", [(c, d) for c in ("None", "Sum")
                                            for d in ("truncate", "nnz", "extra")]
                          + [("Sum", "checksum")])
-def test_broken_files_raise_the_general_parsers_error(tmp_path, check, damage):
+@pytest.mark.parametrize("window", [varlen.WINDOW_BYTES, 50])
+def test_broken_files_raise_the_general_parsers_error(tmp_path, monkeypatch, check, damage,
+                                                      window):
+    monkeypatch.setattr(varlen, "WINDOW_BYTES", window)
     path = str(tmp_path / "f.data")
     write_norm_file(path, _block(40, 2), check=check)
     raw = bytearray(open(path, "rb").read())
@@ -196,7 +204,9 @@ def test_without_numba_files_go_to_the_general_parser(tmp_path, monkeypatch):
     _assert_same(list(ds.batches_with_position(16, epochs=1)), want)
 
 
-def test_resume_in_the_middle_of_a_file(tmp_path):
+@pytest.mark.parametrize("window", [varlen.WINDOW_BYTES, 64])
+def test_resume_in_the_middle_of_a_file(tmp_path, monkeypatch, window):
+    monkeypatch.setattr(varlen, "WINDOW_BYTES", window)
     lst = _write(tmp_path, [_block(100, 6)])
     data = _data(2, max_features=6)
     start = ReaderPosition(0, 0, 37)

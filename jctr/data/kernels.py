@@ -30,8 +30,8 @@ def _inline(fn):
 
 
 _U = np.uint64
-# Keys copied per slot whatever its nnz (see decode_records); bodies and output regions carry room
-# for that many keys past their end.
+# Keys copied per slot whatever its nnz (see decode_records); windows and output regions carry
+# room for that many keys past their end.
 COPY_SLACK = 16
 
 
@@ -59,22 +59,32 @@ def _key(b, p, kw):
     return v
 
 
+# A kernel that walks records through a window of a file's bytes returns how many records it
+# finished; a record that runs past the window's end stops it early (the caller reads the next
+# window from that record), unless the window holds the end of the file: then the record is
+# truncated, i.e. broken (-1), like any other defect.
+
+
 @_inline
-def _record_end(body, p, wrap):
-    """Where the payload of the record at ``p`` must end (check Sum: its length field; else
-    the end of the body), or -1 if the length field is broken."""
-    size = body.size
+def _record_end(window, p, wrap, fail):
+    """Where the payload of the record at ``p`` must end: check Sum: its length field, else the
+    end of the window. ``fail`` (the record does not fit), or -1 (broken length field)."""
+    size = window.size
+    if p >= size:
+        return fail
     if not wrap:
         return size
     if p + 4 > size:
-        return -1
-    length = _i32(body, p)
+        return fail
+    length = _i32(window, p)
     end = p + 4 + length
-    return -1 if length < 0 or end + 1 > size else end
+    if length < 0:
+        return -1
+    return fail if end + 1 > size else end
 
 
 @_inline
-def _record_tail(body, p, q, end, wrap):
+def _record_tail(window, p, q, end, wrap):
     """The start of the next record once the slots of the record at ``p`` ended at ``q``, or
     -1 if its length field or checksum disagrees."""
     if not wrap:
@@ -83,109 +93,118 @@ def _record_tail(body, p, q, end, wrap):
         return -1
     acc = np.int64(0)
     for k in range(p + 4, end):
-        acc += body[_U(k)]
-    return end + 1 if (acc & 255) == body[end] else -1
+        acc += window[_U(k)]
+    return end + 1 if (acc & 255) == window[end] else -1
 
 
 @_njit
-def index_records(body, starts, first, stop, n, fixed, slot_num, kw,
+def index_records(window, base, body_end, last, starts, first, stop, n, fixed, slot_num, kw,
                   wrap):  # pragma: no cover - compiled
     """Walk records ``first..stop-1`` from ``starts[first]``, validating each, and write their
-    successors' starts into ``starts[first+1..stop]``. False at the first broken record (or if
-    the file's ``n`` records do not end exactly at the end of the body)."""
-    size = body.size
-    p = starts[first]
-    for r in range(first, stop):
-        if p >= size:
-            return False
-        end = _record_end(body, p, wrap)
+    successors' starts into ``starts``. ``window`` holds the file body's bytes from offset
+    ``base`` (``last``: up to its end ``body_end``); starts are body offsets. Returns the number
+    of records walked (fewer: the next one runs past the window), or -1 at a broken record or if
+    the file's ``n`` records do not end exactly at the end of the body."""
+    p = starts[first] - base
+    for r in range(stop - first):
+        fail = -1 if last else r
+        end = _record_end(window, p, wrap, -2)
         if end < 0:
-            return False
+            return fail if end == -2 else -1
+        cut = -1 if wrap else fail  # a Sum record's slots must end inside its own length
         q = p + (4 if wrap else 0) + fixed
         if q > end:
-            return False
+            return cut
         for _ in range(slot_num):
             if q + 4 > end:
-                return False
-            c = _i32(body, q)
+                return cut
+            c = _i32(window, q)
+            if c < 0:
+                return -1
             q += 4 + c * kw
-            if c < 0 or q > end:
-                return False
-        p = _record_tail(body, p, q, end, wrap)
-        if p < 0 or (r == n - 1 and p != size):
-            return False
-        starts[r + 1] = p
-    return True
+            if q > end:
+                return cut
+        p = _record_tail(window, p, q, end, wrap)
+        if p < 0 or (first + r == n - 1 and p + base != body_end):
+            return -1
+        starts[first + r + 1] = p + base
+    return stop - first
 
 
 @_njit
-def decode_records(body, starts, first, count, walk, n, row0, fixed, label_bytes, kw, wrap,
-                   label_u32, dense_u32, keys, segs, in_slots, in_m, in_base, in_max_nnz,
-                   in_one_hot, batch_size):  # pragma: no cover - compiled
+def decode_records(window, base, body_end, last, starts, first, count, walk, n, row0, fixed,
+                   label_bytes, kw, wrap, label_u32, dense_u32, keys, segs, in_slots, in_m,
+                   in_base, in_max_nnz, in_one_hot, batch_size):  # pragma: no cover - compiled
     """Decode ``count`` records into batch rows ``row0..`` (``label_u32``/``dense_u32``: the
-    label and dense arrays, flat, as uint32).
+    label and dense arrays, flat, as uint32). ``window``, ``base``, ``body_end`` and ``last``
+    as for :func:`index_records`; returns the same count, or -1 also for a record that breaks a
+    sparse input's limits (``max_nnz``, ``max_feature_num_per_sample``, one-hot).
 
     With ``walk`` the records follow each other from ``starts[first]``: each is validated as it
     is decoded (one pass over its bytes) and the next one's start written to ``starts``;
-    otherwise ``starts[first + r]`` locate validated records (a shuffled order). False at a
-    broken record or one that breaks a sparse input's limits (``max_nnz``,
-    ``max_feature_num_per_sample``, one-hot): the caller's general path words the error.
-    Stores index with uint64 (``_U``): no wrap-around checks in the inner loops."""
+    otherwise ``starts[first + r]`` locate validated records (a shuffled order) in a window
+    holding the whole body. Stores index with uint64 (``_U``): no wrap-around checks in the
+    inner loops."""
     n_in = in_slots.size
-    size = body.size
     label_words = label_bytes // 4
     dense_words = (fixed - label_bytes) // 4
-    p = starts[first]
+    p = starts[first] - base
     for r in range(count):
         if not walk:
-            p = starts[first + r]
-        elif p >= size:
-            return False
-        end = _record_end(body, p, wrap)
+            p = starts[first + r] - base
+        fail = -1 if last else r
+        end = _record_end(window, p, wrap, -2)
+        if end < 0:
+            return fail if end == -2 else -1
+        cut = -1 if wrap else fail
         pp = p + (4 if wrap else 0)
-        if end < 0 or pp + fixed > end:
-            return False
+        if pp + fixed > end:
+            return cut
         b = row0 + r
         for k in range(label_words):
-            label_u32[_U(b * label_words + k)] = _key(body, pp + 4 * k, 4)
+            label_u32[_U(b * label_words + k)] = _key(window, pp + 4 * k, 4)
         for k in range(dense_words):
-            dense_u32[_U(b * dense_words + k)] = _key(body, pp + label_bytes + 4 * k, 4)
+            dense_u32[_U(b * dense_words + k)] = _key(window, pp + label_bytes + 4 * k, 4)
         q = pp + fixed
         for i in range(n_in):
             slots = in_slots[i]
-            base = in_base[i]
+            base_i = in_base[i]
             pad_seg = batch_size * slots
             m = in_m[i]
             max_nnz = in_max_nnz[i]
             if in_one_hot[i]:
                 for s in range(slots):
                     if q + 4 > end:
-                        return False
-                    c = _i32(body, q)
+                        return cut
+                    c = _i32(window, q)
                     q += 4
-                    if c < 0 or c > 1 or q + c * kw > end:
-                        return False
-                    at = _U(base + b * slots + s)
-                    keys[at] = _key(body, q, kw) if c else 0
+                    if c < 0 or c > 1:
+                        return -1
+                    if q + c * kw > end:
+                        return cut
+                    at = _U(base_i + b * slots + s)
+                    keys[at] = _key(window, q, kw) if c else 0
                     segs[at] = b * slots + s if c else pad_seg
                     q += c * kw
             else:
-                out = base + b * m
+                out = base_i + b * m
                 mx = min(max_nnz, COPY_SLACK)
                 k = 0
                 for s in range(slots):
                     if q + 4 > end:
-                        return False
-                    c = _i32(body, q)
+                        return cut
+                    c = _i32(window, q)
                     q += 4
-                    if c < 0 or c > max_nnz or k + c > m or q + c * kw > end:
-                        return False
+                    if c < 0 or c > max_nnz or k + c > m:
+                        return -1
+                    if q + c * kw > end:
+                        return cut
                     seg = b * slots + s
-                    # a fixed-length copy of mx keys (the slack after the body and after each
+                    # a fixed-length copy of mx keys (the slack after the window and after each
                     # input's output region absorbs the overrun; the next slot overwrites it)
                     # beats a copy of c keys, whose varying length the CPU mispredicts
                     for j in range(mx if c <= mx else c):
-                        keys[_U(out + k + j)] = _key(body, q + kw * j, kw)
+                        keys[_U(out + k + j)] = _key(window, q + kw * j, kw)
                         segs[_U(out + k + j)] = seg
                     q += kw * c
                     k += c
@@ -193,11 +212,11 @@ def decode_records(body, starts, first, count, walk, n, row0, fixed, label_bytes
                     keys[_U(out + t)] = 0
                     segs[_U(out + t)] = pad_seg
         if walk:
-            p = _record_tail(body, p, q, end, wrap)
-            if p < 0 or (first + r == n - 1 and p != size):
-                return False
-            starts[first + r + 1] = p
-    return True
+            p = _record_tail(window, p, q, end, wrap)
+            if p < 0 or (first + r == n - 1 and p + base != body_end):
+                return -1
+            starts[first + r + 1] = p + base
+    return count
 
 
 @_njit

@@ -29,25 +29,37 @@ import os
 import numpy as np
 
 from jctr.data import buffers, kernels
-from jctr.data.norm import DataError, RecordBlock, _parse_header, read_norm_file
+from jctr.data.norm import (
+    HEADER_BYTES,
+    DataError,
+    RecordBlock,
+    _parse_header,
+    read_norm_file,
+)
+
+WINDOW_BYTES = 2 << 20  # file bytes read at a time when reading in order (stay in cache)
 
 
 class VarRecords:
-    """A Norm file's bytes in memory; a unit of a Dataset. Behaves like a :class:`RecordBlock`
-    for the loader (``len``, ``slice``, ``take``, ``load``).
+    """A Norm data file of variable-length records; a unit of a Dataset. Behaves like a
+    :class:`RecordBlock` for the loader (``len``, ``slice``, ``take``, ``load``).
 
-    Records are validated lazily, in file order: ``starts[:frontier + 1]`` hold the starts of
-    the validated records ``[0, frontier)`` and of the next one. Reading in order, the decode
-    kernel validates and locates each record while it decodes it (one pass); jumping ahead
-    (resuming) first walks the records in between. ``take`` validates the whole file and
-    permutes the starts (seeded shuffling). Anything broken is handed to the general parser,
-    which raises the precise error.
+    Read in order, the file passes through a window of ``WINDOW_BYTES`` (a recycled buffer the
+    decode reads while it is still in cache); :meth:`load` (evaluation caches) and :meth:`take`
+    (seeded shuffling) hold the whole body in memory instead. Records are validated lazily, in
+    file order: ``starts[:frontier + 1]`` hold the body offsets of the validated records
+    ``[0, frontier)`` and of the next one. The decode kernel validates and locates each record
+    while it decodes it (one pass); jumping ahead (resuming) first walks the records in between,
+    and ``take`` validates the whole file. Anything broken goes to the general parser
+    (``general``), which raises the precise error.
     """
 
-    def __init__(self, path: str, body: np.ndarray, n: int, *, label_dim: int, dense_dim: int,
-                 slot_num: int, key_width: int, wrap: bool, general, starts=None):
+    def __init__(self, path: str, data_at: int, body_size: int, n: int, *, label_dim: int,
+                 dense_dim: int, slot_num: int, key_width: int, wrap: bool, general,
+                 body: np.ndarray | None = None, starts: np.ndarray | None = None):
         self.path = path
-        self.body = body
+        self.data_at = data_at
+        self.body_size = body_size
         self.n = n
         self.label_dim = label_dim
         self.dense_dim = dense_dim
@@ -55,6 +67,7 @@ class VarRecords:
         self.key_width = key_width
         self.wrap = wrap
         self.general = general  # () -> RecordBlock: the general parser (raises the errors)
+        self.body = body  # the whole body in memory, or None: read through windows
         self.sequential = starts is None
         if starts is None:
             starts = np.empty(n + 1, np.int64)
@@ -63,6 +76,9 @@ class VarRecords:
         else:  # a permutation of validated records
             self.frontier = n
         self.starts = starts
+        self._window: np.ndarray | None = None
+        self._base = 0  # body offset of the window's first byte
+        self._window_bytes = WINDOW_BYTES
 
     def __len__(self) -> int:
         return self.n
@@ -71,32 +87,89 @@ class VarRecords:
     def fixed(self) -> int:
         return 4 * (self.label_dim + self.dense_dim)
 
-    def advance(self, stop: int) -> bool:
-        """Validate and locate records up to ``stop``; False if one of them is broken."""
-        if self.frontier < stop:
-            if not kernels.index_records(self.body, self.starts, self.frontier, stop, self.n,
-                                         self.fixed, self.slot_num, self.key_width, self.wrap):
+    # -- reading
+    def _read(self, at: int, nbytes: int) -> np.ndarray:
+        """Body bytes ``[at, at + nbytes)`` in a recycled buffer followed by zeroed room for the
+        decode kernel's overrun (``kernels.COPY_SLACK`` keys)."""
+        slack = kernels.COPY_SLACK * 8
+        buf = buffers.take(nbytes + slack)
+        try:
+            with open(self.path, "rb", buffering=0) as f:
+                f.seek(self.data_at + at)
+                got = f.readinto(buf[:nbytes])
+        except OSError as e:
+            raise DataError(f"{self.path}: cannot read data file: {e.strerror}") from e
+        if got != nbytes:
+            raise DataError(f"{self.path}: truncated: the file shrank while being read")
+        buf[nbytes:nbytes + slack] = 0
+        return buf[:nbytes]
+
+    def _fill(self, at: int) -> None:
+        self._window = None  # let the pool recycle the old window's buffer
+        self._window = self._read(at, min(self._window_bytes, self.body_size - at))
+        self._base = at
+
+    def _windows(self, first: int, stop: int, step) -> bool:
+        """Run ``step(window, base, last, cur)`` -- a kernel call that finishes records from
+        ``cur`` on and returns how many (-1: broken) -- over windows until record ``stop``."""
+        cur = first
+        while cur < stop:
+            if self.body is not None:
+                window, base = self.body, 0
+            else:
+                at = int(self.starts[cur])
+                if self._window is None or not self._base <= at < self._base + self._window.size:
+                    self._fill(at)
+                window, base = self._window, self._base
+            last = base + window.size == self.body_size
+            got = step(window, base, last, cur)
+            if got < 0 or (got == 0 and last):  # (the kernels give -1 there; never spin)
                 return False
-            self.frontier = stop
+            cur += got
+            if cur < stop:  # record cur runs past the window: the next window starts there
+                at = int(self.starts[cur])
+                if got == 0 and self._base == at:  # a record longer than the window
+                    self._window_bytes *= 2
+                self._fill(at)
         return True
 
+    def advance(self, stop: int) -> bool:
+        """Validate and locate records up to ``stop``; False if one of them is broken."""
+        if self.frontier >= stop:
+            return True
+
+        def walk(window, base, last, cur):
+            got = kernels.index_records(window, base, self.body_size, last, self.starts, cur,
+                                        stop, self.n, self.fixed, self.slot_num,
+                                        self.key_width, self.wrap)
+            self.frontier = max(self.frontier, cur + got)
+            return got
+
+        return self._windows(self.frontier, stop, walk)
+
+    # -- the RecordBlock interface the loader uses
     def slice(self, start: int, stop: int) -> VarChunk:
         return VarChunk(self, start, stop)
 
+    def load(self) -> VarRecords | RecordBlock:
+        """The whole body in memory, every record validated (evaluation caches, shuffling); the
+        general parser's block for a broken file (it raises)."""
+        if self.body is None:
+            self.body = self._read(0, self.body_size)
+            self._window = None
+        return self if self.advance(self.n) else self.general()
+
     def take(self, perm: np.ndarray) -> VarRecords | RecordBlock:
-        if not self.advance(self.n):
+        """The records in the order ``perm`` (in memory)."""
+        loaded = self.load()
+        if isinstance(loaded, RecordBlock):
             from jctr.data.loader import _take
 
-            return _take(self.general(), perm)
-        return VarRecords(self.path, self.body, len(perm), label_dim=self.label_dim,
-                          dense_dim=self.dense_dim, slot_num=self.slot_num,
-                          key_width=self.key_width, wrap=self.wrap, general=self.general,
-                          starts=self.starts[perm])
-
-    def load(self) -> VarRecords | RecordBlock:
-        """Every record validated (evaluation caches); the general parser's block for a
-        broken file (it raises)."""
-        return self if self.advance(self.n) else self.general()
+            return _take(loaded, perm)
+        return VarRecords(self.path, self.data_at, self.body_size, len(perm),
+                          label_dim=self.label_dim, dense_dim=self.dense_dim,
+                          slot_num=self.slot_num, key_width=self.key_width, wrap=self.wrap,
+                          general=self.general, body=self.body, starts=self.starts[perm])
 
 
 class VarChunk:
@@ -111,9 +184,11 @@ class VarChunk:
         return self.stop - self.first
 
     def to_block(self) -> RecordBlock:
+        """The records as a RecordBlock (batches mixing formats; error paths)."""
         v, k = self.records, len(self)
-        if not v.advance(self.stop):
-            return v.general().slice(self.first, self.stop)
+        loaded = v.load()
+        if isinstance(loaded, RecordBlock):
+            return loaded.slice(self.first, self.stop)
         starts = v.starts[self.first:self.stop]
         label = np.empty((k, v.label_dim), np.float32)
         dense = np.empty((k, v.dense_dim), np.float32)
@@ -130,12 +205,17 @@ class VarChunk:
         v = self.records
         if v.sequential and not v.advance(self.first):
             return False
-        ok = kernels.decode_records(v.body, v.starts, self.first, len(self), v.sequential, v.n,
-                                    row, v.fixed, 4 * v.label_dim, v.key_width, v.wrap, *fields,
-                                    batch_size)
-        if ok and v.sequential:
-            v.frontier = max(v.frontier, self.stop)
-        return ok
+
+        def decode(window, base, last, cur):
+            got = kernels.decode_records(
+                window, base, v.body_size, last, v.starts, cur, self.stop - cur, v.sequential,
+                v.n, row + cur - self.first, v.fixed, 4 * v.label_dim, v.key_width, v.wrap,
+                *fields, batch_size)
+            if v.sequential:
+                v.frontier = max(v.frontier, cur + got)
+            return got
+
+        return v._windows(self.first, self.stop, decode)
 
 
 def _carve_all(buf, fields):
@@ -190,30 +270,26 @@ def decode_var_batch(parts: list[VarChunk], batch_size: int, sparse) -> tuple | 
 
 def open_varlen_records(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
                         key_type: str = "I32", check: str = "None") -> VarRecords | RecordBlock:
-    """A Norm data file in memory for the kernels, its header validated (records are validated
-    as they are read); a RecordBlock from the general parser where the kernels are not
-    available or the header's record count cannot fit the file (it raises the precise error)."""
+    """A Norm data file for the kernels, its header validated (records are validated as they
+    are read); a RecordBlock from the general parser where the kernels are not available or
+    the header's record count cannot fit the file (it raises the precise error)."""
     kw = dict(label_dim=label_dim, dense_dim=dense_dim, slot_num=slot_num, key_type=key_type,
               check=check)
     if not kernels.HAVE_KERNELS:
         return read_norm_file(path, **kw)
     try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            buf = buffers.take(size + kernels.COPY_SLACK * 8)  # + room for _decode's overrun
-            got = f.readinto(buf[:size])
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = np.frombuffer(f.read(HEADER_BYTES + 5), np.uint8)
     except OSError as e:
         raise DataError(f"{path}: cannot read data file: {e.strerror}") from e
-    if got != size:
-        raise DataError(f"{path}: truncated: the file shrank while being read")
-    buf[size:size + kernels.COPY_SLACK * 8] = 0
-    n, hdr_len = _parse_header(path, buf[:size], label_dim, dense_dim, slot_num, check)
+    n, hdr_len = _parse_header(path, head, label_dim, dense_dim, slot_num, check)
     wrap = check == "Sum"
     # a record holds at least its label, dense and nnz words: a larger count is broken
     min_record = 4 * (label_dim + dense_dim + slot_num) + (5 if wrap else 0)
-    if min_record == 0 or n * min_record > size - hdr_len:
-        return read_norm_file(path, **kw)  # raises the precise error
+    if n == 0 or min_record == 0 or n * min_record > size - hdr_len:
+        return read_norm_file(path, **kw)  # raises the precise error (or: no records)
     general = functools.cache(functools.partial(read_norm_file, path, **kw))
-    return VarRecords(path, buf[hdr_len:size], n, label_dim=label_dim, dense_dim=dense_dim,
-                      slot_num=slot_num, key_width=4 if key_type == "I32" else 8, wrap=wrap,
-                      general=general)
+    return VarRecords(path, hdr_len, size - hdr_len, n, label_dim=label_dim,
+                      dense_dim=dense_dim, slot_num=slot_num,
+                      key_width=4 if key_type == "I32" else 8, wrap=wrap, general=general)

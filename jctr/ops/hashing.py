@@ -88,7 +88,8 @@ def _probe_round(slot_keys, keys, pos, active, insert: bool):
     free slot without inserting; the others moved one slot on.
     """
     num_slots = slot_keys.shape[0]
-    cur = slot_keys[pos]
+    # inactive keys read nothing: an out-of-range index skips the (cache-missing) table access
+    cur = slot_keys.at[jnp.where(active, pos, num_slots)].get(mode="fill", fill_value=0)
     found = active & (cur == keys)
     free = active & (cur == EMPTY_KEY)
     if insert:

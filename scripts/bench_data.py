@@ -9,7 +9,10 @@ alternate for --passes passes over files in the page cache; the table gives medi
 "best/best" the ratio of the fastest raw pass to the fastest reader pass. The raw read's rate
 swings by up to 3x between passes and runs (page faults of its fresh destination, depending on
 what the heap holds), so "copy/reader" also compares with reading the bytes into one reused
-8 MiB buffer: the floor of any read, with no destination to fault in.
+8 MiB buffer: the floor of any read, with no destination to fault in. "batch/file B" is the
+bytes of the batch arrays a reader writes per byte of file it reads: multi-hot batches are padded
+to ``max_feature_num_per_sample`` keys (int64) with an int32 segment each, 2.4x the bytes of the
+file here, and writing them alone costs about as much as the raw read.
 
     python scripts/bench_data.py --samples 262144
 """
@@ -63,13 +66,17 @@ def data_config(fmt: str, source: str, n: int, hot: int, check: str = "None") ->
          "top": "loss"}]}
 
 
-def reader_pass(cfg_dict: dict, source: str) -> float:
-    """Samples/s of one pass of the reader over the source (batches of BATCH)."""
+def reader_pass(cfg_dict: dict, source: str) -> tuple[float, int]:
+    """Samples/s of one pass of the reader over the source (batches of BATCH), and the bytes
+    of one batch's arrays."""
     cfg = parse_config(cfg_dict, require_solver=False)
     ds = open_dataset(source, cfg.data, "I64")
     t = time.perf_counter()
-    n = sum(b.num_valid for b in ds.batches(BATCH, epochs=1))
-    return n / (time.perf_counter() - t)
+    n, nbytes = 0, 0
+    for b in ds.batches(BATCH, epochs=1):
+        n += b.num_valid
+        nbytes = sum(x.nbytes for f in b for x in (f if isinstance(f, tuple) else (f,)))
+    return n / (time.perf_counter() - t), nbytes
 
 
 def copy_pass(files: list[str], n: int, buf: np.ndarray) -> float:
@@ -144,20 +151,23 @@ def main() -> int:
     print(f"training consumes {consume[1]:,.0f} samples/s one-hot and {consume[10]:,.0f} "
           f"10-hot (DLRM, batch {BATCH}); multi-hot data is compared with the 10-hot step")
     print(f"{'format':<28}{'reader samples/s':>17}{'x training':>11}{'raw read':>12}"
-          f"{'raw/reader':>11}{'best/best':>10}{'copy/reader':>12}")
+          f"{'raw/reader':>11}{'best/best':>10}{'copy/reader':>12}{'batch/file B':>13}")
     buf = np.ones(8 << 20, np.uint8)
     for name, fmt, source, hot, files in cases:
         samples = n // 4 if hot > 1 else n
         cfg = data_config(fmt, source, samples, hot, "Sum" if "Sum" in name else "None")
         rates, bases, copies = [], [], []
+        file_bytes = sum(os.path.getsize(f) for f in files) / samples
         for _ in range(args.passes):  # interleaved, so all see the same machine state
-            rates.append(reader_pass(copy.deepcopy(cfg), source))
+            rate, batch_bytes = reader_pass(copy.deepcopy(cfg), source)
+            rates.append(rate)
             bases.append(raw_pass(files, samples))
             copies.append(copy_pass(files, samples, buf))
         rate, base = float(np.median(rates)), float(np.median(bases))
         print(f"{name:<28}{rate:>17,.0f}{rate / consume[hot]:>11.1f}{base:>12,.0f}"
               f"{base / rate:>11.1f}{max(bases) / max(rates):>10.1f}"
-              f"{float(np.median(copies)) / rate:>12.1f}", flush=True)
+              f"{float(np.median(copies)) / rate:>12.1f}"
+              f"{batch_bytes / BATCH / file_bytes:>13.1f}", flush=True)
     return 0
 
 

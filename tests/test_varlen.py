@@ -212,3 +212,27 @@ def test_resume_in_the_middle_of_a_file(tmp_path, monkeypatch, window):
     start = ReaderPosition(0, 0, 37)
     _assert_same(_batches(lst, data, "I64", batch_size=16, epochs=1, start=start),
                  _batches(lst, data, "I64", general=True, batch_size=16, epochs=1, start=start))
+
+
+def test_recycled_buffers_are_never_handed_out_while_in_use(tmp_path):
+    from jctr.data import buffers
+
+    a = buffers.take(3 << 20)
+    first = a.ctypes.data
+    view = a[100:200].view(np.int32)  # a batch field carved from it keeps it in use
+    del a
+    b = buffers.take(3 << 20)
+    assert b.ctypes.data != first
+    del view
+    c = buffers.take(3 << 20)  # free again: recycled, not a fresh allocation
+    assert c.ctypes.data == first
+    del b, c
+    # batches handed out earlier keep their contents while later ones are decoded
+    lst = _write(tmp_path, [_block(90, 8)])
+    data = _data(1, max_features=12)
+    kept = list(NormDataset(lst, data, "I64").batches(16, epochs=1))
+    with general_parser_only():
+        want = list(NormDataset(lst, data, "I64").batches(16, epochs=1))
+    for x, y in zip(kept, want):
+        np.testing.assert_array_equal(x.keys[0], y.keys[0])
+        np.testing.assert_array_equal(x.segments[0], y.segments[0])

@@ -15,6 +15,7 @@ from jctr.data.loader import NormDataset, ReaderPosition
 from jctr.data.norm import DataError, RecordBlock, read_norm_file, write_file_list, write_norm_file
 from jctr.data.varlen import VarChunk, VarRecords, open_varlen_records
 from tests.conftest import load_json
+from tests.test_fixed_records import _write
 
 SLOTS = 4
 MAX_NNZ = (3, 2, 1, 1)  # slots 2 and 3 hold 0 or 1 keys: one-hot inputs may take them
@@ -43,17 +44,6 @@ def _data(inputs=1, check="None", max_features=None):
                   dataclasses.replace(sp, top="b", slot_num=2, max_nnz=1,
                                       max_feature_num_per_sample=2))
     return dataclasses.replace(data, sparse=sparse, dense_dim=3, label_dim=1, check=check)
-
-
-def _write(tmp_path, blocks, key_type="I64", check="None"):
-    files = []
-    for i, b in enumerate(blocks):
-        p = str(tmp_path / f"v{i}.data")
-        write_norm_file(p, b, key_type=key_type, check=check)
-        files.append(p)
-    lst = str(tmp_path / "list.txt")
-    write_file_list(lst, files)
-    return lst
 
 
 @contextmanager

@@ -57,6 +57,19 @@ def take(nbytes: int) -> np.ndarray:
         return buf
 
 
+def read_at(path: str, offset: int, out: np.ndarray) -> int:
+    """Read file bytes from ``offset`` into ``out`` (one unbuffered read); the bytes read. An
+    unreadable file is a DataError naming it."""
+    from jctr.data.norm import DataError
+
+    try:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset)
+            return f.readinto(out)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read data file: {e.strerror}") from e
+
+
 def carve(buf: np.ndarray, offset: int, dtype, count: int) -> tuple[np.ndarray, int]:
     """``count`` items of ``dtype`` from byte ``offset`` of ``buf`` (aligned to 64 bytes) and
     the offset after them."""

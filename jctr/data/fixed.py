@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jctr.data import kernels
+from jctr.data import buffers, kernels
 from jctr.data.norm import DataError, RecordBlock, _parse_header, read_norm_file
 
 
@@ -149,12 +149,7 @@ class FixedRecords:
     def _read(self, start: int, stop: int) -> np.ndarray:
         rec = self.layout.record_bytes
         rows = np.empty((stop - start, rec), np.uint8)
-        try:
-            with open(self.path, "rb", buffering=0) as f:
-                f.seek(self.data_at + start * rec)
-                got = f.readinto(rows)
-        except OSError as e:
-            raise DataError(f"{self.path}: cannot read data file: {e.strerror}") from e
+        got = buffers.read_at(self.path, self.data_at + start * rec, rows)
         if got != rows.nbytes:
             raise DataError(f"{self.path}: record {self.first_record + start + got // rec}: "
                             "truncated (the file shrank while being read)")

@@ -93,13 +93,7 @@ class VarRecords:
         decode kernel's overrun (``kernels.COPY_SLACK`` keys)."""
         slack = kernels.COPY_SLACK * 8
         buf = buffers.take(nbytes + slack)
-        try:
-            with open(self.path, "rb", buffering=0) as f:
-                f.seek(self.data_at + at)
-                got = f.readinto(buf[:nbytes])
-        except OSError as e:
-            raise DataError(f"{self.path}: cannot read data file: {e.strerror}") from e
-        if got != nbytes:
+        if buffers.read_at(self.path, self.data_at + at, buf[:nbytes]) != nbytes:
             raise DataError(f"{self.path}: truncated: the file shrank while being read")
         buf[nbytes:nbytes + slack] = 0
         return buf[:nbytes]

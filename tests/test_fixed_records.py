@@ -89,6 +89,24 @@ def test_fixed_norm_batches_equal_the_general_parser(tmp_path, key_type, check, 
     assert not full.segments[0].flags.writeable  # the shared arange of full batches
 
 
+@pytest.mark.parametrize("check", ["None", "Sum"])
+def test_numpy_validation_without_numba(tmp_path, monkeypatch, check):
+    """Without the compiled kernels one-hot Norm chunks are validated by numpy: the same batches,
+    the same fallback, the same errors."""
+    import jctr.data.kernels as kernels
+
+    monkeypatch.setattr(kernels, "HAVE_KERNELS", False)
+    lst = _write(tmp_path, [_one_hot(70), _one_hot(33, 1)], check=check)
+    data = _data(check=check)
+    got = list(NormDataset(lst, data, "I64").batches_with_position(16, epochs=1))
+    _assert_same(got, _general_batches(NormDataset(lst, data, "I64"), 16, epochs=1))
+    odd = _odd_file(tmp_path, check)
+    _assert_same(list(NormDataset(odd, _data(max_nnz=2, check=check), "I64")
+                      .batches_with_position(16, epochs=1)),
+                 _general_batches(NormDataset(odd, _data(max_nnz=2, check=check), "I64"), 16,
+                                  epochs=1))
+
+
 def _odd_file(tmp_path, check="None"):
     """A one-hot file of the right size for one-hot, except record 70 has 2 keys in slot 1 and
     none in slot 2."""

@@ -10,7 +10,7 @@ step, a device array sharing host memory) still holds them, so a buffer in use i
 Example::
 
     buf = take(1 << 20)             # uint8, at least 1 MiB
-    keys = carve(buf, 0, np.int64, 1000)
+    keys, end = carve(buf, 0, np.int64, 1000)   # int64 view of bytes [0, 8000)
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import sys
 import threading
 
 import numpy as np
+
+from jctr.data.norm import DataError
 
 MAX_BUFFERS = 8
 MAX_POOLED_BYTES = 1 << 30
@@ -60,8 +62,6 @@ def take(nbytes: int) -> np.ndarray:
 def read_at(path: str, offset: int, out: np.ndarray) -> int:
     """Read file bytes from ``offset`` into ``out`` (one unbuffered read); the bytes read. An
     unreadable file is a DataError naming it."""
-    from jctr.data.norm import DataError
-
     try:
         with open(path, "rb", buffering=0) as f:
             f.seek(offset)

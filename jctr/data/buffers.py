@@ -9,8 +9,8 @@ step, a device array sharing host memory) still holds them, so a buffer in use i
 
 Example::
 
-    buf = take(1 << 20)             # uint8, at least 1 MiB
-    keys, end = carve(buf, 0, np.int64, 1000)   # int64 view of bytes [0, 8000)
+    buf = take(1 << 20)                           # uint8, at least 1 MiB
+    keys, segs = take_arrays([(np.int64, 1000), (np.int32, 1000)])
 """
 
 from __future__ import annotations
@@ -70,18 +70,13 @@ def read_at(path: str, offset: int, out: np.ndarray) -> int:
         raise DataError(f"{path}: cannot read data file: {e.strerror}") from e
 
 
-def carve(buf: np.ndarray, offset: int, dtype, count: int) -> tuple[np.ndarray, int]:
-    """``count`` items of ``dtype`` from byte ``offset`` of ``buf`` (aligned to 64 bytes) and
-    the offset after them."""
-    dtype = np.dtype(dtype)
-    start = -(-offset // _ALIGN) * _ALIGN
-    end = start + dtype.itemsize * count
-    return buf[start:end].view(dtype), end
-
-
-def layout_bytes(fields: list[tuple[object, int]]) -> int:
-    """Bytes :func:`carve` needs for ``fields`` (dtype, count) one after another."""
-    offset = 0
+def take_arrays(fields: list[tuple[object, int]]) -> list[np.ndarray]:
+    """Flat arrays of the given (dtype, count) carved from one recycled buffer (each aligned to
+    64 bytes): one allocation and one reference for all the fields of a batch."""
+    starts, offset = [], 0
     for dtype, count in fields:
-        offset = -(-offset // _ALIGN) * _ALIGN + np.dtype(dtype).itemsize * count
-    return offset
+        start = -(-offset // _ALIGN) * _ALIGN
+        starts.append(start)
+        offset = start + np.dtype(dtype).itemsize * count
+    buf = take(offset)
+    return [buf[s:s + np.dtype(d).itemsize * c].view(d) for s, (d, c) in zip(starts, fields)]

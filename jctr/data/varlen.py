@@ -212,14 +212,6 @@ class VarChunk:
         return v._windows(self.first, self.stop, decode)
 
 
-def _carve_all(buf, fields):
-    out, at = [], 0
-    for dtype, count in fields:
-        arr, at = buffers.carve(buf, at, dtype, count)
-        out.append((arr, at))
-    return out
-
-
 def decode_var_batch(parts: list[VarChunk], batch_size: int, sparse) -> tuple | None:
     """(label, dense, keys per input, segments per input, mask) of a batch from consecutive
     chunks (of one file or several), in :class:`jctr.data.batch.Batch` layout; None if a record
@@ -230,10 +222,9 @@ def decode_var_batch(parts: list[VarChunk], batch_size: int, sparse) -> tuple | 
     widths = [sp.slot_num if sp.one_hot else sp.max_feature_num_per_sample for sp in sparse]
     # each input's region, then kernels.COPY_SLACK entries the kernel may overwrite
     base = np.concatenate([[0], np.cumsum([w * batch_size + kernels.COPY_SLACK for w in widths])])
-    fields = [(np.float32, batch_size * label_dim), (np.float32, batch_size * dense_dim),
-              (np.int64, int(base[-1])), (np.int32, int(base[-1]))]
-    buf, at = buffers.take(buffers.layout_bytes(fields)), 0
-    (label, at), (dense, at), (keys, at), (segs, at) = _carve_all(buf, fields)
+    label, dense, keys, segs = buffers.take_arrays(
+        [(np.float32, batch_size * label_dim), (np.float32, batch_size * dense_dim),
+         (np.int64, int(base[-1])), (np.int32, int(base[-1]))])
     label = label.reshape(batch_size, label_dim)
     dense = dense.reshape(batch_size, dense_dim)
     in_slots = np.array([sp.slot_num for sp in sparse], np.int64)

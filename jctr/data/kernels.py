@@ -22,7 +22,12 @@ HAVE_KERNELS = numba is not None
 
 
 def _njit(fn):
-    return numba.njit(nogil=True, cache=True)(fn) if HAVE_KERNELS else fn
+    if not HAVE_KERNELS:
+        return fn
+    try:  # compiled once, then loaded from numba's on-disk cache
+        return numba.njit(nogil=True, cache=True)(fn)
+    except RuntimeError:  # no writable cache location (read-only install and home): no cache
+        return numba.njit(nogil=True)(fn)
 
 
 def _inline(fn):

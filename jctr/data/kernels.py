@@ -68,24 +68,25 @@ def _key(b, p, kw):
 # finished; a record that runs past the window's end stops it early (the caller reads the next
 # window from that record), unless the window holds the end of the file: then the record is
 # truncated, i.e. broken (-1), like any other defect.
+_SHORT = -2  # _record_end: the record does not fit in the window
 
 
 @_inline
-def _record_end(window, p, wrap, fail):
+def _record_end(window, p, wrap):
     """Where the payload of the record at ``p`` must end: check Sum: its length field, else the
-    end of the window. ``fail`` (the record does not fit), or -1 (broken length field)."""
+    end of the window. ``_SHORT`` if the record does not fit, -1 if its length field is broken."""
     size = window.size
     if p >= size:
-        return fail
+        return _SHORT
     if not wrap:
         return size
     if p + 4 > size:
-        return fail
+        return _SHORT
     length = _i32(window, p)
     end = p + 4 + length
     if length < 0:
         return -1
-    return fail if end + 1 > size else end
+    return _SHORT if end + 1 > size else end
 
 
 @_inline
@@ -113,9 +114,9 @@ def index_records(window, base, body_end, last, starts, first, stop, n, fixed, s
     p = starts[first] - base
     for r in range(stop - first):
         fail = -1 if last else r
-        end = _record_end(window, p, wrap, -2)
+        end = _record_end(window, p, wrap)
         if end < 0:
-            return fail if end == -2 else -1
+            return fail if end == _SHORT else -1
         cut = -1 if wrap else fail  # a Sum record's slots must end inside its own length
         q = p + (4 if wrap else 0) + fixed
         if q > end:
@@ -158,9 +159,9 @@ def decode_records(window, base, body_end, last, starts, first, count, walk, n, 
         if not walk:
             p = starts[first + r] - base
         fail = -1 if last else r
-        end = _record_end(window, p, wrap, -2)
+        end = _record_end(window, p, wrap)
         if end < 0:
-            return fail if end == -2 else -1
+            return fail if end == _SHORT else -1
         cut = -1 if wrap else fail
         pp = p + (4 if wrap else 0)
         if pp + fixed > end:

@@ -100,9 +100,11 @@ def raw_pass(files: list[str], n: int) -> float:
 
 
 def train_rate(hot: int = 1) -> float:
-    from scripts.bench_train import bench_jctr, make_batches
+    """The fastest training rate (bfloat16 compute) the readers have to keep up with."""
+    from scripts.bench_train import interleaved, jctr_runner, make_batches
 
-    times = bench_jctr(make_batches(2, BATCH, hot), steps=5, warmup=2)
+    run = jctr_runner(make_batches(2, BATCH, hot), "bfloat16")
+    times = interleaved({"jctr": run}, steps=5, warmup=2, block=5)["jctr"]
     return BATCH / float(np.median(times))
 
 

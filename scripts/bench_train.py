@@ -6,8 +6,14 @@ The baseline is the classic DLRM reference: one nn.EmbeddingBag(sparse=True) per
 MLPs, dot interaction, torch.optim.SGD. Both train on the same power-law batches held in memory
 (the data pipeline is measured separately).
 
-    python scripts/bench_train.py                 # one-hot and 10-hot, batch 8192
-    python scripts/bench_train.py --hot 1 --steps 20
+Precision: float32 on both sides is the like-for-like comparison. ``bfloat16`` runs jctr with
+``compute_dtype: bfloat16`` (bf16 matmuls, float32 weights, embeddings and optimizer) and the
+baseline under ``torch.autocast("cpu", torch.bfloat16)`` (the same split). Every variant's
+steps are interleaved in rounds (``--block`` steps each), so the machine's slow phases hit all
+of them alike; figures are medians over all timed steps.
+
+    python scripts/bench_train.py                 # one-hot and 10-hot, float32 and bfloat16
+    python scripts/bench_train.py --hot 1 --steps 20 --dtype float32
 """
 
 from __future__ import annotations
@@ -76,7 +82,8 @@ def jctr_config(batch: int, hot: int) -> dict:
         ]}
 
 
-def bench_jctr(batches, steps: int, warmup: int) -> list[float]:
+def jctr_runner(batches, dtype: str):
+    """A function running one jctr training step on the next batch (compiled here)."""
     import jax
 
     from jctr.config import parse_config
@@ -85,22 +92,24 @@ def bench_jctr(batches, steps: int, warmup: int) -> list[float]:
     from jctr.train.trainer import build_model
 
     b, _, hot = batches[0][0].shape
-    cfg = parse_config(jctr_config(b, hot))
-    step_config, tx, init_state = build_model(cfg)
-    state = init_state()
+    config = jctr_config(b, hot)
+    config["solver"]["compute_dtype"] = dtype
+    step_config, tx, init_state = build_model(parse_config(config))
     step = jax.jit(make_train_step(step_config, tx), donate_argnums=0,
-                   compiler_options=step_compiler_options())
+                   compiler_options=step_compiler_options(dtype))
     dev = [jax.device_put(jctr_batch(*x)) for x in batches]
-    times = []
-    for i in range(warmup + steps):
-        t = time.perf_counter()
-        state, m = step(state, dev[i % len(dev)])
+    box = {"state": init_state(), "i": 0}
+
+    def run():
+        box["state"], m = step(box["state"], dev[box["i"] % len(dev)])
+        box["i"] += 1
         jax.block_until_ready(m["loss"])
-        times.append(time.perf_counter() - t)
-    return times[warmup:]
+
+    return run
 
 
-def bench_torch(batches, steps: int, warmup: int) -> list[float]:
+def torch_runner(batches, dtype: str):
+    """A function running one step of the PyTorch reference (autocast for bfloat16)."""
     import torch
     from torch import nn
 
@@ -141,16 +150,35 @@ def bench_torch(batches, steps: int, warmup: int) -> list[float]:
         idx = [torch.from_numpy(np.ascontiguousarray(ranks[:, j]).reshape(-1)) for j in range(s)]
         offs = [torch.arange(0, b * hot, hot) for _ in range(s)]
         prepared.append((torch.from_numpy(dense), idx, offs, torch.from_numpy(label)))
-    times = []
-    for i in range(warmup + steps):
-        dense, idx, offs, label = prepared[i % len(prepared)]
-        t = time.perf_counter()
+    autocast = dtype == "bfloat16"
+    box = {"i": 0}
+
+    def run():
+        dense, idx, offs, label = prepared[box["i"] % len(prepared)]
+        box["i"] += 1
         opt.zero_grad(set_to_none=True)
-        loss = loss_fn(model(dense, idx, offs), label)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(dense, idx, offs)
+        loss = loss_fn(out.float(), label)
         loss.backward()
         opt.step()
-        times.append(time.perf_counter() - t)
-    return times[warmup:]
+
+    return run
+
+
+def interleaved(runners: dict, steps: int, warmup: int, block: int) -> dict[str, list[float]]:
+    """Per runner, the seconds of its ``steps`` timed steps, run in rounds of ``block``."""
+    for run in runners.values():
+        for _ in range(warmup):
+            run()
+    times = {name: [] for name in runners}
+    while any(len(t) < steps for t in times.values()):
+        for name, run in runners.items():
+            for _ in range(min(block, steps - len(times[name]))):
+                t = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - t)
+    return times
 
 
 def main() -> int:
@@ -158,8 +186,11 @@ def main() -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=8192)
     ap.add_argument("--hot", type=int, nargs="+", default=[1, 10])
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
+                    choices=["float32", "bfloat16"])
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--block", type=int, default=5, help="steps per variant and round")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     # the same host memory setting as `python -m jctr.train` (JCTR_HOST_MEMORY_TUNING=0: off)
@@ -168,15 +199,25 @@ def main() -> int:
     results = []
     for hot in args.hot:
         batches = make_batches(4, args.batch, hot)
-        jt = bench_jctr(batches, args.steps, args.warmup)
-        tt = bench_torch(batches, args.steps, args.warmup)
-        j_rate = args.batch / statistics.median(jt)
-        t_rate = args.batch / statistics.median(tt)
-        row = {"hot": hot, "batch": args.batch, "jctr_samples_per_s": round(j_rate),
-               "torch_samples_per_s": round(t_rate), "ratio": round(j_rate / t_rate, 3)}
-        results.append(row)
-        print(f"{hot:>2}-hot batch {args.batch}: jctr {j_rate:,.0f} samples/s   "
-              f"pytorch {t_rate:,.0f} samples/s   ratio {j_rate / t_rate:.2f}x", flush=True)
+        runners = {}
+        for dtype in args.dtype:
+            runners["jctr", dtype] = jctr_runner(batches, dtype)
+            runners["torch", dtype] = torch_runner(batches, dtype)
+        times = interleaved(runners, args.steps, args.warmup, args.block)
+        rate = {k: args.batch / statistics.median(t) for k, t in times.items()}
+        for dtype in args.dtype:
+            j, t = rate["jctr", dtype], rate["torch", dtype]
+            row = {"hot": hot, "batch": args.batch, "dtype": dtype,
+                   "jctr_samples_per_s": round(j), "torch_samples_per_s": round(t),
+                   "ratio": round(j / t, 3)}
+            line = (f"{hot:>2}-hot batch {args.batch} {dtype:<8}: jctr {j:,.0f} samples/s   "
+                    f"pytorch{' (autocast)' if dtype == 'bfloat16' else ''} {t:,.0f} samples/s"
+                    f"   ratio {j / t:.2f}x")
+            if dtype != "float32" and ("torch", "float32") in rate:
+                row["ratio_to_torch_float32"] = round(j / rate["torch", "float32"], 3)
+                line += f"   (jctr {dtype} / pytorch float32: {row['ratio_to_torch_float32']:.2f}x)"
+            results.append(row)
+            print(line, flush=True)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)

@@ -235,7 +235,8 @@ def test_step_compiler_options_on_cpu(monkeypatch):
     monkeypatch.delenv("JCTR_XLA_DEFAULTS", raising=False)
     monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     opts = probe()
-    assert opts == {"xla_cpu_experimental_ynn_fusion_type": ""}
+    assert opts == {"xla_cpu_experimental_ynn_fusion_type": ""} == probe("float16")
+    assert probe("bfloat16") == {}  # bf16 matmuls need YNNPACK
     # the options compile and give the same result as the default compile
     f = jax.jit(lambda a, b: jnp.maximum(a @ b, 0.0).sum(), compiler_options=opts)
     a, b = jnp.ones((64, 32)), jnp.full((32, 16), 0.5)

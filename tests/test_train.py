@@ -70,15 +70,17 @@ def test_auc_threshold_stops_training(tiny):
     assert int(t.state.step) < 300
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_reduced_precision_trains(tiny, dtype):
+@pytest.mark.parametrize("dtype,model", [("bfloat16", "dcn"), ("bfloat16", "dlrm"),
+                                         ("float16", "dcn")])
+def test_reduced_precision_trains(tiny, dtype, model):
     solver = {"max_iter": 150, "display": 1000, "eval_interval": 1000}
     if dtype == "float16":
         solver["mixed_precision"] = 1024
     else:
         solver["compute_dtype"] = "bfloat16"
-    # DCN trains with Adam; (DLRM's SGD at lr 0.5 stalls in fp16 for some seeds, see README)
-    t = Trainer.from_config(tiny("dcn", **solver))
+    # DCN trains with Adam; (DLRM's SGD at lr 0.5 stalls in fp16 for some seeds, see README);
+    # bf16 DLRM runs the CPU's row-major MLP and Gram interaction formulations
+    t = Trainer.from_config(tiny(model, **solver))
     hist = t.fit()
     final = [h for h in hist if h["kind"] == "eval"][-1]
     assert np.isfinite(final["AverageLoss"]) and final["AUC"] > 0.8

@@ -156,7 +156,8 @@ class InferenceModel:
             embs.append(import_table(spec, es, {"keys": keys, "values": vectors}, source=sp))
         state = state._replace(params=params, batch_stats=stats, opt_state=None,
                                embeddings=tuple(embs))
-        eval_step = jax.jit(make_eval_step(step_config), compiler_options=step_compiler_options())
+        eval_step = jax.jit(make_eval_step(step_config),
+                           compiler_options=step_compiler_options(cfg.solver.compute_dtype))
         return cls(cfg, state, step_config.specs, eval_step, manifest)
 
     def predict(self, batch: Batch) -> np.ndarray:

@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jctr.ops import dot_interaction
+from jctr.ops import dot_interaction, linear
 
 _glorot = nnx.initializers.glorot_uniform()
 
@@ -36,10 +36,8 @@ class InnerProduct(nnx.Module):
 
     def __call__(self, xs, ctx: Context):
         (x,) = xs
-        y = x @ self.kernel[...].astype(x.dtype)
-        if self.bias is not None:
-            y = y + self.bias[...].astype(x.dtype)
-        return [jax.nn.relu(y) if self.relu else y]
+        bias = None if self.bias is None else self.bias[...].astype(x.dtype)
+        return [linear(x, self.kernel[...].astype(x.dtype), bias, relu=self.relu)]
 
 
 class ReLU(nnx.Module):

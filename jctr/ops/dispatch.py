@@ -13,6 +13,7 @@ import os
 import jax
 
 from jctr.ops import bag as ref
+from jctr.ops import dense as dense_ops
 from jctr.ops import hashing, interaction, pallas_bag, pallas_hash, pallas_interaction
 
 
@@ -75,10 +76,34 @@ def dot_interaction(dense, sparse):
     feats = jax.numpy.concatenate([dense[:, None, :], sparse.astype(dense.dtype)], axis=1)
     if _mode() == "reference":
         return interaction.dot_interaction_reference(dense, sparse)
+    # bfloat16: batched row-major matmuls for YNNPACK; float32: elementwise, batch innermost
+    cpu = (interaction.pair_dots_gram if feats.dtype == jax.numpy.bfloat16
+           else interaction.pair_dots_xla)
     dots = jax.lax.platform_dependent(
-        feats, cpu=interaction.pair_dots_xla, cuda=pallas_interaction.make_pair_dots(False),
+        feats, cpu=cpu, cuda=pallas_interaction.make_pair_dots(False),
         default=interaction.pair_dots_xla)
     return interaction.assemble(dense, dots)
+
+
+def linear(x, kernel, bias, *, relu: bool = False):
+    """``x @ kernel + bias`` (ReLU optional) in ``x``'s dtype. On CPU, bfloat16 takes the
+    row-major backward of :func:`jctr.ops.dense.linear_rowmajor` (YNNPACK's bf16 kernels);
+    float32 the plain formulation everywhere (XLA's own dots handle its transposes).
+
+    Example::
+
+        linear(jnp.ones((2, 3)), jnp.ones((3, 4)), jnp.zeros(4), relu=True).shape  # (2, 4)
+    """
+    if _mode() == "reference" or x.dtype != jax.numpy.bfloat16:
+        return dense_ops.linear_reference(x, kernel, bias, relu)
+
+    def reference(x, kernel, bias):
+        return dense_ops.linear_reference(x, kernel, bias, relu)
+
+    def rowmajor(x, kernel, bias):
+        return dense_ops.linear_rowmajor(x, kernel, bias, relu)
+
+    return jax.lax.platform_dependent(x, kernel, bias, cpu=rowmajor, default=reference)
 
 
 def find_slots(slot_keys, keys, valid, *, insert: bool):

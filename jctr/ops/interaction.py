@@ -73,6 +73,45 @@ def pair_dots_xla(feats: jax.Array) -> jax.Array:
     return _pair_dots(jnp.transpose(feats, (2, 1, 0)).astype(jnp.float32)).T
 
 
+def _swap_last_copy(a: jax.Array) -> jax.Array:
+    # a row-major copy of a with its last two axes swapped (see jctr.ops.dense: a bare transpose
+    # would be folded into the dot's dimension numbers)
+    return jax.lax.optimization_barrier(jnp.swapaxes(a, 1, 2)[None])[0]
+
+
+@jax.custom_vjp
+def _pair_dots_gram(feats: jax.Array) -> jax.Array:
+    """[b, f, d] -> [b, f(f-1)/2] float32 through per-sample Gram matrices (batched matmuls)."""
+    b, f, _ = feats.shape
+    li, lj, _ = _pair_tables(f)
+    gram = jnp.einsum("bfd,bdg->bfg", feats, _swap_last_copy(feats),
+                      preferred_element_type=jnp.float32)
+    return gram.reshape(b, f * f)[:, li * f + lj]
+
+
+def _pair_dots_gram_fwd(feats):
+    return _pair_dots_gram(feats), feats
+
+
+def _pair_dots_gram_bwd(feats, g):
+    # d feats[i] = sum_j S[i, j] feats[j], S the symmetric matrix of pair gradients
+    b, f, _ = feats.shape
+    _, _, pair = _pair_tables(f)
+    gz = jnp.concatenate([g, jnp.zeros((b, 1), g.dtype)], axis=1)
+    s = gz[:, pair].reshape(b, f, f).astype(feats.dtype)
+    return (jnp.einsum("bij,bjd->bid", s, feats,
+                       preferred_element_type=jnp.float32).astype(feats.dtype),)
+
+
+_pair_dots_gram.defvjp(_pair_dots_gram_fwd, _pair_dots_gram_bwd)
+
+
+def pair_dots_gram(feats: jax.Array) -> jax.Array:
+    """[b, f, d] -> [b, f(f-1)/2] in float32 as batched row-major matmuls: the formulation for
+    XLA:CPU's YNNPACK kernels (bfloat16), which take only row-major operands."""
+    return _pair_dots_gram(feats)
+
+
 def assemble(dense: jax.Array, dots: jax.Array) -> jax.Array:
     """``[dense, dots, 0]`` in the dense input's dtype (HugeCTR's layout)."""
     pad = jnp.zeros((dense.shape[0], 1), dense.dtype)

@@ -1,14 +1,18 @@
-"""XLA compiler options for the train and eval steps, per platform.
+"""XLA compiler options for the train and eval steps, per platform and compute dtype.
 
-On XLA:CPU the YNNPACK fusions (on by default in jaxlib 0.10) run this project's MLP backward
+On XLA:CPU the YNNPACK fusions (on by default in jaxlib 0.10) run this project's float32 MLP
 matmuls 10-25% slower than XLA's own Eigen dots: ``python scripts/bench_train.py`` went from
-32.6k to 37.2k samples/s one-hot with them off. They are switched off for the jitted steps
-only (not process-wide), unless the user's ``XLA_FLAGS`` already say something about them or
-``JCTR_XLA_DEFAULTS=0``. A jaxlib that no longer knows the option gets none.
+32.6k to 37.2k samples/s one-hot with them off. For float32 (and float16) steps they are
+switched off for the jitted steps only (not process-wide), unless the user's ``XLA_FLAGS``
+already say something about them or ``JCTR_XLA_DEFAULTS=0``. bfloat16 steps keep them: their
+AVX512-BF16 matmuls are what makes bfloat16 fast on CPU (the layers choose row-major
+formulations for them, :mod:`jctr.ops.dense`). A jaxlib that no longer knows the option gets
+none.
 
 Example::
 
-    step = jax.jit(train_step, donate_argnums=0, compiler_options=step_compiler_options())
+    step = jax.jit(train_step, donate_argnums=0,
+                   compiler_options=step_compiler_options("float32"))
 """
 
 from __future__ import annotations
@@ -23,9 +27,10 @@ _CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 @functools.cache
-def step_compiler_options() -> dict[str, str]:
+def step_compiler_options(compute_dtype: str = "float32") -> dict[str, str]:
     """Compiler options for jctr's jitted steps on the default backend (may be empty)."""
-    if os.environ.get("JCTR_XLA_DEFAULTS", "1") == "0" or jax.default_backend() != "cpu":
+    if (os.environ.get("JCTR_XLA_DEFAULTS", "1") == "0" or jax.default_backend() != "cpu"
+            or compute_dtype == "bfloat16"):
         return {}
     flags = os.environ.get("XLA_FLAGS", "")
     options = {k: v for k, v in _CPU_OPTIONS.items() if k not in flags}

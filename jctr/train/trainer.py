@@ -139,7 +139,7 @@ class Trainer:
 
     def _place(self, init_state) -> None:
         """Create the state on the device(s) and the jitted steps for that placement."""
-        opts = step_compiler_options()
+        opts = step_compiler_options(self.solver.compute_dtype)
         if self.mesh is None:
             self.engine = self.engine_full = None
             self.state = jax.device_put(init_state(), self.device)

@@ -113,3 +113,20 @@ def test_bfloat16_mlp_and_interaction_matmuls_all_reach_ynnpack():
     # forward and backward; XLA turns the width-1 layer's products into reductions
     assert len(fused_dots) >= 3 * 3 - 1 + 2, entry
     assert not plain_dots, plain_dots
+
+
+def test_bfloat16_linear_lowers_to_plain_dots_for_cuda():
+    """On GPU (cuBLAS takes transposed operands) the bf16 layer keeps the plain formulation:
+    its backward lowered for ``cuda`` has no materialised transposes (optimization barriers)."""
+    bf = jnp.bfloat16
+    x, w, b = jnp.ones((32, 16), bf), jnp.ones((16, 8), bf), jnp.zeros((8,), bf)
+
+    def loss(x, w, b):
+        return jnp.sum(linear(x, w, b, relu=True).astype(jnp.float32))
+
+    cuda = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, w, b).lower(
+        lowering_platforms=("cuda",)).as_text()
+    cpu = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, w, b).lower(
+        lowering_platforms=("cpu",)).as_text()
+    assert "optimization_barrier" not in cuda and "dot_general" in cuda
+    assert "optimization_barrier" in cpu

@@ -77,6 +77,17 @@ def test_eight_devices_train_like_one(model, etype, data_dir, single_runs):
     assert auc == pytest.approx(ref_auc, abs=1e-5)
 
 
+def test_bfloat16_dlrm_on_eight_devices_trains_like_one(data_dir):
+    """The CPU bf16 formulations (row-major linear backward, Gram interaction) under the
+    data-parallel mesh: same losses as one device up to bf16 rounding of the gradients."""
+    _, ref_losses, ref_auc = _train(_config(data_dir, "dlrm", [0], compute_dtype="bfloat16"))
+    _, losses, auc = _train(_config(data_dir, "dlrm", list(range(8)), TYPES[1],
+                                    compute_dtype="bfloat16"))
+    assert len(losses) == STEPS and np.isfinite(losses).all()
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-2)
+    assert auc == pytest.approx(ref_auc, abs=1e-2)
+
+
 def test_replicated_and_mixed_placements(data_dir, single_runs):
     ref_losses, _ = single_runs("wdl")
     cfg = _config(data_dir, "wdl", list(range(8)), replicate_table_bytes=200_000)

@@ -15,5 +15,5 @@ from jctr.ops.interaction import dot_interaction_reference, interaction_output_d
 __all__ = [
     "EMPTY_KEY", "dot_interaction", "dot_interaction_reference", "embedding_bag",
     "embedding_bag_backward", "embedding_bag_forward", "find_slots",
-    "hash_keys", "home_slots", "linear", "interaction_output_dim", "representatives",
+    "hash_keys", "home_slots", "interaction_output_dim", "linear", "representatives",
 ]

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jctr.ops.dense import transposed_copy
+
 
 def interaction_output_dim(dense_dim: int, num_sparse: int) -> int:
     """Width of the interaction output: dense + pairwise dots + one zero pad (as HugeCTR)."""
@@ -73,18 +75,12 @@ def pair_dots_xla(feats: jax.Array) -> jax.Array:
     return _pair_dots(jnp.transpose(feats, (2, 1, 0)).astype(jnp.float32)).T
 
 
-def _swap_last_copy(a: jax.Array) -> jax.Array:
-    # a row-major copy of a with its last two axes swapped (see jctr.ops.dense: a bare transpose
-    # would be folded into the dot's dimension numbers)
-    return jax.lax.optimization_barrier(jnp.swapaxes(a, 1, 2)[None])[0]
-
-
 @jax.custom_vjp
 def _pair_dots_gram(feats: jax.Array) -> jax.Array:
     """[b, f, d] -> [b, f(f-1)/2] float32 through per-sample Gram matrices (batched matmuls)."""
     b, f, _ = feats.shape
     li, lj, _ = _pair_tables(f)
-    gram = jnp.einsum("bfd,bdg->bfg", feats, _swap_last_copy(feats),
+    gram = jnp.einsum("bfd,bdg->bfg", feats, transposed_copy(feats, (0, 2, 1)),
                       preferred_element_type=jnp.float32)
     return gram.reshape(b, f * f)[:, li * f + lj]
 

@@ -174,6 +174,9 @@ def interleaved(runners: dict, steps: int, warmup: int, block: int) -> dict[str,
     times = {name: [] for name in runners}
     while any(len(t) < steps for t in times.values()):
         for name, run in runners.items():
+            # a pause between variants: the previous one's worker threads (OpenMP, XLA) may
+            # still spin for a while and would steal the cores from this one's first step
+            time.sleep(0.25)
             for _ in range(min(block, steps - len(times[name]))):
                 t = time.perf_counter()
                 run()

@@ -166,7 +166,7 @@ def torch_runner(batches, dtype: str):
     return run
 
 
-def interleaved(runners: dict, steps: int, warmup: int, block: int) -> dict[str, list[float]]:
+def interleaved(runners: dict, steps: int, warmup: int, block: int) -> dict:
     """Per runner, the seconds of its ``steps`` timed steps, run in rounds of ``block``."""
     for run in runners.values():
         for _ in range(warmup):

@@ -35,7 +35,7 @@ import jctr  # noqa: E402,F401
 from jctr.config import parse_config  # noqa: E402
 from jctr.data.loader import open_dataset  # noqa: E402
 from jctr.data.synthetic import write_dataset, write_format  # noqa: E402
-from jctr.ops.host_memory import reexec_with_huge_pages  # noqa: E402
+from jctr.ops.host_memory import reexec_with_malloc_tuning  # noqa: E402
 from scripts.make_configs import KAGGLE_CAPPED  # noqa: E402
 
 BATCH = 8192
@@ -119,7 +119,7 @@ def main() -> int:
     ap.add_argument("--passes", type=int, default=5, help="passes of reader and raw read")
     args = ap.parse_args()
     # the same host memory setting as `python -m jctr.train` (JCTR_HOST_MEMORY_TUNING=0: off)
-    reexec_with_huge_pages([os.path.abspath(__file__), *sys.argv[1:]])
+    reexec_with_malloc_tuning([os.path.abspath(__file__), *sys.argv[1:]])
     print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}", flush=True)
     n = args.samples
     root = args.dir or tempfile.mkdtemp(prefix="jctr_bench_data_")

@@ -32,7 +32,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jctr  # noqa: E402,F401
-from jctr.ops.host_memory import reexec_with_huge_pages  # noqa: E402
+from jctr.ops.host_memory import reexec_with_malloc_tuning  # noqa: E402
 from scripts.bench_train import jctr_batch, jctr_config, make_batches  # noqa: E402
 from scripts.make_configs import KAGGLE_CAPPED  # noqa: E402
 
@@ -122,7 +122,7 @@ def main() -> int:
                              "LocalizedSlotSparseEmbeddingHash"))
     args = ap.parse_args()
     # the same host memory setting as `python -m jctr.train` (JCTR_HOST_MEMORY_TUNING=0: off)
-    reexec_with_huge_pages([os.path.abspath(__file__), *sys.argv[1:]])
+    reexec_with_malloc_tuning([os.path.abspath(__file__), *sys.argv[1:]])
     print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}", flush=True)
     batches = make_batches(4, args.batch, args.hot)
     print(f"DLRM (Kaggle shape, {args.hot}-hot, {args.type}), global batch {args.batch}, "

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jctr  # noqa: E402,F401
 from jctr.data.batch import Batch  # noqa: E402
 from jctr.data.synthetic import power_law_ranks  # noqa: E402
-from jctr.ops.host_memory import reexec_with_huge_pages  # noqa: E402
+from jctr.ops.host_memory import reexec_with_malloc_tuning  # noqa: E402
 from scripts.make_configs import KAGGLE_CAPPED  # noqa: E402
 
 DENSE, DIM = 13, 16
@@ -197,7 +197,7 @@ def main() -> int:
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     # the same host memory setting as `python -m jctr.train` (JCTR_HOST_MEMORY_TUNING=0: off)
-    reexec_with_huge_pages([os.path.abspath(__file__), *sys.argv[1:]])
+    reexec_with_malloc_tuning([os.path.abspath(__file__), *sys.argv[1:]])
     print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}", flush=True)
     results = []
     for hot in args.hot:

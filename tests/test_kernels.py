@@ -249,29 +249,35 @@ def test_step_compiler_options_on_cpu(monkeypatch):
     assert probe() == {}  # the user's own setting wins
 
 
-def test_huge_page_env_for_glibc_malloc():
+def test_malloc_tuning_env_for_glibc():
     import platform
     import subprocess
     import sys
 
-    from jctr.ops.host_memory import describe_huge_pages, huge_page_env
+    from jctr.ops.host_memory import TUNABLES, describe_malloc_tuning, malloc_tuning_env
 
-    assert describe_huge_pages().startswith("[jctr] host memory: ")
+    assert describe_malloc_tuning().startswith("[jctr] host memory: ")
     if platform.libc_ver()[0] != "glibc":
-        assert huge_page_env({}) is None
+        assert malloc_tuning_env({}) is None
         return
-    assert huge_page_env({})["GLIBC_TUNABLES"] == "glibc.malloc.hugetlb=1"
-    env = huge_page_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "A": "b"})
-    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    everything = ":".join(f"{name}={value}" for name, value in TUNABLES)
+    assert everything.startswith("glibc.malloc.hugetlb=1:glibc.malloc.mmap_max=0:")
+    assert malloc_tuning_env({})["GLIBC_TUNABLES"] == everything
+    # the user's own settings stay, ours are added after them, never twice
+    env = malloc_tuning_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2", "A": "b"})
+    assert env["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:" + ":".join(
+        f"{n}={v}" for n, v in TUNABLES if n != "glibc.malloc.arena_max")
     assert env["A"] == "b"
-    assert huge_page_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None  # user's choice
-    assert huge_page_env({"JCTR_HOST_MEMORY_TUNING": "0"}) is None
-    # the CLI re-executes itself once with the tunable (and not again)
-    code = ("import os, sys; from jctr.ops.host_memory import reexec_with_huge_pages; "
-            "reexec_with_huge_pages(['-c', sys.argv[1] if len(sys.argv) > 1 else '']); "
+    assert malloc_tuning_env({"GLIBC_TUNABLES": everything}) is None
+    user = everything.replace("hugetlb=1", "hugetlb=0")
+    assert malloc_tuning_env({"GLIBC_TUNABLES": user}) is None  # the user's choice
+    assert malloc_tuning_env({"JCTR_HOST_MEMORY_TUNING": "0"}) is None
+    # the CLI re-executes itself once with the tunables (and not again)
+    code = ("import os, sys; from jctr.ops.host_memory import reexec_with_malloc_tuning; "
+            "reexec_with_malloc_tuning(['-c', sys.argv[1] if len(sys.argv) > 1 else '']); "
             "print(os.environ.get('GLIBC_TUNABLES'))")
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES",
                                                             "JCTR_HOST_MEMORY_TUNING")}
     out = subprocess.run([sys.executable, "-c", code, code], env=env, capture_output=True,
                          text=True, check=True).stdout
-    assert out.strip().splitlines() == ["glibc.malloc.hugetlb=1"]
+    assert out.strip().splitlines() == [everything]

@@ -1,9 +1,9 @@
 import sys
 
 import jctr  # noqa: F401  (enables 64-bit keys before anything else touches JAX)
-from jctr.ops.host_memory import reexec_with_huge_pages
+from jctr.ops.host_memory import reexec_with_malloc_tuning
 
-reexec_with_huge_pages(["-m", "jctr.train", *sys.argv[1:]])
+reexec_with_malloc_tuning(["-m", "jctr.train", *sys.argv[1:]])
 
 from jctr.train.cli import main  # noqa: E402
 

@@ -97,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def console_main() -> int:
     """The ``jctr-train`` command: like ``python -m jctr.train`` it first re-executes itself
-    with huge pages for malloc (:mod:`jctr.ops.host_memory`)."""
-    from jctr.ops.host_memory import reexec_with_huge_pages
+    with malloc tuned for XLA:CPU (:mod:`jctr.ops.host_memory`)."""
+    from jctr.ops.host_memory import reexec_with_malloc_tuning
 
-    reexec_with_huge_pages(["-m", "jctr.train", *sys.argv[1:]])
+    reexec_with_malloc_tuning(["-m", "jctr.train", *sys.argv[1:]])
     return main()
 
 

@@ -21,7 +21,7 @@ from jctr.data.synthetic import generate_for_config
 from jctr.embedding.collection import EmbeddingSpec, init_embedding
 from jctr.embedding.hash_table import TableFullError
 from jctr.models.graph import build_network
-from jctr.ops.host_memory import describe_huge_pages
+from jctr.ops.host_memory import describe_malloc_tuning
 from jctr.ops.xla_options import step_compiler_options
 from jctr.sharding import (
     ShardedEmbeddings,
@@ -112,7 +112,7 @@ class Trainer:
         self._check_batch_sizes()
         self._print(describe_mesh(self.mesh))
         if jax.default_backend() == "cpu":
-            self._print(describe_huge_pages())
+            self._print(describe_malloc_tuning())
         # the plan is checked against device memory before any table is allocated
         self.plan = plan_embeddings(
             cfg, self.specs, self.num_devices, dense_bytes=_dense_bytes(init_state),

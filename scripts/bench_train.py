@@ -10,7 +10,8 @@ Precision: float32 on both sides is the like-for-like comparison. ``bfloat16`` r
 ``compute_dtype: bfloat16`` (bf16 matmuls, float32 weights, embeddings and optimizer) and the
 baseline under ``torch.autocast("cpu", torch.bfloat16)`` (the same split). Every variant's
 steps are interleaved in rounds (``--block`` steps each), so the machine's slow phases hit all
-of them alike; figures are medians over all timed steps.
+of them alike; figures are medians over all timed steps, and each ratio also comes per round
+(its lowest and highest value printed: how far the machine's drift moved it).
 
     python scripts/bench_train.py                 # one-hot and 10-hot, float32 and bfloat16
     python scripts/bench_train.py --hot 1 --steps 20 --dtype float32
@@ -184,6 +185,17 @@ def interleaved(runners: dict, steps: int, warmup: int, block: int) -> dict:
     return times
 
 
+def round_ratios(fast: list[float], slow: list[float], block: int) -> list[float]:
+    """Speed ratio ``slow / fast`` of the median step time per round (``block`` steps each).
+
+    Rounds of two variants run back to back, so a round's ratio is taken under the same machine
+    load; the spread of these ratios shows how much the shared machine's drift moves the result.
+    """
+    chunks = range(0, min(len(fast), len(slow)), block)
+    return [statistics.median(slow[i:i + block]) / statistics.median(fast[i:i + block])
+            for i in chunks]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -210,15 +222,21 @@ def main() -> int:
         rate = {k: args.batch / statistics.median(t) for k, t in times.items()}
         for dtype in args.dtype:
             j, t = rate["jctr", dtype], rate["torch", dtype]
+            per_round = round_ratios(times["jctr", dtype], times["torch", dtype], args.block)
             row = {"hot": hot, "batch": args.batch, "dtype": dtype,
                    "jctr_samples_per_s": round(j), "torch_samples_per_s": round(t),
-                   "ratio": round(j / t, 3)}
+                   "ratio": round(j / t, 3),
+                   "round_ratios": [round(r, 3) for r in per_round]}
             line = (f"{hot:>2}-hot batch {args.batch} {dtype:<8}: jctr {j:,.0f} samples/s   "
                     f"pytorch{' (autocast)' if dtype == 'bfloat16' else ''} {t:,.0f} samples/s"
-                    f"   ratio {j / t:.2f}x")
+                    f"   ratio {j / t:.2f}x (rounds {min(per_round):.2f}-{max(per_round):.2f})")
             if dtype != "float32" and ("torch", "float32") in rate:
                 row["ratio_to_torch_float32"] = round(j / rate["torch", "float32"], 3)
-                line += f"   (jctr {dtype} / pytorch float32: {row['ratio_to_torch_float32']:.2f}x)"
+                cross = round_ratios(times["jctr", dtype], times["torch", "float32"], args.block)
+                row["round_ratios_to_torch_float32"] = [round(r, 3) for r in cross]
+                line += (f"   (jctr {dtype} / pytorch float32: "
+                         f"{row['ratio_to_torch_float32']:.2f}x, rounds "
+                         f"{min(cross):.2f}-{max(cross):.2f})")
             results.append(row)
             print(line, flush=True)
     if args.json:

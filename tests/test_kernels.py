@@ -1,5 +1,7 @@
-"""Pallas kernels: interpret mode on CPU against the jnp references, and lowering for CUDA."""
+"""Pallas kernels: interpret mode on CPU against the jnp references, and lowering for CUDA;
+the native CPU kernels (``jctr.ops.cpu_ffi``) against the same references."""
 
+import functools
 import os
 
 import jax
@@ -131,10 +133,28 @@ def test_interaction_kernels_lower_to_triton_for_cuda():
     assert "jctr_interaction_bwd" in bwd
 
 
-@pytest.mark.parametrize("case", ["random", "all_colliding", "nearly_full"])
-def test_hash_lookup_kernel_matches_reference(case):
-    from jctr.ops.hashing import EMPTY_KEY, find_slots, home_slots
+def _cpu_lookup(table, keys, valid, parts=2):
+    from jctr.ops import cpu_ffi
+
+    return jax.jit(cpu_ffi.lookup_slots, static_argnums=3)(table, keys, valid, parts)
+
+
+def _lookup_impl(impl):
     from jctr.ops.pallas_hash import lookup_slots_kernel
+
+    if impl == "pallas":
+        return lambda t, k, v: lookup_slots_kernel(t, k, v, interpret=True)
+    if impl == "cpu_dispatch":  # what a CPU step runs (jctr.ops.find_slots)
+        from jctr.ops import find_slots
+
+        return jax.jit(lambda t, k, v: find_slots(t, k, v, insert=False)[1])
+    return lambda t, k, v: _cpu_lookup(t, k, v, parts=int(impl[-1]))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "cpu_dispatch", "cpu_parts1", "cpu_parts3"])
+@pytest.mark.parametrize("case", ["random", "all_colliding", "nearly_full", "full"])
+def test_hash_lookup_kernel_matches_reference(case, impl):
+    from jctr.ops.hashing import EMPTY_KEY, find_slots, home_slots
 
     rng = np.random.default_rng(0)
     num_slots = 64
@@ -142,20 +162,28 @@ def test_hash_lookup_kernel_matches_reference(case):
         cand = rng.integers(-(2**62), 2**62, size=20_000, dtype=np.int64)
         homes = np.asarray(home_slots(jnp.asarray(cand), num_slots))
         stored = cand[homes == 5][:20]
-    elif case == "nearly_full":
-        stored = rng.choice(10**9, 63, replace=False).astype(np.int64)
+    elif case in ("nearly_full", "full"):  # full: absent keys must stop after one sweep
+        stored = rng.choice(10**9, 63 if case == "nearly_full" else 64,
+                            replace=False).astype(np.int64)
     else:
         stored = rng.integers(0, 10**6, 25).astype(np.int64)
     table, _ = find_slots(jnp.full((num_slots,), EMPTY_KEY), jnp.asarray(stored),
                           jnp.ones(stored.shape, bool), insert=True)
+    if case == "full":  # no free slot left anywhere
+        t = np.asarray(table).copy()
+        t[t == EMPTY_KEY] = 10**10 + np.arange((t == EMPTY_KEY).sum())
+        table = jnp.asarray(t)
+    placed = np.isin(stored, np.asarray(table))
+    assert placed.sum() >= 60 if case in ("nearly_full", "full") else placed.all()
     queries = np.concatenate([stored, stored[:3], rng.integers(10**9, 2 * 10**9, 7)])
     valid = np.ones(queries.shape, bool)
     valid[-2:] = False
     q, v = jnp.asarray(queries), jnp.asarray(valid)
-    got = lookup_slots_kernel(table, q, v, interpret=True)
+    got = _lookup_impl(impl)(table, q, v)
     _, want = find_slots(table, q, v, insert=False)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    assert (np.asarray(got)[: stored.size] >= 0).all()
+    assert (np.asarray(got)[: stored.size][placed] >= 0).all()
+    assert (np.asarray(got)[-2:] == -1).all()
 
 
 def test_hash_lookup_lowers_to_triton_for_cuda():
@@ -169,13 +197,21 @@ def test_hash_lookup_lowers_to_triton_for_cuda():
     assert "jctr_hash_lookup" in text
 
 
+@pytest.mark.parametrize("impl", ["pallas", "cpu_dispatch"])
 @pytest.mark.parametrize("case", ["random", "duplicates", "all_colliding", "overfull",
                                   "existing"])
-def test_hash_insert_kernel_builds_a_valid_table(case):
+def test_hash_insert_kernel_builds_a_valid_table(case, impl):
     """Find-or-insert: every valid key ends in a slot holding it, one slot per distinct key,
-    keys already stored are found where they are, a full table refuses the rest (-1)."""
+    keys already stored are found where they are, a full table refuses the rest (-1).
+    ``cpu_dispatch``: the native lookup of present keys, then XLA's insert of the others."""
+    from jctr.ops import find_slots as dispatched_find_slots
     from jctr.ops.hashing import EMPTY_KEY, find_slots, home_slots
     from jctr.ops.pallas_hash import insert_slots_kernel
+
+    if impl == "pallas":
+        insert = functools.partial(insert_slots_kernel, interpret=True)
+    else:
+        insert = jax.jit(functools.partial(dispatched_find_slots, insert=True))
 
     rng = np.random.default_rng(0)
     num_slots = 64
@@ -197,8 +233,7 @@ def test_hash_insert_kernel_builds_a_valid_table(case):
     valid = np.ones(keys.shape, bool)
     valid[-1] = False
     before = np.asarray(table)
-    new_table, slots = insert_slots_kernel(table, jnp.asarray(keys), jnp.asarray(valid),
-                                           interpret=True)
+    new_table, slots = insert(table, jnp.asarray(keys), jnp.asarray(valid))
     new_table, slots = np.asarray(new_table), np.asarray(slots)
     assert slots[~valid].tolist() == [-1]
     placed = slots >= 0

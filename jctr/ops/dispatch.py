@@ -13,8 +13,15 @@ import os
 import jax
 
 from jctr.ops import bag as ref
+from jctr.ops import (
+    cpu_ffi,
+    hashing,
+    interaction,
+    pallas_bag,
+    pallas_hash,
+    pallas_interaction,
+)
 from jctr.ops import dense as dense_ops
-from jctr.ops import hashing, interaction, pallas_bag, pallas_hash, pallas_interaction
 
 
 def _mode() -> str:
@@ -106,24 +113,42 @@ def linear(x, kernel, bias, *, relu: bool = False):
     return jax.lax.platform_dependent(x, kernel, bias, cpu=rowmajor, default=reference)
 
 
+def _find_slots_cpu(slot_keys, keys, valid, *, insert: bool):
+    # keys already in the table: one native pass (jctr.ops.cpu_ffi); new keys (few in steady
+    # state) are inserted by the XLA formulation, probing from their home slot
+    if not cpu_ffi.AVAILABLE:
+        return hashing.find_slots(slot_keys, keys, valid, insert=insert)
+    slots = cpu_ffi.lookup_slots(slot_keys, keys, valid)
+    if not insert:
+        return slot_keys, slots
+    pos = hashing.home_slots(keys, slot_keys.shape[0])
+    return hashing.probe_remaining(slot_keys, keys, pos, slots, valid & (slots < 0), insert=True)
+
+
 def find_slots(slot_keys, keys, valid, *, insert: bool):
     """Slots of keys in an open-addressing table (see :func:`jctr.ops.hashing.find_slots`):
-    the Pallas kernels on GPU (lookup, and find-or-insert with atomic claims), the XLA
-    formulation on CPU."""
+    the Pallas kernels on GPU (lookup, and find-or-insert with atomic claims); on CPU a native
+    probe loop for the keys present and the XLA formulation for the insertions."""
     if _mode() == "reference":
         return hashing.find_slots(slot_keys, keys, valid, insert=insert)
     if insert:
         def reference(slot_keys, keys, valid):
             return hashing.find_slots(slot_keys, keys, valid, insert=True)
 
-        return jax.lax.platform_dependent(slot_keys, keys, valid, cpu=reference,
+        def cpu(slot_keys, keys, valid):
+            return _find_slots_cpu(slot_keys, keys, valid, insert=True)
+
+        return jax.lax.platform_dependent(slot_keys, keys, valid, cpu=cpu,
                                           cuda=pallas_hash.insert_slots_kernel,
                                           default=reference)
 
     def lookup_reference(slot_keys, keys, valid):
         return hashing.find_slots(slot_keys, keys, valid, insert=False)[1]
 
-    slots = jax.lax.platform_dependent(slot_keys, keys, valid, cpu=lookup_reference,
+    def lookup_cpu(slot_keys, keys, valid):
+        return _find_slots_cpu(slot_keys, keys, valid, insert=False)[1]
+
+    slots = jax.lax.platform_dependent(slot_keys, keys, valid, cpu=lookup_cpu,
                                        cuda=pallas_hash.lookup_slots_kernel,
                                        default=lookup_reference)
     return slot_keys, slots

@@ -132,6 +132,23 @@ def find_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array, *, inser
         active = active & ~found
         if not insert:
             active = active & ~missing
+    return probe_remaining(slot_keys, keys, pos, slots, active, insert=insert,
+                           rounds_done=dense_rounds, chunk=chunk)
+
+
+def probe_remaining(slot_keys: jax.Array, keys: jax.Array, pos: jax.Array, slots: jax.Array,
+                    active: jax.Array, *, insert: bool, rounds_done: int = 0,
+                    chunk: int | None = None):
+    """Finish :func:`find_slots` for the ``active`` keys: probe on from ``pos`` (with
+    ``insert``, claiming free slots) in compacted chunks. ``slots`` holds the keys resolved
+    already; ``rounds_done`` probes were spent on each key before (a full sweep of the table
+    bounds the probing). Returns (slot_keys, slots).
+
+    With ``active`` all False this is one check, so a batch whose keys all exist costs nothing
+    more here.
+    """
+    n = keys.shape[0]
+    num_slots = slot_keys.shape[0]
     if chunk is None:
         chunk = max(64, n // 8)
     chunk = min(chunk, n)
@@ -160,7 +177,7 @@ def find_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array, *, inser
 
         slot_keys, sub_pos, _, sub_slots, _ = jax.lax.while_loop(
             inner_cond, inner_body,
-            (slot_keys, sub_pos, sub_active, sub_slots, jnp.int32(dense_rounds)))
+            (slot_keys, sub_pos, sub_active, sub_slots, jnp.int32(rounds_done)))
         slots = slots.at[idx].set(sub_slots, mode="drop")
         active = active.at[idx].set(False, mode="drop")
         pos = pos.at[idx].set(sub_pos, mode="drop")

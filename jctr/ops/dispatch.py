@@ -2,7 +2,8 @@
 
 ``jax.lax.platform_dependent`` selects at lowering time, so one jitted function carries the
 Pallas/Triton kernel for ``cuda`` and the XLA formulation for ``cpu`` (measured faster there:
-``scripts/bench_ops.py``). ``JCTR_KERNELS=reference`` forces the jnp references everywhere
+``scripts/bench_ops.py``), except the CPU hash lookup, a native kernel
+(:mod:`jctr.ops.cpu_ffi`). ``JCTR_KERNELS=reference`` forces the jnp references everywhere
 (debugging), ``JCTR_KERNELS=pallas`` the kernels on GPU even where the reference is chosen.
 """
 

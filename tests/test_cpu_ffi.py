@@ -13,8 +13,8 @@ from jctr.ops.hashing import EMPTY_KEY
 from jctr.ops.hashing import find_slots as reference_find_slots
 
 
-def _table(n_keys=40, num_slots=128, seed=0):
-    keys = np.random.default_rng(seed).choice(10**12, n_keys, replace=False).astype(np.int64)
+def _table(n_keys=40, num_slots=128, key_range=10**12):
+    keys = np.random.default_rng(0).choice(key_range, n_keys, replace=False).astype(np.int64)
     table, _ = reference_find_slots(jnp.full((num_slots,), EMPTY_KEY), jnp.asarray(keys),
                                     jnp.ones(n_keys, bool), insert=True)
     return table, keys
@@ -22,11 +22,12 @@ def _table(n_keys=40, num_slots=128, seed=0):
 
 @pytest.mark.parametrize("n,parts", [(0, 2), (1, 2), (1, 1), (7, 2), (7, 3), (50, 4)])
 def test_lookup_slots_any_batch_split(n, parts):
-    table, stored = _table()
+    table, stored = _table(key_range=2**31)  # fits int32: the kernel must take int32 keys too
     rng = np.random.default_rng(n)
     queries = np.where(rng.random(n) < 0.5, rng.choice(stored, n), rng.integers(-5, 5, n))
     valid = rng.random(n) < 0.8
-    got = cpu_ffi.lookup_slots(table, jnp.asarray(queries, jnp.int64), jnp.asarray(valid),
+    key_dtype = jnp.int32 if n % 2 else jnp.int64
+    got = cpu_ffi.lookup_slots(table, jnp.asarray(queries, key_dtype), jnp.asarray(valid),
                                parts)
     _, want = reference_find_slots(table, jnp.asarray(queries, jnp.int64), jnp.asarray(valid),
                                    insert=False)

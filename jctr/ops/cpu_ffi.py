@@ -190,6 +190,9 @@ def lookup_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array,
     kernel in ``parts`` independent calls (XLA runs them concurrently). CPU only.
     """
     _register()
+    # the kernel reads int64 keys and one byte per flag, whatever the caller's dtypes
+    slot_keys, keys, valid = (slot_keys.astype(jnp.int64), keys.astype(jnp.int64),
+                              valid.astype(jnp.bool_))
     n = keys.shape[0]
     if n == 0:
         return jnp.zeros((0,), jnp.int32)

@@ -32,6 +32,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jctr.ops.hashing import _M1, _M2, EMPTY_KEY
+
 try:  # optional: without numba the XLA formulations run (numba is a declared dependency)
     import numba
     from llvmlite import ir
@@ -105,8 +107,6 @@ if AVAILABLE:
         buffer = _word(_word(frame + which + _LIST_POINTERS) + 8 * index)
         return _word(buffer + _BUFFER_DATA), _word(buffer + _BUFFER_DIMS)
 
-    _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
-    _EMPTY = np.int64(np.iinfo(np.int64).min)
     _AHEAD = 24  # keys between a home slot's prefetch and its probe (covers memory latency)
 
     @numba.njit(inline="always")
@@ -136,7 +136,7 @@ if AVAILABLE:
                 if cur == key:
                     out[i] = pos
                     break
-                if cur == _EMPTY:
+                if cur == EMPTY_KEY:
                     break
                 pos = (pos + 1) & mask
 

@@ -122,8 +122,8 @@ def _find_slots_cpu(slot_keys, keys, valid, *, insert: bool):
     slots = cpu_ffi.lookup_slots(slot_keys, keys, valid)
     if not insert:
         return slot_keys, slots
-    pos = hashing.home_slots(keys, slot_keys.shape[0])
-    return hashing.probe_remaining(slot_keys, keys, pos, slots, valid & (slots < 0), insert=True)
+    return hashing.probe_remaining(slot_keys, keys, None, slots, valid & (slots < 0),
+                                   insert=True)
 
 
 def find_slots(slot_keys, keys, valid, *, insert: bool):

@@ -136,13 +136,14 @@ def find_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array, *, inser
                            rounds_done=dense_rounds, chunk=chunk)
 
 
-def probe_remaining(slot_keys: jax.Array, keys: jax.Array, pos: jax.Array, slots: jax.Array,
-                    active: jax.Array, *, insert: bool, rounds_done: int = 0,
+def probe_remaining(slot_keys: jax.Array, keys: jax.Array, pos: jax.Array | None,
+                    slots: jax.Array, active: jax.Array, *, insert: bool, rounds_done: int = 0,
                     chunk: int | None = None):
-    """Finish :func:`find_slots` for the ``active`` keys: probe on from ``pos`` (with
-    ``insert``, claiming free slots) in compacted chunks. ``slots`` holds the keys resolved
-    already; ``rounds_done`` probes were spent on each key before (a full sweep of the table
-    bounds the probing). Returns (slot_keys, slots).
+    """Finish :func:`find_slots` for the ``active`` keys: probe on from ``pos`` (None: from
+    each key's home slot, computed for the active keys only) in compacted chunks, with
+    ``insert`` claiming free slots. ``slots`` holds the keys resolved already; ``rounds_done``
+    probes were spent on each key before (a full sweep of the table bounds the probing).
+    Returns (slot_keys, slots).
 
     With ``active`` all False this is one check, so a batch whose keys all exist costs nothing
     more here.
@@ -154,13 +155,16 @@ def probe_remaining(slot_keys: jax.Array, keys: jax.Array, pos: jax.Array, slots
     chunk = min(chunk, n)
 
     def outer_cond(carry):
-        return jnp.any(carry[3])
+        return jnp.any(carry[2])
 
     def outer_body(carry):
-        slot_keys, pos, slots, active = carry
+        # a chunk is probed to the end, so its keys leave ``active`` and their positions are
+        # never needed again
+        slot_keys, slots, active = carry
         idx = jnp.nonzero(active, size=chunk, fill_value=n)[0]
         sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
-        sub_pos = pos.at[idx].get(mode="fill", fill_value=0)
+        sub_pos = (home_slots(sub_keys, num_slots) if pos is None
+                   else pos.at[idx].get(mode="fill", fill_value=0))
         sub_active = active.at[idx].get(mode="fill", fill_value=False)
         sub_slots = jnp.full((chunk,), -1, jnp.int32)
 
@@ -175,16 +179,15 @@ def probe_remaining(slot_keys: jax.Array, keys: jax.Array, pos: jax.Array, slots
             ss = jnp.where(found, sp, ss)
             return sk, sp, sa & ~found & ~missing, ss, rounds + 1
 
-        slot_keys, sub_pos, _, sub_slots, _ = jax.lax.while_loop(
+        slot_keys, _, _, sub_slots, _ = jax.lax.while_loop(
             inner_cond, inner_body,
             (slot_keys, sub_pos, sub_active, sub_slots, jnp.int32(rounds_done)))
         slots = slots.at[idx].set(sub_slots, mode="drop")
         active = active.at[idx].set(False, mode="drop")
-        pos = pos.at[idx].set(sub_pos, mode="drop")
-        return slot_keys, pos, slots, active
+        return slot_keys, slots, active
 
-    slot_keys, pos, slots, active = jax.lax.while_loop(
-        outer_cond, outer_body, (slot_keys, pos, slots, active))
+    slot_keys, slots, _ = jax.lax.while_loop(outer_cond, outer_body,
+                                             (slot_keys, slots, active))
     return slot_keys, slots
 
 

@@ -129,6 +129,15 @@ def main() -> int:
     t_dis = timeit(fb(dispatch.dot_interaction), dense, emb, w)
     print(f"{'interaction fwd+bwd':<34}{'reference':<12}{b / t_ref / 1e6:>10.2f}M samples/s "
           f"{imoved / t_ref / 1e9:.2f} GB/s")
+    if not on_gpu:  # the XLA formulation the CPU used before the native kernel
+
+        def xla_interaction(x, y):
+            feats = jnp.concatenate([x[:, None, :], y], axis=1)
+            return interaction.assemble(x, interaction.pair_dots_xla(feats))
+
+        t_xla = timeit(fb(xla_interaction), dense, emb, w)
+        print(f"{'interaction fwd+bwd':<34}{'xla':<12}{b / t_xla / 1e6:>10.2f}M samples/s "
+              f"{imoved / t_xla / 1e9:.2f} GB/s  ({t_ref / t_xla:.2f}x the reference)")
     print(f"{'interaction fwd+bwd':<34}{'dispatched':<12}{b / t_dis / 1e6:>10.2f}M samples/s "
           f"{imoved / t_dis / 1e9:.2f} GB/s  ({t_ref / t_dis:.2f}x the reference)")
     if not on_gpu:

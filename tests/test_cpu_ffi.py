@@ -1,5 +1,6 @@
-"""Native CPU kernels (``jctr.ops.cpu_ffi``): the FFI plumbing and the CPU dispatch. Their
-results against the jnp references are checked in test_kernels.py (hash lookup and insert)."""
+"""Native CPU kernels (``jctr.ops.cpu_ffi``): the FFI plumbing, the CPU dispatch and the
+interaction kernels against the reference. The hash lookup's and insert's results against the
+jnp references are checked in test_kernels.py."""
 
 import ctypes
 
@@ -8,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jctr.ops import cpu_ffi, find_slots
+from jctr.ops import cpu_ffi, dot_interaction, find_slots
 from jctr.ops.hashing import EMPTY_KEY
 from jctr.ops.hashing import find_slots as reference_find_slots
+from jctr.ops.interaction import dot_interaction_reference, pair_dots_xla
 
 
 def _table(n_keys=40, num_slots=128, key_range=10**12):
@@ -83,7 +85,9 @@ class _CallFrame(ctypes.Structure):  # the leading fields of XLA_FFI_CallFrame
                 ("stage", ctypes.c_int), ("rest", ctypes.c_int64 * 16)]
 
 
-def test_handler_answers_the_metadata_query():
+@pytest.mark.parametrize("handler", ["_hash_lookup_handler", "_pair_dots_handler",
+                                     "_pair_dots_grad_handler"])
+def test_handler_answers_the_metadata_query(handler):
     """XLA may call a handler with only a metadata extension to learn its API version: the
     handler reports the caller's version, touches no buffer and returns success (NULL)."""
     api = _Api(ctypes.sizeof(_Api), None, _ApiVersion(ctypes.sizeof(_ApiVersion), None, 0, 9))
@@ -93,7 +97,63 @@ def test_handler_answers_the_metadata_query():
     frame = _CallFrame(ctypes.sizeof(_CallFrame), ctypes.addressof(extension),
                        ctypes.pointer(api), None, 0)  # no args: reading one would crash
     handler = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(
-        cpu_ffi._hash_lookup_handler.address)
+        getattr(cpu_ffi, handler).address)
     assert handler(ctypes.addressof(frame)) is None
     assert (metadata.api_version.major, metadata.api_version.minor) == (0, 9)
     assert metadata.traits == 0
+
+
+def _pair_dots_reference(feats):
+    b, f, _ = feats.shape
+    gram = np.einsum("bfd,bgd->bfg", feats.astype(np.float64), feats.astype(np.float64))
+    li, lj = np.tril_indices(f, k=-1)
+    return gram[:, li, lj]
+
+
+@pytest.mark.parametrize("b,f,dim,parts", [(1, 2, 16, 2), (5, 27, 16, 2), (7, 27, 32, 3),
+                                           (4, 16, 16, 1), (3, 17, 16, 2), (6, 40, 48, 2)])
+def test_pair_dots_and_gradient_match_the_reference(b, f, dim, parts):
+    """Feature counts below, at and above one vector (16), several vectors of width, batches
+    not divisible by the parts: the values and the gradient of a random weighting."""
+    rng = np.random.default_rng(b * f + dim)
+    feats = rng.normal(size=(b, f, dim)).astype(np.float32)
+    weights = rng.normal(size=(b, f * (f - 1) // 2)).astype(np.float32)
+    assert cpu_ffi.pair_dots_supported(jnp.asarray(feats))
+    got = cpu_ffi.pair_dots(jnp.asarray(feats), parts)
+    assert got.shape == (b, f * (f - 1) // 2) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), _pair_dots_reference(feats), rtol=1e-5,
+                               atol=1e-5)
+    grad = jax.grad(lambda x: jnp.sum(cpu_ffi.pair_dots(x, parts) * weights))(jnp.asarray(feats))
+    want = jax.grad(lambda x: jnp.sum(pair_dots_xla(x) * weights))(jnp.asarray(feats))
+    np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_pair_dots_of_bfloat16_features_give_bfloat16_gradients():
+    feats = jnp.asarray(np.random.default_rng(1).normal(size=(3, 5, 16)), jnp.bfloat16)
+    got = cpu_ffi.pair_dots(feats)
+    np.testing.assert_allclose(np.asarray(got),
+                               _pair_dots_reference(np.asarray(feats, np.float32)), rtol=1e-5)
+    grad = jax.grad(lambda x: jnp.sum(cpu_ffi.pair_dots(x)))(feats)
+    assert grad.dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize("dim,native", [(16, True), (32, True), (8, False), (24, False)])
+def test_cpu_interaction_calls_the_native_kernel_for_multiples_of_16(dim, native):
+    dense, sparse = jnp.ones((4, dim), jnp.float32), jnp.ones((4, 3, dim), jnp.float32)
+    fn = jax.jit(jax.grad(lambda d, s: jnp.sum(dot_interaction(d, s)), argnums=(0, 1)))
+    text = fn.lower(dense, sparse).as_text()
+    assert ("jctr_cpu_pair_dots" in text) == native
+    assert ("jctr_cpu_pair_dots_grad" in text) == native
+    rng = np.random.default_rng(dim)
+    dense = jnp.asarray(rng.normal(size=(4, dim)), jnp.float32)
+    sparse = jnp.asarray(rng.normal(size=(4, 3, dim)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(dot_interaction(dense, sparse)),
+                               np.asarray(dot_interaction_reference(dense, sparse)),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_interaction_without_numba_runs_xla(monkeypatch):
+    monkeypatch.setattr(cpu_ffi, "AVAILABLE", False)
+    # shapes no other test traces: jax caches the traced branch per function and shapes
+    dense, sparse = jnp.ones((5, 16), jnp.float32), jnp.ones((5, 6, 16), jnp.float32)
+    assert "jctr_cpu_pair_dots" not in jax.jit(dot_interaction).lower(dense, sparse).as_text()

@@ -2,7 +2,7 @@
 
 ``jax.lax.platform_dependent`` selects at lowering time, so one jitted function carries the
 Pallas/Triton kernel for ``cuda`` and the XLA formulation for ``cpu`` (measured faster there:
-``scripts/bench_ops.py``), except the CPU hash lookup, a native kernel
+``scripts/bench_ops.py``), except the CPU hash lookup and the dot interaction, native kernels
 (:mod:`jctr.ops.cpu_ffi`). ``JCTR_KERNELS=reference`` forces the jnp references everywhere
 (debugging), ``JCTR_KERNELS=pallas`` the kernels on GPU even where the reference is chosen.
 """
@@ -72,6 +72,19 @@ def embedding_bag_backward(grad_out, segments, rep, num_segments: int, combiner:
                                       default=reference)
 
 
+def _cpu_pair_dots(feats):
+    # the native kernels where they apply; else bfloat16: batched row-major matmuls for
+    # YNNPACK, float32: elementwise with the batch innermost
+    if cpu_ffi.pair_dots_supported(feats) and feats.dtype in _NATIVE_PAIR_DOTS:
+        return cpu_ffi.pair_dots(feats)
+    if feats.dtype == jax.numpy.bfloat16:
+        return interaction.pair_dots_gram(feats)
+    return interaction.pair_dots_xla(feats)
+
+
+_NATIVE_PAIR_DOTS = (jax.numpy.float32, jax.numpy.bfloat16)
+
+
 def dot_interaction(dense, sparse):
     """Concatenate ``dense`` [b, d] with the strictly-lower-triangular pairwise dot products of
     the features ``[dense, sparse[:, 0], ..., sparse[:, s-1]]`` and one zero column (products
@@ -84,11 +97,8 @@ def dot_interaction(dense, sparse):
     feats = jax.numpy.concatenate([dense[:, None, :], sparse.astype(dense.dtype)], axis=1)
     if _mode() == "reference":
         return interaction.dot_interaction_reference(dense, sparse)
-    # bfloat16: batched row-major matmuls for YNNPACK; float32: elementwise, batch innermost
-    cpu = (interaction.pair_dots_gram if feats.dtype == jax.numpy.bfloat16
-           else interaction.pair_dots_xla)
     dots = jax.lax.platform_dependent(
-        feats, cpu=cpu, cuda=pallas_interaction.make_pair_dots(False),
+        feats, cpu=_cpu_pair_dots, cuda=pallas_interaction.make_pair_dots(False),
         default=interaction.pair_dots_xla)
     return interaction.assemble(dense, dots)
 

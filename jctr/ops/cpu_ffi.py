@@ -241,14 +241,23 @@ if AVAILABLE:
                     _weighted_row_sum(base + 4 * c, 4 * dim, weights_at + 4 * i * f, f,
                                       out + 4 * ((s * f + i) * dim + c))
 
+    @numba.njit(inline="always")
+    def _span(address):
+        """(lo, hi) from an int32[2] operand: the samples a call handles."""
+        span = carray(_pointer(address), (2,), np.int32)
+        return np.int64(span[0]), np.int64(span[1])
+
     def _pair_dots(frame_pointer):
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
         feats, dims = _buffer(frame, _FRAME_ARGS, 0)
+        span, _ = _buffer(frame, _FRAME_ARGS, 1)
         out, _ = _buffer(frame, _FRAME_RETS, 0)
         shape = carray(_pointer(dims), (3,), np.int64)
-        _pair_dots_rows(feats, out, shape[0], shape[1], shape[2])
+        lo, hi = _span(span)
+        f, dim = shape[1], shape[2]
+        _pair_dots_rows(feats + 4 * lo * f * dim, out, hi - lo, f, dim)
         return _pointer(0)
 
     def _pair_dots_grad(frame_pointer):
@@ -257,9 +266,13 @@ if AVAILABLE:
             return _pointer(0)
         feats, dims = _buffer(frame, _FRAME_ARGS, 0)
         grad, _ = _buffer(frame, _FRAME_ARGS, 1)
+        span, _ = _buffer(frame, _FRAME_ARGS, 2)
         out, _ = _buffer(frame, _FRAME_RETS, 0)
         shape = carray(_pointer(dims), (3,), np.int64)
-        _pair_dots_grad_rows(feats, grad, out, shape[0], shape[1], shape[2])
+        lo, hi = _span(span)
+        f, dim = shape[1], shape[2]
+        _pair_dots_grad_rows(feats + 4 * lo * f * dim, grad + 4 * lo * (f * (f - 1) // 2),
+                             out, hi - lo, f, dim)
         return _pointer(0)
 
     def _cfunc(fn):
@@ -350,12 +363,16 @@ def _pair_dots(feats, parts):
     return _pair_dots_forward(feats, parts)[0]
 
 
+# Every call takes the whole batch and the [lo, hi) of samples it handles: calls that consume
+# one buffer become ready together, and XLA runs them concurrently (calls on slices of it ran
+# one after the other, each slice being its own fusion).
 def _pair_dots_forward(feats, parts):
     b, f, _ = feats.shape
     pieces = []
     for lo, hi in _batch_parts(b, parts):
         out = jax.ShapeDtypeStruct((hi - lo, f * (f - 1) // 2), jnp.float32)
-        pieces.append(jax.ffi.ffi_call("jctr_cpu_pair_dots", out)(feats[lo:hi]))
+        pieces.append(jax.ffi.ffi_call("jctr_cpu_pair_dots", out)(
+            feats, jnp.asarray([lo, hi], jnp.int32)))
     return _concatenate(pieces), feats
 
 
@@ -364,8 +381,8 @@ def _pair_dots_backward(parts, feats, grad):
     pieces = []
     for lo, hi in _batch_parts(feats.shape[0], parts):
         out = jax.ShapeDtypeStruct((hi - lo, *feats.shape[1:]), jnp.float32)
-        pieces.append(jax.ffi.ffi_call("jctr_cpu_pair_dots_grad", out)(feats[lo:hi],
-                                                                        grad[lo:hi]))
+        pieces.append(jax.ffi.ffi_call("jctr_cpu_pair_dots_grad", out)(
+            feats, grad, jnp.asarray([lo, hi], jnp.int32)))
     return (_concatenate(pieces),)
 
 

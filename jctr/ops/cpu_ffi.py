@@ -114,6 +114,12 @@ if AVAILABLE:
         buffer = _word(_word(frame + which + _LIST_POINTERS) + 8 * index)
         return _word(buffer + _BUFFER_DATA), _word(buffer + _BUFFER_DIMS)
 
+    @numba.njit(inline="always")
+    def _span(address):
+        """(lo, hi) from an int32[2] operand: the part of the batch a call handles."""
+        span = carray(_pointer(address), (2,), np.int32)
+        return np.int64(span[0]), np.int64(span[1])
+
     _AHEAD = 24  # keys between a home slot's prefetch and its probe (covers memory latency)
 
     @numba.njit(inline="always")
@@ -152,17 +158,19 @@ if AVAILABLE:
         if _answer_metadata(frame):
             return _pointer(0)
         table, table_dims = _buffer(frame, _FRAME_ARGS, 0)
-        key_data, key_dims = _buffer(frame, _FRAME_ARGS, 1)
+        key_data, _ = _buffer(frame, _FRAME_ARGS, 1)
         valid_data, _ = _buffer(frame, _FRAME_ARGS, 2)
+        span, _ = _buffer(frame, _FRAME_ARGS, 3)
         out_data, _ = _buffer(frame, _FRAME_RETS, 0)
-        num_slots, n = _word(table_dims), _word(key_dims)
+        num_slots = _word(table_dims)
+        lo, hi = _span(span)
         bits = 0
         while (1 << bits) < num_slots:
             bits += 1
         _probe_all(carray(_pointer(table), (num_slots,), np.int64), table,
-                   carray(_pointer(key_data), (n,), np.int64),
-                   carray(_pointer(valid_data), (n,), np.bool_),
-                   carray(_pointer(out_data), (n,), np.int32), 64 - bits)
+                   carray(_pointer(key_data + 8 * lo), (hi - lo,), np.int64),
+                   carray(_pointer(valid_data + lo), (hi - lo,), np.bool_),
+                   carray(_pointer(out_data), (hi - lo,), np.int32), 64 - bits)
         return _pointer(0)
 
     _LANES = 16  # floats per vector in the interaction kernels
@@ -241,12 +249,6 @@ if AVAILABLE:
                     _weighted_row_sum(base + 4 * c, 4 * dim, weights_at + 4 * i * f, f,
                                       out + 4 * ((s * f + i) * dim + c))
 
-    @numba.njit(inline="always")
-    def _span(address):
-        """(lo, hi) from an int32[2] operand: the samples a call handles."""
-        span = carray(_pointer(address), (2,), np.int32)
-        return np.int64(span[0]), np.int64(span[1])
-
     def _pair_dots(frame_pointer):
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
@@ -320,11 +322,15 @@ def lookup_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array,
         return jnp.zeros((0,), jnp.int32)
     return _concatenate([jax.ffi.ffi_call("jctr_cpu_hash_lookup",
                                           jax.ShapeDtypeStruct((hi - lo,), jnp.int32))(
-                                              slot_keys, keys[lo:hi], valid[lo:hi])
+                                              slot_keys, keys, valid,
+                                              jnp.asarray([lo, hi], jnp.int32))
                          for lo, hi in _batch_parts(n, parts)])
 
 
 
+# Every kernel call takes the whole batch and the [lo, hi) it handles (an int32[2] operand):
+# calls that read one buffer become ready together, so XLA can run them concurrently, and no
+# slice of the batch is copied (slices were fusions of their own, run one after the other).
 def _batch_parts(n: int, parts: int) -> list[tuple[int, int]]:
     """``parts`` (or fewer) consecutive ranges covering ``range(n)``, n > 0."""
     step = -(-n // parts)
@@ -363,9 +369,6 @@ def _pair_dots(feats, parts):
     return _pair_dots_forward(feats, parts)[0]
 
 
-# Every call takes the whole batch and the [lo, hi) of samples it handles: calls that consume
-# one buffer become ready together, and XLA runs them concurrently (calls on slices of it ran
-# one after the other, each slice being its own fusion).
 def _pair_dots_forward(feats, parts):
     b, f, _ = feats.shape
     pieces = []

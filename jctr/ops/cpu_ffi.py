@@ -252,32 +252,30 @@ if AVAILABLE:
                     _weighted_row_sum(base + 4 * c, 4 * dim, weights_at + 4 * i * f, f,
                                       out + 4 * ((s * f + i) * dim + c))
 
+    @numba.njit(inline="always")
+    def _feature_part(frame, span_index):
+        """(address of the first sample, first sample, samples, f, dim) of the features
+        [b, f, dim] (argument 0) that this call handles."""
+        feats, dims = _buffer(frame, _FRAME_ARGS, 0)
+        lo, hi = _span(_buffer(frame, _FRAME_ARGS, span_index)[0])
+        shape = carray(_pointer(dims), (3,), np.int64)
+        return feats + 4 * lo * shape[1] * shape[2], lo, hi - lo, shape[1], shape[2]
+
     def _pair_dots(frame_pointer):
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
-        feats, dims = _buffer(frame, _FRAME_ARGS, 0)
-        span, _ = _buffer(frame, _FRAME_ARGS, 1)
-        out, _ = _buffer(frame, _FRAME_RETS, 0)
-        shape = carray(_pointer(dims), (3,), np.int64)
-        lo, hi = _span(span)
-        f, dim = shape[1], shape[2]
-        _pair_dots_rows(feats + 4 * lo * f * dim, out, hi - lo, f, dim)
+        feats, _, b, f, dim = _feature_part(frame, 1)
+        _pair_dots_rows(feats, _buffer(frame, _FRAME_RETS, 0)[0], b, f, dim)
         return _pointer(0)
 
     def _pair_dots_grad(frame_pointer):
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
-        feats, dims = _buffer(frame, _FRAME_ARGS, 0)
-        grad, _ = _buffer(frame, _FRAME_ARGS, 1)
-        span, _ = _buffer(frame, _FRAME_ARGS, 2)
-        out, _ = _buffer(frame, _FRAME_RETS, 0)
-        shape = carray(_pointer(dims), (3,), np.int64)
-        lo, hi = _span(span)
-        f, dim = shape[1], shape[2]
-        _pair_dots_grad_rows(feats + 4 * lo * f * dim, grad + 4 * lo * (f * (f - 1) // 2),
-                             out, hi - lo, f, dim)
+        feats, lo, b, f, dim = _feature_part(frame, 2)
+        grad = _buffer(frame, _FRAME_ARGS, 1)[0] + 4 * lo * (f * (f - 1) // 2)
+        _pair_dots_grad_rows(feats, grad, _buffer(frame, _FRAME_RETS, 0)[0], b, f, dim)
         return _pointer(0)
 
     def _cfunc(fn):

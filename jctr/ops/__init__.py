@@ -1,6 +1,6 @@
 """Kernels and their jnp references. Code elsewhere calls these names only; ``dispatch`` picks
-the implementation per platform (Pallas/Triton kernels on GPU, the XLA formulations and a native
-hash lookup on CPU)."""
+the implementation per platform (Pallas/Triton kernels on GPU, the XLA formulations and native
+kernels for the hash lookup and the dot interaction on CPU)."""
 
 from jctr.ops.bag import embedding_bag
 from jctr.ops.dispatch import (

@@ -318,34 +318,36 @@ def lookup_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array,
     # the kernel reads int64 keys and one byte per flag, whatever the caller's dtypes
     slot_keys, keys, valid = (slot_keys.astype(jnp.int64), keys.astype(jnp.int64),
                               valid.astype(jnp.bool_))
-    n = keys.shape[0]
-    if n == 0:
+    if keys.shape[0] == 0:
         return jnp.zeros((0,), jnp.int32)
-    return _concatenate([jax.ffi.ffi_call("jctr_cpu_hash_lookup",
-                                          jax.ShapeDtypeStruct((hi - lo,), jnp.int32))(
-                                              slot_keys, keys, valid,
-                                              jnp.asarray([lo, hi], jnp.int32))
-                         for lo, hi in _batch_parts(n, parts)])
+    return _call_in_parts("jctr_cpu_hash_lookup", keys.shape[0], parts, (), jnp.int32,
+                          slot_keys, keys, valid)
 
 
-# Every kernel call takes the whole batch and the [lo, hi) it handles (an int32[2] operand):
-# calls that read one buffer become ready together, so XLA can run them concurrently, and no
-# slice of the batch is copied (slices were fusions of their own, run one after the other).
-def _batch_parts(n: int, parts: int) -> list[tuple[int, int]]:
-    """``parts`` (or fewer) consecutive ranges covering ``range(n)``, n > 0."""
+def _call_in_parts(target: str, n: int, parts: int, row_shape: tuple[int, ...], dtype,
+                   *operands: jax.Array) -> jax.Array:
+    """``target``'s results [n, *row_shape] from ``parts`` calls over the batch (n > 0).
+
+    Every call takes the whole operands and the [lo, hi) it handles (an int32[2] operand
+    last): calls that read one buffer become ready together, so XLA can run them concurrently,
+    and no slice of the batch is copied (slices were fusions of their own, run one after the
+    other).
+    """
     step = -(-n // parts)
-    return [(lo, min(n, lo + step)) for lo in range(0, n, step)]
-
-
-def _concatenate(pieces: list[jax.Array]) -> jax.Array:
+    pieces = [jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((min(n, lo + step) - lo,
+                                                             *row_shape), dtype))(
+                  *operands, jnp.asarray([lo, min(n, lo + step)], jnp.int32))
+              for lo in range(0, n, step)]
     return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
 
 
 def pair_dots_supported(feats: jax.Array) -> bool:
-    """Whether :func:`pair_dots` takes these features: native kernels built, a non-empty batch
-    of at least two features, and a width that is a multiple of 16."""
+    """Whether :func:`pair_dots` takes these features: native kernels built, float32 or
+    bfloat16 (the kernels compute in float32: float64 keeps the XLA formulation), a non-empty
+    batch of at least two features, and a width that is a multiple of 16."""
     b, f, dim = feats.shape
-    return AVAILABLE and b > 0 and f >= 2 and dim > 0 and dim % 16 == 0
+    return (AVAILABLE and feats.dtype in (jnp.float32, jnp.bfloat16) and b > 0 and f >= 2
+            and dim > 0 and dim % 16 == 0)
 
 
 def pair_dots(feats: jax.Array, parts: int = 2) -> jax.Array:
@@ -371,22 +373,13 @@ def _pair_dots(feats, parts):
 
 def _pair_dots_forward(feats, parts):
     b, f, _ = feats.shape
-    pieces = []
-    for lo, hi in _batch_parts(b, parts):
-        out = jax.ShapeDtypeStruct((hi - lo, f * (f - 1) // 2), jnp.float32)
-        pieces.append(jax.ffi.ffi_call("jctr_cpu_pair_dots", out)(
-            feats, jnp.asarray([lo, hi], jnp.int32)))
-    return _concatenate(pieces), feats
+    return _call_in_parts("jctr_cpu_pair_dots", b, parts, (f * (f - 1) // 2,), jnp.float32,
+                          feats), feats
 
 
 def _pair_dots_backward(parts, feats, grad):
-    grad = grad.astype(jnp.float32)
-    pieces = []
-    for lo, hi in _batch_parts(feats.shape[0], parts):
-        out = jax.ShapeDtypeStruct((hi - lo, *feats.shape[1:]), jnp.float32)
-        pieces.append(jax.ffi.ffi_call("jctr_cpu_pair_dots_grad", out)(
-            feats, grad, jnp.asarray([lo, hi], jnp.int32)))
-    return (_concatenate(pieces),)
+    return (_call_in_parts("jctr_cpu_pair_dots_grad", feats.shape[0], parts, feats.shape[1:],
+                           jnp.float32, feats, grad.astype(jnp.float32)),)
 
 
 _pair_dots.defvjp(_pair_dots_forward, _pair_dots_backward)

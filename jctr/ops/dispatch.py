@@ -72,14 +72,10 @@ def embedding_bag_backward(grad_out, segments, rep, num_segments: int, combiner:
                                       default=reference)
 
 
-# the native kernels compute in float32: float64 features keep the XLA formulation
-_NATIVE_PAIR_DOTS = (jax.numpy.float32, jax.numpy.bfloat16)
-
-
 def _cpu_pair_dots(feats):
     # the native kernels where they apply; else bfloat16: batched row-major matmuls for
     # YNNPACK, float32: elementwise with the batch innermost
-    if cpu_ffi.pair_dots_supported(feats) and feats.dtype in _NATIVE_PAIR_DOTS:
+    if cpu_ffi.pair_dots_supported(feats):
         return cpu_ffi.pair_dots(feats)
     if feats.dtype == jax.numpy.bfloat16:
         return interaction.pair_dots_gram(feats)

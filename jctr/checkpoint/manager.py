@@ -1,22 +1,35 @@
-"""Orbax checkpoints of the whole training state.
+"""Orbax checkpoints of the whole training state, written so that no exit loses or damages one.
 
-A checkpoint (one folder per step under the checkpoint directory) holds three items:
+Layout under the checkpoint directory (``<snapshot_prefix>checkpoints``):
 
-* ``dense``: step, base RNG key, dense parameters, BatchNorm statistics, dense optimizer state;
-* ``tables``: every embedding table by key (:mod:`jctr.checkpoint.tables`), with its optimizer
-  rows, so that a different table capacity or device count can load it;
-* ``meta``: JSON with the format version, the data reader's position, the config and the tables'
-  shapes.
-
-Orbax writes each step to a temporary folder and renames it when complete, so a process killed
-in the middle of a save leaves the previous checkpoint as the latest.
+* ``<step>/``: a finished checkpoint with three Orbax items -- ``dense`` (step, base RNG key,
+  dense parameters, BatchNorm statistics, dense optimizer state), ``tables`` (every embedding
+  table by key with its optimizer rows, :mod:`jctr.checkpoint.tables`, so that another table
+  capacity or device count can load it) and ``meta`` (JSON: format version, data reader
+  positions, the config, the tables' shapes) -- plus ``jctr_integrity.json``, the size and CRC32
+  of every file;
+* ``non_trainable_<step>.json`` beside it (BatchNorm statistics, HugeCTR's format);
+* ``.pending/<step>/``: a save in flight. Orbax writes it (asynchronously); once complete, the
+  integrity record goes in and the folder is renamed to ``<step>/``. Only then is the snapshot
+  reported. A process killed at any moment therefore leaves either a finished, sealed checkpoint
+  or an invisible pending one, and the previous checkpoints untouched;
+* ``LOCK``: the run that owns the directory (process id, host, start time). A second run on the
+  same directory stops with a message; a lock whose process is gone is reported and taken over.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import shutil
+import socket
+import threading
+import time
+import uuid
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -25,15 +38,20 @@ import orbax.checkpoint as ocp
 
 from jctr.checkpoint.tables import export_placed, import_placed
 from jctr.embedding.collection import EmbeddingSpec
+from jctr.errors import UserError
 from jctr.sharding.mesh import to_host
 from jctr.train.step import TrainState
 
 FORMAT = "jctr-checkpoint"
-VERSION = 1
+VERSION = 2  # 2: sealed from .pending/ with jctr_integrity.json inside the step folder
+INTEGRITY = "jctr_integrity.json"
+PENDING = ".pending"
+LOCK = "LOCK"
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete or unreadable; the message names the path."""
+class CheckpointError(UserError, RuntimeError):
+    """A checkpoint is missing, incomplete, unreadable, or its directory is in use; the message
+    names the path."""
 
 
 def _dense_tree(state: TrainState) -> dict[str, Any]:
@@ -44,30 +62,163 @@ def _dense_tree(state: TrainState) -> dict[str, Any]:
 class Checkpointer:
     """Saves and restores :class:`TrainState` under ``directory``, keeping the last ``keep``.
 
+    ``on_sealed(step, path)`` is called once a snapshot is complete on disk (from a background
+    thread for asynchronous saves).
+
     Example::
 
         ckpt = Checkpointer("runs/dlrm/checkpoints", keep=3)
+        ckpt.acquire()                                      # this run owns the directory
         ckpt.save(state, specs, meta={"reader": {...}})
+        ckpt.wait()                                         # sealed: the snapshot is on disk
         state, meta = ckpt.restore(fresh_state, specs)      # the latest step
     """
 
-    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
+                 on_sealed: Callable[[int, str], None] | None = None):
         self.directory = os.path.abspath(directory)
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True,
-                                               enable_async_checkpointing=async_save)
-        self.manager = ocp.CheckpointManager(self.directory, options=options)
-        self._unsealed: list[int] = []
+        self.keep = keep
+        self.on_sealed = on_sealed
+        self.run_id = uuid.uuid4().hex
+        handler = ocp.CompositeCheckpointHandler()
+        self._saver = (ocp.AsyncCheckpointer(handler) if async_save
+                       else ocp.Checkpointer(handler))
+        self._loader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
+        self._in_flight: int | None = None
+        self._beside: dict[str, bytes] = {}
+        self._sealer: threading.Thread | None = None
+        self._seal_error: BaseException | None = None
+        self._locked = False
+        self._replace: set[int] = set()  # another run's steps this run may delete (--force)
+
+    # ---- listing ------------------------------------------------------------------------
 
     def steps(self) -> list[int]:
-        return sorted(self.manager.all_steps())
+        """Finished checkpoints, oldest first."""
+        if not os.path.isdir(self.directory):
+            return []
+        return sorted(int(n) for n in os.listdir(self.directory)
+                      if n.isdigit() and os.path.isdir(os.path.join(self.directory, n)))
 
     def latest_step(self) -> int | None:
-        return self.manager.latest_step()
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def step_dir(self, step: int) -> str:
+        return os.path.join(self.directory, str(step))
+
+    def _pending_dir(self, step: int) -> str:
+        return os.path.join(self.directory, PENDING, str(step))
+
+    # ---- ownership ----------------------------------------------------------------------
+
+    @property
+    def lock_path(self) -> str:
+        return os.path.join(self.directory, LOCK)
+
+    def lock_owner(self) -> dict | None:
+        """The LOCK file's record, or None when the directory is not locked."""
+        try:
+            with open(self.lock_path, encoding="utf-8") as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except (OSError, json.JSONDecodeError):
+            return {"pid": None, "host": None, "started": None}
+
+    def check_not_in_use(self) -> None:
+        """Raise if another live run holds the directory (a stale lock does not count)."""
+        owner = self.lock_owner()
+        if owner is None or owner.get("run") == self.run_id or _is_stale(owner):
+            return
+        raise CheckpointError(
+            f"{self.directory}: in use by another run ({_describe_owner(owner)}); wait for it "
+            "to end, choose another snapshot_prefix, or remove "
+            f"{self.lock_path} if that run is gone")
+
+    def acquire(self, report: Callable[[str], None] = print) -> None:
+        """Own the directory for this run: create it, take ``LOCK`` (a stale lock of a process
+        that is gone is reported and taken over) and remove what an earlier run left in flight.
+        """
+        if self._locked:
+            return
+        try:
+            os.makedirs(os.path.join(self.directory, PENDING), exist_ok=True)
+        except OSError as e:
+            raise CheckpointError(f"{self.directory}: cannot create the checkpoint directory: "
+                                  f"{e.strerror}") from e
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
+              "run": self.run_id}
+        for _ in range(3):
+            try:
+                fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                owner = self.lock_owner()
+                if owner is None:
+                    continue
+                if not _is_stale(owner):
+                    self.check_not_in_use()
+                report(f"[jctr] {self.directory}: the run that locked it "
+                       f"({_describe_owner(owner)}) is gone; taking over its lock")
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(self.lock_path)
+                continue
+            except OSError as e:
+                raise CheckpointError(f"{self.lock_path}: cannot write: {e.strerror}") from e
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(me, f)
+            break
+        else:
+            raise CheckpointError(f"{self.lock_path}: could not take the lock (another run "
+                                  "keeps taking it)")
+        self._locked = True
+        atexit.register(self.release)
+        pending = os.path.join(self.directory, PENDING)
+        for name in sorted(os.listdir(pending)):
+            report(f"[jctr] {self.directory}: removing the unfinished snapshot "
+                   f"{PENDING}/{name} of a run that stopped during a save")
+            shutil.rmtree(os.path.join(pending, name), ignore_errors=True)
+
+    def release(self) -> None:
+        """Give the directory up (the lock file is removed if it is still ours)."""
+        if not self._locked:
+            return
+        self._locked = False
+        owner = self.lock_owner()
+        if owner is not None and owner.get("run") == self.run_id:
+            with contextlib.suppress(OSError):
+                os.remove(self.lock_path)
+
+    def replace_at_first_save(self, steps: list[int]) -> None:
+        """``--force``: another run's checkpoints, deleted once this run's first is sealed."""
+        self._replace = set(steps)
+
+    def check_writable(self, need_bytes: int) -> None:
+        """Raise unless a file can be written here and ``need_bytes`` are free."""
+        probe = os.path.join(self.directory, PENDING, f"probe-{self.run_id}")
+        try:
+            with open(probe, "wb") as f:
+                f.write(b"jctr")
+            os.remove(probe)
+        except OSError as e:
+            raise CheckpointError(f"{self.directory}: checkpoint directory is not writable: "
+                                  f"{e.strerror}") from e
+        free = shutil.disk_usage(self.directory).free
+        if free < need_bytes:
+            raise CheckpointError(
+                f"{self.directory}: {free / 2**30:.2f} GiB free, but one snapshot may need up "
+                f"to {need_bytes / 2**30:.2f} GiB; free some space or choose another "
+                "snapshot_prefix")
+
+    # ---- saving -------------------------------------------------------------------------
 
     def save(self, state: TrainState, specs: tuple[EmbeddingSpec, ...],
-             meta: dict[str, Any] | None = None, placements=None) -> int:
-        """Start saving (asynchronously where Orbax allows); returns the step saved.
-        ``placements`` (from the sharding plan) says how tables are laid out on devices."""
+             meta: dict[str, Any] | None = None, placements=None,
+             beside: dict[str, bytes] | None = None) -> int:
+        """Start saving (asynchronously where Orbax allows) into ``.pending/<step>``; the
+        snapshot is sealed and reported once complete. ``placements`` (from the sharding plan)
+        says how tables are laid out; ``beside`` names small files written next to the
+        checkpoint when it is sealed (``non_trainable_<step>.json``). Returns the step."""
         step = int(to_host(state.step))
         placements = placements or (None,) * len(specs)
         tables = {s.name: export_placed(e, p)
@@ -76,43 +227,127 @@ class Checkpointer:
                 "tables": {s.name: {"rows": int(tables[s.name]["keys"].shape[0]), "dim": s.dim,
                                     "capacity": s.capacity} for s in specs},
                 **(meta or {})}
-        self.wait()  # one save in flight at a time; seals the previous one
-        self.manager.save(step, args=ocp.args.Composite(
-            dense=ocp.args.StandardSave(_dense_tree(state)),
-            tables=ocp.args.StandardSave(tables),
-            meta=ocp.args.JsonSave(info)))
-        self._unsealed.append(step)
+        self.wait()  # one save in flight at a time
+        if step in self.steps() and step not in self._replace:
+            raise CheckpointError(f"{self.step_dir(step)}: a checkpoint of iter {step} exists "
+                                  "already")
+        pending = self._pending_dir(step)
+        if jax.process_index() == 0:
+            shutil.rmtree(pending, ignore_errors=True)  # ours: this run holds the lock
+        self._in_flight, self._beside = step, dict(beside or {})
+        try:
+            self._saver.save(pending, args=ocp.args.Composite(
+                dense=ocp.args.StandardSave(_dense_tree(state)),
+                tables=ocp.args.StandardSave(tables),
+                meta=ocp.args.JsonSave(info)))
+        except BaseException as e:
+            self._abandon(e)
+            raise _not_written(pending, step, e) from e
+        if jax.process_index() == 0 and isinstance(self._saver, ocp.AsyncCheckpointer):
+            self._seal_error = None
+            self._sealer = threading.Thread(target=self._seal_when_written, daemon=True)
+            self._sealer.start()
         return step
 
-    def wait(self) -> None:
-        """Wait for the save in flight, then record sizes and CRC32s of its files
-        (``<step>.integrity.json``) so that later damage is found and named on restore."""
-        self.manager.wait_until_finished()
-        if jax.process_index() != 0:  # one process seals for all (the folder is shared)
-            self._unsealed = []
-            return
-        done = set(self.manager.all_steps())
-        for step in self._unsealed:
-            if step in done:
-                _atomic_json(self._integrity_path(step), _file_digests(self.step_dir(step)))
-        self._unsealed = []
-        for name in os.listdir(self.directory):
-            if name.endswith(".integrity.json"):
-                old = name.split(".", 1)[0]
-                if old.isdigit() and int(old) not in done:
-                    os.remove(os.path.join(self.directory, name))
+    def _seal_when_written(self) -> None:
+        try:
+            self._saver.wait_until_finished()
+            self._seal()
+        except BaseException as e:  # noqa: BLE001 - handed to the main thread in wait()
+            self._seal_error = e
 
-    def _integrity_path(self, step: int) -> str:
-        return os.path.join(self.directory, f"{step}.integrity.json")
+    def _seal(self) -> None:
+        """Integrity record into the finished pending folder, then rename it into place."""
+        step = self._in_flight
+        pending, final = self._pending_dir(step), self.step_dir(step)
+        _atomic_json(os.path.join(pending, INTEGRITY), _file_digests(pending))
+        if os.path.isdir(final) and step in self._replace:
+            shutil.rmtree(final)
+        os.rename(pending, final)
+        for name, data in self._beside.items():
+            _atomic_bytes(os.path.join(self.directory, name), data)
+        self._in_flight, self._beside = None, {}
+        for old in sorted(self._replace):  # --force: the other run's checkpoints go now
+            if old != step:
+                self._remove_step(old)
+        self._replace = set()
+        for old in self.steps()[:-self.keep]:
+            self._remove_step(old)
+        if self.on_sealed is not None:
+            self.on_sealed(step, final)
+
+    def _remove_step(self, step: int) -> None:
+        shutil.rmtree(self.step_dir(step), ignore_errors=True)
+        for name in (f"non_trainable_{step}.json", f"{step}.integrity.json"):
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(self.directory, name))
+
+    def wait(self) -> None:
+        """Finish the save in flight: wait for its files, seal it and report it. A save that
+        failed (disk full, ...) is removed and raises :class:`CheckpointError`; so does an
+        interruption while waiting (the unfinished snapshot is removed first)."""
+        if self._in_flight is None:
+            return
+        step, pending = self._in_flight, self._pending_dir(self._in_flight)
+        try:
+            if self._sealer is not None:
+                while self._sealer.is_alive():
+                    self._sealer.join(0.1)
+                self._sealer = None
+                if self._seal_error is not None:
+                    raise self._seal_error
+            else:
+                self._saver.wait_until_finished()
+                if jax.process_index() == 0:
+                    self._seal()
+            self._in_flight = None
+        except BaseException as e:
+            self._abandon(e)
+            if isinstance(e, Exception):
+                raise _not_written(pending, step, e) from e
+            raise
+
+    def _abandon(self, cause: BaseException) -> None:
+        """Remove the unfinished snapshot in flight (the previous checkpoints stay)."""
+        step, self._in_flight, self._sealer = self._in_flight, None, None
+        if step is None or jax.process_index() != 0:
+            return
+        shutil.rmtree(self._pending_dir(step), ignore_errors=True)
+
+    def finish(self, report: Callable[[str], None] = print) -> None:
+        """On any exit: finish the snapshot in flight (or remove it and say so), then release
+        the directory. Never raises for the snapshot; the caller's own error goes on."""
+        step = self._in_flight
+        try:
+            self.wait()
+        except BaseException as e:  # noqa: BLE001 - reported, the exit goes on
+            report(f"[jctr] snapshot of iter {step} was not written "
+                   f"({_first_line(e) or type(e).__name__}); the earlier checkpoints are kept")
+        finally:
+            self.release()
+
+    # ---- reading ------------------------------------------------------------------------
+
+    def _integrity_record(self, step: int) -> dict | None:
+        for path in (os.path.join(self.step_dir(step), INTEGRITY),
+                     os.path.join(self.directory, f"{step}.integrity.json")):  # version 1
+            if os.path.exists(path):
+                try:
+                    with open(path, encoding="utf-8") as f:
+                        return json.load(f)
+                except (OSError, json.JSONDecodeError) as e:
+                    raise CheckpointError(f"{path}: integrity record unreadable: {e}") from e
+        return None
 
     def verify(self, step: int) -> None:
         """Raise :class:`CheckpointError` naming the first missing or damaged file."""
-        path = self._integrity_path(step)
-        if not os.path.exists(path):
-            return  # written by a process that died before sealing: Orbax's own checks only
-        with open(path, encoding="utf-8") as f:
-            expected = json.load(f)
+        expected = self._integrity_record(step)
         root = self.step_dir(step)
+        if expected is None:
+            if self._version(step) >= 2:
+                raise CheckpointError(f"{root}/{INTEGRITY}: missing; the checkpoint cannot be "
+                                      "checked for damage")
+            return  # version 1, sealed late: Orbax's own checks only
         for rel, (size, crc) in expected.items():
             full = os.path.join(root, rel)
             if not os.path.isfile(full):
@@ -123,8 +358,11 @@ class Checkpointer:
             if _crc32(full) != crc:
                 raise CheckpointError(f"{full}: damaged checkpoint file (checksum mismatch)")
 
-    def step_dir(self, step: int) -> str:
-        return os.path.join(self.directory, str(step))
+    def _version(self, step: int) -> int:
+        try:
+            return int(self.read_meta(step).get("version", 1))
+        except CheckpointError:
+            return VERSION
 
     def read_meta(self, step: int | None = None) -> dict[str, Any]:
         step = self._pick(step)
@@ -134,7 +372,8 @@ class Checkpointer:
                 meta = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise CheckpointError(f"{path}: checkpoint metadata unreadable: {e}") from e
-        if meta.get("format") != FORMAT or meta.get("version", 0) > VERSION:
+        if not isinstance(meta, dict) or meta.get("format") != FORMAT \
+                or meta.get("version", 0) > VERSION:
             raise CheckpointError(f"{path}: not a jctr checkpoint of version <= {VERSION}")
         return meta
 
@@ -166,7 +405,7 @@ class Checkpointer:
                 raise CheckpointError(f"{os.path.join(where, item)}: missing checkpoint item")
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _dense_tree(fresh))
         try:
-            restored = self.manager.restore(step, args=ocp.args.Composite(
+            restored = self._loader.restore(where, args=ocp.args.Composite(
                 dense=ocp.args.StandardRestore(target),
                 tables=ocp.args.StandardRestore()))
         except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise many kinds
@@ -192,8 +431,37 @@ class Checkpointer:
         return state, meta
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
-        self.manager.close()
+        self.finish()
+        self._saver.close()
+
+
+def _is_stale(owner: dict) -> bool:
+    """A lock whose process is gone (same host only: another host's processes are unknown)."""
+    pid = owner.get("pid")
+    if owner.get("host") != socket.gethostname() or not isinstance(pid, int):
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:
+        return False
+    return False
+
+
+def _describe_owner(owner: dict) -> str:
+    started = owner.get("started")
+    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
+            if isinstance(started, (int, float)) else "an unknown time")
+    return f"pid {owner.get('pid')} on host {owner.get('host')}, since {when}"
+
+
+def _not_written(pending: str, step: int, cause: BaseException) -> CheckpointError:
+    what = cause.strerror if isinstance(cause, OSError) and cause.strerror else \
+        f"{type(cause).__name__}: {_first_line(cause)}"
+    where = getattr(cause, "filename", None) or pending
+    return CheckpointError(f"{where}: snapshot of iter {step} not written ({what}); the earlier "
+                           "checkpoints are kept")
 
 
 def _crc32(path: str) -> int:
@@ -214,10 +482,21 @@ def _file_digests(root: str) -> dict[str, list[int]]:
 
 
 def _atomic_json(path: str, obj) -> None:
+    _atomic_bytes(path, json.dumps(obj).encode())
+
+
+def _atomic_bytes(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def _first_line(e: Exception) -> str:

@@ -22,10 +22,11 @@ import os
 import jax.numpy as jnp
 import numpy as np
 
+from jctr.errors import UserError
 from jctr.models import layers as L
 
 
-class ModelFileError(ValueError):
+class ModelFileError(UserError, ValueError):
     """A model file does not match the model; the message names the file and what differs."""
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -14,6 +16,7 @@ from jctr.config.schema import (
     EMBEDDING_TYPES,
     LOSS_TYPES,
     MIXED_PRECISION_SCALERS,
+    NAN_POLICIES,
     OPTIMIZER_TYPES,
     SPARSE_INPUT_TYPES,
     UPDATE_TYPES,
@@ -77,6 +80,53 @@ def load_config(config: str | os.PathLike | dict, *, require_solver: bool = True
     return parse_config(raw, source=source, base_dir=base_dir, require_solver=require_solver)
 
 
+def override_solver(cfg: ModelConfig, changes: dict[str, Any],
+                    names: dict[str, str] | None = None) -> ModelConfig:
+    """``cfg`` with solver fields replaced, validated exactly like the file.
+
+    ``changes`` maps solver field names to JSON-like values (tuples become lists); ``None``
+    removes a field (its default applies). Setting ``max_iter`` drops ``num_epochs`` and the
+    other way round, as on HugeCTR's command line. ``names`` maps a field to what the user
+    typed (``{"max_iter": "--max-iter"}``) so that an error names that instead of the JSON path.
+
+    Example::
+
+        cfg = override_solver(load_config("configs/dlrm.json"), {"max_iter": 50})
+    """
+    if cfg.raw is None:
+        raise TypeError("override_solver needs a config parsed from JSON (ModelConfig.raw)")
+    raw = copy.deepcopy(cfg.raw)
+    solver = raw.setdefault("solver", {})
+    if not isinstance(solver, dict):
+        raise ConfigError("solver", "expected an object", cfg.source)
+    if changes.get("max_iter") is not None and "num_epochs" not in changes:
+        solver.pop("num_epochs", None)
+    if changes.get("num_epochs") is not None and "max_iter" not in changes:
+        solver.pop("max_iter", None)
+    for key, value in changes.items():
+        if value is None:
+            solver.pop(key, None)
+        else:
+            solver[key] = _to_json(value)
+    try:
+        return parse_config(raw, source=cfg.source, base_dir=cfg.base_dir,
+                            require_solver=False)
+    except ConfigError as e:
+        field = e.path.split(".", 1)[1].split("[", 1)[0].split(".", 1)[0] \
+            if e.path.startswith("solver.") else None
+        if field in changes:
+            flag = (names or {}).get(field)
+            where = flag or f"override solver.{field}"
+            raise ConfigError(where, e.reason) from None
+        raise
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, (tuple, list)):
+        return [_to_json(v) for v in value]
+    return value
+
+
 def parse_config(raw: Any, *, source: str | None = None, base_dir: str = ".",
                  require_solver: bool = True) -> ModelConfig:
     root = ObjectReader(raw, "", source)
@@ -128,6 +178,7 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
                       "drop mixed_precision to use bfloat16")
     seed = r.int("seed", 0, min_value=0)
     log_dir = r.str("log_dir", None)
+    nan_policy = r.choice("nan_policy", NAN_POLICIES, "stop")
     snapshot_keep = r.int("snapshot_keep", 3, min_value=1)
     replicate_table_bytes = r.int("replicate_table_bytes", 0, min_value=0)
     all2all_capacity_factor = r.float("all2all_capacity_factor", 2.0, min_value=0.0)
@@ -142,7 +193,7 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
         mixed_precision=mixed_precision, enable_tf32_compute=enable_tf32, eval_metrics=metrics,
         input_key_type=input_key_type, compute_dtype=compute_dtype, seed=seed, log_dir=log_dir,
         snapshot_keep=snapshot_keep, replicate_table_bytes=replicate_table_bytes,
-        all2all_capacity_factor=all2all_capacity_factor)
+        all2all_capacity_factor=all2all_capacity_factor, nan_policy=nan_policy)
 
 
 def _parse_gpu(r: ObjectReader) -> tuple[tuple[int, ...], ...]:
@@ -475,8 +526,10 @@ def _loss(r: ObjectReader):
     target = ()
     if r.has("target_weight"):
         tw = r.list("target_weight")
-        if not tw or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in tw):
-            raise r.error("target_weight", f"expected a list of numbers, got {describe(tw)}")
+        if not tw or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                             and math.isfinite(v) for v in tw):
+            raise r.error("target_weight", f"expected a list of finite numbers, got "
+                          f"{describe(tw)}")
         target = tuple(float(v) for v in tw)
     return LossParam(regularizer=reg, lambda_=lam, target_weight=target)
 

@@ -7,13 +7,16 @@ lists the keys it knows.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from jctr.errors import UserError
 
 _MISSING = object()
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A configuration value is missing, unknown or of the wrong type or range.
 
     The message starts with the JSON path of the offending value, e.g.
@@ -23,6 +26,7 @@ class ConfigError(ValueError):
     def __init__(self, path: str, message: str, source: str | None = None):
         self.path = path
         self.source = source
+        self.reason = message
         where = f"{source}: " if source else ""
         super().__init__(f"{where}{path}: {message}")
 
@@ -39,6 +43,8 @@ def describe(value: Any) -> str:
         return "an object"
     if isinstance(value, list):
         return f"a list of {len(value)}"
+    if isinstance(value, float) and not math.isfinite(value):
+        return {"nan": "NaN", "inf": "Infinity", "-inf": "-Infinity"}[repr(value)]
     return repr(value)
 
 
@@ -105,18 +111,20 @@ class ObjectReader:
 
     def float(self, key: str, default: Any = _MISSING, *, min_value: float | None = None,
               positive: bool = False, max_value: float | None = None) -> float:
-        expected = "a number"
+        expected = "a finite number"
         if positive:
-            expected = "a positive number"
+            expected = "a positive finite number"
         elif min_value is not None and max_value is not None:
             expected = f"a number in [{min_value}, {max_value}]"
         elif min_value is not None:
-            expected = f"a number >= {min_value}"
+            expected = f"a finite number >= {min_value}"
 
         def ok(v):
             if not _is_number(v):
                 return False
             v = float(v)
+            if not math.isfinite(v):  # JSON's NaN / Infinity extensions, 1e999
+                return False
             if positive and not v > 0:
                 return False
             if min_value is not None and v < min_value:

@@ -6,7 +6,7 @@ Parse with :func:`jctr.config.load_config`; nothing downstream reads raw JSON.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 OPTIMIZER_TYPES = ("Adam", "MomentumSGD", "Nesterov", "SGD", "AdaGrad")
 UPDATE_TYPES = ("Local", "Global", "LazyGlobal")
@@ -19,6 +19,9 @@ SPARSE_INPUT_TYPES = ("DistributedSlot", "LocalizedSlot")
 DATA_FORMATS = ("Norm", "Raw", "Parquet", "FeatureSpec")
 MIXED_PRECISION_SCALERS = (128, 256, 512, 1024)
 COMPUTE_DTYPES = ("float32", "float16", "bfloat16")
+# what a non-finite training loss does: stop the run (nothing of the bad state is saved), or
+# skip the batch (no update from it) and go on
+NAN_POLICIES = ("stop", "skip")
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class SolverConfig:
     # send buffers per destination hold factor * keys / devices (0: every key, any skew); a
     # batch that does not fit takes a step compiled with full buffers
     all2all_capacity_factor: float = 2.0
+    nan_policy: str = "stop"  # see NAN_POLICIES
 
     @property
     def checkpoint_dir(self) -> str:
@@ -284,7 +288,11 @@ class ModelConfig:
         return emb.optimizer if emb.optimizer is not None else self.optimizer
 
     def with_solver(self, **changes) -> ModelConfig:
-        return replace(self, solver=replace(self.solver, **changes))
+        """A copy with solver fields replaced, validated like the file
+        (:func:`jctr.config.parser.override_solver`)."""
+        from jctr.config.parser import override_solver
+
+        return override_solver(self, changes)
 
     @property
     def loss(self) -> LayerConfig:

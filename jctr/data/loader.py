@@ -113,11 +113,14 @@ class Dataset(abc.ABC):
     """
 
     def __init__(self, data: DataConfig, *, seed: int | None = None, process_index: int = 0,
-                 process_count: int = 1):
+                 process_count: int = 1, labels: str | None = None):
         self.data = data
         self.seed = seed
         self.process_index = process_index
         self.process_count = process_count
+        if labels not in LABEL_RULES:
+            raise ValueError(f"labels: expected one of {sorted(LABEL_RULES, key=str)}")
+        self.label_rule = labels  # what the loss accepts: a key of LABEL_RULES
         self._cache: dict[int, RecordBlock] = {}
 
     @abc.abstractmethod
@@ -152,6 +155,13 @@ class Dataset(abc.ABC):
         for i in self.host_units():
             unit = self._read_unit(i)
             self._cache[i] = unit.load() if isinstance(unit, (FixedRecords, VarRecords)) else unit
+
+    def check_units(self) -> None:
+        """Open every unit this process reads, so that a broken header or a missing file is
+        found before training rather than when it is reached (records are checked as read)."""
+        for i in self.host_units():
+            if i not in self._cache:
+                self._read_unit(i)
 
     def host_units(self) -> list[int]:
         units = list(range(self.num_units()))[self.process_index::self.process_count]
@@ -195,17 +205,21 @@ class Dataset(abc.ABC):
         ``file_index`` counts units in this epoch's order."""
         pos = ReaderPosition(**vars(start)) if start is not None else ReaderPosition()
         pending: list[RecordBlock] = []
+        sources: list[tuple[str, int, int]] = []  # (unit, first record, count) per piece
         pending_n = 0
         order = self.unit_order(pos.epoch)
         n_units = len(order)
+        records_this_epoch = 0
         while epochs is None or pos.epoch < epochs:
             unit = order[pos.file_index]
             block = self._records(unit, pos.epoch)
             name = self.unit_name(unit)
             start_rec = pos.record
+            records_this_epoch += len(block)
             while start_rec < len(block):
                 take = min(batch_size - pending_n, len(block) - start_rec)
                 pending.append(block.slice(start_rec, start_rec + take))
+                sources.append((name, start_rec, take))
                 pending_n += take
                 start_rec += take
                 pos.record = start_rec
@@ -213,17 +227,60 @@ class Dataset(abc.ABC):
                     # "end of a unit" is reported as the start of the next one
                     nxt = (_advance_file(pos, n_units) if start_rec == len(block)
                            else ReaderPosition(**vars(pos)))
-                    yield (_make_batch(pending, batch_size, self.data.sparse, name,
-                                       start_rec - take), nxt)
-                    pending, pending_n = [], 0
+                    yield (self._checked(_make_batch(pending, batch_size, self.data.sparse, name,
+                                                     start_rec - take), sources), nxt)
+                    pending, sources, pending_n = [], [], 0
             new = _advance_file(pos, n_units)
             if new.epoch != pos.epoch:
+                if not records_this_epoch and start is None:
+                    raise DataError(f"{self.unit_name(order[0])}: the data source holds no "
+                                    f"records ({n_units} unit(s) read)")
+                records_this_epoch = 0
+                start = None
                 order = self.unit_order(new.epoch)
             pos = new
             if pos.file_index == 0 and epochs is not None and pending_n:
-                yield (_make_batch(pending, batch_size, self.data.sparse, name),
-                       ReaderPosition(**vars(pos)))
-                pending, pending_n = [], 0
+                yield (self._checked(_make_batch(pending, batch_size, self.data.sparse, name),
+                                     sources), ReaderPosition(**vars(pos)))
+                pending, sources, pending_n = [], [], 0
+
+    def _checked(self, batch: Batch, sources: list[tuple[str, int, int]]) -> Batch:
+        """Refuse non-finite label or dense values, and labels the loss cannot take, naming the
+        file, record and field (one vectorized pass per batch)."""
+        n = sum(count for _, _, count in sources)
+        label, dense = batch.label[:n], batch.dense[:n]
+        bad_label = ~np.isfinite(label)
+        rule = LABEL_RULES[self.label_rule]
+        if rule is not None:
+            bad_label |= ~rule[0](label)
+        bad_dense = ~np.isfinite(dense)
+        rows = bad_label.any(axis=1) | bad_dense.any(axis=1)
+        if not rows.any():
+            return batch
+        row = r = int(np.argmax(rows))
+        k = 0
+        while r >= sources[k][2]:  # the piece of the batch the row came from
+            r -= sources[k][2]
+            k += 1
+        name, first, _ = sources[k]
+        if bad_label[row].any():
+            col = int(np.argmax(bad_label[row]))
+            value = float(label[row, col])
+            why = "not finite" if not np.isfinite(value) else rule[1]
+            field = f"label[{col}]" if label.shape[1] > 1 else "label"
+        else:
+            col = int(np.argmax(bad_dense[row]))
+            value, why, field = float(dense[row, col]), "not finite", f"dense[{col}]"
+        raise DataError(f"{name}: record {first + r}: {field} is {value} ({why})")
+
+
+# what each loss accepts as labels: (test, what the error says) or None (anything finite)
+LABEL_RULES = {
+    None: None,
+    "probability": (lambda y: (y >= 0) & (y <= 1), "labels must lie in [0, 1] for a "
+                    "cross-entropy loss"),
+    "class": (lambda y: (y == 0) | (y == 1), "CrossEntropyLoss takes the class 0 or 1"),
+}
 
 
 def _make_batch(parts: list, batch_size: int, sparse: tuple[SparseInputConfig, ...],
@@ -291,10 +348,12 @@ def _advance_file(pos: ReaderPosition, num_files: int) -> ReaderPosition:
 
 def open_dataset(path: str, data: DataConfig, key_type: str, *, eval: bool = False,
                  seed: int | None = None, process_index: int = 0,
-                 process_count: int = 1) -> Dataset:
+                 process_count: int = 1, labels: str | None = None) -> Dataset:
     """The reader for the Data layer's format. ``eval`` picks Raw's ``eval_num_samples`` and the
-    feature specification's ``test`` mapping."""
-    kw = dict(seed=seed, process_index=process_index, process_count=process_count)
+    feature specification's ``test`` mapping; ``labels`` (a key of :data:`LABEL_RULES`) is what
+    the loss accepts."""
+    kw = dict(seed=seed, process_index=process_index, process_count=process_count,
+              labels=labels)
     if not os.path.exists(path):
         hint = " (add a \"synthetic\" clause to the Data layer to generate it)" \
             if data.synthetic is None else ""

@@ -20,28 +20,27 @@ from __future__ import annotations
 
 import functools
 import os
-import sys
 from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jctr.errors import UserError
+
 HEADER_BYTES = 64
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Input data that does not match its format or the config; names file, record and field."""
 
 
 def exit_on_data_error(action) -> int:
-    """Run a command-line action; a DataError becomes ``error: ...`` on stderr and exit code 2."""
-    try:
-        action()
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    return 0
+    """Run a command-line action: a user error becomes ``error: ...`` on stderr and exit code 2
+    (:func:`jctr.errors.run_command`)."""
+    from jctr.errors import run_command
+
+    return run_command(action)
 
 
 @dataclass

@@ -73,6 +73,28 @@ class ParquetDataset(Dataset):
     def unit_name(self, index: int) -> str:
         return self.files[index]
 
+    def check_units(self) -> None:
+        """Every file's footer against ``_metadata.json`` (rows, columns), without reading it."""
+        for i in self.host_units():
+            path = self.files[i]
+            try:
+                meta = pq.ParquetFile(path).metadata
+                names = set(meta.schema.names)
+            except Exception as e:  # noqa: BLE001 - a damaged footer fails in many ways
+                raise DataError(f"{path}: cannot read Parquet file ({type(e).__name__}: "
+                                f"{str(e)[:200]})") from e
+            want_rows = self.rows.get(os.path.basename(path))
+            if want_rows is None:
+                raise DataError(f"{self.meta['_path']}: file_stats has no entry for "
+                                f"\"{os.path.basename(path)}\"")
+            if meta.num_rows != want_rows:
+                raise DataError(f"{path}: holds {meta.num_rows} rows but _metadata.json's "
+                                f"file_stats says {want_rows}")
+            for name in (*self.labels, *self.conts, *self.cats):
+                if name not in names:
+                    raise DataError(f"{path}: missing column \"{name}\" (listed in "
+                                    "_metadata.json)")
+
     def _read_unit(self, index: int) -> RecordBlock:
         path = self.files[index]
         try:

@@ -14,12 +14,14 @@ Command line (writes Norm files and their file lists)::
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import shutil
 import sys
 
 import numpy as np
 
-from jctr.data.norm import RecordBlock, write_file_list, write_norm_file
+from jctr.data.norm import DataError, RecordBlock, write_file_list, write_norm_file
 from jctr.ops.hashing import mix64
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -164,52 +166,107 @@ def layout_from_config(cfg) -> dict:
                 label_dim=data.label_dim)
 
 
-def generate_for_config(cfg, *, force: bool = False) -> bool:
-    """Write the config's synthetic train and eval sets where their file lists are missing.
+def generation_targets(cfg, *, force: bool = False) -> list[tuple[str, int, int]]:
+    """``(path, samples, stream)`` of each set the config's ``synthetic`` clause would write now.
 
-    Returns True if anything was written.
+    A set is generated only where its path does not exist (``force``: always), and only into a
+    folder that is new or empty, so that generation never overwrites files it did not write:
+    a typo in a path next to real data is an error, not a silent replacement. The training and
+    evaluation sets need folders of their own (their part files share names). Raises
+    :class:`DataError` naming the path and what to do.
     """
-    syn = cfg.data.synthetic
+    data, syn = cfg.data, cfg.data.synthetic
     if syn is None:
-        return False
-    layout = layout_from_config(cfg)
-    fmt = cfg.data.format
-    if fmt != "Norm":
-        if os.path.exists(cfg.data.source) and os.path.exists(cfg.data.eval_source) \
-                and not force:
-            return False
-        print(f"[jctr] generating synthetic {fmt} data at {cfg.data.source}", file=sys.stderr)
-        common = dict(alpha=syn.alpha, seed=syn.seed, signal=syn.signal, **layout)
-        if fmt == "FeatureSpec":
-            write_format(fmt, cfg.data.source, syn.num_samples, eval_n=syn.eval_num_samples,
-                         **common)
-        else:
-            write_format(fmt, cfg.data.source, syn.num_samples, num_files=syn.num_files,
-                         **common)
-            write_format(fmt, cfg.data.eval_source, syn.eval_num_samples,
-                         num_files=syn.num_files, stream=1, **common)
-        return True
-    wrote = False
-    for path, n, stream in ((cfg.data.source, syn.num_samples, 0),
-                            (cfg.data.eval_source, syn.eval_num_samples, 1)):
-        if os.path.exists(path) and not force:
+        return []
+    sets = [(data.source, syn.num_samples, 0, "source")]
+    if data.format != "FeatureSpec":  # a feature specification holds both of its mappings
+        sets.append((data.eval_source, syn.eval_num_samples, 1, "eval_source"))
+    todo = [(path, n, stream, field) for path, n, stream, field in sets
+            if force or not os.path.exists(path)]
+    folders = [os.path.dirname(os.path.abspath(path)) for path, *_ in todo]
+    if len(todo) == 2 and folders[0] == folders[1]:
+        raise DataError(f"{folders[0]}: the Data layer's source and eval_source are both to be "
+                        "generated into this folder, where their part files would overwrite "
+                        "each other; give them folders of their own (e.g. .../train/ and "
+                        ".../eval/)")
+    for (path, _, _, field), folder in zip(todo, folders):
+        if force or not os.path.isdir(folder):
             continue
-        out_dir = os.path.dirname(path) or "."
-        print(f"[jctr] generating {n} synthetic samples into {out_dir}", file=sys.stderr)
-        lst = write_dataset(out_dir, n, num_files=syn.num_files, stream=stream,
-                            key_type=cfg.solver.input_key_type, check=cfg.data.check,
-                            alpha=syn.alpha, seed=syn.seed, signal=syn.signal, **layout)
-        if os.path.abspath(lst) != os.path.abspath(path):
-            os.replace(lst, path)
-        wrote = True
-    return wrote
+        present = sorted(os.listdir(folder))
+        if present:
+            shown = ", ".join(present[:3]) + (", ..." if len(present) > 3 else "")
+            raise DataError(
+                f"{path}: the Data layer's {field} does not exist, and its folder holds "
+                f"{len(present)} other file(s) ({shown}); jctr generates synthetic data only "
+                "into a new or empty folder. Fix the path, or drop the \"synthetic\" clause "
+                "(--no-generate) to read existing data")
+    return [(path, n, stream) for path, n, stream, _ in todo]
+
+
+def generate_for_config(cfg, *, force: bool = False) -> bool:
+    """Write the config's synthetic train and eval sets where their paths are missing, under
+    the rules of :func:`generation_targets`. A generation that fails part-way removes what it
+    wrote. Returns True if anything was written.
+    """
+    todo = generation_targets(cfg, force=force)
+    if not todo:
+        return False
+    syn, fmt = cfg.data.synthetic, cfg.data.format
+    common = dict(alpha=syn.alpha, seed=syn.seed, signal=syn.signal, **layout_from_config(cfg))
+    for path, n, stream in todo:
+        with _own_folder(os.path.dirname(os.path.abspath(path)), keep_existing=force):
+            if fmt == "Norm":
+                out_dir = os.path.dirname(path) or "."
+                print(f"[jctr] generating {n} synthetic samples into {out_dir}", file=sys.stderr)
+                lst = write_dataset(out_dir, n, num_files=syn.num_files, stream=stream,
+                                    key_type=cfg.solver.input_key_type, check=cfg.data.check,
+                                    **common)
+                if os.path.abspath(lst) != os.path.abspath(path):
+                    os.replace(lst, path)
+            else:
+                print(f"[jctr] generating {n} synthetic {fmt} samples at {path}",
+                      file=sys.stderr)
+                write_format(fmt, path, n, eval_n=syn.eval_num_samples,
+                             num_files=syn.num_files, stream=stream, **common)
+    return True
+
+
+class _own_folder:
+    """Context for writing into a new or empty folder: on an error (or Ctrl-C) everything
+    written there is removed again, so that a half-generated set never looks like data."""
+
+    def __init__(self, folder: str, *, keep_existing: bool):
+        self.folder = folder
+        self.existed = os.path.isdir(folder)
+        self.before = set(os.listdir(folder)) if self.existed else set()
+        self.keep_existing = keep_existing
+
+    def __enter__(self):
+        os.makedirs(self.folder, exist_ok=True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            return False
+        for name in set(os.listdir(self.folder)) - self.before:
+            full = os.path.join(self.folder, name)
+            if os.path.isdir(full) and not os.path.islink(full):
+                shutil.rmtree(full, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(full)
+        if not self.existed:
+            with contextlib.suppress(OSError):
+                os.rmdir(self.folder)
+        return False
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jctr.data.synthetic", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="generate the Data layer's `synthetic` sets of this config")
-    ap.add_argument("--force", action="store_true", help="regenerate even if the lists exist")
+    ap.add_argument("--force", action="store_true",
+                    help="regenerate even if the lists exist, overwriting files in their folders")
     ap.add_argument("--out", help="output folder (without --config)")
     ap.add_argument("--samples", type=int, default=100_000)
     ap.add_argument("--files", type=int, default=4)
@@ -226,10 +283,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.config:
         from jctr.config import load_config
+        from jctr.errors import run_command
 
-        cfg = load_config(args.config)
-        generate_for_config(cfg, force=args.force)
-        return 0
+        return run_command(lambda: generate_for_config(load_config(args.config),
+                                                       force=args.force) and None)
     if not args.out:
         ap.error("give --config or --out")
     if args.format != "Norm":

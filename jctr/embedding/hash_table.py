@@ -13,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jctr.errors import UserError
 from jctr.ops import EMPTY_KEY, find_slots, representatives
 
 
-class TableFullError(RuntimeError):
+class TableFullError(UserError, RuntimeError):
     """More distinct keys arrived than the table has rows."""
 
 

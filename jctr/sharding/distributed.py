@@ -18,6 +18,8 @@ import os
 
 import jax
 
+from jctr.errors import UserError
+
 _started = False
 
 
@@ -26,7 +28,7 @@ def _int_env(name: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise ValueError(f"environment variable {name}: expected an integer, got "
+        raise UserError(f"environment variable {name}: expected an integer, got "
                          f"{value!r}") from None
 
 
@@ -38,11 +40,11 @@ def cluster_from_env() -> dict | None:
             return None
         coord = os.environ.get("JCTR_COORDINATOR")
         if not coord:
-            raise ValueError("JCTR_NUM_PROCESSES is set but JCTR_COORDINATOR (host:port of "
+            raise UserError("JCTR_NUM_PROCESSES is set but JCTR_COORDINATOR (host:port of "
                              "process 0) is not")
         pid = _int_env("JCTR_PROCESS_ID")
         if not 0 <= pid < n:
-            raise ValueError(f"JCTR_PROCESS_ID {pid} is outside [0, {n})")
+            raise UserError(f"JCTR_PROCESS_ID {pid} is outside [0, {n})")
         return {"coordinator_address": coord, "num_processes": n, "process_id": pid}
     slurm = os.environ.get("SLURM_JOB_ID") and int(os.environ.get("SLURM_NTASKS", "1")) > 1
     ompi = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1
@@ -73,3 +75,27 @@ def initialize_distributed(timeout_s: int = 300) -> bool:
     jax.distributed.initialize(initialization_timeout=timeout_s, **args)
     _started = True
     return True
+
+
+def all_processes(action, what: str):
+    """Run ``action`` on every process and agree on the outcome: when it fails on any
+    process, every process raises (the failing one its own error), so no process waits forever
+    in a collective the failed one never reaches. Single-process: just ``action()``."""
+    if jax.process_count() == 1:
+        return action()
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    error: BaseException | None = None
+    result = None
+    try:
+        result = action()
+    except Exception as e:  # noqa: BLE001 - re-raised below, after the others heard of it
+        error = e
+    flags = np.asarray(multihost_utils.process_allgather(np.array([error is None])))
+    if error is not None:
+        raise error
+    if not flags.all():
+        failed = [int(i) for i in np.nonzero(~flags.ravel())[0]]
+        raise UserError(f"process(es) {failed} could not {what}; see their messages")
+    return result

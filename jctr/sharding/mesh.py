@@ -27,6 +27,21 @@ def mesh_devices(gpu: tuple[tuple[int, ...], ...], source: str = "<config>") -> 
     if nproc > 1 and len(gpu) not in (1, nproc):
         raise ConfigError("solver.gpu", f"lists {len(gpu)} hosts but {nproc} processes "
                           "are running; give one device list per process", source)
+    if nproc > 1:
+        # JAX's multi-host collectives (allgathers of flags and positions) span every local
+        # device; a mesh that leaves some out deadlocks or aborts in gloo
+        local = jax.local_device_count()
+        for p in range(nproc):
+            ids = sorted(gpu[p] if len(gpu) > 1 else gpu[0])
+            if ids != list(range(local)):
+                example = ",".join(map(str, range(local)))
+                raise ConfigError(
+                    "solver.gpu", f"process {p} uses devices {ids} of its {local}; a "
+                    f"multi-process run needs every local device of every process: write "
+                    f"{[list(range(local))] * nproc} (or --gpu \"{';'.join([example] * nproc)}\"), "
+                    "or give each process fewer devices (XLA_FLAGS="
+                    "--xla_force_host_platform_device_count on CPU, CUDA_VISIBLE_DEVICES on GPU)",
+                    source)
     devices = []
     for p in range(nproc):
         ids = gpu[p] if len(gpu) > 1 else gpu[0]

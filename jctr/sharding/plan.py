@@ -26,11 +26,12 @@ from jctr.config.schema import ModelConfig
 from jctr.embedding.collection import EmbeddingSpec
 from jctr.embedding.hash_table import num_slots_for
 from jctr.embedding.optimizers import init_slots
+from jctr.errors import UserError
 
 KINDS = ("single", "localized", "distributed", "replicated")
 
 
-class PlanError(ValueError):
+class PlanError(UserError, ValueError):
     """The tables do not fit the devices; the message names the table and the shortfall."""
 
 

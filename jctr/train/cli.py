@@ -5,13 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jctr.checkpoint.manager import CheckpointError
-from jctr.checkpoint.model_files import ModelFileError
-from jctr.config import ConfigError, load_config
-from jctr.data.norm import DataError
-from jctr.embedding.hash_table import TableFullError
+from jctr.config import ConfigError, load_config, override_solver
+from jctr.errors import run_command
 from jctr.sharding.distributed import initialize_distributed
-from jctr.sharding.plan import PlanError
 
 _OVERRIDES = (
     # flag, solver field, type, help
@@ -25,11 +21,20 @@ _OVERRIDES = (
     ("--seed", "seed", int, "random seed of initialisation and dropout"),
     ("--log-dir", "log_dir", str, "folder for metrics.jsonl (machine-readable progress)"),
     ("--compute-dtype", "compute_dtype", str, "float32, bfloat16 or float16"),
+    ("--snapshot", "snapshot", int, "save a checkpoint every N iterations (0: never)"),
+    ("--snapshot-prefix", "snapshot_prefix", str, "checkpoints go to <prefix>checkpoints"),
+    ("--nan-policy", "nan_policy", str, "stop (default) or skip a batch whose loss is not "
+                                        "finite"),
 )
 
 
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, like every other jctr error
+        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
+    ap = _ArgumentParser(
         prog="python -m jctr.train",
         description="Train a CTR model from a HugeCTR-style JSON config (solver, optimizer, "
                     "layers). Progress goes to the terminal; --log-dir adds JSON lines.",
@@ -40,6 +45,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "snapshot_prefix (state, RNG, schedule and data position)")
     ap.add_argument("--no-generate", action="store_true",
                     help="do not generate missing synthetic data (the Data layer's `synthetic`)")
+    ap.add_argument("--force", action="store_true",
+                    help="start afresh in a snapshot prefix that holds another run's checkpoints "
+                         "(they are deleted once this run's first snapshot is written)")
+    ap.add_argument("--debug", action="store_true",
+                    help="show tracebacks and library logs with errors")
     for flag, _, typ, hlp in _OVERRIDES:
         ap.add_argument(flag, type=typ, help=f"override solver: {hlp}")
     ap.add_argument("--gpu", help="override solver: devices, e.g. 0,1,2,3 (one host) or "
@@ -48,51 +58,37 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _parse_gpu_flag(text: str) -> tuple[tuple[int, ...], ...]:
+def _parse_gpu_flag(text: str) -> list[list[int]]:
     try:
-        hosts = tuple(tuple(int(x) for x in h.split(",")) for h in text.split(";"))
+        return [[int(x) for x in h.split(",")] for h in text.split(";")]
     except ValueError:
         raise ConfigError("--gpu", f"expected device ids like 0,1,2,3 (hosts separated by ;), "
                           f"got {text!r}") from None
-    if any(not h or min(h) < 0 for h in hosts):
-        raise ConfigError("--gpu", f"expected non-negative device ids, got {text!r}")
-    return hosts
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        # before anything touches a device: join the cluster the environment describes
-        initialize_distributed()
-        cfg = load_config(args.config)
-        overrides = {field: getattr(args, flag[2:].replace("-", "_"))
-                     for flag, field, _, _ in _OVERRIDES
-                     if getattr(args, flag[2:].replace("-", "_")) is not None}
-        if "max_iter" in overrides:
-            overrides.setdefault("num_epochs", None)
-        if "num_epochs" in overrides and "max_iter" not in overrides:
-            overrides["max_iter"] = None
-        if args.gpu is not None:
-            overrides["gpu"] = _parse_gpu_flag(args.gpu)
-        if overrides.get("compute_dtype") not in (None, "float32", "float16", "bfloat16"):
-            raise ConfigError("--compute-dtype", "expected float32, bfloat16 or float16")
-        cfg = cfg.with_solver(**overrides)
-        if cfg.solver.max_iter is None and cfg.solver.num_epochs is None:
-            raise ConfigError("solver", "set max_iter or num_epochs (or --max-iter)", cfg.source)
-        from jctr.train.trainer import Trainer
+    return run_command(lambda: _train(args), debug=args.debug)
 
-        trainer = Trainer(cfg, generate_data=not args.no_generate)
-        if args.resume:
-            trainer.restore_checkpoint()
-        trainer.fit()
-    except (ConfigError, DataError, TableFullError, CheckpointError, ModelFileError,
-            PlanError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    return 0
+
+def _train(args: argparse.Namespace) -> None:
+    # before anything touches a device: join the cluster the environment describes
+    initialize_distributed()
+    cfg = load_config(args.config)
+    overrides, flags = {}, {}
+    for flag, field, _, _ in _OVERRIDES:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            overrides[field], flags[field] = value, flag
+    if args.gpu is not None:
+        overrides["gpu"], flags["gpu"] = _parse_gpu_flag(args.gpu), "--gpu"
+    cfg = override_solver(cfg, overrides, names=flags)
+    from jctr.train.trainer import Trainer
+
+    trainer = Trainer(cfg, generate_data=not args.no_generate, force=args.force)
+    if args.resume:
+        trainer.restore_checkpoint()
+    trainer.fit()
 
 
 def console_main() -> int:

@@ -43,6 +43,7 @@ class StepConfig(NamedTuple):
     compute_dtype: Any
     loss_scale: float
     matmul_precision: str
+    skip_nonfinite: bool = False  # solver.nan_policy "skip": a bad batch updates nothing
 
 
 def _cast(tree, dtype):
@@ -113,9 +114,11 @@ def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation, engi
             inv = jnp.float32(1.0 / sc.loss_scale)
             finite = jnp.array(True)
             unscale = lambda g: g.astype(jnp.float32)
-            if sc.loss_scale != 1.0:
-                # fp16 with a static loss scale: a step whose scaled gradients overflowed
-                # applies no gradient at all (instead of poisoning the weights)
+            if sc.loss_scale != 1.0 or sc.skip_nonfinite:
+                # fp16 with a static loss scale, or nan_policy "skip": a step whose loss or
+                # gradients are not finite applies no gradient at all (instead of poisoning
+                # the weights)
+                finite = jnp.isfinite(scaled)
                 for g in jax.tree.leaves((g_params, g_pooled)):
                     finite = finite & jnp.all(jnp.isfinite(g))
                 inv = jnp.where(finite, inv, 0.0)
@@ -125,13 +128,23 @@ def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation, engi
             params = optax.apply_updates(state.params, updates)
             count = state.step + 1
             lrs = tuple(sched(state.step) for sched in schedules)
+            if sc.skip_nonfinite:
+                # the dense part keeps its old values exactly; table rows get a zero gradient
+                # at learning rate 0 (weights unchanged; touched rows' moments decay a step)
+                keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b),
+                                                     new, old)
+                params = keep(params, state.params)
+                opt_state = keep(opt_state, state.opt_state)
+                new_stats = keep(new_stats, state.batch_stats)
+                lrs = tuple(jnp.where(finite, lr, 0.0) for lr in lrs)
             new_embs = engine.apply(embs, lookups, batch, tuple(unscale(g) for g in g_pooled),
                                     lrs, count)
             overflow = sum(jnp.sum(es.table.overflow) for es in new_embs)
             new_state = TrainState(count, state.rng, params, new_stats, opt_state,
                                    tuple(new_embs))
+            skipped = ~finite if sc.skip_nonfinite else jnp.array(False)
             return new_state, {"loss": scaled / sc.loss_scale, "overflow": overflow,
-                               "grads_finite": finite}
+                               "grads_finite": finite, "skipped": skipped}
 
     return train_step
 

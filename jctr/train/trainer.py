@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -14,12 +15,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jctr.config import ConfigError, ModelConfig, load_config
-from jctr.data.batch import Batch
+from jctr.config import ConfigError, ModelConfig, load_config, override_solver
+from jctr.config.compare import config_differences
+from jctr.data.batch import Batch, check_batch
 from jctr.data.loader import Dataset, Prefetcher, ReaderPosition, open_dataset
 from jctr.data.synthetic import generate_for_config
 from jctr.embedding.collection import EmbeddingSpec, init_embedding
 from jctr.embedding.hash_table import TableFullError
+from jctr.errors import UserError
 from jctr.models.graph import build_network
 from jctr.ops.host_memory import describe_malloc_tuning
 from jctr.ops.xla_options import step_compiler_options
@@ -32,6 +35,7 @@ from jctr.sharding import (
     plan_embeddings,
     to_host,
 )
+from jctr.sharding.distributed import all_processes
 from jctr.sharding.mesh import replicated
 from jctr.sharding.plan import device_memory_bytes
 from jctr.sharding.routing import globalize_segments
@@ -61,6 +65,7 @@ def build_model(cfg: ModelConfig):
         label_top=cfg.data.label_top, dense_top=cfg.data.dense_top,
         compute_dtype=_DTYPES[cfg.solver.compute_dtype],
         loss_scale=float(cfg.solver.mixed_precision or 1.0),
+        skip_nonfinite=cfg.solver.nan_policy == "skip",
         matmul_precision="tensorfloat32" if cfg.solver.enable_tf32_compute else "float32")
     dense_tx = dense_optimizer(cfg.optimizer)
 
@@ -71,6 +76,10 @@ def build_model(cfg: ModelConfig):
             embeddings=tuple(init_embedding(s) for s in specs))
 
     return step_config, dense_tx, init_state
+
+
+class NonFiniteLoss(UserError, FloatingPointError):
+    """The training loss became NaN or infinite (solver.nan_policy "stop")."""
 
 
 def _dense_bytes(init_state) -> int:
@@ -92,18 +101,15 @@ class Trainer:
     """
 
     def __init__(self, cfg: ModelConfig, *, log: Callable[[str], None] | None = None,
-                 generate_data: bool = True):
+                 generate_data: bool = True, force: bool = False):
         self.cfg = cfg
         self.solver = cfg.solver
+        self.force = force  # a fresh run may replace another run's checkpoints
         quiet = jax.process_index() != 0  # one process reports for all
         self._print = log or (lambda s: None if quiet else print(s, file=sys.stderr, flush=True))
-        if generate_data:
-            if jax.process_index() == 0:
-                generate_for_config(cfg)
-            if jax.process_count() > 1:  # the others wait until the files exist
-                from jax.experimental import multihost_utils
-
-                multihost_utils.sync_global_devices("jctr: synthetic data ready")
+        if generate_data:  # process 0 writes; the others wait for the files (or its error)
+            all_processes(lambda: generate_for_config(cfg) if jax.process_index() == 0
+                          else None, "generate the synthetic data")
         self.step_config, self.dense_tx, init_state = build_model(cfg)
         self.specs = self.step_config.specs
         self.mesh = build_mesh(cfg.solver.gpu, cfg.source)
@@ -126,16 +132,20 @@ class Trainer:
         self._log_file = None
         self.reader_position: ReaderPosition | None = None  # after the last consumed batch
         self._checkpointer = None
+        self._resumed = False  # restored from the solver's checkpoint directory
+        self._nonfinite_at: int | None = None  # the state went bad at this iteration
         if cfg.solver.dense_model_file or cfg.solver.sparse_model_file:
             self.load_model_files(cfg.solver.dense_model_file, cfg.solver.sparse_model_file)
 
     @classmethod
-    def from_config(cls, config: str | os.PathLike | dict, **solver_overrides) -> Trainer:
-        """Build from a JSON path or dict; keyword arguments override solver fields."""
+    def from_config(cls, config: str | os.PathLike | dict, *, generate_data: bool = True,
+                    force: bool = False, **solver_overrides) -> Trainer:
+        """Build from a JSON path or dict; keyword arguments override solver fields and are
+        validated like the file (``max_iter=0`` is a :class:`ConfigError`)."""
         cfg = load_config(config, require_solver=False)
         if solver_overrides:
-            cfg = cfg.with_solver(**solver_overrides)
-        return cls(cfg)
+            cfg = override_solver(cfg, solver_overrides)
+        return cls(cfg, generate_data=generate_data, force=force)
 
     def _place(self, init_state) -> None:
         """Create the state on the device(s) and the jitted steps for that placement."""
@@ -204,35 +214,95 @@ class Trainer:
     # ---- data ---------------------------------------------------------------------------
 
     @property
+    def _label_rule(self) -> str:
+        return "class" if self.cfg.loss.type == "CrossEntropyLoss" else "probability"
+
+    @property
     def train_data(self) -> Dataset:
         if self._train_data is None:
             self._train_data = open_dataset(
                 self.cfg.data.source, self.cfg.data, self.solver.input_key_type,
                 seed=self.solver.seed if self.cfg.data.shuffle else None,
-                process_index=jax.process_index(), process_count=jax.process_count())
+                process_index=jax.process_index(), process_count=jax.process_count(),
+                labels=self._label_rule)
         return self._train_data
 
     @property
     def eval_data(self) -> Dataset:
         if self._eval_data is None:
             self._eval_data = open_dataset(self.cfg.data.eval_source, self.cfg.data,
-                                           self.solver.input_key_type, eval=True)
+                                           self.solver.input_key_type, eval=True,
+                                           labels=self._label_rule)
             if self.cfg.data.cache_eval_data:  # keep the parsed evaluation set in memory
                 self._eval_data.cache_all()
         return self._eval_data
 
     # ---- logging ------------------------------------------------------------------------
 
+    def _open_log(self) -> None:
+        """Open ``<log_dir>/metrics.jsonl`` for appending (process 0); a log_dir that cannot be
+        written is a config error, found before training."""
+        if not self.solver.log_dir or jax.process_index() != 0 or self._log_file is not None:
+            return
+        path = os.path.join(self.solver.log_dir, "metrics.jsonl")
+        try:
+            os.makedirs(self.solver.log_dir, exist_ok=True)
+            self._log_file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
+        except OSError as e:
+            raise ConfigError("solver.log_dir", f"cannot write {path}: {e.strerror}",
+                              self.cfg.source) from e
+
     def _record(self, kind: str, **fields) -> None:
         entry = {"kind": kind, "time": round(time.time(), 3), **fields}
         self.history.append(entry)
         if self.solver.log_dir and jax.process_index() == 0:
-            if self._log_file is None:
-                os.makedirs(self.solver.log_dir, exist_ok=True)
-                self._log_file = open(os.path.join(self.solver.log_dir, "metrics.jsonl"), "a",
-                                      encoding="utf-8")
+            self._open_log()
             self._log_file.write(json.dumps(entry) + "\n")
             self._log_file.flush()
+
+    # ---- checks before training ----------------------------------------------------------
+
+    def check_before_training(self, max_iter: int | None = None) -> None:
+        """Everything that can be checked before the first step: the iteration count, every
+        training and evaluation file's header, the log folder, and for snapshots the checkpoint
+        directory (owned by this run, writable, room for one snapshot). Every process checks;
+        if one fails, all stop. ``fit`` calls this first."""
+        s = self.solver
+        if not (max_iter or s.max_iter or s.num_epochs):
+            raise ConfigError("solver", "set max_iter or num_epochs (or --max-iter)",
+                              self.cfg.source)
+
+        def check() -> None:
+            self.train_data.check_units()
+            self.eval_data.check_units()
+            self._open_log()
+            if s.snapshot:
+                self._prepare_checkpoints()
+
+        all_processes(check, "pass the checks before training")
+
+    def _prepare_checkpoints(self) -> None:
+        """Own the checkpoint directory for snapshots (process 0); refuse another run's
+        checkpoints unless this run resumed from them or was told to replace them."""
+        from jctr.checkpoint.manager import CheckpointError
+
+        if jax.process_index() != 0:
+            return
+        ckpt = self.checkpointer
+        ckpt.acquire(report=self._print)
+        steps = ckpt.steps()
+        if steps and not self._resumed:
+            if not self.force:
+                ckpt.release()
+                raise CheckpointError(
+                    f"{ckpt.directory}: holds checkpoints of another run (iters "
+                    f"{', '.join(map(str, steps))}); continue that run with --resume, choose "
+                    "another snapshot_prefix, or pass --force to replace them (they are "
+                    "deleted once this run's first snapshot is written)")
+            ckpt.replace_at_first_save(steps)
+            self._print(f"[jctr] --force: the {len(steps)} checkpoint(s) in {ckpt.directory} "
+                        "will be replaced by this run's first snapshot")
+        ckpt.check_writable(sum(self.plan.device_totals()))
 
     # ---- training -----------------------------------------------------------------------
 
@@ -245,15 +315,48 @@ class Trainer:
                 f"embedding table full: more distinct keys than max_vocabulary_size_per_gpu "
                 f"allows in {names}; raise sparse_embedding_hparam.max_vocabulary_size_per_gpu")
 
+    def _check_step(self, metrics, step: int) -> int:
+        """After step ``step``: a full table or (policy ``stop``) a non-finite loss ends the run
+        before anything of the bad state is saved. Returns 1 if the step was skipped."""
+        self._check_overflow(metrics)
+        if bool(to_host(metrics["skipped"])):
+            return 1
+        loss = float(to_host(metrics["loss"]))
+        if not np.isfinite(loss):
+            self._nonfinite_at = step
+            last = None
+            if self._checkpointer is not None:
+                with contextlib.suppress(UserError):
+                    last = self._checkpointer.latest_step()
+            kept = (f"the last checkpoint (iter {last}) is kept" if last is not None
+                    else "no checkpoint was written")
+            raise NonFiniteLoss(
+                f"training loss is {loss} at iter {step}: the run stopped and saved nothing "
+                f"of this state ({kept}); lower the learning rate, check the data, or set "
+                "solver.nan_policy to \"skip\" to skip such batches")
+        return 0
+
     def fit(self, max_iter: int | None = None) -> list[dict[str, Any]]:
         """Train until iteration ``max_iter`` (or the solver's ``max_iter`` / ``num_epochs``;
         a resumed run counts the iterations done before), evaluating every ``eval_interval``
-        steps and at the end. Returns the recorded history."""
+        steps and at the end. Returns the recorded history.
+
+        On any exit (an error, Ctrl-C, SIGTERM) a snapshot in flight is finished, or removed
+        with a message; the checkpoint directory is released."""
+        if self._nonfinite_at is not None:
+            raise NonFiniteLoss(f"the state went non-finite at iter {self._nonfinite_at}; "
+                                "build a new Trainer (or restore a checkpoint) first")
+        self.check_before_training(max_iter)
+        try:
+            return self._fit(max_iter)
+        finally:
+            if self._checkpointer is not None:
+                self._checkpointer.finish(report=self._print)
+
+    def _fit(self, max_iter: int | None) -> list[dict[str, Any]]:
         s = self.solver
         max_iter = max_iter or s.max_iter
         epochs = None if max_iter else s.num_epochs
-        if max_iter is None and epochs is None:
-            raise ConfigError("solver", "set max_iter or num_epochs", self.cfg.source)
         batches = Prefetcher(
             self.train_data.batches_with_position(s.batchsize // jax.process_count(),
                                                   epochs=epochs, start=self.reader_position),
@@ -268,7 +371,7 @@ class Trainer:
         window_t, window_n = t0, 0
         prev = None
         stop = False
-        fallback_steps = 0
+        fallback_steps = skipped = 0
         try:
             for batch, position, fits in batches:
                 if jax.process_count() > 1:  # every process must run the same program
@@ -280,10 +383,10 @@ class Trainer:
                 step_fn = self.train_step if fits else self.train_step_full
                 self.state, metrics = step_fn(self.state, batch)
                 self.reader_position = position
-                if prev is not None:
-                    self._check_overflow(prev)  # one step behind: no stall of the pipeline
-                prev = metrics
+                if prev is not None:  # one step behind: no stall of the pipeline
+                    skipped += self._check_step(*prev)
                 done += 1
+                prev = (metrics, done)
                 window_n += s.batchsize
                 if done % s.display == 0:
                     loss = float(to_host(metrics["loss"]))
@@ -292,25 +395,32 @@ class Trainer:
                     window_t, window_n = now, 0
                     self._print(f"[jctr] iter {done}"
                                 + (f"/{max_iter}" if max_iter else "")
-                                + f"  loss {loss:.5f}  {rate:,.0f} samples/s")
-                    self._record("train", iter=done, loss=loss, samples_per_s=rate)
+                                + f"  loss {loss:.5f}  {rate:,.0f} samples/s"
+                                + (f"  ({skipped} non-finite batches skipped)" if skipped
+                                   else ""))
+                    self._record("train", iter=done, loss=loss, samples_per_s=rate,
+                                 **({"skipped": skipped} if skipped else {}))
                 if s.snapshot and done % s.snapshot == 0:
-                    self._check_overflow(metrics)
+                    skipped += self._check_step(*prev)  # this step's state is what is saved
+                    prev = None
                     self.save_checkpoint()
                 if done % s.eval_interval == 0 and not (max_iter and done == max_iter):
+                    if prev is not None:
+                        skipped += self._check_step(*prev)
+                        prev = None
                     stop = self._eval_and_report(done)
                 if stop or (max_iter and done >= max_iter):
                     break
         finally:
             batches.close()
         if prev is not None:
-            self._check_overflow(prev)
-            jax.block_until_ready(self.state)
+            skipped += self._check_step(*prev)
+        jax.block_until_ready(self.state)
         elapsed = time.perf_counter() - t0
         trained = done - start_step
         self._record("summary", iters=trained,
                      samples_per_s=trained * s.batchsize / max(elapsed, 1e-9),
-                     routing_fallback_steps=fallback_steps)
+                     routing_fallback_steps=fallback_steps, skipped_nonfinite=skipped)
         if self._checkpointer is not None:
             self._checkpointer.wait()
         if not stop:
@@ -337,17 +447,27 @@ class Trainer:
             from jctr.checkpoint.manager import Checkpointer
 
             self._checkpointer = Checkpointer(self.solver.checkpoint_dir,
-                                              keep=self.solver.snapshot_keep)
+                                              keep=self.solver.snapshot_keep,
+                                              on_sealed=self._on_sealed)
         return self._checkpointer
+
+    def _on_sealed(self, step: int, path: str) -> None:
+        self._print(f"[jctr] snapshot of iter {step} -> {path}")
+        self._record("snapshot", iter=step, path=path)
 
     def network(self):
         """The dense network as a concrete NNX module (a view of the current state)."""
         return nnx.merge(self.step_config.graphdef, self.state.params, self.state.batch_stats)
 
     def save_checkpoint(self) -> int:
-        """Snapshot the whole state (asynchronously) plus the BatchNorm JSON beside it."""
-        from jctr.checkpoint.model_files import write_non_trainable
+        """Snapshot the whole state (asynchronously) plus the BatchNorm JSON beside it; the
+        snapshot is reported once it is complete on disk. Refuses a state that went
+        non-finite."""
+        from jctr.checkpoint.model_files import non_trainable
 
+        if self._nonfinite_at is not None:
+            raise NonFiniteLoss(f"not saving: the state went non-finite at iter "
+                                f"{self._nonfinite_at}")
         pos = self.reader_position or ReaderPosition()
         readers = [vars(pos)]
         if jax.process_count() > 1:  # every process reads its own files: keep every position
@@ -358,35 +478,30 @@ class Trainer:
             readers = [dict(zip(("epoch", "file_index", "record"), map(int, row)))
                        for row in allpos.reshape(-1, 3)]
         ckpt = self.checkpointer
-        step = ckpt.save(self.state, self.specs,
+        all_processes(self._prepare_checkpoints, "prepare the checkpoint directory")
+        beside = {}
+        step = int(to_host(self.state.step))
+        if jax.process_index() == 0:
+            host_net = nnx.merge(self.step_config.graphdef,
+                                 jax.tree.map(to_host, self.state.params),
+                                 jax.tree.map(to_host, self.state.batch_stats))
+            beside[f"non_trainable_{step}.json"] = json.dumps(non_trainable(host_net),
+                                                              indent=1).encode()
+        return ckpt.save(self.state, self.specs,
                          meta={"reader": readers[0], "readers": readers, "config": self.cfg.raw,
                                "jctr_version": _version(), "devices": self.num_devices,
                                "processes": jax.process_count()},
-                         placements=self.placements)
-        if jax.process_index() != 0:  # one process writes the files beside the checkpoint
-            return step
-        host_net = nnx.merge(self.step_config.graphdef,
-                             jax.tree.map(to_host, self.state.params),
-                             jax.tree.map(to_host, self.state.batch_stats))
-        write_non_trainable(os.path.join(ckpt.directory, f"non_trainable_{step}.json"),
-                            host_net)
-        kept = set(ckpt.steps()) | {step}
-        for name in os.listdir(ckpt.directory):
-            if name.startswith("non_trainable_") and name.endswith(".json"):
-                old = name[len("non_trainable_"):-len(".json")]
-                if old.isdigit() and int(old) not in kept:
-                    os.remove(os.path.join(ckpt.directory, name))
-        self._print(f"[jctr] snapshot of iter {step} -> {ckpt.step_dir(step)}")
-        self._record("snapshot", iter=step, path=ckpt.step_dir(step))
-        return step
+                         placements=self.placements, beside=beside)
 
     def restore_checkpoint(self, step: int | None = None, directory: str | None = None) -> int:
         """Continue from a checkpoint (default: the latest under the solver's directory):
-        state, RNG, schedule position and the training reader's position."""
+        state, RNG, schedule position and the training reader's position. A checkpoint of a
+        config with another model structure is refused, naming the fields that differ."""
         from jctr.checkpoint.manager import Checkpointer, CheckpointError
 
         ckpt = Checkpointer(directory, keep=self.solver.snapshot_keep) if directory \
             else self.checkpointer
+        ckpt.check_not_in_use()
         meta = ckpt.read_meta(step)
         readers = meta.get("readers") or [meta.get("reader", {})]
         if len(readers) != jax.process_count():
@@ -394,12 +509,35 @@ class Trainer:
                 f"{ckpt.directory}: written by {len(readers)} process(es), restored by "
                 f"{jax.process_count()}: each process's data position cannot be carried over; "
                 "restore with the same process count")
+        self._check_same_model(ckpt.directory, meta)
         self.state, meta = ckpt.restore(self.state, self.specs, step, self.placements)
         self.reader_position = ReaderPosition(**readers[jax.process_index()])
+        self._resumed = directory is None
+        self._nonfinite_at = None
         step = int(to_host(self.state.step))
         self._print(f"[jctr] resumed from iter {step} ({ckpt.directory}, written on "
                     f"{meta.get('devices', 1)} device(s), restored on {self.num_devices})")
         return step
+
+    def _check_same_model(self, where: str, meta: dict) -> None:
+        from jctr.checkpoint.manager import CheckpointError
+
+        if not meta.get("config"):
+            return
+        try:
+            stored = load_config(meta["config"], require_solver=False)
+        except ConfigError as e:
+            raise CheckpointError(f"{where}: the config stored in the checkpoint does not parse "
+                                  f"({e})") from None
+        structural, other = config_differences(stored, self.cfg)
+        if structural:
+            shown = "; ".join(structural[:8]) + ("; ..." if len(structural) > 8 else "")
+            raise CheckpointError(f"{where}: the checkpoint was written with another model "
+                                  f"({len(structural)} field(s) differ, checkpoint -> config): "
+                                  f"{shown}")
+        if other:
+            self._print("[jctr] resuming with changed settings (checkpoint -> config): "
+                        + "; ".join(other))
 
     def save_model_files(self, prefix: str) -> list[str]:
         """HugeCTR-style files: ``<prefix>dense_<iter>.model``, one
@@ -495,5 +633,8 @@ class Trainer:
         return to_host(pred)
 
     def predict(self, batch: Batch) -> np.ndarray:
-        """Click probabilities of the batch's real samples (padding dropped)."""
-        return self._predict_all(batch)[np.asarray(batch.mask)]
+        """Click probabilities of the batch's real samples (padding dropped). A batch that does
+        not match the Data layer (key dtype, slot count, dense width) is a
+        :class:`jctr.data.batch.BatchError`."""
+        batch = check_batch(batch, self.cfg.data)
+        return self._predict_all(batch)[batch.mask]

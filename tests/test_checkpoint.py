@@ -138,9 +138,9 @@ def test_corrupted_checkpoint_names_the_path(tmp_path):
     fresh = Trainer.from_config(_cfg(tmp_path, max_iter=4))
     with pytest.raises(CheckpointError, match=r"/4/dense/\S+: damaged checkpoint file"):
         fresh.restore_checkpoint()
-    # without the integrity record, Orbax's own failure is still reported with the path
-    os.remove(tmp_path / "run_checkpoints" / "4.integrity.json")
-    with pytest.raises(CheckpointError, match=str(step_dir)):
+    # the integrity record is part of every sealed checkpoint: its absence is named too
+    os.remove(step_dir / "jctr_integrity.json")
+    with pytest.raises(CheckpointError, match=r"/4/jctr_integrity.json: missing"):
         fresh.restore_checkpoint()
     (step_dir / "meta" / "metadata").write_text("{not json")
     with pytest.raises(CheckpointError, match=r"meta/metadata: checkpoint metadata unreadable"):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tempfile
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ from jctr.checkpoint.model_files import (
 from jctr.checkpoint.tables import export_table, import_table
 from jctr.config import parse_config
 from jctr.config.schema import LOSS_TYPES
-from jctr.data.batch import Batch
+from jctr.data.batch import Batch, check_batch
 from jctr.ops.xla_options import step_compiler_options
 
 BUNDLE_FORMAT = "jctr-inference-bundle"
@@ -75,12 +76,76 @@ def config_from_network(net: dict) -> dict:
                                                      loss]}
 
 
+def check_bundle_target(output: str) -> None:
+    """Raise unless ``output`` may receive a bundle: a new path, an empty folder, or a folder
+    holding a previous jctr bundle (which is replaced). Anything else -- a checkpoint
+    directory, a working directory, a file -- is never overwritten."""
+    if not os.path.exists(output):
+        return
+    if not os.path.isdir(output):
+        raise ModelFileError(f"{output}: exists and is not a folder; export writes a bundle "
+                             "folder: give a new or empty folder")
+    entries = os.listdir(output)
+    if not entries:
+        return
+    manifest = os.path.join(output, "manifest.json")
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            is_bundle = json.load(f).get("format") == BUNDLE_FORMAT
+    except (OSError, ValueError, AttributeError):
+        is_bundle = False
+    extra = set(entries) - _BUNDLE_ENTRIES
+    if not is_bundle or extra:
+        shown = ", ".join(sorted(extra or entries)[:3])
+        raise ModelFileError(f"{output}: holds {len(entries)} entries ({shown}, ...) and is not "
+                             "a jctr inference bundle; export writes only into a new or empty "
+                             "folder, or replaces a previous bundle")
+
+
+_BUNDLE_ENTRIES = {"manifest.json", "network.json", "dense.model", "non_trainable.json",
+                   "sparse"}
+
+
 def export_bundle(trainer, output: str, step: int | None = None) -> str:
-    """Write an inference bundle of ``trainer``'s current state."""
+    """Write an inference bundle of ``trainer``'s current state into ``output`` (a new or empty
+    folder, or a previous bundle, replaced only once the new one is complete)."""
     from jctr import __version__
 
-    tmp = output.rstrip("/") + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    output = os.path.abspath(output)
+    check_bundle_target(output)
+    parent = os.path.dirname(output)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.", suffix=".partial", dir=parent)
+    try:
+        _write_bundle(trainer, tmp, __version__)
+        _replace_folder(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return output
+
+
+def _replace_folder(new: str, output: str) -> None:
+    """Move the finished folder ``new`` to ``output``; a previous bundle there goes only after
+    the new one is in place."""
+    if not os.path.exists(output):
+        os.rename(new, output)
+        return
+    if not os.listdir(output):
+        os.rmdir(output)
+        os.rename(new, output)
+        return
+    old = new[:-len(".partial")] + ".old"
+    os.rename(output, old)
+    try:
+        os.rename(new, output)
+    except BaseException:
+        os.rename(old, output)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _write_bundle(trainer, tmp: str, version: str) -> None:
     os.makedirs(os.path.join(tmp, "sparse"))
     net = trainer.network()
     write_dense_model(os.path.join(tmp, "dense.model"), net)
@@ -97,16 +162,13 @@ def export_bundle(trainer, output: str, step: int | None = None) -> str:
         raise ValueError("the trainer's config has no JSON form to export")
     network = network_json(raw)
     dense_count = int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(trainer.state.params)))
-    manifest = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "jctr_version": __version__,
+    manifest = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "jctr_version": version,
                 "jax_version": jax.__version__, "step": int(trainer.state.step),
                 "embeddings": tables, "dense_weights": dense_count,
                 "inputs": network["inputs"]}
-    for name, obj in (("manifest.json", manifest), ("network.json", network)):
+    for name, obj in (("network.json", network), ("manifest.json", manifest)):
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=1)
-    shutil.rmtree(output, ignore_errors=True)
-    os.replace(tmp, output)
-    return output
 
 
 class InferenceModel:
@@ -161,9 +223,11 @@ class InferenceModel:
         return cls(cfg, state, step_config.specs, eval_step, manifest)
 
     def predict(self, batch: Batch) -> np.ndarray:
-        """Probabilities of the batch's real samples (padding dropped)."""
+        """Probabilities of the batch's real samples (padding dropped). A batch that does not
+        match the bundle's inputs is a :class:`jctr.data.batch.BatchError`."""
+        batch = check_batch(batch, self.cfg.data)
         _, pred = self._eval(self.state, jax.device_put(batch))
-        return np.asarray(pred)[np.asarray(batch.mask)]
+        return np.asarray(pred)[batch.mask]
 
 
 def _read_json(path: str) -> Any:

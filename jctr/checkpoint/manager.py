@@ -90,6 +90,8 @@ class Checkpointer:
         self._seal_error: BaseException | None = None
         self._locked = False
         self._replace: set[int] = set()  # another run's steps this run may delete (--force)
+        self.sealed: set[int] = set()  # steps this run wrote
+        self._overwrite: set[int] = set()  # steps after the one this run resumed from
 
     # ---- listing ------------------------------------------------------------------------
 
@@ -193,6 +195,11 @@ class Checkpointer:
         """``--force``: another run's checkpoints, deleted once this run's first is sealed."""
         self._replace = set(steps)
 
+    def resumed_from(self, step: int) -> None:
+        """This run continues ``step``: later checkpoints of the same run are replaced when the
+        resumed run reaches their iteration again."""
+        self._overwrite = {s for s in self.steps() if s > step}
+
     def check_writable(self, need_bytes: int) -> None:
         """Raise unless a file can be written here and ``need_bytes`` are free."""
         probe = os.path.join(self.directory, PENDING, f"probe-{self.run_id}")
@@ -228,7 +235,7 @@ class Checkpointer:
                                     "capacity": s.capacity} for s in specs},
                 **(meta or {})}
         self.wait()  # one save in flight at a time
-        if step in self.steps() and step not in self._replace:
+        if step in self.steps() and step not in self._replace | self._overwrite:
             raise CheckpointError(f"{self.step_dir(step)}: a checkpoint of iter {step} exists "
                                   "already")
         pending = self._pending_dir(step)
@@ -261,12 +268,13 @@ class Checkpointer:
         step = self._in_flight
         pending, final = self._pending_dir(step), self.step_dir(step)
         _atomic_json(os.path.join(pending, INTEGRITY), _file_digests(pending))
-        if os.path.isdir(final) and step in self._replace:
-            shutil.rmtree(final)
+        if os.path.isdir(final) and step in self._replace | self._overwrite:
+            self._remove_step(step)
         os.rename(pending, final)
         for name, data in self._beside.items():
             _atomic_bytes(os.path.join(self.directory, name), data)
         self._in_flight, self._beside = None, {}
+        self.sealed.add(step)
         for old in sorted(self._replace):  # --force: the other run's checkpoints go now
             if old != step:
                 self._remove_step(old)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 import os
 import queue
 import threading
@@ -414,5 +415,14 @@ class Prefetcher:
             raise item
         return item
 
-    def close(self):
+    def close(self, timeout: float = 30.0):
+        """Stop the thread and wait for it: a thread left inside XLA or numba while the
+        interpreter shuts down aborts the process."""
         self._stop.set()
+        while self._thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                self._q.get_nowait()  # unblock a put
+            self._thread.join(0.05)
+            timeout -= 0.05
+            if timeout <= 0:
+                break

@@ -290,7 +290,7 @@ class Trainer:
             return
         ckpt = self.checkpointer
         ckpt.acquire(report=self._print)
-        steps = ckpt.steps()
+        steps = [step for step in ckpt.steps() if step not in ckpt.sealed]
         if steps and not self._resumed:
             if not self.force:
                 ckpt.release()
@@ -504,6 +504,8 @@ class Trainer:
         ckpt.check_not_in_use()
         meta = ckpt.read_meta(step)
         readers = meta.get("readers") or [meta.get("reader", {})]
+        if directory is not None and len(readers) != jax.process_count():
+            readers = [{}] * jax.process_count()  # a model to export: no data position
         if len(readers) != jax.process_count():
             raise CheckpointError(
                 f"{ckpt.directory}: written by {len(readers)} process(es), restored by "
@@ -513,6 +515,8 @@ class Trainer:
         self.state, meta = ckpt.restore(self.state, self.specs, step, self.placements)
         self.reader_position = ReaderPosition(**readers[jax.process_index()])
         self._resumed = directory is None
+        if self._resumed:
+            ckpt.resumed_from(int(meta.get("step", 0)))
         self._nonfinite_at = None
         step = int(to_host(self.state.step))
         self._print(f"[jctr] resumed from iter {step} ({ckpt.directory}, written on "

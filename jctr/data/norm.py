@@ -356,7 +356,7 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
         keys = _gather(body, key_pos, "<u4", 4).astype(np.int64)
     else:
         keys = _gather(body, key_pos, "<i8", 8)
-    if wrap:
+    if wrap and starts.size:
         walked = pos - payload_start
         bad = np.nonzero(walked != payload_len)[0]
         if bad.size:
@@ -428,6 +428,35 @@ def _parse_fixed(path, body, n, label_dim, dense_dim, slot_num, kw, wrap):
     return RecordBlock(label, dense, nnz.astype(np.int32), keys)
 
 
+def _diagnose_nnz(path: str, words: np.ndarray, starts: np.ndarray, fixed_words: int,
+                  slot_num: int, key_words: int) -> None:
+    """A walk that ran off the file (or miscounted records) usually met a corrupt ``nnz``:
+    name the first record and slot whose count is negative or runs past the end, instead of
+    reporting the symptom ("truncated")."""
+    q = starts.astype(np.int64) + fixed_words
+    size = words.size
+    bad_at = np.full(starts.size, slot_num, np.int64)
+    for slot in range(slot_num):
+        inside = q < size
+        nnz = np.where(inside, words[np.minimum(q, size - 1)], 0).astype(np.int64)
+        bad = inside & ((nnz < 0) | (q + 1 + nnz * key_words > size)) & (bad_at == slot_num)
+        bad_at[bad] = slot
+        q = q + 1 + np.maximum(nnz, 0) * key_words
+    hit = np.nonzero(bad_at < slot_num)[0]
+    if not hit.size:
+        return
+    r = int(hit[0])
+    slot = int(bad_at[r])
+    at = int(starts[r]) + fixed_words
+    for _ in range(slot):  # the slot's position inside its record
+        at += 1 + max(int(words[at]), 0) * key_words
+    nnz = int(words[at])
+    if nnz < 0:
+        raise DataError(f"{path}: record {r}: slot {slot}: nnz is {nnz} (a key count cannot be "
+                        "negative)")
+    raise DataError(f"{path}: record {r}: slot {slot}: nnz {nnz} runs past the end of the file")
+
+
 def _record_starts(path, body, n_records, fixed, slot_num, kw, wrap) -> np.ndarray:
     size = body.size
     if n_records == 0:
@@ -452,6 +481,8 @@ def _record_starts(path, body, n_records, fixed, slot_num, kw, wrap) -> np.ndarr
                   else size + 1)
         starts, end_of_last = _walk(words, size, cap, wrap=False, fixed_words=fixed // 4,
                                     slot_num=slot_num, key_words=kw // 4)
+    if not wrap and (end_of_last > size or starts.size != n_records):
+        _diagnose_nnz(path, words, starts, fixed // 4, slot_num, kw // 4)
     if end_of_last > size:
         raise DataError(f"{path}: record {starts.size - 1}: truncated (file ends inside the "
                         f"record at byte {int(starts[-1]) * unit + 0})")

@@ -86,10 +86,30 @@ def _report(debug: bool, line: str) -> None:
 
 
 def _quiet_library_logs() -> None:
-    """Orbax and TensorStore log through absl; their warnings are not the user's business."""
+    """Orbax and TensorStore log through absl, errors of background saves with tracebacks;
+    jctr reports those itself in one line (``--debug`` shows the library's logs)."""
+    import logging
+
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
+    # TensorStore writes still finishing after a failed asynchronous save (disk full) call back
+    # into Orbax's closed event loop; Python would print each as a traceback
+    sys.excepthook = _unless_closed_loop(sys.excepthook)
+    sys.unraisablehook = _unless_closed_loop(sys.unraisablehook, unraisable=True)
+    threading.excepthook = _unless_closed_loop(threading.excepthook, thread=True)
     try:
         from absl import logging as absl_logging
 
-        absl_logging.set_verbosity(absl_logging.ERROR)
+        absl_logging.set_verbosity(absl_logging.FATAL)
     except ImportError:  # pragma: no cover - absl comes with orbax
         pass
+
+
+def _unless_closed_loop(hook, *, unraisable: bool = False, thread: bool = False):
+    def filtered(*args):
+        if unraisable or thread:
+            value = args[0].exc_value
+        else:
+            value = args[1]
+        if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
+            hook(*args)
+    return filtered

@@ -6,7 +6,7 @@
 # Every process runs `python -m jctr.train --config CONFIG ...` with JCTR_COORDINATOR,
 # JCTR_NUM_PROCESSES and JCTR_PROCESS_ID set (process 0 hosts the coordinator). The config's
 # solver.gpu lists one device list per process, e.g. [[0, 1], [0, 1]]. On CPU give each process
-# its devices with XLA_FLAGS=--xla_force_host_platform_device_count=K (default here: 2).
+# its devices with XLA_FLAGS=--xla_force_host_platform_device_count=K (default here: 1, so that a config with gpu [0] runs as is).
 # Output lines are prefixed with the process id; if one process fails the others are stopped,
 # and the exit status is the first failure's.
 set -uo pipefail
@@ -21,7 +21,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 PY=${PYTHON:-$ROOT/.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 PORT=${JCTR_PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
-export XLA_FLAGS=${XLA_FLAGS:---xla_force_host_platform_device_count=2}
+export XLA_FLAGS=${XLA_FLAGS:---xla_force_host_platform_device_count=1}
 export JCTR_COORDINATOR=127.0.0.1:$PORT JCTR_NUM_PROCESSES=$N
 
 pids=()

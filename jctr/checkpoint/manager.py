@@ -80,9 +80,8 @@ class Checkpointer:
         self.keep = keep
         self.on_sealed = on_sealed
         self.run_id = uuid.uuid4().hex
-        handler = ocp.CompositeCheckpointHandler()
-        self._saver = (ocp.AsyncCheckpointer(handler) if async_save
-                       else ocp.Checkpointer(handler))
+        self._async = async_save
+        self._saver_obj = None
         self._loader = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
         self._in_flight: int | None = None
         self._beside: dict[str, bytes] = {}
@@ -92,6 +91,14 @@ class Checkpointer:
         self._replace: set[int] = set()  # another run's steps this run may delete (--force)
         self.sealed: set[int] = set()  # steps this run wrote
         self._overwrite: set[int] = set()  # steps after the one this run resumed from
+
+    @property
+    def _saver(self):
+        if self._saver_obj is None:  # made on first use, closed by finish()
+            handler = ocp.CompositeCheckpointHandler()
+            self._saver_obj = (ocp.AsyncCheckpointer(handler) if self._async
+                               else ocp.Checkpointer(handler))
+        return self._saver_obj
 
     # ---- listing ------------------------------------------------------------------------
 
@@ -213,9 +220,8 @@ class Checkpointer:
         free = shutil.disk_usage(self.directory).free
         if free < need_bytes:
             raise CheckpointError(
-                f"{self.directory}: {free / 2**30:.2f} GiB free, but one snapshot may need up "
-                f"to {need_bytes / 2**30:.2f} GiB; free some space or choose another "
-                "snapshot_prefix")
+                f"{self.directory}: {_size(free)} free, but one snapshot may need up to "
+                f"{_size(need_bytes)}; free some space or choose another snapshot_prefix")
 
     # ---- saving -------------------------------------------------------------------------
 
@@ -240,7 +246,7 @@ class Checkpointer:
                                   "already")
         pending = self._pending_dir(step)
         if jax.process_index() == 0:
-            shutil.rmtree(pending, ignore_errors=True)  # ours: this run holds the lock
+            self._remove_pending(step)  # ours: this run holds the lock
         self._in_flight, self._beside = step, dict(beside or {})
         try:
             self._saver.save(pending, args=ocp.args.Composite(
@@ -250,7 +256,7 @@ class Checkpointer:
         except BaseException as e:
             self._abandon(e)
             raise _not_written(pending, step, e) from e
-        if jax.process_index() == 0 and isinstance(self._saver, ocp.AsyncCheckpointer):
+        if jax.process_index() == 0 and self._async:
             self._seal_error = None
             self._sealer = threading.Thread(target=self._seal_when_written, daemon=True)
             self._sealer.start()
@@ -320,7 +326,15 @@ class Checkpointer:
         step, self._in_flight, self._sealer = self._in_flight, None, None
         if step is None or jax.process_index() != 0:
             return
-        shutil.rmtree(self._pending_dir(step), ignore_errors=True)
+        self._remove_pending(step)
+
+    def _remove_pending(self, step: int) -> None:
+        """``.pending/<step>`` and Orbax's temporary folders beside it."""
+        pending = os.path.join(self.directory, PENDING)
+        with contextlib.suppress(OSError):
+            for name in os.listdir(pending):
+                if name == str(step) or name.startswith(f"{step}."):
+                    shutil.rmtree(os.path.join(pending, name), ignore_errors=True)
 
     def finish(self, report: Callable[[str], None] = print) -> None:
         """On any exit: finish the snapshot in flight (or remove it and say so), then release
@@ -333,6 +347,10 @@ class Checkpointer:
                    f"({_first_line(e) or type(e).__name__}); the earlier checkpoints are kept")
         finally:
             self.release()
+            saver, self._saver_obj = self._saver_obj, None
+            if saver is not None:  # its threads must not outlive the run (exit aborts)
+                with contextlib.suppress(Exception):
+                    saver.close()
 
     # ---- reading ------------------------------------------------------------------------
 
@@ -440,7 +458,13 @@ class Checkpointer:
 
     def close(self) -> None:
         self.finish()
-        self._saver.close()
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}" if unit == "KiB" else f"{n / scale:.2f} {unit}"
+    return f"{n} bytes"
 
 
 def _is_stale(owner: dict) -> bool:
@@ -465,9 +489,14 @@ def _describe_owner(owner: dict) -> str:
 
 
 def _not_written(pending: str, step: int, cause: BaseException) -> CheckpointError:
-    what = cause.strerror if isinstance(cause, OSError) and cause.strerror else \
-        f"{type(cause).__name__}: {_first_line(cause)}"
-    where = getattr(cause, "filename", None) or pending
+    text = str(cause)
+    if isinstance(cause, OSError) and cause.strerror:
+        what = cause.strerror
+    elif "No space left on device" in text or "os_error_code='28'" in text:
+        what = "No space left on device"  # TensorStore's wording of ENOSPC
+    else:
+        what = f"{type(cause).__name__}: {_first_line(cause)}"
+    where = getattr(cause, "filename", None) or os.path.dirname(os.path.dirname(pending))
     return CheckpointError(f"{where}: snapshot of iter {step} not written ({what}); the earlier "
                            "checkpoints are kept")
 

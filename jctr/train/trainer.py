@@ -134,6 +134,7 @@ class Trainer:
         self._checkpointer = None
         self._resumed = False  # restored from the solver's checkpoint directory
         self._nonfinite_at: int | None = None  # the state went bad at this iteration
+        self._space_checked = False  # the checkpoint disk was checked for one snapshot
         if cfg.solver.dense_model_file or cfg.solver.sparse_model_file:
             self.load_model_files(cfg.solver.dense_model_file, cfg.solver.sparse_model_file)
 
@@ -245,6 +246,9 @@ class Trainer:
         if not self.solver.log_dir or jax.process_index() != 0 or self._log_file is not None:
             return
         path = os.path.join(self.solver.log_dir, "metrics.jsonl")
+        if os.path.exists(self.solver.log_dir) and not os.path.isdir(self.solver.log_dir):
+            raise ConfigError("solver.log_dir", f"{self.solver.log_dir} exists and is not a "
+                              "folder", self.cfg.source)
         try:
             os.makedirs(self.solver.log_dir, exist_ok=True)
             self._log_file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
@@ -302,7 +306,9 @@ class Trainer:
             ckpt.replace_at_first_save(steps)
             self._print(f"[jctr] --force: the {len(steps)} checkpoint(s) in {ckpt.directory} "
                         "will be replaced by this run's first snapshot")
-        ckpt.check_writable(sum(self.plan.device_totals()))
+        if not self._space_checked:  # once; later a full disk fails that save cleanly
+            ckpt.check_writable(sum(self.plan.device_totals()))
+            self._space_checked = True
 
     # ---- training -----------------------------------------------------------------------
 

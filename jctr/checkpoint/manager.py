@@ -181,7 +181,7 @@ class Checkpointer:
             raise CheckpointError(f"{self.lock_path}: could not take the lock (another run "
                                   "keeps taking it)")
         self._locked = True
-        atexit.register(self.release)
+        atexit.register(self.finish)  # a save started from a notebook still completes
         pending = os.path.join(self.directory, PENDING)
         for name in sorted(os.listdir(pending)):
             report(f"[jctr] {self.directory}: removing the unfinished snapshot "

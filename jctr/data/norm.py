@@ -454,7 +454,8 @@ def _diagnose_nnz(path: str, words: np.ndarray, starts: np.ndarray, fixed_words:
     if nnz < 0:
         raise DataError(f"{path}: record {r}: slot {slot}: nnz is {nnz} (a key count cannot be "
                         "negative)")
-    raise DataError(f"{path}: record {r}: slot {slot}: nnz {nnz} runs past the end of the file")
+    raise DataError(f"{path}: record {r}: slot {slot}: nnz {nnz} runs past the end of the file "
+                    "(the file is truncated or the count is corrupt)")
 
 
 def _record_starts(path, body, n_records, fixed, slot_num, kw, wrap) -> np.ndarray:

@@ -325,7 +325,7 @@ class Trainer:
         """After step ``step``: a full table or (policy ``stop``) a non-finite loss ends the run
         before anything of the bad state is saved. Returns 1 if the step was skipped."""
         self._check_overflow(metrics)
-        if bool(to_host(metrics["skipped"])):
+        if self.step_config.skip_nonfinite and bool(to_host(metrics["skipped"])):
             return 1
         loss = float(to_host(metrics["loss"]))
         if not np.isfinite(loss):

@@ -260,8 +260,10 @@ def _big_table_config(tmp):
 def test_signal_at_a_random_step_or_mid_save(tmp_path, sig, status, seed):
     cfg = _big_table_config(tmp_path)
     stop_at = random.Random(seed).choice([3, 4, 6, 7])  # 3 and 6: a save has just started
+    # a shell's background job starts with SIGINT ignored; the user's terminal would not
     proc = subprocess.Popen([PY, "-m", "jctr.train", "--config", cfg], cwd=ROOT,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     try:
         for line in proc.stderr:

@@ -35,6 +35,7 @@ from jctr.data.norm import (
     write_file_list,
     write_norm_file,
 )
+from jctr.data.outputs import require_empty_folder
 from jctr.ops.hashing import mix64
 
 NUM_DENSE, NUM_CAT = 13, 26
@@ -250,12 +251,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shuffle-split", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--num-files", type=int, default=4)
+    ap.add_argument("--force", action="store_true",
+                    help="write into a non-empty --output folder (files of the same names are "
+                         "replaced)")
     args = ap.parse_args(argv)
-    return exit_on_data_error(lambda: print(json.dumps(convert(
-        args.input, args.output, args.format, args.mode, min_freq=args.min_freq,
-        buckets=args.buckets, val_fraction=args.val_fraction,
-        shuffle_split=args.shuffle_split, seed=args.seed, num_files=args.num_files), indent=1)))
 
+    def run() -> None:
+        require_empty_folder(args.output, force=args.force)
+        print(json.dumps(convert(
+            args.input, args.output, args.format, args.mode, min_freq=args.min_freq,
+            buckets=args.buckets, val_fraction=args.val_fraction,
+            shuffle_split=args.shuffle_split, seed=args.seed, num_files=args.num_files),
+            indent=1))
+
+    return exit_on_data_error(run)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -17,12 +17,16 @@ import pyarrow.csv as pacsv
 
 from jctr.data.feature_spec import load_feature_spec
 from jctr.data.norm import exit_on_data_error
+from jctr.data.outputs import require_absent
 
 
 def generate_csv(spec_path: str, output: str | None = None, size: int = 1000,
-                 seed: int = 0) -> list[str]:
+                 seed: int = 0, *, force: bool = False) -> list[str]:
     spec = load_feature_spec(spec_path, check_files=False)
     out_dir = output or spec.base
+    require_absent([os.path.join(out_dir, os.path.relpath(path, spec.base))
+                    for chunks in spec.source.values() for chunk in chunks
+                    if chunk.type == "csv" for path in chunk.files], force=force)
     rng = np.random.default_rng(seed)
     labels = set(spec.channels.get("label", []))
     written = []
@@ -57,9 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", help="folder to write into (default: the YAML's folder)")
     ap.add_argument("--size", type=int, default=1000, help="rows per mapping")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--force", action="store_true", help="overwrite CSV files that exist")
     args = ap.parse_args(argv)
-    return exit_on_data_error(lambda: print(
-        "\n".join(generate_csv(args.feature_spec_in, args.output, args.size, args.seed))))
+    return exit_on_data_error(lambda: print("\n".join(generate_csv(
+        args.feature_spec_in, args.output, args.size, args.seed, force=args.force))))
 
 
 if __name__ == "__main__":

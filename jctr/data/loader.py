@@ -231,6 +231,8 @@ class Dataset(abc.ABC):
                     yield (self._checked(_make_batch(pending, batch_size, self.data.sparse, name,
                                                      start_rec - take), sources), nxt)
                     pending, sources, pending_n = [], [], 0
+            if isinstance(block, VarRecords):
+                block.check_complete()
             new = _advance_file(pos, n_units)
             if new.epoch != pos.epoch:
                 if not records_this_epoch and start is None:

@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="generate the Data layer's `synthetic` sets of this config")
     ap.add_argument("--force", action="store_true",
-                    help="regenerate even if the lists exist, overwriting files in their folders")
+                    help="regenerate even if the lists exist, or write into a non-empty --out "
+                         "folder, replacing files of the same names")
     ap.add_argument("--out", help="output folder (without --config)")
     ap.add_argument("--samples", type=int, default=100_000)
     ap.add_argument("--files", type=int, default=4)
@@ -289,6 +290,12 @@ def main(argv: list[str] | None = None) -> int:
                                                        force=args.force) and None)
     if not args.out:
         ap.error("give --config or --out")
+    from jctr.data.outputs import require_empty_folder
+    from jctr.errors import run_command
+
+    status = run_command(lambda: require_empty_folder(args.out, force=args.force))
+    if status:
+        return status
     if args.format != "Norm":
         if args.nnz != 1:
             ap.error(f"--format {args.format} is one-hot (--nnz 1)")

@@ -22,6 +22,7 @@ from jctr.data.feature_spec import (
     write_split_binary,
 )
 from jctr.data.norm import DataError, exit_on_data_error
+from jctr.data.outputs import require_empty_folder
 
 
 def transcode(input_dir: str, output_dir: str, spec_name: str = "feature_spec.yaml") -> str:
@@ -61,9 +62,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", required=True, help="folder for the split binary dataset")
     ap.add_argument("--feature_spec", default="feature_spec.yaml",
                     help="YAML name inside --input")
+    ap.add_argument("--force", action="store_true",
+                    help="write into a non-empty --output folder (files of the same names are "
+                         "replaced)")
     args = ap.parse_args(argv)
     return exit_on_data_error(
-        lambda: print(transcode(args.input, args.output, args.feature_spec)))
+        lambda: require_empty_folder(args.output, force=args.force)
+        or print(transcode(args.input, args.output, args.feature_spec)))
 
 
 if __name__ == "__main__":

@@ -141,6 +141,12 @@ class VarRecords:
 
         return self._windows(self.frontier, stop, walk)
 
+    def check_complete(self) -> None:
+        """Every record validated to the end of the file (a resumed reader may start past all
+        of them); a broken file raises the general parser's error."""
+        if not self.advance(self.n):
+            self.general()
+
     # -- the RecordBlock interface the loader uses
     def slice(self, start: int, stop: int) -> VarChunk:
         return VarChunk(self, start, stop)

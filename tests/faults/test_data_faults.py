@@ -347,3 +347,37 @@ def test_interrupted_generation_leaves_nothing(tmp_path, capsys, monkeypatch):
     run_main(main, ["--config", write_config(tmp_path, small_config(tmp_path))], capsys,
              pattern=r"part_0001\.data: No space left on device")
     assert os.listdir(tmp_path / "data") == []  # the train folder it made is gone again
+
+
+# ---- converters write only into new or empty folders ----------------------------------------
+
+
+def test_converters_refuse_a_folder_that_holds_files(tmp_path, capsys):
+    from jctr.data.criteo import main as criteo
+    from jctr.data.synthetic import main as synth
+    from jctr.data.transcode import main as transcode
+
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    sample = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
+                          "tests")  # any existing input: refused before it is read
+    for main_, argv in ((criteo, ["--input", sample, "--output", str(out)]),
+                        (transcode, ["--input", sample, "--output", str(out)]),
+                        (synth, ["--out", str(out), "--samples", "10"])):
+        run_main(main_, argv, capsys, pattern=r"mine: holds 1 entries \(notes\.txt\); jctr "
+                                               r"writes only into a new or empty folder",
+                 roots=(tmp_path,))
+    assert os.listdir(out) == ["notes.txt"]
+
+
+def test_gen_csv_does_not_overwrite_csv_files(tmp_path, capsys):
+    from jctr.data.gen_csv import main as gen_csv
+    from tests.test_formats import SPEC
+
+    (tmp_path / "feature_spec.yaml").write_text(SPEC)
+    spec = ["--feature_spec_in", str(tmp_path / "feature_spec.yaml"), "--size", "20"]
+    run_main(gen_csv, spec, capsys, status=0)
+    run_main(gen_csv, spec, capsys, pattern=r"\.csv: exists \(\d+ of the \d+ files to write "
+                                             r"do\); --force overwrites them", roots=(tmp_path,))
+    run_main(gen_csv, [*spec, "--force"], capsys, status=0)

@@ -422,3 +422,21 @@ def test_cli_errors_exit_nonzero_without_traceback_in_a_subprocess(tmp_path):
             pattern=r"solver\.batchsize: expected a positive integer, got 0")
     out = run_cli(["--config", write_config(tmp_path, cfg), "--debug"])
     assert "Traceback" in out.stderr  # --debug shows it
+
+
+def test_a_check_failing_on_one_process_stops_every_process(tmp_path):
+    """Process 0 alone owns the checkpoint folder; when it cannot, process 1 must not wait for
+    it in a collective forever."""
+    (tmp_path / "afile").write_text("keep me")
+    cfg = small_config(tmp_path, snapshot=2, snapshot_prefix=str(tmp_path / "afile" / "run_"))
+    out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2",
+                          write_config(tmp_path, cfg)], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300,
+                         env={**os.environ,
+                              "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert "[p0] error: " in out.stderr and "cannot create the checkpoint directory" in out.stderr
+    assert "[p1] error: process(es) [0] could not pass the checks before training; see their " \
+           "messages" in out.stderr
+    assert (tmp_path / "afile").read_text() == "keep me"

@@ -88,14 +88,18 @@ def jctr_runner(batches, dtype: str):
     import jax
 
     from jctr.config import parse_config
+    from jctr.models.ctr import build_model
     from jctr.ops.xla_options import step_compiler_options
+    from jctr.train.optimizers import dense_optimizer
     from jctr.train.step import make_train_step
-    from jctr.train.trainer import build_model
 
     b, _, hot = batches[0][0].shape
     config = jctr_config(b, hot)
     config["solver"]["compute_dtype"] = dtype
-    step_config, tx, init_state = build_model(parse_config(config))
+    cfg = parse_config(config)
+    step_config, init_model = build_model(cfg)
+    tx = dense_optimizer(cfg.optimizer)
+    init_state = lambda: init_model(tx)  # noqa: E731
     step = jax.jit(make_train_step(step_config, tx), donate_argnums=0,
                    compiler_options=step_compiler_options(dtype))
     dev = [jax.device_put(jctr_batch(*x)) for x in batches]

@@ -17,9 +17,9 @@ from jctr.config import ConfigError, OptimizerConfig, load_config
 from jctr.data.batch import Batch
 from jctr.data.loader import open_dataset
 from jctr.embedding.collection import EmbeddingSpec, init_embedding
+from jctr.embedding.engine import LocalEmbeddings
 from jctr.sharding import Placement, PlanError, ShardedEmbeddings, plan_embeddings
 from jctr.sharding.routing import globalize_segments
-from jctr.train.step import LocalEmbeddings
 from jctr.train.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8,

@@ -6,8 +6,9 @@ import pytest
 
 from jctr.config import parse_config
 from jctr.data.batch import Batch
+from jctr.models.ctr import build_model
+from jctr.train.optimizers import dense_optimizer
 from jctr.train.step import make_train_step
-from jctr.train.trainer import build_model
 from tests.conftest import load_json
 
 CAPACITY, DIM = 10_000_000, 64
@@ -25,8 +26,10 @@ def _compiled_step(update_type: str, opt_type: str = "Adam"):
             layer["fc_param"]["num_output"] = DIM
     raw["layers"][0].pop("synthetic")
     cfg = parse_config(raw)
-    step_config, tx, init_state = build_model(cfg)
-    state = jax.eval_shape(init_state)  # abstract: nothing the size of the table is allocated
+    step_config, init_model = build_model(cfg)
+    tx = dense_optimizer(cfg.optimizer)
+    # abstract: nothing the size of the table is allocated
+    state = jax.eval_shape(lambda: init_model(tx))
     b, slots = cfg.solver.batchsize, cfg.data.sparse[0].slot_num
     batch = Batch(jax.ShapeDtypeStruct((b, 1), jnp.float32),
                   jax.ShapeDtypeStruct((b, 13), jnp.float32),

@@ -189,8 +189,7 @@ class InferenceModel:
 
     @classmethod
     def load(cls, path: str) -> InferenceModel:
-        from jctr.train.step import make_eval_step
-        from jctr.train.trainer import build_model
+        from jctr.models.ctr import build_model, make_eval_step
 
         manifest = _read_json(os.path.join(path, "manifest.json"))
         if manifest.get("format") != BUNDLE_FORMAT or manifest.get("version", 0) > BUNDLE_VERSION:
@@ -204,7 +203,7 @@ class InferenceModel:
             emb["sparse_embedding_hparam"] = {**emb["sparse_embedding_hparam"],
                                               "max_vocabulary_size_per_gpu": max(n, 1)}
         cfg = parse_config(raw, require_solver=False)
-        step_config, _, init_state = build_model(cfg)
+        step_config, init_state = build_model(cfg)
         state = init_state()
         net = nnx.merge(step_config.graphdef, state.params, state.batch_stats)
         load_dense_model(os.path.join(path, "dense.model"), net)

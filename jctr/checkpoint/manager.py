@@ -39,8 +39,8 @@ import orbax.checkpoint as ocp
 from jctr.checkpoint.tables import export_placed, import_placed
 from jctr.embedding.collection import EmbeddingSpec
 from jctr.errors import UserError
+from jctr.models.ctr import TrainState
 from jctr.sharding.mesh import to_host
-from jctr.train.step import TrainState
 
 FORMAT = "jctr-checkpoint"
 VERSION = 2  # 2: sealed from .pending/ with jctr_integrity.json inside the step folder

@@ -1,4 +1,5 @@
-"""Flax NNX layers, the config graph builder, and the WDL / DCN / DeepFM / DLRM networks."""
+"""Flax NNX layers, the config graph builder, the WDL / DCN / DeepFM / DLRM networks, and the
+CTR model as a whole (:mod:`jctr.models.ctr`: TrainState, forward, eval step, build_model)."""
 
 from jctr.models.graph import GraphNetwork, build_network
 from jctr.models.layers import Context

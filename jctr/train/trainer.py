@@ -11,7 +11,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -20,10 +19,9 @@ from jctr.config.compare import config_differences
 from jctr.data.batch import Batch, check_batch
 from jctr.data.loader import Dataset, Prefetcher, ReaderPosition, open_dataset
 from jctr.data.synthetic import generate_for_config
-from jctr.embedding.collection import EmbeddingSpec, init_embedding
 from jctr.embedding.hash_table import TableFullError
 from jctr.errors import UserError
-from jctr.models.graph import build_network
+from jctr.models.ctr import TrainState, build_model, make_eval_step
 from jctr.ops.host_memory import describe_malloc_tuning
 from jctr.ops.xla_options import step_compiler_options
 from jctr.sharding import (
@@ -41,41 +39,13 @@ from jctr.sharding.plan import device_memory_bytes
 from jctr.sharding.routing import globalize_segments
 from jctr.train.metrics import auc, log_loss
 from jctr.train.optimizers import dense_optimizer
-from jctr.train.step import StepConfig, TrainState, make_eval_step, make_train_step
+from jctr.train.step import make_train_step
 
 
 def _version() -> str:
     from jctr import __version__
 
     return __version__
-
-
-_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jnp.bfloat16}
-
-
-def build_model(cfg: ModelConfig):
-    """The static step configuration, the dense optimizer and a function creating the initial
-    TrainState (separate so that shapes can be inspected without allocating: ``jax.eval_shape``).
-    """
-    specs = tuple(EmbeddingSpec.from_config(cfg, e) for e in cfg.embeddings)
-    net = build_network(cfg, nnx.Rngs(cfg.solver.seed))
-    graphdef, params, batch_stats = nnx.split(net, nnx.Param, ...)
-    step_config = StepConfig(
-        graphdef=graphdef, specs=specs, emb_tops=tuple(e.top for e in cfg.embeddings),
-        label_top=cfg.data.label_top, dense_top=cfg.data.dense_top,
-        compute_dtype=_DTYPES[cfg.solver.compute_dtype],
-        loss_scale=float(cfg.solver.mixed_precision or 1.0),
-        skip_nonfinite=cfg.solver.nan_policy == "skip",
-        matmul_precision="tensorfloat32" if cfg.solver.enable_tf32_compute else "float32")
-    dense_tx = dense_optimizer(cfg.optimizer)
-
-    def init_state() -> TrainState:
-        return TrainState(
-            step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(cfg.solver.seed),
-            params=params, batch_stats=batch_stats, opt_state=dense_tx.init(params),
-            embeddings=tuple(init_embedding(s) for s in specs))
-
-    return step_config, dense_tx, init_state
 
 
 class NonFiniteLoss(UserError, FloatingPointError):
@@ -110,7 +80,9 @@ class Trainer:
         if generate_data:  # process 0 writes; the others wait for the files (or its error)
             all_processes(lambda: generate_for_config(cfg) if jax.process_index() == 0
                           else None, "generate the synthetic data")
-        self.step_config, self.dense_tx, init_state = build_model(cfg)
+        self.step_config, init_model = build_model(cfg)
+        self.dense_tx = dense_optimizer(cfg.optimizer)
+        init_state = lambda: init_model(self.dense_tx)  # noqa: E731
         self.specs = self.step_config.specs
         self.mesh = build_mesh(cfg.solver.gpu, cfg.source)
         self.device = mesh_devices(cfg.solver.gpu, cfg.source)[0]  # the one device, if one

@@ -1,0 +1,59 @@
+"""Embedding engines: the lookups and row updates of all tables of a model. The one-device
+engine lives here; :class:`jctr.sharding.ShardedEmbeddings` implements the same protocol on a
+device mesh.
+
+Example::
+
+    engine = LocalEmbeddings(specs)
+    embs, lookups, pooled = engine.lookup(state.embeddings, batch, train=True)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+import jax.numpy as jnp
+
+from jctr.embedding.collection import (
+    EmbeddingSpec,
+    apply_gradients,
+    lookup_rows,
+    pool,
+)
+
+if TYPE_CHECKING:  # annotations only: the models and tables do not read files
+    from jctr.data.batch import Batch
+
+
+class EmbeddingEngine(Protocol):
+    """What a train or eval step needs from the embedding tables."""
+
+    def lookup(self, embs, batch: Batch, *, train: bool) -> tuple[Any, Any, tuple]:
+        """``(tables, lookups, pooled)``: tables with new keys inserted (``train``), what
+        ``apply`` needs, and the pooled vectors [batch, slots, dim] per table."""
+
+    def apply(self, embs, lookups, batch: Batch, grads, lrs, count) -> tuple:
+        """Tables after the sparse row update from the gradients of the pooled vectors."""
+
+
+class LocalEmbeddings:
+    """Lookups and updates of all embeddings on one device (:class:`EmbeddingEngine`)."""
+
+    def __init__(self, specs: tuple[EmbeddingSpec, ...]):
+        self.specs = specs
+
+    def lookup(self, embs, batch: Batch, *, train: bool):
+        b = batch.label.shape[0]
+        new_embs, lookups, pooled = [], [], []
+        for spec, es in zip(self.specs, embs):
+            segs = batch.segments[spec.input_index]
+            es, lk = lookup_rows(spec, es, batch.keys[spec.input_index], segs, b, train=train)
+            new_embs.append(es)
+            lookups.append(lk)
+            pooled.append(pool(spec, es.values, lk.rows, segs, b))
+        return (tuple(new_embs) if train else embs), tuple(lookups), tuple(pooled)
+
+    def apply(self, embs, lookups, batch: Batch, grads, lrs, count):
+        return tuple(apply_gradients(spec, es, lk, batch.segments[spec.input_index],
+                                     g.astype(jnp.float32), lr, count)
+                     for spec, es, lk, g, lr in zip(self.specs, embs, lookups, grads, lrs))

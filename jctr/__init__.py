@@ -25,7 +25,7 @@ def __getattr__(name):
 
         return Trainer
     if name == "InferenceModel":
-        from jctr.checkpoint.bundle import InferenceModel
+        from jctr.serving import InferenceModel
 
         return InferenceModel
     raise AttributeError(name)

@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 
 from jctr.checkpoint import Checkpointer, CheckpointError
-from jctr.checkpoint.bundle import InferenceModel
 from jctr.checkpoint.model_files import (
     ModelFileError,
     dense_weights,
@@ -20,6 +19,7 @@ from jctr.checkpoint.model_files import (
     non_trainable,
     read_sparse_model,
 )
+from jctr.serving import InferenceModel
 from jctr.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_config
 

@@ -292,6 +292,13 @@ def test_checkpoint_written_on_8_devices_resumes_on_1_and_2(data_dir):
                                "sparse_model_file": paths[2:]}}
     warm = Trainer(load_config(cfg_2), log=lambda s: None)
     np.testing.assert_allclose(warm.predict(batch), full.predict(batch), rtol=1e-5, atol=1e-6)
+    # the 8-device checkpoint exports without a trainer or a mesh, onto one device
+    from jctr.serving import InferenceModel, export_checkpoint
+
+    bundle = export_checkpoint(str(data_dir / "ck8" / "checkpoints"), str(data_dir / "b8"),
+                               step=20)
+    np.testing.assert_allclose(InferenceModel.load(bundle).predict(batch), full.predict(batch),
+                               rtol=1e-5, atol=1e-6)
 
 
 # ---- two processes with jax.distributed -------------------------------------------------------

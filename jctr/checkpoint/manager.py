@@ -430,6 +430,8 @@ class Checkpointer:
             if not os.path.isdir(os.path.join(where, item)):
                 raise CheckpointError(f"{os.path.join(where, item)}: missing checkpoint item")
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _dense_tree(fresh))
+        if fresh.opt_state is None:  # a model without its optimizer (export, serving)
+            target["opt_state"] = self._stored_opt_state(where, fresh)
         try:
             restored = self._loader.restore(where, args=ocp.args.Composite(
                 dense=ocp.args.StandardRestore(target),
@@ -452,9 +454,26 @@ class Checkpointer:
             except ValueError as e:
                 raise CheckpointError(str(e)) from e
         state = TrainState(step=dense["step"], rng=dense["rng"], params=dense["params"],
-                           batch_stats=dense["batch_stats"], opt_state=dense["opt_state"],
+                           batch_stats=dense["batch_stats"],
+                           opt_state=None if fresh.opt_state is None else dense["opt_state"],
                            embeddings=tuple(embeddings))
         return state, meta
+
+    @staticmethod
+    def _stored_opt_state(where: str, fresh: TrainState):
+        """The dense optimizer state's shapes as stored, placed like ``fresh.step``: restoring
+        a model needs no optimizer of its own, on any device count."""
+        from etils import epath
+
+        try:
+            stored = ocp.StandardCheckpointHandler().metadata(epath.Path(where) / "dense")
+        except Exception as e:  # noqa: BLE001 - Orbax raises many kinds
+            raise CheckpointError(f"{where}/dense: checkpoint metadata unreadable "
+                                  f"({type(e).__name__}: {_first_line(e)})") from e
+        sharding = fresh.step.sharding if isinstance(fresh.step, jax.Array) else None
+        return jax.tree.map(
+            lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=sharding),
+            dict(stored)["opt_state"])
 
     def close(self) -> None:
         self.finish()

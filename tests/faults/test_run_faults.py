@@ -355,9 +355,9 @@ def model(tmp_path_factory):
     t = Trainer.from_config(small_config(tmp, max_iter=2, snapshot=2))
     t.fit()
     bundle = str(tmp / "bundle")
-    from jctr.checkpoint.bundle import InferenceModel, export_bundle
+    from jctr.serving import InferenceModel, export_bundle
 
-    export_bundle(t, bundle)
+    export_bundle(t.cfg, t.state, bundle, t.placements)
     batch = next(iter(t.eval_data.batches(64, epochs=1)))
     return t, InferenceModel.load(bundle), batch
 

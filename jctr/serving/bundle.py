@@ -33,11 +33,12 @@ from jctr.checkpoint.model_files import (
     write_non_trainable,
     write_sparse_model,
 )
-from jctr.checkpoint.tables import export_table, import_table
+from jctr.checkpoint.tables import export_placed, import_table
 from jctr.config import parse_config
 from jctr.config.schema import LOSS_TYPES
 from jctr.data.batch import Batch, check_batch
 from jctr.ops.xla_options import step_compiler_options
+from jctr.sharding.mesh import to_host
 
 BUNDLE_FORMAT = "jctr-inference-bundle"
 BUNDLE_VERSION = 1
@@ -106,9 +107,16 @@ _BUNDLE_ENTRIES = {"manifest.json", "network.json", "dense.model", "non_trainabl
                    "sparse"}
 
 
-def export_bundle(trainer, output: str, step: int | None = None) -> str:
-    """Write an inference bundle of ``trainer``'s current state into ``output`` (a new or empty
-    folder, or a previous bundle, replaced only once the new one is complete)."""
+def export_bundle(cfg, state, output: str, placements=None) -> str:
+    """Write an inference bundle of a model (its parsed config and :class:`TrainState`; the
+    optimizer state is not needed) into ``output``: a new or empty folder, or a previous
+    bundle, replaced only once the new one is complete. ``placements`` say how the state's
+    tables lie on devices (the trainer's plan; default: one device).
+
+    Example::
+
+        export_bundle(trainer.cfg, trainer.state, "bundles/dlrm", trainer.placements)
+    """
     from jctr import __version__
 
     output = os.path.abspath(output)
@@ -117,7 +125,7 @@ def export_bundle(trainer, output: str, step: int | None = None) -> str:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.", suffix=".partial", dir=parent)
     try:
-        _write_bundle(trainer, tmp, __version__)
+        _write_bundle(cfg, state, placements, tmp, __version__)
         _replace_folder(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -145,25 +153,29 @@ def _replace_folder(new: str, output: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_bundle(trainer, tmp: str, version: str) -> None:
+def _write_bundle(cfg, state, placements, tmp: str, version: str) -> None:
+    from jctr.models.ctr import build_model
+
     os.makedirs(os.path.join(tmp, "sparse"))
-    net = trainer.network()
+    step_config, _ = build_model(cfg)
+    net = nnx.merge(step_config.graphdef, jax.tree.map(to_host, state.params),
+                    jax.tree.map(to_host, state.batch_stats))
     write_dense_model(os.path.join(tmp, "dense.model"), net)
     write_non_trainable(os.path.join(tmp, "non_trainable.json"), net)
     tables = {}
-    for spec, es in zip(trainer.specs, trainer.state.embeddings):
-        t = export_table(es)
+    placements = placements or (None,) * len(step_config.specs)
+    for spec, es, placement in zip(step_config.specs, state.embeddings, placements):
+        t = export_placed(es, placement)
         write_sparse_model(os.path.join(tmp, "sparse", f"{spec.name}.model"), t["keys"],
                            t["values"])
         tables[spec.name] = {"keys": int(t["keys"].shape[0]), "embedding_vec_size": spec.dim,
                              "combiner": spec.combiner}
-    raw = trainer.cfg.raw
-    if raw is None:
-        raise ValueError("the trainer's config has no JSON form to export")
-    network = network_json(raw)
-    dense_count = int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(trainer.state.params)))
+    if cfg.raw is None:
+        raise ValueError("the config has no JSON form to export")
+    network = network_json(cfg.raw)
+    dense_count = int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(state.params)))
     manifest = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "jctr_version": version,
-                "jax_version": jax.__version__, "step": int(trainer.state.step),
+                "jax_version": jax.__version__, "step": int(to_host(state.step)),
                 "embeddings": tables, "dense_weights": dense_count,
                 "inputs": network["inputs"]}
     for name, obj in (("network.json", network), ("manifest.json", manifest)):

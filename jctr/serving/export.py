@@ -1,0 +1,59 @@
+"""``python -m jctr.export --checkpoint DIR --output BUNDLE``: a checkpoint to an inference
+bundle, without a trainer, a mesh or a training step. A checkpoint written on any number of
+devices or processes exports on one device (tables are stored by key)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+
+from jctr.checkpoint.manager import Checkpointer, CheckpointError
+from jctr.config import ConfigError, parse_config
+from jctr.errors import run_command
+from jctr.models.ctr import build_model
+from jctr.serving.bundle import check_bundle_target, export_bundle
+
+
+def export_checkpoint(checkpoint: str, output: str, step: int | None = None) -> str:
+    """Write the bundle of checkpoint ``step`` (default: the latest) of the directory
+    ``checkpoint`` into ``output``; returns the bundle's path.
+
+    Example::
+
+        export_checkpoint("runs/checkpoints", "bundles/dlrm")
+    """
+    check_bundle_target(output)  # before the (slow) restore
+    ckpt = Checkpointer(checkpoint)
+    meta = ckpt.read_meta(step)
+    if not meta.get("config"):
+        raise CheckpointError(f"{ckpt.directory}: the checkpoint carries no config")
+    try:
+        cfg = parse_config(meta["config"], require_solver=False)
+    except ConfigError as e:
+        raise CheckpointError(f"{ckpt.directory}: the config stored in the checkpoint does not "
+                              f"parse ({e})") from None
+    step_config, init_state = build_model(cfg)
+    with jax.default_device(jax.local_devices()[0]):
+        fresh = init_state()  # no optimizer state: the model alone, on one device
+    state, _ = ckpt.restore(fresh, step_config.specs, step)
+    return export_bundle(cfg, state, output)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jctr.export", description=__doc__)
+    ap.add_argument("--checkpoint", required=True,
+                    help="checkpoint directory (the solver's <snapshot_prefix>checkpoints)")
+    ap.add_argument("--output", required=True,
+                    help="bundle folder to write: a new or empty folder, or a previous bundle "
+                         "(replaced once the new one is complete)")
+    ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks with errors")
+    args = ap.parse_args(argv)
+    return run_command(lambda: print(export_checkpoint(args.checkpoint, args.output, args.step)),
+                       debug=args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,7 +35,7 @@ import jctr  # noqa: E402,F401
 from jctr.config import parse_config  # noqa: E402
 from jctr.data.loader import open_dataset  # noqa: E402
 from jctr.data.synthetic import write_dataset, write_format  # noqa: E402
-from jctr.ops.host_memory import reexec_with_malloc_tuning  # noqa: E402
+from jctr.runtime.host_memory import reexec_with_malloc_tuning  # noqa: E402
 from scripts.make_configs import KAGGLE_CAPPED  # noqa: E402
 
 BATCH = 8192

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jctr  # noqa: E402,F401
 from jctr.data.batch import Batch  # noqa: E402
 from jctr.data.synthetic import power_law_ranks  # noqa: E402
-from jctr.ops.host_memory import reexec_with_malloc_tuning  # noqa: E402
+from jctr.runtime.host_memory import reexec_with_malloc_tuning  # noqa: E402
 from scripts.make_configs import KAGGLE_CAPPED  # noqa: E402
 
 DENSE, DIM = 13, 16
@@ -89,7 +89,7 @@ def jctr_runner(batches, dtype: str):
 
     from jctr.config import parse_config
     from jctr.models.ctr import build_model
-    from jctr.ops.xla_options import step_compiler_options
+    from jctr.runtime.xla_options import step_compiler_options
     from jctr.train.optimizers import dense_optimizer
     from jctr.train.step import make_train_step
 

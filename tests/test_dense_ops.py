@@ -11,7 +11,7 @@ import pytest
 from jctr.ops import cpu_ffi, dot_interaction, dot_interaction_reference, linear
 from jctr.ops.dense import linear_reference, linear_rowmajor
 from jctr.ops.interaction import pair_dots_gram
-from jctr.ops.xla_options import step_compiler_options
+from jctr.runtime.xla_options import step_compiler_options
 
 rng = np.random.default_rng(3)
 NO_YNN = {"xla_cpu_experimental_ynn_fusion_type": ""}

@@ -264,7 +264,7 @@ def test_hash_insert_lowers_to_triton_for_cuda():
 
 
 def test_step_compiler_options_on_cpu(monkeypatch):
-    from jctr.ops.xla_options import step_compiler_options
+    from jctr.runtime.xla_options import step_compiler_options
 
     probe = step_compiler_options.__wrapped__
     monkeypatch.delenv("JCTR_XLA_DEFAULTS", raising=False)
@@ -289,7 +289,7 @@ def test_malloc_tuning_env_for_glibc():
     import subprocess
     import sys
 
-    from jctr.ops.host_memory import TUNABLES, describe_malloc_tuning, malloc_tuning_env
+    from jctr.runtime.host_memory import TUNABLES, describe_malloc_tuning, malloc_tuning_env
 
     assert describe_malloc_tuning().startswith("[jctr] host memory: ")
     if platform.libc_ver()[0] != "glibc":
@@ -308,7 +308,7 @@ def test_malloc_tuning_env_for_glibc():
     assert malloc_tuning_env({"GLIBC_TUNABLES": user}) is None  # the user's choice
     assert malloc_tuning_env({"JCTR_HOST_MEMORY_TUNING": "0"}) is None
     # the CLI re-executes itself once with the tunables (and not again)
-    code = ("import os, sys; from jctr.ops.host_memory import reexec_with_malloc_tuning; "
+    code = ("import os, sys; from jctr.runtime.host_memory import reexec_with_malloc_tuning; "
             "reexec_with_malloc_tuning(['-c', sys.argv[1] if len(sys.argv) > 1 else '']); "
             "print(os.environ.get('GLIBC_TUNABLES'))")
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES",

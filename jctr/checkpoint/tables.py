@@ -14,7 +14,7 @@ import numpy as np
 
 from jctr.embedding.collection import EmbeddingSpec, EmbeddingState
 from jctr.embedding.hash_table import export_items, lookup
-from jctr.ops.hashing import owner_shards_host
+from jctr.ops import owner_shards_host
 from jctr.sharding.mesh import to_host
 
 _INSERT_CHUNK = 1 << 18

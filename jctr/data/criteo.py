@@ -36,7 +36,7 @@ from jctr.data.norm import (
     write_norm_file,
 )
 from jctr.data.outputs import require_empty_folder
-from jctr.ops.hashing import mix64
+from jctr.ops import mix64
 
 NUM_DENSE, NUM_CAT = 13, 26
 COLUMNS = ["label"] + [f"I{i}" for i in range(1, 14)] + [f"C{i}" for i in range(1, 27)]

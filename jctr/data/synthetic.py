@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from jctr.data.norm import DataError, RecordBlock, write_file_list, write_norm_file
-from jctr.ops.hashing import mix64
+from jctr.ops import mix64
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 

@@ -12,9 +12,13 @@ import jax.numpy as jnp
 from jctr.config.schema import EmbeddingConfig, ModelConfig, OptimizerConfig
 from jctr.embedding import optimizers as row_opt
 from jctr.embedding.hash_table import HashTable, Lookup, create_table, lookup
-from jctr.ops import embedding_bag_backward, embedding_bag_forward
-from jctr.ops.bag import key_gradients, sum_at_representatives
-from jctr.ops.hashing import key_uniform
+from jctr.ops import (
+    embedding_bag_backward,
+    embedding_bag_forward,
+    key_gradients,
+    key_uniform,
+    sum_at_representatives,
+)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 the implementation per platform (Pallas/Triton kernels on GPU, the XLA formulations and native
 kernels for the hash lookup and the dot interaction on CPU)."""
 
-from jctr.ops.bag import embedding_bag
+from jctr.ops.bag import embedding_bag, gather_rows, key_gradients, sum_at_representatives
 from jctr.ops.dispatch import (
     dot_interaction,
     embedding_bag_backward,
@@ -10,11 +10,21 @@ from jctr.ops.dispatch import (
     find_slots,
     linear,
 )
-from jctr.ops.hashing import EMPTY_KEY, hash_keys, home_slots, representatives
+from jctr.ops.hashing import (
+    EMPTY_KEY,
+    hash_keys,
+    home_slots,
+    key_uniform,
+    mix64,
+    owner_shards,
+    owner_shards_host,
+    representatives,
+)
 from jctr.ops.interaction import dot_interaction_reference, interaction_output_dim
 
 __all__ = [
     "EMPTY_KEY", "dot_interaction", "dot_interaction_reference", "embedding_bag",
-    "embedding_bag_backward", "embedding_bag_forward", "find_slots",
-    "hash_keys", "home_slots", "interaction_output_dim", "linear", "representatives",
+    "embedding_bag_backward", "embedding_bag_forward", "find_slots", "gather_rows",
+    "hash_keys", "home_slots", "interaction_output_dim", "key_gradients", "key_uniform", "linear",
+    "mix64", "owner_shards", "owner_shards_host", "representatives", "sum_at_representatives",
 ]

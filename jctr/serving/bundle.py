@@ -37,7 +37,7 @@ from jctr.checkpoint.tables import export_placed, import_table
 from jctr.config import parse_config
 from jctr.config.schema import LOSS_TYPES
 from jctr.data.batch import Batch, check_batch
-from jctr.ops.xla_options import step_compiler_options
+from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding.mesh import to_host
 
 BUNDLE_FORMAT = "jctr-inference-bundle"

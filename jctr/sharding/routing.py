@@ -41,9 +41,7 @@ from jctr.embedding.collection import (
     pool,
 )
 from jctr.embedding.hash_table import Lookup
-from jctr.ops import EMPTY_KEY
-from jctr.ops.bag import gather_rows, key_gradients
-from jctr.ops.hashing import owner_shards, owner_shards_host
+from jctr.ops import EMPTY_KEY, gather_rows, key_gradients, owner_shards, owner_shards_host
 from jctr.sharding.mesh import AXIS
 from jctr.sharding.plan import Placement
 

@@ -93,8 +93,8 @@ def _train(args: argparse.Namespace) -> None:
 
 def console_main() -> int:
     """The ``jctr-train`` command: like ``python -m jctr.train`` it first re-executes itself
-    with malloc tuned for XLA:CPU (:mod:`jctr.ops.host_memory`)."""
-    from jctr.ops.host_memory import reexec_with_malloc_tuning
+    with malloc tuned for XLA:CPU (:mod:`jctr.runtime.host_memory`)."""
+    from jctr.runtime.host_memory import reexec_with_malloc_tuning
 
     reexec_with_malloc_tuning(["-m", "jctr.train", *sys.argv[1:]])
     return main()

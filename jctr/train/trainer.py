@@ -22,8 +22,8 @@ from jctr.data.synthetic import generate_for_config
 from jctr.embedding.hash_table import TableFullError
 from jctr.errors import UserError
 from jctr.models.ctr import TrainState, build_model, make_eval_step
-from jctr.ops.host_memory import describe_malloc_tuning
-from jctr.ops.xla_options import step_compiler_options
+from jctr.runtime.host_memory import describe_malloc_tuning
+from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding import (
     ShardedEmbeddings,
     build_mesh,

@@ -15,7 +15,7 @@ import jax
 
 jax.config.update("jax_enable_x64", True)
 
-__version__ = "0.1.0"
+from jctr.version import __version__ as __version__  # noqa: E402
 
 
 def __getattr__(name):

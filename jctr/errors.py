@@ -91,6 +91,8 @@ def _quiet_library_logs() -> None:
     import logging
 
     logging.getLogger("absl").setLevel(logging.CRITICAL)
+    # the write tasks of a failed asynchronous save end with errors nobody retrieves (disk full)
+    logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     # TensorStore writes still finishing after a failed asynchronous save (disk full) call back
     # into Orbax's closed event loop; Python would print each as a traceback
     sys.excepthook = _unless_closed_loop(sys.excepthook)

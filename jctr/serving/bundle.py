@@ -117,7 +117,7 @@ def export_bundle(cfg, state, output: str, placements=None) -> str:
 
         export_bundle(trainer.cfg, trainer.state, "bundles/dlrm", trainer.placements)
     """
-    from jctr import __version__
+    from jctr.version import __version__
 
     output = os.path.abspath(output)
     check_bundle_target(output)

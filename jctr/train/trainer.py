@@ -43,7 +43,7 @@ from jctr.train.step import make_train_step
 
 
 def _version() -> str:
-    from jctr import __version__
+    from jctr.version import __version__
 
     return __version__
 

@@ -24,8 +24,8 @@ from jctr.train.trainer import Trainer
 from tests.conftest import ROOT, load_json
 
 SLOTS, VOCAB = 8, 50
-CRITEO_SAMPLE = os.path.join(os.path.dirname(ROOT), "shared", "data", "deepctr_samples",
-                             "criteo_sample.txt")
+# 200 real Criteo rows (Apache-2.0, from DeepCTR; tests/data/deepctr_samples/README.md)
+CRITEO_SAMPLE = os.path.join(ROOT, "tests", "data", "deepctr_samples", "criteo_sample.txt")
 
 
 def _data_cfg(fmt, source, eval_source=None, **extra):
@@ -315,7 +315,6 @@ def test_hex_parsing():
         _hex_values(pa.array(["zz"]), "x", "C1")
 
 
-@pytest.mark.skipif(not os.path.exists(CRITEO_SAMPLE), reason="shared/data is not beside repo")
 @pytest.mark.parametrize("fmt,mode", [("norm", "hash"), ("raw", "vocab"),
                                       ("parquet", "buckets"), ("split_binary", "vocab")])
 def test_criteo_sample_converts_and_trains(tmp_path, fmt, mode):

@@ -55,11 +55,15 @@ def test_padding_samples_do_not_change_the_step(tiny):
 def test_predict_and_evaluate_agree(tiny):
     t = Trainer.from_config(tiny("dlrm", max_iter=50, display=1000, eval_interval=1000))
     t.fit()
-    batch = next(iter(t.eval_data.batches(512, epochs=1)))
-    p = t.predict(batch)
-    assert p.shape == (512,) and ((p > 0) & (p < 1)).all()
-    again = t.evaluate()
-    assert set(again) == {"AUC", "AverageLoss"}
+    batches = list(t.eval_data.batches(512, epochs=1))[:t.solver.eval_batches]
+    p = np.concatenate([t.predict(b) for b in batches])
+    y = np.concatenate([b.label[b.mask, 0] for b in batches])
+    assert ((p > 0) & (p < 1)).all()
+    result = t.evaluate()
+    from jctr.train.metrics import auc, log_loss
+
+    assert result["AUC"] == pytest.approx(auc(y, p), abs=1e-9)
+    assert result["AverageLoss"] == pytest.approx(log_loss(y, p), rel=1e-9)
 
 
 def test_auc_threshold_stops_training(tiny):

@@ -95,9 +95,10 @@ def _quiet_library_logs() -> None:
     logging.getLogger("asyncio").setLevel(logging.CRITICAL)
     # TensorStore writes still finishing after a failed asynchronous save (disk full) call back
     # into Orbax's closed event loop; Python would print each as a traceback
-    sys.excepthook = _unless_closed_loop(sys.excepthook)
-    sys.unraisablehook = _unless_closed_loop(sys.unraisablehook, unraisable=True)
-    threading.excepthook = _unless_closed_loop(threading.excepthook, thread=True)
+    if not getattr(sys.excepthook, "jctr_filtered", False):  # once per process
+        sys.excepthook = _unless_closed_loop(sys.excepthook)
+        sys.unraisablehook = _unless_closed_loop(sys.unraisablehook, unraisable=True)
+        threading.excepthook = _unless_closed_loop(threading.excepthook, thread=True)
     try:
         from absl import logging as absl_logging
 
@@ -114,4 +115,5 @@ def _unless_closed_loop(hook, *, unraisable: bool = False, thread: bool = False)
             value = args[1]
         if not (isinstance(value, RuntimeError) and str(value) == "Event loop is closed"):
             hook(*args)
+    filtered.jctr_filtered = True
     return filtered

@@ -41,6 +41,7 @@ from jctr.embedding.collection import EmbeddingSpec
 from jctr.errors import UserError
 from jctr.models.ctr import TrainState
 from jctr.sharding.mesh import to_host
+from jctr.sharding.plan import format_bytes
 
 FORMAT = "jctr-checkpoint"
 VERSION = 2  # 2: sealed from .pending/ with jctr_integrity.json inside the step folder
@@ -220,8 +221,9 @@ class Checkpointer:
         free = shutil.disk_usage(self.directory).free
         if free < need_bytes:
             raise CheckpointError(
-                f"{self.directory}: {_size(free)} free, but one snapshot may need up to "
-                f"{_size(need_bytes)}; free some space or choose another snapshot_prefix")
+                f"{self.directory}: {format_bytes(free)} free, but one snapshot may need up "
+                f"to {format_bytes(need_bytes)}; free some space or choose another "
+                "snapshot_prefix")
 
     # ---- saving -------------------------------------------------------------------------
 
@@ -254,7 +256,7 @@ class Checkpointer:
                 tables=ocp.args.StandardSave(tables),
                 meta=ocp.args.JsonSave(info)))
         except BaseException as e:
-            self._abandon(e)
+            self._abandon()
             raise _not_written(pending, step, e) from e
         if jax.process_index() == 0 and self._async:
             self._seal_error = None
@@ -316,12 +318,12 @@ class Checkpointer:
                     self._seal()
             self._in_flight = None
         except BaseException as e:
-            self._abandon(e)
+            self._abandon()
             if isinstance(e, Exception):
                 raise _not_written(pending, step, e) from e
             raise
 
-    def _abandon(self, cause: BaseException) -> None:
+    def _abandon(self) -> None:
         """Remove the unfinished snapshot in flight (the previous checkpoints stay)."""
         step, self._in_flight, self._sealer = self._in_flight, None, None
         if step is None or jax.process_index() != 0:
@@ -477,13 +479,6 @@ class Checkpointer:
 
     def close(self) -> None:
         self.finish()
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit}" if unit == "KiB" else f"{n / scale:.2f} {unit}"
-    return f"{n} bytes"
 
 
 def _is_stale(owner: dict) -> bool:

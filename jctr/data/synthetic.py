@@ -22,6 +22,7 @@ import sys
 import numpy as np
 
 from jctr.data.norm import DataError, RecordBlock, write_file_list, write_norm_file
+from jctr.data.outputs import describe_contents, folder_contents
 from jctr.ops import mix64
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -192,12 +193,11 @@ def generation_targets(cfg, *, force: bool = False) -> list[tuple[str, int, int]
     for (path, _, _, field), folder in zip(todo, folders):
         if force or not os.path.isdir(folder):
             continue
-        present = sorted(os.listdir(folder))
+        present = folder_contents(folder)
         if present:
-            shown = ", ".join(present[:3]) + (", ..." if len(present) > 3 else "")
             raise DataError(
                 f"{path}: the Data layer's {field} does not exist, and its folder holds "
-                f"{len(present)} other file(s) ({shown}); jctr generates synthetic data only "
+                f"{describe_contents(present)}; jctr generates synthetic data only "
                 "into a new or empty folder. Fix the path, or drop the \"synthetic\" clause "
                 "(--no-generate) to read existing data")
     return [(path, n, stream) for path, n, stream, _ in todo]

@@ -37,6 +37,7 @@ from jctr.checkpoint.tables import export_placed, import_table
 from jctr.config import parse_config
 from jctr.config.schema import LOSS_TYPES
 from jctr.data.batch import Batch, check_batch
+from jctr.data.outputs import describe_contents
 from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding.mesh import to_host
 
@@ -97,10 +98,9 @@ def check_bundle_target(output: str) -> None:
         is_bundle = False
     extra = set(entries) - _BUNDLE_ENTRIES
     if not is_bundle or extra:
-        shown = ", ".join(sorted(extra or entries)[:3])
-        raise ModelFileError(f"{output}: holds {len(entries)} entries ({shown}, ...) and is not "
-                             "a jctr inference bundle; export writes only into a new or empty "
-                             "folder, or replaces a previous bundle")
+        raise ModelFileError(f"{output}: holds {describe_contents(sorted(extra or entries))} "
+                             "that are not part of a jctr inference bundle; export writes only "
+                             "into a new or empty folder, or replaces a previous bundle")
 
 
 _BUNDLE_ENTRIES = {"manifest.json", "network.json", "dense.model", "non_trainable.json",

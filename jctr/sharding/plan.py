@@ -80,7 +80,7 @@ class ShardingPlan:
     def describe(self) -> str:
         """A table of the plan, one line per embedding plus the per-device totals."""
         lines = [f"[jctr] placement plan over {self.num_devices} device(s)"
-                 + (f", {_fmt(self.device_memory)} each" if self.device_memory else "")]
+                 + (f", {format_bytes(self.device_memory)} each" if self.device_memory else "")]
         for t in self.tables:
             p = t.placement
             where = {"single": "device 0", "distributed": "rows by key hash on every device",
@@ -91,15 +91,17 @@ class ShardingPlan:
             rows = sorted(set(t.rows_per_device))
             lines.append(f"[jctr]   {t.name}: {p.kind} ({where}); rows/device "
                          f"{'/'.join(f'{r:,}' for r in rows)}; "
-                         f"{_fmt(max(t.bytes_per_device))} max/device "
+                         f"{format_bytes(max(t.bytes_per_device))} max/device "
                          "(values + optimizer state + hash keys)")
         totals = self.device_totals()
-        lines.append(f"[jctr]   dense: {_fmt(self.dense_bytes)} per device; total per device "
-                     + " ".join(_fmt(b) for b in totals))
+        lines.append(f"[jctr]   dense: {format_bytes(self.dense_bytes)} per device; total per "
+                     "device "
+                     + " ".join(format_bytes(b) for b in totals))
         return "\n".join(lines)
 
 
-def _fmt(n: int) -> str:
+def format_bytes(n: int) -> str:
+    """``n`` bytes for people: "1.07 MiB"."""
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if n >= size:
             return f"{n / size:.2f} {unit}"
@@ -187,10 +189,11 @@ def plan_embeddings(cfg: ModelConfig, specs: tuple[EmbeddingSpec, ...], num_devi
         if totals[worst] > device_memory:
             biggest = max(tables, key=lambda t: t.bytes_per_device[worst])
             raise PlanError(
-                f"the embedding tables do not fit: device {worst} needs {_fmt(totals[worst])} "
-                f"but has {_fmt(device_memory)} (short by {_fmt(totals[worst] - device_memory)}); "
+                f"the embedding tables do not fit: device {worst} needs "
+                f"{format_bytes(totals[worst])} but has {format_bytes(device_memory)} (short by "
+                f"{format_bytes(totals[worst] - device_memory)}); "
                 f"the largest part is embedding \"{biggest.name}\" with "
-                f"{_fmt(biggest.bytes_per_device[worst])} "
+                f"{format_bytes(biggest.bytes_per_device[worst])} "
                 f"({biggest.rows_per_device[worst]:,} rows of max_vocabulary_size_per_gpu); "
                 "lower max_vocabulary_size_per_gpu or use more devices")
     return plan

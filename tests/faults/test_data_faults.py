@@ -290,7 +290,7 @@ def test_typo_in_a_list_next_to_real_data_generates_nothing(tmp_path, capsys):
     data["source"] = str(tmp_path / "real/train/_file_lst.txt")  # typo
     before = tree_digest(tmp_path / "real")
     _run(tmp_path, cfg, capsys, r"train/_file_lst\.txt: the Data layer's source does not "
-                                r"exist, and its folder holds 3 other file\(s\)")
+                                r"exist, and its folder holds 3 entries")
     assert tree_digest(tmp_path / "real") == before  # nothing new either
 
 

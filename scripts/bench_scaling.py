@@ -64,8 +64,8 @@ def bench_devices(devices: int, batches, steps: int, warmup: int, etype: str) ->
             int(total / devices * 1.3), max(KAGGLE_CAPPED) * 2)
     trainer = Trainer(parse_config(raw), log=lambda s: None, generate_data=False)
     host = [jctr_batch(*x) for x in batches]
-    dev = [trainer._to_devices(x, False) for x in host]
-    fits = [trainer._routing_fits(x) for x in host]  # as the trainer's loop decides
+    dev = [trainer.placed.to_devices(x, False) for x in host]
+    fits = [trainer.placed.routing_fits(x) for x in host]  # as the trainer's loop decides
     state = [trainer.state]
 
     def one(i):
@@ -76,7 +76,7 @@ def bench_devices(devices: int, batches, steps: int, warmup: int, etype: str) ->
     step_ms = _median_ms(one, steps, warmup)
     a2a_ms = 0.0
     if devices > 1:
-        rows = trainer.engine.buffer_rows(b * 26 * hot // devices)
+        rows = trainer.placed.engine.buffer_rows(b * 26 * hot // devices)
         a2a_ms = _median_ms(_exchange_fn(trainer.mesh, devices, rows, b * 26), steps, warmup)
     return {"devices": devices, "step_ms": step_ms, "samples_per_s": b / step_ms * 1000,
             "all_to_all_ms": a2a_ms, "full_buffer_batches": fits.count(False)}

@@ -211,8 +211,9 @@ def test_export_load_predict_equals_eval(tmp_path):
     manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
     assert manifest["step"] == 30 and set(manifest["embeddings"]) == {"sparse_embedding1",
                                                                       "sparse_embedding2"}
-    network = json.loads((tmp_path / "b" / "network.json").read_text())
-    assert all(layer["type"] != "BinaryCrossEntropyLoss" for layer in network["layers"])
+    config = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert config == t.cfg.raw  # the config it was trained with
+    assert manifest["inputs"]["dense"]["dense_dim"] == t.cfg.data.dense_dim
     import jctr
 
     assert jctr.InferenceModel is InferenceModel

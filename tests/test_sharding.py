@@ -316,7 +316,7 @@ def test_two_processes_agree_with_one_process(tmp_path):
     for _ in range(STEPS):
         parts = [globalize_segments(next(it), slot_nums, p, 2) for p, it in enumerate(shares)]
         batch = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
-        ref.state, m = ref.train_step(ref.state, ref._to_devices(batch, False))
+        ref.state, m = ref.train_step(ref.state, ref.placed.to_devices(batch, False))
         ref_losses.append(float(m["loss"]))
     ref_auc = ref.evaluate()["AUC"]
 
@@ -349,6 +349,15 @@ def test_two_processes_agree_with_one_process(tmp_path):
     np.testing.assert_allclose(resumed, losses[10:], rtol=1e-6)
     meta = json.loads((tmp_path / "ck" / "checkpoints" / "10" / "meta" / "metadata").read_text())
     assert len(meta["readers"]) == 2 and meta["processes"] == 2
+
+    # the two processes' checkpoint exports here, on one device, without a trainer
+    from jctr.serving import InferenceModel, export_checkpoint
+
+    bundle = export_checkpoint(str(tmp_path / "ck" / "checkpoints"), str(tmp_path / "b2"),
+                               step=STEPS)
+    batch = next(iter(ref.eval_data.batches(256, epochs=1)))
+    np.testing.assert_allclose(InferenceModel.load(bundle).predict(batch), ref.predict(batch),
+                               rtol=1e-4, atol=1e-5)
 
 
 def test_cli_gpu_flag(tmp_path, capsys):

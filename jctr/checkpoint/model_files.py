@@ -18,12 +18,20 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING, Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from jctr.checkpoint.tables import export_placed, import_placed
 from jctr.errors import UserError
 from jctr.models import layers as L
+from jctr.sharding.mesh import to_host
+
+if TYPE_CHECKING:
+    from jctr.models.ctr import StepConfig, TrainState
 
 
 class ModelFileError(UserError, ValueError):
@@ -160,6 +168,73 @@ def load_non_trainable(path: str, net) -> None:
             raise ModelFileError(f"{path}: layers[{i}]: expected mean and var of length {n}")
         mod.mean[...] = jnp.asarray(entry["mean"], jnp.float32)
         mod.var[...] = jnp.asarray(entry["var"], jnp.float32)
+
+
+def save_model_files(prefix: str, step_config: StepConfig, state: TrainState,
+                     placements=None) -> list[str]:
+    """Write a model as HugeCTR does: ``<prefix>dense_<iter>.model``, one
+    ``<prefix><embedding>_sparse_<iter>.model`` folder per embedding and
+    ``<prefix>non_trainable_<iter>.json``. Every process takes part (tables are gathered);
+    process 0 writes. Returns the paths.
+
+    Example::
+
+        save_model_files("models/dlrm_", step_config, state, placements)
+    """
+    step = int(to_host(state.step))
+    placements = placements or (None,) * len(step_config.specs)
+    tables = [export_placed(es, p) for es, p in zip(state.embeddings, placements)]
+    paths = [f"{prefix}dense_{step}.model", f"{prefix}non_trainable_{step}.json"]
+    paths += [f"{prefix}{spec.name}_sparse_{step}.model" for spec in step_config.specs]
+    if jax.process_index() != 0:
+        return paths
+    os.makedirs(os.path.dirname(os.path.abspath(prefix + "x")), exist_ok=True)
+    net = nnx.merge(step_config.graphdef, jax.tree.map(to_host, state.params),
+                    jax.tree.map(to_host, state.batch_stats))
+    write_dense_model(paths[0], net)
+    write_non_trainable(paths[1], net)
+    for path, t in zip(paths[2:], tables):
+        write_sparse_model(path, t["keys"], t["values"], t["slot"])
+    return paths
+
+
+def load_model_files(step_config: StepConfig, state: TrainState, dense: str | None = None,
+                     sparse: tuple[str, ...] = (), placements=None,
+                     put_dense: Any = None) -> TrainState:
+    """``state`` with weights from HugeCTR-style model files (a warm start: optimizer state
+    stays as it is). ``put_dense`` places the loaded dense arrays (default: the default
+    device); tables go where ``placements`` put them.
+
+    Example::
+
+        state = load_model_files(step_config, state, "dense_1000.model",
+                                 ("sparse_embedding1_sparse_1000.model",))
+    """
+    if dense:
+        net = nnx.merge(step_config.graphdef, state.params, state.batch_stats)
+        load_dense_model(dense, net)
+        _, params, stats = nnx.split(net, nnx.Param, ...)
+        params, stats = (put_dense or jax.device_put)((params, stats))
+        state = state._replace(params=params, batch_stats=stats)
+    if sparse:
+        specs = step_config.specs
+        if len(sparse) != len(specs):
+            raise ModelFileError(f"sparse_model_file: {len(sparse)} files for {len(specs)} "
+                                 "embeddings (one per embedding, in config order)")
+        placements = placements or (None,) * len(specs)
+        embs = []
+        for spec, es, path, placement in zip(specs, state.embeddings, sparse, placements):
+            keys, vectors = read_sparse_model(path, spec.dim)
+            stored = {"keys": keys, "values": vectors}
+            slots = read_slot_ids(path, keys.size)
+            if slots is not None:
+                stored["slot"] = slots
+            try:
+                embs.append(import_placed(spec, es, stored, placement, source=path))
+            except ValueError as e:
+                raise ModelFileError(str(e)) from e
+        state = state._replace(embeddings=tuple(embs))
+    return state
 
 
 def _atomic_write(path: str, data: bytes) -> None:

@@ -48,11 +48,14 @@ class EmbeddingSpec:
         return self.init_range if self.init_range is not None else 1.0 / float(self.dim) ** 0.5
 
     @classmethod
-    def from_config(cls, cfg: ModelConfig, emb: EmbeddingConfig) -> EmbeddingSpec:
+    def from_config(cls, cfg: ModelConfig, emb: EmbeddingConfig,
+                    capacity: int | None = None) -> EmbeddingSpec:
+        """The spec of ``emb``; ``capacity`` overrides max_vocabulary_size_per_gpu (a table
+        loaded for inference holds exactly its stored keys)."""
         idx = next(i for i, s in enumerate(cfg.data.sparse) if s.top == emb.bottom)
         sp = cfg.data.sparse[idx]
         number = [e.name for e in cfg.embeddings].index(emb.name)
-        return cls(name=emb.name, capacity=emb.max_vocabulary_size_per_gpu,
+        return cls(name=emb.name, capacity=capacity or emb.max_vocabulary_size_per_gpu,
                    dim=emb.embedding_vec_size, slot_num=sp.slot_num,
                    max_features=sp.slot_num if sp.one_hot else sp.max_feature_num_per_sample,
                    one_hot=sp.one_hot, input_index=idx, optimizer=cfg.embedding_optimizer(emb),

@@ -89,12 +89,16 @@ def make_eval_step(sc: StepConfig, engine=None):
     return eval_step
 
 
-def build_model(cfg: ModelConfig) -> tuple[StepConfig, Callable[..., TrainState]]:
+def build_model(cfg: ModelConfig, capacities: dict[str, int] | None = None,
+                ) -> tuple[StepConfig, Callable[..., TrainState]]:
     """The static step configuration and a function creating the initial :class:`TrainState`
     (``init_state(dense_tx)``: the dense optimizer's state from ``dense_tx.init``, or None
     without one). Separate so that shapes can be inspected without allocating
-    (``jax.eval_shape``)."""
-    specs = tuple(EmbeddingSpec.from_config(cfg, e) for e in cfg.embeddings)
+    (``jax.eval_shape``). ``capacities`` sizes tables by embedding name instead of the
+    config's max_vocabulary_size_per_gpu (inference loads exactly the stored keys)."""
+    capacities = capacities or {}
+    specs = tuple(EmbeddingSpec.from_config(cfg, e, capacities.get(e.name))
+                  for e in cfg.embeddings)
     net = build_network(cfg, nnx.Rngs(cfg.solver.seed))
     graphdef, params, batch_stats = nnx.split(net, nnx.Param, ...)
     step_config = StepConfig(

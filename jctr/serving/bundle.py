@@ -4,9 +4,8 @@ Layout of a bundle folder:
 
 * ``manifest.json``: format and jctr versions, the checkpoint step, every embedding's key count
   and vector size, the dense weight count, and the input shapes;
-* ``network.json``: the inputs (label, dense and sparse shapes), the embedding layers and the
-  dense layers of the config -- without the data reader and the loss -- plus ``output``: which
-  tensor is the logit and which activation turns it into a probability;
+* ``config.json``: the config the model was trained with (parsed again on load into the same
+  typed :class:`jctr.config.ModelConfig`; its data sources are not read);
 * ``dense.model``, ``non_trainable.json`` and ``sparse/<embedding>.model/{key,emb_vector}``: the
   files of :mod:`jctr.checkpoint.model_files`.
 """
@@ -34,48 +33,25 @@ from jctr.checkpoint.model_files import (
     write_sparse_model,
 )
 from jctr.checkpoint.tables import export_placed, import_table
-from jctr.config import parse_config
-from jctr.config.schema import LOSS_TYPES
+from jctr.config import ConfigError, ModelConfig, parse_config
 from jctr.data.batch import Batch, check_batch
 from jctr.data.outputs import describe_contents
 from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding.mesh import to_host
 
 BUNDLE_FORMAT = "jctr-inference-bundle"
-BUNDLE_VERSION = 1
+BUNDLE_VERSION = 2  # 2: config.json (the training config) replaced network.json
 
 
-def network_json(raw: dict) -> dict:
-    """The inference network of a raw config: inputs, embeddings, dense layers, output."""
-    layers = raw["layers"]
-    data = layers[0]
-    embeddings, dense, output = [], [], None
-    for layer in layers[1:]:
-        if layer["type"] in LOSS_TYPES:
-            bottom = layer["bottom"]
-            output = {"bottom": bottom[0], "loss_type": layer["type"]}
-            if "target_weight" in layer:
-                output["target_weight"] = layer["target_weight"]
-        elif "sparse_embedding_hparam" in layer:
-            embeddings.append({k: v for k, v in layer.items() if k != "optimizer"})
-        else:
-            dense.append(layer)
-    inputs = {"label": data["label"], "dense": data["dense"], "sparse": data["sparse"]}
-    return {"inputs": inputs, "embeddings": embeddings, "layers": dense, "output": output}
-
-
-def config_from_network(net: dict) -> dict:
-    """A config dict (placeholder data sources, a loss for the activation) for the graph builder.
-    """
-    out = net["output"]
-    loss = {"name": "output", "type": out["loss_type"],
-            "bottom": [out["bottom"], net["inputs"]["label"]["top"]], "top": "output"}
-    if "target_weight" in out:
-        loss["target_weight"] = out["target_weight"]
-    data = {"name": "data", "type": "Data", "source": "-", "eval_source": "-",
-            **{k: net["inputs"][k] for k in ("label", "dense", "sparse")}}
-    return {"optimizer": {"type": "SGD"}, "layers": [data, *net["embeddings"], *net["layers"],
-                                                     loss]}
+def bundle_inputs(cfg: ModelConfig) -> dict[str, Any]:
+    """The model's inputs, from the typed Data layer: label and dense widths, and per sparse
+    input its slots and keys per sample (what a client must send)."""
+    data = cfg.data
+    return {"label": {"top": data.label_top, "label_dim": data.label_dim},
+            "dense": {"top": data.dense_top, "dense_dim": data.dense_dim},
+            "sparse": [{"top": sp.top, "type": sp.type, "slot_num": sp.slot_num,
+                        "max_feature_num_per_sample": sp.max_feature_num_per_sample,
+                        "max_nnz": sp.max_nnz} for sp in data.sparse]}
 
 
 def check_bundle_target(output: str) -> None:
@@ -103,7 +79,7 @@ def check_bundle_target(output: str) -> None:
                              "into a new or empty folder, or replaces a previous bundle")
 
 
-_BUNDLE_ENTRIES = {"manifest.json", "network.json", "dense.model", "non_trainable.json",
+_BUNDLE_ENTRIES = {"manifest.json", "config.json", "dense.model", "non_trainable.json",
                    "sparse"}
 
 
@@ -171,14 +147,14 @@ def _write_bundle(cfg, state, placements, tmp: str, version: str) -> None:
         tables[spec.name] = {"keys": int(t["keys"].shape[0]), "embedding_vec_size": spec.dim,
                              "combiner": spec.combiner}
     if cfg.raw is None:
-        raise ValueError("the config has no JSON form to export")
-    network = network_json(cfg.raw)
+        raise ModelFileError("the model's config was not parsed from JSON (jctr.config."
+                             "parse_config / load_config): a bundle carries that JSON")
     dense_count = int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(state.params)))
     manifest = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "jctr_version": version,
                 "jax_version": jax.__version__, "step": int(to_host(state.step)),
                 "embeddings": tables, "dense_weights": dense_count,
-                "inputs": network["inputs"]}
-    for name, obj in (("network.json", network), ("manifest.json", manifest)):
+                "inputs": bundle_inputs(cfg)}
+    for name, obj in (("config.json", cfg.raw), ("manifest.json", manifest)):
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=1)
 
@@ -204,18 +180,29 @@ class InferenceModel:
         from jctr.models.ctr import build_model, make_eval_step
 
         manifest = _read_json(os.path.join(path, "manifest.json"))
-        if manifest.get("format") != BUNDLE_FORMAT or manifest.get("version", 0) > BUNDLE_VERSION:
-            raise ModelFileError(f"{path}/manifest.json: not a jctr inference bundle of "
-                                 f"version <= {BUNDLE_VERSION}")
-        network = _read_json(os.path.join(path, "network.json"))
-        raw = config_from_network(network)
+        if manifest.get("format") != BUNDLE_FORMAT:
+            raise ModelFileError(f"{path}/manifest.json: not a jctr inference bundle")
+        if manifest.get("version") != BUNDLE_VERSION:
+            raise ModelFileError(f"{path}/manifest.json: bundle format version "
+                                 f"{manifest.get('version')}; this jctr reads version "
+                                 f"{BUNDLE_VERSION}: export the checkpoint again "
+                                 "(python -m jctr.export)")
+        config_path = os.path.join(path, "config.json")
+        try:
+            cfg = parse_config(_read_json(config_path), source=config_path,
+                               require_solver=False)
+        except ConfigError as e:
+            raise ModelFileError(f"{config_path}: the bundle's config does not parse ({e})") \
+                from None
+        tables = manifest.get("embeddings", {})
+        missing = [e.name for e in cfg.embeddings if e.name not in tables]
+        if missing:
+            raise ModelFileError(f"{path}/manifest.json: no table for embedding(s) "
+                                 f"{', '.join(missing)}")
         # tables sized to what the bundle holds: inference never inserts
-        for emb in raw["layers"][1:1 + len(network["embeddings"])]:
-            n = manifest["embeddings"][emb["name"]]["keys"]
-            emb["sparse_embedding_hparam"] = {**emb["sparse_embedding_hparam"],
-                                              "max_vocabulary_size_per_gpu": max(n, 1)}
-        cfg = parse_config(raw, require_solver=False)
-        step_config, init_state = build_model(cfg)
+        step_config, init_state = build_model(
+            cfg, capacities={e.name: max(int(tables[e.name]["keys"]), 1)
+                             for e in cfg.embeddings})
         state = init_state()
         net = nnx.merge(step_config.graphdef, state.params, state.batch_stats)
         load_dense_model(os.path.join(path, "dense.model"), net)

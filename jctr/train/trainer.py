@@ -14,38 +14,23 @@ import jax
 import numpy as np
 from flax import nnx
 
+from jctr.checkpoint.model_files import load_model_files, save_model_files
+from jctr.checkpoint.snapshots import restore_snapshot, save_snapshot
 from jctr.config import ConfigError, ModelConfig, load_config, override_solver
-from jctr.config.compare import config_differences
 from jctr.data.batch import Batch, check_batch
 from jctr.data.loader import Dataset, Prefetcher, ReaderPosition, open_dataset
 from jctr.data.synthetic import generate_for_config
 from jctr.embedding.hash_table import TableFullError
 from jctr.errors import UserError
-from jctr.models.ctr import TrainState, build_model, make_eval_step
+from jctr.models.ctr import build_model, make_eval_step
 from jctr.runtime.host_memory import describe_malloc_tuning
 from jctr.runtime.xla_options import step_compiler_options
-from jctr.sharding import (
-    ShardedEmbeddings,
-    build_mesh,
-    describe_mesh,
-    global_batch,
-    mesh_devices,
-    plan_embeddings,
-    to_host,
-)
+from jctr.sharding import to_host
 from jctr.sharding.distributed import all_processes
-from jctr.sharding.mesh import replicated
-from jctr.sharding.plan import device_memory_bytes
-from jctr.sharding.routing import globalize_segments
+from jctr.sharding.placed_model import PlacedModel
 from jctr.train.metrics import auc, log_loss
 from jctr.train.optimizers import dense_optimizer
 from jctr.train.step import make_train_step
-
-
-def _version() -> str:
-    from jctr.version import __version__
-
-    return __version__
 
 
 class NonFiniteLoss(UserError, FloatingPointError):
@@ -84,20 +69,12 @@ class Trainer:
         self.dense_tx = dense_optimizer(cfg.optimizer)
         init_state = lambda: init_model(self.dense_tx)  # noqa: E731
         self.specs = self.step_config.specs
-        self.mesh = build_mesh(cfg.solver.gpu, cfg.source)
-        self.device = mesh_devices(cfg.solver.gpu, cfg.source)[0]  # the one device, if one
-        self.num_devices = 1 if self.mesh is None else self.mesh.devices.size
-        self._check_batch_sizes()
-        self._print(describe_mesh(self.mesh))
+        self.placed = PlacedModel(cfg, self.specs, dense_bytes=_dense_bytes(init_state))
+        self._print(self.placed.describe())
         if jax.default_backend() == "cpu":
             self._print(describe_malloc_tuning())
-        # the plan is checked against device memory before any table is allocated
-        self.plan = plan_embeddings(
-            cfg, self.specs, self.num_devices, dense_bytes=_dense_bytes(init_state),
-            device_memory=device_memory_bytes(self.device))
-        self._print(self.plan.describe())
-        self.placements = self.plan.placements
-        self._place(init_state)
+        self.state = self.placed.create(init_state)
+        self._jit_steps()
         self._train_data: Dataset | None = None
         self._eval_data: Dataset | None = None
         self.history: list[dict[str, Any]] = []
@@ -110,6 +87,11 @@ class Trainer:
         if cfg.solver.dense_model_file or cfg.solver.sparse_model_file:
             self.load_model_files(cfg.solver.dense_model_file, cfg.solver.sparse_model_file)
 
+    # where the state lives (jctr.sharding.placed_model)
+    mesh = property(lambda self: self.placed.mesh)
+    placements = property(lambda self: self.placed.placements)
+    num_devices = property(lambda self: self.placed.num_devices)
+
     @classmethod
     def from_config(cls, config: str | os.PathLike | dict, *, generate_data: bool = True,
                     force: bool = False, **solver_overrides) -> Trainer:
@@ -120,69 +102,18 @@ class Trainer:
             cfg = override_solver(cfg, solver_overrides)
         return cls(cfg, generate_data=generate_data, force=force)
 
-    def _place(self, init_state) -> None:
-        """Create the state on the device(s) and the jitted steps for that placement."""
+    def _jit_steps(self) -> None:
+        """The jitted steps for this placement: on a mesh, small all-to-all send buffers for
+        the usual batch and full ones (compiled on first need) for a batch whose keys crowd
+        onto a device."""
         opts = step_compiler_options(self.solver.compute_dtype)
-        if self.mesh is None:
-            self.engine = self.engine_full = None
-            self.state = jax.device_put(init_state(), self.device)
-            self.train_step = jax.jit(make_train_step(self.step_config, self.dense_tx),
-                                      donate_argnums=0, compiler_options=opts)
-            self.train_step_full = self.train_step
-        else:
-            factor = self.solver.all2all_capacity_factor or None
-            self.engine_full = ShardedEmbeddings(self.mesh, self.specs, self.placements)
-            self.engine = (ShardedEmbeddings(self.mesh, self.specs, self.placements, factor)
-                           if factor else self.engine_full)
-            rep = replicated(self.mesh)
-            shardings = TrainState(rep, rep, rep, rep, rep, self.engine.shardings())
-
-            def init_sharded():  # tables in the engine's layout, everything else replicated
-                return init_state()._replace(embeddings=self.engine.init())
-
-            self.state = jax.jit(init_sharded, out_shardings=shardings)()
-            # small send buffers for the usual batch; full ones (compiled on first need) for a
-            # batch whose keys crowd onto a device
-            self.train_step, self.train_step_full = (
-                jax.jit(make_train_step(self.step_config, self.dense_tx, e), donate_argnums=0,
-                        out_shardings=(shardings, rep), compiler_options=opts)
-                for e in (self.engine, self.engine_full))
-        self.eval_step = jax.jit(make_eval_step(self.step_config, self.engine_full),
-                                 compiler_options=opts)
-
-    def _check_batch_sizes(self) -> None:
-        n = self.num_devices
-        for name in ("batchsize", "batchsize_eval"):
-            value = getattr(self.solver, name)
-            if value % n or value % jax.process_count():
-                raise ConfigError(f"solver.{name}", f"{value} does not split evenly over "
-                                  f"{n} devices in {jax.process_count()} process(es); use a "
-                                  "multiple of the device count", self.cfg.source)
-
-    def _to_devices(self, batch: Batch, process_local: bool) -> Batch:
-        """Host batch -> device arrays. On a mesh the batch is split over the devices; a
-        ``process_local`` batch is this process's share (its segment ids are made global)."""
-        if self.mesh is None:
-            return jax.device_put(batch, self.device)
-        if process_local and jax.process_count() > 1:
-            batch = globalize_segments(batch, tuple(sp.slot_num for sp in self.cfg.data.sparse),
-                                       jax.process_index(), jax.process_count())
-        return global_batch(self.mesh, batch)
-
-    def _routing_fits(self, local_batch: Batch) -> bool:
-        """Whether this process's batch fits the small all-to-all buffers (host check)."""
-        if self.engine is None or self.engine is self.engine_full:
-            return True
-        return self.engine.fits(local_batch, self.num_devices // jax.process_count())
-
-    def _process_share(self, batch: Batch) -> Batch:
-        """This process's contiguous share of a batch every process read whole."""
-        n, p = jax.process_count(), jax.process_index()
-        if n == 1:
-            return batch
-        cut = lambda x: x[p * x.shape[0] // n:(p + 1) * x.shape[0] // n]
-        return Batch(cut(batch.label), cut(batch.dense), tuple(map(cut, batch.keys)),
-                     tuple(map(cut, batch.segments)), cut(batch.mask))
+        placed = self.placed
+        engines = (None, None) if placed.mesh is None else (placed.engine, placed.engine_full)
+        self.train_step, self.train_step_full = (
+            placed.jit(make_train_step(self.step_config, self.dense_tx, e), donate_state=True,
+                       returns_state=True, compiler_options=opts) for e in engines)
+        self.eval_step = placed.jit(make_eval_step(self.step_config, placed.engine_full),
+                                    compiler_options=opts)
 
     # ---- data ---------------------------------------------------------------------------
 
@@ -279,7 +210,7 @@ class Trainer:
             self._print(f"[jctr] --force: the {len(steps)} checkpoint(s) in {ckpt.directory} "
                         "will be replaced by this run's first snapshot")
         if not self._space_checked:  # once; later a full disk fails that save cleanly
-            ckpt.check_writable(sum(self.plan.device_totals()))
+            ckpt.check_writable(sum(self.placed.plan.device_totals()))
             self._space_checked = True
 
     # ---- training -----------------------------------------------------------------------
@@ -338,8 +269,8 @@ class Trainer:
         batches = Prefetcher(
             self.train_data.batches_with_position(s.batchsize // jax.process_count(),
                                                   epochs=epochs, start=self.reader_position),
-            transform=lambda item: (self._to_devices(item[0], True), item[1],
-                                    self._routing_fits(item[0])))
+            transform=lambda item: (self.placed.to_devices(item[0], True), item[1],
+                                    self.placed.routing_fits(item[0])))
         self._print(f"[jctr] training {', '.join(e.name for e in self.cfg.embeddings)} + "
                     f"{len(self.cfg.layers)} dense layers; batch {s.batchsize}; "
                     f"{'max_iter ' + str(max_iter) if max_iter else str(epochs) + ' epoch(s)'}")
@@ -441,8 +372,6 @@ class Trainer:
         """Snapshot the whole state (asynchronously) plus the BatchNorm JSON beside it; the
         snapshot is reported once it is complete on disk. Refuses a state that went
         non-finite."""
-        from jctr.checkpoint.model_files import non_trainable
-
         if self._nonfinite_at is not None:
             raise NonFiniteLoss(f"not saving: the state went non-finite at iter "
                                 f"{self._nonfinite_at}")
@@ -455,43 +384,22 @@ class Trainer:
             allpos = np.asarray(multihost_utils.process_allgather(mine))
             readers = [dict(zip(("epoch", "file_index", "record"), map(int, row)))
                        for row in allpos.reshape(-1, 3)]
-        ckpt = self.checkpointer
         all_processes(self._prepare_checkpoints, "prepare the checkpoint directory")
-        beside = {}
-        step = int(to_host(self.state.step))
-        if jax.process_index() == 0:
-            host_net = nnx.merge(self.step_config.graphdef,
-                                 jax.tree.map(to_host, self.state.params),
-                                 jax.tree.map(to_host, self.state.batch_stats))
-            beside[f"non_trainable_{step}.json"] = json.dumps(non_trainable(host_net),
-                                                              indent=1).encode()
-        return ckpt.save(self.state, self.specs,
-                         meta={"reader": readers[0], "readers": readers, "config": self.cfg.raw,
-                               "jctr_version": _version(), "devices": self.num_devices,
-                               "processes": jax.process_count()},
-                         placements=self.placements, beside=beside)
+        return save_snapshot(self.checkpointer, self.cfg, self.step_config, self.state,
+                             self.placements, readers=readers, devices=self.num_devices)
 
     def restore_checkpoint(self, step: int | None = None, directory: str | None = None) -> int:
         """Continue from a checkpoint (default: the latest under the solver's directory):
         state, RNG, schedule position and the training reader's position. A checkpoint of a
         config with another model structure is refused, naming the fields that differ."""
-        from jctr.checkpoint.manager import Checkpointer, CheckpointError
+        from jctr.checkpoint.manager import Checkpointer
 
         ckpt = Checkpointer(directory, keep=self.solver.snapshot_keep) if directory \
             else self.checkpointer
-        ckpt.check_not_in_use()
-        meta = ckpt.read_meta(step)
-        readers = meta.get("readers") or [meta.get("reader", {})]
-        if directory is not None and len(readers) != jax.process_count():
-            readers = [{}] * jax.process_count()  # a model to export: no data position
-        if len(readers) != jax.process_count():
-            raise CheckpointError(
-                f"{ckpt.directory}: written by {len(readers)} process(es), restored by "
-                f"{jax.process_count()}: each process's data position cannot be carried over; "
-                "restore with the same process count")
-        self._check_same_model(ckpt.directory, meta)
-        self.state, meta = ckpt.restore(self.state, self.specs, step, self.placements)
-        self.reader_position = ReaderPosition(**readers[jax.process_index()])
+        self.state, reader, meta = restore_snapshot(
+            ckpt, self.cfg, self.step_config, self.state, self.placements, step,
+            report=self._print, keep_positions=directory is None)
+        self.reader_position = ReaderPosition(**reader)
         self._resumed = directory is None
         if self._resumed:
             ckpt.resumed_from(int(meta.get("step", 0)))
@@ -501,87 +409,17 @@ class Trainer:
                     f"{meta.get('devices', 1)} device(s), restored on {self.num_devices})")
         return step
 
-    def _check_same_model(self, where: str, meta: dict) -> None:
-        from jctr.checkpoint.manager import CheckpointError
-
-        if not meta.get("config"):
-            return
-        try:
-            stored = load_config(meta["config"], require_solver=False)
-        except ConfigError as e:
-            raise CheckpointError(f"{where}: the config stored in the checkpoint does not parse "
-                                  f"({e})") from None
-        structural, other = config_differences(stored, self.cfg)
-        if structural:
-            shown = "; ".join(structural[:8]) + ("; ..." if len(structural) > 8 else "")
-            raise CheckpointError(f"{where}: the checkpoint was written with another model "
-                                  f"({len(structural)} field(s) differ, checkpoint -> config): "
-                                  f"{shown}")
-        if other:
-            self._print("[jctr] resuming with changed settings (checkpoint -> config): "
-                        + "; ".join(other))
-
     def save_model_files(self, prefix: str) -> list[str]:
         """HugeCTR-style files: ``<prefix>dense_<iter>.model``, one
         ``<prefix><embedding>_sparse_<iter>.model`` folder per embedding and
-        ``<prefix>non_trainable_<iter>.json`` (layouts: :mod:`jctr.checkpoint.model_files`)."""
-        from jctr.checkpoint.model_files import (
-            write_dense_model,
-            write_non_trainable,
-            write_sparse_model,
-        )
-        from jctr.checkpoint.tables import export_placed
-
-        step = int(to_host(self.state.step))
-        # every process takes part in gathering the tables; process 0 writes
-        tables = [export_placed(es, p) for es, p in zip(self.state.embeddings, self.placements)]
-        paths = [f"{prefix}dense_{step}.model", f"{prefix}non_trainable_{step}.json"]
-        paths += [f"{prefix}{spec.name}_sparse_{step}.model" for spec in self.specs]
-        if jax.process_index() != 0:
-            return paths
-        os.makedirs(os.path.dirname(os.path.abspath(prefix + "x")), exist_ok=True)
-        net = nnx.merge(self.step_config.graphdef, jax.tree.map(to_host, self.state.params),
-                        jax.tree.map(to_host, self.state.batch_stats))
-        write_dense_model(paths[0], net)
-        write_non_trainable(paths[1], net)
-        for path, t in zip(paths[2:], tables):
-            write_sparse_model(path, t["keys"], t["values"], t["slot"])
-        return paths
+        ``<prefix>non_trainable_<iter>.json``
+        (:func:`jctr.checkpoint.model_files.save_model_files`)."""
+        return save_model_files(prefix, self.step_config, self.state, self.placements)
 
     def load_model_files(self, dense: str | None, sparse: tuple[str, ...] = ()) -> None:
         """Warm start from HugeCTR-style model files (optimizer state starts fresh)."""
-        from jctr.checkpoint.model_files import (
-            ModelFileError,
-            load_dense_model,
-            read_slot_ids,
-            read_sparse_model,
-        )
-        from jctr.checkpoint.tables import import_placed
-
-        if dense:
-            net = self.network()
-            load_dense_model(dense, net)
-            _, params, stats = nnx.split(net, nnx.Param, ...)
-            params, stats = jax.device_put(
-                (params, stats), self.device if self.mesh is None else replicated(self.mesh))
-            self.state = self.state._replace(params=params, batch_stats=stats)
-        if sparse:
-            if len(sparse) != len(self.specs):
-                raise ConfigError("solver.sparse_model_file", f"{len(sparse)} files for "
-                                  f"{len(self.specs)} embeddings", self.cfg.source)
-            embs = []
-            for spec, es, path, placement in zip(self.specs, self.state.embeddings, sparse,
-                                                 self.placements):
-                keys, vectors = read_sparse_model(path, spec.dim)
-                stored = {"keys": keys, "values": vectors}
-                slots = read_slot_ids(path, keys.size)
-                if slots is not None:
-                    stored["slot"] = slots
-                try:
-                    embs.append(import_placed(spec, es, stored, placement, source=path))
-                except ValueError as e:
-                    raise ModelFileError(str(e)) from e
-            self.state = self.state._replace(embeddings=tuple(embs))
+        self.state = load_model_files(self.step_config, self.state, dense, sparse,
+                                      self.placements, self.placed.put_replicated)
 
     # ---- evaluation and prediction ------------------------------------------------------
 
@@ -611,7 +449,8 @@ class Trainer:
 
     def _predict_all(self, batch: Batch) -> np.ndarray:
         """Predictions for every sample of a host batch (every process passes the same one)."""
-        _, pred = self.eval_step(self.state, self._to_devices(self._process_share(batch), False))
+        _, pred = self.eval_step(self.state,
+                                 self.placed.to_devices(self.placed.process_share(batch), False))
         return to_host(pred)
 
     def predict(self, batch: Batch) -> np.ndarray:

@@ -1,0 +1,127 @@
+"""A model placed on its devices: one device, or a mesh with tables split by the plan.
+
+It owns everything that depends on where the state lives -- the sharding plan, the embedding
+engines, the state's shardings, moving batches onto the devices and jitting step functions for
+that placement -- so that training, export and tools can place a model without a trainer.
+
+Example::
+
+    step_config, init_state = build_model(cfg)
+    placed = PlacedModel(cfg, step_config.specs, dense_bytes=0)
+    state = placed.create(init_state)
+    eval_step = placed.jit(make_eval_step(step_config, placed.engine_full))
+    loss, probs = eval_step(state, placed.to_devices(batch, process_local=False))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jctr.config import ConfigError, ModelConfig
+from jctr.data.batch import Batch
+from jctr.embedding.collection import EmbeddingSpec
+from jctr.models.ctr import TrainState
+from jctr.sharding.mesh import build_mesh, describe_mesh, global_batch, mesh_devices, replicated
+from jctr.sharding.plan import device_memory_bytes, plan_embeddings
+from jctr.sharding.routing import ShardedEmbeddings, globalize_segments
+
+
+class PlacedModel:
+    """Where a model's state lives and how arrays get there.
+
+    ``engine`` is None on one device; on a mesh it is the :class:`ShardedEmbeddings` with the
+    solver's ``all2all_capacity_factor`` (small send buffers for the usual batch) and
+    ``engine_full`` the one that fits any batch.
+    """
+
+    def __init__(self, cfg: ModelConfig, specs: tuple[EmbeddingSpec, ...], *,
+                 dense_bytes: int = 0):
+        self.cfg = cfg
+        self.specs = specs
+        self.mesh = build_mesh(cfg.solver.gpu, cfg.source)
+        self.device = mesh_devices(cfg.solver.gpu, cfg.source)[0]  # the one device, if one
+        self.num_devices = 1 if self.mesh is None else self.mesh.devices.size
+        self._check_batch_sizes()
+        # the plan is checked against device memory before any table is allocated
+        self.plan = plan_embeddings(cfg, specs, self.num_devices, dense_bytes=dense_bytes,
+                                    device_memory=device_memory_bytes(self.device))
+        self.placements = self.plan.placements
+        if self.mesh is None:
+            self.engine = self.engine_full = None
+            self.state_shardings = None
+        else:
+            factor = cfg.solver.all2all_capacity_factor or None
+            self.engine_full = ShardedEmbeddings(self.mesh, specs, self.placements)
+            self.engine = (ShardedEmbeddings(self.mesh, specs, self.placements, factor)
+                           if factor else self.engine_full)
+            rep = replicated(self.mesh)
+            self.state_shardings = TrainState(rep, rep, rep, rep, rep,
+                                              self.engine.shardings())
+
+    def describe(self) -> str:
+        return describe_mesh(self.mesh) + "\n" + self.plan.describe()
+
+    def _check_batch_sizes(self) -> None:
+        for name in ("batchsize", "batchsize_eval"):
+            value = getattr(self.cfg.solver, name)
+            if value % self.num_devices or value % jax.process_count():
+                raise ConfigError(f"solver.{name}", f"{value} does not split evenly over "
+                                  f"{self.num_devices} devices in {jax.process_count()} "
+                                  "process(es); use a multiple of the device count",
+                                  self.cfg.source)
+
+    def create(self, init_state: Callable[[], TrainState]) -> TrainState:
+        """The initial state on the device(s): tables in the engine's layout, everything else
+        replicated."""
+        if self.mesh is None:
+            return jax.device_put(init_state(), self.device)
+
+        def init_sharded():
+            return init_state()._replace(embeddings=self.engine.init())
+
+        return jax.jit(init_sharded, out_shardings=self.state_shardings)()
+
+    def put_replicated(self, tree: Any) -> Any:
+        """Dense arrays (parameters, statistics) where the dense part of the state lives."""
+        return jax.device_put(tree, self.device if self.mesh is None
+                              else replicated(self.mesh))
+
+    def jit(self, fn: Callable, *, donate_state: bool = False, returns_state: bool = False,
+            compiler_options: dict | None = None) -> Callable:
+        """``fn(state, batch, ...)`` jitted for this placement; with ``returns_state`` the
+        result is ``(state, other)`` and the new state keeps the state's shardings."""
+        kwargs: dict[str, Any] = {"compiler_options": compiler_options}
+        if donate_state:
+            kwargs["donate_argnums"] = 0
+        if returns_state and self.mesh is not None:
+            kwargs["out_shardings"] = (self.state_shardings, replicated(self.mesh))
+        return jax.jit(fn, **kwargs)
+
+    def to_devices(self, batch: Batch, process_local: bool) -> Batch:
+        """Host batch -> device arrays. On a mesh the batch is split over the devices; a
+        ``process_local`` batch is this process's share (its segment ids are made global)."""
+        if self.mesh is None:
+            return jax.device_put(batch, self.device)
+        if process_local and jax.process_count() > 1:
+            batch = globalize_segments(batch, tuple(sp.slot_num for sp in self.cfg.data.sparse),
+                                       jax.process_index(), jax.process_count())
+        return global_batch(self.mesh, batch)
+
+    def routing_fits(self, local_batch: Batch) -> bool:
+        """Whether this process's batch fits the small all-to-all buffers (host check)."""
+        if self.engine is None or self.engine is self.engine_full:
+            return True
+        return self.engine.fits(local_batch, self.num_devices // jax.process_count())
+
+    @staticmethod
+    def process_share(batch: Batch) -> Batch:
+        """This process's contiguous share of a batch every process read whole."""
+        n, p = jax.process_count(), jax.process_index()
+        if n == 1:
+            return batch
+        cut = lambda x: x[p * x.shape[0] // n:(p + 1) * x.shape[0] // n]  # noqa: E731
+        return Batch(cut(batch.label), cut(batch.dense), tuple(map(cut, batch.keys)),
+                     tuple(map(cut, batch.segments)), cut(batch.mask))

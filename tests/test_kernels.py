@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jctr.ops import embedding_bag_backward, embedding_bag_forward
+from jctr.ops import embedding_bag_backward, embedding_bag_forward, interaction
 from jctr.ops.bag import (
     embedding_bag_backward_reference,
     embedding_bag_forward_reference,
@@ -85,11 +85,15 @@ def test_bag_kernels_lower_to_triton_for_cuda():
 
 
 def test_cpu_dispatch_uses_the_reference():
+    """The CPU lowering holds no kernel call, while the same traced function lowered for CUDA
+    is one (so a kernel leaking into the CPU branch would show)."""
     rng = np.random.default_rng(1)
     values, rows, segs, rep = _case(rng, 64, 16, 16, 8, "random")
-    text = jax.jit(lambda v, r, s: embedding_bag_forward(v, r, s, 8)).lower(
-        values, rows, segs).as_text()
-    assert "triton" not in text
+    traced = jax.jit(lambda v, r, s: embedding_bag_forward(v, r, s, 8)).trace(values, rows, segs)
+    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+    assert "custom_call" not in cpu
+    assert "custom_call" in cuda and "jctr_bag_forward" in cuda
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
@@ -316,3 +320,16 @@ def test_malloc_tuning_env_for_glibc():
     out = subprocess.run([sys.executable, "-c", code, code], env=env, capture_output=True,
                          text=True, check=True).stdout
     assert out.strip().splitlines() == [everything]
+
+
+def test_kernel_choice_from_environment(monkeypatch):
+    from jctr.errors import UserError
+    from jctr.ops import dispatch
+
+    dense, sparse = jnp.ones((2, 4)), jnp.ones((2, 3, 4))
+    monkeypatch.setenv("JCTR_KERNELS", "reference")
+    np.testing.assert_allclose(dispatch.dot_interaction(dense, sparse),
+                               interaction.dot_interaction_reference(dense, sparse))
+    monkeypatch.setenv("JCTR_KERNELS", "pallas")
+    with pytest.raises(UserError, match="JCTR_KERNELS='pallas': expected \"auto\""):
+        dispatch.dot_interaction(dense, sparse)

@@ -61,10 +61,8 @@ def load_config(config: str | os.PathLike | dict, *, require_solver: bool = True
         cfg.solver.batchsize, [e.embedding_vec_size for e in cfg.embeddings]
     """
     source = None
-    base_dir = "."
     if isinstance(config, (str, os.PathLike)):
         source = os.fspath(config)
-        base_dir = os.path.dirname(os.path.abspath(source))
         try:
             with open(source, encoding="utf-8") as f:
                 text = f.read()
@@ -77,7 +75,7 @@ def load_config(config: str | os.PathLike | dict, *, require_solver: bool = True
                               source) from e
     else:
         raw = config
-    return parse_config(raw, source=source, base_dir=base_dir, require_solver=require_solver)
+    return parse_config(raw, source=source, require_solver=require_solver)
 
 
 def override_solver(cfg: ModelConfig, changes: dict[str, Any],
@@ -109,8 +107,7 @@ def override_solver(cfg: ModelConfig, changes: dict[str, Any],
         else:
             solver[key] = _to_json(value)
     try:
-        return parse_config(raw, source=cfg.source, base_dir=cfg.base_dir,
-                            require_solver=False)
+        return parse_config(raw, source=cfg.source, require_solver=False)
     except ConfigError as e:
         field = e.path.split(".", 1)[1].split("[", 1)[0].split(".", 1)[0] \
             if e.path.startswith("solver.") else None
@@ -127,8 +124,10 @@ def _to_json(value: Any) -> Any:
     return value
 
 
-def parse_config(raw: Any, *, source: str | None = None, base_dir: str = ".",
+def parse_config(raw: Any, *, source: str | None = None,
                  require_solver: bool = True) -> ModelConfig:
+    """Parse and validate a config dict (``source`` names it in errors). Relative data and
+    snapshot paths stay relative to the working directory, as in HugeCTR."""
     root = ObjectReader(raw, "", source)
     solver = (parse_solver(root.child("solver")) if (root.has("solver") or require_solver)
               else SolverConfig())
@@ -137,7 +136,7 @@ def parse_config(raw: Any, *, source: str | None = None, base_dir: str = ".",
     root.finish()
     data, embeddings, layers = parse_layers(layers_raw, source)
     cfg = ModelConfig(solver=solver, optimizer=optimizer, data=data, embeddings=embeddings,
-                      layers=layers, source=source, base_dir=base_dir, raw=raw)
+                      layers=layers, source=source, raw=raw)
     validate_config(cfg)
     return cfg
 

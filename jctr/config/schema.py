@@ -280,7 +280,6 @@ class ModelConfig:
     embeddings: tuple[EmbeddingConfig, ...]
     layers: tuple[LayerConfig, ...]
     source: str | None = None  # file it came from
-    base_dir: str = "."  # relative data paths resolve against this
     # the JSON it was parsed from (checkpoints and inference bundles carry it)
     raw: dict | None = field(default=None, compare=False, hash=False, repr=False)
 

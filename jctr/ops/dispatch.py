@@ -4,7 +4,7 @@
 Pallas/Triton kernel for ``cuda`` and the XLA formulation for ``cpu`` (measured faster there:
 ``scripts/bench_ops.py``), except the CPU hash lookup and the dot interaction, native kernels
 (:mod:`jctr.ops.cpu_ffi`). ``JCTR_KERNELS=reference`` forces the jnp references everywhere
-(debugging), ``JCTR_KERNELS=pallas`` the kernels on GPU even where the reference is chosen.
+(debugging); ``auto`` (the default) is the choice above.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import os
 
 import jax
 
+from jctr.errors import UserError
 from jctr.ops import bag as ref
 from jctr.ops import (
     cpu_ffi,
@@ -27,8 +28,9 @@ from jctr.ops import dense as dense_ops
 
 def _mode() -> str:
     mode = os.environ.get("JCTR_KERNELS", "auto")
-    if mode not in ("auto", "reference", "pallas"):
-        raise ValueError(f"JCTR_KERNELS={mode!r}: expected auto, reference or pallas")
+    if mode not in ("auto", "reference"):
+        raise UserError(f"environment variable JCTR_KERNELS={mode!r}: expected \"auto\" "
+                        "(platform kernels, the default) or \"reference\" (jnp references)")
     return mode
 
 

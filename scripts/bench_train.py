@@ -90,7 +90,7 @@ def jctr_runner(batches, dtype: str):
     from jctr.config import parse_config
     from jctr.models.ctr import build_model
     from jctr.runtime.xla_options import step_compiler_options
-    from jctr.train.optimizers import dense_optimizer
+    from jctr.train.dense_optimizer import dense_optimizer
     from jctr.train.step import make_train_step
 
     b, _, hot = batches[0][0].shape

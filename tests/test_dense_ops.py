@@ -1,5 +1,5 @@
 """The fully connected op with a row-major backward, and the bf16 formulations XLA:CPU's
-YNNPACK kernels take (``jctr.ops.dense``, ``jctr.ops.interaction.pair_dots_gram``)."""
+YNNPACK kernels take (``jctr.ops.linear``, ``jctr.ops.interaction.pair_dots_gram``)."""
 
 import re
 
@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 from jctr.ops import cpu_ffi, dot_interaction, dot_interaction_reference, linear
-from jctr.ops.dense import linear_reference, linear_rowmajor
 from jctr.ops.interaction import pair_dots_gram
+from jctr.ops.linear import linear_reference, linear_rowmajor
 from jctr.runtime.xla_options import step_compiler_options
 
 rng = np.random.default_rng(3)

@@ -10,8 +10,9 @@ import jctr.data.loader as loader
 from jctr.config import parse_config
 from jctr.data.fixed import FixedChunk, FixedRecords
 from jctr.data.loader import NormDataset, ReaderPosition, build_batch
-from jctr.data.norm import DataError, RecordBlock, read_norm_file, write_file_list, write_norm_file
+from jctr.data.norm import read_norm_file, write_norm_file
 from jctr.data.raw import write_raw_file
+from jctr.data.records import DataError, RecordBlock, write_file_list
 from jctr.data.synthetic import generate_block
 from tests.conftest import load_json
 
@@ -87,24 +88,6 @@ def test_fixed_norm_batches_equal_the_general_parser(tmp_path, key_type, check, 
                           .batches_with_position(16, epochs=2, start=start)), got[6:])
     full = got[0][0]
     assert not full.segments[0].flags.writeable  # the shared arange of full batches
-
-
-@pytest.mark.parametrize("check", ["None", "Sum"])
-def test_numpy_validation_without_numba(tmp_path, monkeypatch, check):
-    """Without the compiled kernels one-hot Norm chunks are validated by numpy: the same batches,
-    the same fallback, the same errors."""
-    import jctr.data.kernels as kernels
-
-    monkeypatch.setattr(kernels, "HAVE_KERNELS", False)
-    lst = _write(tmp_path, [_one_hot(70), _one_hot(33, 1)], check=check)
-    data = _data(check=check)
-    got = list(NormDataset(lst, data, "I64").batches_with_position(16, epochs=1))
-    _assert_same(got, _general_batches(NormDataset(lst, data, "I64"), 16, epochs=1))
-    odd = _odd_file(tmp_path, check)
-    _assert_same(list(NormDataset(odd, _data(max_nnz=2, check=check), "I64")
-                      .batches_with_position(16, epochs=1)),
-                 _general_batches(NormDataset(odd, _data(max_nnz=2, check=check), "I64"), 16,
-                                  epochs=1))
 
 
 def _odd_file(tmp_path, check="None"):

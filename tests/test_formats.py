@@ -16,9 +16,9 @@ from jctr.config import parse_config
 from jctr.data.criteo import _hex_values, convert
 from jctr.data.feature_spec import load_feature_spec
 from jctr.data.loader import open_dataset
-from jctr.data.norm import DataError
 from jctr.data.parquet import write_parquet_dataset
 from jctr.data.raw import write_raw_file
+from jctr.data.records import DataError
 from jctr.data.synthetic import write_format
 from jctr.train.trainer import Trainer
 from tests.conftest import ROOT, load_json
@@ -272,7 +272,7 @@ def test_synthetic_formats_hold_the_same_samples(tmp_path, fmt):
         if fmt == "Raw" else {}
     cfg = parse_config(_data_cfg(fmt, path, **extra))
     got = _blocks(open_dataset(path, cfg.data, "I64"))
-    from jctr.data.norm import RecordBlock
+    from jctr.data.records import RecordBlock
     from jctr.data.synthetic import generate_block
 
     keys = np.concatenate([b.keys for b in got])

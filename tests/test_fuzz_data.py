@@ -9,8 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from jctr.config.schema import SparseInputConfig
-from jctr.data.loader import build_batch
-from jctr.data.norm import DataError, read_norm_file, write_norm_file
+from jctr.data.dataset import build_batch
+from jctr.data.norm import read_norm_file, write_norm_file
+from jctr.data.records import DataError
 from jctr.data.synthetic import generate_block
 
 SLOTS = 4
@@ -152,7 +153,7 @@ def test_mutated_norm_batches_match_the_general_parser(tmp_path, check, key_type
     import jctr.data.varlen as varlen
     from jctr.config import parse_config
     from jctr.data.loader import NormDataset, ReaderPosition
-    from jctr.data.norm import write_file_list
+    from jctr.data.records import write_file_list
     from tests.conftest import load_json
     from tests.test_varlen import general_parser_only
 

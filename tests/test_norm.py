@@ -7,14 +7,8 @@ import pytest
 
 from jctr.config import parse_config
 from jctr.data.loader import NormDataset, build_batch
-from jctr.data.norm import (
-    DataError,
-    RecordBlock,
-    read_file_list,
-    read_norm_file,
-    write_file_list,
-    write_norm_file,
-)
+from jctr.data.norm import read_norm_file, write_norm_file
+from jctr.data.records import DataError, RecordBlock, read_file_list, write_file_list
 from jctr.data.synthetic import generate_block
 from tests.conftest import load_json
 

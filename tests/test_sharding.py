@@ -16,10 +16,10 @@ from jax.sharding import Mesh
 from jctr.config import ConfigError, OptimizerConfig, load_config
 from jctr.data.batch import Batch
 from jctr.data.loader import open_dataset
-from jctr.embedding.collection import EmbeddingSpec, init_embedding
 from jctr.embedding.engine import LocalEmbeddings
+from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding
 from jctr.sharding import Placement, PlanError, ShardedEmbeddings, plan_embeddings
-from jctr.sharding.routing import globalize_segments
+from jctr.sharding.sharded_embeddings import globalize_segments
 from jctr.train.trainer import Trainer
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8,

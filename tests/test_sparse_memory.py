@@ -7,7 +7,7 @@ import pytest
 from jctr.config import parse_config
 from jctr.data.batch import Batch
 from jctr.models.ctr import build_model
-from jctr.train.optimizers import dense_optimizer
+from jctr.train.dense_optimizer import dense_optimizer
 from jctr.train.step import make_train_step
 from tests.conftest import load_json
 

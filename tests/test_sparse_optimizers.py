@@ -6,9 +6,14 @@ import optax
 import pytest
 
 from jctr.config.schema import OptimizerConfig
-from jctr.embedding import optimizers as row_opt
-from jctr.embedding.collection import EmbeddingSpec, apply_gradients, init_embedding, lookup_rows
-from jctr.train.optimizers import dense_optimizer
+from jctr.embedding import row_optimizers as row_opt
+from jctr.embedding.sparse_embedding import (
+    EmbeddingSpec,
+    apply_gradients,
+    init_embedding,
+    lookup_rows,
+)
+from jctr.train.dense_optimizer import dense_optimizer
 from jctr.train.schedules import learning_rate_schedule
 
 CAP, DIM = 40, 4

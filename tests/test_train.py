@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from jctr.data.loader import build_batch
+from jctr.data.dataset import build_batch
 from jctr.train.trainer import Trainer
 from tests.conftest import ROOT
 

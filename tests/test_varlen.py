@@ -7,12 +7,12 @@ from contextlib import contextmanager
 import numpy as np
 import pytest
 
-import jctr.data.kernels as kernels
 import jctr.data.loader as loader
 import jctr.data.varlen as varlen
 from jctr.config import parse_config
 from jctr.data.loader import NormDataset, ReaderPosition
-from jctr.data.norm import DataError, RecordBlock, read_norm_file, write_file_list, write_norm_file
+from jctr.data.norm import read_norm_file, write_norm_file
+from jctr.data.records import DataError, RecordBlock, write_file_list
 from jctr.data.varlen import VarChunk, VarRecords, open_varlen_records
 from tests.conftest import load_json
 from tests.test_fixed_records import _write
@@ -182,16 +182,6 @@ def test_broken_files_raise_the_general_parsers_error(tmp_path, monkeypatch, che
         with pytest.raises(DataError) as got:
             records.load() if use == "load" else records.take(np.arange(40))
         assert str(got.value) == str(want.value)
-
-
-def test_without_numba_files_go_to_the_general_parser(tmp_path, monkeypatch):
-    lst = _write(tmp_path, [_block(50, 4)])
-    data = _data(1, max_features=12)
-    want = _batches(lst, data, "I64", batch_size=16, epochs=1)
-    monkeypatch.setattr(kernels, "HAVE_KERNELS", False)
-    ds = NormDataset(lst, data, "I64")
-    assert isinstance(ds._unit(0), RecordBlock)
-    _assert_same(list(ds.batches_with_position(16, epochs=1)), want)
 
 
 @pytest.mark.parametrize("window", [varlen.WINDOW_BYTES, 64])

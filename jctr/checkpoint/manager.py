@@ -37,7 +37,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jctr.checkpoint.tables import export_placed, import_placed
-from jctr.embedding.collection import EmbeddingSpec
+from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.errors import UserError
 from jctr.models.ctr import TrainState
 from jctr.sharding.mesh import to_host

@@ -12,8 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jctr.embedding.collection import EmbeddingSpec, EmbeddingState
 from jctr.embedding.hash_table import export_items, lookup
+from jctr.embedding.sparse_embedding import EmbeddingSpec, EmbeddingState
 from jctr.ops import owner_shards_host
 from jctr.sharding.mesh import to_host
 

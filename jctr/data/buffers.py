@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from jctr.data.norm import DataError
+from jctr.data.records import DataError
 
 MAX_BUFFERS = 8
 MAX_POOLED_BYTES = 1 << 30

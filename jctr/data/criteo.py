@@ -28,14 +28,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
-from jctr.data.norm import (
-    DataError,
-    RecordBlock,
-    exit_on_data_error,
-    write_file_list,
-    write_norm_file,
-)
+from jctr.data.norm import write_norm_file
 from jctr.data.outputs import require_empty_folder
+from jctr.data.records import DataError, RecordBlock, exit_on_data_error, write_file_list
 from jctr.ops import mix64
 
 NUM_DENSE, NUM_CAT = 13, 26

@@ -23,9 +23,8 @@ import pyarrow.csv as pacsv
 import yaml
 
 from jctr.config.schema import DataConfig
-from jctr.data.loader import Dataset
-from jctr.data.norm import DataError, RecordBlock
-from jctr.data.raw import check_slot_keys, slot_offsets
+from jctr.data.dataset import Dataset
+from jctr.data.records import DataError, RecordBlock, check_slot_keys, slot_offsets
 
 CHUNK_TYPES = ("csv", "split_binary")
 CHANNELS = ("label", "numerical", "categorical")

@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from jctr.data.feature_spec import load_feature_spec
-from jctr.data.norm import exit_on_data_error
 from jctr.data.outputs import require_absent
+from jctr.data.records import exit_on_data_error
 
 
 def generate_csv(spec_path: str, output: str | None = None, size: int = 1000,

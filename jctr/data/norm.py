@@ -20,62 +20,14 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jctr.errors import UserError
+from jctr.data.records import DataError, RecordBlock
 
 HEADER_BYTES = 64
-
-
-class DataError(UserError, ValueError):
-    """Input data that does not match its format or the config; names file, record and field."""
-
-
-def exit_on_data_error(action) -> int:
-    """Run a command-line action: a user error becomes ``error: ...`` on stderr and exit code 2
-    (:func:`jctr.errors.run_command`)."""
-    from jctr.errors import run_command
-
-    return run_command(action)
-
-
-@dataclass
-class RecordBlock:
-    """Columnar samples: labels, dense features, per-slot key counts and the flat keys."""
-
-    label: np.ndarray  # float32 [R, label_dim]
-    dense: np.ndarray  # float32 [R, dense_dim]
-    nnz: np.ndarray  # int32 [R, slot_num]
-    keys: np.ndarray  # int64 [sum(nnz)], record-major, slot order within a record
-
-    def __len__(self) -> int:
-        return self.label.shape[0]
-
-    def key_offsets(self) -> np.ndarray:
-        """int64 [R + 1]: keys of record r are keys[off[r]:off[r+1]] (computed once: a file
-        is sliced into many batches)."""
-        off = self.__dict__.get("_offsets")
-        if off is None:
-            off = np.zeros(len(self) + 1, np.int64)
-            np.cumsum(self.nnz.sum(axis=1, dtype=np.int64), out=off[1:])
-            self.__dict__["_offsets"] = off
-        return off
-
-    def slice(self, start: int, stop: int) -> RecordBlock:
-        off = self.key_offsets()
-        return RecordBlock(self.label[start:stop], self.dense[start:stop], self.nnz[start:stop],
-                           self.keys[off[start]:off[stop]])
-
-    @staticmethod
-    def concat(blocks: list[RecordBlock]) -> RecordBlock:
-        if len(blocks) == 1:
-            return blocks[0]
-        return RecordBlock(*(np.concatenate([getattr(b, f) for b in blocks])
-                             for f in ("label", "dense", "nnz", "keys")))
 
 
 def _key_width(key_type: str) -> int:
@@ -138,45 +90,7 @@ def write_norm_file(path: str, block: RecordBlock, *, key_type: str = "I64",
     os.replace(tmp, path)
 
 
-def write_file_list(path: str, files: list[str]) -> None:
-    """A file list: the count, then one data file per line (relative to the list's folder)."""
-    base = os.path.dirname(os.path.abspath(path))
-    lines = [str(len(files))] + [os.path.relpath(os.path.abspath(f), base) for f in files]
-    with open(path, "w", encoding="utf-8") as f:
-        f.write("\n".join(lines) + "\n")
-
-
 # ---- reading --------------------------------------------------------------------------------
-
-
-def read_file_list(path: str) -> list[str]:
-    """Data files of a file list; relative entries resolve against the list's folder, then the
-    working directory (HugeCTR's convention)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = [ln.strip() for ln in f.read().splitlines()]
-    except OSError as e:
-        raise DataError(f"{path}: cannot read file list: {e.strerror}") from e
-    lines = [ln for ln in lines if ln]
-    if not lines:
-        raise DataError(f"{path}: empty file list; expected a count line, then file paths")
-    try:
-        count = int(lines[0])
-    except ValueError:
-        raise DataError(f"{path}: line 1: expected the number of files, got {lines[0]!r}") from None
-    files = lines[1:]
-    if count != len(files):
-        raise DataError(f"{path}: line 1 says {count} files but {len(files)} are listed")
-    base = os.path.dirname(os.path.abspath(path))
-    out = []
-    for i, name in enumerate(files):
-        cand = name if os.path.isabs(name) else os.path.join(base, name)
-        if not os.path.exists(cand) and os.path.exists(name):
-            cand = name
-        if not os.path.exists(cand):
-            raise DataError(f"{path}: line {i + 2}: data file {name!r} does not exist")
-        out.append(cand)
-    return out
 
 
 def _gather_i32(buf: np.ndarray, pos: np.ndarray) -> np.ndarray:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from jctr.data.norm import DataError
+from jctr.data.records import DataError
 
 
 def folder_contents(folder: str) -> list[str]:

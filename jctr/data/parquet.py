@@ -17,9 +17,15 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from jctr.config.schema import DataConfig
-from jctr.data.loader import Dataset
-from jctr.data.norm import DataError, RecordBlock, read_file_list, write_file_list
-from jctr.data.raw import check_slot_keys, slot_offsets
+from jctr.data.dataset import Dataset
+from jctr.data.records import (
+    DataError,
+    RecordBlock,
+    check_slot_keys,
+    read_file_list,
+    slot_offsets,
+    write_file_list,
+)
 
 
 def read_metadata(folder: str) -> dict:

@@ -14,27 +14,11 @@ import os
 import numpy as np
 
 from jctr.config.schema import DataConfig
+from jctr.data.dataset import Dataset
 from jctr.data.fixed import FixedLayout, FixedRecords
-from jctr.data.loader import Dataset
-from jctr.data.norm import DataError
+from jctr.data.records import DataError, slot_offsets
 
 UNIT_RECORDS = 1 << 18
-
-
-def slot_offsets(slot_size_array) -> np.ndarray:
-    sizes = np.asarray(slot_size_array, np.int64)
-    return np.cumsum(sizes) - sizes
-
-
-def check_slot_keys(keys: np.ndarray, slot_size_array, where: str, first_record: int = 0):
-    """Raise naming the record and slot of the first key outside its slot's range."""
-    sizes = np.asarray(slot_size_array, np.int64)
-    bad = (keys < 0) | (keys >= sizes[None, :])
-    if bad.any():
-        r, s = np.argwhere(bad)[0]
-        raise DataError(f"{where}: record {first_record + int(r)}: slot {int(s)} key "
-                        f"{int(keys[r, s])} is outside slot_size_array[{int(s)}] = "
-                        f"{int(sizes[s])}")
 
 
 class RawDataset(Dataset):

@@ -21,8 +21,9 @@ import sys
 
 import numpy as np
 
-from jctr.data.norm import DataError, RecordBlock, write_file_list, write_norm_file
+from jctr.data.norm import write_norm_file
 from jctr.data.outputs import describe_contents, folder_contents
+from jctr.data.records import DataError, RecordBlock, write_file_list
 from jctr.ops import mix64
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -120,7 +121,8 @@ def write_format(fmt: str, path: str, n: int, *, eval_n: int = 0, num_files: int
 
     from jctr.data.feature_spec import split_binary_spec, write_split_binary
     from jctr.data.parquet import write_parquet_dataset
-    from jctr.data.raw import slot_offsets, write_raw_file
+    from jctr.data.raw import write_raw_file
+    from jctr.data.records import slot_offsets
 
     vocab = kw["vocab"]
     offsets = slot_offsets(vocab)

@@ -21,8 +21,8 @@ from jctr.data.feature_spec import (
     split_binary_spec,
     write_split_binary,
 )
-from jctr.data.norm import DataError, exit_on_data_error
 from jctr.data.outputs import require_empty_folder
+from jctr.data.records import DataError, exit_on_data_error
 
 
 def transcode(input_dir: str, output_dir: str, spec_name: str = "feature_spec.yaml") -> str:

@@ -3,7 +3,7 @@
 A Norm record's length depends on its slots' ``nnz`` words, so records can only be found by
 walking the file from its start. :func:`open_varlen_records` reads a file's bytes into memory
 (a recycled buffer) and checks its header; :func:`decode_var_batch` then has the compiled
-kernels (:mod:`jctr.data.kernels`) walk, validate and decode a batch's records in one pass,
+kernels (:mod:`jctr.data.record_kernels`) walk, validate and decode a batch's records in one pass,
 writing every field straight into the batch arrays (labels, dense features, padded keys and
 segments of every sparse input). Records are validated in file order as they are read (lengths,
 ``nnz``, check-Sum lengths and byte sums, the header's record count); resuming mid-file or
@@ -28,14 +28,10 @@ import os
 
 import numpy as np
 
-from jctr.data import buffers, kernels
-from jctr.data.norm import (
-    HEADER_BYTES,
-    DataError,
-    RecordBlock,
-    _parse_header,
-    read_norm_file,
-)
+from jctr.data import buffers
+from jctr.data import record_kernels as kernels
+from jctr.data.norm import HEADER_BYTES, _parse_header, read_norm_file
+from jctr.data.records import DataError, RecordBlock
 
 WINDOW_BYTES = 2 << 20  # file bytes read at a time when reading in order (stay in cache)
 
@@ -163,9 +159,7 @@ class VarRecords:
         """The records in the order ``perm`` (in memory)."""
         loaded = self.load()
         if isinstance(loaded, RecordBlock):
-            from jctr.data.loader import _take
-
-            return _take(loaded, perm)
+            return loaded.take(perm)
         return VarRecords(self.path, self.data_at, self.body_size, len(perm),
                           label_dim=self.label_dim, dense_dim=self.dense_dim,
                           slot_num=self.slot_num, key_width=self.key_width, wrap=self.wrap,
@@ -262,12 +256,10 @@ def decode_var_batch(parts: list[VarChunk], batch_size: int, sparse) -> tuple | 
 def open_varlen_records(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
                         key_type: str = "I32", check: str = "None") -> VarRecords | RecordBlock:
     """A Norm data file for the kernels, its header validated (records are validated as they
-    are read); a RecordBlock from the general parser where the kernels are not available or
-    the header's record count cannot fit the file (it raises the precise error)."""
+    are read); a RecordBlock from the general parser where the header's record count cannot
+    fit the file (it raises the precise error)."""
     kw = dict(label_dim=label_dim, dense_dim=dense_dim, slot_num=slot_num, key_type=key_type,
               check=check)
-    if not kernels.HAVE_KERNELS:
-        return read_norm_file(path, **kw)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as f:

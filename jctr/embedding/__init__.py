@@ -1,6 +1,7 @@
 """Hash embeddings: tables with dynamic insertion of 64-bit keys, bags, row-wise optimizers."""
 
-from jctr.embedding.collection import (
+from jctr.embedding.hash_table import HashTable, TableFullError, create_table, export_items, lookup
+from jctr.embedding.sparse_embedding import (
     EmbeddingSpec,
     EmbeddingState,
     apply_gradients,
@@ -8,7 +9,6 @@ from jctr.embedding.collection import (
     lookup_rows,
     pool,
 )
-from jctr.embedding.hash_table import HashTable, TableFullError, create_table, export_items, lookup
 
 __all__ = [
     "EmbeddingSpec", "EmbeddingState", "HashTable", "TableFullError", "apply_gradients",

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import jax.numpy as jnp
 
-from jctr.embedding.collection import (
+from jctr.embedding.sparse_embedding import (
     EmbeddingSpec,
     apply_gradients,
     lookup_rows,

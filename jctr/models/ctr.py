@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jctr.config import ModelConfig
-from jctr.embedding.collection import EmbeddingSpec, EmbeddingState, init_embedding
 from jctr.embedding.engine import LocalEmbeddings
+from jctr.embedding.sparse_embedding import EmbeddingSpec, EmbeddingState, init_embedding
 from jctr.models.graph import build_network
 from jctr.models.layers import Context
 

@@ -23,7 +23,7 @@ from jctr.ops import (
     pallas_hash,
     pallas_interaction,
 )
-from jctr.ops import dense as dense_ops
+from jctr.ops import linear as dense_ops
 
 
 def _mode() -> str:
@@ -104,7 +104,7 @@ def dot_interaction(dense, sparse):
 
 def linear(x, kernel, bias, *, relu: bool = False):
     """``x @ kernel + bias`` (ReLU optional) in ``x``'s dtype. On CPU, bfloat16 takes the
-    row-major backward of :func:`jctr.ops.dense.linear_rowmajor` (YNNPACK's bf16 kernels);
+    row-major backward of :func:`jctr.ops.linear.linear_rowmajor` (YNNPACK's bf16 kernels);
     float32 the plain formulation everywhere (XLA's own dots handle its transposes).
 
     Example::

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jctr.ops.dense import transposed_copy
+from jctr.ops.linear import transposed_copy
 
 
 def interaction_output_dim(dense_dim: int, num_sparse: int) -> int:

@@ -6,7 +6,7 @@ matmuls 10-25% slower than XLA's own Eigen dots: ``python scripts/bench_train.py
 switched off for the jitted steps only (not process-wide), unless the user's ``XLA_FLAGS``
 already say something about them or ``JCTR_XLA_DEFAULTS=0``. bfloat16 steps keep them: their
 AVX512-BF16 matmuls are what makes bfloat16 fast on CPU (the layers choose row-major
-formulations for them, :mod:`jctr.ops.dense`). A jaxlib that no longer knows the option gets
+formulations for them, :mod:`jctr.ops.linear`). A jaxlib that no longer knows the option gets
 none.
 
 Example::

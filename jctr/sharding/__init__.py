@@ -4,7 +4,7 @@ data parallel dense network), all-to-all routing with ``jax.shard_map``, multi-h
 from jctr.sharding.distributed import cluster_from_env, initialize_distributed
 from jctr.sharding.mesh import AXIS, build_mesh, describe_mesh, global_batch, mesh_devices, to_host
 from jctr.sharding.plan import Placement, PlanError, ShardingPlan, plan_embeddings
-from jctr.sharding.routing import ShardedEmbeddings
+from jctr.sharding.sharded_embeddings import ShardedEmbeddings
 
 __all__ = [
     "AXIS", "Placement", "PlanError", "ShardedEmbeddings", "ShardingPlan", "build_mesh",

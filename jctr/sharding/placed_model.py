@@ -22,11 +22,11 @@ import jax
 
 from jctr.config import ConfigError, ModelConfig
 from jctr.data.batch import Batch
-from jctr.embedding.collection import EmbeddingSpec
+from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.models.ctr import TrainState
 from jctr.sharding.mesh import build_mesh, describe_mesh, global_batch, mesh_devices, replicated
 from jctr.sharding.plan import device_memory_bytes, plan_embeddings
-from jctr.sharding.routing import ShardedEmbeddings, globalize_segments
+from jctr.sharding.sharded_embeddings import ShardedEmbeddings, globalize_segments
 
 
 class PlacedModel:

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from jctr.config.schema import ModelConfig
-from jctr.embedding.collection import EmbeddingSpec
 from jctr.embedding.hash_table import num_slots_for
-from jctr.embedding.optimizers import init_slots
+from jctr.embedding.row_optimizers import init_slots
+from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.errors import UserError
 
 KINDS = ("single", "localized", "distributed", "replicated")

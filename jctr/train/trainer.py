@@ -18,7 +18,8 @@ from jctr.checkpoint.model_files import load_model_files, save_model_files
 from jctr.checkpoint.snapshots import restore_snapshot, save_snapshot
 from jctr.config import ConfigError, ModelConfig, load_config, override_solver
 from jctr.data.batch import Batch, check_batch
-from jctr.data.loader import Dataset, Prefetcher, ReaderPosition, open_dataset
+from jctr.data.dataset import Dataset
+from jctr.data.loader import Prefetcher, ReaderPosition, open_dataset
 from jctr.data.synthetic import generate_for_config
 from jctr.embedding.hash_table import TableFullError
 from jctr.errors import UserError
@@ -28,8 +29,8 @@ from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding import to_host
 from jctr.sharding.distributed import all_processes
 from jctr.sharding.placed_model import PlacedModel
+from jctr.train.dense_optimizer import dense_optimizer
 from jctr.train.metrics import auc, log_loss
-from jctr.train.optimizers import dense_optimizer
 from jctr.train.step import make_train_step
 
 

@@ -6,7 +6,8 @@ import os
 import numpy as np
 import pytest
 
-from jctr.data.norm import RecordBlock, write_file_list, write_norm_file
+from jctr.data.norm import write_norm_file
+from jctr.data.records import RecordBlock, write_file_list
 from jctr.data.synthetic import generate_block, write_format
 from jctr.train.cli import main
 from tests.faults.harness import run_main, small_config, tree_digest, write_config

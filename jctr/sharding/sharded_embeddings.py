@@ -32,7 +32,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jctr.embedding.collection import (
+from jctr.embedding.hash_table import Lookup
+from jctr.embedding.sparse_embedding import (
     EmbeddingSpec,
     EmbeddingState,
     apply_key_gradients,
@@ -40,7 +41,6 @@ from jctr.embedding.collection import (
     lookup_keys,
     pool,
 )
-from jctr.embedding.hash_table import Lookup
 from jctr.ops import EMPTY_KEY, gather_rows, key_gradients, owner_shards, owner_shards_host
 from jctr.sharding.mesh import AXIS
 from jctr.sharding.plan import Placement

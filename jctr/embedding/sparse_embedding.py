@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jctr.config.schema import EmbeddingConfig, ModelConfig, OptimizerConfig
-from jctr.embedding import optimizers as row_opt
+from jctr.embedding import row_optimizers as row_opt
 from jctr.embedding.hash_table import HashTable, Lookup, create_table, lookup
 from jctr.ops import (
     embedding_bag_backward,

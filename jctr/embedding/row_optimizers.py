@@ -3,7 +3,8 @@
 Each function takes the table values, the optimizer's row state, the distinct rows of the batch
 (``rows`` with ``num_rows`` -- out of range -- where a position is not a representative) and the
 gradient summed per distinct row. The formulas equal the optax optimizers the dense part uses
-(``jctr.train.optimizers``), applied to those rows only; ``Local`` is HugeCTR's default update type.
+(``jctr.train.dense_optimizer``), applied to those rows only; ``Local`` is HugeCTR's default
+update type.
 
 ``Global`` updates every row (the moments of untouched rows decay and move their weights), and
 ``LazyGlobal`` updates touched rows only but first applies the decay of the steps they missed.

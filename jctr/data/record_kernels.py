@@ -2,8 +2,8 @@
 the prefetch thread).
 
 They decide *whether* bytes are valid and decode them; the numpy code that calls them stays the
-one place that words an error (on ``False`` it goes to the general parser). Without numba (an
-optional speed-up, ``HAVE_KERNELS``) the readers use their numpy paths.
+one place that words an error (on ``False`` it goes to the general parser,
+:func:`jctr.data.norm.read_norm_file`, the readable reference). numba is a dependency.
 
 Byte reads index with uint64 (``_U``): unsigned indexing skips numba's negative-index
 wrap-around, which lets LLVM merge neighbouring byte loads into one (unaligned) load.
@@ -11,19 +11,11 @@ wrap-around, which lets LLVM merge neighbouring byte loads into one (unaligned) 
 
 from __future__ import annotations
 
+import numba
 import numpy as np
-
-try:  # optional: without numba the readers use their numpy paths
-    import numba
-except ImportError:  # pragma: no cover - numba is a declared dependency
-    numba = None
-
-HAVE_KERNELS = numba is not None
 
 
 def _njit(fn):
-    if not HAVE_KERNELS:
-        return fn
     try:  # compiled once, then loaded from numba's on-disk cache
         return numba.njit(nogil=True, cache=True)(fn)
     except RuntimeError:  # no writable cache location (read-only install and home): no cache
@@ -31,7 +23,7 @@ def _njit(fn):
 
 
 def _inline(fn):
-    return numba.njit(inline="always")(fn) if HAVE_KERNELS else fn
+    return numba.njit(inline="always")(fn)
 
 
 _U = np.uint64

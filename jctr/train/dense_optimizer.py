@@ -1,6 +1,6 @@
 """Optimizers of the dense part (optax), built from the config's optimizer clause.
 
-The embedding tables use the row-wise twins in :mod:`jctr.embedding.optimizers`, whose formulas
+The embedding tables use the row-wise twins in :mod:`jctr.embedding.row_optimizers`, whose formulas
 are these same ones restricted to the rows a batch touches.
 """
 

@@ -11,20 +11,20 @@ With ``check: Sum`` (``error_check`` 1) every chunk -- the header and each recor
 ``int32 length`` (payload bytes), the payload, and one check byte: the sum of the payload's bytes
 modulo 256.
 
-:func:`read_norm_file` parses any file: record boundaries come from a sequential walk compiled
-by XLA for the host CPU, then fields are gathered for all records at once with numpy. Files of
-one-hot records are read batch by batch instead (:mod:`jctr.data.fixed`).
+:func:`read_norm_file` is the general parser and the readable reference that words every error:
+record boundaries come from the compiled walk (:func:`jctr.data.record_kernels.walk_records`),
+then fields are gathered for all records at once with numpy. Training reads one-hot files batch
+by batch (:mod:`jctr.data.fixed`) and multi-hot ones through the compiled kernels
+(:mod:`jctr.data.varlen`); both fall back to this parser for a broken file.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
+from jctr.data import record_kernels as kernels
 from jctr.data.records import DataError, RecordBlock
 
 HEADER_BYTES = 64
@@ -112,65 +112,6 @@ def _gather(buf: np.ndarray, pos: np.ndarray, dtype: str, width: int) -> np.ndar
     return raw.view(dtype).reshape(-1)
 
 
-def _walk(data: np.ndarray, size: int, cap: int, *, wrap: bool, fixed_words: int = 0,
-          slot_num: int = 0, key_words: int = 0) -> tuple[np.ndarray, int]:
-    """Record starts (up to ``cap`` of them) and where the last record ends.
-
-    Each record's start depends on the one before, so this is a sequential walk; it runs as an
-    XLA loop on the host CPU (compiled once per power-of-two size bucket): ~100x faster than the
-    numpy pointer doubling it replaced (16,384 multi-hot records: 2.3 ms against 238 ms).
-    Without check the walk hops over the label/dense words and each slot's ``nnz`` keys (a
-    negative nnz hops like 0; the slot walk after it names the record); with ``check: Sum``
-    each record's length prefix gives the next start. A record that runs past the end leaves
-    the end beyond ``size``.
-    """
-    bucket = 1 << max(10, int(size - 1).bit_length())
-    padded = np.empty(bucket, data.dtype)
-    padded[:size] = data[:size]
-    padded[size:] = 0
-    cap_bucket = 1 << max(4, int(cap - 1).bit_length())
-    cpu = jax.local_devices(backend="cpu")[0]
-    starts, count, end = _walk_xla(jax.device_put(padded, cpu), np.int64(size),
-                                   np.int64(cap), wrap, fixed_words, slot_num, key_words,
-                                   cap_bucket)
-    count = int(count)
-    return np.asarray(starts)[:count], int(end)
-
-
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6, 7))
-def _walk_xla(data, size, cap, wrap, fixed_words, slot_num, key_words, cap_bucket):
-    def read_i32(p):
-        if not wrap:
-            return data.at[p].get(mode="fill", fill_value=0).astype(jnp.int64)
-        b = [data.at[p + k].get(mode="fill", fill_value=0).astype(jnp.int64) for k in range(4)]
-        v = b[0] | (b[1] << 8) | (b[2] << 16) | (b[3] << 24)
-        return jnp.where(v >= 2**31, v - 2**32, v)
-
-    def next_start(p):
-        if wrap:
-            length = read_i32(p)
-            nxt = p + 5 + length
-            bad = (p + 4 > size) | (length < 0) | (nxt > size)
-            return jnp.where(bad, size + 1, nxt)
-
-        def slot(_, q):
-            hop = q + 1 + jnp.clip(read_i32(q), 0, size) * key_words
-            return jnp.where(q < size, jnp.minimum(hop, size + 1), size + 1)
-
-        return jax.lax.fori_loop(0, slot_num, slot, jnp.minimum(p + fixed_words, size + 1))
-
-    def cond(c):
-        return (c[0] < size) & (c[1] < cap)
-
-    def body(c):
-        p, i, starts = c
-        return next_start(p), i + 1, starts.at[i].set(p)
-
-    end, count, starts = jax.lax.while_loop(
-        cond, body, (jnp.int64(0), jnp.int64(0), jnp.zeros(cap_bucket, jnp.int64)))
-    return starts, count, end
-
-
 def _parse_header(path: str, buf: np.ndarray, label_dim: int, dense_dim: int, slot_num: int,
                   check: str) -> tuple[int, int]:
     """Validate a data file's header (``buf`` holds at least its first bytes) against the
@@ -221,9 +162,6 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
     body = buf[hdr_len:]
     kw = _key_width(key_type)
     fixed = 4 * (label_dim + dense_dim)
-    block = _parse_fixed(path, body, n_records, label_dim, dense_dim, slot_num, kw, wrap)
-    if block is not None:
-        return block
     starts = _record_starts(path, body, n_records, fixed, slot_num, kw, wrap)
     payload_start = starts + (4 if wrap else 0)
     if wrap:
@@ -289,59 +227,6 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
     return RecordBlock(label.reshape(-1, label_dim), dense.reshape(-1, dense_dim), nnz, keys)
 
 
-def _parse_fixed(path, body, n, label_dim, dense_dim, slot_num, kw, wrap):
-    """Fast path when every record has the first record's key counts (one-hot data): the
-    body is a [records, bytes] matrix and every field a column. None if the layout differs."""
-    if n == 0 or body.size % n:
-        return None
-    rec = body.size // n
-    rows = body.reshape(n, rec)
-    if wrap:
-        if rec < 5:
-            return None
-        plen = rec - 5
-        lengths = np.ascontiguousarray(rows[:, :4]).view("<i4").ravel()
-        if not np.all(lengths == plen):
-            return None
-        payload = rows[:, 4:4 + plen]
-    else:
-        plen = rec
-        payload = rows
-    if plen % 4:
-        return None
-    words = np.ascontiguousarray(payload).view("<i4")
-    kwords = kw // 4
-    p = label_dim + dense_dim
-    nnz_cols, key_cols = [], []
-    for _ in range(slot_num):
-        if p >= words.shape[1] or words[0, p] < 0:
-            return None
-        c = int(words[0, p])
-        if p + 1 + c * kwords > words.shape[1]:  # not a layout of this record size (corrupt)
-            return None
-        nnz_cols.append(p)
-        key_cols.extend(range(p + 1, p + 1 + c * kwords))
-        p += 1 + c * kwords
-    if p != words.shape[1]:
-        return None
-    nnz = words[:, nnz_cols]
-    if not np.all(nnz == nnz[0]):
-        return None
-    if wrap:
-        sums = payload.sum(axis=1, dtype=np.int64) % 256
-        bad = np.nonzero(sums != rows[:, 4 + plen])[0]
-        if bad.size:
-            raise DataError(f"{path}: record {int(bad[0])}: checksum mismatch (check: Sum)")
-    label = words[:, :label_dim].view("<f4").astype(np.float32)
-    dense = words[:, label_dim:label_dim + dense_dim].view("<f4").astype(np.float32)
-    kw_ = np.ascontiguousarray(words[:, key_cols])
-    if kwords == 1:
-        keys = kw_.view("<u4").astype(np.int64).ravel()
-    else:
-        keys = kw_.view("<i8").ravel().copy()
-    return RecordBlock(label, dense, nnz.astype(np.int32), keys)
-
-
 def _diagnose_nnz(path: str, words: np.ndarray, starts: np.ndarray, fixed_words: int,
                   slot_num: int, key_words: int) -> None:
     """A walk that ran off the file (or miscounted records) usually met a corrupt ``nnz``:
@@ -383,27 +268,31 @@ def _record_starts(path, body, n_records, fixed, slot_num, kw, wrap) -> np.ndarr
         if size <= 3:
             raise DataError(f"{path}: record 0: truncated (file ends inside the record)")
         cap = min(n_records + 1, size // 5 + 1)
-        starts, end_of_last = _walk(body, size, cap, wrap=True)
-        unit = 1
+        starts, end_of_last = _walk(body, cap, True, 0, 0, 0)
     else:
         if size % 4:
             raise DataError(f"{path}: truncated: the body is {size} bytes, not a whole number of "
                             "4-byte fields")
         words = body.view("<i4")
-        size = words.size
-        unit = 4
-        cap = min(n_records + 1, size // (fixed // 4 + slot_num) + 1 if fixed or slot_num
-                  else size + 1)
-        starts, end_of_last = _walk(words, size, cap, wrap=False, fixed_words=fixed // 4,
-                                    slot_num=slot_num, key_words=kw // 4)
-    if not wrap and (end_of_last > size or starts.size != n_records):
-        _diagnose_nnz(path, words, starts, fixed // 4, slot_num, kw // 4)
+        record_words = fixed // 4 + slot_num
+        cap = min(n_records + 1, words.size // record_words + 1 if record_words
+                  else words.size + 1)
+        starts, end_of_last = _walk(body, cap, False, fixed, slot_num, kw)
+        if end_of_last > size or starts.size != n_records:
+            _diagnose_nnz(path, words, starts // 4, fixed // 4, slot_num, kw // 4)
     if end_of_last > size:
         raise DataError(f"{path}: record {starts.size - 1}: truncated (file ends inside the "
-                        f"record at byte {int(starts[-1]) * unit + 0})")
+                        f"record at byte {int(starts[-1])})")
     if starts.size > n_records:
         raise DataError(f"{path}: header says {n_records} records but the file holds more")
     if starts.size < n_records:
         raise DataError(f"{path}: header says {n_records} records but the file holds "
                         f"{starts.size} (truncated?)")
-    return starts * unit
+    return starts
+
+
+def _walk(body: np.ndarray, cap: int, wrap: bool, fixed: int, slot_num: int,
+          kw: int) -> tuple[np.ndarray, int]:
+    starts = np.empty(max(cap, 0), np.int64)
+    count, end = kernels.walk_records(body, cap, wrap, fixed, slot_num, kw, starts)
+    return starts[:count], int(end)

@@ -96,6 +96,40 @@ def _record_tail(window, p, q, end, wrap):
 
 
 @_njit
+def walk_records(body, cap, wrap, fixed, slot_num, kw, starts):  # pragma: no cover - compiled
+    """Record starts of a whole file body (up to ``cap``, into ``starts``) by hopping over each
+    record without validating it: the general parser's walk, which then words what is wrong.
+    check Sum: each length prefix gives the next start; else the label/dense bytes and each
+    slot's ``nnz`` keys (a negative nnz hops like 0). Returns ``(count, end)``: a record that
+    runs past the body leaves ``end`` at ``body.size + 1``."""
+    size = body.size
+    p = np.int64(0)
+    count = 0
+    while p < size and count < cap:
+        starts[count] = p
+        count += 1
+        if wrap:
+            if p + 4 > size:
+                p = size + 1
+                continue
+            length = _i32(body, p)
+            nxt = p + 5 + length
+            p = size + 1 if (length < 0 or nxt > size) else nxt
+            continue
+        q = p + fixed
+        for _ in range(slot_num):
+            if q + 4 > size:
+                q = size + 1
+                break
+            q += 4 + max(_i32(body, q), 0) * kw
+            if q > size:
+                q = size + 1
+                break
+        p = min(q, size + 1)
+    return count, p
+
+
+@_njit
 def index_records(window, base, body_end, last, starts, first, stop, n, fixed, slot_num, kw,
                   wrap):  # pragma: no cover - compiled
     """Walk records ``first..stop-1`` from ``starts[first]``, validating each, and write their

@@ -200,3 +200,11 @@ def test_regularizers():
         z = x @ w + np.asarray(net.layers[0].bias[...])
         term = 0.5 * (w ** 2).sum() if reg == "L2" else np.abs(w).sum()
         close(loss, _bce(z[:, 0], 1.0).mean() + 0.1 * term / B, 1e-5)
+
+
+def test_every_config_layer_type_has_one_module():
+    from jctr.config.layer_types import LAYER_TYPES
+
+    assert set(L.MODULES) == set(LAYER_TYPES)
+    with pytest.raises(TypeError, match="Gelu is not declared"):
+        L.layer_type("Gelu")(type("Gelu", (L.Layer,), {}))

@@ -39,23 +39,13 @@ class ModelFileError(UserError, ValueError):
 
 
 def _weight_slots(net) -> list[tuple[object, str, tuple[int, ...], int | None]]:
-    """(module, attribute, shape, index along axis 0 or None) in file order."""
+    """(module, attribute, shape, index along axis 0 or None) in file order: each layer lists
+    its own (:meth:`jctr.models.layers.Layer.file_weights`)."""
     out = []
     for mod in net.layers:
-        if isinstance(mod, L.InnerProduct):
-            out.append((mod, "kernel", mod.kernel[...].shape, None))
-            if mod.bias is not None:
-                out.append((mod, "bias", mod.bias[...].shape, None))
-        elif isinstance(mod, L.BatchNorm):
-            out.append((mod, "gamma", mod.gamma[...].shape, None))
-            out.append((mod, "beta", mod.beta[...].shape, None))
-        elif isinstance(mod, L.Multiply):
-            out.append((mod, "weight", mod.weight[...].shape, None))
-        elif isinstance(mod, L.MultiCross):
-            n = mod.w[...].shape[1]
-            for i in range(mod.num_layers):
-                out.append((mod, "w", (n,), i))
-                out.append((mod, "b", (n,), i))
+        for attr, i in mod.file_weights():
+            shape = getattr(mod, attr)[...].shape
+            out.append((mod, attr, shape if i is None else shape[1:], i))
     return out
 
 

@@ -4,40 +4,26 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
-from collections.abc import Callable
 from typing import Any
 
+from jctr.config.layer_types import LAYER_TYPES, LOSS_TYPES
 from jctr.config.reader import ConfigError, ObjectReader, describe, join_path
 from jctr.config.schema import (
     COMPUTE_DTYPES,
     DATA_FORMATS,
     EMBEDDING_TYPES,
-    LOSS_TYPES,
     MIXED_PRECISION_SCALERS,
     NAN_POLICIES,
     OPTIMIZER_TYPES,
     SPARSE_INPUT_TYPES,
     UPDATE_TYPES,
-    BatchNormParam,
     DataConfig,
-    DropoutParam,
-    EluParam,
     EmbeddingConfig,
-    FcParam,
-    FmOrder2Param,
     LayerConfig,
-    LossParam,
     Metric,
     ModelConfig,
-    MultiCrossParam,
-    MultiplyParam,
-    NoParam,
     OptimizerConfig,
-    ReduceSumParam,
-    ReshapeParam,
-    SliceParam,
     SolverConfig,
     SparseInputConfig,
     SyntheticConfig,
@@ -319,10 +305,10 @@ def parse_layers(layers_raw: list, source: str | None):
                 raise r.error("type", "embedding layers must precede the dense layers "
                               f"(dense layer \"{dense[0].name}\" comes before)")
             embeddings.append(parse_embedding(r, ltype))
-        elif ltype in LAYER_SPECS:
+        elif ltype in LAYER_TYPES:
             dense.append(parse_dense_layer(r, ltype))
         else:
-            known = ", ".join(["Data", *EMBEDDING_TYPES, *sorted(LAYER_SPECS)])
+            known = ", ".join(["Data", *EMBEDDING_TYPES, *sorted(LAYER_TYPES)])
             raise r.error("type", f"unknown layer type {describe(ltype)}; known: {known}")
     if not embeddings:
         raise ConfigError("layers", "no embedding layer; expected at least one of "
@@ -447,122 +433,10 @@ def parse_embedding(r: ObjectReader, etype: str) -> EmbeddingConfig:
                            init_range=init_range, replicated=replicated)
 
 
-def _fc(r: ObjectReader):
-    p = r.child("fc_param")
-    out = FcParam(num_output=p.int("num_output", min_value=1), bias=p.bool("bias", True))
-    p.finish()
-    return out
-
-
-def _elu(r: ObjectReader):
-    if not r.has("elu_param"):
-        return EluParam()
-    p = r.child("elu_param")
-    out = EluParam(alpha=p.float("alpha", 1.0))
-    p.finish()
-    return out
-
-
-def _dropout(r: ObjectReader):
-    return DropoutParam(rate=r.float("rate", 0.5, min_value=0.0, max_value=0.99))
-
-
-def _bn(r: ObjectReader):
-    if not r.has("bn_param"):
-        return BatchNormParam()
-    p = r.child("bn_param")
-    out = BatchNormParam(factor=p.float("factor", 1.0, min_value=0.0, max_value=1.0),
-                         eps=p.float("eps", 1e-5, positive=True))
-    p.finish()
-    return out
-
-
-def _reshape(r: ObjectReader):
-    return ReshapeParam(leading_dim=r.int("leading_dim", min_value=1))
-
-
-def _slice(r: ObjectReader):
-    ranges = r.list("ranges")
-    out = []
-    for i, rg in enumerate(ranges):
-        if (not isinstance(rg, list) or len(rg) != 2
-                or not all(isinstance(v, int) and not isinstance(v, bool) for v in rg)
-                or not 0 <= rg[0] < rg[1]):
-            raise ConfigError(join_path(join_path(r.path, "ranges"), i),
-                              f"expected [begin, end) with 0 <= begin < end, got {describe(rg)}",
-                              r.source)
-        out.append((rg[0], rg[1]))
-    if not out:
-        raise r.error("ranges", "expected at least one range")
-    return SliceParam(ranges=tuple(out))
-
-
-def _multiply(r: ObjectReader):
-    dims = r.int_list("weight_dims", min_value=1)
-    if len(dims) != 2:
-        raise r.error("weight_dims", f"expected [slot_num, vec_size], got {list(dims)}")
-    return MultiplyParam(weight_dims=(dims[0], dims[1]))
-
-
-def _fm(r: ObjectReader):
-    return FmOrder2Param(out_dim=r.int("out_dim", min_value=1))
-
-
-def _multicross(r: ObjectReader):
-    p = r.child("mc_param")
-    out = MultiCrossParam(num_layers=p.int("num_layers", min_value=1))
-    p.finish()
-    return out
-
-
-def _reduce_sum(r: ObjectReader):
-    return ReduceSumParam(axis=r.int("axis", 1, min_value=0))
-
-
-def _loss(r: ObjectReader):
-    reg = r.choice("regularizer", ("L1", "L2"), None)
-    lam = r.float("lambda", 1e-4 if reg else 0.0, min_value=0.0)
-    target = ()
-    if r.has("target_weight"):
-        tw = r.list("target_weight")
-        if not tw or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
-                             and math.isfinite(v) for v in tw):
-            raise r.error("target_weight", f"expected a list of finite numbers, got "
-                          f"{describe(tw)}")
-        target = tuple(float(v) for v in tw)
-    return LossParam(regularizer=reg, lambda_=lam, target_weight=target)
-
-
-def _none(r: ObjectReader):
-    return NoParam()
-
-
-# type -> (param parser, (min bottoms, max bottoms), tops: int or None for "one per range")
-LAYER_SPECS: dict[str, tuple[Callable[[ObjectReader], object], tuple[int, int], int | None]] = {
-    "InnerProduct": (_fc, (1, 1), 1),
-    "FusedInnerProduct": (_fc, (1, 1), 1),
-    "ReLU": (_none, (1, 1), 1),
-    "ELU": (_elu, (1, 1), 1),
-    "Dropout": (_dropout, (1, 1), 1),
-    "BatchNorm": (_bn, (1, 1), 1),
-    "Reshape": (_reshape, (1, 1), 1),
-    "Concat": (_none, (2, 5), 1),
-    "Slice": (_slice, (1, 1), None),
-    "Split": (_none, (1, 1), -1),  # any number >= 2 of copies
-    "Multiply": (_multiply, (1, 1), 1),
-    "FmOrder2": (_fm, (1, 1), 1),
-    "MultiCross": (_multicross, (1, 1), 1),
-    "ReduceSum": (_reduce_sum, (1, 1), 1),
-    "Add": (_none, (2, 16), 1),
-    "Interaction": (_none, (2, 2), 1),
-    "BinaryCrossEntropyLoss": (_loss, (2, 2), 1),
-    "CrossEntropyLoss": (_loss, (2, 2), 1),
-    "MultiCrossEntropyLoss": (_loss, (2, 2), 1),
-}
 
 
 def parse_dense_layer(r: ObjectReader, ltype: str) -> LayerConfig:
-    parse_params, (lo, hi), n_tops = LAYER_SPECS[ltype]
+    parse_params, (lo, hi), n_tops = LAYER_TYPES[ltype]
     r.has("type")
     name = r.str("name")
     bottoms = r.str_or_list("bottom")

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jctr.config.layer_types import LOSS_TYPES, NoParam
+
 OPTIMIZER_TYPES = ("Adam", "MomentumSGD", "Nesterov", "SGD", "AdaGrad")
 UPDATE_TYPES = ("Local", "Global", "LazyGlobal")
 EMBEDDING_TYPES = (
@@ -184,73 +186,6 @@ class EmbeddingConfig:
     replicated: bool | None = None
 
 
-# ---- dense layer parameters -------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class FcParam:
-    num_output: int
-    bias: bool = True
-
-
-@dataclass(frozen=True)
-class EluParam:
-    alpha: float = 1.0
-
-
-@dataclass(frozen=True)
-class DropoutParam:
-    rate: float = 0.5
-
-
-@dataclass(frozen=True)
-class BatchNormParam:
-    factor: float = 1.0
-    eps: float = 1e-5
-
-
-@dataclass(frozen=True)
-class ReshapeParam:
-    leading_dim: int
-
-
-@dataclass(frozen=True)
-class SliceParam:
-    ranges: tuple[tuple[int, int], ...]
-
-
-@dataclass(frozen=True)
-class MultiplyParam:
-    weight_dims: tuple[int, int]
-
-
-@dataclass(frozen=True)
-class FmOrder2Param:
-    out_dim: int
-
-
-@dataclass(frozen=True)
-class MultiCrossParam:
-    num_layers: int
-
-
-@dataclass(frozen=True)
-class ReduceSumParam:
-    axis: int = 1
-
-
-@dataclass(frozen=True)
-class LossParam:
-    regularizer: str | None = None  # "L1" or "L2"
-    lambda_: float = 0.0
-    target_weight: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True)
-class NoParam:
-    pass
-
-
 @dataclass(frozen=True)
 class LayerConfig:
     """A dense layer of the graph: ``bottoms`` name earlier ``tops``."""
@@ -265,9 +200,6 @@ class LayerConfig:
     @property
     def is_loss(self) -> bool:
         return self.type in LOSS_TYPES
-
-
-LOSS_TYPES = ("BinaryCrossEntropyLoss", "CrossEntropyLoss", "MultiCrossEntropyLoss")
 
 
 @dataclass(frozen=True)

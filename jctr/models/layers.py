@@ -1,20 +1,91 @@
-"""Flax NNX modules for HugeCTR's dense layer types.
+"""Flax NNX modules for HugeCTR's dense layer types, one class per type (or family of types).
 
 Every layer maps a list of input tensors to a list of outputs (most take and give one), so the
-graph builder (:mod:`jctr.models.graph`) can wire any config. Shapes below omit the batch axis.
+graph builder (:mod:`jctr.models.graph`) can wire any config. Each class declares, with
+:func:`layer_type`, the config types it implements; ``build`` checks the input shapes and makes
+the module; ``file_weights`` lists its weights in HugeCTR's dense model file order
+(:mod:`jctr.checkpoint.model_files`). The parameters each type reads from JSON are declared in
+:mod:`jctr.config.layer_types`. Shapes omit the batch axis.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import math
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jctr.ops import dot_interaction, linear
+from jctr.config.layer_types import LAYER_TYPES
+from jctr.config.reader import ConfigError
+from jctr.config.schema import LayerConfig
+from jctr.ops import dot_interaction, interaction_output_dim, linear
 
 _glorot = nnx.initializers.glorot_uniform()
+
+Shape = tuple[int, ...]
+
+# config type name -> the module class that implements it
+MODULES: dict[str, type[Layer]] = {}
+
+
+def layer_type(*names: str) -> Callable[[type[Layer]], type[Layer]]:
+    """Register a module class as the implementation of the config layer types ``names``."""
+
+    def register(cls):
+        for name in names:
+            if name not in LAYER_TYPES:
+                raise TypeError(f"{cls.__name__}: {name} is not declared in "
+                                "jctr.config.layer_types.LAYER_TYPES")
+            MODULES[name] = cls
+        return cls
+
+    return register
+
+
+def fmt_shape(shape: Shape) -> str:
+    return "[batch" + "".join(f", {d}" for d in shape) + "]"
+
+
+class Inputs(NamedTuple):
+    """What ``build`` gets: the layer's config, its input shapes, its position in the graph."""
+
+    cfg: LayerConfig
+    shapes: Sequence[Shape]
+    index: int
+    rngs: nnx.Rngs
+    source: str | None = None
+
+    @property
+    def params(self) -> Any:
+        return self.cfg.params
+
+    def fail(self, msg: str) -> ConfigError:
+        return ConfigError(self.cfg.path or self.cfg.name,
+                           f"{self.cfg.type} \"{self.cfg.name}\": {msg}", self.source)
+
+    def width(self, i: int = 0) -> int:
+        """The width n of the 2-D input ``i`` ([batch, n]); any other rank is an error."""
+        if len(self.shapes[i]) != 1:
+            raise self.fail(f"expects a 2-D input [batch, n], got {fmt_shape(self.shapes[i])} "
+                            f"from \"{self.cfg.bottoms[i]}\" (add a Reshape)")
+        return self.shapes[i][0]
+
+
+class Layer(nnx.Module):
+    """Base of the layer modules."""
+
+    @classmethod
+    def build(cls, x: Inputs) -> tuple[Layer, list[Shape]]:
+        """The module for the layer and the shapes of its tops (default: no parameters, the
+        shape passes through)."""
+        return cls(), [x.shapes[0]]
+
+    def file_weights(self) -> list[tuple[str, int | None]]:
+        """Trainable arrays in model file order: (attribute, row of it or None for all)."""
+        return []
 
 
 class Context(NamedTuple):
@@ -25,7 +96,8 @@ class Context(NamedTuple):
     mask: jax.Array  # float32 [batch], 0 for padding samples
 
 
-class InnerProduct(nnx.Module):
+@layer_type("InnerProduct", "FusedInnerProduct")
+class InnerProduct(Layer):
     """Fully connected layer ``x @ W + b``; ``FusedInnerProduct`` adds a ReLU."""
 
     def __init__(self, in_features: int, num_output: int, *, bias: bool = True,
@@ -34,31 +106,51 @@ class InnerProduct(nnx.Module):
         self.bias = nnx.Param(jnp.zeros((num_output,), jnp.float32)) if bias else None
         self.relu = relu
 
+    @classmethod
+    def build(cls, x):
+        p = x.params
+        return (cls(x.width(), p.num_output, bias=p.bias, relu=x.cfg.type == "FusedInnerProduct",
+                    rngs=x.rngs), [(p.num_output,)])
+
+    def file_weights(self):
+        return [("kernel", None)] + ([("bias", None)] if self.bias is not None else [])
+
     def __call__(self, xs, ctx: Context):
         (x,) = xs
         bias = None if self.bias is None else self.bias[...].astype(x.dtype)
         return [linear(x, self.kernel[...].astype(x.dtype), bias, relu=self.relu)]
 
 
-class ReLU(nnx.Module):
+@layer_type("ReLU")
+class ReLU(Layer):
     def __call__(self, xs, ctx):
         return [jax.nn.relu(xs[0])]
 
 
-class ELU(nnx.Module):
+@layer_type("ELU")
+class ELU(Layer):
     def __init__(self, alpha: float = 1.0):
         self.alpha = alpha
+
+    @classmethod
+    def build(cls, x):
+        return cls(x.params.alpha), [x.shapes[0]]
 
     def __call__(self, xs, ctx):
         return [jax.nn.elu(xs[0], self.alpha)]
 
 
-class Dropout(nnx.Module):
+@layer_type("Dropout")
+class Dropout(Layer):
     """Inverted dropout; the key comes from the step's RNG folded with the layer index."""
 
     def __init__(self, rate: float, index: int):
         self.rate = rate
         self.index = index
+
+    @classmethod
+    def build(cls, x):
+        return cls(x.params.rate, x.index), [x.shapes[0]]
 
     def __call__(self, xs, ctx):
         (x,) = xs
@@ -69,7 +161,8 @@ class Dropout(nnx.Module):
         return [jnp.where(keep, x / (1.0 - self.rate), 0.0).astype(x.dtype)]
 
 
-class BatchNorm(nnx.Module):
+@layer_type("BatchNorm")
+class BatchNorm(Layer):
     """Batch normalisation over the batch axis, statistics over real (unmasked) samples.
 
     Running statistics follow HugeCTR's ``factor``: ``running = (1 - factor) * running +
@@ -83,6 +176,13 @@ class BatchNorm(nnx.Module):
         self.var = nnx.BatchStat(jnp.ones((features,), jnp.float32))
         self.factor = factor
         self.eps = eps
+
+    @classmethod
+    def build(cls, x):
+        return cls(x.width(), x.params.factor, x.params.eps), [x.shapes[0]]
+
+    def file_weights(self):
+        return [("gamma", None), ("beta", None)]
 
     def __call__(self, xs, ctx):
         (x,) = xs
@@ -101,46 +201,93 @@ class BatchNorm(nnx.Module):
         return [(y * self.gamma[...] + self.beta[...]).astype(x.dtype)]
 
 
-class Reshape(nnx.Module):
+@layer_type("Reshape")
+class Reshape(Layer):
     def __init__(self, leading_dim: int):
         self.leading_dim = leading_dim
+
+    @classmethod
+    def build(cls, x):
+        size, n = math.prod(x.shapes[0]), x.params.leading_dim
+        if size != n:
+            raise x.fail(f"leading_dim {n} must equal the per-sample size {size} of input "
+                         f"{fmt_shape(x.shapes[0])} (output [batch, leading_dim])")
+        return cls(n), [(n,)]
 
     def __call__(self, xs, ctx):
         (x,) = xs
         return [x.reshape(x.shape[0], self.leading_dim)]
 
 
-class Concat(nnx.Module):
+@layer_type("Concat")
+class Concat(Layer):
     """2-D inputs join on the feature axis, 3-D inputs on the slot axis."""
+
+    @classmethod
+    def build(cls, x):
+        shapes = x.shapes
+        ranks = {len(s) for s in shapes}
+        if ranks == {1}:
+            return cls(), [(sum(s[0] for s in shapes),)]
+        if ranks == {2} and len({s[1] for s in shapes}) == 1:
+            return cls(), [(sum(s[0] for s in shapes), shapes[0][1])]
+        raise x.fail("inputs must all be 2-D, or all 3-D with the same last dimension; got "
+                     + ", ".join(fmt_shape(s) for s in shapes))
 
     def __call__(self, xs, ctx):
         return [jnp.concatenate(xs, axis=1)]
 
 
-class Slice(nnx.Module):
+@layer_type("Slice")
+class Slice(Layer):
     def __init__(self, ranges):
         self.ranges = tuple(ranges)
+
+    @classmethod
+    def build(cls, x):
+        n = x.width()
+        for b, e in x.params.ranges:
+            if e > n:
+                raise x.fail(f"range [{b}, {e}) exceeds the input width {n}")
+        return cls(x.params.ranges), [(e - b,) for b, e in x.params.ranges]
 
     def __call__(self, xs, ctx):
         (x,) = xs
         return [x[:, b:e] for b, e in self.ranges]
 
 
-class Split(nnx.Module):
+@layer_type("Split")
+class Split(Layer):
     """Copies the input to every top (Caffe's Split)."""
 
     def __init__(self, copies: int):
         self.copies = copies
 
+    @classmethod
+    def build(cls, x):
+        return cls(len(x.cfg.tops)), [x.shapes[0]] * len(x.cfg.tops)
+
     def __call__(self, xs, ctx):
         return [xs[0]] * self.copies
 
 
-class Multiply(nnx.Module):
+@layer_type("Multiply")
+class Multiply(Layer):
     """[b, s] times a weight [s, d], elementwise per row, flattened to [b, s*d]."""
 
     def __init__(self, slots: int, dim: int, *, rngs: nnx.Rngs):
         self.weight = nnx.Param(_glorot(rngs.params(), (slots, dim), jnp.float32))
+
+    @classmethod
+    def build(cls, x):
+        n = x.width()
+        s, d = x.params.weight_dims
+        if n != s:
+            raise x.fail(f"weight_dims[0] {s} must equal the input width {n}")
+        return cls(s, d, rngs=x.rngs), [(s * d,)]
+
+    def file_weights(self):
+        return [("weight", None)]
 
     def __call__(self, xs, ctx):
         (x,) = xs
@@ -148,12 +295,20 @@ class Multiply(nnx.Module):
         return [y.reshape(x.shape[0], -1)]
 
 
-class FmOrder2(nnx.Module):
+@layer_type("FmOrder2")
+class FmOrder2(Layer):
     """Second-order factorisation machine term over fields of width ``out_dim``:
     ``0.5 * ((sum_f v_f)^2 - sum_f v_f^2)``, [b, f*d] -> [b, d]."""
 
     def __init__(self, out_dim: int):
         self.out_dim = out_dim
+
+    @classmethod
+    def build(cls, x):
+        n, d = x.width(), x.params.out_dim
+        if n % d:
+            raise x.fail(f"input width {n} is not a multiple of out_dim {d}")
+        return cls(d), [(d,)]
 
     def __call__(self, xs, ctx):
         (x,) = xs
@@ -162,13 +317,22 @@ class FmOrder2(nnx.Module):
         return [0.5 * (s * s - jnp.sum(v * v, axis=1))]
 
 
-class MultiCross(nnx.Module):
+@layer_type("MultiCross")
+class MultiCross(Layer):
     """DCN cross network: ``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l`` for ``num_layers``."""
 
     def __init__(self, features: int, num_layers: int, *, rngs: nnx.Rngs):
         self.w = nnx.Param(_glorot(rngs.params(), (num_layers, features), jnp.float32))
         self.b = nnx.Param(jnp.zeros((num_layers, features), jnp.float32))
         self.num_layers = num_layers
+
+    @classmethod
+    def build(cls, x):
+        n = x.width()
+        return cls(n, x.params.num_layers, rngs=x.rngs), [(n,)]
+
+    def file_weights(self):
+        return [(attr, i) for i in range(self.num_layers) for attr in ("w", "b")]
 
     def __call__(self, xs, ctx):
         (x0,) = xs
@@ -180,15 +344,34 @@ class MultiCross(nnx.Module):
         return [x]
 
 
-class ReduceSum(nnx.Module):
+@layer_type("ReduceSum")
+class ReduceSum(Layer):
     def __init__(self, axis: int):
         self.axis = axis
+
+    @classmethod
+    def build(cls, x):
+        axis, shape = x.params.axis, x.shapes[0]
+        if not 1 <= axis < len(shape) + 1:
+            raise x.fail(f"axis {axis} out of range for input {fmt_shape(shape)} (axis 0 is "
+                         "the batch)")
+        out = list(shape)
+        out[axis - 1] = 1
+        return cls(axis), [tuple(out)]
 
     def __call__(self, xs, ctx):
         return [jnp.sum(xs[0], axis=self.axis, keepdims=True)]
 
 
-class Add(nnx.Module):
+@layer_type("Add")
+class Add(Layer):
+    @classmethod
+    def build(cls, x):
+        if len(set(x.shapes)) != 1:
+            raise x.fail("inputs must have equal shapes, got "
+                         + ", ".join(fmt_shape(s) for s in x.shapes))
+        return cls(), [x.shapes[0]]
+
     def __call__(self, xs, ctx):
         out = xs[0]
         for x in xs[1:]:
@@ -196,8 +379,17 @@ class Add(nnx.Module):
         return [out]
 
 
-class Interaction(nnx.Module):
+@layer_type("Interaction")
+class Interaction(Layer):
     """DLRM dot interaction of the bottom-MLP output [b, d] with embeddings [b, s, d]."""
+
+    @classmethod
+    def build(cls, x):
+        d, emb = x.width(0), x.shapes[1]
+        if len(emb) != 2 or emb[1] != d:
+            raise x.fail(f"second input must be embeddings [batch, slots, {d}], got "
+                         f"{fmt_shape(emb)}")
+        return cls(), [(interaction_output_dim(d, emb[0]),)]
 
     def __call__(self, xs, ctx):
         dense, emb = xs
@@ -211,7 +403,16 @@ def _masked_mean(per_sample, mask):
     return jnp.sum(per_sample * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-class BinaryCrossEntropyLoss(nnx.Module):
+@layer_type("BinaryCrossEntropyLoss")
+class BinaryCrossEntropyLoss(Layer):
+    @classmethod
+    def build(cls, x):
+        pred, label = x.shapes
+        if pred != (1,) or label != (1,):
+            raise x.fail(f"expects [batch, 1] predictions and labels, got {fmt_shape(pred)} "
+                         f"and {fmt_shape(label)}")
+        return cls(), [()]
+
     def __call__(self, xs, ctx):
         logits, label = xs
         z = logits.astype(jnp.float32)[:, 0]
@@ -220,8 +421,17 @@ class BinaryCrossEntropyLoss(nnx.Module):
         return _masked_mean(per, ctx.mask), jax.nn.sigmoid(z)
 
 
-class CrossEntropyLoss(nnx.Module):
+@layer_type("CrossEntropyLoss")
+class CrossEntropyLoss(Layer):
     """Two-class softmax; the label holds the class index (0 or 1)."""
+
+    @classmethod
+    def build(cls, x):
+        pred, label = x.shapes
+        if pred != (2,) or label != (1,):
+            raise x.fail(f"expects [batch, 2] logits and [batch, 1] class labels, got "
+                         f"{fmt_shape(pred)} and {fmt_shape(label)}")
+        return cls(), [()]
 
     def __call__(self, xs, ctx):
         logits, label = xs
@@ -231,11 +441,23 @@ class CrossEntropyLoss(nnx.Module):
         return _masked_mean(per, ctx.mask), jnp.exp(logp[:, 1])
 
 
-class MultiCrossEntropyLoss(nnx.Module):
+@layer_type("MultiCrossEntropyLoss")
+class MultiCrossEntropyLoss(Layer):
     """Independent sigmoid cross-entropy per label column, weighted by ``target_weight``."""
 
     def __init__(self, target_weight):
         self.target_weight = tuple(target_weight)
+
+    @classmethod
+    def build(cls, x):
+        pred, label = x.shapes
+        if len(pred) != 1 or pred != label:
+            raise x.fail(f"expects predictions and labels of equal shape [batch, n], got "
+                         f"{fmt_shape(pred)} and {fmt_shape(label)}")
+        tw = x.params.target_weight or (1.0,) * pred[0]
+        if len(tw) != pred[0]:
+            raise x.fail(f"target_weight has {len(tw)} entries for {pred[0]} labels")
+        return cls(tw), [()]
 
     def __call__(self, xs, ctx):
         logits, label = xs
@@ -244,3 +466,8 @@ class MultiCrossEntropyLoss(nnx.Module):
         w = jnp.asarray(self.target_weight, jnp.float32)
         per = jnp.sum(per * w, axis=1) / jnp.sum(w)
         return _masked_mean(per, ctx.mask), jax.nn.sigmoid(z)
+
+
+_missing = sorted(set(LAYER_TYPES) - set(MODULES))
+if _missing:  # a type declared in the config schema must have a module
+    raise TypeError(f"no module for layer type(s) {', '.join(_missing)} (jctr.models.layers)")

@@ -127,7 +127,7 @@ def read_sparse_model(path: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def non_trainable(net) -> dict:
-    """The non-trainable parameters (BatchNorm running statistics) in the seeds' JSON form."""
+    """The non-trainable parameters (BatchNorm running statistics) in HugeCTR's JSON form."""
     layers = []
     for mod in net.layers:
         if isinstance(mod, L.BatchNorm):

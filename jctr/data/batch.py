@@ -15,8 +15,9 @@ class Batch(NamedTuple):
 
     Sparse input ``i`` is a flat key array of static length ``batch * max_feature_num_per_sample``
     (int64) with the segment of each key, ``sample * slot_num + slot``; padding keys carry the
-    out-of-range segment ``batch * slot_num`` and are ignored (DESIGN.md decision 1). For one-hot
-    inputs the key of (sample, slot) sits at position ``sample * slot_num + slot``.
+    out-of-range segment ``batch * slot_num`` and are ignored (static shapes: one compiled step
+    for every batch). For one-hot inputs the key of (sample, slot) sits at position
+    ``sample * slot_num + slot``.
     Samples past the end of the data are padding too: ``mask`` is False for them.
     """
 

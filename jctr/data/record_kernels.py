@@ -35,7 +35,7 @@ COPY_SLACK = 16
 @_inline
 def _u64(b, p, k):
     """Byte ``p + k`` of ``b`` as int64. Unsigned indexing skips numba's negative-index
-    wrap-around, which lets LLVM merge neighbouring byte loads into one load (5x faster)."""
+    wrap-around, which lets LLVM merge neighbouring byte loads into one load."""
     return np.int64(b[_U(p) + _U(k)])
 
 

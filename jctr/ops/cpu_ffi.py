@@ -11,15 +11,15 @@ Kernels here:
 * ``jctr_cpu_hash_lookup``: the slot of every key already in an open-addressing table (the probe
   loop of :func:`jctr.ops.hashing.find_slots` for keys that exist, with the home slot of a later
   key prefetched). XLA's formulation needs a full pass over the batch per probe round plus
-  compaction; for a 10-hot DLRM batch (2.1M keys) this made the step 11% faster (bf16 159 vs
-  178 ms, float32 228 vs 256 ms; the ``scripts/bench_train.py`` model).
+  compaction.
 * ``jctr_cpu_pair_dots`` / ``jctr_cpu_pair_dots_grad``: the DLRM dot interaction (strictly
   lower triangle of each sample's Gram matrix) and its gradient, float32, for a feature width
   that is a multiple of 16. Each Gram row, and each gradient row, is a sum of 16-lane rows
   weighted by scalars, written as explicit LLVM vector code (numba leaves such loops scalar).
   XLA's formulations need the batch as the innermost axis (two transposes) or run batched tiny
-  matmuls one sample at a time. Float32 steps of that model: one-hot 169 -> 150 ms, 10-hot
-  230 -> 201 ms.
+  matmuls one sample at a time.
+
+What they gain: ``docs/performance.md``.
 
 The callers split the batch in two calls, which XLA runs on its two threads when the other
 thread is free (in a train step it often is not: the calls then run one after the other).

@@ -4,7 +4,7 @@ The table is an int64 array of slots whose length is a power of two; ``EMPTY_KEY
 int64) marks a free slot and is therefore the one key value users cannot store. Linear probing.
 
 Find-or-insert resolves the whole batch in a few dense probe rounds, then finishes the rare long
-chains on a compacted remainder, so the cost stays linear in the batch (DESIGN.md, measured costs).
+chains on a compacted remainder, so the cost stays linear in the batch.
 Concurrent inserts of one key within a batch get one slot: free slots are claimed by a scatter-max
 and every claimant reads the winner back.
 """

@@ -43,7 +43,7 @@ def _pair_dots(feats_t: jax.Array) -> jax.Array:
     """[dim, f, batch] -> [pairs, batch]: products summed over dim, batch innermost.
 
     XLA-CPU runs batched tiny matmuls one sample at a time; with the batch as the contiguous
-    axis this is one fused elementwise loop instead (4x faster forward, measured).
+    axis this is one fused elementwise loop instead (``docs/performance.md``).
     """
     li, lj, _ = _pair_tables(feats_t.shape[1])
     acc = None

@@ -1,11 +1,9 @@
 """Fully connected layer ``act(x @ kernel + bias)`` with a backward pass in row-major matmuls.
 
-On XLA:CPU the bfloat16 matmuls go to YNNPACK, whose AVX512-BF16 kernels run at 1.6-1.9x the
-float32 rate here (310-380 vs ~195 GFLOP/s, 2 Zen 4 cores), but only for row-major
-``[m, k] @ [k, n]`` operands: the backward products of a plain ``x @ kernel`` (``g @ kernel.T``
-and ``x.T @ g``) reach XLA with a transposed operand and fall back to XLA's own float32 dot
-after converting both operands. Measured on the DLRM MLPs' forward and backward alone (batch
-8192): 210 ms in bf16 with the plain formulation, 105-120 ms with this VJP, 166 ms in float32.
+On XLA:CPU the bfloat16 matmuls go to YNNPACK, whose AVX512-BF16 kernels outrun float32, but
+only for row-major ``[m, k] @ [k, n]`` operands: the backward products of a plain
+``x @ kernel`` (``g @ kernel.T`` and ``x.T @ g``) reach XLA with a transposed operand and fall
+back to XLA's own float32 dot after converting both operands (figures: ``docs/performance.md``).
 So the VJP materialises the transposed operand once (``kernel.T`` is tiny; ``x.T`` costs one
 pass over the activations), applies the ReLU mask and sums the bias gradient in float32.
 """

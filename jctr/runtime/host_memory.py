@@ -5,16 +5,14 @@ XLA's CPU buffers come from malloc. Two costs show up in a training step on CPU:
 * TLB misses. Embedding tables and hash-slot arrays are hundreds of MB, read and written at
   random rows every step; with 4 KiB pages nearly every access misses the TLB.
   ``glibc.malloc.hugetlb=1`` (glibc 2.35+) backs malloc'd memory with transparent huge pages.
-  Measured with ``scripts/bench_train.py``: jctr 38.9k -> 48.0k samples/s one-hot and
-  25.4k -> 31.5k 10-hot on the 2-core machine.
 * Page faults. A step's temporaries (a 10-hot batch gathers 2.1M embedding rows) are freed and
   allocated again every step. glibc returns such blocks to the kernel (``mmap`` for big blocks,
-  ``madvise`` when a thread's arena shrinks), so every step faulted them in again, zero-filled:
-  ~540 huge-page faults and 30-40 ms of kernel time per 10-hot bf16 step. Serving every block
-  from one heap that is never trimmed (``mmap_max=0``, ``arena_max=1``, a trim threshold of
-  16 GiB) keeps the pages mapped: 0 faults per step, 10-hot bf16 steps 10-20% faster, peak
-  memory +6% (the heap keeps its high-water mark while the process lives, as PyTorch's caching
-  allocators do).
+  ``madvise`` when a thread's arena shrinks), so every step faulted them in again, zero-filled.
+  Serving every block from one heap that is never trimmed (``mmap_max=0``, ``arena_max=1``, a
+  trim threshold of 16 GiB) keeps the pages mapped; the heap keeps its high-water mark while the
+  process lives, as PyTorch's caching allocators do.
+
+What each setting gained: ``docs/performance.md``.
 
 Tunables are read when a process starts, so ``python -m jctr.train`` (and the benchmarks)
 re-execute themselves once with the settings added, before any work; notebooks set

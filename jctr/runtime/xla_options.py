@@ -1,8 +1,8 @@
 """XLA compiler options for the train and eval steps, per platform and compute dtype.
 
 On XLA:CPU the YNNPACK fusions (on by default in jaxlib 0.10) run this project's float32 MLP
-matmuls 10-25% slower than XLA's own Eigen dots: ``python scripts/bench_train.py`` went from
-32.6k to 37.2k samples/s one-hot with them off. For float32 (and float16) steps they are
+matmuls slower than XLA's own Eigen dots (``docs/performance.md``). For float32 (and float16)
+steps they are
 switched off for the jitted steps only (not process-wide), unless the user's ``XLA_FLAGS``
 already say something about them or ``JCTR_XLA_DEFAULTS=0``. bfloat16 steps keep them: their
 AVX512-BF16 matmuls are what makes bfloat16 fast on CPU (the layers choose row-major

@@ -1,4 +1,4 @@
-"""Checkpoints: exact resume, crash safety, clear errors, model files, inference bundles."""
+"""Checkpoints: exact resume, crash safety, clear errors, model files."""
 
 import json
 import os
@@ -19,7 +19,6 @@ from jctr.checkpoint.model_files import (
     non_trainable,
     read_sparse_model,
 )
-from jctr.serving import InferenceModel
 from jctr.train.trainer import Trainer
 from tests.conftest import ROOT, tiny_config
 
@@ -198,29 +197,6 @@ def test_batchnorm_json_matches_the_state(tmp_path):
                                rtol=1e-6)
     assert not np.allclose(data["layers"][0]["var"], 1.0)  # statistics were collected
     assert data == non_trainable(t.network())
-
-
-def test_export_load_predict_equals_eval(tmp_path):
-    cfg = _cfg(tmp_path, "wdl", max_iter=30, snapshot=30, display=100)
-    t = Trainer.from_config(cfg)
-    t.fit()
-    out = subprocess.run([sys.executable, "-m", "jctr.export", "--checkpoint",
-                          str(tmp_path / "run_checkpoints"), "--output", str(tmp_path / "b")],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr
-    manifest = json.loads((tmp_path / "b" / "manifest.json").read_text())
-    assert manifest["step"] == 30 and set(manifest["embeddings"]) == {"sparse_embedding1",
-                                                                      "sparse_embedding2"}
-    config = json.loads((tmp_path / "b" / "config.json").read_text())
-    assert config == t.cfg.raw  # the config it was trained with
-    assert manifest["inputs"]["dense"]["dense_dim"] == t.cfg.data.dense_dim
-    import jctr
-
-    assert jctr.InferenceModel is InferenceModel
-    model = InferenceModel.load(str(tmp_path / "b"))
-    for batch in list(t.eval_data.batches(512, epochs=1))[:3]:
-        np.testing.assert_allclose(model.predict(batch), t.predict(batch), rtol=1e-5,
-                                   atol=1e-7)
 
 
 def test_tables_restore_into_another_capacity(tmp_path):

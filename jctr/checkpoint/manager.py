@@ -242,6 +242,11 @@ class Checkpointer:
                 "tables": {s.name: {"rows": int(tables[s.name]["keys"].shape[0]), "dim": s.dim,
                                     "capacity": s.capacity} for s in specs},
                 **(meta or {})}
+        # Orbax cannot store zero-size arrays: a table without keys (a snapshot before the
+        # first step, or an input that never had a key) is stored as one zero row, and
+        # meta's "rows" (0) says to drop it on restore
+        tables = {name: {k: v if v.shape[0] else np.zeros((1, *v.shape[1:]), v.dtype)
+                         for k, v in t.items()} for name, t in tables.items()}
         self.wait()  # one save in flight at a time
         if step in self.steps() and step not in self._replace | self._overwrite:
             raise CheckpointError(f"{self.step_dir(step)}: a checkpoint of iter {step} exists "
@@ -312,8 +317,9 @@ class Checkpointer:
                 self._sealer = None
                 if self._seal_error is not None:
                     raise self._seal_error
-            else:
-                self._saver.wait_until_finished()
+            else:  # a synchronous save is on disk once save() returned
+                if self._async:
+                    self._saver.wait_until_finished()
                 if jax.process_index() == 0:
                     self._seal()
             self._in_flight = None
@@ -449,7 +455,8 @@ class Checkpointer:
             if spec.name not in tables:
                 raise CheckpointError(f"{where}/tables: no table \"{spec.name}\"; stored: "
                                       f"{sorted(tables)}")
-            stored = {k: np.asarray(v) for k, v in tables[spec.name].items()}
+            rows = meta.get("tables", {}).get(spec.name, {}).get("rows")
+            stored = {k: np.asarray(v)[:rows] for k, v in tables[spec.name].items()}
             try:
                 embeddings.append(import_placed(spec, es, stored, placement,
                                                 source=f"{where}/tables"))

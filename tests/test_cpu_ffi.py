@@ -1,6 +1,6 @@
 """Native CPU kernels (``jctr.ops.cpu_ffi``): the FFI plumbing, the CPU dispatch and the
 interaction kernels against the reference. The hash lookup's and insert's results against the
-jnp references are checked in test_kernels.py."""
+jnp references are checked in test_pallas_kernels.py."""
 
 import ctypes
 

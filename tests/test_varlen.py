@@ -15,7 +15,7 @@ from jctr.data.norm import read_norm_file, write_norm_file
 from jctr.data.records import DataError, RecordBlock, write_file_list
 from jctr.data.varlen import VarChunk, VarRecords, open_varlen_records
 from tests.conftest import load_json
-from tests.test_fixed_records import _write
+from tests.test_fixed import _write
 
 SLOTS = 4
 MAX_NNZ = (3, 2, 1, 1)  # slots 2 and 3 hold 0 or 1 keys: one-hot inputs may take them

@@ -218,13 +218,6 @@ class ModelConfig:
     def embedding_optimizer(self, emb: EmbeddingConfig) -> OptimizerConfig:
         return emb.optimizer if emb.optimizer is not None else self.optimizer
 
-    def with_solver(self, **changes) -> ModelConfig:
-        """A copy with solver fields replaced, validated like the file
-        (:func:`jctr.config.parser.override_solver`)."""
-        from jctr.config.parser import override_solver
-
-        return override_solver(self, changes)
-
     @property
     def loss(self) -> LayerConfig:
         return next(layer for layer in self.layers if layer.is_loss)

@@ -225,7 +225,7 @@ class Dataset(abc.ABC):
                     # "end of a unit" is reported as the start of the next one
                     nxt = (_advance_file(pos, n_units) if start_rec == len(block)
                            else ReaderPosition(**vars(pos)))
-                    yield (self._checked(_make_batch(pending, batch_size, self.data.sparse, name,
+                    yield (self._checked(assemble_batch(pending, batch_size, self.data.sparse, name,
                                                      start_rec - take), sources), nxt)
                     pending, sources, pending_n = [], [], 0
             if isinstance(block, VarRecords):
@@ -240,7 +240,7 @@ class Dataset(abc.ABC):
                 order = self.unit_order(new.epoch)
             pos = new
             if pos.file_index == 0 and epochs is not None and pending_n:
-                yield (self._checked(_make_batch(pending, batch_size, self.data.sparse, name),
+                yield (self._checked(assemble_batch(pending, batch_size, self.data.sparse, name),
                                      sources), ReaderPosition(**vars(pos)))
                 pending, sources, pending_n = [], [], 0
 
@@ -283,12 +283,13 @@ LABEL_RULES = {
 }
 
 
-def _make_batch(parts: list, batch_size: int, sparse: tuple[SparseInputConfig, ...],
-                source: str, first_record: int = 0) -> Batch:
-    """A batch from consecutive pieces of units: fixed-size record chunks of one-hot inputs and
-    chunks of indexed variable-length records are decoded straight into the batch, anything
-    else (and records that break a sparse input's limits, for the error) goes through
-    :func:`build_batch`."""
+def assemble_batch(parts: list, batch_size: int, sparse: tuple[SparseInputConfig, ...],
+                   source: str, first_record: int = 0) -> Batch:
+    """The one place batches are assembled, from consecutive pieces of units: fixed-size record
+    chunks of one-hot inputs and chunks of indexed variable-length records are decoded straight
+    from their bytes into the batch; columnar blocks (Parquet, feature spec, the general Norm
+    parser), and records that break a sparse input's limits (for the error), go through
+    :func:`build_batch`, the reference the fast decoders are tested against."""
     if all(isinstance(p, FixedChunk) for p in parts) and all(sp.one_hot for sp in sparse):
         return Batch(*decode_batch(parts, batch_size, tuple(sp.slot_num for sp in sparse)))
     if all(isinstance(p, VarChunk) for p in parts):

@@ -10,7 +10,7 @@ segments of every sparse input). Records are validated in file order as they are
 shuffling first validates the records before (all of them, for shuffling).
 
 Anything the kernels reject goes to the general parser (:func:`jctr.data.norm.read_norm_file`)
-or to :func:`jctr.data.loader.build_batch`, which name the file, record, slot and field: the
+or to :func:`jctr.data.dataset.build_batch`, which name the file, record, slot and field: the
 kernels only decide *whether* data is valid, the numpy code stays the one place that words the
 error. Without numba, files are read by the general parser.
 

@@ -109,10 +109,11 @@ class Trainer:
         onto a device."""
         opts = step_compiler_options(self.solver.compute_dtype)
         placed = self.placed
-        engines = (None, None) if placed.mesh is None else (placed.engine, placed.engine_full)
-        self.train_step, self.train_step_full = (
-            placed.jit(make_train_step(self.step_config, self.dense_tx, e), donate_state=True,
-                       returns_state=True, compiler_options=opts) for e in engines)
+        engines = (None,) if placed.mesh is None else (placed.engine, placed.engine_full)
+        steps = [placed.jit(make_train_step(self.step_config, self.dense_tx, e),
+                            donate_state=True, returns_state=True, compiler_options=opts)
+                 for e in engines]
+        self.train_step, self.train_step_full = steps[0], steps[-1]
         self.eval_step = placed.jit(make_eval_step(self.step_config, placed.engine_full),
                                     compiler_options=opts)
 

@@ -18,7 +18,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(os.path.dirname(HERE), "configs")
 
 
-def data_layer(name, slots, *, wide=False, multi_hot=False, synthetic=None, vocab_sizes=None):
+def data_layer(name, slots, *, wide=False, multi_hot=False, synthetic=None, vocab_sizes=None,
+               dense_dim=13):
     sparse = [{"top": "data1", "type": "DistributedSlot",
                "max_feature_num_per_sample": 3 * slots if multi_hot else slots,
                "max_nnz": 3 if multi_hot else 1, "slot_num": slots}]
@@ -31,7 +32,7 @@ def data_layer(name, slots, *, wide=False, multi_hot=False, synthetic=None, voca
              "check": "Sum",
              "cache_eval_data": True,
              "label": {"top": "label", "label_dim": 1},
-             "dense": {"top": "dense", "dense_dim": 13},
+             "dense": {"top": "dense", "dense_dim": dense_dim},
              "sparse": sparse}
     if vocab_sizes:
         layer["slot_size_array"] = vocab_sizes
@@ -66,8 +67,9 @@ ADAGRAD_EMB = {"type": "AdaGrad", "update_type": "Local",
                                   "epsilon": 1e-7}}
 
 
-def model(name, *, small: bool):
-    """The four models; ``small`` variants are what tests and the README's first command run."""
+def model(name, *, small: bool, dense_dim: int = 13):
+    """The four models; ``small`` variants are what tests and the README's first command run.
+    ``dense_dim=0``: data without dense features (the layouts leave the dense parts out)."""
     slots = 26 if not small else 8
     dim = 16 if not small else 8
     hidden = (1024, 1024) if not small else (64, 32)
@@ -87,34 +89,34 @@ def model(name, *, small: bool):
     if name == "dlrm":
         bottom = (512, 256, 64, dim) if not small else (64, dim)
         top = (512, 256, 1) if not small else (64, 32, 1)
-        layers = [data_layer(tag, slots, synthetic=syn),
+        layers = [data_layer(tag, slots, synthetic=syn, dense_dim=dense_dim),
                   embedding("sparse_embedding1", "data1", capacity, dim)]
-        layers += dlrm_layers(13, slots, dim, bottom, top)
+        layers += dlrm_layers(dense_dim, slots, dim, bottom, top)
         opt = {"type": "SGD", "update_type": "Local",
                "sgd_hparam": {"learning_rate": 0.5 if small else 0.2,
                               "warmup_steps": 50 if small else 200}}
     elif name == "dcn":
-        layers = [data_layer(tag, slots, synthetic=syn),
+        layers = [data_layer(tag, slots, synthetic=syn, dense_dim=dense_dim),
                   embedding("sparse_embedding1", "data1", capacity, dim, optimizer=ADAGRAD_EMB)]
-        layers += dcn_layers(13, slots, dim, 6 if not small else 3, hidden,
+        layers += dcn_layers(dense_dim, slots, dim, 6 if not small else 3, hidden,
                              0.5 if not small else 0.0)
         opt = ADAM
     elif name == "deepfm":
         dim = 10 if not small else 8
-        layers = [data_layer(tag, slots, multi_hot=True, synthetic=syn),
+        layers = [data_layer(tag, slots, multi_hot=True, synthetic=syn, dense_dim=dense_dim),
                   embedding("sparse_embedding1", "data1", capacity, dim, combiner=1,
                             optimizer=ADAGRAD_EMB),
                   embedding("sparse_embedding2", "data1", capacity, 1, combiner=1,
                             optimizer=ADAGRAD_EMB)]
-        layers += deepfm_layers(13, slots, dim, hidden if small else (400, 400, 400),
+        layers += deepfm_layers(dense_dim, slots, dim, hidden if small else (400, 400, 400),
                                 0.5 if not small else 0.0)
         opt = ADAM
     elif name == "wdl":
-        layers = [data_layer(tag, slots, wide=True, synthetic=syn),
+        layers = [data_layer(tag, slots, wide=True, synthetic=syn, dense_dim=dense_dim),
                   embedding("sparse_embedding2", "wide_data", vocab_per_slot, 1,
                             optimizer=ADAGRAD_EMB),
                   embedding("sparse_embedding1", "data1", capacity, dim, optimizer=ADAGRAD_EMB)]
-        layers += wdl_layers(13, slots, dim, 1, hidden, 0.5 if not small else 0.0)
+        layers += wdl_layers(dense_dim, slots, dim, 1, hidden, 0.5 if not small else 0.0)
         opt = ADAM
     else:
         raise ValueError(name)

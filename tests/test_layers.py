@@ -208,3 +208,12 @@ def test_every_config_layer_type_has_one_module():
     assert set(L.MODULES) == set(LAYER_TYPES)
     with pytest.raises(TypeError, match="Gelu is not declared"):
         L.layer_type("Gelu")(type("Gelu", (L.Layer,), {}))
+
+
+def test_interaction_over_the_embeddings_alone():
+    emb = np.random.default_rng(0).normal(size=(3, 4, 16)).astype(np.float32)
+    ctx = L.Context(train=False, rng=None, mask=jnp.ones(3))
+    (out,) = L.Interaction(dense_input=False)([jnp.asarray(emb)], ctx)
+    want = [[emb[b, i] @ emb[b, j] for i in range(4) for j in range(i)] + [0.0]
+            for b in range(3)]
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-5, atol=1e-5)

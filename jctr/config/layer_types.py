@@ -196,7 +196,7 @@ LAYER_TYPES: dict[str, LayerType] = {
     "MultiCross": LayerType(_multicross, (1, 1), 1),
     "ReduceSum": LayerType(_reduce_sum, (1, 1), 1),
     "Add": LayerType(_none, (2, 16), 1),
-    "Interaction": LayerType(_none, (2, 2), 1),
+    "Interaction": LayerType(_none, (1, 2), 1),  # [dense, embeddings] or embeddings alone
     "BinaryCrossEntropyLoss": LayerType(_loss, (2, 2), 1),
     "CrossEntropyLoss": LayerType(_loss, (2, 2), 1),
     "MultiCrossEntropyLoss": LayerType(_loss, (2, 2), 1),

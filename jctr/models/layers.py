@@ -67,10 +67,15 @@ class Inputs(NamedTuple):
                            f"{self.cfg.type} \"{self.cfg.name}\": {msg}", self.source)
 
     def width(self, i: int = 0) -> int:
-        """The width n of the 2-D input ``i`` ([batch, n]); any other rank is an error."""
+        """The width n >= 1 of the 2-D input ``i`` ([batch, n]); any other rank, or an empty
+        input (``dense_dim: 0``), is an error naming the layer."""
         if len(self.shapes[i]) != 1:
             raise self.fail(f"expects a 2-D input [batch, n], got {fmt_shape(self.shapes[i])} "
                             f"from \"{self.cfg.bottoms[i]}\" (add a Reshape)")
+        if self.shapes[i][0] == 0:
+            raise self.fail(f"input \"{self.cfg.bottoms[i]}\" is empty ([batch, 0]; the Data "
+                            "layer's dense_dim is 0?): leave this layer out for data without "
+                            "dense features (the model zoo's layouts do for dense_dim=0)")
         return self.shapes[i][0]
 
 
@@ -381,17 +386,34 @@ class Add(Layer):
 
 @layer_type("Interaction")
 class Interaction(Layer):
-    """DLRM dot interaction of the bottom-MLP output [b, d] with embeddings [b, s, d]."""
+    """DLRM dot interaction of the bottom-MLP output [b, d] with embeddings [b, s, d]: the
+    dense vector, the pairwise dot products of [dense, embeddings] and one zero column. With
+    the embeddings alone as its one bottom (data without dense features), the pairwise dot
+    products of the embeddings and the zero column."""
+
+    def __init__(self, dense_input: bool = True):
+        self.dense_input = dense_input
 
     @classmethod
     def build(cls, x):
-        d, emb = x.width(0), x.shapes[1]
+        emb = x.shapes[-1]
+        if len(x.shapes) == 1:
+            if len(emb) != 2 or emb[0] < 2:
+                raise x.fail(f"its one input must be embeddings [batch, slots >= 2, dim], got "
+                             f"{fmt_shape(emb)}")
+            d = emb[1]
+            return cls(dense_input=False), [(interaction_output_dim(d, emb[0] - 1) - d,)]
+        d = x.width(0)
         if len(emb) != 2 or emb[1] != d:
             raise x.fail(f"second input must be embeddings [batch, slots, {d}], got "
                          f"{fmt_shape(emb)}")
         return cls(), [(interaction_output_dim(d, emb[0]),)]
 
     def __call__(self, xs, ctx):
+        if not self.dense_input:  # the first embedding takes the dense vector's place
+            (emb,) = xs
+            d = emb.shape[2]
+            return [dot_interaction(emb[:, 0], emb[:, 1:])[:, d:]]
         dense, emb = xs
         return [dot_interaction(dense, emb.astype(dense.dtype))]
 

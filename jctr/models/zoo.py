@@ -81,23 +81,26 @@ def dcn_layers(dense_dim=13, num_slots=26, embedding_dim=16, cross_layers=6,
 def deepfm_layers(dense_dim=13, num_slots=26, embedding_dim=10, hidden=(400, 400, 400),
                   dropout=0.5) -> list[dict]:
     width = (num_slots + dense_dim) * embedding_dim
+    # dense features get embeddings of their own (multiply1) and a first-order term (fc_dense);
+    # without them both go
     layers = [
         _simple("reshape1", "Reshape", "sparse_embedding1", leading_dim=num_slots * embedding_dim),
-        _simple("multiply1", "Multiply", "dense", weight_dims=[dense_dim, embedding_dim]),
-        {"name": "concat1", "type": "Concat", "bottom": ["reshape1", "multiply1"],
-         "top": "concat1"},
-        {"name": "slice1", "type": "Slice", "bottom": "concat1",
+        *([_simple("multiply1", "Multiply", "dense", weight_dims=[dense_dim, embedding_dim]),
+           {"name": "concat1", "type": "Concat", "bottom": ["reshape1", "multiply1"],
+            "top": "concat1"}] if dense_dim else []),
+        {"name": "slice1", "type": "Slice", "bottom": "concat1" if dense_dim else "reshape1",
          "ranges": [[0, width], [0, width]], "top": ["slice11", "slice12"]},
         _simple("fmorder2", "FmOrder2", "slice12", out_dim=embedding_dim),
         _simple("reducesum1", "ReduceSum", "fmorder2", axis=1),
         _simple("reshape2", "Reshape", "sparse_embedding2", leading_dim=num_slots),
         _simple("reducesum2", "ReduceSum", "reshape2", axis=1),
-        _fc("fc_dense", "dense", 1),
+        *([_fc("fc_dense", "dense", 1)] if dense_dim else []),
     ]
     top = _mlp("", "slice11", hidden, dropout, layers)
     layers.append(_fc("fc_out", top, 1))
     layers.append({"name": "add1", "type": "Add",
-                   "bottom": ["fc_out", "reducesum1", "reducesum2", "fc_dense"], "top": "add1"})
+                   "bottom": ["fc_out", "reducesum1", "reducesum2",
+                              *(["fc_dense"] if dense_dim else [])], "top": "add1"})
     layers.append(_loss("add1"))
     return layers
 
@@ -109,11 +112,13 @@ def dlrm_layers(dense_dim=13, num_slots=26, embedding_dim=16, bottom_mlp=(512, 2
                          f"got {bottom_mlp[-1]}")
     layers = []
     bottom = "dense"
-    for i, n in enumerate(bottom_mlp, 1):
+    for i, n in enumerate(bottom_mlp if dense_dim else (), 1):
         layers.append(_fc(f"bot_fc{i}", bottom, n, fused=True))
         bottom = f"bot_fc{i}"
-    layers.append({"name": "interaction1", "type": "Interaction",
-                   "bottom": [bottom, "sparse_embedding1"], "top": "interaction1"})
+    # without dense features the interaction runs over the embeddings alone
+    inputs = [bottom, "sparse_embedding1"] if dense_dim else ["sparse_embedding1"]
+    layers.append({"name": "interaction1", "type": "Interaction", "bottom": inputs,
+                   "top": "interaction1"})
     bottom = "interaction1"
     for i, n in enumerate(top_mlp, 1):
         layers.append(_fc(f"top_fc{i}", bottom, n, fused=i < len(top_mlp)))

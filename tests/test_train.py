@@ -99,6 +99,41 @@ def test_predict_and_evaluate_agree(tiny):
     assert result["AverageLoss"] == pytest.approx(log_loss(y, p), rel=1e-9)
 
 
+def test_evaluation_covers_any_dataset_whole_by_default(tiny, tmp_path):
+    cfg = tiny("dlrm", max_iter=20, display=1000, eval_interval=1000,
+               eval_metrics=["AUC", "LogLoss", "AverageLoss"])
+    cfg["solver"].pop("eval_batches")
+    t = Trainer.from_config(cfg)
+    assert t.solver.eval_batches is None
+    history = t.fit()
+    assert [h["iter"] for h in history if h["kind"] == "eval"] == [20]  # once at the end
+    from jctr.train.metrics import auc
+
+    def whole(data):
+        batches = list(data.batches(512, epochs=1))
+        return auc(np.concatenate([b.label[b.mask, 0] for b in batches]),
+                   np.concatenate([t.predict(b) for b in batches])), len(batches)
+
+    result = t.evaluate()
+    want, n = whole(t.eval_data)
+    assert n == 16 and result["AUC"] == pytest.approx(want, abs=1e-9)  # all 8000 samples
+    assert result["LogLoss"] == result["AverageLoss"]
+    train = t.evaluate(data=t.cfg.data.source)  # any dataset, here the training set
+    assert train["AUC"] == pytest.approx(whole(t.train_data)[0], abs=1e-9)
+    assert t.evaluate(num_batches=2)["AUC"] != result["AUC"]
+    from jctr.data.records import DataError
+
+    with pytest.raises(DataError, match="nowhere.txt: does not exist"):
+        t.evaluate(data=str(tmp_path / "nowhere.txt"))
+
+
+def test_epochs_end_with_one_evaluation(tiny):
+    # 40,000 samples / 512 = 79 batches per epoch; eval_interval 79: the last step evaluates
+    t = Trainer.from_config(tiny("wdl", display=1000, eval_interval=79), num_epochs=1)
+    evals = [h["iter"] for h in t.fit() if h["kind"] == "eval"]
+    assert evals == [79]
+
+
 def test_auc_threshold_stops_training(tiny):
     cfg = tiny("dlrm", max_iter=300, eval_interval=50, display=1000,
                eval_metrics=["AUC:0.6"])

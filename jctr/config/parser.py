@@ -141,7 +141,7 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
     snapshot = r.int("snapshot", 0, min_value=0)
     snapshot_prefix = r.str("snapshot_prefix", "./")
     eval_interval = r.int("eval_interval", 1000, min_value=1)
-    eval_batches = r.int("eval_batches", 100, min_value=1)
+    eval_batches = r.int("eval_batches", None, min_value=1)
     dense_model_file = r.str("dense model_file", None)
     if dense_model_file is None:
         dense_model_file = r.str("dense_model_file", None)
@@ -214,11 +214,11 @@ def _parse_metrics(r: ObjectReader) -> tuple[Metric, ...]:
     for i, item in enumerate(value):
         path = join_path(join_path(r.path, "eval_metrics"), i)
         if not isinstance(item, str):
-            raise ConfigError(path, f"expected \"AUC\", \"AUC:<threshold>\" or \"AverageLoss\", "
-                              f"got {describe(item)}", r.source)
+            raise ConfigError(path, f"expected \"AUC\", \"AUC:<threshold>\", \"AverageLoss\" "
+                              f"or \"LogLoss\", got {describe(item)}", r.source)
         name, _, threshold = item.partition(":")
-        if name == "AverageLoss" and not threshold:
-            metrics.append(Metric("AverageLoss"))
+        if name in ("AverageLoss", "LogLoss") and not threshold:
+            metrics.append(Metric(name))
         elif name == "AUC":
             t = None
             if threshold:
@@ -231,8 +231,8 @@ def _parse_metrics(r: ObjectReader) -> tuple[Metric, ...]:
                                       f"{describe(threshold)}", r.source)
             metrics.append(Metric("AUC", t))
         else:
-            raise ConfigError(path, f"expected \"AUC\", \"AUC:<threshold>\" or \"AverageLoss\", "
-                              f"got {describe(item)}", r.source)
+            raise ConfigError(path, f"expected \"AUC\", \"AUC:<threshold>\", \"AverageLoss\" "
+                              f"or \"LogLoss\", got {describe(item)}", r.source)
     return tuple(metrics)
 
 

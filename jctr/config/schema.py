@@ -53,7 +53,7 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class Metric:
-    name: str  # "AUC" or "AverageLoss"
+    name: str  # "AUC", "AverageLoss" (the loss layer's mean) or "LogLoss" (binary log loss)
     threshold: float | None = None
 
 
@@ -71,7 +71,7 @@ class SolverConfig:
     snapshot: int = 0
     snapshot_prefix: str = "./"
     eval_interval: int = 1000
-    eval_batches: int = 100
+    eval_batches: int | None = None  # None: the whole evaluation set (HugeCTR: 100 batches)
     dense_model_file: str | None = None
     sparse_model_file: tuple[str, ...] = ()
     mixed_precision: int | None = None

@@ -20,6 +20,7 @@ from jctr.config import ConfigError, ModelConfig, load_config, override_solver
 from jctr.data.batch import Batch, check_batch
 from jctr.data.dataset import Dataset
 from jctr.data.loader import Prefetcher, ReaderPosition, open_dataset
+from jctr.data.records import DataError
 from jctr.data.synthetic import generate_for_config
 from jctr.embedding.hash_table import TableFullError
 from jctr.errors import UserError
@@ -282,6 +283,7 @@ class Trainer:
         window_t, window_n = t0, 0
         prev = None
         stop = False
+        evaluated_at = None  # the last evaluation's iteration: the final one is not repeated
         fallback_steps = skipped = 0
         try:
             for batch, position, fits in batches:
@@ -320,6 +322,7 @@ class Trainer:
                         skipped += self._check_step(*prev)
                         prev = None
                     stop = self._eval_and_report(done)
+                    evaluated_at = done
                 if stop or (max_iter and done >= max_iter):
                     break
         finally:
@@ -334,7 +337,7 @@ class Trainer:
                      routing_fallback_steps=fallback_steps, skipped_nonfinite=skipped)
         if self._checkpointer is not None:
             self._checkpointer.wait()
-        if not stop:
+        if not stop and evaluated_at != done:
             self._eval_and_report(done)
         return self.history
 
@@ -425,28 +428,41 @@ class Trainer:
 
     # ---- evaluation and prediction ------------------------------------------------------
 
-    def evaluate(self, num_batches: int | None = None) -> dict[str, float]:
-        """Metrics of the solver's ``eval_metrics`` over ``eval_batches`` batches (or the whole
-        evaluation set if it is shorter). Padding samples never count."""
+    def evaluate(self, num_batches: int | None = None,
+                 data: Dataset | str | None = None) -> dict[str, float]:
+        """Metrics of the solver's ``eval_metrics`` over the evaluation set, or ``data`` (a
+        :class:`Dataset`, or a path read like the Data layer's eval_source): all of it, or its
+        first ``num_batches`` (default: the solver's ``eval_batches``, if set) batches. Padding
+        samples never count.
+
+        Example::
+
+            trainer.evaluate(data="data/test/_file_list.txt")   # {"AUC": ..., ...}
+        """
         s = self.solver
         num_batches = num_batches or s.eval_batches
-        data = self.eval_data
+        where = "the dataset"
+        if data is None:
+            data, where = self.eval_data, self.cfg.data.eval_source
+        elif not isinstance(data, Dataset):
+            where = os.fspath(data)
+            data = open_dataset(os.fspath(data), self.cfg.data, s.input_key_type, eval=True,
+                                labels=self._label_rule)
         labels, preds = [], []
         for i, batch in enumerate(data.batches(s.batchsize_eval, epochs=1)):
-            if i >= num_batches:
+            if num_batches is not None and i >= num_batches:
                 break
             pred = self._predict_all(batch)
             m = batch.mask
             labels.append(batch.label[m, 0])
             preds.append(pred[m] if pred.ndim == 1 else pred[m, 0])
+        if not labels:
+            raise DataError(f"{where}: no samples to evaluate")
         y = np.concatenate(labels)
         p = np.concatenate(preds)
         out: dict[str, float] = {}
         for metric in s.eval_metrics:
-            if metric.name == "AUC":
-                out["AUC"] = auc(y, p)
-            else:
-                out["AverageLoss"] = log_loss(y, p)
+            out[metric.name] = auc(y, p) if metric.name == "AUC" else log_loss(y, p)
         return out
 
     def _predict_all(self, batch: Batch) -> np.ndarray:

@@ -140,3 +140,33 @@ def test_schedule_warmup_and_decay():
     assert lr[t - 1] == pytest.approx((2.0 - 0.5) * ((30 - t) / 10) ** 2 + 0.5)
     assert lr[34] == pytest.approx(0.5)
     assert s(jnp.int32(3)).dtype == jnp.float32
+
+
+@pytest.mark.parametrize("opt", OPTS + [OptimizerConfig("Adam", update_type="Global",
+                                                        learning_rate=0.01)],
+                         ids=lambda o: f"{o.type}-{o.update_type}")
+def test_embedding_regularization_touches_each_batch_row_once(opt):
+    """l2/l1: the gradient of each row the batch touches gains l2 * w + l1 * sign(w), once per
+    row however often its key occurs; other rows are not regularized."""
+    l2, l1 = 0.5, 0.1
+    spec = EmbeddingSpec("e", capacity=CAP, dim=DIM, slot_num=2, max_features=2, one_hot=True,
+                         input_index=0, optimizer=opt, seed=3)
+    reg = EmbeddingSpec(**{**spec.__dict__, "l2": l2, "l1": l1})
+    # 2 samples x 2 slots: key 7 twice, key 9 once, one padding position
+    keys = jnp.asarray([7, 9, 7, 0], jnp.int64)
+    segs = jnp.asarray([0, 1, 2, 4], jnp.int32)  # 4 = batch * slot_num: padding
+    grad = jnp.asarray(np.random.default_rng(2).normal(size=(2, 2, DIM)).astype(np.float32))
+    state, lk = lookup_rows(reg, init_embedding(reg), keys, segs, 2, train=True)
+    got = apply_gradients(reg, state, lk, segs, grad, jnp.float32(opt.learning_rate),
+                          jnp.int32(1))
+    # the hand-computed update: summed key gradients plus the penalty, through the plain rule
+    rows = np.asarray(lk.rows[:2])
+    w = np.asarray(state.values)[rows]
+    g = np.stack([grad[0, 0] + grad[1, 0], grad[0, 1]]) + l2 * w + l1 * np.sign(w)
+    want, _ = row_opt.apply_rows(opt, state.values, state.slots, jnp.asarray(rows),
+                                 jnp.asarray(g), jnp.float32(opt.learning_rate), jnp.int32(1))
+    np.testing.assert_allclose(np.asarray(got.values), np.asarray(want), rtol=1e-6, atol=1e-7)
+    plain = apply_gradients(spec, *lookup_rows(spec, init_embedding(spec), keys, segs, 2,
+                                               train=True), segs, grad,
+                            jnp.float32(opt.learning_rate), jnp.int32(1))
+    assert not np.allclose(np.asarray(plain.values)[rows], np.asarray(got.values)[rows])

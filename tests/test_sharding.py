@@ -369,3 +369,16 @@ def test_cli_gpu_flag(tmp_path, capsys):
     assert "mesh: 2 devices on 1 process(es)" in capsys.readouterr().err
     assert main(["--config", str(path), "--gpu", "0,x"]) == 2
     assert "--gpu: expected device ids" in capsys.readouterr().err
+
+
+def test_regularized_tables_train_alike_on_one_and_four_devices(tmp_path):
+    """The embeddings' l2_lambda acts on the sharded tables exactly as on one device."""
+    losses = {}
+    for gpu in ([0], [0, 1, 2, 3]):
+        cfg = tiny_config(tmp_path, "deepfm", max_iter=12, display=4, eval_interval=1000,
+                          gpu=gpu)
+        for layer in cfg["layers"][1:3]:
+            layer["sparse_embedding_hparam"]["l2_lambda"] = 0.05
+        t = Trainer(load_config(cfg), log=lambda s: None)
+        losses[len(gpu)] = [h["loss"] for h in t.fit() if h["kind"] == "train"]
+    np.testing.assert_allclose(losses[4], losses[1], rtol=1e-5)

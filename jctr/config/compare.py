@@ -22,7 +22,8 @@ from jctr.config.schema import ModelConfig
 _FREE_OPTIMIZER = {"learning_rate", "beta1", "beta2", "epsilon", "momentum_factor",
                    "initial_accu_value", "warmup_steps", "decay_start", "decay_steps",
                    "decay_power", "end_lr"}
-_FREE_EMBEDDING = {"max_vocabulary_size_per_gpu", "plan_file", "init_range", "replicated"}
+_FREE_EMBEDDING = {"max_vocabulary_size_per_gpu", "plan_file", "init_range", "replicated",
+                   "l2_lambda", "l1_lambda"}
 _FREE_DATA = {"name", "source", "eval_source", "check", "num_samples", "eval_num_samples",
               "cache_eval_data", "synthetic", "shuffle", "format", "slot_size_array",
               "float_label_dense"}

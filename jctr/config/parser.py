@@ -424,13 +424,16 @@ def parse_embedding(r: ObjectReader, etype: str) -> EmbeddingConfig:
     h.int("load_factor", 1)  # legacy field, capacity here is exact
     init_range = h.float("init_range", None, positive=True)
     replicated = h.bool("replicated", None)
+    l2_lambda = h.float("l2_lambda", 0.0, min_value=0.0)
+    l1_lambda = h.float("l1_lambda", 0.0, min_value=0.0)
     h.finish()
     optimizer = parse_optimizer(r.child("optimizer")) if r.has("optimizer") else None
     r.finish()
     return EmbeddingConfig(name=name, type=etype, bottom=bottom, top=top,
                            max_vocabulary_size_per_gpu=vocab, embedding_vec_size=vec,
                            combiner=combiner, optimizer=optimizer, plan_file=plan_file,
-                           init_range=init_range, replicated=replicated)
+                           init_range=init_range, replicated=replicated,
+                           l2_lambda=l2_lambda, l1_lambda=l1_lambda)
 
 
 

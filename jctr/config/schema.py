@@ -184,6 +184,10 @@ class EmbeddingConfig:
     init_range: float | None = None
     # jctr extension: a full copy on every device (data parallel); None lets the planner decide
     replicated: bool | None = None
+    # jctr extension: L2 / L1 regularization of the rows a batch touches, applied with their
+    # sparse update (gradient + l2_lambda * w + l1_lambda * sign(w), once per row and step)
+    l2_lambda: float = 0.0
+    l1_lambda: float = 0.0
 
 
 @dataclass(frozen=True)

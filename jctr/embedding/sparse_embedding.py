@@ -42,6 +42,12 @@ class EmbeddingSpec:
     combiner: str = "sum"
     init_range: float | None = None
     seed: int = 0  # with the key, determines a new row's initial vector
+    l2: float = 0.0  # regularization of touched rows (EmbeddingConfig.l2_lambda)
+    l1: float = 0.0
+
+    @property
+    def regularized(self) -> bool:
+        return bool(self.l2 or self.l1)
 
     @property
     def init_bound(self) -> float:
@@ -60,7 +66,7 @@ class EmbeddingSpec:
                    max_features=sp.slot_num if sp.one_hot else sp.max_feature_num_per_sample,
                    one_hot=sp.one_hot, input_index=idx, optimizer=cfg.embedding_optimizer(emb),
                    combiner=emb.combiner, init_range=emb.init_range,
-                   seed=cfg.solver.seed * 1000 + number)
+                   seed=cfg.solver.seed * 1000 + number, l2=emb.l2_lambda, l1=emb.l1_lambda)
 
 
 class EmbeddingState(NamedTuple):
@@ -98,7 +104,8 @@ def lookup_keys(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array, val
     """:func:`lookup_rows` for keys that are not laid out as a batch (e.g. routed to a shard)."""
     capacity = state.values.shape[0]
     # plain SGD adds every key's gradient with one scatter-add: no per-row dedupe needed
-    dedupe = train and spec.optimizer.type != "SGD"
+    # (a regularized table needs it too: a row is regularized once per step)
+    dedupe = train and (spec.optimizer.type != "SGD" or spec.regularized)
     table, lk = lookup(state.table, keys, valid, capacity, insert=train, dedupe=dedupe)
     state = state._replace(table=table)
     if train:
@@ -171,9 +178,14 @@ def apply_key_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
 def _apply_rows(spec, state, lk, g, lr, count, *, summed: bool) -> EmbeddingState:
     capacity = state.values.shape[0]
     rows = _safe_rows(lk.rows, capacity)
+    first = lk.rep == jnp.arange(rows.shape[0], dtype=jnp.int32)  # a row's representative
     if summed:  # one update per distinct row, at its representative position
-        ar = jnp.arange(rows.shape[0], dtype=jnp.int32)
-        rows = jnp.where(lk.rep == ar, rows, capacity)
+        rows = jnp.where(first, rows, capacity)
+    if spec.regularized:
+        # lazily, as for any sparse row: only rows this batch touches, once each (at the
+        # representative); padding and unknown keys read 0 and get nothing
+        w = state.values.at[jnp.where(first, rows, capacity)].get(mode="fill", fill_value=0.0)
+        g = g + spec.l2 * w + spec.l1 * jnp.sign(w)
     values, slots = row_opt.apply_rows(spec.optimizer, state.values, state.slots, rows, g, lr,
                                        count)
     return state._replace(values=values, slots=slots)

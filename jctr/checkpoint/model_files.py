@@ -172,37 +172,59 @@ def save_model_files(prefix: str, step_config: StepConfig, state: TrainState,
         save_model_files("models/dlrm_", step_config, state, placements)
     """
     step = int(to_host(state.step))
-    placements = placements or (None,) * len(step_config.specs)
-    tables = [export_placed(es, p) for es, p in zip(state.embeddings, placements)]
     paths = [f"{prefix}dense_{step}.model", f"{prefix}non_trainable_{step}.json"]
     paths += [f"{prefix}{spec.name}_sparse_{step}.model" for spec in step_config.specs]
-    if jax.process_index() != 0:
-        return paths
-    os.makedirs(os.path.dirname(os.path.abspath(prefix + "x")), exist_ok=True)
-    net = nnx.merge(step_config.graphdef, jax.tree.map(to_host, state.params),
-                    jax.tree.map(to_host, state.batch_stats))
-    write_dense_model(paths[0], net)
-    write_non_trainable(paths[1], net)
-    for path, t in zip(paths[2:], tables):
-        write_sparse_model(path, t["keys"], t["values"], t["slot"])
+    if jax.process_index() == 0:
+        os.makedirs(os.path.dirname(os.path.abspath(prefix + "x")), exist_ok=True)
+    write_model_files(step_config, state, placements, paths[0], paths[1], paths[2:])
     return paths
+
+
+def host_network(step_config: StepConfig, state: TrainState):
+    """The dense network of ``state`` as a concrete NNX module of host arrays (gathered across
+    processes if needed)."""
+    return nnx.merge(step_config.graphdef, jax.tree.map(to_host, state.params),
+                     jax.tree.map(to_host, state.batch_stats))
+
+
+def write_model_files(step_config: StepConfig, state: TrainState, placements, dense: str,
+                      non_trainable_json: str, sparse: list[str], *,
+                      slot_ids: bool = True) -> list[int]:
+    """Write the dense model file, the BatchNorm JSON and one sparse model folder per
+    embedding (with ``slot_id`` files unless ``slot_ids`` is False) at the given paths. Every
+    process takes part (tables are gathered); process 0 writes. Returns each table's key
+    count."""
+    placements = placements or (None,) * len(step_config.specs)
+    tables = [export_placed(es, p) for es, p in zip(state.embeddings, placements)]
+    if jax.process_index() == 0:
+        net = host_network(step_config, state)
+        write_dense_model(dense, net)
+        write_non_trainable(non_trainable_json, net)
+        for path, t in zip(sparse, tables):
+            write_sparse_model(path, t["keys"], t["values"], t["slot"] if slot_ids else None)
+    return [int(t["keys"].shape[0]) for t in tables]
 
 
 def load_model_files(step_config: StepConfig, state: TrainState, dense: str | None = None,
                      sparse: tuple[str, ...] = (), placements=None,
-                     put_dense: Any = None) -> TrainState:
+                     put_dense: Any = None, non_trainable_json: str | None = None,
+                     ) -> TrainState:
     """``state`` with weights from HugeCTR-style model files (a warm start: optimizer state
-    stays as it is). ``put_dense`` places the loaded dense arrays (default: the default
-    device); tables go where ``placements`` put them.
+    stays as it is), and with ``non_trainable_json`` the BatchNorm statistics. ``put_dense``
+    places the loaded dense arrays (default: the default device); tables go where
+    ``placements`` put them.
 
     Example::
 
         state = load_model_files(step_config, state, "dense_1000.model",
                                  ("sparse_embedding1_sparse_1000.model",))
     """
-    if dense:
+    if dense or non_trainable_json:
         net = nnx.merge(step_config.graphdef, state.params, state.batch_stats)
-        load_dense_model(dense, net)
+        if dense:
+            load_dense_model(dense, net)
+        if non_trainable_json:
+            load_non_trainable(non_trainable_json, net)
         _, params, stats = nnx.split(net, nnx.Param, ...)
         params, stats = (put_dense or jax.device_put)((params, stats))
         state = state._replace(params=params, batch_stats=stats)

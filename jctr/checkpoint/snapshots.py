@@ -16,10 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-from flax import nnx
 
 from jctr.checkpoint.manager import Checkpointer, CheckpointError
-from jctr.checkpoint.model_files import non_trainable
+from jctr.checkpoint.model_files import host_network, non_trainable
 from jctr.config import ConfigError, ModelConfig, load_config
 from jctr.config.compare import config_differences
 from jctr.models.ctr import StepConfig, TrainState
@@ -37,10 +36,8 @@ def save_snapshot(ckpt: Checkpointer, cfg: ModelConfig, step_config: StepConfig,
     beside = {}
     step = int(to_host(state.step))
     if jax.process_index() == 0:
-        host_net = nnx.merge(step_config.graphdef, jax.tree.map(to_host, state.params),
-                             jax.tree.map(to_host, state.batch_stats))
-        beside[f"non_trainable_{step}.json"] = json.dumps(non_trainable(host_net),
-                                                          indent=1).encode()
+        beside[f"non_trainable_{step}.json"] = json.dumps(
+            non_trainable(host_network(step_config, state)), indent=1).encode()
     meta = {"reader": readers[0], "readers": readers, "config": cfg.raw,
             "jctr_version": __version__, "devices": devices, "processes": len(readers)}
     return ckpt.save(state, step_config.specs, meta=meta, placements=placements, beside=beside)

@@ -65,21 +65,37 @@ def _row_rule(opt: OptimizerConfig, w, g, state: dict, lr, count):
 
 
 def apply_rows(opt: OptimizerConfig, values: jax.Array, slots: dict, rows: jax.Array,
-               grads: jax.Array, lr: jax.Array, count: jax.Array):
+               grads: jax.Array, lr: jax.Array, count: jax.Array, *, l2: float = 0.0,
+               l1: float = 0.0):
     """Update the distinct ``rows`` (others out of range, dropped) with summed ``grads``.
 
     Returns (values, slots). ``count`` is the 1-based global step (Adam's bias correction).
+    ``l2`` / ``l1`` regularize the updated rows lazily: ``l2 * w + l1 * sign(w)`` joins each
+    row's gradient (rows no batch touches are not regularized, whatever the update type).
     """
     capacity = values.shape[0]
+    regularized = bool(l2 or l1)
+
+    def penalized(g, w):
+        return g + l2 * w + l1 * jnp.sign(w)
+
+    def touched():  # out-of-range rows read 0: no penalty
+        return values.at[rows].get(mode="fill", fill_value=0.0)
+
     if opt.type == "SGD":
-        # Scatter-add sums duplicates itself; no gather of the old rows needed.
-        return values.at[rows].add(-lr * grads, mode="drop"), slots
+        # Scatter-add sums duplicates itself; no gather of the old rows needed (unless
+        # regularized: then ``rows`` are distinct)
+        g = penalized(grads, touched()) if regularized else grads
+        return values.at[rows].add(-lr * g, mode="drop"), slots
     if opt.update_type == "Global":
-        dense_g = jnp.zeros_like(values).at[rows].add(grads, mode="drop")
+        g = penalized(grads, touched()) if regularized else grads
+        dense_g = jnp.zeros_like(values).at[rows].add(g, mode="drop")
         state = {k: v for k, v in slots.items() if k != "last_step"}
         w, state = _row_rule(opt, values, dense_g, state, lr, count)
         return w, {**slots, **state}
-    w = values.at[rows].get(mode="fill", fill_value=0.0)
+    w = touched()
+    if regularized:
+        grads = penalized(grads, w)
     state = {k: v.at[rows].get(mode="fill", fill_value=0.0)
              for k, v in slots.items() if k != "last_step"}
     new_slots = dict(slots)

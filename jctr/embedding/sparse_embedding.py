@@ -46,8 +46,11 @@ class EmbeddingSpec:
     l1: float = 0.0
 
     @property
-    def regularized(self) -> bool:
-        return bool(self.l2 or self.l1)
+    def sums_rows(self) -> bool:
+        """Whether updates need one summed gradient per distinct row: every optimizer but
+        plain SGD (whose scatter-add sums duplicates itself), and any regularized table (a
+        row is regularized once per step)."""
+        return self.optimizer.type != "SGD" or bool(self.l2 or self.l1)
 
     @property
     def init_bound(self) -> float:
@@ -103,9 +106,7 @@ def lookup_keys(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array, val
                 key_slots: jax.Array, *, train: bool) -> tuple[EmbeddingState, Lookup]:
     """:func:`lookup_rows` for keys that are not laid out as a batch (e.g. routed to a shard)."""
     capacity = state.values.shape[0]
-    # plain SGD adds every key's gradient with one scatter-add: no per-row dedupe needed
-    # (a regularized table needs it too: a row is regularized once per step)
-    dedupe = train and (spec.optimizer.type != "SGD" or spec.regularized)
+    dedupe = train and spec.sums_rows
     table, lk = lookup(state.table, keys, valid, capacity, insert=train, dedupe=dedupe)
     state = state._replace(table=table)
     if train:
@@ -157,35 +158,28 @@ def apply_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
     """Sparse update from the gradient w.r.t. the pooled embeddings [batch, slots, dim]."""
     b = grad_pooled.shape[0]
     flat = grad_pooled.reshape(b * spec.slot_num, spec.dim)
-    if spec.optimizer.type == "SGD":
-        # SGD's scatter-add sums duplicate rows itself: no per-row summation pass needed
-        g = key_gradients(flat, segments, b * spec.slot_num, spec.combiner)
-    else:
+    if spec.sums_rows:
         g = embedding_bag_backward(flat, segments, lk.rep, b * spec.slot_num, spec.combiner,
                                    one_hot=spec.one_hot)
-    return _apply_rows(spec, state, lk, g, lr, count, summed=spec.optimizer.type != "SGD")
+    else:  # SGD's scatter-add sums duplicate rows itself: no per-row summation pass needed
+        g = key_gradients(flat, segments, b * spec.slot_num, spec.combiner)
+    return _apply_rows(spec, state, lk, g, lr, count)
 
 
 def apply_key_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
                         g_keys: jax.Array, lr: jax.Array, count: jax.Array) -> EmbeddingState:
     """Sparse update from one gradient per looked-up key [n, dim] (duplicates are summed)."""
-    if spec.optimizer.type != "SGD":
+    if spec.sums_rows:
         g_keys = sum_at_representatives(g_keys, lk.rep)
-    return _apply_rows(spec, state, lk, g_keys, lr, count,
-                       summed=spec.optimizer.type != "SGD")
+    return _apply_rows(spec, state, lk, g_keys, lr, count)
 
 
-def _apply_rows(spec, state, lk, g, lr, count, *, summed: bool) -> EmbeddingState:
+def _apply_rows(spec, state, lk, g, lr, count) -> EmbeddingState:
     capacity = state.values.shape[0]
     rows = _safe_rows(lk.rows, capacity)
-    first = lk.rep == jnp.arange(rows.shape[0], dtype=jnp.int32)  # a row's representative
-    if summed:  # one update per distinct row, at its representative position
-        rows = jnp.where(first, rows, capacity)
-    if spec.regularized:
-        # lazily, as for any sparse row: only rows this batch touches, once each (at the
-        # representative); padding and unknown keys read 0 and get nothing
-        w = state.values.at[jnp.where(first, rows, capacity)].get(mode="fill", fill_value=0.0)
-        g = g + spec.l2 * w + spec.l1 * jnp.sign(w)
+    if spec.sums_rows:  # one update per distinct row, at its representative position
+        ar = jnp.arange(rows.shape[0], dtype=jnp.int32)
+        rows = jnp.where(lk.rep == ar, rows, capacity)
     values, slots = row_opt.apply_rows(spec.optimizer, state.values, state.slots, rows, g, lr,
-                                       count)
+                                       count, l2=spec.l2, l1=spec.l1)
     return state._replace(values=values, slots=slots)

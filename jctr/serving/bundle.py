@@ -19,20 +19,9 @@ import tempfile
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jctr.checkpoint.model_files import (
-    ModelFileError,
-    load_dense_model,
-    load_non_trainable,
-    read_sparse_model,
-    write_dense_model,
-    write_non_trainable,
-    write_sparse_model,
-)
-from jctr.checkpoint.tables import export_placed, import_table
+from jctr.checkpoint.model_files import ModelFileError, load_model_files, write_model_files
 from jctr.config import ConfigError, ModelConfig, parse_config
 from jctr.data.batch import Batch, check_batch
 from jctr.data.outputs import describe_contents
@@ -134,18 +123,13 @@ def _write_bundle(cfg, state, placements, tmp: str, version: str) -> None:
 
     os.makedirs(os.path.join(tmp, "sparse"))
     step_config, _ = build_model(cfg)
-    net = nnx.merge(step_config.graphdef, jax.tree.map(to_host, state.params),
-                    jax.tree.map(to_host, state.batch_stats))
-    write_dense_model(os.path.join(tmp, "dense.model"), net)
-    write_non_trainable(os.path.join(tmp, "non_trainable.json"), net)
-    tables = {}
-    placements = placements or (None,) * len(step_config.specs)
-    for spec, es, placement in zip(step_config.specs, state.embeddings, placements):
-        t = export_placed(es, placement)
-        write_sparse_model(os.path.join(tmp, "sparse", f"{spec.name}.model"), t["keys"],
-                           t["values"])
-        tables[spec.name] = {"keys": int(t["keys"].shape[0]), "embedding_vec_size": spec.dim,
-                             "combiner": spec.combiner}
+    counts = write_model_files(
+        step_config, state, placements, os.path.join(tmp, "dense.model"),
+        os.path.join(tmp, "non_trainable.json"),
+        [os.path.join(tmp, "sparse", f"{spec.name}.model") for spec in step_config.specs],
+        slot_ids=False)
+    tables = {spec.name: {"keys": n, "embedding_vec_size": spec.dim, "combiner": spec.combiner}
+              for spec, n in zip(step_config.specs, counts)}
     if cfg.raw is None:
         raise ModelFileError("the model's config was not parsed from JSON (jctr.config."
                              "parse_config / load_config): a bundle carries that JSON")
@@ -203,19 +187,12 @@ class InferenceModel:
         step_config, init_state = build_model(
             cfg, capacities={e.name: max(int(tables[e.name]["keys"]), 1)
                              for e in cfg.embeddings})
-        state = init_state()
-        net = nnx.merge(step_config.graphdef, state.params, state.batch_stats)
-        load_dense_model(os.path.join(path, "dense.model"), net)
-        load_non_trainable(os.path.join(path, "non_trainable.json"), net)
-        _, params, stats = nnx.split(net, nnx.Param, ...)
-        embs = []
-        for spec, es in zip(step_config.specs, state.embeddings):
-            sp = os.path.join(path, "sparse", f"{spec.name}.model")
-            keys, vectors = read_sparse_model(sp, spec.dim)
-            es = es._replace(values=jnp.zeros_like(es.values))  # unknown keys read as zeros
-            embs.append(import_table(spec, es, {"keys": keys, "values": vectors}, source=sp))
-        state = state._replace(params=params, batch_stats=stats, opt_state=None,
-                               embeddings=tuple(embs))
+        # unknown keys have no row: they read as zeros
+        state = load_model_files(
+            step_config, init_state(), os.path.join(path, "dense.model"),
+            tuple(os.path.join(path, "sparse", f"{spec.name}.model")
+                  for spec in step_config.specs),
+            non_trainable_json=os.path.join(path, "non_trainable.json"))
         eval_step = jax.jit(make_eval_step(step_config),
                            compiler_options=step_compiler_options(cfg.solver.compute_dtype))
         return cls(cfg, state, step_config.specs, eval_step, manifest)

@@ -465,7 +465,7 @@ class Checkpointer:
         state = TrainState(step=dense["step"], rng=dense["rng"], params=dense["params"],
                            batch_stats=dense["batch_stats"],
                            opt_state=None if fresh.opt_state is None else dense["opt_state"],
-                           embeddings=tuple(embeddings))
+                           embeddings=tuple(embeddings), lr_scale=fresh.lr_scale)
         return state, meta
 
     @staticmethod

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jctr.checkpoint.manager import Checkpointer, CheckpointError
 from jctr.checkpoint.model_files import host_network, non_trainable
@@ -27,9 +28,10 @@ from jctr.sharding.mesh import to_host
 
 def save_snapshot(ckpt: Checkpointer, cfg: ModelConfig, step_config: StepConfig,
                   state: TrainState, placements=None, *, readers: list[dict[str, int]],
-                  devices: int = 1) -> int:
+                  devices: int = 1, monitors: dict[str, Any] | None = None) -> int:
     """Start saving ``state`` with the config and the reader positions (one per process, in
-    process order); ``non_trainable_<step>.json`` goes beside it. Every process calls this.
+    process order); ``non_trainable_<step>.json`` goes beside it. ``monitors`` is the host-side
+    state of early stopping and the plateau schedule (JSON). Every process calls this.
     Returns the step."""
     from jctr.version import __version__
 
@@ -39,7 +41,8 @@ def save_snapshot(ckpt: Checkpointer, cfg: ModelConfig, step_config: StepConfig,
         beside[f"non_trainable_{step}.json"] = json.dumps(
             non_trainable(host_network(step_config, state)), indent=1).encode()
     meta = {"reader": readers[0], "readers": readers, "config": cfg.raw,
-            "jctr_version": __version__, "devices": devices, "processes": len(readers)}
+            "jctr_version": __version__, "devices": devices, "processes": len(readers),
+            "lr_scale": float(to_host(state.lr_scale)), "monitors": monitors or {}}
     return ckpt.save(state, step_config.specs, meta=meta, placements=placements, beside=beside)
 
 
@@ -86,4 +89,7 @@ def restore_snapshot(ckpt: Checkpointer, cfg: ModelConfig, step_config: StepConf
         report("[jctr] resuming with changed settings (checkpoint -> config): "
                + "; ".join(changed))
     state, meta = ckpt.restore(fresh, step_config.specs, step, placements)
+    scale = np.float32(meta.get("lr_scale", 1.0))  # checkpoints before lr_scale: 1
+    state = state._replace(lr_scale=jax.make_array_from_callback(
+        (), fresh.lr_scale.sharding, lambda _: scale))
     return state, readers[jax.process_index()], meta

@@ -26,7 +26,7 @@ _FREE_EMBEDDING = {"max_vocabulary_size_per_gpu", "plan_file", "init_range", "re
                    "l2_lambda", "l1_lambda"}
 _FREE_DATA = {"name", "source", "eval_source", "check", "num_samples", "eval_num_samples",
               "cache_eval_data", "synthetic", "shuffle", "format", "slot_size_array",
-              "float_label_dense"}
+              "float_label_dense", "test_sources"}
 
 
 def config_differences(old: ModelConfig, new: ModelConfig) -> tuple[list[str], list[str]]:

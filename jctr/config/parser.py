@@ -13,20 +13,24 @@ from jctr.config.schema import (
     COMPUTE_DTYPES,
     DATA_FORMATS,
     EMBEDDING_TYPES,
+    METRIC_MODES,
     MIXED_PRECISION_SCALERS,
     NAN_POLICIES,
     OPTIMIZER_TYPES,
     SPARSE_INPUT_TYPES,
     UPDATE_TYPES,
     DataConfig,
+    EarlyStoppingConfig,
     EmbeddingConfig,
     LayerConfig,
     Metric,
     ModelConfig,
     OptimizerConfig,
+    PlateauConfig,
     SolverConfig,
     SparseInputConfig,
     SyntheticConfig,
+    default_mode,
 )
 
 _HPARAM_KEYS = {
@@ -131,7 +135,7 @@ def parse_config(raw: Any, *, source: str | None = None,
 
 
 def parse_solver(r: ObjectReader) -> SolverConfig:
-    lr_policy = r.choice("lr_policy", ("fixed",), "fixed")
+    lr_policy = r.choice("lr_policy", ("fixed", "plateau"), "fixed")
     display = r.int("display", 200, min_value=1)
     max_iter = r.int("max_iter", None, min_value=1)
     num_epochs = r.int("num_epochs", None, min_value=1)
@@ -140,7 +144,7 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
     batchsize_eval = r.int("batchsize_eval", batchsize, min_value=1)
     snapshot = r.int("snapshot", 0, min_value=0)
     snapshot_prefix = r.str("snapshot_prefix", "./")
-    eval_interval = r.int("eval_interval", 1000, min_value=1)
+    eval_interval = r.int_or_word("eval_interval", 1000, ("epoch",))
     eval_batches = r.int("eval_batches", None, min_value=1)
     dense_model_file = r.str("dense model_file", None)
     if dense_model_file is None:
@@ -167,6 +171,16 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
     snapshot_keep = r.int("snapshot_keep", 3, min_value=1)
     replicate_table_bytes = r.int("replicate_table_bytes", 0, min_value=0)
     all2all_capacity_factor = r.float("all2all_capacity_factor", 2.0, min_value=0.0)
+    early_stopping = (_parse_watch(r.child("early_stopping"), EarlyStoppingConfig, metrics)
+                      if r.has("early_stopping") else None)
+    lr_plateau = None
+    if r.has("lr_plateau") and lr_policy != "plateau":
+        raise r.error("lr_plateau", "applies with lr_policy \"plateau\"; set that too")
+    if lr_policy == "plateau":
+        lr_plateau = (_parse_watch(r.child("lr_plateau"), PlateauConfig, metrics)
+                      if r.has("lr_plateau") else
+                      _parse_watch(ObjectReader({}, join_path(r.path, "lr_plateau"), r.source),
+                                   PlateauConfig, metrics))
     # Accepted for HugeCTR compatibility; XLA schedules the step as a whole already.
     r.bool("cuda_graph", True)
     r.finish()
@@ -178,7 +192,28 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
         mixed_precision=mixed_precision, enable_tf32_compute=enable_tf32, eval_metrics=metrics,
         input_key_type=input_key_type, compute_dtype=compute_dtype, seed=seed, log_dir=log_dir,
         snapshot_keep=snapshot_keep, replicate_table_bytes=replicate_table_bytes,
-        all2all_capacity_factor=all2all_capacity_factor, nan_policy=nan_policy)
+        all2all_capacity_factor=all2all_capacity_factor, nan_policy=nan_policy,
+        early_stopping=early_stopping, lr_plateau=lr_plateau)
+
+
+def _parse_watch(r: ObjectReader, kind: type, metrics: tuple[Metric, ...]):
+    """``solver.early_stopping`` or ``solver.lr_plateau``: a validation metric to watch (one of
+    eval_metrics), its direction, and the clause's own numbers."""
+    names = [m.name for m in metrics]
+    metric = r.choice("metric", names, "AUC" if "AUC" in names else names[0])
+    mode = r.choice("mode", METRIC_MODES, default_mode(metric))
+    patience = r.int("patience", kind().patience, min_value=1)
+    min_delta = r.float("min_delta", 0.0, min_value=0.0)
+    if kind is EarlyStoppingConfig:
+        extra = {"restore_best_weights": r.bool("restore_best_weights", True)}
+    else:
+        factor = r.float("factor", 0.1, min_value=0.0)
+        if not 0.0 < factor < 1.0:
+            raise r.error("factor", f"expected a number between 0 and 1 (exclusive), got "
+                          f"{describe(factor)}")
+        extra = {"factor": factor, "min_lr": r.float("min_lr", 0.0, min_value=0.0)}
+    r.finish()
+    return kind(metric=metric, mode=mode, patience=patience, min_delta=min_delta, **extra)
 
 
 def _parse_gpu(r: ObjectReader) -> tuple[tuple[int, ...], ...]:
@@ -321,6 +356,7 @@ def parse_data(r: ObjectReader) -> DataConfig:
     fmt = r.choice("format", DATA_FORMATS, "Norm")
     source_value = r.str_or_list("source")
     eval_value = r.str_or_list("eval_source")
+    test_sources = _parse_test_sources(r)
     check = r.choice("check", ("Sum", "None"), "None")
     if fmt != "Norm" and check != "None":
         raise r.error("check", f"format {fmt} has no checksum; expected \"None\"")
@@ -391,7 +427,24 @@ def parse_data(r: ObjectReader) -> DataConfig:
         sparse=tuple(sparse), format=fmt, check=check, num_samples=num_samples,
         eval_num_samples=eval_num_samples, slot_size_array=slot_size_array,
         float_label_dense=float_label_dense, cache_eval_data=cache, synthetic=synthetic,
-        shuffle=shuffle)
+        shuffle=shuffle, test_sources=test_sources)
+
+
+def _parse_test_sources(r: ObjectReader) -> tuple[tuple[str, str], ...]:
+    """``test_source``: a source (named "test"), a list of sources ("test1", "test2", ...) or
+    an object of name: source."""
+    value = r.raw("test_source", None)
+    if value is None:
+        return ()
+    if isinstance(value, dict) and value:
+        sub = ObjectReader(value, join_path(r.path, "test_source"), r.source)
+        out = tuple((name, ",".join(sub.str_or_list(name))) for name in value)
+        sub.finish()
+        return out
+    sources = r.str_or_list("test_source")
+    if len(sources) == 1:
+        return (("test", sources[0]),)
+    return tuple((f"test{i + 1}", src) for i, src in enumerate(sources))
 
 
 def _parse_synthetic(r: ObjectReader) -> SyntheticConfig:

@@ -140,6 +140,16 @@ class ObjectReader:
         return self._typed(key, default, lambda v: isinstance(v, str) and v != "",
                            "a non-empty string")
 
+    def int_or_word(self, key: str, default: Any, words: Sequence[str], *,
+                    min_value: int = 1) -> int | str:
+        """An integer of at least ``min_value``, or one of ``words`` (``"epoch"``)."""
+        return self._typed(key, default,
+                           lambda v: (_is_int(v) and v >= min_value) or (isinstance(v, str)
+                                                                         and v in words),
+                           f"an integer >= {min_value} or "
+                           + " or ".join(f'"{w}"' for w in words),
+                           lambda v: v if isinstance(v, str) else int(v))
+
     def choice(self, key: str, choices: Sequence[str], default: Any = _MISSING) -> str:
         return self._typed(key, default, lambda v: isinstance(v, str) and v in choices,
                            "one of " + ", ".join(f'"{c}"' for c in choices))

@@ -57,6 +57,55 @@ class Metric:
     threshold: float | None = None
 
 
+METRIC_MODES = ("max", "min")
+
+
+def default_mode(metric: str) -> str:
+    """Whether a larger value of an evaluation metric is better: AUC yes, losses no."""
+    return "max" if metric == "AUC" else "min"
+
+
+@dataclass(frozen=True)
+class EarlyStoppingConfig:
+    """jctr extension ``solver.early_stopping``: stop when the validation ``metric`` has not
+    improved by more than ``min_delta`` for ``patience`` evaluations in a row, and (with
+    ``restore_best_weights``) go back to the weights, tables and optimizer state of the best
+    evaluation before the final evaluation and any export (Keras' EarlyStopping, FuxiCTR's
+    early stop).
+
+    Example::
+
+        EarlyStoppingConfig(metric="AUC", patience=2)
+    """
+
+    metric: str = "AUC"
+    mode: str = "max"  # "max": larger is better; "min": smaller is better
+    patience: int = 2
+    min_delta: float = 0.0
+    restore_best_weights: bool = True
+
+
+@dataclass(frozen=True)
+class PlateauConfig:
+    """jctr extension ``solver.lr_plateau`` (with ``lr_policy: "plateau"``): after ``patience``
+    evaluations without an improvement of the validation ``metric`` by more than
+    ``min_delta``, every learning rate is multiplied by ``factor``, never taking the solver
+    optimizer's rate below ``min_lr`` (Keras' ReduceLROnPlateau). The factor is training state:
+    the step is not compiled again.
+
+    Example::
+
+        PlateauConfig(factor=0.1, patience=1, min_lr=1e-6)
+    """
+
+    metric: str = "AUC"
+    mode: str = "max"
+    factor: float = 0.1
+    patience: int = 1
+    min_delta: float = 0.0
+    min_lr: float = 0.0
+
+
 @dataclass(frozen=True)
 class SolverConfig:
     """The solver clause. ``max_iter`` or ``num_epochs`` must be set before training."""
@@ -70,7 +119,7 @@ class SolverConfig:
     batchsize_eval: int = 2048
     snapshot: int = 0
     snapshot_prefix: str = "./"
-    eval_interval: int = 1000
+    eval_interval: int | str = 1000  # iterations, or "epoch" (jctr): after every epoch
     eval_batches: int | None = None  # None: the whole evaluation set (HugeCTR: 100 batches)
     dense_model_file: str | None = None
     sparse_model_file: tuple[str, ...] = ()
@@ -88,11 +137,17 @@ class SolverConfig:
     # batch that does not fit takes a step compiled with full buffers
     all2all_capacity_factor: float = 2.0
     nan_policy: str = "stop"  # see NAN_POLICIES
+    early_stopping: EarlyStoppingConfig | None = None
+    lr_plateau: PlateauConfig | None = None  # set exactly when lr_policy is "plateau"
 
     @property
     def checkpoint_dir(self) -> str:
         """Where snapshots go: ``<snapshot_prefix>checkpoints``."""
         return f"{self.snapshot_prefix}checkpoints"
+
+    @property
+    def eval_every_epoch(self) -> bool:
+        return self.eval_interval == "epoch"
 
     @property
     def auc_threshold(self) -> float | None:
@@ -155,6 +210,9 @@ class DataConfig:
     cache_eval_data: int = 0
     synthetic: SyntheticConfig | None = None
     shuffle: bool = False  # jctr: permute file (unit) and record order per epoch, seeded
+    # jctr: (name, source) of each test set, scored after training like eval_source (the
+    # validation set) with the same metrics and reported apart; never used to stop or tune
+    test_sources: tuple[tuple[str, str], ...] = ()
 
     @property
     def total_slots(self) -> int:

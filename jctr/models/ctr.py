@@ -40,6 +40,9 @@ class TrainState(NamedTuple):
     batch_stats: Any  # nnx.State of the rest (BatchNorm running statistics)
     opt_state: Any  # optax state of the dense part
     embeddings: tuple[EmbeddingState, ...]
+    # float32 [], multiplies every learning rate (lr_policy "plateau" lowers it between steps:
+    # state, so that a change compiles nothing)
+    lr_scale: jax.Array
 
 
 class StepConfig(NamedTuple):
@@ -114,6 +117,7 @@ def build_model(cfg: ModelConfig, capacities: dict[str, int] | None = None,
             step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(cfg.solver.seed),
             params=params, batch_stats=batch_stats,
             opt_state=None if dense_tx is None else dense_tx.init(params),
-            embeddings=tuple(init_embedding(s) for s in specs))
+            embeddings=tuple(init_embedding(s) for s in specs),
+            lr_scale=jnp.ones((), jnp.float32))
 
     return step_config, init_state

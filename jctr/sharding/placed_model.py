@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import numpy as np
 
 from jctr.config import ConfigError, ModelConfig
 from jctr.data.batch import Batch
@@ -59,7 +60,7 @@ class PlacedModel:
                            if factor else self.engine_full)
             rep = replicated(self.mesh)
             self.state_shardings = TrainState(rep, rep, rep, rep, rep,
-                                              self.engine.shardings())
+                                              self.engine.shardings(), rep)
 
     def describe(self) -> str:
         return describe_mesh(self.mesh) + "\n" + self.plan.describe()
@@ -125,3 +126,42 @@ class PlacedModel:
         cut = lambda x: x[p * x.shape[0] // n:(p + 1) * x.shape[0] // n]  # noqa: E731
         return Batch(cut(batch.label), cut(batch.dense), tuple(map(cut, batch.keys)),
                      tuple(map(cut, batch.segments)), cut(batch.mask))
+
+    @staticmethod
+    def copy_to_host(tree: Any) -> Any:
+        """A host copy of this process's part of every array in ``tree`` (one numpy array per
+        distinct shard, replicas stored once), for :meth:`copy_to_devices`: keeping the best
+        weights without a second copy in device memory."""
+        return jax.tree.map(HostCopy.of, tree)
+
+    @staticmethod
+    def copy_to_devices(tree: Any) -> Any:
+        """The arrays of a :meth:`copy_to_host` copy, placed again as they were."""
+        return jax.tree.map(lambda h: h.to_device() if isinstance(h, HostCopy) else h, tree,
+                            is_leaf=lambda x: isinstance(x, HostCopy))
+
+
+def _index_key(index: tuple) -> tuple:
+    return tuple((s.start, s.stop) for s in index)
+
+
+class HostCopy:
+    """One array's addressable shards on the host, with the sharding to put them back."""
+
+    def __init__(self, shape, sharding, shards: dict):
+        self.shape, self.sharding, self.shards = shape, sharding, shards
+
+    @classmethod
+    def of(cls, array: Any) -> Any:
+        if not isinstance(array, jax.Array):
+            return array
+        shards = {}
+        for shard in array.addressable_shards:
+            key = _index_key(shard.index)
+            if key not in shards:
+                shards[key] = np.array(shard.data)
+        return cls(array.shape, array.sharding, shards)
+
+    def to_device(self) -> jax.Array:
+        return jax.make_array_from_callback(self.shape, self.sharding,
+                                            lambda index: self.shards[_index_key(index)])

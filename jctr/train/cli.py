@@ -9,6 +9,17 @@ from jctr.config import ConfigError, load_config, override_solver
 from jctr.errors import run_command
 from jctr.sharding.distributed import initialize_distributed
 
+
+def _iterations_or_epoch(text: str) -> int | str:
+    if text == "epoch":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of iterations or \"epoch\", got "
+                                         f"{text!r}") from None
+
+
 _OVERRIDES = (
     # flag, solver field, type, help
     ("--max-iter", "max_iter", int, "training iterations (replaces num_epochs)"),
@@ -16,7 +27,8 @@ _OVERRIDES = (
     ("--batchsize", "batchsize", int, "training batch size"),
     ("--batchsize-eval", "batchsize_eval", int, "evaluation batch size"),
     ("--display", "display", int, "print progress every N iterations"),
-    ("--eval-interval", "eval_interval", int, "evaluate every N iterations"),
+    ("--eval-interval", "eval_interval", _iterations_or_epoch,
+     "evaluate every N iterations, or \"epoch\""),
     ("--eval-batches", "eval_batches", int, "batches per evaluation"),
     ("--seed", "seed", int, "random seed of initialisation and dropout"),
     ("--log-dir", "log_dir", str, "folder for metrics.jsonl (machine-readable progress)"),

@@ -48,9 +48,11 @@ def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation, engi
                 unscale = lambda g: jnp.nan_to_num(g.astype(jnp.float32) * inv)
             g_params = jax.tree.map(unscale, g_params)
             updates, opt_state = dense_tx.update(g_params, state.opt_state, state.params)
+            # every dense optimizer's update is linear in its learning rate
+            updates = jax.tree.map(lambda u: u * state.lr_scale.astype(u.dtype), updates)
             params = optax.apply_updates(state.params, updates)
             count = state.step + 1
-            lrs = tuple(sched(state.step) for sched in schedules)
+            lrs = tuple(sched(state.step) * state.lr_scale for sched in schedules)
             if sc.skip_nonfinite:
                 # the dense part keeps its old values exactly; table rows get a zero gradient
                 # at learning rate 0 (weights unchanged; touched rows' moments decay a step)
@@ -64,7 +66,7 @@ def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation, engi
                                     lrs, count)
             overflow = sum(jnp.sum(es.table.overflow) for es in new_embs)
             new_state = TrainState(count, state.rng, params, new_stats, opt_state,
-                                   tuple(new_embs))
+                                   tuple(new_embs), state.lr_scale)
             skipped = ~finite if sc.skip_nonfinite else jnp.array(False)
             return new_state, {"loss": scaled / sc.loss_scale, "overflow": overflow,
                                "grads_finite": finite, "skipped": skipped}

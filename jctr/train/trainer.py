@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
@@ -32,6 +33,7 @@ from jctr.sharding.distributed import all_processes
 from jctr.sharding.placed_model import PlacedModel
 from jctr.train.dense_optimizer import dense_optimizer
 from jctr.train.metrics import auc, log_loss
+from jctr.train.monitors import EarlyStopping, PlateauSchedule
 from jctr.train.step import make_train_step
 
 
@@ -39,11 +41,43 @@ class NonFiniteLoss(UserError, FloatingPointError):
     """The training loss became NaN or infinite (solver.nan_policy "stop")."""
 
 
+def _embedding_norms(embeddings) -> list[tuple[jax.Array, jax.Array]]:
+    """Per table: rows in use and the sum of their L2 norms (jitted; a table split over
+    devices reduces across them)."""
+    out = []
+    for es in embeddings:
+        used = es.row_slot >= 0
+        norms = jnp.sqrt(jnp.sum(jnp.square(es.values), axis=1))
+        out.append((jnp.sum(used), jnp.sum(jnp.where(used, norms, 0.0))))
+    return out
+
+
 def _dense_bytes(init_state) -> int:
     """Bytes of the dense parameters plus the dense optimizer state (one copy)."""
     shapes = jax.eval_shape(lambda: (lambda st: (st.params, st.batch_stats, st.opt_state))(
         init_state()))
     return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
+class _RunTally:
+    """Counts of a training run and the running mean loss of the current epoch (batches
+    weighted by their share of real samples)."""
+
+    def __init__(self):
+        self.skipped = self.fallback_steps = 0
+        self._sum = self._weight = 0.0
+
+    def add(self, loss: float | None, weight: float) -> None:
+        if loss is None:
+            self.skipped += 1
+        else:
+            self._sum += loss * weight
+            self._weight += weight
+
+    def end_epoch(self) -> float | None:
+        mean = self._sum / self._weight if self._weight else None
+        self._sum = self._weight = 0.0
+        return mean
 
 
 class Trainer:
@@ -86,6 +120,13 @@ class Trainer:
         self._resumed = False  # restored from the solver's checkpoint directory
         self._nonfinite_at: int | None = None  # the state went bad at this iteration
         self._space_checked = False  # the checkpoint disk was checked for one snapshot
+        s = cfg.solver
+        self.early_stopping = EarlyStopping(s.early_stopping) if s.early_stopping else None
+        self.plateau = (PlateauSchedule(s.lr_plateau, cfg.optimizer.learning_rate)
+                        if s.lr_plateau else None)
+        self._best_copy = None  # host copy of the state at early stopping's best evaluation
+        self._test_data: dict[str, Dataset] = {}
+        self._norms = jax.jit(_embedding_norms)
         if cfg.solver.dense_model_file or cfg.solver.sparse_model_file:
             self.load_model_files(cfg.solver.dense_model_file, cfg.solver.sparse_model_file)
 
@@ -144,6 +185,15 @@ class Trainer:
                 self._eval_data.cache_all()
         return self._eval_data
 
+    def test_data(self, name: str) -> Dataset:
+        """The Data layer's test set ``name`` (``test_source``)."""
+        if name not in self._test_data:
+            source = dict(self.cfg.data.test_sources)[name]
+            self._test_data[name] = open_dataset(source, self.cfg.data,
+                                                 self.solver.input_key_type, eval=True,
+                                                 labels=self._label_rule)
+        return self._test_data[name]
+
     # ---- logging ------------------------------------------------------------------------
 
     def _open_log(self) -> None:
@@ -185,6 +235,8 @@ class Trainer:
         def check() -> None:
             self.train_data.check_units()
             self.eval_data.check_units()
+            for name, _ in self.cfg.data.test_sources:
+                self.test_data(name).check_units()
             self._open_log()
             if s.snapshot:
                 self._prepare_checkpoints()
@@ -227,12 +279,13 @@ class Trainer:
                 f"embedding table full: more distinct keys than max_vocabulary_size_per_gpu "
                 f"allows in {names}; raise sparse_embedding_hparam.max_vocabulary_size_per_gpu")
 
-    def _check_step(self, metrics, step: int) -> int:
+    def _check_step(self, metrics, step: int) -> float | None:
         """After step ``step``: a full table or (policy ``stop``) a non-finite loss ends the run
-        before anything of the bad state is saved. Returns 1 if the step was skipped."""
+        before anything of the bad state is saved. Returns the step's loss, or None if the
+        step was skipped (policy ``skip``)."""
         self._check_overflow(metrics)
         if self.step_config.skip_nonfinite and bool(to_host(metrics["skipped"])):
-            return 1
+            return None
         loss = float(to_host(metrics["loss"]))
         if not np.isfinite(loss):
             self._nonfinite_at = step
@@ -246,7 +299,7 @@ class Trainer:
                 f"training loss is {loss} at iter {step}: the run stopped and saved nothing "
                 f"of this state ({kept}); lower the learning rate, check the data, or set "
                 "solver.nan_policy to \"skip\" to skip such batches")
-        return 0
+        return loss
 
     def fit(self, max_iter: int | None = None) -> list[dict[str, Any]]:
         """Train until iteration ``max_iter`` (or the solver's ``max_iter`` / ``num_epochs``;
@@ -269,37 +322,42 @@ class Trainer:
         s = self.solver
         max_iter = max_iter or s.max_iter
         epochs = None if max_iter else s.num_epochs
+        # evaluating after each epoch: epochs end on a (padded) batch of their own
+        reader_epochs = epochs or (1 << 40 if s.eval_every_epoch else None)
         batches = Prefetcher(
             self.train_data.batches_with_position(s.batchsize // jax.process_count(),
-                                                  epochs=epochs, start=self.reader_position),
+                                                  epochs=reader_epochs,
+                                                  start=self.reader_position),
             transform=lambda item: (self.placed.to_devices(item[0], True), item[1],
-                                    self.placed.routing_fits(item[0])))
+                                    self.placed.routing_fits(item[0]),
+                                    float(np.mean(item[0].mask))))
         self._print(f"[jctr] training {', '.join(e.name for e in self.cfg.embeddings)} + "
                     f"{len(self.cfg.layers)} dense layers; batch {s.batchsize}; "
                     f"{'max_iter ' + str(max_iter) if max_iter else str(epochs) + ' epoch(s)'}")
         done = int(to_host(self.state.step))
         start_step = done
+        epoch = (self.reader_position or ReaderPosition()).epoch
         t0 = time.perf_counter()
         window_t, window_n = t0, 0
+        run = _RunTally()
         prev = None
         stop = False
         evaluated_at = None  # the last evaluation's iteration: the final one is not repeated
-        fallback_steps = skipped = 0
         try:
-            for batch, position, fits in batches:
+            for batch, position, fits, filled in batches:
                 if jax.process_count() > 1:  # every process must run the same program
                     from jax.experimental import multihost_utils
 
                     fits = bool(np.all(multihost_utils.process_allgather(np.array([fits]))))
                 if not fits:
-                    fallback_steps += 1
+                    run.fallback_steps += 1
                 step_fn = self.train_step if fits else self.train_step_full
                 self.state, metrics = step_fn(self.state, batch)
                 self.reader_position = position
                 if prev is not None:  # one step behind: no stall of the pipeline
-                    skipped += self._check_step(*prev)
+                    run.add(self._check_step(*prev[:2]), prev[2])
                 done += 1
-                prev = (metrics, done)
+                prev = (metrics, done, filled)
                 window_n += s.batchsize
                 if done % s.display == 0:
                     loss = float(to_host(metrics["loss"]))
@@ -309,49 +367,138 @@ class Trainer:
                     self._print(f"[jctr] iter {done}"
                                 + (f"/{max_iter}" if max_iter else "")
                                 + f"  loss {loss:.5f}  {rate:,.0f} samples/s"
-                                + (f"  ({skipped} non-finite batches skipped)" if skipped
-                                   else ""))
+                                + (f"  ({run.skipped} non-finite batches skipped)"
+                                   if run.skipped else ""))
                     self._record("train", iter=done, loss=loss, samples_per_s=rate,
-                                 **({"skipped": skipped} if skipped else {}))
-                if s.snapshot and done % s.snapshot == 0:
-                    skipped += self._check_step(*prev)  # this step's state is what is saved
+                                 **({"skipped": run.skipped} if run.skipped else {}))
+                epoch_ended = position.epoch > epoch
+                evaluate = (done % s.eval_interval == 0 and not (max_iter and done == max_iter)
+                            if not s.eval_every_epoch else epoch_ended)
+                if prev is not None and (evaluate or epoch_ended
+                                         or (s.snapshot and done % s.snapshot == 0)):
+                    run.add(self._check_step(*prev[:2]), prev[2])  # the state is sound
                     prev = None
-                    self.save_checkpoint()
-                if done % s.eval_interval == 0 and not (max_iter and done == max_iter):
-                    if prev is not None:
-                        skipped += self._check_step(*prev)
-                        prev = None
-                    stop = self._eval_and_report(done)
+                if epoch_ended:
+                    mean = run.end_epoch()
+                    self._print(f"[jctr] epoch {epoch + 1} done at iter {done}"
+                                + (f": mean training loss {mean:.5f}" if mean is not None
+                                   else ""))
+                    self._record("epoch", epoch=epoch + 1, iter=done, train_loss=mean)
+                    epoch = position.epoch
+                if evaluate:
+                    stop = self._eval_and_report(done, epoch=epoch if epoch_ended else None)
                     evaluated_at = done
+                if s.snapshot and done % s.snapshot == 0:
+                    self.save_checkpoint()
                 if stop or (max_iter and done >= max_iter):
                     break
         finally:
             batches.close()
         if prev is not None:
-            skipped += self._check_step(*prev)
+            run.add(self._check_step(*prev[:2]), prev[2])
         jax.block_until_ready(self.state)
         elapsed = time.perf_counter() - t0
         trained = done - start_step
         self._record("summary", iters=trained,
                      samples_per_s=trained * s.batchsize / max(elapsed, 1e-9),
-                     routing_fallback_steps=fallback_steps, skipped_nonfinite=skipped)
+                     routing_fallback_steps=run.fallback_steps, skipped_nonfinite=run.skipped)
         if self._checkpointer is not None:
             self._checkpointer.wait()
         if not stop and evaluated_at != done:
             self._eval_and_report(done)
+        self._restore_best()
+        self._evaluate_test_sets()
         return self.history
 
-    def _eval_and_report(self, step: int) -> bool:
+    def _eval_and_report(self, step: int, epoch: int | None = None) -> bool:
+        """Evaluate the validation set, log it with the tables' norms and the learning rate,
+        and let early stopping and the plateau schedule act. True: stop training."""
         result = self.evaluate()
+        norms = self.embedding_norms()
+        lr = self.cfg.optimizer.learning_rate * float(to_host(self.state.lr_scale))
         parts = [f"{k} {v:.5f}" for k, v in result.items()]
-        self._print(f"[jctr] eval at iter {step}: " + "  ".join(parts))
-        self._record("eval", iter=step, **result)
+        self._print(f"[jctr] eval at iter {step}" + (f" (epoch {epoch})" if epoch else "")
+                    + ": " + "  ".join(parts) + "  |  " + "  ".join(
+                        f"{name}: {n['rows']:,} rows, mean |row| {n['mean_norm']:.4f}"
+                        for name, n in norms.items()))
+        self._record("eval", iter=step, set="validation", **result,
+                     **({"epoch": epoch} if epoch else {}), lr=lr, embedding_norms=norms)
         threshold = self.solver.auc_threshold
         if threshold is not None and result.get("AUC", 0.0) >= threshold:
             self._print(f"[jctr] AUC {result['AUC']:.5f} reached the threshold {threshold}; "
                         "stopping")
             return True
+        if self.plateau is not None and self.plateau.update(result[self.plateau.metric],
+                                                            step):
+            scale = np.float32(self.plateau.scale)
+            self.state = self.state._replace(lr_scale=jax.make_array_from_callback(
+                (), self.state.lr_scale.sharding, lambda _: scale))
+            new_lr = self.cfg.optimizer.learning_rate * self.plateau.scale
+            self._print(f"[jctr] validation {self.plateau.metric} has not improved for "
+                        f"{self.plateau.cfg.patience} evaluation(s): learning rate "
+                        f"{lr:.3g} -> {new_lr:.3g}")
+            self._record("lr", iter=step, lr=new_lr, scale=self.plateau.scale)
+        es = self.early_stopping
+        if es is None:
+            return False
+        if es.update(result[es.metric], step):
+            if es.cfg.restore_best_weights:
+                self._best_copy = (step, self.placed.copy_to_host(self.state))
+            return False
+        if es.should_stop:
+            self._print(f"[jctr] early stopping at iter {step}: validation {es.metric} has not "
+                        f"improved on {es.best:.5f} (iter {es.best_iter}) for {es.wait} "
+                        "evaluation(s)")
+            self._record("early_stop", iter=step, best_iter=es.best_iter,
+                         **{es.metric: es.best})
+            return True
         return False
+
+    def _restore_best(self) -> None:
+        """Early stopping with restore_best_weights: go back to the best evaluation's state
+        (dense, tables, optimizer) unless it is the current one."""
+        es = self.early_stopping
+        if es is None or not es.cfg.restore_best_weights or es.best_iter is None:
+            return
+        current = int(to_host(self.state.step))
+        if es.best_iter == current:
+            return
+        if self._best_copy is not None and self._best_copy[0] == es.best_iter:
+            self.state = self.placed.copy_to_devices(self._best_copy[1])
+        else:  # the best came before a resume: its snapshot, if still kept
+            try:
+                self.state, _, _ = restore_snapshot(
+                    self.checkpointer, self.cfg, self.step_config, self.state, self.placements,
+                    es.best_iter, report=self._print, keep_positions=False)
+            except UserError as e:
+                self._print(f"[jctr] cannot restore the best weights (iter {es.best_iter}, "
+                            f"before the resume): {e}; keeping the last ones")
+                return
+        self._print(f"[jctr] restored the weights of iter {es.best_iter} (validation "
+                    f"{es.metric} {es.best:.5f})")
+        self._record("restore_best", iter=es.best_iter, **{es.metric: es.best})
+
+    def _evaluate_test_sets(self) -> None:
+        step = int(to_host(self.state.step))
+        for name, source in self.cfg.data.test_sources:
+            result = self.evaluate(data=self.test_data(name), where=source)
+            self._print(f"[jctr] test \"{name}\" at iter {step}: "
+                        + "  ".join(f"{k} {v:.5f}" for k, v in result.items()))
+            self._record("test", iter=step, set=name, **result)
+
+    def embedding_norms(self) -> dict[str, dict[str, float]]:
+        """Per table: rows in use and their mean L2 norm (logged with every evaluation)."""
+        out = {}
+        for spec, (rows, total) in zip(self.specs, self._norms(self.state.embeddings)):
+            rows = int(to_host(rows))
+            out[spec.name] = {"rows": rows,
+                              "mean_norm": float(to_host(total)) / max(rows, 1)}
+        return out
+
+    def _monitors(self) -> dict[str, Any]:
+        return {name: m.state_dict() for name, m in (("early_stopping", self.early_stopping),
+                                                     ("plateau", self.plateau)) if m}
+
 
     # ---- checkpoints and model files -----------------------------------------------------
 
@@ -391,7 +538,8 @@ class Trainer:
                        for row in allpos.reshape(-1, 3)]
         all_processes(self._prepare_checkpoints, "prepare the checkpoint directory")
         return save_snapshot(self.checkpointer, self.cfg, self.step_config, self.state,
-                             self.placements, readers=readers, devices=self.num_devices)
+                             self.placements, readers=readers, devices=self.num_devices,
+                             monitors=self._monitors())
 
     def restore_checkpoint(self, step: int | None = None, directory: str | None = None) -> int:
         """Continue from a checkpoint (default: the latest under the solver's directory):
@@ -405,6 +553,11 @@ class Trainer:
             ckpt, self.cfg, self.step_config, self.state, self.placements, step,
             report=self._print, keep_positions=directory is None)
         self.reader_position = ReaderPosition(**reader)
+        for name, monitor in (("early_stopping", self.early_stopping),
+                              ("plateau", self.plateau)):
+            if monitor is not None:
+                monitor.load_state_dict(meta.get("monitors", {}).get(name, {}))
+        self._best_copy = None
         self._resumed = directory is None
         if self._resumed:
             ckpt.resumed_from(int(meta.get("step", 0)))
@@ -428,12 +581,12 @@ class Trainer:
 
     # ---- evaluation and prediction ------------------------------------------------------
 
-    def evaluate(self, num_batches: int | None = None,
-                 data: Dataset | str | None = None) -> dict[str, float]:
+    def evaluate(self, num_batches: int | None = None, data: Dataset | str | None = None, *,
+                 where: str | None = None) -> dict[str, float]:
         """Metrics of the solver's ``eval_metrics`` over the evaluation set, or ``data`` (a
         :class:`Dataset`, or a path read like the Data layer's eval_source): all of it, or its
         first ``num_batches`` (default: the solver's ``eval_batches``, if set) batches. Padding
-        samples never count.
+        samples never count. ``where`` names ``data`` in errors.
 
         Example::
 
@@ -441,7 +594,7 @@ class Trainer:
         """
         s = self.solver
         num_batches = num_batches or s.eval_batches
-        where = "the dataset"
+        where = where or "the dataset"
         if data is None:
             data, where = self.eval_data, self.cfg.data.eval_source
         elif not isinstance(data, Dataset):

@@ -95,7 +95,41 @@ BAD = [
      'optimizer.adam_hparam: belongs to optimizer type "Adam"'),
     (lambda: _mutate(["layers", 0, "format"], "Raw"),
      "layers[0].check: format Raw has no checksum"),
+    (lambda: _mutate(["solver", "eval_interval"], "epochs"),
+     'solver.eval_interval: expected an integer >= 1 or "epoch", got "epochs"'),
+    (lambda: _mutate(["solver", "early_stopping"], {"metric": "LogLoss"}),
+     'solver.early_stopping.metric: expected one of "AUC", "AverageLoss", got "LogLoss"'),
+    (lambda: _mutate(["solver", "early_stopping"], {"patience": 0}),
+     "solver.early_stopping.patience: expected a positive integer"),
+    (lambda: _mutate(["solver", "early_stopping"], {"restore": True}),
+     "solver.early_stopping.restore: unknown key"),
+    (lambda: _mutate(["solver", "lr_plateau"], {"factor": 0.5}),
+     'solver.lr_plateau: applies with lr_policy "plateau"'),
+    (lambda: {**_mutate(["solver", "lr_policy"], "plateau"),
+              "solver": {**load_json("dlrm_synthetic.json")["solver"], "lr_policy": "plateau",
+                         "lr_plateau": {"factor": 2}}},
+     "solver.lr_plateau.factor: expected a number between 0 and 1"),
+    (lambda: _mutate(["layers", 0, "test_source"], {"a": 3}),
+     "layers[0].test_source.a: expected a name or a list of names"),
 ]
+
+
+def test_epochs_early_stopping_plateau_and_test_sets_parse():
+    raw = load_json("dlrm_synthetic.json")
+    raw["solver"].update(eval_interval="epoch", lr_policy="plateau",
+                         eval_metrics=["AUC", "LogLoss"],
+                         early_stopping={"metric": "LogLoss", "patience": 3},
+                         lr_plateau={"min_lr": 1e-5})
+    raw["layers"][0]["test_source"] = ["a.txt", "b.txt"]
+    cfg = parse_config(raw)
+    s = cfg.solver
+    assert s.eval_every_epoch and s.early_stopping.mode == "min"
+    assert s.early_stopping.restore_best_weights and s.early_stopping.patience == 3
+    assert (s.lr_plateau.metric, s.lr_plateau.mode, s.lr_plateau.factor,
+            s.lr_plateau.min_lr) == ("AUC", "max", 0.1, 1e-5)
+    assert cfg.data.test_sources == (("test1", "a.txt"), ("test2", "b.txt"))
+    raw["layers"][0]["test_source"] = "c.txt"
+    assert parse_config(raw).data.test_sources == (("test", "c.txt"),)
 
 
 @pytest.mark.parametrize("make,fragment", BAD)

@@ -224,7 +224,8 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
         bad = np.nonzero(sums != body[ends])[0]
         if bad.size:
             raise DataError(f"{path}: record {int(bad[0])}: checksum mismatch (check: Sum)")
-    return RecordBlock(label.reshape(-1, label_dim), dense.reshape(-1, dense_dim), nnz, keys)
+    n = nnz.shape[0]  # (-1 cannot size a reshape to width 0: data without dense features)
+    return RecordBlock(label.reshape(n, label_dim), dense.reshape(n, dense_dim), nnz, keys)
 
 
 def _diagnose_nnz(path: str, words: np.ndarray, starts: np.ndarray, fixed_words: int,

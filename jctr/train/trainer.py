@@ -303,8 +303,10 @@ class Trainer:
 
     def fit(self, max_iter: int | None = None) -> list[dict[str, Any]]:
         """Train until iteration ``max_iter`` (or the solver's ``max_iter`` / ``num_epochs``;
-        a resumed run counts the iterations done before), evaluating every ``eval_interval``
-        steps and at the end. Returns the recorded history.
+        a resumed run counts the iterations done before), evaluating the validation set every
+        ``eval_interval`` steps or after every epoch, and at the end; early stopping may end
+        it sooner and put back the best evaluation's state; then the test sets are scored.
+        Returns the recorded history.
 
         On any exit (an error, Ctrl-C, SIGTERM) a snapshot in flight is finished, or removed
         with a message; the checkpoint directory is released."""
@@ -372,9 +374,9 @@ class Trainer:
                     self._record("train", iter=done, loss=loss, samples_per_s=rate,
                                  **({"skipped": run.skipped} if run.skipped else {}))
                 epoch_ended = position.epoch > epoch
-                evaluate = (done % s.eval_interval == 0 and not (max_iter and done == max_iter)
+                eval_now = (done % s.eval_interval == 0 and not (max_iter and done == max_iter)
                             if not s.eval_every_epoch else epoch_ended)
-                if prev is not None and (evaluate or epoch_ended
+                if prev is not None and (eval_now or epoch_ended
                                          or (s.snapshot and done % s.snapshot == 0)):
                     run.add(self._check_step(*prev[:2]), prev[2])  # the state is sound
                     prev = None
@@ -385,7 +387,7 @@ class Trainer:
                                    else ""))
                     self._record("epoch", epoch=epoch + 1, iter=done, train_loss=mean)
                     epoch = position.epoch
-                if evaluate:
+                if eval_now:
                     stop = self._eval_and_report(done, epoch=epoch if epoch_ended else None)
                     evaluated_at = done
                 if s.snapshot and done % s.snapshot == 0:

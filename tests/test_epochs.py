@@ -48,14 +48,19 @@ def same_model(a, b) -> bool:
                         (b.step, b.params, b.batch_stats, b.opt_state, b.lr_scale)):
         return False
     for ea, eb in zip(a.embeddings, b.embeddings):
-        (ka, ra), (kb, rb) = export_items(ea.table), export_items(eb.table)
-        oa, ob = np.argsort(ka), np.argsort(kb)
-        if not np.array_equal(ka[oa], kb[ob]):
-            return False
-        for x, y in zip(jax.tree.leaves((ea.values, ea.slots)),
-                        jax.tree.leaves((eb.values, eb.slots))):
-            if not np.array_equal(np.asarray(x)[ra[oa]], np.asarray(y)[rb[ob]]):
+        ea, eb = jax.tree.map(np.asarray, ea), jax.tree.map(np.asarray, eb)
+        if ea.values.ndim == 2:  # one device: no leading device axis
+            ea, eb = jax.tree.map(lambda x: x[None], ea), jax.tree.map(lambda x: x[None], eb)
+        for d in range(ea.values.shape[0]):  # each device's part of a split table
+            pa_, pb = (jax.tree.map(lambda x, d=d: x[d], e) for e in (ea, eb))
+            (ka, ra), (kb, rb) = export_items(pa_.table), export_items(pb.table)
+            oa, ob = np.argsort(ka), np.argsort(kb)
+            if not np.array_equal(ka[oa], kb[ob]):
                 return False
+            for x, y in zip(jax.tree.leaves((pa_.values, pa_.slots)),
+                            jax.tree.leaves((pb.values, pb.slots))):
+                if not np.array_equal(x[ra[oa]], y[rb[ob]]):
+                    return False
     return True
 
 
@@ -225,3 +230,19 @@ def test_same_config_and_seed_give_bit_identical_losses(tiny, tmp_path):
     assert runs[0][0] == runs[1][0] and len(runs[0][0]) == STEPS_PER_EPOCH
     assert leaves_equal(*[jax.tree.map(lambda h: list(h.shards.values()), r[1],
                                        is_leaf=lambda x: hasattr(x, "shards")) for r in runs])
+
+
+def test_best_weights_come_back_on_a_mesh(tiny, tmp_path):
+    """Tables split over 4 devices: the host copy holds every shard and puts each back."""
+    cfg = epoch_config(tiny, tmp_path, num_epochs=3, gpu=[0, 1, 2, 3],
+                       snapshot=STEPS_PER_EPOCH, early_stopping={"patience": 2})
+    t = Trainer.from_config(cfg)
+    scripted(t, [0.72, 0.70, 0.70])
+    placed_as = t.state.embeddings[0].values.sharding
+    t.fit()
+    assert int(t.state.step) == STEPS_PER_EPOCH
+    assert t.state.embeddings[0].values.sharding == placed_as
+    ckpt = Checkpointer(cfg["solver"]["snapshot_prefix"] + "checkpoints")
+    saved, _, _ = restore_snapshot(ckpt, t.cfg, t.step_config, Trainer.from_config(cfg).state,
+                                   t.placements, STEPS_PER_EPOCH, keep_positions=False)
+    assert same_model(t.state, saved)

@@ -47,7 +47,7 @@ def _embedding_norms(embeddings) -> list[tuple[jax.Array, jax.Array]]:
     out = []
     for es in embeddings:
         used = es.row_slot >= 0
-        norms = jnp.sqrt(jnp.sum(jnp.square(es.values), axis=1))
+        norms = jnp.sqrt(jnp.sum(jnp.square(es.values), axis=-1))  # [..., rows]
         out.append((jnp.sum(used), jnp.sum(jnp.where(used, norms, 0.0))))
     return out
 

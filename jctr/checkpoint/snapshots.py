@@ -16,13 +16,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import numpy as np
 
 from jctr.checkpoint.manager import Checkpointer, CheckpointError
 from jctr.checkpoint.model_files import host_network, non_trainable
 from jctr.config import ConfigError, ModelConfig, load_config
 from jctr.config.compare import config_differences
-from jctr.models.ctr import StepConfig, TrainState
+from jctr.models.ctr import StepConfig, TrainState, with_lr_scale
 from jctr.sharding.mesh import to_host
 
 
@@ -89,7 +88,5 @@ def restore_snapshot(ckpt: Checkpointer, cfg: ModelConfig, step_config: StepConf
         report("[jctr] resuming with changed settings (checkpoint -> config): "
                + "; ".join(changed))
     state, meta = ckpt.restore(fresh, step_config.specs, step, placements)
-    scale = np.float32(meta.get("lr_scale", 1.0))  # checkpoints before lr_scale: 1
-    state = state._replace(lr_scale=jax.make_array_from_callback(
-        (), fresh.lr_scale.sharding, lambda _: scale))
+    state = with_lr_scale(state, meta.get("lr_scale", 1.0))  # older checkpoints: 1
     return state, readers[jax.process_index()], meta

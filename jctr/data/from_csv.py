@@ -69,10 +69,6 @@ class Layout:
     categorical: list[str]
     bucketized: list[str] = field(default_factory=list)
 
-    @property
-    def fields(self) -> list[str]:
-        return self.categorical
-
     def to_json(self) -> dict:
         return {"label": self.label, "dense": self.dense, "categorical": self.categorical,
                 "bucketized": self.bucketized}

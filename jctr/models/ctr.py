@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jctr.config import ModelConfig
@@ -43,6 +44,14 @@ class TrainState(NamedTuple):
     # float32 [], multiplies every learning rate (lr_policy "plateau" lowers it between steps:
     # state, so that a change compiles nothing)
     lr_scale: jax.Array
+
+
+def with_lr_scale(state: TrainState, scale: float) -> TrainState:
+    """``state`` with its learning-rate factor set, placed like the old one (any process
+    count: every process passes the same value)."""
+    value = np.float32(scale)
+    return state._replace(lr_scale=jax.make_array_from_callback(
+        (), state.lr_scale.sharding, lambda _: value))
 
 
 class StepConfig(NamedTuple):

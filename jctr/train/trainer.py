@@ -25,7 +25,7 @@ from jctr.data.records import DataError
 from jctr.data.synthetic import generate_for_config
 from jctr.embedding.hash_table import TableFullError
 from jctr.errors import UserError
-from jctr.models.ctr import build_model, make_eval_step
+from jctr.models.ctr import build_model, make_eval_step, with_lr_scale
 from jctr.runtime.host_memory import describe_malloc_tuning
 from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding import to_host
@@ -178,20 +178,21 @@ class Trainer:
     @property
     def eval_data(self) -> Dataset:
         if self._eval_data is None:
-            self._eval_data = open_dataset(self.cfg.data.eval_source, self.cfg.data,
-                                           self.solver.input_key_type, eval=True,
-                                           labels=self._label_rule)
+            self._eval_data = self._open_eval(self.cfg.data.eval_source)
             if self.cfg.data.cache_eval_data:  # keep the parsed evaluation set in memory
                 self._eval_data.cache_all()
         return self._eval_data
+
+    def _open_eval(self, source: str) -> Dataset:
+        """A set read like the Data layer's eval_source (whole, in order)."""
+        return open_dataset(source, self.cfg.data, self.solver.input_key_type, eval=True,
+                            labels=self._label_rule)
 
     def test_data(self, name: str) -> Dataset:
         """The Data layer's test set ``name`` (``test_source``)."""
         if name not in self._test_data:
             source = dict(self.cfg.data.test_sources)[name]
-            self._test_data[name] = open_dataset(source, self.cfg.data,
-                                                 self.solver.input_key_type, eval=True,
-                                                 labels=self._label_rule)
+            self._test_data[name] = self._open_eval(source)
         return self._test_data[name]
 
     # ---- logging ------------------------------------------------------------------------
@@ -432,9 +433,7 @@ class Trainer:
             return True
         if self.plateau is not None and self.plateau.update(result[self.plateau.metric],
                                                             step):
-            scale = np.float32(self.plateau.scale)
-            self.state = self.state._replace(lr_scale=jax.make_array_from_callback(
-                (), self.state.lr_scale.sharding, lambda _: scale))
+            self.state = with_lr_scale(self.state, self.plateau.scale)
             new_lr = self.cfg.optimizer.learning_rate * self.plateau.scale
             self._print(f"[jctr] validation {self.plateau.metric} has not improved for "
                         f"{self.plateau.cfg.patience} evaluation(s): learning rate "
@@ -601,8 +600,7 @@ class Trainer:
             data, where = self.eval_data, self.cfg.data.eval_source
         elif not isinstance(data, Dataset):
             where = os.fspath(data)
-            data = open_dataset(os.fspath(data), self.cfg.data, s.input_key_type, eval=True,
-                                labels=self._label_rule)
+            data = self._open_eval(where)
         labels, preds = [], []
         for i, batch in enumerate(data.batches(s.batchsize_eval, epochs=1)):
             if num_batches is not None and i >= num_batches:

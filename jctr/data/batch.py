@@ -89,3 +89,97 @@ def check_batch(batch: Batch, data: DataConfig) -> Batch:
                              "padding)")
         segs.append(seg)
     return Batch(label, dense, tuple(keys), tuple(segs), mask)
+
+
+def batch_from_features(data: DataConfig, dense, sparse, *, label=None,
+                        batch_size: int | None = None) -> Batch:
+    """A :class:`Batch` from raw features, padded to ``batch_size`` samples (default: as many
+    as given).
+
+    ``dense`` is ``[n, dense_dim]``; ``sparse`` holds one entry per sparse input of the Data
+    layer: an integer array ``[n, slot_num]`` (one key per slot), or a pair ``(keys,
+    row_offsets)`` in CSR form, where the keys of sample ``s``, slot ``j`` are
+    ``keys[row_offsets[s * slot_num + j]:row_offsets[s * slot_num + j + 1]]``
+    (``row_offsets`` has ``n * slot_num + 1`` entries). ``label`` defaults to zeros.
+
+    Example::
+
+        batch = batch_from_features(cfg.data, dense=np.zeros((2, 13), np.float32),
+                                    sparse=[np.array([[1, 2, 3], [4, 5, 6]])])
+    """
+    dense = np.asarray(dense)
+    if dense.ndim != 2 or dense.shape[1] != data.dense_dim:
+        raise BatchError(f"dense: expected shape [samples, {data.dense_dim}], got "
+                         f"{list(dense.shape)}")
+    if dense.dtype.kind not in "fiu":
+        raise BatchError(f"dense: expected numbers, got dtype {dense.dtype}")
+    n = dense.shape[0]
+    b = n if batch_size is None else batch_size
+    if n > b:
+        raise BatchError(f"dense: {n} samples do not fit a batch of {b}")
+    if len(sparse) != len(data.sparse):
+        raise BatchError(f"sparse: expected {len(data.sparse)} input(s) "
+                         f"({', '.join(s.top for s in data.sparse)}), got {len(sparse)}")
+    keys_out, segs_out = [], []
+    for sp, given in zip(data.sparse, sparse):
+        k, s = _sparse_input(sp, given, n, b)
+        keys_out.append(k)
+        segs_out.append(s)
+    lab = np.zeros((b, data.label_dim), np.float32)
+    if label is not None:
+        lab[:n] = np.asarray(label, np.float32).reshape(n, data.label_dim)
+    dn = np.zeros((b, data.dense_dim), np.float32)
+    dn[:n] = dense
+    mask = np.zeros(b, bool)
+    mask[:n] = True
+    return Batch(lab, dn, tuple(keys_out), tuple(segs_out), mask)
+
+
+def _sparse_input(sp, given, n: int, b: int) -> tuple[np.ndarray, np.ndarray]:
+    slots = sp.slot_num
+    width = slots if sp.one_hot else sp.max_feature_num_per_sample
+    if isinstance(given, tuple):
+        keys, offsets = (np.asarray(x) for x in given)
+        if keys.ndim != 1 or keys.dtype.kind not in "iu":
+            raise BatchError(f"{sp.top} keys: expected a flat integer array, got shape "
+                             f"{list(keys.shape)} of {keys.dtype}")
+        if offsets.shape != (n * slots + 1,) or offsets.dtype.kind not in "iu":
+            raise BatchError(f"{sp.top} row offsets: expected {n * slots + 1} integers "
+                             f"(samples x slot_num + 1), got shape {list(offsets.shape)} of "
+                             f"{offsets.dtype}")
+        offsets = offsets.astype(np.int64)
+        counts = np.diff(offsets)
+        if offsets[0] != 0 or offsets[-1] != keys.size or (counts < 0).any():
+            raise BatchError(f"{sp.top} row offsets: expected non-decreasing offsets from 0 to "
+                             f"the key count {keys.size}")
+    else:
+        keys = np.asarray(given)
+        if keys.shape != (n, slots) or keys.dtype.kind not in "iu":
+            raise BatchError(f"{sp.top}: expected integer keys of shape [{n}, {slots}] (one per "
+                             f"slot) or (keys, row_offsets), got shape {list(keys.shape)} of "
+                             f"{keys.dtype}")
+        keys = keys.reshape(-1)
+        counts = np.ones(n * slots, np.int64)
+        offsets = np.arange(n * slots + 1)
+    keys = keys.astype(np.int64, copy=False)
+    segment = np.repeat(np.arange(n * slots, dtype=np.int64), counts)
+    out_keys = np.zeros(b * width, np.int64)
+    out_segs = np.full(b * width, b * slots, np.int32)
+    if sp.one_hot:
+        if (counts > 1).any():
+            raise BatchError(f"{sp.top}: one-hot input takes at most one key per slot; slot "
+                             f"{int(np.argmax(counts > 1)) % slots} of sample "
+                             f"{int(np.argmax(counts > 1)) // slots} has "
+                             f"{int(counts.max())}")
+        pos = segment
+    else:
+        per_sample = counts.reshape(n, slots).sum(1)
+        if (per_sample > width).any():
+            s = int(np.argmax(per_sample > width))
+            raise BatchError(f"{sp.top}: sample {s} has {int(per_sample[s])} keys; "
+                             f"max_feature_num_per_sample is {width}")
+        sample = segment // slots
+        pos = sample * width + (np.arange(keys.size) - offsets[sample * slots])
+    out_keys[pos] = keys
+    out_segs[pos] = segment
+    return out_keys, out_segs

@@ -1,0 +1,459 @@
+"""Hierarchical parameter server (HPS) parameters: the typed form of HugeCTR's
+``InferenceParams`` / ``VolatileDatabaseParams`` / ``PersistentDatabaseParams`` /
+``UpdateSourceParams`` and of the parameter-server JSON file (``supportlonglong``,
+``volatile_db``, ``persistent_db``, ``update_source``, ``models``), with HugeCTR's names and
+defaults. Values are checked when the objects are built, in Python or from JSON; JSON errors
+name the path (``models[0].gpucacheper: expected a number in [0.0, 1.0], got 2``).
+
+Example::
+
+    ps = load_ps_config("ps.json")
+    ps.models[0].model_name, ps.volatile_db.type
+    params = InferenceParams(model_name="dlrm", max_batchsize=1024, ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from jctr.config.reader import ConfigError, ObjectReader, describe, join_path
+
+
+class DatabaseType_t:  # noqa: N801 - HugeCTR's name
+    """Database implementations (HugeCTR's enum; values are the JSON strings)."""
+
+    disabled = "disabled"
+    hash_map = "hash_map"
+    parallel_hash_map = "parallel_hash_map"
+    redis_cluster = "redis_cluster"
+    rocks_db = "rocks_db"
+
+
+class DatabaseOverflowPolicy_t:  # noqa: N801 - HugeCTR's name
+    """What a full partition evicts (HugeCTR's enum; values are the JSON strings)."""
+
+    evict_oldest = "evict_oldest"
+    evict_random = "evict_random"
+
+
+class UpdateSourceType_t:  # noqa: N801 - HugeCTR's name
+    null = "null"
+    kafka_message_queue = "kafka_message_queue"
+
+
+VOLATILE_TYPES = ("disabled", "hash_map", "parallel_hash_map", "redis_cluster")
+PERSISTENT_TYPES = ("disabled", "rocks_db")
+UPDATE_SOURCE_TYPES = ("null", "kafka_message_queue")
+OVERFLOW_POLICIES = ("evict_oldest", "evict_random")
+NO_LIMIT = 2 ** 64 - 1  # overflow_margin's default: no limit
+DEFAULT_UPDATE_FILTERS = ("^hps_.+$",)
+
+
+def _fail(name: str, message: str, value: Any) -> ConfigError:
+    return ConfigError(name, f"expected {message}, got {describe(value)}")
+
+
+def _check_int(obj, name: str, min_value: int) -> None:
+    v = getattr(obj, name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < min_value:
+        raise _fail(name, f"an integer >= {min_value}", v)
+
+
+def _check_fraction(obj, name: str, *, open_interval: bool = False) -> None:
+    v = getattr(obj, name)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and (
+        0.0 < v < 1.0 if open_interval else 0.0 <= v <= 1.0)
+    if not ok:
+        raise _fail(name, "a number in (0, 1)" if open_interval else "a number in [0.0, 1.0]", v)
+
+
+def _check_choice(obj, name: str, choices: tuple[str, ...]) -> None:
+    v = getattr(obj, name)
+    if v not in choices:
+        raise _fail(name, "one of " + ", ".join(f'"{c}"' for c in choices), v)
+
+
+@dataclass(frozen=True)
+class VolatileDatabaseParams:
+    """The CPU-memory layer: ``hash_map``, ``parallel_hash_map`` (default) or
+    ``redis_cluster`` (or ``disabled``). ``num_partitions`` None means HugeCTR's default:
+    min(cores, 16) for the hash maps, 8 for Redis.
+
+    Example::
+
+        VolatileDatabaseParams(type="redis_cluster", address="127.0.0.1:7000,127.0.0.1:7001",
+                               num_partitions=8, overflow_margin=1_000_000)
+    """
+
+    type: str = "parallel_hash_map"
+    address: str = "127.0.0.1:7000"
+    user_name: str = "default"
+    password: str = ""
+    num_partitions: int | None = None
+    allocation_rate: int = 268435456
+    max_get_batch_size: int = 10000
+    max_set_batch_size: int = 10000
+    overflow_margin: int = NO_LIMIT
+    overflow_policy: str = "evict_oldest"
+    overflow_resolution_target: float = 0.8
+    initial_cache_rate: float = 1.0
+    refresh_time_after_fetch: bool = False
+    cache_missed_embeddings: bool = False
+    update_filters: tuple[str, ...] = DEFAULT_UPDATE_FILTERS
+
+    def __post_init__(self):
+        _check_choice(self, "type", VOLATILE_TYPES)
+        _check_choice(self, "overflow_policy", OVERFLOW_POLICIES)
+        if self.num_partitions is not None:
+            _check_int(self, "num_partitions", 1)
+        for name in ("allocation_rate", "max_get_batch_size", "max_set_batch_size",
+                     "overflow_margin"):
+            _check_int(self, name, 1)
+        _check_fraction(self, "overflow_resolution_target", open_interval=True)
+        _check_fraction(self, "initial_cache_rate")
+        object.__setattr__(self, "update_filters", tuple(self.update_filters))
+        if self.type == "redis_cluster":
+            self.nodes()  # address must parse
+
+    @property
+    def partitions(self) -> int:
+        if self.num_partitions is not None:
+            return self.num_partitions
+        return 8 if self.type == "redis_cluster" else min(os.cpu_count() or 1, 16)
+
+    def nodes(self) -> list[tuple[str, int]]:
+        """``address`` as (host, port) pairs ("host-1[:port],host-2[:port]"; port 7000)."""
+        out = []
+        for part in self.address.split(","):
+            part = part.strip()
+            host, _, port = part.rpartition(":") if ":" in part else (part, "", "7000")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ConfigError("address", f'expected "host[:port],host[:port],...", got '
+                                  f"{describe(self.address)}")
+            out.append((host, int(port)))
+        return out
+
+
+@dataclass(frozen=True)
+class PersistentDatabaseParams:
+    """The persistent layer: ``rocks_db`` at ``path`` (or ``disabled``, the default).
+
+    Example::
+
+        PersistentDatabaseParams(type="rocks_db", path="/data/hps_rocksdb")
+    """
+
+    type: str = "disabled"
+    path: str = "/tmp/rocksdb"
+    num_threads: int = 16
+    read_only: bool = False
+    max_get_batch_size: int = 10000
+    max_set_batch_size: int = 10000
+    update_filters: tuple[str, ...] = DEFAULT_UPDATE_FILTERS
+
+    def __post_init__(self):
+        _check_choice(self, "type", PERSISTENT_TYPES)
+        for name in ("num_threads", "max_get_batch_size", "max_set_batch_size"):
+            _check_int(self, name, 1)
+        if not isinstance(self.path, str) or not self.path:
+            raise _fail("path", "a non-empty string", self.path)
+        object.__setattr__(self, "update_filters", tuple(self.update_filters))
+
+
+@dataclass(frozen=True)
+class UpdateSourceParams:
+    """Where online updates come from (``kafka_message_queue``; default ``null``: none)."""
+
+    type: str = "null"
+    brokers: str = "127.0.0.1:9092"
+    metadata_refresh_interval_ms: int = 30000
+    poll_timeout_ms: int = 500
+    receive_buffer_size: int = 262144
+    max_batch_size: int = 8192
+    failure_backoff_ms: int = 50
+    max_commit_interval: int = 32
+
+    def __post_init__(self):
+        _check_choice(self, "type", UPDATE_SOURCE_TYPES)
+        for name in ("metadata_refresh_interval_ms", "poll_timeout_ms", "receive_buffer_size",
+                     "max_batch_size", "failure_backoff_ms", "max_commit_interval"):
+            _check_int(self, name, 1)
+
+
+@dataclass(frozen=True)
+class InferenceParams:
+    """One model served by the HPS (HugeCTR's ``hugectr.inference.InferenceParams``).
+
+    ``network_file`` is the model's training config (a bundle's ``config.json``),
+    ``dense_model_file`` its dense weights (``dense.model``), ``sparse_model_files`` one HugeCTR
+    sparse model folder (``key`` + ``emb_vector``) per embedding in the config's order. The
+    CUDA-only knobs (``use_cuda_graph``, ``use_algorithm_search``, buffer pools,
+    ``thread_pool_size``, ``deployed_devices``) are accepted; docs/serving.md says what each
+    maps to. ``embedding_vecsize_per_table`` and ``maxnum_catfeature_query_per_table_per_sample``
+    are checked against the network when given (empty: taken from it).
+
+    Example::
+
+        InferenceParams(model_name="dlrm", max_batchsize=1024,
+                        network_file="bundle/config.json", dense_model_file="bundle/dense.model",
+                        sparse_model_files=["bundle/sparse/emb.model"],
+                        i64_input_key=True, cache_size_percentage=0.5)
+    """
+
+    model_name: str
+    max_batchsize: int
+    dense_model_file: str
+    network_file: str
+    sparse_model_files: tuple[str, ...]
+    i64_input_key: bool = True
+    hit_rate_threshold: float = 0.9
+    use_gpu_embedding_cache: bool = True
+    cache_size_percentage: float = 0.2
+    use_mixed_precision: bool = False
+    scaler: float = 1.0
+    use_algorithm_search: bool = True
+    use_cuda_graph: bool = True
+    number_of_worker_buffers_in_pool: int = 2
+    number_of_refresh_buffers_in_pool: int = 1
+    thread_pool_size: int = 16
+    cache_refresh_percentage_per_iteration: float = 0.1
+    deployed_devices: tuple[int, ...] = (0,)
+    default_value_for_each_table: tuple[float, ...] = ()
+    volatile_db: VolatileDatabaseParams = field(default_factory=VolatileDatabaseParams)
+    persistent_db: PersistentDatabaseParams = field(default_factory=PersistentDatabaseParams)
+    update_source: UpdateSourceParams = field(default_factory=UpdateSourceParams)
+    maxnum_des_feature_per_sample: int = 26
+    refresh_delay: float = 0.0
+    refresh_interval: float = 0.0
+    maxnum_catfeature_query_per_table_per_sample: tuple[int, ...] = ()
+    embedding_vecsize_per_table: tuple[int, ...] = ()
+    embedding_table_names: tuple[str, ...] = ()
+    label_dim: int = 1
+    slot_num: int = 10
+    non_trainable_file: str | None = None  # jctr: BatchNorm statistics (default: beside dense)
+
+    def __post_init__(self):
+        for name in ("model_name", "dense_model_file", "network_file"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise _fail(name, "a non-empty string", v)
+        for name in ("sparse_model_files", "deployed_devices", "default_value_for_each_table",
+                     "maxnum_catfeature_query_per_table_per_sample",
+                     "embedding_vecsize_per_table", "embedding_table_names"):
+            v = getattr(self, name)
+            if isinstance(v, (str, bytes)) or not hasattr(v, "__iter__"):
+                raise _fail(name, "a list", v)
+            object.__setattr__(self, name, tuple(v))
+        if not self.sparse_model_files:
+            raise _fail("sparse_model_files", "a non-empty list of sparse model folders",
+                        list(self.sparse_model_files))
+        for name in ("max_batchsize", "number_of_worker_buffers_in_pool",
+                     "number_of_refresh_buffers_in_pool", "thread_pool_size",
+                     "maxnum_des_feature_per_sample", "label_dim", "slot_num"):
+            _check_int(self, name, 1)
+        _check_fraction(self, "hit_rate_threshold")
+        _check_fraction(self, "cache_size_percentage")
+        _check_fraction(self, "cache_refresh_percentage_per_iteration")
+        for name in ("refresh_delay", "refresh_interval", "scaler"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+                raise _fail(name, "a non-negative number", v)
+        n = len(self.sparse_model_files)
+        for name in ("default_value_for_each_table", "maxnum_catfeature_query_per_table_per_sample",
+                     "embedding_vecsize_per_table", "embedding_table_names"):
+            v = getattr(self, name)
+            if v and len(v) != n:
+                raise ConfigError(name, f"expected one entry per sparse model file ({n}), got "
+                                  f"{len(v)}")
+        if not self.default_value_for_each_table:
+            object.__setattr__(self, "default_value_for_each_table", (0.0,) * n)
+        if not self.embedding_table_names:
+            object.__setattr__(self, "embedding_table_names",
+                               tuple(f"sparse_embedding{i + 1}" for i in range(n)))
+        if len(set(self.embedding_table_names)) != n:
+            raise ConfigError("embedding_table_names", "expected distinct names, got "
+                              f"{list(self.embedding_table_names)}")
+
+    def table_key(self, table: int) -> str:
+        """The name of one table in the databases: ``hps_et.<model>.<table>`` (HugeCTR's)."""
+        return f"hps_et.{self.model_name}.{self.embedding_table_names[table]}"
+
+
+@dataclass(frozen=True)
+class ParameterServerConfig:
+    """A parameter-server JSON file: the databases shared by its models, and the models."""
+
+    models: tuple[InferenceParams, ...]
+    supportlonglong: bool = True
+    volatile_db: VolatileDatabaseParams = field(default_factory=VolatileDatabaseParams)
+    persistent_db: PersistentDatabaseParams = field(default_factory=PersistentDatabaseParams)
+    update_source: UpdateSourceParams = field(default_factory=UpdateSourceParams)
+    source: str | None = None
+
+    def model(self, name: str) -> InferenceParams:
+        for m in self.models:
+            if m.model_name == name:
+                return m
+        raise KeyError(name)
+
+
+# JSON key (the Triton parameter-server file) -> InferenceParams field
+_MODEL_KEYS = {
+    "model": "model_name", "max_batch_size": "max_batchsize", "dense_file": "dense_model_file",
+    "network_file": "network_file", "sparse_files": "sparse_model_files",
+    "hit_rate_threshold": "hit_rate_threshold", "gpucache": "use_gpu_embedding_cache",
+    "gpucacheper": "cache_size_percentage", "mixed_precision": "use_mixed_precision",
+    "scaler": "scaler", "use_algorithm_search": "use_algorithm_search",
+    "use_cuda_graph": "use_cuda_graph",
+    "num_of_worker_buffer_in_pool": "number_of_worker_buffers_in_pool",
+    "num_of_refresher_buffer_in_pool": "number_of_refresh_buffers_in_pool",
+    "thread_pool_size": "thread_pool_size",
+    "cache_refresh_percentage_per_iteration": "cache_refresh_percentage_per_iteration",
+    "deployed_device_list": "deployed_devices",
+    "default_value_for_each_table": "default_value_for_each_table",
+    "maxnum_des_feature_per_sample": "maxnum_des_feature_per_sample",
+    "refresh_delay": "refresh_delay", "refresh_interval": "refresh_interval",
+    "maxnum_catfeature_query_per_table_per_sample":
+        "maxnum_catfeature_query_per_table_per_sample",
+    "embedding_vecsize_per_table": "embedding_vecsize_per_table",
+    "embedding_table_names": "embedding_table_names", "label_dim": "label_dim",
+    "slot_num": "slot_num", "non_trainable_file": "non_trainable_file",
+}
+_PATH_KEYS = ("dense_file", "network_file", "non_trainable_file")
+
+
+def _read_fields(r: ObjectReader, cls, renames: dict[str, str] | None = None) -> dict[str, Any]:
+    """The JSON keys of ``cls`` present in ``r``, type-checked by the field annotations."""
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
+    renames = renames or {name: name for name in types}
+    out: dict[str, Any] = {}
+    for key, name in renames.items():
+        if not r.has(key):
+            continue
+        kind = types[name].split(" |")[0]
+        if kind == "bool":
+            out[name] = r.bool(key)
+        elif kind == "int":
+            out[name] = r.int(key)
+        elif kind == "float":
+            out[name] = r.float(key)
+        elif kind.startswith("tuple"):
+            out[name] = _read_list(r, key)
+        elif name == "password" and r.raw(key) == "":
+            out[name] = ""
+        else:
+            out[name] = r.str(key)
+    return out
+
+
+def _read_list(r: ObjectReader, key: str) -> list:
+    value = r.list(key)
+    path = join_path(r.path, key)
+    for i, v in enumerate(value):
+        if isinstance(v, (dict, list)) or v is None:
+            raise ConfigError(join_path(path, i), f"expected a number or string, got "
+                              f"{describe(v)}", r.source)
+    return value
+
+
+def _build(cls, kwargs: dict[str, Any], path: str, source: str | None,
+           renames: dict[str, str] | None = None):
+    """``cls(**kwargs)``; a value error names its JSON path."""
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        back = {v: k for k, v in (renames or {}).items()}
+        raise ConfigError(join_path(path, back.get(e.path, e.path)), e.reason, source) from None
+
+
+def parse_ps_config(raw: Any, source: str | None = None) -> ParameterServerConfig:
+    """Parse a parameter-server JSON object (already loaded). Relative model paths are taken
+    from the file's folder."""
+    r = ObjectReader(raw, "", source)
+    base = os.path.dirname(os.path.abspath(source)) if source else os.getcwd()
+    supportlonglong = r.bool("supportlonglong", True)
+    dbs = {}
+    for key, cls in (("volatile_db", VolatileDatabaseParams),
+                     ("persistent_db", PersistentDatabaseParams),
+                     ("update_source", UpdateSourceParams)):
+        if r.has(key):
+            sub = r.child(key)
+            kwargs = _read_fields(sub, cls)
+            sub.finish()
+            dbs[key] = _build(cls, kwargs, key, source)
+        else:
+            dbs[key] = cls()
+    models_raw = r.list("models")
+    if not models_raw:
+        raise r.error("models", "expected at least one model")
+    models = []
+    for i, m in enumerate(models_raw):
+        path = join_path("models", i)
+        mr = ObjectReader(m, path, source)
+        kwargs = _read_fields(mr, InferenceParams, _MODEL_KEYS)
+        if mr.has("bundle"):  # jctr: an exported bundle folder fills the three model paths
+            bundle = os.path.join(base, mr.str("bundle"))
+            kwargs.setdefault("network_file", os.path.join(bundle, "config.json"))
+            kwargs.setdefault("dense_model_file", os.path.join(bundle, "dense.model"))
+            kwargs.setdefault("non_trainable_file", os.path.join(bundle, "non_trainable.json"))
+            if "sparse_model_files" not in kwargs:
+                kwargs["sparse_model_files"] = _bundle_sparse_files(bundle, mr)
+        for key in ("model", "max_batch_size", "dense_file", "network_file", "sparse_files"):
+            if _MODEL_KEYS[key] not in kwargs:
+                raise mr.error(key, "required field is missing (or give \"bundle\": an "
+                                    "exported bundle folder)" if key != "model"
+                               and key != "max_batch_size" else "required field is missing")
+        for key in _PATH_KEYS:
+            name = _MODEL_KEYS[key]
+            if name in kwargs:
+                kwargs[name] = os.path.join(base, kwargs[name])
+        kwargs["sparse_model_files"] = [os.path.join(base, str(p))
+                                        for p in kwargs["sparse_model_files"]]
+        mr.finish()
+        kwargs.update(i64_input_key=supportlonglong, **dbs)
+        models.append(_build(InferenceParams, kwargs, path, source, _MODEL_KEYS))
+    names = [m.model_name for m in models]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup:
+        raise ConfigError("models", f'model name "{dup}" appears twice; names must be unique',
+                          source)
+    r.finish()
+    return ParameterServerConfig(models=tuple(models), supportlonglong=supportlonglong,
+                                 source=source, **dbs)
+
+
+def _bundle_sparse_files(bundle: str, mr: ObjectReader) -> list[str]:
+    manifest = os.path.join(bundle, "manifest.json")
+    try:
+        with open(manifest, encoding="utf-8") as f:
+            tables = json.load(f)["embeddings"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise mr.error("bundle", f"{manifest}: not a readable jctr inference bundle ({e})") \
+            from None
+    return [os.path.join(bundle, "sparse", f"{name}.model") for name in tables]
+
+
+def load_ps_config(path: str | os.PathLike | dict) -> ParameterServerConfig:
+    """Read a parameter-server JSON file (or an already-loaded dict).
+
+    Example::
+
+        ps = load_ps_config("configs/hps_dlrm.json")
+    """
+    if isinstance(path, dict):
+        return parse_ps_config(path)
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as f:
+            raw = json.load(f)
+    except OSError as e:
+        raise ConfigError("<file>", f"cannot read parameter-server config: {e.strerror}",
+                          source) from e
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"line {e.lineno} column {e.colno}", f"invalid JSON: {e.msg}",
+                          source) from e
+    return parse_ps_config(raw, source)

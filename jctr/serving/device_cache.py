@@ -1,0 +1,159 @@
+"""The device embedding cache: a set-associative cache of embedding rows in device memory.
+
+``capacity`` rows are ``sets x WAYS``; a key lives only in the set its hash picks, in any of
+the set's ways. A lookup compares the key with the set's ways (one gather), a hit refreshes the
+way's use stamp; an insert puts each key into the least recently used way of its set (several
+keys of one set in one call: one per round, ``WAYS`` rounds at most; keys left over are simply
+not cached). All of it is jitted with static shapes: keys are padded to a fixed count.
+
+Example::
+
+    cache = DeviceCache(capacity=100_000, dim=16, max_keys=8192)
+    hit, vectors = cache.query(keys)              # numpy in, device arrays out
+    cache.insert(keys[~hit], found_vectors)
+"""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jctr.ops import hash_keys
+
+WAYS = 8
+
+
+class CacheState(NamedTuple):
+    keys: jax.Array  # int64 [sets, WAYS]
+    stamps: jax.Array  # int32 [sets, WAYS], last use; -1 where empty
+    values: jax.Array  # float32 [sets, WAYS, dim]
+    clock: jax.Array  # int32 [], advances once per call
+
+
+def _sets_of(keys: jax.Array, num_sets: int) -> jax.Array:
+    return (hash_keys(keys) % np.uint64(num_sets)).astype(jnp.int32)
+
+
+@partial(jax.jit, donate_argnums=0)
+def _query(state: CacheState, keys: jax.Array, valid: jax.Array):
+    sets = _sets_of(keys, state.keys.shape[0])
+    match = (state.keys[sets] == keys[:, None]) & (state.stamps[sets] >= 0) & valid[:, None]
+    hit = jnp.any(match, axis=1)
+    way = jnp.argmax(match, axis=1).astype(jnp.int32)
+    values = jnp.where(hit[:, None], state.values[sets, way], 0.0)
+    clock = state.clock + 1
+    stamps = state.stamps.at[jnp.where(hit, sets, state.keys.shape[0]), way].set(
+        clock, mode="drop")
+    return state._replace(stamps=stamps, clock=clock), hit, values
+
+
+@partial(jax.jit, donate_argnums=0)
+def _insert(state: CacheState, keys: jax.Array, values: jax.Array, valid: jax.Array):
+    num_sets = state.keys.shape[0]
+    sets = _sets_of(keys, num_sets)
+    idx = jnp.arange(keys.shape[0], dtype=jnp.int32)
+    clock = state.clock + 1
+
+    def round_(_, carry):
+        st, pending = carry
+        # one key per set this round: the highest pending index claims it
+        claim = jnp.full((num_sets,), -1, jnp.int32).at[sets].max(jnp.where(pending, idx, -1))
+        won = pending & (claim[sets] == idx)
+        victim = jnp.argmin(st.stamps[sets], axis=1).astype(jnp.int32)  # LRU (empty: -1)
+        row = jnp.where(won, sets, num_sets)
+        st = st._replace(
+            keys=st.keys.at[row, victim].set(keys, mode="drop"),
+            stamps=st.stamps.at[row, victim].set(clock, mode="drop"),
+            values=st.values.at[row, victim].set(values, mode="drop"))
+        return st, pending & ~won
+
+    state, _ = jax.lax.fori_loop(0, WAYS, round_, (state, valid))
+    return state._replace(clock=clock)
+
+
+@partial(jax.jit, donate_argnums=0)
+def _refresh(state: CacheState, keys: jax.Array, values: jax.Array, valid: jax.Array):
+    """New values for keys still cached (no stamp change: a refresh is not a use)."""
+    sets = _sets_of(keys, state.keys.shape[0])
+    match = (state.keys[sets] == keys[:, None]) & (state.stamps[sets] >= 0) & valid[:, None]
+    hit = jnp.any(match, axis=1)
+    way = jnp.argmax(match, axis=1).astype(jnp.int32)
+    row = jnp.where(hit, sets, state.keys.shape[0])
+    return state._replace(values=state.values.at[row, way].set(values, mode="drop"))
+
+
+def _pad(n: int) -> int:
+    """Padded key count: the next power of two (few compiled shapes)."""
+    return max(64, 1 << (max(n, 1) - 1).bit_length())
+
+
+class DeviceCache:
+    """One table's cache (see the module docstring). Thread-safe: lookups, inserts and refreshes
+    may come from the request thread, the asynchronous insert worker and the refresher."""
+
+    def __init__(self, capacity: int, dim: int, device=None):
+        self.num_sets = max(1, -(-capacity // WAYS))
+        self.capacity = self.num_sets * WAYS
+        self.dim = dim
+        self._lock = threading.Lock()
+        with jax.default_device(device or jax.local_devices()[0]):
+            self.state = CacheState(
+                keys=jnp.zeros((self.num_sets, WAYS), jnp.int64),
+                stamps=jnp.full((self.num_sets, WAYS), -1, jnp.int32),
+                values=jnp.zeros((self.num_sets, WAYS, dim), jnp.float32),
+                clock=jnp.zeros((), jnp.int32))
+
+    @staticmethod
+    def _padded(keys: np.ndarray, values: np.ndarray | None = None, dim: int = 0,
+                size: int | None = None):
+        n = keys.size
+        size = size or _pad(n)
+        k = np.zeros(size, np.int64)
+        k[:n] = keys
+        valid = np.zeros(size, bool)
+        valid[:n] = True
+        if values is None:
+            return k, valid, None
+        v = np.zeros((size, dim), np.float32)
+        v[:n] = values
+        return k, valid, v
+
+    def query(self, keys: np.ndarray, size: int | None = None) -> tuple[np.ndarray, jax.Array]:
+        """``(hit [n] numpy bool, vectors [size, dim] device array)`` for distinct keys, padded
+        to ``size`` (default: the next power of two); rows past ``n`` and misses are zeros."""
+        k, valid, _ = self._padded(keys, size=size)
+        with self._lock:
+            self.state, hit, values = _query(self.state, k, valid)
+        return np.asarray(hit)[:keys.size], values
+
+    def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """Cache distinct keys that are not cached (each evicts its set's least recent way)."""
+        if not keys.size:
+            return
+        k, valid, v = self._padded(keys, values, self.dim)
+        with self._lock:
+            self.state = _insert(self.state, k, v, valid)
+
+    def refresh(self, keys: np.ndarray, values: np.ndarray) -> None:
+        """New values for those of ``keys`` that are still cached."""
+        if not keys.size:
+            return
+        k, valid, v = self._padded(keys, values, self.dim)
+        with self._lock:
+            self.state = _refresh(self.state, k, v, valid)
+
+    def cached_keys(self, first_set: int, num_sets: int) -> np.ndarray:
+        """The keys cached in sets ``[first_set, first_set + num_sets)`` (for refreshes)."""
+        with self._lock:
+            keys = np.asarray(self.state.keys[first_set:first_set + num_sets])
+            used = np.asarray(self.state.stamps[first_set:first_set + num_sets]) >= 0
+        return keys[used]
+
+    def size(self) -> int:
+        with self._lock:
+            return int(jnp.sum(self.state.stamps >= 0))

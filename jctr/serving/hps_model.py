@@ -1,0 +1,371 @@
+"""A model served from the hierarchical parameter server: the dense network on the device, the
+embedding rows fetched per batch through device cache -> volatile DB -> persistent DB ->
+``default_value_for_each_table``.
+
+Per batch and table, the distinct keys are looked up once; the rows found form a small table
+``[batch * keys_per_sample, dim]`` that the model's own bag and dense network read, so the
+predictions are those of the trained model (the same rows, summed in the same order). The
+device cache inserts what it missed synchronously while its hit rate is below
+``hit_rate_threshold`` and on a worker thread above it; with ``refresh_interval`` > 0 a
+refresher re-reads the cached rows from the databases (``refresh_delay`` after start,
+``cache_refresh_percentage_per_iteration`` of the cache at a time).
+
+Example::
+
+    dbs = Databases(params.volatile_db, params.persistent_db)
+    model = HPSModel(params, dbs)
+    model.load_databases()            # the sparse model files into the databases
+    probs = model.predict(batch)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jctr.checkpoint.model_files import ModelFileError, load_model_files, read_sparse_model
+from jctr.config import ConfigError
+from jctr.config.hps import _MODEL_KEYS, InferenceParams
+from jctr.config.parser import load_config
+from jctr.data.batch import Batch, batch_from_features, check_batch
+from jctr.embedding.sparse_embedding import pool
+from jctr.models.ctr import StepConfig, build_model, forward
+from jctr.serving.device_cache import DeviceCache
+from jctr.serving.hps import LAYERS, Databases
+
+_JSON_NAMES = {v: k for k, v in _MODEL_KEYS.items()}
+
+
+class _Table:
+    """One embedding table of a served model."""
+
+    def __init__(self, key: str, spec, default: float, rows: int, cache: DeviceCache | None,
+                 width: int):
+        self.key = key  # hps_et.<model>.<table>
+        self.spec = spec
+        self.dim = spec.dim
+        self.default = default
+        self.rows = rows
+        self.cache = cache
+        self.width = width  # keys per sample (static)
+        self.counts = dict.fromkeys(LAYERS, 0)
+        self.queries = 0
+
+
+class HPSModel:
+    """One model of a parameter server (see the module docstring). Thread-safe."""
+
+    def __init__(self, params: InferenceParams, databases: Databases, *, where: str = "",
+                 source: str | None = None):
+        self.params = params
+        self.dbs = databases
+        self.name = params.model_name
+        self._where = where or "InferenceParams"
+        self._source = source
+        cfg = self._network()
+        self.cfg = cfg
+        self._check_against_network(cfg)
+        step_config, init_state = build_model(cfg, capacities={e.name: 1 for e in cfg.embeddings})
+        self.step_config: StepConfig = step_config
+        nt = params.non_trainable_file
+        if nt is None:
+            guess = os.path.join(os.path.dirname(params.dense_model_file), "non_trainable.json")
+            nt = guess if os.path.isfile(guess) else None
+        elif not os.path.isfile(nt):
+            nt = None if not _has_batchnorm(cfg) else nt
+        with jax.default_device(jax.local_devices()[0]):
+            state = load_model_files(step_config, init_state(), params.dense_model_file,
+                                     non_trainable_json=nt)
+        self._params, self._stats = state.params, state.batch_stats
+        self.batch_size = params.max_batchsize
+        self.tables = []
+        for i, spec in enumerate(step_config.specs):
+            rows = _stored_rows(params.sparse_model_files[i])
+            cache = None
+            if params.use_gpu_embedding_cache and params.cache_size_percentage > 0:
+                cache = DeviceCache(max(1, math.ceil(rows * params.cache_size_percentage)),
+                                    spec.dim)
+            width = spec.max_features
+            self.tables.append(_Table(params.table_key(i), spec,
+                                      float(params.default_value_for_each_table[i]), rows,
+                                      cache, width))
+        self._forward = _make_forward(step_config)
+        self._lock = threading.Lock()
+        pool_size = params.number_of_worker_buffers_in_pool
+        self._workers = ThreadPoolExecutor(1, thread_name_prefix=f"hps-{self.name}-insert")
+        self._pending: list[Future] = []
+        self._pending_max = pool_size
+        self._stop = threading.Event()
+        self._refresher: threading.Thread | None = None
+        self.requests = 0
+
+    # -- construction -------------------------------------------------------------------------
+    def _error(self, field: str, message: str) -> ConfigError:
+        name = _JSON_NAMES.get(field.split("[")[0], field.split("[")[0]) \
+            if self._where.startswith("models[") else field.split("[")[0]
+        rest = field[len(field.split("[")[0]):]
+        return ConfigError(f"{self._where}.{name}{rest}", message, self._source)
+
+    def _network(self):
+        path = self.params.network_file
+        if not os.path.isfile(path):
+            raise self._error("network_file", f"{path}: no such file (the model's training "
+                                              "config, e.g. a bundle's config.json)")
+        try:
+            return load_config(path, require_solver=False)
+        except ConfigError as e:
+            raise self._error("network_file", f"does not parse: {e}") from None
+
+    def _check_against_network(self, cfg) -> None:
+        p = self.params
+        specs = [(e, next(s for s in cfg.data.sparse if s.top == e.bottom))
+                 for e in cfg.embeddings]
+        if len(p.sparse_model_files) != len(specs):
+            raise self._error("sparse_model_files", f"{len(p.sparse_model_files)} file(s) for "
+                              f"the network's {len(specs)} embedding(s) "
+                              f"({', '.join(e.name for e, _ in specs)}), one per embedding in "
+                              "config order")
+        for i, (e, sp) in enumerate(specs):
+            if p.embedding_vecsize_per_table and p.embedding_vecsize_per_table[i] != \
+                    e.embedding_vec_size:
+                raise self._error(f"embedding_vecsize_per_table[{i}]",
+                                  f"{p.embedding_vecsize_per_table[i]}, but embedding "
+                                  f'"{e.name}" has embedding_vec_size {e.embedding_vec_size}')
+            width = sp.slot_num if sp.one_hot else sp.max_feature_num_per_sample
+            q = p.maxnum_catfeature_query_per_table_per_sample
+            if q and q[i] < width:
+                raise self._error(f"maxnum_catfeature_query_per_table_per_sample[{i}]",
+                                  f"{q[i]}, but input \"{sp.top}\" carries up to {width} keys "
+                                  "per sample")
+        if p.label_dim != cfg.data.label_dim:
+            raise self._error("label_dim", f"{p.label_dim}, but the network's label_dim is "
+                                           f"{cfg.data.label_dim}")
+        if cfg.data.dense_dim > p.maxnum_des_feature_per_sample:
+            raise self._error("maxnum_des_feature_per_sample",
+                              f"{p.maxnum_des_feature_per_sample}, but the network has "
+                              f"{cfg.data.dense_dim} dense features")
+
+    def load_databases(self, *, persistent: bool | None = None) -> dict[str, dict[str, int]]:
+        """Write the sparse model files into the databases (``python -m jctr.serve load``).
+        ``persistent`` None: write RocksDB only for tables it does not hold yet."""
+        out = {}
+        existing = set(self.dbs.persistent.tables()) if self.dbs.persistent else set()
+        for t, path in zip(self.tables, self.params.sparse_model_files):
+            keys, values = read_sparse_model(path, t.dim)
+            into = (t.key not in existing) if persistent is None else persistent
+            out[t.key] = self.dbs.load(t.key, keys, values, into_persistent=into)
+        return out
+
+    # -- lookups ------------------------------------------------------------------------------
+    def _gather(self, t: _Table, keys: np.ndarray, valid: np.ndarray):
+        """(compact rows [cap, dim] on device, row of each key: -1 for padding)."""
+        cap = keys.size
+        uniq, inverse = np.unique(keys[valid], return_inverse=True)
+        rows = np.full(cap, -1, np.int32)
+        rows[valid] = inverse
+        n = uniq.size
+        t.queries += n
+        if t.cache is not None:
+            hit, cached = t.cache.query(uniq, size=cap)
+        else:
+            hit, cached = np.zeros(n, bool), None
+        miss = np.flatnonzero(~hit)
+        host = np.zeros((cap, t.dim), np.float32)
+        if miss.size:
+            values, found, counts = self.dbs.lookup(t.key, uniq[miss], t.dim, t.default)
+            host[miss] = values
+            for layer, c in counts.items():
+                t.counts[layer] += c
+            t.counts["default"] += int(miss.size - found.sum())
+            if t.cache is not None and found.any():
+                self._cache_insert(t, uniq[miss[found]], values[found], hit_rate=1 - miss.size / n)
+        t.counts["device_cache"] += int(n - miss.size)
+        return cached, hit, host, rows
+
+    def _cache_insert(self, t: _Table, keys: np.ndarray, values: np.ndarray,
+                      hit_rate: float) -> None:
+        self._pending = [f for f in self._pending if not f.done()]
+        if hit_rate < self.params.hit_rate_threshold or len(self._pending) >= self._pending_max:
+            t.cache.insert(keys, values)
+        else:
+            self._pending.append(self._workers.submit(t.cache.insert, keys, values))
+
+    def predict(self, batch: Batch) -> np.ndarray:
+        """Probabilities ``[samples, label_dim]`` of the batch's real samples; batches larger
+        than ``max_batchsize`` are split, smaller ones padded."""
+        batch = check_batch(batch, self.cfg.data)
+        outs = []
+        b = batch.batch_size
+        if b == self.batch_size:
+            return self._predict_full(batch)[batch.mask]
+        for s in range(0, b, self.batch_size):
+            e = min(b, s + self.batch_size)
+            outs.append(self._predict_full(_slice_batch(self.cfg.data, batch, s, e,
+                                                        self.batch_size))[:e - s])
+        pred = np.concatenate(outs)
+        return pred[batch.mask]
+
+    def predict_features(self, dense, sparse) -> np.ndarray:
+        """Probabilities from raw features (see :func:`jctr.data.batch.batch_from_features`),
+        in chunks of ``max_batchsize``."""
+        dense = np.asarray(dense)
+        n = dense.shape[0] if dense.ndim == 2 else -1
+        if n < 0:
+            raise ValueError(f"dense: expected [samples, {self.cfg.data.dense_dim}]")
+        b = self.batch_size
+        outs = []
+        for s in range(0, max(n, 1), b):
+            e = min(n, s + b)
+            part = [_slice_sparse(x, s, e, sp.slot_num) for x, sp in
+                    zip(sparse, self.cfg.data.sparse)] if n > b else sparse
+            batch = batch_from_features(self.cfg.data, dense[s:e], part, batch_size=b)
+            outs.append(self._predict_full(batch)[:e - s])
+        return np.concatenate(outs) if outs else np.zeros((0, self.cfg.data.label_dim))
+
+    def _predict_full(self, batch: Batch) -> np.ndarray:
+        with self._lock:
+            self.requests += 1
+            b = batch.batch_size
+            cached, hits, hosts, rows = [], [], [], []
+            for t in self.tables:
+                keys = batch.keys[t.spec.input_index]
+                segs = batch.segments[t.spec.input_index]
+                valid = segs < b * t.spec.slot_num
+                c, h, host, r = self._gather(t, keys, valid)
+                cap = keys.size
+                hit = np.zeros(cap, bool)
+                hit[:h.size] = h
+                cached.append(c if c is not None else jnp.zeros((cap, t.dim), jnp.float32))
+                hits.append(hit)
+                hosts.append(host)
+                rows.append(r)
+            pred = self._forward(self._params, self._stats, batch, tuple(cached), tuple(hits),
+                                 tuple(hosts), tuple(rows))
+            return np.asarray(pred)
+
+    # -- cache refresh ------------------------------------------------------------------------
+    def refresh_cache(self) -> int:
+        """Re-read every cached row from the databases, ``cache_refresh_percentage_per_
+        iteration`` of the sets at a time; returns the rows refreshed."""
+        done = 0
+        for t in self.tables:
+            if t.cache is None:
+                continue
+            step = max(1, math.ceil(t.cache.num_sets
+                                    * self.params.cache_refresh_percentage_per_iteration))
+            for first in range(0, t.cache.num_sets, step):
+                keys = t.cache.cached_keys(first, step)
+                if not keys.size:
+                    continue
+                values, found, _ = self.dbs.lookup(t.key, keys, t.dim, t.default)
+                t.cache.refresh(keys[found], values[found])
+                done += int(found.sum())
+        return done
+
+    def start_refresh(self) -> None:
+        """Start the periodic refresher (when ``refresh_interval`` > 0)."""
+        if self.params.refresh_interval <= 0 or self._refresher is not None:
+            return
+
+        def run():
+            if self._stop.wait(self.params.refresh_delay):
+                return
+            while not self._stop.is_set():
+                self.refresh_cache()
+                if self._stop.wait(self.params.refresh_interval):
+                    return
+
+        self._refresher = threading.Thread(target=run, name=f"hps-{self.name}-refresh",
+                                           daemon=True)
+        self._refresher.start()
+
+    def wait_inserts(self) -> None:
+        """Block until the asynchronous cache inserts submitted so far are done."""
+        for f in list(self._pending):
+            f.result()
+
+    def stats(self) -> dict:
+        """Lookups per layer and table, cache hit rate and fill (the server's metrics)."""
+        out = {}
+        for t in self.tables:
+            out[t.key] = {"queries": t.queries, **t.counts,
+                          "cache_capacity": t.cache.capacity if t.cache else 0,
+                          "hit_rate": t.counts["device_cache"] / t.queries if t.queries else 0.0}
+        return out
+
+    def close(self) -> None:
+        self._stop.set()
+        self._workers.shutdown(wait=True)
+
+
+def _has_batchnorm(cfg) -> bool:
+    return any(layer.type == "BatchNorm" for layer in cfg.layers)
+
+
+def _stored_rows(path: str) -> int:
+    kp = os.path.join(path, "key")
+    if not os.path.isfile(kp):
+        raise ModelFileError(f"{kp}: missing (a sparse model is a folder with `key` and "
+                             "`emb_vector` files)")
+    return os.path.getsize(kp) // 8
+
+
+def _make_forward(sc: StepConfig):
+    def fwd(params, stats, batch, cached, hits, hosts, rows):
+        b = batch.label.shape[0]
+        with jax.default_matmul_precision(sc.matmul_precision):
+            pooled = []
+            for spec, c, h, host, r in zip(sc.specs, cached, hits, hosts, rows):
+                compact = jnp.where(h[:, None], c, host)
+                pooled.append(pool(spec, compact, r, batch.segments[spec.input_index], b))
+            _, (pred, _) = forward(sc, params, stats, tuple(pooled), batch, None, False)
+            return pred
+
+    return jax.jit(fwd)
+
+
+def _slice_batch(data, batch: Batch, s: int, e: int, size: int) -> Batch:
+    """Samples ``[s, e)`` of a batch as a batch of ``size`` (keys keep their order: a slot's
+    sum is taken in the same order as in the whole batch)."""
+    n = e - s
+    b = batch.batch_size
+    keys, segs = [], []
+    for sp, k, g in zip(data.sparse, batch.keys, batch.segments):
+        width = sp.slot_num if sp.one_hot else sp.max_feature_num_per_sample
+        kk = np.zeros(size * width, np.int64)
+        gg = np.full(size * width, size * sp.slot_num, np.int32)
+        if sp.one_hot:  # the key of (sample, slot) sits at sample * slot_num + slot
+            part = g[s * width:e * width]
+            kk[:n * width] = k[s * width:e * width]
+            gg[:n * width] = np.where(part < b * sp.slot_num, part - s * sp.slot_num,
+                                      size * sp.slot_num)
+        else:
+            take = (g >= s * sp.slot_num) & (g < e * sp.slot_num)
+            m = int(take.sum())
+            kk[:m] = k[take]
+            gg[:m] = g[take] - s * sp.slot_num
+        keys.append(kk)
+        segs.append(gg)
+    pad = size - n
+
+    def cut(x):
+        x = x[s:e]
+        return np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]) if pad else x
+
+    return Batch(cut(batch.label), cut(batch.dense), tuple(keys), tuple(segs),
+                 cut(batch.mask))
+
+
+def _slice_sparse(x, s: int, e: int, slots: int):
+    if isinstance(x, tuple):
+        keys, offsets = np.asarray(x[0]), np.asarray(x[1])
+        lo, hi = int(offsets[s * slots]), int(offsets[e * slots])
+        return keys[lo:hi], offsets[s * slots:e * slots + 1] - lo
+    return np.asarray(x)[s:e]
+

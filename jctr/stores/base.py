@@ -1,0 +1,86 @@
+"""What every key-value store offers: tables of 64-bit keys to float32 vectors.
+
+A table is named (HugeCTR's ``hps_et.<model>.<table>``); its vector size is fixed by the first
+insert. Lookups return the vectors and a found-mask; missing keys read as zeros. Errors a
+caller can recover from (a server gone away) are :class:`StoreUnavailable`; anything the user
+must fix (a wrong path, a vector size that does not match) is a :class:`StoreError`.
+
+Example::
+
+    store = HashMapStore(VolatileDatabaseParams(type="hash_map"))
+    store.insert("hps_et.m.t", np.array([1, 2]), np.ones((2, 8), np.float32))
+    values, found = store.lookup("hps_et.m.t", np.array([2, 3]), 8)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import numpy as np
+
+from jctr.errors import UserError
+from jctr.ops.hashing import mix64
+
+
+class StoreError(UserError, RuntimeError):
+    """A store cannot be used as configured (message names the store and what is wrong)."""
+
+
+class StoreUnavailable(RuntimeError):
+    """A store did not answer (connection refused, timeout, cluster down): the lookup
+    hierarchy treats its keys as missing and asks the next layer."""
+
+
+class KeyValueStore(Protocol):
+    name: str  # "hash_map", "redis_cluster", "rocks_db", ... (metrics and messages)
+
+    def lookup(self, table: str, keys: np.ndarray, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """``(values [n, dim] float32, found [n] bool)`` for int64 ``keys``."""
+
+    def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
+        """Insert or overwrite; a key given twice keeps its last vector."""
+
+    def erase(self, table: str, keys: np.ndarray) -> None:
+        """Remove keys (absent ones are ignored)."""
+
+    def size(self, table: str) -> int:
+        """Keys held by ``table`` (0 if it does not exist)."""
+
+    def tables(self) -> list[str]:
+        ...
+
+    def items(self, table: str, chunk: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """All (keys, values) of ``table`` in chunks."""
+
+    def close(self) -> None:
+        ...
+
+
+def as_keys(keys) -> np.ndarray:
+    return np.ascontiguousarray(np.asarray(keys).reshape(-1), dtype=np.int64)
+
+
+def as_values(values, n: int) -> np.ndarray:
+    values = np.ascontiguousarray(values, dtype=np.float32)
+    if values.ndim != 2 or values.shape[0] != n:
+        raise ValueError(f"expected values of shape [{n}, dim], got {values.shape}")
+    return values
+
+
+def last_occurrences(keys: np.ndarray) -> np.ndarray:
+    """Positions of the last occurrence of each distinct key (later writes win)."""
+    if keys.size < 2:
+        return np.arange(keys.size)
+    order = np.argsort(keys, kind="stable")
+    sk = keys[order]
+    last = np.empty(sk.size, bool)
+    last[:-1] = sk[1:] != sk[:-1]
+    last[-1] = True
+    return np.sort(order[last])
+
+
+def partition_of(keys: np.ndarray, num_partitions: int) -> np.ndarray:
+    """The partition of each key (the high bits of its hash; slots use the low bits)."""
+    return ((mix64(keys.view(np.uint64)) >> np.uint64(40))
+            % np.uint64(num_partitions)).astype(np.int64)

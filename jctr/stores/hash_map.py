@@ -1,0 +1,280 @@
+"""The CPU memory database: ``hash_map`` and ``parallel_hash_map``.
+
+Each table is one open-addressing hash table in numpy arrays (slots at most half full, linear
+probing, vectorized probe rounds: a lookup of 10,000 keys is a handful of numpy passes, not a
+Python loop). Rows are grown ``allocation_rate`` bytes at a time. Partitions are HugeCTR's unit
+of overflow handling: every key belongs to one of ``num_partitions`` (by its hash), and a
+partition that grows past ``overflow_margin`` keys is cut to ``overflow_margin *
+overflow_resolution_target`` by the ``overflow_policy``: ``evict_oldest`` drops the keys
+written (or, with ``refresh_time_after_fetch``, read) longest ago, ``evict_random`` random
+ones. ``parallel_hash_map`` splits large lookups and inserts over a thread pool of
+``num_partitions`` threads (numpy releases the GIL in its gathers).
+
+Example::
+
+    store = HashMapStore(VolatileDatabaseParams(type="hash_map", overflow_margin=1000))
+    store.insert("hps_et.m.t", keys, vectors)
+    values, found = store.lookup("hps_et.m.t", keys, dim)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from jctr.config.hps import VolatileDatabaseParams
+from jctr.ops.hashing import mix64
+from jctr.stores.base import (
+    StoreError,
+    as_keys,
+    as_values,
+    last_occurrences,
+    partition_of,
+)
+
+_WINDOW = 8
+_STEPS = np.arange(_WINDOW)
+_PARALLEL_MIN = 32768  # keys per thread below which splitting a lookup costs more than it gains
+
+
+class HostTable:
+    """One table: key -> row (open addressing) and rows of values, stamps and partitions."""
+
+    def __init__(self, dim: int, allocation_rate: int, num_partitions: int):
+        self.dim = dim
+        self.num_partitions = num_partitions
+        self.grow_rows = max(1024, allocation_rate // (4 * dim))
+        self.size = 0
+        self.keys = np.empty(0, np.int64)
+        self.values = np.empty((0, dim), np.float32)
+        self.stamps = np.empty(0, np.int64)
+        self.parts = np.empty(0, np.int32)
+        self._alloc_slots(16)
+
+    def _alloc_slots(self, n: int) -> None:
+        self.slot_keys = np.zeros(n, np.int64)
+        self.slot_rows = np.full(n, -1, np.int64)
+        self.mask = np.uint64(n - 1)
+
+    # -- probing ------------------------------------------------------------------------------
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """Row of each key, -1 where absent. One probe for every key, then the few keys whose
+        home slot held another key scan windows of ``_WINDOW`` slots (one gather each) until
+        their key or an empty slot."""
+        slot_keys, slot_rows, mask = self.slot_keys, self.slot_rows, int(self.mask)
+        pos = (mix64(keys.view(np.uint64)) & self.mask).view(np.int64)
+        sr = np.take(slot_rows, pos)
+        occupied = sr >= 0
+        hit = occupied & (np.take(slot_keys, pos) == keys)
+        rows = np.where(hit, sr, -1)
+        todo = np.flatnonzero(occupied & ~hit)
+        start = pos[todo] + 1
+        while todo.size:
+            win = (start[:, None] + _STEPS) & mask
+            sr = np.take(slot_rows, win)
+            occupied = sr >= 0
+            hit = occupied & (np.take(slot_keys, win) == keys[todo][:, None])
+            stop = hit | ~occupied  # the chain ends at the key or at a free slot
+            first = stop.argmax(1)
+            ar = np.arange(todo.size)
+            found = hit[ar, first]
+            rows[todo[found]] = sr[ar[found], first[found]]
+            more = ~stop[ar, first]
+            todo, start = todo[more], start[more] + _WINDOW
+        return rows
+
+    def _place(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Put keys that are not in the table into free slots (claims resolved by unique)."""
+        pos = (mix64(keys.view(np.uint64)) & self.mask).astype(np.int64)
+        pending = np.arange(keys.size)
+        mask = int(self.mask)
+        while pending.size:
+            free = self.slot_rows[pos] < 0
+            cand = np.flatnonzero(free)
+            won = np.zeros(pending.size, bool)
+            if cand.size:
+                slots, first = np.unique(pos[cand], return_index=True)
+                winners = cand[first]
+                self.slot_keys[slots] = keys[pending[winners]]
+                self.slot_rows[slots] = rows[pending[winners]]
+                won[winners] = True
+            rest = ~won
+            pending, pos = pending[rest], (pos[rest] + 1) & mask
+
+    def _rebuild_slots(self, min_slots: int) -> None:
+        n = 16
+        while n < 2 * min_slots:
+            n *= 2
+        self._alloc_slots(n)
+        self._place(self.keys[:self.size], np.arange(self.size, dtype=np.int64))
+
+    # -- updates ------------------------------------------------------------------------------
+    def upsert(self, keys: np.ndarray, values: np.ndarray, now: int) -> None:
+        keep = last_occurrences(keys)
+        if keep.size != keys.size:
+            keys, values = keys[keep], values[keep]
+        rows = self.find(keys)
+        old = rows >= 0
+        self.values[rows[old]] = values[old]
+        self.stamps[rows[old]] = now
+        new = ~old
+        n_new = int(new.sum())
+        if not n_new:
+            return
+        need = self.size + n_new
+        if need > self.keys.size:
+            cap = max(need, self.keys.size + min(max(self.keys.size, 1024), self.grow_rows))
+            self.keys = _grown(self.keys, cap)
+            self.values = _grown(self.values, cap)
+            self.stamps = _grown(self.stamps, cap)
+            self.parts = _grown(self.parts, cap)
+        new_rows = np.arange(self.size, need, dtype=np.int64)
+        nk = keys[new]
+        self.keys[new_rows] = nk
+        self.values[new_rows] = values[new]
+        self.stamps[new_rows] = now
+        self.parts[new_rows] = partition_of(nk, self.num_partitions)
+        self.size = need
+        if 2 * need > self.slot_rows.size:
+            self._rebuild_slots(need)
+        else:
+            self._place(nk, new_rows)
+
+    def remove_rows(self, drop: np.ndarray) -> None:
+        """Remove the rows where ``drop`` (bool [size]) and compact the rest."""
+        keep = ~drop
+        n = int(keep.sum())
+        for name in ("keys", "values", "stamps", "parts"):
+            arr = getattr(self, name)
+            arr[:n] = arr[:self.size][keep]
+        self.size = n
+        self._rebuild_slots(max(n, 8))
+
+    def partition_sizes(self) -> np.ndarray:
+        return np.bincount(self.parts[:self.size], minlength=self.num_partitions)
+
+
+def _grown(arr: np.ndarray, rows: int) -> np.ndarray:
+    out = np.empty((rows,) + arr.shape[1:], arr.dtype)
+    out[:arr.shape[0]] = arr
+    return out
+
+
+class HashMapStore:
+    """``hash_map`` / ``parallel_hash_map`` volatile database (see the module docstring)."""
+
+    def __init__(self, params: VolatileDatabaseParams | None = None, seed: int = 0):
+        self.params = params or VolatileDatabaseParams(type="hash_map")
+        self.name = self.params.type
+        self.num_partitions = self.params.partitions
+        self._tables: dict[str, HostTable] = {}
+        self._lock = threading.Lock()
+        self._rng = np.random.default_rng(seed)
+        self._pool = (ThreadPoolExecutor(self.num_partitions, thread_name_prefix="hps-map")
+                      if self.params.type == "parallel_hash_map" and self.num_partitions > 1
+                      else None)
+        self.evicted = 0  # keys dropped by the overflow policy (metrics)
+
+    def _table(self, table: str, dim: int | None) -> HostTable | None:
+        t = self._tables.get(table)
+        if t is not None and dim is not None and t.dim != dim:
+            raise StoreError(f"{self.name} table {table}: holds vectors of size {t.dim}, "
+                             f"asked for size {dim}")
+        return t
+
+    def lookup(self, table: str, keys, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        keys = as_keys(keys)
+        with self._lock:
+            t = self._table(table, dim)
+            if t is None:
+                return np.zeros((keys.size, dim), np.float32), np.zeros(keys.size, bool)
+            rows = self._chunked(t.find, keys)
+            found = rows >= 0
+            if found.all():
+                values = np.take(t.values, rows, axis=0)
+            else:
+                values = np.take(t.values, np.where(found, rows, 0), axis=0) if t.size else \
+                    np.zeros((keys.size, dim), np.float32)
+                values[~found] = 0.0
+            if self.params.refresh_time_after_fetch and found.any():
+                t.stamps[rows[found]] = time.monotonic_ns()
+        return values, found
+
+    def _chunked(self, fn, keys: np.ndarray) -> np.ndarray:
+        if self._pool is None or keys.size < 2 * _PARALLEL_MIN:
+            return fn(keys)
+        parts = np.array_split(keys, min(self.num_partitions, keys.size // _PARALLEL_MIN))
+        return np.concatenate(list(self._pool.map(fn, parts)))
+
+    def insert(self, table: str, keys, values) -> None:
+        keys = as_keys(keys)
+        values = as_values(values, keys.size)
+        if not keys.size:
+            return
+        with self._lock:
+            t = self._table(table, values.shape[1])
+            if t is None:
+                t = self._tables[table] = HostTable(values.shape[1], self.params.allocation_rate,
+                                                    self.num_partitions)
+            t.upsert(keys, values, time.monotonic_ns())
+            self._resolve_overflow(t)
+
+    def _resolve_overflow(self, t: HostTable) -> None:
+        margin = self.params.overflow_margin
+        sizes = t.partition_sizes()
+        over = np.flatnonzero(sizes > margin)
+        if not over.size:
+            return
+        target = int(margin * self.params.overflow_resolution_target)
+        drop = np.zeros(t.size, bool)
+        for p in over:
+            rows = np.flatnonzero(t.parts[:t.size] == p)
+            n = rows.size - target
+            if self.params.overflow_policy == "evict_oldest":
+                victims = rows[np.argpartition(t.stamps[rows], n - 1)[:n]]
+            else:
+                victims = self._rng.choice(rows, n, replace=False)
+            drop[victims] = True
+        self.evicted += int(drop.sum())
+        t.remove_rows(drop)
+
+    def erase(self, table: str, keys) -> None:
+        keys = as_keys(keys)
+        with self._lock:
+            t = self._tables.get(table)
+            if t is None or not keys.size:
+                return
+            rows = t.find(keys)
+            rows = rows[rows >= 0]
+            if rows.size:
+                drop = np.zeros(t.size, bool)
+                drop[rows] = True
+                t.remove_rows(drop)
+
+    def size(self, table: str) -> int:
+        t = self._tables.get(table)
+        return 0 if t is None else t.size
+
+    def partition_sizes(self, table: str) -> np.ndarray:
+        t = self._tables.get(table)
+        return np.zeros(self.num_partitions, np.int64) if t is None else t.partition_sizes()
+
+    def tables(self) -> list[str]:
+        return sorted(self._tables)
+
+    def items(self, table: str, chunk: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        with self._lock:
+            t = self._tables.get(table)
+            if t is None:
+                return
+            keys, values = t.keys[:t.size].copy(), t.values[:t.size].copy()
+        for i in range(0, keys.size, chunk):
+            yield keys[i:i + chunk], values[i:i + chunk]
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)

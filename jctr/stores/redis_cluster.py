@@ -1,0 +1,282 @@
+"""The distributed volatile database: a Redis cluster (``redis_cluster``).
+
+Each table is split into ``num_partitions`` partitions by key hash; partition ``i`` of table
+``T`` is the Redis hash ``{T/p<i>}`` (field: the key's 8 little-endian bytes, value: the
+float32 vector's bytes) beside the sorted set ``{T/p<i>}t`` of write (and, with
+``refresh_time_after_fetch``, read) times; the braces make both live on the same cluster slot,
+and different partitions spread over the nodes. Lookups are HMGETs of at most
+``max_get_batch_size`` keys, writes HSETs of at most ``max_set_batch_size``, all of one call
+sent as one cluster pipeline. A partition that grows past ``overflow_margin`` is cut to
+``overflow_margin * overflow_resolution_target`` (oldest first, or random with HRANDFIELD).
+
+A node that does not answer makes the call raise :class:`StoreUnavailable` within the socket
+timeout; the lookup hierarchy then reads the persistent database and tries Redis again later.
+
+Example::
+
+    store = RedisClusterStore(VolatileDatabaseParams(type="redis_cluster",
+                                                     address="127.0.0.1:7000"))
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import numpy as np
+
+from jctr.config.hps import VolatileDatabaseParams
+from jctr.stores.base import (
+    StoreError,
+    StoreUnavailable,
+    as_keys,
+    as_values,
+    last_occurrences,
+    partition_of,
+)
+
+SOCKET_TIMEOUT_S = 1.0
+TABLES_KEY = "hps_tables"
+
+
+def _key_bytes(keys: np.ndarray) -> list[bytes]:
+    raw = keys.astype("<i8").tobytes()
+    return [raw[i:i + 8] for i in range(0, len(raw), 8)]
+
+
+class RedisClusterStore:
+    """``redis_cluster`` volatile database (see the module docstring)."""
+
+    name = "redis_cluster"
+
+    def __init__(self, params: VolatileDatabaseParams, *,
+                 socket_timeout: float = SOCKET_TIMEOUT_S):
+        import redis
+        from redis.cluster import ClusterNode, RedisCluster
+
+        self._redis = redis
+        self.params = params
+        self.num_partitions = params.partitions
+        self._lock = threading.Lock()
+        self._dims: dict[str, int] = {}
+        self.evicted = 0
+        nodes = [ClusterNode(h, p) for h, p in params.nodes()]
+        try:
+            self.client = RedisCluster(
+                startup_nodes=nodes, username=params.user_name or None,
+                password=params.password or None, socket_timeout=socket_timeout,
+                socket_connect_timeout=socket_timeout, require_full_coverage=False,
+                cluster_error_retry_attempts=1)
+            self.client.ping()
+        except redis.exceptions.AuthenticationError as e:
+            raise StoreError(f"volatile_db redis_cluster {params.address}: authentication "
+                             f"failed for user {params.user_name!r}: {e}") from None
+        except (redis.exceptions.RedisError, OSError) as e:
+            raise StoreError(f"volatile_db redis_cluster {params.address}: cannot reach the "
+                             f"cluster ({type(e).__name__}: {e})") from None
+
+    # -- helpers ------------------------------------------------------------------------------
+    @staticmethod
+    def _hkey(table: str, part: int) -> str:
+        return "{" + f"{table}/p{part}" + "}"
+
+    def _groups(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
+        """(partition, positions) for the partitions that ``keys`` touch."""
+        parts = partition_of(keys, self.num_partitions)
+        order = np.argsort(parts, kind="stable")
+        bounds = np.searchsorted(parts[order], np.arange(self.num_partitions + 1))
+        return [(p, order[bounds[p]:bounds[p + 1]]) for p in range(self.num_partitions)
+                if bounds[p + 1] > bounds[p]]
+
+    def _run(self, what: str, fn, *args):
+        try:
+            return fn(*args)
+        except self._redis.exceptions.RedisError as e:
+            # the first line only: pipeline errors quote the (binary) command
+            text = str(e).splitlines()[0][:120].encode("ascii", "replace").decode()
+            raise StoreUnavailable(f"redis_cluster {self.params.address}: {what} failed "
+                                   f"({type(e).__name__}: {text})") from None
+        except OSError as e:
+            raise StoreUnavailable(f"redis_cluster {self.params.address}: {what} failed "
+                                   f"({e})") from None
+
+    def _dim(self, table: str) -> int | None:
+        if table not in self._dims:
+            raw = self._run("reading table metadata", self.client.hget,
+                            f"hps_meta.{table}", "dim")
+            if raw is None:
+                return None
+            self._dims[table] = int(raw)
+        return self._dims[table]
+
+    def _check_dim(self, table: str, dim: int) -> None:
+        have = self._dim(table)
+        if have is not None and have != dim:
+            raise StoreError(f"redis_cluster table {table}: holds vectors of size {have}, asked "
+                             f"for size {dim}")
+
+    # -- protocol -----------------------------------------------------------------------------
+    def lookup(self, table: str, keys, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        keys = as_keys(keys)
+        values = np.zeros((keys.size, dim), np.float32)
+        found = np.zeros(keys.size, bool)
+        if not keys.size:
+            return values, found
+        self._check_dim(table, dim)
+        kb = _key_bytes(keys)
+        step = self.params.max_get_batch_size
+        pipe = self.client.pipeline(transaction=False)
+        plan = []
+        for part, pos in self._groups(keys):
+            name = self._hkey(table, part)
+            for s in range(0, pos.size, step):
+                chunk = pos[s:s + step]
+                pipe.hmget(name, [kb[i] for i in chunk])
+                plan.append(chunk)
+        replies = self._run("lookup", pipe.execute)
+        for chunk, got in zip(plan, replies):
+            hits = [i for i, v in enumerate(got) if v is not None]
+            if hits:
+                idx = chunk[hits]
+                found[idx] = True
+                values[idx] = np.frombuffer(b"".join(got[i] for i in hits),
+                                            np.float32).reshape(-1, dim)
+        if self.params.refresh_time_after_fetch and found.any():
+            self._touch(table, keys[found])
+        return values, found
+
+    def _touch(self, table: str, keys: np.ndarray) -> None:
+        now = time.time()
+        kb = _key_bytes(keys)
+        pipe = self.client.pipeline(transaction=False)
+        for part, pos in self._groups(keys):
+            pipe.zadd(self._hkey(table, part) + "t", {kb[i]: now for i in pos}, xx=True)
+        self._run("refreshing access times", pipe.execute)
+
+    def insert(self, table: str, keys, values) -> None:
+        keys = as_keys(keys)
+        values = as_values(values, keys.size)
+        if not keys.size:
+            return
+        keep = last_occurrences(keys)
+        keys, values = keys[keep], values[keep]
+        dim = values.shape[1]
+        with self._lock:
+            self._check_dim(table, dim)
+            if self._dim(table) is None:
+                def register():
+                    self.client.hset(f"hps_meta.{table}", "dim", dim)
+                    self.client.sadd(TABLES_KEY, table)
+                self._run("creating a table", register)
+                self._dims[table] = dim
+            kb = _key_bytes(keys)
+            vb = values.tobytes()
+            width = 4 * dim
+            now = time.time()
+            step = self.params.max_set_batch_size
+            pipe = self.client.pipeline(transaction=False)
+            touched = []
+            for part, pos in self._groups(keys):
+                name = self._hkey(table, part)
+                for s in range(0, pos.size, step):
+                    chunk = pos[s:s + step]
+                    args: list = []
+                    zargs: list = []
+                    for i in chunk:
+                        k = kb[i]
+                        args += (k, vb[i * width:(i + 1) * width])
+                        zargs += (now, k)
+                    pipe.execute_command("HSET", name, *args)
+                    pipe.execute_command("ZADD", name + "t", *zargs)
+                touched.append(part)
+            self._run("insert", pipe.execute)
+            if self.params.overflow_margin < 2 ** 63:
+                self._resolve_overflow(table, touched)
+
+    def _resolve_overflow(self, table: str, parts: list[int]) -> None:
+        margin = self.params.overflow_margin
+        pipe = self.client.pipeline(transaction=False)
+        for part in parts:
+            pipe.hlen(self._hkey(table, part))
+        sizes = self._run("overflow check", pipe.execute)
+        target = int(margin * self.params.overflow_resolution_target)
+        for part, n in zip(parts, sizes):
+            if n <= margin:
+                continue
+            name = self._hkey(table, part)
+            count = n - target
+            if self.params.overflow_policy == "evict_oldest":
+                victims = self._run("eviction", self.client.zrange, name + "t", 0, count - 1)
+            else:
+                victims = self._run("eviction", self.client.hrandfield, name, count)
+            if victims:
+                self._run("eviction", self._drop, name, victims)
+                self.evicted += len(victims)
+
+    def _drop(self, name: str, members: list[bytes]) -> None:
+        step = self.params.max_set_batch_size
+        for s in range(0, len(members), step):
+            self.client.hdel(name, *members[s:s + step])
+            self.client.zrem(name + "t", *members[s:s + step])
+
+    def erase(self, table: str, keys) -> None:
+        keys = as_keys(keys)
+        if not keys.size:
+            return
+        kb = _key_bytes(keys)
+        pipe = self.client.pipeline(transaction=False)
+        for part, pos in self._groups(keys):
+            name = self._hkey(table, part)
+            members = [kb[i] for i in pos]
+            pipe.hdel(name, *members)
+            pipe.zrem(name + "t", *members)
+        self._run("erase", pipe.execute)
+
+    def partition_sizes(self, table: str) -> np.ndarray:
+        pipe = self.client.pipeline(transaction=False)
+        for part in range(self.num_partitions):
+            pipe.hlen(self._hkey(table, part))
+        return np.asarray(self._run("size", pipe.execute), np.int64)
+
+    def size(self, table: str) -> int:
+        return int(self.partition_sizes(table).sum())
+
+    def tables(self) -> list[str]:
+        return sorted(t.decode() for t in self._run("listing tables", self.client.smembers,
+                                                     TABLES_KEY))
+
+    def items(self, table: str, chunk: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        dim = self._dim(table)
+        if dim is None:
+            return
+        for part in range(self.num_partitions):
+            name = self._hkey(table, part)
+            ks: list[bytes] = []
+            vs: list[bytes] = []
+            for k, v in self._run("scan", lambda n: list(self.client.hscan_iter(n)), name):
+                ks.append(k)
+                vs.append(v)
+            if ks:
+                keys = np.frombuffer(b"".join(ks), "<i8").astype(np.int64)
+                values = np.frombuffer(b"".join(vs), np.float32).reshape(-1, dim).copy()
+                for s in range(0, keys.size, chunk):
+                    yield keys[s:s + chunk], values[s:s + chunk]
+
+    def drop_table(self, table: str) -> None:
+        """Delete every partition of ``table`` (tests and ``load --force``)."""
+        def run():
+            for part in range(self.num_partitions):
+                name = self._hkey(table, part)
+                self.client.delete(name)
+                self.client.delete(name + "t")
+            self.client.delete(f"hps_meta.{table}")
+            self.client.srem(TABLES_KEY, table)
+        self._run("drop table", run)
+        self._dims.pop(table, None)
+
+    def close(self) -> None:
+        try:
+            self.client.close()
+        except Exception:  # closing a client of a dead cluster must not mask the real error
+            pass

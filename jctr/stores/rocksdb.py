@@ -1,0 +1,204 @@
+"""The persistent database: RocksDB (through ``rocksdict``), one column family per table.
+
+Keys are the 8 little-endian bytes of the int64 key, values the float32 vector's bytes (the
+layout HugeCTR writes). Lookups and writes go in chunks of ``max_get_batch_size`` /
+``max_set_batch_size``. A database jctr created carries a marker in its default column family;
+a ``path`` that holds another RocksDB database, or files that are not a database, is refused
+(never written into), as is a missing path with ``read_only``.
+
+Example::
+
+    store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path="/data/hps"))
+    store.insert("hps_et.m.t", keys, vectors)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+from jctr.config.hps import PersistentDatabaseParams
+from jctr.stores.base import StoreError, as_keys, as_values, last_occurrences
+
+MARKER_KEY = b"jctr.hps.format"
+MARKER = b"jctr-hps-rocksdb 1"
+
+
+def _key_bytes(keys: np.ndarray) -> list[bytes]:
+    raw = keys.astype("<i8").tobytes()
+    return [raw[i:i + 8] for i in range(0, len(raw), 8)]
+
+
+class RocksDBStore:
+    """``rocks_db`` persistent database (see the module docstring)."""
+
+    name = "rocks_db"
+
+    def __init__(self, params: PersistentDatabaseParams):
+        import rocksdict
+
+        self._rd = rocksdict
+        self.params = params
+        self.path = os.path.abspath(params.path)
+        self._lock = threading.Lock()
+        self._dims: dict[str, int] = {}
+        exists = os.path.isdir(self.path) and bool(os.listdir(self.path))
+        if os.path.exists(self.path) and not os.path.isdir(self.path):
+            raise StoreError(f"persistent_db.path {self.path}: is a file, not a RocksDB folder")
+        if exists and not os.path.exists(os.path.join(self.path, "CURRENT")):
+            raise StoreError(f"persistent_db.path {self.path}: holds files that are not a "
+                             "RocksDB database; give an empty folder or a jctr HPS database")
+        if not exists and params.read_only:
+            raise StoreError(f"persistent_db.path {self.path}: no database there to open "
+                             "read-only; load one first (python -m jctr.serve load)")
+        opts = self._options()
+        opts.create_if_missing(not exists)
+        opts.increase_parallelism(params.num_threads)
+        families = {}
+        if exists:
+            try:
+                families = {name: self._options() for name in
+                            rocksdict.Rdict.list_cf(self.path, self._options())}
+            except Exception as e:  # rocksdict raises plain Exception
+                raise StoreError(f"persistent_db.path {self.path}: cannot open as RocksDB: "
+                                 f"{e}") from None
+        access = (rocksdict.AccessType.read_only() if params.read_only
+                  else rocksdict.AccessType.read_write())
+        try:
+            self.db = rocksdict.Rdict(self.path, opts, column_families=families or None,
+                                      access_type=access)
+        except Exception as e:
+            raise StoreError(f"persistent_db.path {self.path}: cannot open RocksDB: {e}") \
+                from None
+        if exists:
+            marker = self.db.get(MARKER_KEY)
+            if marker != MARKER:
+                self.db.close()
+                raise StoreError(f"persistent_db.path {self.path}: holds another RocksDB "
+                                 "database (no jctr HPS marker); jctr does not write into it: "
+                                 "give an empty folder")
+        else:
+            self.db.put(MARKER_KEY, MARKER)
+        self._families = {name: self.db.get_column_family(name)
+                          for name in families if name != "default"}
+        for name, cf in self._families.items():
+            dim = cf.get(b"jctr.dim")
+            if dim is not None:
+                self._dims[name] = int(dim)
+
+    def _options(self):
+        return self._rd.Options(raw_mode=True)
+
+    def _family(self, table: str, create_dim: int | None = None):
+        cf = self._families.get(table)
+        if cf is None and create_dim is not None:
+            if self.params.read_only:
+                raise StoreError(f"rocks_db {self.path}: read-only, cannot create table {table}")
+            cf = self.db.create_column_family(table, self._options())
+            cf.put(b"jctr.dim", str(create_dim).encode())
+            self._families[table] = cf
+            self._dims[table] = create_dim
+        return cf
+
+    def _check_dim(self, table: str, dim: int) -> None:
+        have = self._dims.get(table)
+        if have is not None and have != dim:
+            raise StoreError(f"rocks_db {self.path} table {table}: holds vectors of size {have}, "
+                             f"asked for size {dim}")
+
+    def lookup(self, table: str, keys, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        keys = as_keys(keys)
+        values = np.zeros((keys.size, dim), np.float32)
+        found = np.zeros(keys.size, bool)
+        cf = self._families.get(table)
+        if cf is None or not keys.size:
+            return values, found
+        self._check_dim(table, dim)
+        kb = _key_bytes(keys)
+        step = self.params.max_get_batch_size
+        width = 4 * dim
+        for start in range(0, keys.size, step):
+            got = cf.get(kb[start:start + step])
+            hits = [i for i, v in enumerate(got) if v is not None]
+            if hits:
+                idx = np.asarray(hits) + start
+                found[idx] = True
+                blob = b"".join(got[i] for i in hits)
+                values[idx] = np.frombuffer(blob, np.float32).reshape(-1, width // 4)
+        return values, found
+
+    def insert(self, table: str, keys, values) -> None:
+        keys = as_keys(keys)
+        values = as_values(values, keys.size)
+        if not keys.size:
+            return
+        keep = last_occurrences(keys)
+        keys, values = keys[keep], values[keep]
+        dim = values.shape[1]
+        with self._lock:
+            self._check_dim(table, dim)
+            self._family(table, create_dim=dim)
+            handle = self.db.get_column_family_handle(table)
+            kb = _key_bytes(keys)
+            vb = values.tobytes()
+            width = 4 * dim
+            step = self.params.max_set_batch_size
+            for start in range(0, keys.size, step):
+                wb = self._rd.WriteBatch(raw_mode=True)
+                wb.set_default_column_family(handle)
+                for i in range(start, min(start + step, keys.size)):
+                    wb.put(kb[i], vb[i * width:(i + 1) * width])
+                self.db.write(wb)
+
+    def erase(self, table: str, keys) -> None:
+        keys = as_keys(keys)
+        cf = self._families.get(table)
+        if cf is None or not keys.size:
+            return
+        with self._lock:
+            handle = self.db.get_column_family_handle(table)
+            wb = self._rd.WriteBatch(raw_mode=True)
+            wb.set_default_column_family(handle)
+            for k in _key_bytes(keys):
+                wb.delete(k)
+            self.db.write(wb)
+
+    def items(self, table: str, chunk: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        cf = self._families.get(table)
+        if cf is None:
+            return
+        dim = self._dims[table]
+        ks: list[bytes] = []
+        vs: list[bytes] = []
+        for k, v in cf.items():
+            if len(k) != 8:
+                continue  # the table's own metadata
+            ks.append(k)
+            vs.append(v)
+            if len(ks) == chunk:
+                yield _decode(ks, vs, dim)
+                ks, vs = [], []
+        if ks:
+            yield _decode(ks, vs, dim)
+
+    def size(self, table: str) -> int:
+        return sum(k.size for k, _ in self.items(table))
+
+    def dim(self, table: str) -> int | None:
+        return self._dims.get(table)
+
+    def tables(self) -> list[str]:
+        return sorted(self._families)
+
+    def close(self) -> None:
+        self._families.clear()
+        self.db.close()
+
+
+def _decode(ks: list[bytes], vs: list[bytes], dim: int) -> tuple[np.ndarray, np.ndarray]:
+    keys = np.frombuffer(b"".join(ks), "<i8").astype(np.int64)
+    values = np.frombuffer(b"".join(vs), np.float32).reshape(-1, dim).copy()
+    return keys, values

@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh dev
+bash scripts/setup_services.sh
 .venv/bin/ruff check jctr tests scripts
 exec .venv/bin/python -m pytest -q -ra tests "$@"

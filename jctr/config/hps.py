@@ -60,7 +60,8 @@ def _fail(name: str, message: str, value: Any) -> ConfigError:
 def _check_int(obj, name: str, min_value: int) -> None:
     v = getattr(obj, name)
     if isinstance(v, bool) or not isinstance(v, int) or v < min_value:
-        raise _fail(name, f"an integer >= {min_value}", v)
+        raise _fail(name, "a positive integer" if min_value == 1 else
+                    f"an integer >= {min_value}", v)
 
 
 def _check_fraction(obj, name: str, *, open_interval: bool = False) -> None:

@@ -27,6 +27,12 @@ MARKER_KEY = b"jctr.hps.format"
 MARKER = b"jctr-hps-rocksdb 1"
 
 
+def _dim_key(table: str) -> bytes:
+    """Where the default column family keeps a table's vector size (never in the table's
+    own family: any 8 bytes there are a key)."""
+    return b"jctr.dim/" + table.encode()
+
+
 def _key_bytes(keys: np.ndarray) -> list[bytes]:
     raw = keys.astype("<i8").tobytes()
     return [raw[i:i + 8] for i in range(0, len(raw), 8)]
@@ -59,12 +65,21 @@ class RocksDBStore:
         opts.increase_parallelism(params.num_threads)
         families = {}
         if exists:
+            # look before writing: a read-only open changes nothing in another's database
             try:
                 families = {name: self._options() for name in
                             rocksdict.Rdict.list_cf(self.path, self._options())}
+                probe = rocksdict.Rdict(self.path, self._options(), column_families=families,
+                                        access_type=rocksdict.AccessType.read_only())
+                marker = probe.get(MARKER_KEY)
+                probe.close()
             except Exception as e:  # rocksdict raises plain Exception
                 raise StoreError(f"persistent_db.path {self.path}: cannot open as RocksDB: "
                                  f"{e}") from None
+            if marker != MARKER:
+                raise StoreError(f"persistent_db.path {self.path}: holds another RocksDB "
+                                 "database (no jctr HPS marker); jctr does not write into it: "
+                                 "give an empty folder")
         access = (rocksdict.AccessType.read_only() if params.read_only
                   else rocksdict.AccessType.read_write())
         try:
@@ -73,19 +88,12 @@ class RocksDBStore:
         except Exception as e:
             raise StoreError(f"persistent_db.path {self.path}: cannot open RocksDB: {e}") \
                 from None
-        if exists:
-            marker = self.db.get(MARKER_KEY)
-            if marker != MARKER:
-                self.db.close()
-                raise StoreError(f"persistent_db.path {self.path}: holds another RocksDB "
-                                 "database (no jctr HPS marker); jctr does not write into it: "
-                                 "give an empty folder")
-        else:
+        if not exists:
             self.db.put(MARKER_KEY, MARKER)
         self._families = {name: self.db.get_column_family(name)
                           for name in families if name != "default"}
-        for name, cf in self._families.items():
-            dim = cf.get(b"jctr.dim")
+        for name in self._families:
+            dim = self.db.get(_dim_key(name))
             if dim is not None:
                 self._dims[name] = int(dim)
 
@@ -98,7 +106,7 @@ class RocksDBStore:
             if self.params.read_only:
                 raise StoreError(f"rocks_db {self.path}: read-only, cannot create table {table}")
             cf = self.db.create_column_family(table, self._options())
-            cf.put(b"jctr.dim", str(create_dim).encode())
+            self.db.put(_dim_key(table), str(create_dim).encode())
             self._families[table] = cf
             self._dims[table] = create_dim
         return cf
@@ -174,8 +182,6 @@ class RocksDBStore:
         ks: list[bytes] = []
         vs: list[bytes] = []
         for k, v in cf.items():
-            if len(k) != 8:
-                continue  # the table's own metadata
             ks.append(k)
             vs.append(v)
             if len(ks) == chunk:

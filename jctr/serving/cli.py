@@ -1,0 +1,103 @@
+"""``python -m jctr.serve``: serve every model of a parameter-server JSON file over HTTP
+(KServe v2), or ``python -m jctr.serve load`` to write the models' embeddings into the
+databases first.
+
+Example::
+
+    python -m jctr.serve load --config ps.json
+    python -m jctr.serve --config ps.json --port 8000
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from jctr.config import ConfigError
+from jctr.config.hps import ParameterServerConfig, load_ps_config
+from jctr.errors import run_command
+
+
+def open_models(ps: ParameterServerConfig, *, load: bool = True, log=print):
+    """(databases, {name: HPSModel}) for a parameter-server config; with ``load`` the tables
+    the persistent database lacks are loaded from the sparse model files, and the volatile
+    database gets its ``initial_cache_rate`` share."""
+    from jctr.serving.hps import Databases
+    from jctr.serving.hps_model import HPSModel
+
+    if ps.update_source.type != "null":
+        raise ConfigError("update_source.type", f'"{ps.update_source.type}": online updates '
+                          'are not consumed by this jctr version; use "null"', ps.source)
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    models = {}
+    try:
+        for i, params in enumerate(ps.models):
+            models[params.model_name] = HPSModel(params, dbs, where=f"models[{i}]",
+                                                 source=ps.source)
+        if load:
+            for name, model in models.items():
+                for table, written in model.load_databases().items():
+                    log(f"[jctr] {name}: {table}: {written['persistent_db']:,} rows into the "
+                        f"persistent db, {written['volatile_db']:,} into the volatile db "
+                        f"({ps.volatile_db.type})")
+        for model in models.values():
+            model.start_refresh()
+    except BaseException:
+        for model in models.values():
+            model.close()
+        dbs.close()
+        raise
+    return dbs, models
+
+
+def _load(args) -> None:
+    ps = load_ps_config(args.config)
+    dbs, models = open_models(ps, load=False)
+    try:
+        for name, model in models.items():
+            for table, written in model.load_databases(persistent=True).items():
+                print(f"{name}: {table}: {written['persistent_db']:,} rows into "
+                      f"{ps.persistent_db.type}, {written['volatile_db']:,} into "
+                      f"{ps.volatile_db.type}")
+    finally:
+        for model in models.values():
+            model.close()
+        dbs.close()
+
+
+def _serve(args) -> None:
+    import uvicorn
+
+    from jctr.serving.server import build_app
+
+    ps = load_ps_config(args.config)
+    dbs, models = open_models(ps)
+    try:
+        app = build_app(models)
+        print(f"[jctr] serving {', '.join(models)} on http://{args.host}:{args.port} "
+              "(KServe v2: /v2/models/<name>/infer; metrics: /metrics)", flush=True)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    finally:
+        for model in models.values():
+            model.close()
+        dbs.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["load"]:
+        ap = argparse.ArgumentParser(prog="python -m jctr.serve load",
+                                     description="Write every model's sparse model files into "
+                                                 "the databases of a parameter-server file.")
+        ap.add_argument("--config", required=True, help="parameter-server JSON file")
+        ap.add_argument("--debug", action="store_true", help="show tracebacks with errors")
+        args = ap.parse_args(argv[1:])
+        return run_command(lambda: _load(args), debug=args.debug)
+    ap = argparse.ArgumentParser(prog="python -m jctr.serve", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="parameter-server JSON file")
+    ap.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    ap.add_argument("--port", type=int, default=8000, help="port (8000)")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks with errors")
+    args = ap.parse_args(argv)
+    return run_command(lambda: _serve(args), debug=args.debug)

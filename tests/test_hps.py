@@ -1,0 +1,473 @@
+"""The hierarchical parameter server without outside servers: parameters and the JSON file,
+the CPU hash maps, RocksDB, the device cache, the lookup order, and predictions from the
+hierarchy against the trainer's."""
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jctr.checkpoint.model_files import ModelFileError
+from jctr.config import ConfigError
+from jctr.config.hps import (
+    InferenceParams,
+    PersistentDatabaseParams,
+    UpdateSourceParams,
+    VolatileDatabaseParams,
+    load_ps_config,
+    parse_ps_config,
+)
+from jctr.serving.device_cache import WAYS, DeviceCache
+from jctr.serving.hps import Databases
+from jctr.serving.hps_model import HPSModel
+from jctr.stores import HashMapStore, StoreError
+from jctr.stores.rocksdb import RocksDBStore
+from tests.conftest import tiny_config
+
+# -- parameters ------------------------------------------------------------------------------
+
+SEED_MODEL = {  # the seed's "models" example, verbatim
+    "model": "wdl",
+    "sparse_files": ["/wdl_infer/model/wdl/1/wdl0_sparse_20000.model",
+                     "/wdl_infer/model/wdl/1/wdl1_sparse_20000.model"],
+    "dense_file": "/wdl_infer/model/wdl/1/wdl_dense_20000.model",
+    "network_file": "/wdl_infer/model/wdl/1/wdl.json",
+    "num_of_worker_buffer_in_pool": 4, "num_of_refresher_buffer_in_pool": 1,
+    "deployed_device_list": [0], "max_batch_size": 64,
+    "default_value_for_each_table": [0.0, 0.0], "maxnum_des_feature_per_sample": 26,
+    "maxnum_catfeature_query_per_table_per_sample": [2, 26],
+    "embedding_vecsize_per_table": [1, 15], "embedding_table_names": ["table1", "table2"],
+    "refresh_delay": 0, "refresh_interval": 0, "hit_rate_threshold": 0.9, "gpucacheper": 0.1,
+    "gpucache": True, "cache_refresh_percentage_per_iteration": 0.2, "label_dim": 1,
+    "slot_num": 10,
+}
+SEED_VOLATILE = {
+    "type": "redis_cluster", "address": "127.0.0.1:7003,127.0.0.1:7004,127.0.0.1:7005",
+    "user_name": "default", "password": "", "num_partitions": 8, "allocation_rate": 268435456,
+    "max_get_batch_size": 10000, "max_set_batch_size": 10000, "overflow_margin": 10000000,
+    "overflow_policy": "evict_oldest", "overflow_resolution_target": 0.8,
+    "initial_cache_rate": 1.0, "cache_missed_embeddings": False, "update_filters": [".+"],
+}
+SEED_PERSISTENT = {"type": "rocks_db", "path": "/tmp/rocksdb", "num_threads": 16,
+                   "read_only": False, "max_get_batch_size": 10000,
+                   "max_set_batch_size": 10000, "update_filters": [".+"]}
+SEED_UPDATE = {"type": "kafka_message_queue", "brokers": "127.0.0.1:9092",
+               "metadata_refresh_interval_ms": 30000, "poll_timeout_ms": 500,
+               "receive_buffer_size": 262144, "max_batch_size": 8192, "failure_backoff_ms": 50,
+               "max_commit_interval": 32}
+
+
+def test_seed_parameter_server_file_parses():
+    ps = parse_ps_config({"supportlonglong": True, "volatile_db": SEED_VOLATILE,
+                          "persistent_db": SEED_PERSISTENT, "update_source": SEED_UPDATE,
+                          "models": [SEED_MODEL]})
+    m = ps.models[0]
+    assert m.model_name == "wdl" and m.max_batchsize == 64 and m.cache_size_percentage == 0.1
+    assert m.sparse_model_files[1].endswith("wdl1_sparse_20000.model")
+    assert m.embedding_vecsize_per_table == (1, 15)
+    assert m.number_of_worker_buffers_in_pool == 4 and m.deployed_devices == (0,)
+    assert m.table_key(1) == "hps_et.wdl.table2" and m.i64_input_key
+    assert m.volatile_db.nodes() == [("127.0.0.1", 7003), ("127.0.0.1", 7004),
+                                     ("127.0.0.1", 7005)]
+    assert ps.persistent_db.type == "rocks_db" and ps.update_source.max_commit_interval == 32
+
+
+def test_defaults_are_hugectrs():
+    v = VolatileDatabaseParams()
+    assert (v.type, v.address, v.user_name, v.password, v.allocation_rate) == (
+        "parallel_hash_map", "127.0.0.1:7000", "default", "", 268435456)
+    assert v.overflow_margin == 2 ** 64 - 1 and v.overflow_policy == "evict_oldest"
+    assert (v.overflow_resolution_target, v.initial_cache_rate) == (0.8, 1.0)
+    assert not v.refresh_time_after_fetch and not v.cache_missed_embeddings
+    assert v.partitions == min(os.cpu_count(), 16)
+    assert VolatileDatabaseParams(type="redis_cluster").partitions == 8
+    p = PersistentDatabaseParams()
+    assert (p.type, p.path, p.num_threads, p.read_only) == ("disabled", "/tmp/rocksdb", 16, False)
+    u = UpdateSourceParams()
+    assert (u.type, u.brokers, u.poll_timeout_ms, u.max_batch_size) == (
+        "null", "127.0.0.1:9092", 500, 8192)
+    m = InferenceParams(model_name="m", max_batchsize=8, dense_model_file="d",
+                        network_file="n", sparse_model_files=["a", "b"])
+    assert (m.hit_rate_threshold, m.cache_size_percentage, m.use_gpu_embedding_cache) == (
+        0.9, 0.2, True)
+    assert (m.cache_refresh_percentage_per_iteration, m.maxnum_des_feature_per_sample,
+            m.label_dim, m.slot_num, m.thread_pool_size) == (0.1, 26, 1, 10, 16)
+    assert m.embedding_table_names == ("sparse_embedding1", "sparse_embedding2")
+    assert m.default_value_for_each_table == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"gpucachepr": 0.1}, r"models\[0\].gpucachepr: unknown key"),
+    ({"gpucacheper": 2}, r"models\[0\].gpucacheper: expected a number in \[0.0, 1.0\]"),
+    ({"max_batch_size": "64"}, r"models\[0\].max_batch_size: expected an integer"),
+    ({"embedding_vecsize_per_table": [1]},
+     r"models\[0\].embedding_vecsize_per_table: expected one entry per sparse model file"),
+    ({"dense_file": None}, r"models\[0\].dense_file: expected a non-empty string"),
+    ({"embedding_table_names": ["a", "a"]}, r"embedding_table_names: expected distinct"),
+])
+def test_model_errors_name_the_json_path(change, message):
+    model = {**SEED_MODEL, **change}
+    with pytest.raises(ConfigError, match=message):
+        parse_ps_config({"models": [model]})
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"overflow_policy": "lru"}, r"volatile_db.overflow_policy: expected one of"),
+    ({"overflow_resolution_target": 1}, r"volatile_db.overflow_resolution_target: expected a "
+                                        r"number in \(0, 1\)"),
+    ({"type": "memcached"}, r"volatile_db.type: expected one of \"disabled\""),
+    ({"address": "127.0.0.1:70000"}, r"volatile_db.address: expected \"host\[:port\]"),
+    ({"num_partitions": 0}, r"volatile_db.num_partitions: expected a positive integer"),
+])
+def test_database_errors_name_the_json_path(change, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_ps_config({"volatile_db": {**SEED_VOLATILE, **change}, "models": [SEED_MODEL]})
+
+
+def test_python_params_are_checked_and_file_errors_are_clear(tmp_path):
+    with pytest.raises(ConfigError, match="overflow_policy: expected one of"):
+        VolatileDatabaseParams(overflow_policy="oldest")
+    with pytest.raises(ConfigError, match="cache_size_percentage"):
+        InferenceParams(model_name="m", max_batchsize=8, dense_model_file="d",
+                        network_file="n", sparse_model_files=["a"], cache_size_percentage=-1)
+    with pytest.raises(ConfigError, match="ps.json: <file>: cannot read"):
+        load_ps_config(tmp_path / "ps.json")
+    (tmp_path / "ps.json").write_text('{"models": [}')
+    with pytest.raises(ConfigError, match="ps.json: line 1 column 13: invalid JSON"):
+        load_ps_config(tmp_path / "ps.json")
+    with pytest.raises(ConfigError, match="models: expected at least one model"):
+        parse_ps_config({"models": []})
+    with pytest.raises(ConfigError, match="model name \"wdl\" appears twice"):
+        parse_ps_config({"models": [SEED_MODEL, SEED_MODEL]})
+
+
+# -- CPU hash maps ---------------------------------------------------------------------------
+
+def _vectors(keys, dim=4):
+    return (np.asarray(keys, np.float32)[:, None] * 0.001 + np.arange(dim, dtype=np.float32))
+
+
+@pytest.mark.parametrize("kind", ["hash_map", "parallel_hash_map"])
+def test_hash_map_insert_lookup_overwrite_erase(kind):
+    store = HashMapStore(VolatileDatabaseParams(type=kind, num_partitions=4))
+    rng = np.random.default_rng(0)
+    keys = np.unique(rng.integers(-2 ** 63, 2 ** 63 - 1, 200_000, dtype=np.int64))
+    store.insert("t", keys, _vectors(keys))
+    assert store.size("t") == keys.size
+    probe = np.concatenate([keys[::3], keys[:10] + 1])  # +1: almost surely absent
+    values, found = store.lookup("t", probe, 4)
+    assert found[:keys[::3].size].all()
+    np.testing.assert_array_equal(values[found], _vectors(probe[found]))
+    assert (values[~found] == 0).all()
+    # a key given twice keeps its last vector; overwrites keep the size
+    store.insert("t", np.array([keys[0], keys[0]]), np.array([[1, 1, 1, 1], [2, 2, 2, 2]],
+                                                              np.float32))
+    assert store.size("t") == keys.size
+    assert (store.lookup("t", keys[:1], 4)[0] == 2).all()
+    store.erase("t", keys[:1000])
+    assert store.size("t") == keys.size - 1000
+    values, found = store.lookup("t", keys[:2000], 4)
+    assert not found[:1000].any() and found[1000:].all()
+    np.testing.assert_array_equal(values[1000:], _vectors(keys[1000:2000]))
+    with pytest.raises(StoreError, match="holds vectors of size 4, asked for size 8"):
+        store.lookup("t", keys[:3], 8)
+    assert store.lookup("other", keys[:3], 8)[1].sum() == 0
+
+
+def test_overflow_keeps_partitions_under_the_margin_and_evicts_oldest():
+    params = VolatileDatabaseParams(type="hash_map", num_partitions=2, overflow_margin=100,
+                                    overflow_resolution_target=0.5)
+    store = HashMapStore(params)
+    for start in range(0, 1000, 25):
+        keys = np.arange(start, start + 25)
+        store.insert("t", keys, _vectors(keys))
+        sizes = store.partition_sizes("t")
+        assert (sizes <= 100).all(), sizes
+    assert store.evicted > 0
+    # the newest keys survive, the oldest went first
+    assert store.lookup("t", np.arange(975, 1000), 4)[1].all()
+    assert not store.lookup("t", np.arange(0, 100), 4)[1].any()
+    # an overflow cuts a partition down to margin * target
+    keys = np.arange(10_000, 10_400)
+    store.insert("t", keys, _vectors(keys))
+    assert (store.partition_sizes("t") <= 50).all()
+
+
+def test_lru_keeps_what_was_read_with_refresh_time_after_fetch():
+    params = VolatileDatabaseParams(type="hash_map", num_partitions=1, overflow_margin=10,
+                                    overflow_resolution_target=0.5,
+                                    refresh_time_after_fetch=True)
+    store = HashMapStore(params)
+    store.insert("t", np.arange(10), _vectors(np.arange(10)))
+    store.lookup("t", np.array([0, 1]), 4)  # 0 and 1 become the most recently used
+    store.insert("t", np.array([100]), _vectors([100]))  # 11 > 10: cut to 5
+    _, found = store.lookup("t", np.array([0, 1, 100, *range(2, 10)]), 4)
+    assert found[:3].all() and found[3:].sum() == 2  # 5 kept: 0, 1, 100 and two of 2..9
+    # without the refresh, reads do not count: 0 and 1 are the oldest
+    store = HashMapStore(VolatileDatabaseParams(type="hash_map", num_partitions=1,
+                                                overflow_margin=10,
+                                                overflow_resolution_target=0.5))
+    store.insert("t", np.arange(10), _vectors(np.arange(10)))
+    store.lookup("t", np.array([0, 1]), 4)
+    store.insert("t", np.array([100]), _vectors([100]))
+    assert not store.lookup("t", np.array([0, 1]), 4)[1].any()
+
+
+def test_evict_random_shrinks_to_the_target():
+    params = VolatileDatabaseParams(type="hash_map", num_partitions=1, overflow_margin=1000,
+                                    overflow_policy="evict_random",
+                                    overflow_resolution_target=0.8)
+    store = HashMapStore(params)
+    store.insert("t", np.arange(1000), _vectors(np.arange(1000)))
+    assert store.size("t") == 1000
+    store.insert("t", np.arange(1000, 1100), _vectors(np.arange(1000, 1100)))
+    assert store.size("t") == 800
+    _, found = store.lookup("t", np.arange(1100), 4)
+    # random, not oldest-first: some of the first 300 survive, some of the last 100 go
+    assert found[:300].any() and not found[1000:].all()
+    kept = np.arange(1100)[found]
+    np.testing.assert_array_equal(store.lookup("t", kept, 4)[0], _vectors(kept))
+
+
+# -- RocksDB ---------------------------------------------------------------------------------
+
+def test_rocksdb_persists_and_refuses_foreign_folders(tmp_path):
+    path = str(tmp_path / "db")
+    store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path,
+                                                  max_get_batch_size=7, max_set_batch_size=5))
+    keys = np.array([5, -3, 2 ** 62, 17], np.int64)
+    store.insert("hps_et.m.t", keys, _vectors(keys))
+    store.close()
+    ro = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path, read_only=True))
+    assert ro.tables() == ["hps_et.m.t"] and ro.size("hps_et.m.t") == 4
+    values, found = ro.lookup("hps_et.m.t", np.array([17, 6, -3]), 4)
+    assert found.tolist() == [True, False, True]
+    np.testing.assert_array_equal(values[[0, 2]], _vectors([17, -3]))
+    with pytest.raises(StoreError, match="read-only"):
+        ro.insert("hps_et.m.u", keys, _vectors(keys))
+    with pytest.raises(StoreError, match="holds vectors of size 4, asked for size 3"):
+        ro.lookup("hps_et.m.t", keys, 3)
+    ro.close()
+
+    import rocksdict
+
+    other = str(tmp_path / "other")
+    opts = rocksdict.Options(raw_mode=True)
+    opts.create_if_missing(True)
+    db = rocksdict.Rdict(other, opts)
+    db.put(b"someone", b"else's data")
+    db.close()
+    before = sorted(os.listdir(other))
+    with pytest.raises(StoreError, match="holds another RocksDB database"):
+        RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=other))
+    assert sorted(os.listdir(other)) == before
+    files = tmp_path / "files"
+    files.mkdir()
+    (files / "notes.txt").write_text("mine")
+    with pytest.raises(StoreError, match="holds files that are not a RocksDB database"):
+        RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=str(files)))
+    assert os.listdir(files) == ["notes.txt"]
+    with pytest.raises(StoreError, match="no database there to open read-only"):
+        RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "none"),
+                                              read_only=True))
+
+
+# -- device cache ----------------------------------------------------------------------------
+
+def test_device_cache_hits_lru_within_a_set_and_refresh():
+    cache = DeviceCache(capacity=WAYS, dim=2)  # one set: every key competes
+    keys = np.arange(1, WAYS + 1, dtype=np.int64)
+    cache.insert(keys, _vectors(keys, 2))
+    hit, values = cache.query(np.array([3, 99], np.int64))
+    assert hit.tolist() == [True, False]
+    np.testing.assert_array_equal(np.asarray(values)[0], _vectors([3], 2)[0])
+    assert (np.asarray(values)[1] == 0).all()
+    cache.query(keys[keys != 1])  # every key but 1 is used again: 1 is the oldest
+    cache.insert(np.array([50], np.int64), _vectors([50], 2))
+    hit, _ = cache.query(np.concatenate([keys, [50]]))
+    assert hit.tolist() == [False] + [True] * (WAYS - 1) + [True]
+    cache.refresh(np.array([50, 1234], np.int64), np.full((2, 2), 7.0, np.float32))
+    np.testing.assert_array_equal(np.asarray(cache.query(np.array([50]))[1])[0], [7.0, 7.0])
+    assert cache.size() == WAYS and sorted(cache.cached_keys(0, 1).tolist()) == \
+        sorted(list(range(2, WAYS + 1)) + [50])
+    # more keys than ways in one insert: the set keeps WAYS of them, nothing breaks
+    big = DeviceCache(capacity=64, dim=2)
+    many = np.arange(1000, 1500, dtype=np.int64)
+    big.insert(many, _vectors(many, 2))
+    hit, values = big.query(many)
+    assert hit.sum() == big.capacity
+    np.testing.assert_array_equal(np.asarray(values)[:many.size][hit], _vectors(many[hit], 2))
+
+
+# -- the lookup order ------------------------------------------------------------------------
+
+def test_lookup_order_fallbacks_and_defaults(tmp_path):
+    dbs = Databases(VolatileDatabaseParams(type="hash_map", cache_missed_embeddings=True),
+                    PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db")))
+    dbs.volatile.insert("t", np.array([1, 2]), _vectors([1, 2]))
+    dbs.persistent.insert("t", np.array([2, 3]), _vectors([2, 3]) + 100)
+    values, found, counts = dbs.lookup("t", np.array([1, 2, 3, 4]), 4, default=-1.0)
+    assert found.tolist() == [True, True, True, False]
+    np.testing.assert_array_equal(values[0:2], _vectors([1, 2]))  # volatile wins
+    np.testing.assert_array_equal(values[2], _vectors([3])[0] + 100)  # then persistent
+    assert (values[3] == -1).all()  # then the default
+    assert counts == {"volatile_db": 2, "persistent_db": 1}
+    # cache_missed_embeddings: what the persistent db found is now in the volatile one
+    assert dbs.volatile.lookup("t", np.array([3]), 4)[1].all()
+    _, _, counts = dbs.lookup("t", np.array([3]), 4, default=0.0)
+    assert counts == {"volatile_db": 1, "persistent_db": 0}
+    # load: all rows persistent, initial_cache_rate of them volatile
+    dbs.close()
+    dbs = Databases(VolatileDatabaseParams(type="hash_map", initial_cache_rate=0.25),
+                    PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db2")))
+    keys = np.arange(100)
+    assert dbs.load("u", keys, _vectors(keys)) == {"volatile_db": 25, "persistent_db": 100}
+    assert dbs.volatile.size("u") == 25 and dbs.persistent.size("u") == 100
+    dbs.close()
+
+
+# -- predictions through the hierarchy -------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    from jctr.config import load_config
+    from jctr.serving.bundle import export_bundle
+    from jctr.train.trainer import Trainer
+
+    runs = {}
+
+    def get(model):
+        if model not in runs:
+            tmp = tmp_path_factory.mktemp(f"hps_{model}")
+            cfg = tiny_config(tmp, model, max_iter=12, display=100, eval_interval=10_000,
+                              eval_batches=1)
+            t = Trainer(load_config(cfg), log=lambda s: None)
+            t.fit()
+            export_bundle(t.cfg, t.state, str(tmp / "bundle"), t.placements)
+            batches = list(t.eval_data.batches(512, epochs=1))[:2]
+            runs[model] = (tmp, [(b, t.predict(b)) for b in batches])
+        return runs[model]
+
+    return get
+
+
+def _ps(tmp, name, volatile=None, persistent=True, **model):
+    doc = {"models": [{"model": name, "bundle": "bundle", "max_batch_size": 256, **model}]}
+    if volatile is not None:
+        doc["volatile_db"] = volatile
+    if persistent:
+        doc["persistent_db"] = {"type": "rocks_db", "path": str(tmp / f"rocks_{name}")}
+    path = tmp / f"ps_{name}.json"
+    path.write_text(json.dumps(doc))
+    return load_ps_config(path)
+
+
+# the same rows are summed in the same order; XLA fuses the bag into a different graph than the
+# trainer's eval step, which moves float32 rounding (DeepFM: 2e-6 at most)
+TOL = {"rtol": 3e-5, "atol": 3e-6}
+
+
+@pytest.mark.parametrize("model, cache, volatile", [
+    ("dlrm", {"gpucache": False}, {"type": "hash_map"}),
+    ("dlrm", {"gpucacheper": 0.05, "hit_rate_threshold": 1.0},
+     {"type": "parallel_hash_map", "overflow_margin": 300, "num_partitions": 4}),
+    ("wdl", {"gpucacheper": 1.0, "hit_rate_threshold": 0.0}, {"type": "disabled"}),
+    ("deepfm", {"gpucacheper": 0.2}, {"type": "hash_map", "initial_cache_rate": 0.3}),
+])
+def test_predictions_equal_the_trainers(trained, model, cache, volatile):
+    tmp, reference = trained(model)
+    ps = _ps(tmp, f"{model}_{len(os.listdir(tmp))}", volatile, **cache)
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    m = HPSModel(ps.models[0], dbs, where="models[0]", source=ps.source)
+    try:
+        m.load_databases()
+        for _ in range(2):  # the second pass reads what the cache took in
+            for batch, expected in reference:  # 512 samples: two batches of 256
+                np.testing.assert_allclose(m.predict(batch), expected, **TOL)
+            m.wait_inserts()
+        stats = m.stats()
+        total = {k: sum(s[k] for s in stats.values()) for k in
+                 ("queries", "device_cache", "volatile_db", "persistent_db", "default")}
+        assert total["queries"] == sum(total[k] for k in ("device_cache", "volatile_db",
+                                                          "persistent_db", "default"))
+        if cache.get("gpucache", True):
+            assert total["device_cache"] > 0
+        else:
+            assert total["device_cache"] == 0
+        if volatile["type"] == "disabled" or volatile.get("initial_cache_rate", 1) < 1 or \
+                volatile.get("overflow_margin"):
+            assert total["persistent_db"] > 0
+        # raw features give the same as the batch
+        batch, expected = reference[0]
+        sp = m.cfg.data.sparse
+        b = batch.batch_size
+        sparse = []
+        for i, s in enumerate(sp):
+            width = s.slot_num if s.one_hot else s.max_feature_num_per_sample
+            seg, keys = batch.segments[i], batch.keys[i]
+            keep = seg < b * s.slot_num
+            order = np.argsort(seg[keep], kind="stable")
+            offsets = np.searchsorted(seg[keep][order], np.arange(b * s.slot_num + 1))
+            sparse.append((keys[keep][order], offsets))
+            assert width
+        np.testing.assert_allclose(m.predict_features(batch.dense, sparse), expected,
+                                   **TOL)
+    finally:
+        m.close()
+        dbs.close()
+
+
+def test_refresh_rereads_cached_rows(trained, tmp_path):
+    tmp, reference = trained("dlrm")
+    ps = _ps(tmp, "dlrm_refresh", {"type": "hash_map"}, persistent=False, gpucacheper=1.0,
+             hit_rate_threshold=1.0, cache_refresh_percentage_per_iteration=0.3)
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    m = HPSModel(ps.models[0], dbs)
+    try:
+        m.load_databases()
+        batch, expected = reference[0]
+        np.testing.assert_allclose(m.predict(batch), expected, **TOL)
+        table = m.tables[0]
+        # the database changes (an online update): the cache still serves the old rows
+        for keys, values in list(dbs.volatile.items(table.key)):
+            dbs.volatile.insert(table.key, keys, values * 0.0)
+        np.testing.assert_allclose(m.predict(batch), expected, **TOL)
+        assert m.refresh_cache() > 0
+        fresh = m.predict(batch)
+        assert np.abs(fresh - expected).max() > 1e-3
+        # what a model without a cache reads from the changed database
+        direct = HPSModel(dataclasses.replace(ps.models[0], use_gpu_embedding_cache=False), dbs)
+        np.testing.assert_allclose(fresh, direct.predict(batch), **TOL)
+        direct.close()
+    finally:
+        m.close()
+        dbs.close()
+
+
+def test_bad_model_files_and_sizes_are_clear_errors(trained, tmp_path):
+    tmp, _ = trained("wdl")
+    bundle = tmp / "bundle"
+    base = {"model": "w", "bundle": str(bundle), "max_batch_size": 64}
+    dbs = Databases(VolatileDatabaseParams(type="hash_map"), PersistentDatabaseParams())
+    try:
+        for change, error, message in [
+            ({"dense_file": str(tmp_path / "missing.model")}, (ModelFileError, OSError),
+             "missing.model"),
+            ({"embedding_vecsize_per_table": [1, 15]}, ConfigError,
+             r"models\[0\].embedding_vecsize_per_table\[1\]: 15, but embedding "
+             r"\"sparse_embedding1\" has embedding_vec_size 8"),
+            ({"maxnum_catfeature_query_per_table_per_sample": [1, 8]}, ConfigError,
+             r"maxnum_catfeature_query_per_table_per_sample\[0\]: 1, but input \"wide_data\""),
+            ({"sparse_files": [str(bundle / "sparse" / "sparse_embedding2.model")]},
+             ConfigError, r"models\[0\].sparse_files: 1 file\(s\) for the network's 2"),
+            ({"network_file": str(tmp_path / "nope.json")}, ConfigError,
+             r"models\[0\].network_file: .*nope.json: no such file"),
+            ({"label_dim": 2}, ConfigError, r"models\[0\].label_dim: 2, but"),
+        ]:
+            ps = parse_ps_config({"models": [{**base, **change}]}, str(tmp_path / "ps.json"))
+            with pytest.raises(error, match=message):
+                HPSModel(ps.models[0], dbs, where="models[0]")
+    finally:
+        dbs.close()

@@ -53,7 +53,9 @@ class RedisClusterStore:
     def __init__(self, params: VolatileDatabaseParams, *,
                  socket_timeout: float = SOCKET_TIMEOUT_S):
         import redis
+        from redis.backoff import NoBackoff
         from redis.cluster import ClusterNode, RedisCluster
+        from redis.retry import Retry
 
         self._redis = redis
         self.params = params
@@ -67,12 +69,15 @@ class RedisClusterStore:
                 startup_nodes=nodes, username=params.user_name or None,
                 password=params.password or None, socket_timeout=socket_timeout,
                 socket_connect_timeout=socket_timeout, require_full_coverage=False,
-                cluster_error_retry_attempts=1)
+                retry=Retry(NoBackoff(), 1))
             self.client.ping()
-        except redis.exceptions.AuthenticationError as e:
-            raise StoreError(f"volatile_db redis_cluster {params.address}: authentication "
-                             f"failed for user {params.user_name!r}: {e}") from None
-        except (redis.exceptions.RedisError, OSError) as e:
+        except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException,
+                OSError) as e:
+            text = str(e)
+            if (isinstance(e, redis.exceptions.AuthenticationError)
+                    or "username-password" in text or "NOAUTH" in text):
+                raise StoreError(f"volatile_db redis_cluster {params.address}: authentication "
+                                 f"failed for user {params.user_name!r}: {text}") from None
             raise StoreError(f"volatile_db redis_cluster {params.address}: cannot reach the "
                              f"cluster ({type(e).__name__}: {e})") from None
 
@@ -92,7 +97,8 @@ class RedisClusterStore:
     def _run(self, what: str, fn, *args):
         try:
             return fn(*args)
-        except self._redis.exceptions.RedisError as e:
+        except (self._redis.exceptions.RedisError,
+                self._redis.exceptions.RedisClusterException) as e:
             # the first line only: pipeline errors quote the (binary) command
             text = str(e).splitlines()[0][:120].encode("ascii", "replace").decode()
             raise StoreUnavailable(f"redis_cluster {self.params.address}: {what} failed "

@@ -2,7 +2,7 @@
 
 import sys
 
-import jctr  # noqa: F401  (64-bit keys)
+# importing jctr.serving runs jctr/__init__ (64-bit keys)
 from jctr.serving.cli import main
 
 if __name__ == "__main__":

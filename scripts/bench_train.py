@@ -62,7 +62,7 @@ def jctr_batch(ranks, dense, label) -> Batch:
 
 
 def jctr_config(batch: int, hot: int) -> dict:
-    from jctr.models.zoo import dlrm_layers
+    from jctr.config.model_layers import dlrm_layers
 
     slots = len(KAGGLE_CAPPED)
     return {

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from jctr.models.zoo import dcn_layers, deepfm_layers, dlrm_layers, wdl_layers
+from jctr.config.model_layers import dcn_layers, deepfm_layers, dlrm_layers, wdl_layers
 
 # Criteo Kaggle cardinalities, capped at 1,000,000 rows per slot.
 KAGGLE = [1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,

@@ -370,7 +370,6 @@ TOL = {"rtol": 3e-5, "atol": 3e-6}
 
 
 @pytest.mark.parametrize("model, cache, volatile", [
-    ("dlrm", {"gpucache": False}, {"type": "hash_map"}),
     ("dlrm", {"gpucacheper": 0.05, "hit_rate_threshold": 1.0},
      {"type": "parallel_hash_map", "overflow_margin": 300, "num_partitions": 4}),
     ("wdl", {"gpucacheper": 1.0, "hit_rate_threshold": 0.0}, {"type": "disabled"}),

@@ -298,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
                         split=split, min_count=args.min_count, sep=args.sep,
                         columns=expand_names(args.columns) or None, vocab_file=args.vocab)
         if args.model:
-            from jctr.models.recipes import tabular_config
+            from jctr.config.recipes import tabular_config
 
             path = os.path.join(args.output, f"{args.model}.json")
             with open(path, "w", encoding="utf-8") as f:

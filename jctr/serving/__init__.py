@@ -1,6 +1,37 @@
-"""Serving: inference bundles, export from a checkpoint, and :class:`InferenceModel`."""
+"""Serving: inference bundles, export from a checkpoint, :class:`InferenceModel` (whole tables on
+the device), and the hierarchical parameter server (:class:`HPSModel` over :class:`Databases`,
+configured with HugeCTR's parameter objects; ``python -m jctr.serve``)."""
 
+from jctr.config.hps import (
+    DatabaseOverflowPolicy_t,
+    DatabaseType_t,
+    InferenceParams,
+    ParameterServerConfig,
+    PersistentDatabaseParams,
+    UpdateSourceParams,
+    VolatileDatabaseParams,
+    load_ps_config,
+)
 from jctr.serving.bundle import InferenceModel, check_bundle_target, export_bundle
 from jctr.serving.export import export_checkpoint
 
-__all__ = ["InferenceModel", "check_bundle_target", "export_bundle", "export_checkpoint"]
+
+def __getattr__(name):
+    # lazy: the HPS pulls the stores' clients only when used
+    if name == "Databases":
+        from jctr.serving.hps import Databases
+
+        return Databases
+    if name == "HPSModel":
+        from jctr.serving.hps_model import HPSModel
+
+        return HPSModel
+    raise AttributeError(name)
+
+
+__all__ = [
+    "DatabaseOverflowPolicy_t", "DatabaseType_t", "Databases", "HPSModel", "InferenceModel",
+    "InferenceParams", "ParameterServerConfig", "PersistentDatabaseParams", "UpdateSourceParams",
+    "VolatileDatabaseParams", "check_bundle_target", "export_bundle", "export_checkpoint",
+    "load_ps_config",
+]

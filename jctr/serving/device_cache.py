@@ -131,19 +131,20 @@ class DeviceCache:
             self.state, hit, values = _query(self.state, k, valid)
         return np.asarray(hit)[:keys.size], values
 
-    def insert(self, keys: np.ndarray, values: np.ndarray) -> None:
-        """Cache distinct keys that are not cached (each evicts its set's least recent way)."""
+    def insert(self, keys: np.ndarray, values: np.ndarray, size: int | None = None) -> None:
+        """Cache distinct keys that are not cached (each evicts its set's least recent way);
+        ``size`` pads them to a fixed count (one compiled shape)."""
         if not keys.size:
             return
-        k, valid, v = self._padded(keys, values, self.dim)
+        k, valid, v = self._padded(keys, values, self.dim, size)
         with self._lock:
             self.state = _insert(self.state, k, v, valid)
 
-    def refresh(self, keys: np.ndarray, values: np.ndarray) -> None:
+    def refresh(self, keys: np.ndarray, values: np.ndarray, size: int | None = None) -> None:
         """New values for those of ``keys`` that are still cached."""
         if not keys.size:
             return
-        k, valid, v = self._padded(keys, values, self.dim)
+        k, valid, v = self._padded(keys, values, self.dim, size)
         with self._lock:
             self.state = _refresh(self.state, k, v, valid)
 

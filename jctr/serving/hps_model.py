@@ -36,7 +36,7 @@ from jctr.config.parser import load_config
 from jctr.data.batch import Batch, batch_from_features, check_batch
 from jctr.embedding.sparse_embedding import pool
 from jctr.models.ctr import StepConfig, build_model, forward
-from jctr.serving.device_cache import DeviceCache
+from jctr.serving.device_cache import WAYS, DeviceCache
 from jctr.serving.hps import LAYERS, Databases
 
 _JSON_NAMES = {v: k for k, v in _MODEL_KEYS.items()}
@@ -184,17 +184,18 @@ class HPSModel:
                 t.counts[layer] += c
             t.counts["default"] += int(miss.size - found.sum())
             if t.cache is not None and found.any():
-                self._cache_insert(t, uniq[miss[found]], values[found], hit_rate=1 - miss.size / n)
+                self._cache_insert(t, uniq[miss[found]], values[found], cap,
+                                   hit_rate=1 - miss.size / n)
         t.counts["device_cache"] += int(n - miss.size)
         return cached, hit, host, rows
 
-    def _cache_insert(self, t: _Table, keys: np.ndarray, values: np.ndarray,
+    def _cache_insert(self, t: _Table, keys: np.ndarray, values: np.ndarray, size: int,
                       hit_rate: float) -> None:
         self._pending = [f for f in self._pending if not f.done()]
         if hit_rate < self.params.hit_rate_threshold or len(self._pending) >= self._pending_max:
-            t.cache.insert(keys, values)
+            t.cache.insert(keys, values, size)
         else:
-            self._pending.append(self._workers.submit(t.cache.insert, keys, values))
+            self._pending.append(self._workers.submit(t.cache.insert, keys, values, size))
 
     def predict(self, batch: Batch) -> np.ndarray:
         """Probabilities ``[samples, label_dim]`` of the batch's real samples; batches larger
@@ -264,7 +265,7 @@ class HPSModel:
                 if not keys.size:
                     continue
                 values, found, _ = self.dbs.lookup(t.key, keys, t.dim, t.default)
-                t.cache.refresh(keys[found], values[found])
+                t.cache.refresh(keys[found], values[found], step * WAYS)
                 done += int(found.sum())
         return done
 

@@ -11,7 +11,7 @@ Example::
 
 from __future__ import annotations
 
-from jctr.models.zoo import dcn_layers, deepfm_layers, dlrm_layers, wdl_layers
+from jctr.config.model_layers import dcn_layers, deepfm_layers, dlrm_layers, wdl_layers
 
 MODELS = ("deepfm", "dcn", "dlrm", "wdl")
 

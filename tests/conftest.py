@@ -1,6 +1,8 @@
 import copy
 import json
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -9,6 +11,16 @@ import pytest
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
+
+# One XLA compilation cache for the whole run, shared with the subprocesses tests start: dozens
+# of tests compile the same small models (suite time; numerics are those of the same compiled
+# code). A fresh folder per run, removed at the end: nothing outlives the run.
+_CACHE_DIR = None
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _CACHE_DIR = tempfile.mkdtemp(prefix="jctr-tests-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE_DIR
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
 
 import jctr  # noqa: E402,F401  (64-bit keys on before tests touch JAX)
 
@@ -34,3 +46,8 @@ def tiny_config(tmp_path, model: str = "dlrm", **solver) -> dict:
 @pytest.fixture
 def tiny(tmp_path):
     return lambda model="dlrm", **solver: tiny_config(tmp_path, model, **solver)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _CACHE_DIR is not None:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)

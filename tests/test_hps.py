@@ -5,6 +5,7 @@ hierarchy against the trainer's."""
 import dataclasses
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -318,6 +319,9 @@ def test_lookup_order_fallbacks_and_defaults(tmp_path):
     assert dbs.volatile.lookup("t", np.array([3]), 4)[1].all()
     _, _, counts = dbs.lookup("t", np.array([3]), 4, default=0.0)
     assert counts == {"volatile_db": 1, "persistent_db": 0}
+    with pytest.raises(ConfigError, match="both \"disabled\": the embeddings would have "
+                                          "nowhere to live"):
+        Databases(VolatileDatabaseParams(type="disabled"), PersistentDatabaseParams())
     # load: all rows persistent, initial_cache_rate of them volatile
     dbs.close()
     dbs = Databases(VolatileDatabaseParams(type="hash_map", initial_cache_rate=0.25),
@@ -440,8 +444,45 @@ def test_refresh_rereads_cached_rows(trained, tmp_path):
         direct = HPSModel(dataclasses.replace(ps.models[0], use_gpu_embedding_cache=False), dbs)
         np.testing.assert_allclose(fresh, direct.predict(batch), **TOL)
         direct.close()
+        # the periodic refresher does the same on its own (refresh_delay, refresh_interval)
+        timed = HPSModel(dataclasses.replace(ps.models[0], refresh_interval=0.1), dbs)
+        for keys, values in list(dbs.volatile.items(table.key)):
+            dbs.volatile.insert(table.key, keys, values + 1.0)
+        np.testing.assert_allclose(timed.predict(batch), direct.predict(batch), **TOL)
+        for keys, values in list(dbs.volatile.items(table.key)):
+            dbs.volatile.insert(table.key, keys, values * 0.0)
+        stale = timed.predict(batch)
+        assert np.abs(stale - fresh).max() > 1e-3  # cached rows: the +1 vectors
+        timed.start_refresh()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and np.abs(timed.predict(batch) - fresh).max() > 1e-5:
+            time.sleep(0.05)
+        np.testing.assert_allclose(timed.predict(batch), fresh, **TOL)
+        timed.close()
     finally:
         m.close()
+        dbs.close()
+
+
+def test_models_share_the_databases_under_their_own_names(trained, tmp_path):
+    from jctr.serving.cli import open_models
+
+    (tmp_dlrm, ref_dlrm), (tmp_wdl, ref_wdl) = trained("dlrm"), trained("wdl")
+    doc = {"volatile_db": {"type": "hash_map"},
+           "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
+           "models": [{"model": "a", "bundle": str(tmp_dlrm / "bundle"), "max_batch_size": 128},
+                      {"model": "b", "bundle": str(tmp_wdl / "bundle"), "max_batch_size": 128,
+                       "embedding_table_names": ["wide", "deep"]}]}
+    (tmp_path / "ps.json").write_text(json.dumps(doc))
+    dbs, models = open_models(load_ps_config(tmp_path / "ps.json"), log=lambda s: None)
+    try:
+        assert dbs.volatile.tables() == dbs.persistent.tables() == [
+            "hps_et.a.sparse_embedding1", "hps_et.b.deep", "hps_et.b.wide"]
+        np.testing.assert_allclose(models["a"].predict(ref_dlrm[0][0]), ref_dlrm[0][1], **TOL)
+        np.testing.assert_allclose(models["b"].predict(ref_wdl[0][0]), ref_wdl[0][1], **TOL)
+    finally:
+        for m in models.values():
+            m.close()
         dbs.close()
 
 

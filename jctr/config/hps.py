@@ -303,7 +303,7 @@ class ParameterServerConfig:
 
 
 # JSON key (the Triton parameter-server file) -> InferenceParams field
-_MODEL_KEYS = {
+MODEL_JSON_KEYS = {
     "model": "model_name", "max_batch_size": "max_batchsize", "dense_file": "dense_model_file",
     "network_file": "network_file", "sparse_files": "sparse_model_files",
     "hit_rate_threshold": "hit_rate_threshold", "gpucache": "use_gpu_embedding_cache",
@@ -395,7 +395,7 @@ def parse_ps_config(raw: Any, source: str | None = None) -> ParameterServerConfi
     for i, m in enumerate(models_raw):
         path = join_path("models", i)
         mr = ObjectReader(m, path, source)
-        kwargs = _read_fields(mr, InferenceParams, _MODEL_KEYS)
+        kwargs = _read_fields(mr, InferenceParams, MODEL_JSON_KEYS)
         if mr.has("bundle"):  # jctr: an exported bundle folder fills the three model paths
             bundle = os.path.join(base, mr.str("bundle"))
             kwargs.setdefault("network_file", os.path.join(bundle, "config.json"))
@@ -404,19 +404,19 @@ def parse_ps_config(raw: Any, source: str | None = None) -> ParameterServerConfi
             if "sparse_model_files" not in kwargs:
                 kwargs["sparse_model_files"] = _bundle_sparse_files(bundle, mr)
         for key in ("model", "max_batch_size", "dense_file", "network_file", "sparse_files"):
-            if _MODEL_KEYS[key] not in kwargs:
+            if MODEL_JSON_KEYS[key] not in kwargs:
                 raise mr.error(key, "required field is missing (or give \"bundle\": an "
                                     "exported bundle folder)" if key != "model"
                                and key != "max_batch_size" else "required field is missing")
         for key in _PATH_KEYS:
-            name = _MODEL_KEYS[key]
+            name = MODEL_JSON_KEYS[key]
             if name in kwargs:
                 kwargs[name] = os.path.join(base, kwargs[name])
         kwargs["sparse_model_files"] = [os.path.join(base, str(p))
                                         for p in kwargs["sparse_model_files"]]
         mr.finish()
         kwargs.update(i64_input_key=supportlonglong, **dbs)
-        models.append(_build(InferenceParams, kwargs, path, source, _MODEL_KEYS))
+        models.append(_build(InferenceParams, kwargs, path, source, MODEL_JSON_KEYS))
     names = [m.model_name for m in models]
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup:

@@ -20,6 +20,7 @@ import time
 
 import numpy as np
 
+from jctr.config import ConfigError
 from jctr.config.hps import PersistentDatabaseParams, VolatileDatabaseParams
 from jctr.stores.base import KeyValueStore, StoreUnavailable
 
@@ -53,6 +54,9 @@ class Databases:
 
     def __init__(self, volatile: VolatileDatabaseParams, persistent: PersistentDatabaseParams,
                  *, backoff_s: float = 1.0):
+        if volatile.type == "disabled" and persistent.type == "disabled":
+            raise ConfigError("volatile_db.type", 'and persistent_db.type are both "disabled": '
+                              "the embeddings would have nowhere to live")
         self.volatile_params = volatile
         self.persistent_params = persistent
         self.backoff_s = backoff_s

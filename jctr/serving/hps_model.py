@@ -31,7 +31,7 @@ import numpy as np
 
 from jctr.checkpoint.model_files import ModelFileError, load_model_files, read_sparse_model
 from jctr.config import ConfigError
-from jctr.config.hps import _MODEL_KEYS, InferenceParams
+from jctr.config.hps import MODEL_JSON_KEYS, InferenceParams
 from jctr.config.parser import load_config
 from jctr.data.batch import Batch, batch_from_features, check_batch
 from jctr.embedding.sparse_embedding import pool
@@ -39,7 +39,7 @@ from jctr.models.ctr import StepConfig, build_model, forward
 from jctr.serving.device_cache import WAYS, DeviceCache
 from jctr.serving.hps import LAYERS, Databases
 
-_JSON_NAMES = {v: k for k, v in _MODEL_KEYS.items()}
+_JSON_NAMES = {v: k for k, v in MODEL_JSON_KEYS.items()}
 
 
 class _Table:

@@ -27,9 +27,10 @@ class StoreError(UserError, RuntimeError):
     """A store cannot be used as configured (message names the store and what is wrong)."""
 
 
-class StoreUnavailable(RuntimeError):
+class StoreUnavailable(UserError, RuntimeError):
     """A store did not answer (connection refused, timeout, cluster down): the lookup
-    hierarchy treats its keys as missing and asks the next layer."""
+    hierarchy treats its keys as missing and asks the next layer; a command (``load``) stops
+    with this one-line message."""
 
 
 class KeyValueStore(Protocol):
@@ -66,6 +67,30 @@ def as_values(values, n: int) -> np.ndarray:
     if values.ndim != 2 or values.shape[0] != n:
         raise ValueError(f"expected values of shape [{n}, dim], got {values.shape}")
     return values
+
+
+def check_dim(where: str, table: str, have: int | None, dim: int) -> None:
+    """A table keeps the vector size it was created with."""
+    if have is not None and have != dim:
+        raise StoreError(f"{where} table {table}: holds vectors of size {have}, asked for size "
+                         f"{dim}")
+
+
+def no_rows(keys, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``(int64 keys, zero values [n, dim], found all False)``: a lookup's starting point."""
+    keys = as_keys(keys)
+    return keys, np.zeros((keys.size, dim), np.float32), np.zeros(keys.size, bool)
+
+
+def distinct_rows(keys, values) -> tuple[np.ndarray, np.ndarray]:
+    """``(keys, values)`` of an insert as int64 / float32 arrays, each key once (its last
+    vector: later writes win)."""
+    keys = as_keys(keys)
+    values = as_values(values, keys.size)
+    keep = last_occurrences(keys)
+    if keep.size != keys.size:
+        keys, values = keys[keep], values[keep]
+    return keys, values
 
 
 def last_occurrences(keys: np.ndarray) -> np.ndarray:

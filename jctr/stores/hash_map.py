@@ -29,9 +29,9 @@ import numpy as np
 from jctr.config.hps import VolatileDatabaseParams
 from jctr.ops.hashing import mix64
 from jctr.stores.base import (
-    StoreError,
     as_keys,
     as_values,
+    check_dim,
     last_occurrences,
     partition_of,
 )
@@ -181,9 +181,8 @@ class HashMapStore:
 
     def _table(self, table: str, dim: int | None) -> HostTable | None:
         t = self._tables.get(table)
-        if t is not None and dim is not None and t.dim != dim:
-            raise StoreError(f"{self.name} table {table}: holds vectors of size {t.dim}, "
-                             f"asked for size {dim}")
+        if t is not None and dim is not None:
+            check_dim(self.name, table, t.dim, dim)
         return t
 
     def lookup(self, table: str, keys, dim: int) -> tuple[np.ndarray, np.ndarray]:

@@ -31,8 +31,9 @@ from jctr.stores.base import (
     StoreError,
     StoreUnavailable,
     as_keys,
-    as_values,
-    last_occurrences,
+    check_dim,
+    distinct_rows,
+    no_rows,
     partition_of,
 )
 
@@ -152,6 +153,13 @@ class RedisClusterStore:
     def _hkey(table: str, part: int) -> str:
         return "{" + f"{table}/p{part}" + "}"
 
+    def _chunks(self, table: str, keys: np.ndarray, step: int):
+        """(partition, Redis key of the partition, positions) in chunks of at most ``step``."""
+        for part, pos in self._groups(keys):
+            name = self._hkey(table, part)
+            for s in range(0, pos.size, step):
+                yield part, name, pos[s:s + step]
+
     def _groups(self, keys: np.ndarray) -> list[tuple[int, np.ndarray]]:
         """(partition, positions) for the partitions that ``keys`` touch."""
         parts = partition_of(keys, self.num_partitions)
@@ -183,16 +191,11 @@ class RedisClusterStore:
         return self._dims[table]
 
     def _check_dim(self, table: str, dim: int) -> None:
-        have = self._dim(table)
-        if have is not None and have != dim:
-            raise StoreError(f"redis_cluster table {table}: holds vectors of size {have}, asked "
-                             f"for size {dim}")
+        check_dim("redis_cluster", table, self._dim(table), dim)
 
     # -- protocol -----------------------------------------------------------------------------
     def lookup(self, table: str, keys, dim: int) -> tuple[np.ndarray, np.ndarray]:
-        keys = as_keys(keys)
-        values = np.zeros((keys.size, dim), np.float32)
-        found = np.zeros(keys.size, bool)
+        keys, values, found = no_rows(keys, dim)
         if not keys.size:
             return values, found
         self._check_dim(table, dim)
@@ -200,12 +203,9 @@ class RedisClusterStore:
         step = self.params.max_get_batch_size
         pipe = self.client.pipeline(transaction=False)
         plan = []
-        for part, pos in self._groups(keys):
-            name = self._hkey(table, part)
-            for s in range(0, pos.size, step):
-                chunk = pos[s:s + step]
-                pipe.execute_command("HMGET", name, _fixed_bulks(cols[chunk]))
-                plan.append(chunk)
+        for _, name, chunk in self._chunks(table, keys, step):
+            pipe.execute_command("HMGET", name, _fixed_bulks(cols[chunk]))
+            plan.append(chunk)
         replies = self._run("lookup", pipe.execute)
         for chunk, got in zip(plan, replies):
             hits = [i for i, v in enumerate(got) if v is not None]
@@ -228,12 +228,9 @@ class RedisClusterStore:
         self._run("refreshing access times", pipe.execute)
 
     def insert(self, table: str, keys, values) -> None:
-        keys = as_keys(keys)
-        values = as_values(values, keys.size)
+        keys, values = distinct_rows(keys, values)
         if not keys.size:
             return
-        keep = last_occurrences(keys)
-        keys, values = keys[keep], values[keep]
         dim = values.shape[1]
         with self._lock:
             self._check_dim(table, dim)
@@ -248,18 +245,15 @@ class RedisClusterStore:
             stamps = _stamps(keys.size)
             step = self.params.max_set_batch_size
             pipe = self.client.pipeline(transaction=False)
-            touched = []
-            for part, pos in self._groups(keys):
-                name = self._hkey(table, part)
-                for s in range(0, pos.size, step):
-                    chunk = pos[s:s + step]
-                    pipe.execute_command("HSET", name, _fixed_bulks(cols[chunk], vcols[chunk]))
-                    pipe.execute_command("ZADD", name + "t",
-                                         _fixed_bulks(stamps[:chunk.size], cols[chunk]))
-                touched.append(part)
+            touched = set()
+            for part, name, chunk in self._chunks(table, keys, step):
+                pipe.execute_command("HSET", name, _fixed_bulks(cols[chunk], vcols[chunk]))
+                pipe.execute_command("ZADD", name + "t",
+                                     _fixed_bulks(stamps[:chunk.size], cols[chunk]))
+                touched.add(part)
             self._run("insert", pipe.execute)
             if self.params.overflow_margin < 2 ** 63:
-                self._resolve_overflow(table, touched)
+                self._resolve_overflow(table, sorted(touched))
 
     def _resolve_overflow(self, table: str, parts: list[int]) -> None:
         margin = self.params.overflow_margin

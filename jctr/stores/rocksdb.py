@@ -21,7 +21,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from jctr.config.hps import PersistentDatabaseParams
-from jctr.stores.base import StoreError, as_keys, as_values, last_occurrences
+from jctr.stores.base import StoreError, as_keys, check_dim, distinct_rows, no_rows
 
 MARKER_KEY = b"jctr.hps.format"
 MARKER = b"jctr-hps-rocksdb 1"
@@ -112,15 +112,10 @@ class RocksDBStore:
         return cf
 
     def _check_dim(self, table: str, dim: int) -> None:
-        have = self._dims.get(table)
-        if have is not None and have != dim:
-            raise StoreError(f"rocks_db {self.path} table {table}: holds vectors of size {have}, "
-                             f"asked for size {dim}")
+        check_dim(f"rocks_db {self.path}", table, self._dims.get(table), dim)
 
     def lookup(self, table: str, keys, dim: int) -> tuple[np.ndarray, np.ndarray]:
-        keys = as_keys(keys)
-        values = np.zeros((keys.size, dim), np.float32)
-        found = np.zeros(keys.size, bool)
+        keys, values, found = no_rows(keys, dim)
         cf = self._families.get(table)
         if cf is None or not keys.size:
             return values, found
@@ -139,12 +134,9 @@ class RocksDBStore:
         return values, found
 
     def insert(self, table: str, keys, values) -> None:
-        keys = as_keys(keys)
-        values = as_values(values, keys.size)
+        keys, values = distinct_rows(keys, values)
         if not keys.size:
             return
-        keep = last_occurrences(keys)
-        keys, values = keys[keep], values[keep]
         dim = values.shape[1]
         with self._lock:
             self._check_dim(table, dim)

@@ -1,6 +1,7 @@
 """End-to-end training of the four shipped models on planted synthetic data."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -170,7 +171,14 @@ def test_cli_trains_and_writes_json_logs(tiny, tmp_path):
     assert out.returncode == 0, out.stderr
     assert "iter 40/40" in out.stderr and "samples/s" in out.stderr and "AUC" in out.stderr
     lines = [json.loads(x) for x in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [x["kind"] for x in lines] == ["train", "train", "summary", "eval"]
+    assert [x["kind"] for x in lines] == ["start", "train", "train", "summary", "eval"]
+    assert lines[0]["config"] == cfg | {"solver": {**cfg["solver"], "max_iter": 40,
+                                                   "display": 20, "log_dir": str(log_dir)}}
+    # beside the JSON lines: TensorBoard events and the report; on the terminal the compile
+    # time apart and a final summary
+    assert os.listdir(log_dir / "tensorboard") and (log_dir / "report.html").is_file()
+    assert "first step (compiling the train step)" in out.stderr
+    assert "[jctr] done: 40 iterations" in out.stderr and "ETA" in out.stderr
 
 
 def test_cli_reports_bad_config_without_traceback(tmp_path):

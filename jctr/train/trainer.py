@@ -34,7 +34,11 @@ from jctr.sharding.placed_model import PlacedModel
 from jctr.train.dense_optimizer import dense_optimizer
 from jctr.train.metrics import auc, log_loss
 from jctr.train.monitors import EarlyStopping, PlateauSchedule
+from jctr.train.progress import Progress, format_seconds
+from jctr.train.report import write_report
+from jctr.train.schedules import learning_rate_schedule
 from jctr.train.step import make_train_step
+from jctr.train.tensorboard import TensorBoardLog
 
 
 class NonFiniteLoss(UserError, FloatingPointError):
@@ -97,6 +101,7 @@ class Trainer:
         self.solver = cfg.solver
         self.force = force  # a fresh run may replace another run's checkpoints
         quiet = jax.process_index() != 0  # one process reports for all
+        self._default_print = log is None and not quiet
         self._print = log or (lambda s: None if quiet else print(s, file=sys.stderr, flush=True))
         if generate_data:  # process 0 writes; the others wait for the files (or its error)
             all_processes(lambda: generate_for_config(cfg) if jax.process_index() == 0
@@ -115,6 +120,7 @@ class Trainer:
         self._eval_data: Dataset | None = None
         self.history: list[dict[str, Any]] = []
         self._log_file = None
+        self._board: TensorBoardLog | None = None
         self.reader_position: ReaderPosition | None = None  # after the last consumed batch
         self._checkpointer = None
         self._resumed = False  # restored from the solver's checkpoint directory
@@ -220,6 +226,21 @@ class Trainer:
             self._open_log()
             self._log_file.write(json.dumps(entry) + "\n")
             self._log_file.flush()
+            if self._board is None:
+                self._board = TensorBoardLog(self.solver.log_dir)
+            self._board.write(entry)
+
+    def _write_report(self) -> None:
+        """report.html of the run's log folder (process 0); a failure is reported, never
+        fatal: the model is trained and saved by now."""
+        if not self.solver.log_dir or jax.process_index() != 0:
+            return
+        if self._board is not None:
+            self._board.writer.flush()
+        try:
+            self._print(f"[jctr] report: {write_report(self.solver.log_dir)}")
+        except (UserError, OSError) as e:
+            self._print(f"[jctr] report not written: {e}")
 
     # ---- checks before training ----------------------------------------------------------
 
@@ -340,12 +361,19 @@ class Trainer:
         done = int(to_host(self.state.step))
         start_step = done
         epoch = (self.reader_position or ReaderPosition()).epoch
+        self._record("start", iter=done, config=self.cfg.raw, batchsize=s.batchsize,
+                     devices=self.num_devices, processes=jax.process_count())
         t0 = time.perf_counter()
         window_t, window_n = t0, 0
         run = _RunTally()
         prev = None
         stop = False
         evaluated_at = None  # the last evaluation's iteration: the final one is not repeated
+        # a bar on a terminal (the default printer only); log lines go above it
+        printer = self._print
+        progress = Progress(max_iter, done, printer, bar=None if self._default_print else False)
+        self._print = progress.write
+        lr_at = learning_rate_schedule(self.cfg.optimizer)
         try:
             for batch, position, fits, filled in batches:
                 if jax.process_count() > 1:  # every process must run the same program
@@ -362,17 +390,30 @@ class Trainer:
                 done += 1
                 prev = (metrics, done, filled)
                 window_n += s.batchsize
+                if progress.compile_s is None:  # the first step compiles: timed apart
+                    jax.block_until_ready(metrics)
+                    progress.first_step_done(time.perf_counter() - t0)
+                    self._print(f"[jctr] first step (compiling the train step) "
+                                f"{progress.compile_s:.1f} s")
+                    window_t, window_n = time.perf_counter(), 0
+                else:
+                    progress.tick(done)
                 if done % s.display == 0:
                     loss = float(to_host(metrics["loss"]))
                     now = time.perf_counter()
-                    rate = window_n / (now - window_t)
+                    steps = max(window_n // s.batchsize, 1)
+                    rate = window_n / max(now - window_t, 1e-9)
+                    step_ms = 1e3 * (now - window_t) / steps
                     window_t, window_n = now, 0
+                    lr = float(lr_at(done - 1)) * float(to_host(self.state.lr_scale))
+                    progress.update(done, loss, rate)
                     self._print(f"[jctr] iter {done}"
                                 + (f"/{max_iter}" if max_iter else "")
                                 + f"  loss {loss:.5f}  {rate:,.0f} samples/s"
                                 + (f"  ({run.skipped} non-finite batches skipped)"
-                                   if run.skipped else ""))
+                                   if run.skipped else "") + progress.suffix(done))
                     self._record("train", iter=done, loss=loss, samples_per_s=rate,
+                                 step_time_ms=step_ms, lr=lr,
                                  **({"skipped": run.skipped} if run.skipped else {}))
                 epoch_ended = position.epoch > epoch
                 eval_now = (done % s.eval_interval == 0 and not (max_iter and done == max_iter)
@@ -395,23 +436,44 @@ class Trainer:
                     self.save_checkpoint()
                 if stop or (max_iter and done >= max_iter):
                     break
+            if prev is not None:
+                run.add(self._check_step(*prev[:2]), prev[2])
+            jax.block_until_ready(self.state)
+            elapsed = time.perf_counter() - t0
+            trained = done - start_step
+            steady = elapsed - (progress.compile_s or 0.0)
+            steady_rate = (max(trained - 1, 0) * s.batchsize / steady if steady > 0 else 0.0)
+            self._record("summary", iters=trained,
+                         samples_per_s=trained * s.batchsize / max(elapsed, 1e-9),
+                         steady_samples_per_s=steady_rate, compile_s=progress.compile_s,
+                         elapsed_s=elapsed, routing_fallback_steps=run.fallback_steps,
+                         skipped_nonfinite=run.skipped)
+            if self._checkpointer is not None:
+                self._checkpointer.wait()
+            if not stop and evaluated_at != done:
+                self._eval_and_report(done)
         finally:
             batches.close()
-        if prev is not None:
-            run.add(self._check_step(*prev[:2]), prev[2])
-        jax.block_until_ready(self.state)
-        elapsed = time.perf_counter() - t0
-        trained = done - start_step
-        self._record("summary", iters=trained,
-                     samples_per_s=trained * s.batchsize / max(elapsed, 1e-9),
-                     routing_fallback_steps=run.fallback_steps, skipped_nonfinite=run.skipped)
-        if self._checkpointer is not None:
-            self._checkpointer.wait()
-        if not stop and evaluated_at != done:
-            self._eval_and_report(done)
+            progress.close()
+            self._print = printer
         self._restore_best()
         self._evaluate_test_sets()
+        self._print(self._final_line(trained, elapsed, progress.compile_s, steady_rate))
+        self._write_report()
         return self.history
+
+    def _final_line(self, trained: int, elapsed: float, compile_s: float | None,
+                    rate: float) -> str:
+        line = (f"[jctr] done: {trained} iterations in {format_seconds(elapsed)}"
+                + (f" (first step {compile_s:.1f} s)" if compile_s is not None else "")
+                + f", {rate:,.0f} samples/s after it")
+        evals = [h for h in self.history if h["kind"] == "eval"]
+        if evals:
+            last = evals[-1]
+            line += "; validation " + ", ".join(
+                f"{k} {v:.5f}" for k, v in last.items()
+                if isinstance(v, float) and k not in ("time", "lr"))
+        return line
 
     def _eval_and_report(self, step: int, epoch: int | None = None) -> bool:
         """Evaluate the validation set, log it with the tables' norms and the learning rate,
@@ -488,11 +550,14 @@ class Trainer:
             self._record("test", iter=step, set=name, **result)
 
     def embedding_norms(self) -> dict[str, dict[str, float]]:
-        """Per table: rows in use and their mean L2 norm (logged with every evaluation)."""
+        """Per table: rows in use, their share of the table's capacity (``fill``) and their
+        mean L2 norm (logged with every evaluation)."""
         out = {}
-        for spec, (rows, total) in zip(self.specs, self._norms(self.state.embeddings)):
+        for spec, es, (rows, total) in zip(self.specs, self.state.embeddings,
+                                           self._norms(self.state.embeddings)):
             rows = int(to_host(rows))
-            out[spec.name] = {"rows": rows,
+            capacity = int(np.prod(es.row_slot.shape))  # every shard's rows
+            out[spec.name] = {"rows": rows, "fill": rows / max(capacity, 1),
                               "mean_norm": float(to_host(total)) / max(rows, 1)}
         return out
 

@@ -1,0 +1,64 @@
+"""The ``jctr`` command: one entry point whose subcommands are the ``python -m`` commands.
+
+    jctr train --config configs/dlrm.json      # = python -m jctr.train
+    jctr export --checkpoint ... --output ...  # = python -m jctr.export
+    jctr serve --config ps.json                # = python -m jctr.serve
+    jctr --version
+
+Nothing heavy is imported before a subcommand is chosen: ``jctr --help`` and ``jctr --version``
+answer without starting JAX.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+# subcommand -> (module with main(argv), one line of help)
+COMMANDS = {
+    "train": ("jctr.train.cli", "train from a HugeCTR-style JSON config"),
+    "export": ("jctr.serving.export", "write an inference bundle from a checkpoint"),
+    "serve": ("jctr.serving.cli", "serve models from the parameter server over HTTP "
+                                  "(serve load: fill its databases)"),
+    "report": ("jctr.train.report", "write report.html (plots, summary, config) of a run"),
+    "synth": ("jctr.data.synthetic", "generate a power-law synthetic dataset"),
+    "convert": ("jctr.data.criteo", "convert Criteo TSV files to the Norm / Raw / Parquet formats"),
+    "from-csv": ("jctr.data.from_csv", "turn any CSV/TSV into training data and a config"),
+    "transcode": ("jctr.data.transcode", "CSV to the feature-spec split binary format"),
+    "gen-csv": ("jctr.data.gen_csv", "generate a CSV dataset with a feature spec"),
+}
+
+
+def usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: jctr [--version] [--help] COMMAND [ARGS...]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {text}" for name, (_, text) in COMMANDS.items()]
+    lines += ["", "jctr COMMAND --help shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(usage())
+        return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        from jctr.version import __version__
+
+        print(f"jctr {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"jctr: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    if name == "train":
+        # as python -m jctr.train: re-run with malloc tuned for XLA:CPU
+        from jctr.runtime.host_memory import reexec_with_malloc_tuning
+
+        reexec_with_malloc_tuning(["-m", "jctr.train", *rest])
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,95 @@
+"""What a run shows while it trains: on a terminal a tqdm progress bar (iteration, loss,
+samples/s, elapsed, ETA) with the log lines printed above it; elsewhere (CI logs, files) plain
+lines only. The first step's time (compilation) is reported apart, and the samples/s of the
+display lines count steady training only.
+
+Example::
+
+    progress = Progress(total=1000, start=0, write=print, bar=None)   # bar: a TTY decides
+    progress.first_step_done(12.3)
+    progress.update(done=100, loss=0.45, rate=30000.0)
+    progress.close()
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+
+
+def format_seconds(s: float) -> str:
+    s = int(round(s))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{(s % 3600) // 60:02d}m"
+
+
+class Progress:
+    """Progress of one ``fit`` (see the module docstring). ``total``: the iteration the run
+    stops at when known (``max_iter``), else None (no ETA)."""
+
+    def __init__(self, total: int | None, start: int, write: Callable[[str], None],
+                 bar: bool | None = None):
+        self.total = total
+        self.start = start
+        self._write = write
+        self.t0 = time.perf_counter()
+        self.steady_t0: float | None = None  # after the first (compiling) step
+        self.steady_from = start
+        self.compile_s: float | None = None
+        if bar is None:
+            bar = sys.stderr.isatty()
+        self.bar = None
+        if bar:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="it", dynamic_ncols=True,
+                            file=sys.stderr, leave=True,
+                            bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} "
+                                       "[{elapsed}<{remaining}]{postfix}")
+
+    def write(self, line: str) -> None:
+        """A log line, above the bar when there is one."""
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            self._write(line)
+
+    def first_step_done(self, seconds: float) -> None:
+        self.compile_s = seconds
+        self.steady_t0 = time.perf_counter()
+        self.steady_from = self.start + 1
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def eta(self, done: int) -> float | None:
+        if not self.total or self.steady_t0 is None or done <= self.steady_from:
+            return None
+        per_iter = (time.perf_counter() - self.steady_t0) / (done - self.steady_from)
+        return max(0.0, (self.total - done) * per_iter)
+
+    def tick(self, done: int) -> None:
+        """One more iteration (the bar only)."""
+        if self.bar is not None and done > self.bar.n:
+            self.bar.update(done - self.bar.n)
+
+    def suffix(self, done: int) -> str:
+        eta = self.eta(done)
+        return f"  elapsed {format_seconds(self.elapsed())}" + (
+            f"  ETA {format_seconds(eta)}" if eta is not None else "")
+
+    def update(self, done: int, loss: float, rate: float) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"loss {loss:.5f}, {rate:,.0f} samples/s", refresh=False)
+            self.tick(done)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None

@@ -1,0 +1,218 @@
+"""``report.html`` of a run: matplotlib plots of its ``metrics.jsonl`` (loss, validation
+metrics, throughput over time, table fill) with the run's summary and config.
+
+Written into the run's ``log_dir`` at the end of every run, and on demand with
+``python -m jctr.report RUN_DIR`` (``jctr report RUN_DIR``). The PNGs go to
+``report_files/`` beside it. A ``report.html`` that jctr did not write is never replaced.
+
+Example::
+
+    path = write_report("runs/logs")      # -> "runs/logs/report.html"
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import os
+import sys
+import time
+
+from jctr.errors import UserError, run_command
+
+MARKER = '<meta name="generator" content="jctr report">'
+WIDTH, HEIGHT, DPI = 800, 360, 100
+
+
+class ReportError(UserError, ValueError):
+    """The run folder has no readable log, or its report cannot be written."""
+
+
+def read_records(log_dir: str) -> list[dict]:
+    path = os.path.join(log_dir, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise ReportError(f"{path}: no such file (a run writes it when solver.log_dir is set)")
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ReportError(f"{path}: line {n} is not JSON ({e.msg})") from None
+            if isinstance(rec, dict):
+                records.append(rec)
+    return records
+
+
+def _series(records, kind, key, x="iter"):
+    pts = [(r[x], r[key]) for r in records if r.get("kind") == kind
+           and isinstance(r.get(key), (int, float)) and isinstance(r.get(x), (int, float))]
+    return [p[0] for p in pts], [p[1] for p in pts]
+
+
+def _figure():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(WIDTH / DPI, HEIGHT / DPI), dpi=DPI)
+    ax.grid(alpha=0.3)
+    return plt, fig, ax
+
+
+def _save(plt, fig, path: str) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def _plots(records: list[dict], out: str) -> list[tuple[str, str]]:
+    """(file name, caption) of every plot drawn."""
+    plots = []
+    x, y = _series(records, "train", "loss")
+    ex, ey = _series(records, "epoch", "train_loss")
+    if x or ex:
+        plt, fig, ax = _figure()
+        if x:
+            ax.plot(x, y, label="training loss (display windows)", lw=1)
+        if ex:
+            ax.plot(ex, ey, "o-", label="mean training loss per epoch")
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("loss")
+        ax.legend()
+        _save(plt, fig, os.path.join(out, "loss.png"))
+        plots.append(("loss.png", "Training loss"))
+    evals = [r for r in records if r.get("kind") == "eval"]
+    metrics = sorted({k for r in evals for k, v in r.items()
+                      if isinstance(v, (int, float)) and k not in ("iter", "time", "epoch", "lr")})
+    if metrics:
+        plt, fig, ax = _figure()
+        for m in metrics:
+            mx, my = _series(records, "eval", m)
+            ax.plot(mx, my, "o-", label=m)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("validation")
+        ax.legend()
+        _save(plt, fig, os.path.join(out, "validation.png"))
+        plots.append(("validation.png", "Validation metrics"))
+    trains = [r for r in records if r.get("kind") == "train" and "samples_per_s" in r]
+    if trains:
+        t0 = trains[0]["time"]
+        plt, fig, ax = _figure()
+        ax.plot([r["time"] - t0 for r in trains], [r["samples_per_s"] for r in trains], lw=1)
+        ax.set_xlabel("seconds since the first display")
+        ax.set_ylabel("samples/s")
+        _save(plt, fig, os.path.join(out, "throughput.png"))
+        plots.append(("throughput.png", "Training throughput over time"))
+    tables = sorted({name for r in evals for name in (r.get("embedding_norms") or {})})
+    if tables:
+        plt, fig, ax = _figure()
+        use_fill = all("fill" in (r.get("embedding_norms") or {}).get(t, {})
+                       for r in evals for t in tables)
+        key = "fill" if use_fill else "rows"
+        for t in tables:
+            pts = [(r["iter"], r["embedding_norms"][t][key]) for r in evals
+                   if t in (r.get("embedding_norms") or {})]
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=t)
+        ax.set_xlabel("iteration")
+        ax.set_ylabel("rows in use / capacity" if use_fill else "rows in use")
+        ax.legend()
+        _save(plt, fig, os.path.join(out, "tables.png"))
+        plots.append(("tables.png", "Hash-table fill per table"))
+    return plots
+
+
+def _summary_rows(records: list[dict]) -> list[tuple[str, str]]:
+    rows = []
+    summaries = [r for r in records if r.get("kind") == "summary"]
+    if summaries:
+        s = summaries[-1]
+        rows.append(("iterations trained (last run)", f"{s.get('iters', '?'):,}"))
+        if isinstance(s.get("samples_per_s"), (int, float)):
+            rows.append(("mean samples/s (last run)", f"{s['samples_per_s']:,.0f}"))
+        if isinstance(s.get("compile_s"), (int, float)):
+            rows.append(("first step (compilation)", f"{s['compile_s']:.1f} s"))
+        if isinstance(s.get("elapsed_s"), (int, float)):
+            rows.append(("training time", f"{s['elapsed_s']:.1f} s"))
+    evals = [r for r in records if r.get("kind") == "eval"]
+    if evals:
+        last = evals[-1]
+        rows.append(("last validation", ", ".join(
+            f"{k} {v:.5f}" for k, v in last.items() if isinstance(v, float)
+            and k not in ("time", "lr")) + f" (iter {last.get('iter')})"))
+        if any("AUC" in r for r in evals):
+            best = max((r for r in evals if "AUC" in r), key=lambda r: r["AUC"])
+            rows.append(("best validation AUC", f"{best['AUC']:.5f} (iter {best.get('iter')})"))
+    for r in records:
+        if r.get("kind") == "test":
+            rows.append((f"test set {r.get('set')}", ", ".join(
+                f"{k} {v:.5f}" for k, v in r.items() if isinstance(v, float) and k != "time")))
+        if r.get("kind") == "early_stop":
+            rows.append(("early stopping", f"at iter {r.get('iter')}; best iter "
+                                           f"{r.get('best_iter')}"))
+    return rows
+
+
+def write_report(log_dir: str) -> str:
+    """Write ``<log_dir>/report.html`` (and its PNGs) from the run's ``metrics.jsonl``;
+    returns the path."""
+    from jctr.version import __version__
+
+    records = read_records(log_dir)
+    path = os.path.join(log_dir, "report.html")
+    if os.path.exists(path):
+        with open(path, encoding="utf-8", errors="replace") as f:
+            if MARKER not in f.read(4096):
+                raise ReportError(f"{path}: exists and was not written by jctr; not replaced")
+    out = os.path.join(log_dir, "report_files")
+    os.makedirs(out, exist_ok=True)
+    plots = _plots(records, out)
+    starts = [r for r in records if r.get("kind") == "start"]
+    config = starts[-1].get("config") if starts else None
+    esc = html.escape
+    parts = [
+        "<!DOCTYPE html>", "<html><head><meta charset=\"utf-8\">", MARKER,
+        f"<title>jctr run report: {esc(os.path.abspath(log_dir))}</title>",
+        "<style>body{font-family:sans-serif;max-width:860px;margin:2em auto}"
+        "table{border-collapse:collapse}td{padding:2px 12px 2px 0}"
+        "pre{background:#f4f4f4;padding:8px;overflow:auto;font-size:12px}</style>",
+        "</head><body>",
+        f"<h1>Run report</h1><p>{esc(os.path.abspath(log_dir))}<br>jctr {esc(__version__)}, "
+        f"written {esc(time.strftime('%Y-%m-%d %H:%M:%S'))}, {len(records)} log records</p>",
+        "<h2>Summary</h2><table>",
+        *[f"<tr><td>{esc(k)}</td><td>{esc(v)}</td></tr>" for k, v in _summary_rows(records)],
+        "</table>",
+    ]
+    for name, caption in plots:
+        parts.append(f"<h2>{esc(caption)}</h2><img src=\"report_files/{name}\" "
+                     f"width=\"{WIDTH}\" height=\"{HEIGHT}\" alt=\"{esc(caption)}\" "
+                     "onload=\"this.dataset.rendered=this.naturalWidth+'x'+this.naturalHeight\">")
+    if config is not None:
+        parts.append("<h2>Config</h2><pre>" + esc(json.dumps(config, indent=1), quote=False)
+                     + "</pre>")
+    parts.append("</body></html>")
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write("\n".join(parts))
+    os.replace(tmp, path)
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m jctr.report",
+                                 description="Write report.html (plots of loss, validation "
+                                             "metrics, throughput, table fill; summary; config) "
+                                             "of a run's log folder.")
+    ap.add_argument("run_dir", help="the run's solver.log_dir (holding metrics.jsonl)")
+    ap.add_argument("--debug", action="store_true", help="show tracebacks with errors")
+    args = ap.parse_args(argv)
+    return run_command(lambda: print(write_report(args.run_dir)), debug=args.debug)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""What a run leaves and shows besides metrics.jsonl: TensorBoard event files, report.html with
+its plots (rendered in headless Chromium), the progress display, and the ``jctr`` command."""
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from jctr.config import load_config
+from jctr.train.progress import Progress, format_seconds
+from jctr.train.report import ReportError, write_report
+from jctr.train.trainer import Trainer
+from tests.conftest import ROOT, tiny_config
+
+
+def _events(folder: str) -> dict[str, list[tuple[int, float]]]:
+    """Scalars of the TensorBoard event files in ``folder`` (TFRecord framing, Event protos)."""
+    from tensorboardX.proto.event_pb2 import Event
+
+    out: dict[str, list[tuple[int, float]]] = {}
+    for name in sorted(os.listdir(folder)):
+        with open(os.path.join(folder, name), "rb") as f:
+            data = f.read()
+        pos = 0
+        while pos + 12 <= len(data):
+            (length,) = struct.unpack("<Q", data[pos:pos + 8])
+            record = data[pos + 12:pos + 12 + length]
+            pos += 12 + length + 4
+            event = Event.FromString(record)
+            for v in event.summary.value:
+                out.setdefault(v.tag, []).append((event.step, v.simple_value))
+    return out
+
+
+def _png_size(path: str) -> tuple[int, int]:
+    with open(path, "rb") as f:
+        head = f.read(24)
+    assert head[:8] == b"\x89PNG\r\n\x1a\n", path
+    return struct.unpack(">II", head[16:24])
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("outputs")
+    cfg = tiny_config(tmp, "wdl", max_iter=30, display=10, eval_interval=15, eval_batches=2,
+                      log_dir=str(tmp / "logs"))
+    lines: list[str] = []
+    t = Trainer(load_config(cfg), log=lines.append)
+    t.fit()
+    return tmp / "logs", lines, t
+
+
+def test_tensorboard_event_files_hold_the_runs_scalars(run):
+    logs, _, t = run
+    scalars = _events(str(logs / "tensorboard"))
+    for tag in ("train/loss", "train/samples_per_s", "train/step_time_ms", "train/lr",
+                "validation/AUC", "tables/sparse_embedding1/fill",
+                "tables/sparse_embedding2/rows"):
+        assert tag in scalars, sorted(scalars)
+    assert [s for s, _ in scalars["train/loss"]] == [10, 20, 30]
+    assert [s for s, _ in scalars["validation/AUC"]] == [15, 30]
+    evals = [h for h in t.history if h["kind"] == "eval"]
+    assert scalars["validation/AUC"][-1][1] == pytest.approx(evals[-1]["AUC"], abs=1e-6)
+    fill = scalars["tables/sparse_embedding1/fill"][-1][1]
+    assert 0 < fill <= 1
+
+
+def test_report_html_plots_render_in_chromium(run, tmp_path):
+    logs, _, _ = run
+    report = logs / "report.html"
+    assert report.is_file()
+    text = report.read_text()
+    for png in ("loss.png", "validation.png", "throughput.png", "tables.png"):
+        assert f"report_files/{png}" in text
+        assert _png_size(str(logs / "report_files" / png)) == (800, 360)
+    assert '"max_iter": 30' in text  # the run's config
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert chromium, "Debian's chromium is installed by scripts/setup_services.sh"
+    out = subprocess.run(
+        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+         "--no-first-run", "--disable-background-networking", "--disable-component-update",
+         "--disable-sync", f"--user-data-dir={tmp_path / 'chromium'}",
+         "--virtual-time-budget=10000", "--dump-dom", report.as_uri()],
+        capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count('data-rendered="800x360"') == 4, out.stdout[:3000]
+
+
+def test_report_command_and_foreign_reports(run, tmp_path):
+    logs, _, _ = run
+    copy = tmp_path / "copy"
+    shutil.copytree(logs, copy)
+    (copy / "report.html").unlink()
+    out = subprocess.run([sys.executable, "-m", "jctr.report", str(copy)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == str(copy / "report.html")
+    (copy / "report.html").write_text("<html>my own notes</html>")
+    with pytest.raises(ReportError, match="was not written by jctr; not replaced"):
+        write_report(str(copy))
+    assert (copy / "report.html").read_text() == "<html>my own notes</html>"
+    with pytest.raises(ReportError, match="metrics.jsonl: no such file"):
+        write_report(str(tmp_path / "empty"))
+
+
+def test_terminal_shows_compile_time_eta_and_a_summary(run):
+    _, lines, _ = run
+    text = "\n".join(lines)
+    assert "first step (compiling the train step)" in text
+    iter_lines = [x for x in lines if x.startswith("[jctr] iter ")]
+    assert len(iter_lines) == 3 and all("elapsed" in x for x in iter_lines)
+    assert "ETA" in iter_lines[0]
+    assert any(x.startswith("[jctr] done: 30 iterations") for x in lines), text
+
+
+def test_progress_bar_on_a_terminal(capsys):
+    p = Progress(total=100, start=0, write=print, bar=True)
+    p.first_step_done(1.5)
+    p.update(50, loss=0.5, rate=1234.0)
+    p.write("[jctr] a log line")
+    p.close()
+    err = capsys.readouterr().err
+    assert "50/100" in err and "loss 0.50000" in err and "a log line" in err
+    assert format_seconds(59) == "59s" and format_seconds(61) == "1m01s"
+    assert format_seconds(3700) == "1h01m"
+
+
+def test_jctr_command_mirrors_the_module_commands(tmp_path):
+    def jctr(*args):
+        return subprocess.run([sys.executable, "-m", "jctr", *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120)
+
+    from jctr.version import __version__
+
+    out = jctr("--version")
+    assert out.returncode == 0 and out.stdout.strip() == f"jctr {__version__}"
+    out = jctr("--help")
+    assert out.returncode == 0
+    for name in ("train", "export", "serve", "report", "synth", "convert", "from-csv"):
+        assert f"  {name} " in out.stdout
+    out = jctr("nope")
+    assert out.returncode == 2 and "unknown command 'nope'" in out.stderr
+    out = jctr("train", "--config", str(tmp_path / "missing.json"))
+    assert out.returncode == 2 and "missing.json" in out.stderr
+    out = jctr("report", str(tmp_path))
+    assert out.returncode == 2 and "metrics.jsonl: no such file" in out.stderr

@@ -1,7 +1,8 @@
 """jctr: click-through-rate recommender training and serving with huge hash embeddings on JAX.
 
-Importing jctr enables 64-bit integers in JAX, because embedding keys are 64-bit end to end;
-every float array jctr creates carries an explicit dtype so nothing silently becomes float64.
+Every jctr package that uses JAX enables 64-bit integers in it first (:mod:`jctr._x64`),
+because embedding keys are 64-bit end to end; every float array jctr creates carries an explicit
+dtype so nothing silently becomes float64. ``import jctr`` itself does not start JAX.
 
 Example::
 
@@ -11,11 +12,7 @@ Example::
     print(trainer.evaluate())
 """
 
-import jax
-
-jax.config.update("jax_enable_x64", True)
-
-from jctr.version import __version__ as __version__  # noqa: E402
+from jctr.version import __version__ as __version__
 
 
 def __getattr__(name):

@@ -31,7 +31,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jctr  # noqa: E402,F401
+import jctr._x64  # noqa: E402,F401  (64-bit keys)
 from jctr.config import parse_config  # noqa: E402
 from jctr.data.loader import open_dataset  # noqa: E402
 from jctr.data.synthetic import write_dataset, write_format  # noqa: E402

@@ -36,7 +36,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import jctr  # noqa: E402,F401
+import jctr._x64  # noqa: E402,F401  (64-bit keys)
 from jctr.config.hps import PersistentDatabaseParams, VolatileDatabaseParams  # noqa: E402
 from jctr.data.synthetic import power_law_ranks  # noqa: E402
 from jctr.serving.device_cache import DeviceCache  # noqa: E402

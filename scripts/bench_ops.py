@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jctr  # noqa: F401
+import jctr._x64  # noqa: F401  (64-bit keys)
 from jctr.ops import bag as bag_ref
 from jctr.ops import dispatch, hashing, interaction
 

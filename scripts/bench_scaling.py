@@ -31,7 +31,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-import jctr  # noqa: E402,F401
+import jctr._x64  # noqa: E402,F401  (64-bit keys)
 from jctr.runtime.host_memory import reexec_with_malloc_tuning  # noqa: E402
 from scripts.bench_train import jctr_batch, jctr_config, make_batches  # noqa: E402
 from scripts.make_configs import KAGGLE_CAPPED  # noqa: E402

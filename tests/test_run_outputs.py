@@ -147,3 +147,33 @@ def test_jctr_command_mirrors_the_module_commands(tmp_path):
     assert out.returncode == 2 and "missing.json" in out.stderr
     out = jctr("report", str(tmp_path))
     assert out.returncode == 2 and "metrics.jsonl: no such file" in out.stderr
+
+
+@pytest.mark.parametrize("command", [
+    ["-m", "jctr", "--help"], ["-m", "jctr", "--version"], ["-m", "jctr.train", "--help"],
+    ["-m", "jctr", "train", "--help"], ["-m", "jctr.export", "--help"],
+    ["-m", "jctr.serve", "--help"], ["-m", "jctr.report", "--help"],
+])
+def test_help_answers_without_starting_jax(command):
+    out = subprocess.run([sys.executable, "-X", "importtime", *command], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip()
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "jctr" in imported and "jax" not in imported
+
+
+def test_bfloat16_on_a_cpu_without_bf16_warns(tmp_path, monkeypatch):
+    import jctr.train.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "has_bf16_matmul", lambda: False)
+    lines: list[str] = []
+    Trainer(load_config(tiny_config(tmp_path, "dlrm", compute_dtype="bfloat16")),
+            log=lines.append)
+    assert any("warning: compute_dtype bfloat16 on a CPU without AVX512-BF16" in x
+               for x in lines)
+    monkeypatch.setattr(trainer_module, "has_bf16_matmul", lambda: True)
+    lines.clear()
+    Trainer(load_config(tiny_config(tmp_path, "dlrm", compute_dtype="bfloat16")),
+            log=lines.append)
+    assert not any("warning" in x for x in lines)

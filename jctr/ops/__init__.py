@@ -2,6 +2,7 @@
 the implementation per platform (Pallas/Triton kernels on GPU, the XLA formulations and native
 kernels for the hash lookup and the dot interaction on CPU)."""
 
+import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.ops.bag import embedding_bag, gather_rows, key_gradients, sum_at_representatives
 from jctr.ops.dispatch import (
     dot_interaction,

@@ -23,6 +23,8 @@ import os
 import jax
 import jax.numpy as jnp
 
+import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
+
 _CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 

@@ -12,20 +12,21 @@ from jctr.config.hps import (
     VolatileDatabaseParams,
     load_ps_config,
 )
-from jctr.serving.bundle import InferenceModel, check_bundle_target, export_bundle
-from jctr.serving.export import export_checkpoint
+
+# lazy: `python -m jctr.serve --help` must not start JAX, and the HPS pulls the stores' clients
+# only when used
+_LAZY = {
+    "InferenceModel": "jctr.serving.bundle", "check_bundle_target": "jctr.serving.bundle",
+    "export_bundle": "jctr.serving.bundle", "export_checkpoint": "jctr.serving.export",
+    "Databases": "jctr.serving.hps", "HPSModel": "jctr.serving.hps_model",
+}
 
 
 def __getattr__(name):
-    # lazy: the HPS pulls the stores' clients only when used
-    if name == "Databases":
-        from jctr.serving.hps import Databases
+    if name in _LAZY:
+        import importlib
 
-        return Databases
-    if name == "HPSModel":
-        from jctr.serving.hps_model import HPSModel
-
-        return HPSModel
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)
 
 

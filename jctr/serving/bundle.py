@@ -21,6 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
+import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.checkpoint.model_files import ModelFileError, load_model_files, write_model_files
 from jctr.config import ConfigError, ModelConfig, parse_config
 from jctr.data.batch import Batch, check_batch

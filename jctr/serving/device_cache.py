@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.ops import hash_keys
 
 WAYS = 8

@@ -7,13 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-import jax
-
-from jctr.checkpoint.manager import Checkpointer, CheckpointError
-from jctr.config import ConfigError, parse_config
 from jctr.errors import run_command
-from jctr.models.ctr import build_model
-from jctr.serving.bundle import check_bundle_target, export_bundle
 
 
 def export_checkpoint(checkpoint: str, output: str, step: int | None = None) -> str:
@@ -24,6 +18,14 @@ def export_checkpoint(checkpoint: str, output: str, step: int | None = None) -> 
 
         export_checkpoint("runs/checkpoints", "bundles/dlrm")
     """
+    # here, not at the top: `python -m jctr.export --help` answers without starting JAX
+    import jax
+
+    from jctr.checkpoint.manager import Checkpointer, CheckpointError
+    from jctr.config import ConfigError, parse_config
+    from jctr.models.ctr import build_model
+    from jctr.serving.bundle import check_bundle_target, export_bundle
+
     check_bundle_target(output)  # before the (slow) restore
     ckpt = Checkpointer(checkpoint)
     meta = ckpt.read_meta(step)

@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.checkpoint.model_files import ModelFileError, load_model_files, read_sparse_model
 from jctr.config import ConfigError
 from jctr.config.hps import MODEL_JSON_KEYS, InferenceParams

@@ -1,6 +1,5 @@
 import sys
 
-import jctr  # noqa: F401  (enables 64-bit keys before anything else touches JAX)
 from jctr.runtime.host_memory import reexec_with_malloc_tuning
 
 reexec_with_malloc_tuning(["-m", "jctr.train", *sys.argv[1:]])

@@ -7,7 +7,6 @@ import sys
 
 from jctr.config import ConfigError, load_config, override_solver
 from jctr.errors import run_command
-from jctr.sharding.distributed import initialize_distributed
 
 
 def _iterations_or_epoch(text: str) -> int | str:
@@ -85,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(args: argparse.Namespace) -> None:
     # before anything touches a device: join the cluster the environment describes
+    from jctr.sharding.distributed import initialize_distributed  # JAX: not for --help
+
     initialize_distributed()
     cfg = load_config(args.config)
     overrides, flags = {}, {}

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import optax
 
+import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.config.schema import OptimizerConfig
 from jctr.train.schedules import learning_rate_schedule
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.config.schema import OptimizerConfig
 
 

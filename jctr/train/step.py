@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.data.batch import Batch
 from jctr.embedding.engine import LocalEmbeddings
 from jctr.models.ctr import StepConfig, TrainState, forward

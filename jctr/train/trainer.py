@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.checkpoint.model_files import load_model_files, save_model_files
 from jctr.checkpoint.snapshots import restore_snapshot, save_snapshot
 from jctr.config import ConfigError, ModelConfig, load_config, override_solver
@@ -26,6 +27,7 @@ from jctr.data.synthetic import generate_for_config
 from jctr.embedding.hash_table import TableFullError
 from jctr.errors import UserError
 from jctr.models.ctr import build_model, make_eval_step, with_lr_scale
+from jctr.runtime.cpu import has_bf16_matmul
 from jctr.runtime.host_memory import describe_malloc_tuning
 from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding import to_host
@@ -114,6 +116,10 @@ class Trainer:
         self._print(self.placed.describe())
         if jax.default_backend() == "cpu":
             self._print(describe_malloc_tuning())
+            if cfg.solver.compute_dtype == "bfloat16" and not has_bf16_matmul():
+                self._print("[jctr] warning: compute_dtype bfloat16 on a CPU without "
+                            "AVX512-BF16 or AMX: XLA emulates bfloat16 here, slower than "
+                            "float32 (docs/performance.md); use float32 on this machine")
         self.state = self.placed.create(init_state)
         self._jit_steps()
         self._train_data: Dataset | None = None

@@ -11,10 +11,9 @@ answer without starting JAX.
 
 from __future__ import annotations
 
-import importlib
 import sys
 
-# subcommand -> (module with main(argv), one line of help)
+# subcommand -> (module with main(argv), one line of help); _command_main imports it
 COMMANDS = {
     "train": ("jctr.train.cli", "train from a HugeCTR-style JSON config"),
     "export": ("jctr.serving.export", "write an inference bundle from a checkpoint"),
@@ -56,8 +55,30 @@ def main(argv: list[str] | None = None) -> int:
         from jctr.runtime.host_memory import reexec_with_malloc_tuning
 
         reexec_with_malloc_tuning(["-m", "jctr.train", *rest])
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    return int(_command_main(name)(rest) or 0)
+
+
+def _command_main(name: str):
+    """The subcommand's ``main`` (imported only now: the others' dependencies stay unloaded)."""
+    if name == "train":
+        from jctr.train.cli import main
+    elif name == "export":
+        from jctr.serving.export import main
+    elif name == "serve":
+        from jctr.serving.cli import main
+    elif name == "report":
+        from jctr.train.report import main
+    elif name == "synth":
+        from jctr.data.synthetic import main
+    elif name == "convert":
+        from jctr.data.criteo import main
+    elif name == "from-csv":
+        from jctr.data.from_csv import main
+    elif name == "transcode":
+        from jctr.data.transcode import main
+    else:
+        from jctr.data.gen_csv import main
+    return main
 
 
 if __name__ == "__main__":

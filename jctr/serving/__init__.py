@@ -13,20 +13,26 @@ from jctr.config.hps import (
     load_ps_config,
 )
 
-# lazy: `python -m jctr.serve --help` must not start JAX, and the HPS pulls the stores' clients
-# only when used
-_LAZY = {
-    "InferenceModel": "jctr.serving.bundle", "check_bundle_target": "jctr.serving.bundle",
-    "export_bundle": "jctr.serving.bundle", "export_checkpoint": "jctr.serving.export",
-    "Databases": "jctr.serving.hps", "HPSModel": "jctr.serving.hps_model",
-}
-
 
 def __getattr__(name):
-    if name in _LAZY:
-        import importlib
+    # lazy: `python -m jctr.serve --help` must not start JAX, and the HPS pulls the stores'
+    # clients only when used
+    if name in ("InferenceModel", "check_bundle_target", "export_bundle"):
+        from jctr.serving import bundle
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        return getattr(bundle, name)
+    if name == "export_checkpoint":
+        from jctr.serving.export import export_checkpoint
+
+        return export_checkpoint
+    if name == "Databases":
+        from jctr.serving.hps import Databases
+
+        return Databases
+    if name == "HPSModel":
+        from jctr.serving.hps_model import HPSModel
+
+        return HPSModel
     raise AttributeError(name)
 
 

@@ -241,8 +241,9 @@ class Trainer:
         fatal: the model is trained and saved by now."""
         if not self.solver.log_dir or jax.process_index() != 0:
             return
-        if self._board is not None:
-            self._board.writer.flush()
+        if self._board is not None:  # the event file is complete; a later fit opens another
+            self._board.close()
+            self._board = None
         try:
             self._print(f"[jctr] report: {write_report(self.solver.log_dir)}")
         except (UserError, OSError) as e:

@@ -177,3 +177,19 @@ def test_bfloat16_on_a_cpu_without_bf16_warns(tmp_path, monkeypatch):
     Trainer(load_config(tiny_config(tmp_path, "dlrm", compute_dtype="bfloat16")),
             log=lines.append)
     assert not any("warning" in x for x in lines)
+
+
+def test_solver_flags_users_reach_for(tmp_path):
+    from jctr.config import ConfigError
+    from jctr.train.cli import apply_flags, build_parser
+
+    cfg = load_config(tiny_config(tmp_path, "dlrm"))
+    args = build_parser().parse_args([
+        "--config", "x.json", "--snapshot", "50", "--snapshot-keep", "5", "--eval-metrics",
+        "AUC,LogLoss", "--input-key-type", "I32", "--max-iter", "7"])
+    s = apply_flags(cfg, args).solver
+    assert (s.snapshot, s.snapshot_keep, s.max_iter, s.input_key_type) == (50, 5, 7, "I32")
+    assert [m.name for m in s.eval_metrics] == ["AUC", "LogLoss"]
+    bad = build_parser().parse_args(["--config", "x.json", "--eval-metrics", "AUC,Nope"])
+    with pytest.raises(ConfigError, match="--eval-metrics"):
+        apply_flags(cfg, bad)

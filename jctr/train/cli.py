@@ -36,6 +36,10 @@ _OVERRIDES = (
     ("--snapshot-prefix", "snapshot_prefix", str, "checkpoints go to <prefix>checkpoints"),
     ("--nan-policy", "nan_policy", str, "stop (default) or skip a batch whose loss is not "
                                         "finite"),
+    ("--snapshot-keep", "snapshot_keep", int, "checkpoints kept (the oldest go first)"),
+    ("--eval-metrics", "eval_metrics", lambda t: [m for m in t.split(",") if m],
+     "comma-separated metrics, e.g. AUC,LogLoss (AUC:0.8025 stops at that AUC)"),
+    ("--input-key-type", "input_key_type", str, "I32 or I64: the key width of the data files"),
 )
 
 
@@ -82,12 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(lambda: _train(args), debug=args.debug)
 
 
-def _train(args: argparse.Namespace) -> None:
-    # before anything touches a device: join the cluster the environment describes
-    from jctr.sharding.distributed import initialize_distributed  # JAX: not for --help
-
-    initialize_distributed()
-    cfg = load_config(args.config)
+def apply_flags(cfg, args: argparse.Namespace):
+    """``cfg`` with the solver fields the command line overrides (validated like the file;
+    an error names the flag)."""
     overrides, flags = {}, {}
     for flag, field, _, _ in _OVERRIDES:
         value = getattr(args, flag[2:].replace("-", "_"))
@@ -95,7 +96,15 @@ def _train(args: argparse.Namespace) -> None:
             overrides[field], flags[field] = value, flag
     if args.gpu is not None:
         overrides["gpu"], flags["gpu"] = _parse_gpu_flag(args.gpu), "--gpu"
-    cfg = override_solver(cfg, overrides, names=flags)
+    return override_solver(cfg, overrides, names=flags)
+
+
+def _train(args: argparse.Namespace) -> None:
+    # before anything touches a device: join the cluster the environment describes
+    from jctr.sharding.distributed import initialize_distributed  # JAX: not for --help
+
+    initialize_distributed()
+    cfg = apply_flags(load_config(args.config), args)
     from jctr.train.trainer import Trainer
 
     trainer = Trainer(cfg, generate_data=not args.no_generate, force=args.force)

@@ -40,12 +40,16 @@ def _sets_of(keys: jax.Array, num_sets: int) -> jax.Array:
     return (hash_keys(keys) % np.uint64(num_sets)).astype(jnp.int32)
 
 
-@partial(jax.jit, donate_argnums=0)
-def _query(state: CacheState, keys: jax.Array, valid: jax.Array):
+def _find(state: CacheState, keys: jax.Array, valid: jax.Array):
+    """(set, hit, way) of each key."""
     sets = _sets_of(keys, state.keys.shape[0])
     match = (state.keys[sets] == keys[:, None]) & (state.stamps[sets] >= 0) & valid[:, None]
-    hit = jnp.any(match, axis=1)
-    way = jnp.argmax(match, axis=1).astype(jnp.int32)
+    return sets, jnp.any(match, axis=1), jnp.argmax(match, axis=1).astype(jnp.int32)
+
+
+@partial(jax.jit, donate_argnums=0)
+def _query(state: CacheState, keys: jax.Array, valid: jax.Array):
+    sets, hit, way = _find(state, keys, valid)
     values = jnp.where(hit[:, None], state.values[sets, way], 0.0)
     clock = state.clock + 1
     stamps = state.stamps.at[jnp.where(hit, sets, state.keys.shape[0]), way].set(
@@ -80,10 +84,7 @@ def _insert(state: CacheState, keys: jax.Array, values: jax.Array, valid: jax.Ar
 @partial(jax.jit, donate_argnums=0)
 def _refresh(state: CacheState, keys: jax.Array, values: jax.Array, valid: jax.Array):
     """New values for keys still cached (no stamp change: a refresh is not a use)."""
-    sets = _sets_of(keys, state.keys.shape[0])
-    match = (state.keys[sets] == keys[:, None]) & (state.stamps[sets] >= 0) & valid[:, None]
-    hit = jnp.any(match, axis=1)
-    way = jnp.argmax(match, axis=1).astype(jnp.int32)
+    sets, hit, way = _find(state, keys, valid)
     row = jnp.where(hit, sets, state.keys.shape[0])
     return state._replace(values=state.values.at[row, way].set(values, mode="drop"))
 

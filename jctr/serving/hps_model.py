@@ -46,15 +46,12 @@ _JSON_NAMES = {v: k for k, v in MODEL_JSON_KEYS.items()}
 class _Table:
     """One embedding table of a served model."""
 
-    def __init__(self, key: str, spec, default: float, rows: int, cache: DeviceCache | None,
-                 width: int):
+    def __init__(self, key: str, spec, default: float, cache: DeviceCache | None):
         self.key = key  # hps_et.<model>.<table>
         self.spec = spec
         self.dim = spec.dim
         self.default = default
-        self.rows = rows
         self.cache = cache
-        self.width = width  # keys per sample (static)
         self.counts = dict.fromkeys(LAYERS, 0)
         self.queries = 0
 
@@ -92,10 +89,8 @@ class HPSModel:
             if params.use_gpu_embedding_cache and params.cache_size_percentage > 0:
                 cache = DeviceCache(max(1, math.ceil(rows * params.cache_size_percentage)),
                                     spec.dim)
-            width = spec.max_features
             self.tables.append(_Table(params.table_key(i), spec,
-                                      float(params.default_value_for_each_table[i]), rows,
-                                      cache, width))
+                                      float(params.default_value_for_each_table[i]), cache))
         self._forward = _make_forward(step_config)
         self._lock = threading.Lock()
         pool_size = params.number_of_worker_buffers_in_pool

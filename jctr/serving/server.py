@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from jctr.data.batch import BatchError
+from jctr.serving.hps import LAYERS
 from jctr.version import __version__
 
 DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
@@ -237,8 +238,7 @@ class Metrics:
                                         labels=["model", "table"])
                 for name, model in models.items():
                     for table, s in model.stats().items():
-                        for layer in ("device_cache", "volatile_db", "persistent_db",
-                                      "default"):
+                        for layer in LAYERS:
                             lookups.add_metric([name, table, layer], s[layer])
                         hit.add_metric([name, table], s["hit_rate"])
                         cap.add_metric([name, table], s["cache_capacity"])

@@ -139,6 +139,7 @@ class Trainer:
         self._best_copy = None  # host copy of the state at early stopping's best evaluation
         self._test_data: dict[str, Dataset] = {}
         self._norms = jax.jit(_embedding_norms)
+        self._lr_at = jax.jit(learning_rate_schedule(cfg.optimizer))
         if cfg.solver.dense_model_file or cfg.solver.sparse_model_file:
             self.load_model_files(cfg.solver.dense_model_file, cfg.solver.sparse_model_file)
 
@@ -380,7 +381,6 @@ class Trainer:
         printer = self._print
         progress = Progress(max_iter, done, printer, bar=None if self._default_print else False)
         self._print = progress.write
-        lr_at = learning_rate_schedule(self.cfg.optimizer)
         try:
             for batch, position, fits, filled in batches:
                 if jax.process_count() > 1:  # every process must run the same program
@@ -412,7 +412,7 @@ class Trainer:
                     rate = window_n / max(now - window_t, 1e-9)
                     step_ms = 1e3 * (now - window_t) / steps
                     window_t, window_n = now, 0
-                    lr = float(lr_at(done - 1)) * float(to_host(self.state.lr_scale))
+                    lr = self._learning_rate(done)
                     progress.update(done, loss, rate)
                     self._print(f"[jctr] iter {done}"
                                 + (f"/{max_iter}" if max_iter else "")
@@ -469,6 +469,11 @@ class Trainer:
         self._write_report()
         return self.history
 
+    def _learning_rate(self, step: int) -> float:
+        """The rate of the update after ``step`` updates: the schedule's (warm-up, decay)
+        times the plateau factor."""
+        return float(self._lr_at(step)) * float(to_host(self.state.lr_scale))
+
     def _final_line(self, trained: int, elapsed: float, compile_s: float | None,
                     rate: float) -> str:
         line = (f"[jctr] done: {trained} iterations in {format_seconds(elapsed)}"
@@ -487,7 +492,7 @@ class Trainer:
         and let early stopping and the plateau schedule act. True: stop training."""
         result = self.evaluate()
         norms = self.embedding_norms()
-        lr = self.cfg.optimizer.learning_rate * float(to_host(self.state.lr_scale))
+        lr = self._learning_rate(step)
         parts = [f"{k} {v:.5f}" for k, v in result.items()]
         self._print(f"[jctr] eval at iter {step}" + (f" (epoch {epoch})" if epoch else "")
                     + ": " + "  ".join(parts) + "  |  " + "  ".join(

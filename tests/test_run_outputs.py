@@ -1,6 +1,7 @@
 """What a run leaves and shows besides metrics.jsonl: TensorBoard event files, report.html with
 its plots (rendered in headless Chromium), the progress display, and the ``jctr`` command."""
 
+import dataclasses
 import os
 import shutil
 import struct
@@ -193,3 +194,39 @@ def test_solver_flags_users_reach_for(tmp_path):
     bad = build_parser().parse_args(["--config", "x.json", "--eval-metrics", "AUC,Nope"])
     with pytest.raises(ConfigError, match="--eval-metrics"):
         apply_flags(cfg, bad)
+
+
+def test_lr_flag_sets_the_optimizer_rate_and_errors_name_it(tmp_path):
+    from jctr.config import ConfigError
+    from jctr.train.cli import apply_flags, build_parser
+
+    raw = tiny_config(tmp_path, "dlrm")
+    # an embedding with its own optimizer keeps its own rate
+    raw["layers"][1]["optimizer"] = {"type": "SGD", "sgd_hparam": {"learning_rate": 0.3}}
+    cfg = load_config(raw)
+    args = build_parser().parse_args(["--config", "x.json", "--lr", "0.0123", "--max-iter", "3"])
+    new = apply_flags(cfg, args)
+    assert new.optimizer.learning_rate == 0.0123 and new.solver.max_iter == 3
+    assert new.optimizer.type == cfg.optimizer.type
+    assert new.embeddings[0].optimizer.learning_rate == 0.3
+    # the rest of the optimizer is untouched
+    assert dataclasses.replace(new.optimizer, learning_rate=cfg.optimizer.learning_rate) \
+        == cfg.optimizer
+    bad = build_parser().parse_args(["--config", "x.json", "--lr", "-1"])
+    with pytest.raises(ConfigError, match=r"^--lr: "):
+        apply_flags(cfg, bad)
+
+
+def test_epoch_runs_show_an_eta_from_the_data_size(tmp_path):
+    cfg = tiny_config(tmp_path, "dlrm", display=4, eval_interval="epoch", eval_batches=1)
+    cfg["solver"].pop("max_iter")
+    cfg["solver"]["num_epochs"] = 2
+    cfg["layers"][0]["synthetic"].update(num_samples=5000, eval_num_samples=512)
+    lines: list[str] = []
+    Trainer(load_config(cfg), log=lines.append).fit()
+    iter_lines = [x for x in lines if x.startswith("[jctr] iter ")]
+    # 5000 samples in batches of 512: 10 iterations per epoch (the last one padded)
+    assert any(x.startswith("[jctr] epoch 2 done at iter 20") for x in lines), lines
+    assert [x.split()[2] for x in iter_lines] == ["4", "8", "12", "16", "20"]
+    assert all("ETA" in x for x in iter_lines[1:])
+    assert "ETA 0s" in iter_lines[-1]

@@ -91,20 +91,38 @@ class VolatileDatabaseParams:
     """
 
     type: str = "parallel_hash_map"
+    """``hash_map``, ``parallel_hash_map``, ``redis_cluster`` or ``disabled``."""
     address: str = "127.0.0.1:7000"
+    """Redis: the cluster's nodes, ``host[:port],host[:port],...`` (port 7000)."""
     user_name: str = "default"
+    """Redis: the user to authenticate as."""
     password: str = ""
+    """Redis: the password (empty: none)."""
     num_partitions: int | None = None
+    """Keys are split by hash into this many partitions, the unit of overflow handling (and in
+    Redis the unit spread over the nodes); default min(cores, 16), Redis 8."""
     allocation_rate: int = 268435456
+    """Hash maps: grow their rows by this many bytes at a time."""
     max_get_batch_size: int = 10000
+    """Redis: keys per lookup command (HMGET)."""
     max_set_batch_size: int = 10000
+    """Redis: keys per write command (HSET)."""
     overflow_margin: int = NO_LIMIT
+    """A partition holding more keys than this is cut back (default: no limit)."""
     overflow_policy: str = "evict_oldest"
+    """What a cut drops: ``evict_oldest`` (least recently written or, with
+    ``refresh_time_after_fetch``, read) or ``evict_random``."""
     overflow_resolution_target: float = 0.8
+    """A cut leaves ``overflow_margin * overflow_resolution_target`` keys."""
     initial_cache_rate: float = 1.0
+    """The share of each table written here at load (all of it without a persistent DB)."""
     refresh_time_after_fetch: bool = False
+    """A lookup refreshes a key's time, so ``evict_oldest`` drops the least recently read."""
     cache_missed_embeddings: bool = False
+    """Rows found in the persistent DB are written here."""
     update_filters: tuple[str, ...] = DEFAULT_UPDATE_FILTERS
+    """Regular expressions of the tables that take online updates (parsed; updates are not
+    consumed by this version)."""
 
     def __post_init__(self):
         _check_choice(self, "type", VOLATILE_TYPES)
@@ -149,12 +167,20 @@ class PersistentDatabaseParams:
     """
 
     type: str = "disabled"
+    """``rocks_db`` or ``disabled``."""
     path: str = "/tmp/rocksdb"
+    """The RocksDB folder (created if empty; a folder holding anything else is refused)."""
     num_threads: int = 16
+    """RocksDB background threads."""
     read_only: bool = False
+    """Open the database read-only (no load, no writes)."""
     max_get_batch_size: int = 10000
+    """Keys per multi-get."""
     max_set_batch_size: int = 10000
+    """Keys per write batch."""
     update_filters: tuple[str, ...] = DEFAULT_UPDATE_FILTERS
+    """Regular expressions of the tables that take online updates (parsed; updates are not
+    consumed by this version)."""
 
     def __post_init__(self):
         _check_choice(self, "type", PERSISTENT_TYPES)
@@ -170,13 +196,21 @@ class UpdateSourceParams:
     """Where online updates come from (``kafka_message_queue``; default ``null``: none)."""
 
     type: str = "null"
+    """``null`` (no online updates) or ``kafka_message_queue`` (refused by this version)."""
     brokers: str = "127.0.0.1:9092"
+    """Kafka: the brokers, ``host:port,...``."""
     metadata_refresh_interval_ms: int = 30000
+    """Kafka: how often topic metadata is refreshed."""
     poll_timeout_ms: int = 500
+    """Kafka: the longest a poll waits."""
     receive_buffer_size: int = 262144
+    """Kafka: the consumer's receive buffer in bytes."""
     max_batch_size: int = 8192
+    """Kafka: updates applied at once at most."""
     failure_backoff_ms: int = 50
+    """Kafka: the wait after a failed poll."""
     max_commit_interval: int = 32
+    """Kafka: batches between offset commits at most."""
 
     def __post_init__(self):
         _check_choice(self, "type", UPDATE_SOURCE_TYPES)
@@ -206,36 +240,70 @@ class InferenceParams:
     """
 
     model_name: str
+    """The model's name (requests address it; tables are ``hps_et.<model>.<table>``)."""
     max_batchsize: int
+    """The compiled batch size; larger requests are split, smaller ones padded."""
     dense_model_file: str
+    """The dense weights (a bundle's ``dense.model``)."""
     network_file: str
+    """The training config (a bundle's ``config.json``)."""
     sparse_model_files: tuple[str, ...]
+    """One HugeCTR sparse model folder (``key`` + ``emb_vector``) per embedding, in the
+    config's order."""
     i64_input_key: bool = True
+    """Keys are int64 (the file's ``supportlonglong``)."""
     hit_rate_threshold: float = 0.9
+    """A batch whose cache hit rate is below this inserts its misses before answering; above
+    it a worker thread inserts them."""
     use_gpu_embedding_cache: bool = True
+    """Keep a device embedding cache."""
     cache_size_percentage: float = 0.2
+    """Device cache rows as a share of the rows in the sparse model files."""
     use_mixed_precision: bool = False
+    """Accepted; no effect (the model computes in its config's ``compute_dtype``)."""
     scaler: float = 1.0
+    """Accepted; no effect (HugeCTR's mixed-precision output scale)."""
     use_algorithm_search: bool = True
+    """Accepted; no effect (XLA picks its own GEMM algorithms)."""
     use_cuda_graph: bool = True
+    """Accepted; no effect (XLA compiles the whole forward)."""
     number_of_worker_buffers_in_pool: int = 2
+    """Asynchronous cache inserts in flight at most; beyond it inserts run synchronously."""
     number_of_refresh_buffers_in_pool: int = 1
+    """Accepted; no effect (one refresher thread)."""
     thread_pool_size: int = 16
+    """Accepted; no effect."""
     cache_refresh_percentage_per_iteration: float = 0.1
+    """The share of the cache one refresh step re-reads from the databases."""
     deployed_devices: tuple[int, ...] = (0,)
+    """Accepted; the model runs on the first local device."""
     default_value_for_each_table: tuple[float, ...] = ()
+    """Per table, the value of every component of a key no layer knows (default 0)."""
     volatile_db: VolatileDatabaseParams = field(default_factory=VolatileDatabaseParams)
+    """The volatile database (the file's ``volatile_db``)."""
     persistent_db: PersistentDatabaseParams = field(default_factory=PersistentDatabaseParams)
+    """The persistent database (the file's ``persistent_db``)."""
     update_source: UpdateSourceParams = field(default_factory=UpdateSourceParams)
+    """Where online updates come from (the file's ``update_source``)."""
     maxnum_des_feature_per_sample: int = 26
+    """Checked against the network's dense features."""
     refresh_delay: float = 0.0
+    """Seconds before the first cache refresh."""
     refresh_interval: float = 0.0
+    """Seconds between cache refreshes (0: none)."""
     maxnum_catfeature_query_per_table_per_sample: tuple[int, ...] = ()
+    """Per table, keys per sample; checked against the network (empty: taken from it)."""
     embedding_vecsize_per_table: tuple[int, ...] = ()
+    """Per table, the vector size; checked against the network (empty: taken from it)."""
     embedding_table_names: tuple[str, ...] = ()
+    """Per table, its name in the databases (default ``sparse_embedding1``, ...)."""
     label_dim: int = 1
+    """Checked against the network's label width."""
     slot_num: int = 10
-    non_trainable_file: str | None = None  # jctr: BatchNorm statistics (default: beside dense)
+    """Informational; slots come from the network's Data layer."""
+    non_trainable_file: str | None = None
+    """jctr: the BatchNorm statistics JSON (default: ``non_trainable.json`` beside the dense
+    model file)."""
 
     def __post_init__(self):
         for name in ("model_name", "dense_model_file", "network_file"):
@@ -289,11 +357,17 @@ class ParameterServerConfig:
     """A parameter-server JSON file: the databases shared by its models, and the models."""
 
     models: tuple[InferenceParams, ...]
+    """The models served (objects below)."""
     supportlonglong: bool = True
+    """Keys are int64 (else int32)."""
     volatile_db: VolatileDatabaseParams = field(default_factory=VolatileDatabaseParams)
+    """The volatile database shared by the models (object below)."""
     persistent_db: PersistentDatabaseParams = field(default_factory=PersistentDatabaseParams)
+    """The persistent database shared by the models (object below)."""
     update_source: UpdateSourceParams = field(default_factory=UpdateSourceParams)
+    """Where online updates come from (object below)."""
     source: str | None = None
+    """Not in JSON: the file it came from."""
 
     def model(self, name: str) -> InferenceParams:
         for m in self.models:

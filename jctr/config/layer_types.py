@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import ClassVar, NamedTuple
 
 from jctr.config.reader import ConfigError, ObjectReader, describe, join_path
 
@@ -20,12 +20,16 @@ LOSS_TYPES = ("BinaryCrossEntropyLoss", "CrossEntropyLoss", "MultiCrossEntropyLo
 
 @dataclass(frozen=True)
 class FcParam:
+    json_object: ClassVar[str] = "fc_param"  # the fields sit in this object of the layer
+
     num_output: int
+    """``fc_param``: output width."""
     bias: bool = True
+    """``fc_param``: add a bias vector."""
 
 
 def _fc(r: ObjectReader):
-    p = r.child("fc_param")
+    p = r.child(FcParam.json_object)
     out = FcParam(num_output=p.int("num_output", min_value=1), bias=p.bool("bias", True))
     p.finish()
     return out
@@ -33,13 +37,16 @@ def _fc(r: ObjectReader):
 
 @dataclass(frozen=True)
 class EluParam:
+    json_object: ClassVar[str] = "elu_param"  # the fields sit in this object of the layer
+
     alpha: float = 1.0
+    """``elu_param``: the negative-side scale, ``alpha * (exp(x) - 1)`` below 0."""
 
 
 def _elu(r: ObjectReader):
-    if not r.has("elu_param"):
+    if not r.has(EluParam.json_object):
         return EluParam()
-    p = r.child("elu_param")
+    p = r.child(EluParam.json_object)
     out = EluParam(alpha=p.float("alpha", 1.0))
     p.finish()
     return out
@@ -48,6 +55,7 @@ def _elu(r: ObjectReader):
 @dataclass(frozen=True)
 class DropoutParam:
     rate: float = 0.5
+    """The fraction of activations dropped in training (0 to 0.99)."""
 
 
 def _dropout(r: ObjectReader):
@@ -56,14 +64,19 @@ def _dropout(r: ObjectReader):
 
 @dataclass(frozen=True)
 class BatchNormParam:
+    json_object: ClassVar[str] = "bn_param"  # the fields sit in this object of the layer
+
     factor: float = 1.0
+    """``bn_param``: running statistics become ``(1 - factor) * old + factor * batch``
+    (HugeCTR's; PyTorch's momentum 0.1 is factor 0.1)."""
     eps: float = 1e-5
+    """``bn_param``: added to the variance."""
 
 
 def _bn(r: ObjectReader):
-    if not r.has("bn_param"):
+    if not r.has(BatchNormParam.json_object):
         return BatchNormParam()
-    p = r.child("bn_param")
+    p = r.child(BatchNormParam.json_object)
     out = BatchNormParam(factor=p.float("factor", 1.0, min_value=0.0, max_value=1.0),
                          eps=p.float("eps", 1e-5, positive=True))
     p.finish()
@@ -73,6 +86,7 @@ def _bn(r: ObjectReader):
 @dataclass(frozen=True)
 class ReshapeParam:
     leading_dim: int
+    """The output is ``[batch, leading_dim]``; equals the input's per-sample size."""
 
 
 def _reshape(r: ObjectReader):
@@ -82,6 +96,7 @@ def _reshape(r: ObjectReader):
 @dataclass(frozen=True)
 class SliceParam:
     ranges: tuple[tuple[int, int], ...]
+    """``[[begin, end], ...]`` column ranges of the input, one top each."""
 
 
 def _slice(r: ObjectReader):
@@ -103,6 +118,7 @@ def _slice(r: ObjectReader):
 @dataclass(frozen=True)
 class MultiplyParam:
     weight_dims: tuple[int, int]
+    """``[slot_num, vec_size]``: the weight each input column is multiplied with."""
 
 
 def _multiply(r: ObjectReader):
@@ -115,6 +131,7 @@ def _multiply(r: ObjectReader):
 @dataclass(frozen=True)
 class FmOrder2Param:
     out_dim: int
+    """The width of one field (the embedding size)."""
 
 
 def _fm(r: ObjectReader):
@@ -123,11 +140,14 @@ def _fm(r: ObjectReader):
 
 @dataclass(frozen=True)
 class MultiCrossParam:
+    json_object: ClassVar[str] = "mc_param"  # the fields sit in this object of the layer
+
     num_layers: int
+    """``mc_param``: cross layers."""
 
 
 def _multicross(r: ObjectReader):
-    p = r.child("mc_param")
+    p = r.child(MultiCrossParam.json_object)
     out = MultiCrossParam(num_layers=p.int("num_layers", min_value=1))
     p.finish()
     return out
@@ -136,6 +156,7 @@ def _multicross(r: ObjectReader):
 @dataclass(frozen=True)
 class ReduceSumParam:
     axis: int = 1
+    """The axis summed (0 is the batch), kept with size 1."""
 
 
 def _reduce_sum(r: ObjectReader):
@@ -144,9 +165,13 @@ def _reduce_sum(r: ObjectReader):
 
 @dataclass(frozen=True)
 class LossParam:
-    regularizer: str | None = None  # "L1" or "L2"
+    regularizer: str | None = None
+    """``L1`` or ``L2`` on the fully connected weights: ``lambda * sum(abs(w)) / batch`` or
+    ``lambda/2 * sum(w^2) / batch`` joins the loss."""
     lambda_: float = 0.0
+    """``lambda``: the regularization strength (1e-4 when ``regularizer`` is set)."""
     target_weight: tuple[float, ...] = ()
+    """MultiCrossEntropyLoss: one weight per label column."""
 
 
 def _loss(r: ObjectReader):
@@ -176,28 +201,53 @@ class LayerType(NamedTuple):
     """How a dense layer type reads its parameters and how many bottoms and tops it takes."""
 
     parse: Callable[[ObjectReader], object]
+    params: type  # the parameters' dataclass (what ``parse`` returns)
     bottoms: tuple[int, int]  # (min, max)
     tops: int | None  # a count; None: one per Slice range; -1: any number >= 2
+    doc: str  # what it computes (the config reference prints it)
 
 
 LAYER_TYPES: dict[str, LayerType] = {
-    "InnerProduct": LayerType(_fc, (1, 1), 1),
-    "FusedInnerProduct": LayerType(_fc, (1, 1), 1),
-    "ReLU": LayerType(_none, (1, 1), 1),
-    "ELU": LayerType(_elu, (1, 1), 1),
-    "Dropout": LayerType(_dropout, (1, 1), 1),
-    "BatchNorm": LayerType(_bn, (1, 1), 1),
-    "Reshape": LayerType(_reshape, (1, 1), 1),
-    "Concat": LayerType(_none, (2, 5), 1),
-    "Slice": LayerType(_slice, (1, 1), None),
-    "Split": LayerType(_none, (1, 1), -1),  # any number >= 2 of copies
-    "Multiply": LayerType(_multiply, (1, 1), 1),
-    "FmOrder2": LayerType(_fm, (1, 1), 1),
-    "MultiCross": LayerType(_multicross, (1, 1), 1),
-    "ReduceSum": LayerType(_reduce_sum, (1, 1), 1),
-    "Add": LayerType(_none, (2, 16), 1),
-    "Interaction": LayerType(_none, (1, 2), 1),  # [dense, embeddings] or embeddings alone
-    "BinaryCrossEntropyLoss": LayerType(_loss, (2, 2), 1),
-    "CrossEntropyLoss": LayerType(_loss, (2, 2), 1),
-    "MultiCrossEntropyLoss": LayerType(_loss, (2, 2), 1),
+    "InnerProduct": LayerType(_fc, FcParam, (1, 1), 1, "fully connected, ``x @ W + b``"),
+    "FusedInnerProduct": LayerType(_fc, FcParam, (1, 1), 1, "fully connected followed by ReLU"),
+    "ReLU": LayerType(_none, NoParam, (1, 1), 1, "``max(x, 0)``"),
+    "ELU": LayerType(_elu, EluParam, (1, 1), 1, "exponential linear unit"),
+    "Dropout": LayerType(_dropout, DropoutParam, (1, 1), 1,
+                         "inverted dropout in training, the identity in evaluation"),
+    "BatchNorm": LayerType(_bn, BatchNormParam, (1, 1), 1,
+                           "batch normalization over the batch axis (padding samples left "
+                           "out); running statistics are saved as non-trainable JSON"),
+    "Reshape": LayerType(_reshape, ReshapeParam, (1, 1), 1,
+                         "flattens each sample: the output is ``[batch, leading_dim]``"),
+    "Concat": LayerType(_none, NoParam, (2, 5), 1,
+                        "joins 2-D inputs on the feature axis, 3-D inputs on the slot axis"),
+    "Slice": LayerType(_slice, SliceParam, (1, 1), None,
+                       "column ranges of the input, one top per range"),
+    "Split": LayerType(_none, NoParam, (1, 1), -1, "copies the input to every top (two or more)"),
+    "Multiply": LayerType(_multiply, MultiplyParam, (1, 1), 1,
+                          "``[batch, slots]`` times a weight ``[slots, vec]`` row by row, "
+                          "flattened to ``[batch, slots * vec]`` (DeepFM's dense embeddings)"),
+    "FmOrder2": LayerType(_fm, FmOrder2Param, (1, 1), 1,
+                          "the second-order factorization-machine term "
+                          "``0.5 * ((sum v)^2 - sum v^2)``: ``[batch, fields * out_dim]`` to "
+                          "``[batch, out_dim]``"),
+    "MultiCross": LayerType(_multicross, MultiCrossParam, (1, 1), 1,
+                            "DCN cross network, ``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l``"),
+    "ReduceSum": LayerType(_reduce_sum, ReduceSumParam, (1, 1), 1,
+                           "sum over ``axis``, kept with size 1"),
+    "Add": LayerType(_none, NoParam, (2, 16), 1, "elementwise sum of inputs of one shape"),
+    # [dense, embeddings] or embeddings alone
+    "Interaction": LayerType(_none, NoParam, (1, 2), 1,
+                             "DLRM dot interaction of ``[dense, embeddings]`` (or the "
+                             "embeddings alone): the dense vector, the pairwise dots and one "
+                             "zero pad column"),
+    "BinaryCrossEntropyLoss": LayerType(_loss, LossParam, (2, 2), 1,
+                                        "sigmoid cross-entropy of ``[batch, 1]`` logits "
+                                        "against the label"),
+    "CrossEntropyLoss": LayerType(_loss, LossParam, (2, 2), 1,
+                                  "two-class softmax cross-entropy; the label holds the class "
+                                  "index"),
+    "MultiCrossEntropyLoss": LayerType(_loss, LossParam, (2, 2), 1,
+                                       "sigmoid cross-entropy per label column, weighted by "
+                                       "``target_weight``"),
 }

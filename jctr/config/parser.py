@@ -81,9 +81,7 @@ def override_solver(cfg: ModelConfig, changes: dict[str, Any],
 
         cfg = override_solver(load_config("configs/dlrm.json"), {"max_iter": 50})
     """
-    if cfg.raw is None:
-        raise TypeError("override_solver needs a config parsed from JSON (ModelConfig.raw)")
-    raw = copy.deepcopy(cfg.raw)
+    raw = _raw_copy(cfg)
     solver = raw.setdefault("solver", {})
     if not isinstance(solver, dict):
         raise ConfigError("solver", "expected an object", cfg.source)
@@ -91,19 +89,47 @@ def override_solver(cfg: ModelConfig, changes: dict[str, Any],
         solver.pop("num_epochs", None)
     if changes.get("num_epochs") is not None and "max_iter" not in changes:
         solver.pop("max_iter", None)
+    return _reparse(cfg, raw, solver, "solver", changes, names)
+
+
+def override_optimizer(cfg: ModelConfig, changes: dict[str, Any],
+                       names: dict[str, str] | None = None) -> ModelConfig:
+    """``cfg`` with fields of the global optimizer's hparam object (``adam_hparam`` for Adam,
+    ...) replaced, validated like the file; embeddings with an optimizer of their own keep it.
+    ``changes`` and ``names`` work as in :func:`override_solver`.
+
+    Example::
+
+        cfg = override_optimizer(load_config("configs/dlrm.json"), {"learning_rate": 0.05})
+    """
+    raw = _raw_copy(cfg)
+    hkey = _HPARAM_KEYS[cfg.optimizer.type]
+    hparam = raw["optimizer"].setdefault(hkey, {})
+    return _reparse(cfg, raw, hparam, f"optimizer.{hkey}", changes, names)
+
+
+def _raw_copy(cfg: ModelConfig) -> dict:
+    if cfg.raw is None:
+        raise TypeError("overriding fields needs a config parsed from JSON (ModelConfig.raw)")
+    return copy.deepcopy(cfg.raw)
+
+
+def _reparse(cfg: ModelConfig, raw: dict, clause: dict, path: str, changes: dict[str, Any],
+             names: dict[str, str] | None) -> ModelConfig:
+    """Apply ``changes`` to ``clause`` (an object inside ``raw`` at ``path``) and parse
+    ``raw`` again; an error about a changed field names the flag that set it."""
     for key, value in changes.items():
         if value is None:
-            solver.pop(key, None)
+            clause.pop(key, None)
         else:
-            solver[key] = _to_json(value)
+            clause[key] = _to_json(value)
     try:
         return parse_config(raw, source=cfg.source, require_solver=False)
     except ConfigError as e:
-        field = e.path.split(".", 1)[1].split("[", 1)[0].split(".", 1)[0] \
-            if e.path.startswith("solver.") else None
+        rest = e.path[len(path) + 1:] if e.path.startswith(path + ".") else ""
+        field = rest.split("[", 1)[0].split(".", 1)[0] or None
         if field in changes:
-            flag = (names or {}).get(field)
-            where = flag or f"override solver.{field}"
+            where = (names or {}).get(field) or f"override {path}.{field}"
             raise ConfigError(where, e.reason) from None
         raise
 
@@ -492,7 +518,8 @@ def parse_embedding(r: ObjectReader, etype: str) -> EmbeddingConfig:
 
 
 def parse_dense_layer(r: ObjectReader, ltype: str) -> LayerConfig:
-    parse_params, (lo, hi), n_tops = LAYER_TYPES[ltype]
+    spec = LAYER_TYPES[ltype]
+    parse_params, (lo, hi), n_tops = spec.parse, spec.bottoms, spec.tops
     r.has("type")
     name = r.str("name")
     bottoms = r.str_or_list("bottom")

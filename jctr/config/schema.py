@@ -36,25 +36,46 @@ class OptimizerConfig:
     """
 
     type: str = "Adam"
+    """One of ``Adam``, ``MomentumSGD``, ``Nesterov``, ``SGD``, ``AdaGrad``; its numbers go in
+    the matching ``adam_hparam``, ``momentum_sgd_hparam``, ``nesterov_hparam``, ``sgd_hparam``
+    or ``adagrad_hparam`` object."""
     update_type: str = "Local"
+    """Embedding rows: ``Local`` updates the rows a batch touches; ``Global`` every row (a dense
+    pass over the table, as HugeCTR); ``LazyGlobal`` touched rows after applying the moment
+    decay of the steps each row missed. The dense network always updates every weight."""
     learning_rate: float = 0.001
+    """The base learning rate (0.001 for Adam, 0.01 for the others when the hparam object is
+    absent or omits it)."""
     beta1: float = 0.9
+    """Adam: decay of the first moment."""
     beta2: float = 0.999
+    """Adam: decay of the second moment."""
     epsilon: float = 1e-7
+    """Adam and AdaGrad: added to the denominator (HugeCTR's 1e-7; PyTorch uses 1e-8)."""
     momentum_factor: float = 0.0
+    """MomentumSGD and Nesterov: the momentum coefficient."""
     initial_accu_value: float = 0.0
+    """AdaGrad: the starting value of the squared-gradient accumulator."""
     # Learning-rate schedule (HugeCTR's sgd_hparam; jctr accepts it in every hparam clause).
     warmup_steps: int = 0
+    """Schedule: the rate rises linearly from 0 over this many iterations."""
     decay_start: int = 0
+    """Schedule: the iteration where polynomial decay starts (0: no decay)."""
     decay_steps: int = 0
+    """Schedule: iterations the decay takes to reach ``end_lr``; required with
+    ``decay_start``."""
     decay_power: float = 2.0
+    """Schedule: the exponent of the polynomial decay."""
     end_lr: float = 0.0
+    """Schedule: the rate at the end of the decay, kept afterwards."""
 
 
 @dataclass(frozen=True)
 class Metric:
-    name: str  # "AUC", "AverageLoss" (the loss layer's mean) or "LogLoss" (binary log loss)
+    name: str
+    """``AUC``, ``AverageLoss`` (the loss layer's mean) or ``LogLoss`` (binary log loss)."""
     threshold: float | None = None
+    """AUC only: training stops once validation AUC reaches it (``"AUC:0.8025"``)."""
 
 
 METRIC_MODES = ("max", "min")
@@ -79,10 +100,17 @@ class EarlyStoppingConfig:
     """
 
     metric: str = "AUC"
-    mode: str = "max"  # "max": larger is better; "min": smaller is better
+    """The validation metric watched: one of ``solver.eval_metrics`` (default AUC if listed,
+    else the first)."""
+    mode: str = "max"
+    """``max``: larger is better; ``min``: smaller is better (default: ``max`` for AUC,
+    ``min`` for the losses)."""
     patience: int = 2
+    """Evaluations without improvement before training stops."""
     min_delta: float = 0.0
+    """The smallest change that counts as an improvement."""
     restore_best_weights: bool = True
+    """Go back to the best evaluation's weights, tables and optimizer state at the end."""
 
 
 @dataclass(frozen=True)
@@ -99,11 +127,19 @@ class PlateauConfig:
     """
 
     metric: str = "AUC"
+    """The validation metric watched: one of ``solver.eval_metrics`` (default AUC if listed,
+    else the first)."""
     mode: str = "max"
+    """``max``: larger is better; ``min``: smaller is better (default by metric, as for early
+    stopping)."""
     factor: float = 0.1
+    """Every learning rate is multiplied by this (between 0 and 1) on a plateau."""
     patience: int = 1
+    """Evaluations without improvement before the rates drop."""
     min_delta: float = 0.0
+    """The smallest change that counts as an improvement."""
     min_lr: float = 0.0
+    """The solver optimizer's rate never drops below this."""
 
 
 @dataclass(frozen=True)
@@ -111,34 +147,69 @@ class SolverConfig:
     """The solver clause. ``max_iter`` or ``num_epochs`` must be set before training."""
 
     lr_policy: str = "fixed"
+    """``fixed``: the optimizer's rate with its warm-up and decay schedule; ``plateau`` (jctr):
+    also lowered when validation stops improving (``lr_plateau``)."""
     display: int = 200
+    """Print (and log) loss and throughput every this many iterations."""
     max_iter: int | None = None
+    """Training iterations; exclusive with ``num_epochs`` (one of the two is required)."""
     num_epochs: int | None = None
+    """Passes over the training file list; exclusive with ``max_iter``."""
     gpu: tuple[tuple[int, ...], ...] = ((0,),)
+    """Devices: ``[0, 1, 2, 3]`` on one host, ``[[0, 1], [0, 1]]`` one list per host (several
+    processes through ``jax.distributed``)."""
     batchsize: int = 2048
+    """The global training batch, split over the devices (a multiple of their count)."""
     batchsize_eval: int = 2048
+    """The evaluation batch (default: ``batchsize``)."""
     snapshot: int = 0
+    """Save a checkpoint every this many iterations (0: never)."""
     snapshot_prefix: str = "./"
-    eval_interval: int | str = 1000  # iterations, or "epoch" (jctr): after every epoch
-    eval_batches: int | None = None  # None: the whole evaluation set (HugeCTR: 100 batches)
+    """Checkpoints go to the folder ``<snapshot_prefix>checkpoints``."""
+    eval_interval: int | str = 1000
+    """Evaluate every this many iterations, or ``"epoch"`` (jctr): after every epoch."""
+    eval_batches: int | None = None
+    """Batches per evaluation; unset: the whole evaluation set (HugeCTR's default of 100
+    batches truncated larger sets)."""
     dense_model_file: str | None = None
+    """Start from these dense weights (a HugeCTR ``_dense_*.model`` file); the JSON key may
+    also be ``"dense model_file"``."""
     sparse_model_file: tuple[str, ...] = ()
+    """Start from these sparse model folders, one per embedding in order."""
     mixed_precision: int | None = None
+    """Loss-scaling factor (128, 256, 512 or 1024) for float16 compute; implies
+    ``compute_dtype`` float16."""
     enable_tf32_compute: bool = False
+    """Matmuls at JAX's ``tensorfloat32`` precision (faster on GPUs that have it)."""
     eval_metrics: tuple[Metric, ...] = (Metric("AUC"),)
+    """A list of ``"AUC"``, ``"AUC:<threshold>"`` (stop once reached), ``"AverageLoss"``,
+    ``"LogLoss"``."""
     input_key_type: str = "I32"
+    """The key width of Norm data files: ``I32`` (uint32) or ``I64`` (int64)."""
     # jctr extensions
     compute_dtype: str = "float32"
+    """jctr: the dense network's compute type, ``float32``, ``bfloat16`` or ``float16``
+    (default ``float16`` with ``mixed_precision``). Weights and tables stay float32."""
     seed: int = 0
+    """jctr: seeds initialization, dropout, shuffling and new embedding rows."""
     log_dir: str | None = None
-    snapshot_keep: int = 3  # checkpoints kept (oldest deleted first)
-    replicate_table_bytes: int = 0  # on several devices, copy tables this small to every one
-    # send buffers per destination hold factor * keys / devices (0: every key, any skew); a
-    # batch that does not fit takes a step compiled with full buffers
+    """jctr: folder for ``metrics.jsonl``, TensorBoard event files and ``report.html``."""
+    snapshot_keep: int = 3
+    """jctr: checkpoints kept (the oldest are deleted first)."""
+    replicate_table_bytes: int = 0
+    """jctr: on several devices, tables of at most this many bytes get a copy on every
+    device."""
     all2all_capacity_factor: float = 2.0
-    nan_policy: str = "stop"  # see NAN_POLICIES
+    """jctr: each all-to-all send buffer holds this times keys / devices per destination; a
+    batch that does not fit takes a step compiled with full buffers (0: always full)."""
+    nan_policy: str = "stop"
+    """jctr: on a non-finite training loss, ``stop`` the run (nothing of the bad state is
+    saved) or ``skip`` the batch (no update from it)."""
     early_stopping: EarlyStoppingConfig | None = None
-    lr_plateau: PlateauConfig | None = None  # set exactly when lr_policy is "plateau"
+    """jctr: stop when validation stops improving (object below; absent: never)."""
+    lr_plateau: PlateauConfig | None = None
+    """jctr: how ``lr_policy`` ``plateau`` lowers the rates (object below; set exactly when
+    ``lr_policy`` is ``plateau``)."""
 
     @property
     def checkpoint_dir(self) -> str:
@@ -159,11 +230,21 @@ class SolverConfig:
 
 @dataclass(frozen=True)
 class SparseInputConfig:
+    """One sparse input of the Data layer (``layers[0].sparse[j]``): a group of slots that one
+    embedding layer reads."""
+
     top: str
+    """The name embedding layers use as their ``bottom``."""
     type: str
+    """``DistributedSlot`` or ``LocalizedSlot`` (HugeCTR's names; placement follows the
+    embedding layer's type)."""
     max_feature_num_per_sample: int
+    """The most keys one sample holds over all slots of this input."""
     slot_num: int
+    """Slots (categorical features) in this input."""
     max_nnz: int
+    """The most keys one slot of a sample holds (default ``max_feature_num_per_sample``);
+    1 makes the input one-hot (a plain gather)."""
 
     @property
     def one_hot(self) -> bool:
@@ -181,12 +262,19 @@ class SyntheticConfig:
     """
 
     num_samples: int
+    """Training samples to generate."""
     eval_num_samples: int
+    """Evaluation samples to generate."""
     vocabulary_size: int = 100_000
+    """Distinct keys per slot when the Data layer has no ``slot_size_array``."""
     alpha: float = 1.2
+    """The power-law exponent: larger concentrates the keys on fewer hot ones."""
     num_files: int = 4
+    """Training data files (the evaluation set is one file)."""
     seed: int = 0
+    """Seeds keys, dense values and labels."""
     signal: float = 1.0
+    """Strength of the planted label signal (0: labels are noise)."""
 
 
 @dataclass(frozen=True)
@@ -194,25 +282,48 @@ class DataConfig:
     """The Data layer: where samples come from and how they are split into inputs."""
 
     name: str
+    """The layer's name (default ``data``)."""
     source: str
+    """Training data: a file list (Norm, Parquet), a Raw file or a feature-spec YAML; a list
+    of several is read in turn."""
     eval_source: str
+    """Validation data, in the same format; scored with ``solver.eval_metrics``."""
     label_top: str
+    """``label.top``: the name of the label tensor (the loss layer's second bottom)."""
     label_dim: int
+    """``label.label_dim``: labels per sample (1 for CTR)."""
     dense_top: str
+    """``dense.top``: the name of the dense-feature tensor."""
     dense_dim: int
+    """``dense.dense_dim``: dense features per sample (0: none)."""
     sparse: tuple[SparseInputConfig, ...]
+    """The sparse inputs (objects below), in the order of their slots in the data."""
     format: str = "Norm"
+    """``Norm``, ``Raw``, ``Parquet`` or ``FeatureSpec`` (jctr: the Dataset Feature
+    Specification YAML)."""
     check: str = "None"
+    """Norm only: ``Sum`` when every chunk carries a byte-sum check, else ``None``."""
     num_samples: int | None = None
+    """Raw: training records in the file (required, the file has no header)."""
     eval_num_samples: int | None = None
+    """Raw: evaluation records in the file (required)."""
     slot_size_array: tuple[int, ...] = ()
+    """Keys per slot (one entry per slot); required for Raw and Parquet, whose keys are
+    per-slot ids that jctr offsets into one table."""
     float_label_dense: bool = False
+    """Raw: labels and dense values are float32 (else int32, dense taken as log(x + 1))."""
     cache_eval_data: int = 0
+    """``true`` or a batch count: keep the parsed evaluation set in memory between
+    evaluations."""
     synthetic: SyntheticConfig | None = None
-    shuffle: bool = False  # jctr: permute file (unit) and record order per epoch, seeded
-    # jctr: (name, source) of each test set, scored after training like eval_source (the
-    # validation set) with the same metrics and reported apart; never used to stop or tune
+    """jctr: generate a power-law dataset where ``source`` / ``eval_source`` do not exist yet
+    (object below)."""
+    shuffle: bool = False
+    """jctr: permute the file (unit) and record order every epoch, seeded."""
     test_sources: tuple[tuple[str, str], ...] = ()
+    """jctr, JSON key ``test_source``: a source, a list, or an object of name -> source; each
+    test set is scored after training like ``eval_source`` and reported apart (never used to
+    stop or tune)."""
 
     @property
     def total_slots(self) -> int:
@@ -230,22 +341,41 @@ class EmbeddingConfig:
     """A sparse embedding layer (one hash table over the slots of one sparse input)."""
 
     name: str
+    """The layer's name; model files and checkpoints name the table by it."""
     type: str
+    """``DistributedSlotSparseEmbeddingHash`` (rows of every slot spread over the devices by
+    key hash), ``LocalizedSlotSparseEmbeddingHash`` (each slot whole on one device) or
+    ``LocalizedSlotSparseEmbeddingOneHot`` (the same, one-hot inputs)."""
     bottom: str
+    """The sparse input of the Data layer it reads."""
     top: str
+    """The output, ``[batch, slots, embedding_vec_size]``."""
     max_vocabulary_size_per_gpu: int
+    """``sparse_embedding_hparam``: the row capacity of one device's part of the table; more
+    distinct keys stop training with an error naming the table."""
     embedding_vec_size: int
-    combiner: str = "sum"  # HugeCTR 0 -> "sum", 1 -> "mean"
+    """``sparse_embedding_hparam``: the width of one embedding vector."""
+    combiner: str = "sum"
+    """``sparse_embedding_hparam``: how a slot's keys pool, 0 or ``"sum"``, 1 or
+    ``"mean"``."""
     optimizer: OptimizerConfig | None = None
+    """This table's own optimizer clause (same fields as the global one; default: the global
+    optimizer)."""
     plan_file: str | None = None
-    # jctr extension: values start uniform in [-init_range, init_range]
+    """HugeCTR's placement plan for its multi-node all-to-all; accepted, not read: jctr plans
+    placement itself."""
     init_range: float | None = None
-    # jctr extension: a full copy on every device (data parallel); None lets the planner decide
+    """``sparse_embedding_hparam`` (jctr): new rows start uniform in ±init_range (default
+    ±1/sqrt(embedding_vec_size)), drawn from a hash of the key and ``solver.seed``."""
     replicated: bool | None = None
-    # jctr extension: L2 / L1 regularization of the rows a batch touches, applied with their
-    # sparse update (gradient + l2_lambda * w + l1_lambda * sign(w), once per row and step)
+    """``sparse_embedding_hparam`` (jctr): a full copy on every device (data parallel);
+    unset lets the planner decide by ``solver.replicate_table_bytes``."""
     l2_lambda: float = 0.0
+    """``sparse_embedding_hparam`` (jctr): every row a batch touches gets ``l2_lambda * w``
+    added to its gradient, once per step."""
     l1_lambda: float = 0.0
+    """``sparse_embedding_hparam`` (jctr): every row a batch touches gets ``l1_lambda *
+    sign(w)`` added to its gradient, once per step."""
 
 
 @dataclass(frozen=True)
@@ -253,11 +383,18 @@ class LayerConfig:
     """A dense layer of the graph: ``bottoms`` name earlier ``tops``."""
 
     name: str
+    """The layer's name (unique in the config)."""
     type: str
+    """One of the dense layer types below."""
     bottoms: tuple[str, ...]
+    """``bottom``: the input tensor's name, or a list of names (tops of earlier layers or
+    inputs)."""
     tops: tuple[str, ...]
+    """``top``: the output's name, or a list for layers with several outputs."""
     params: object = field(default_factory=NoParam)
-    path: str = ""  # JSON path, for error messages
+    """The type's own parameters (listed per type below)."""
+    path: str = ""
+    """Not in JSON: the layer's JSON path, for error messages."""
 
     @property
     def is_loss(self) -> bool:
@@ -269,13 +406,21 @@ class ModelConfig:
     """A whole parsed config: solver, optimizer, data layer, embeddings, dense layers."""
 
     solver: SolverConfig
+    """The ``solver`` clause."""
     optimizer: OptimizerConfig
+    """The ``optimizer`` clause: the dense network's, and every embedding's without its
+    own."""
     data: DataConfig
+    """``layers[0]``, the Data layer."""
     embeddings: tuple[EmbeddingConfig, ...]
+    """The embedding layers, which follow the Data layer."""
     layers: tuple[LayerConfig, ...]
-    source: str | None = None  # file it came from
-    # the JSON it was parsed from (checkpoints and inference bundles carry it)
+    """The dense layers, in order; the last is the loss."""
+    source: str | None = None
+    """Not in JSON: the file the config came from."""
     raw: dict | None = field(default=None, compare=False, hash=False, repr=False)
+    """Not in JSON: the JSON it was parsed from (checkpoints and inference bundles carry
+    it)."""
 
     def embedding_optimizer(self, emb: EmbeddingConfig) -> OptimizerConfig:
         return emb.optimizer if emb.optimizer is not None else self.optimizer

@@ -156,12 +156,12 @@ class Dataset(abc.ABC):
             unit = self._read_unit(i)
             self._cache[i] = unit.load() if isinstance(unit, (FixedRecords, VarRecords)) else unit
 
-    def check_units(self) -> None:
+    def check_units(self) -> int:
         """Open every unit this process reads, so that a broken header or a missing file is
-        found before training rather than when it is reached (records are checked as read)."""
-        for i in self.host_units():
-            if i not in self._cache:
-                self._read_unit(i)
+        found before training rather than when it is reached (records are checked as read).
+        Returns the records of those units (what one epoch of this process reads)."""
+        return sum(len(self._cache[i] if i in self._cache else self._read_unit(i))
+                   for i in self.host_units())
 
     def host_units(self) -> list[int]:
         units = list(range(self.num_units()))[self.process_index::self.process_count]

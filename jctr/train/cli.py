@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jctr.config import ConfigError, load_config, override_solver
+from jctr.config import ConfigError, load_config, override_optimizer, override_solver
 from jctr.errors import run_command
 
 
@@ -67,6 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="show tracebacks and library logs with errors")
     for flag, _, typ, hlp in _OVERRIDES:
         ap.add_argument(flag, type=typ, help=f"override solver: {hlp}")
+    ap.add_argument("--lr", type=float,
+                    help="override the optimizer's learning_rate (in its <type>_hparam object; "
+                         "embeddings with an optimizer of their own keep theirs)")
     ap.add_argument("--gpu", help="override solver: devices, e.g. 0,1,2,3 (one host) or "
                                   "0,1;0,1 (two hosts); on CPU force devices with "
                                   "XLA_FLAGS=--xla_force_host_platform_device_count=N")
@@ -87,8 +90,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def apply_flags(cfg, args: argparse.Namespace):
-    """``cfg`` with the solver fields the command line overrides (validated like the file;
-    an error names the flag)."""
+    """``cfg`` with the solver and optimizer fields the command line overrides (validated like
+    the file; an error names the flag)."""
     overrides, flags = {}, {}
     for flag, field, _, _ in _OVERRIDES:
         value = getattr(args, flag[2:].replace("-", "_"))
@@ -96,6 +99,8 @@ def apply_flags(cfg, args: argparse.Namespace):
             overrides[field], flags[field] = value, flag
     if args.gpu is not None:
         overrides["gpu"], flags["gpu"] = _parse_gpu_flag(args.gpu), "--gpu"
+    if args.lr is not None:
+        cfg = override_optimizer(cfg, {"learning_rate": args.lr}, names={"learning_rate": "--lr"})
     return override_solver(cfg, overrides, names=flags)
 
 

@@ -29,7 +29,8 @@ def format_seconds(s: float) -> str:
 
 class Progress:
     """Progress of one ``fit`` (see the module docstring). ``total``: the iteration the run
-    stops at when known (``max_iter``), else None (no ETA)."""
+    stops at (``max_iter``, or for an epoch run the epochs times the batches in one), or None
+    (no ETA). Early stopping may end a run before it."""
 
     def __init__(self, total: int | None, start: int, write: Callable[[str], None],
                  bar: bool | None = None):

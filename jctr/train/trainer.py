@@ -132,6 +132,7 @@ class Trainer:
         self._resumed = False  # restored from the solver's checkpoint directory
         self._nonfinite_at: int | None = None  # the state went bad at this iteration
         self._space_checked = False  # the checkpoint disk was checked for one snapshot
+        self._train_records = 0  # one epoch of this process's training data (the ETA)
         s = cfg.solver
         self.early_stopping = EarlyStopping(s.early_stopping) if s.early_stopping else None
         self.plateau = (PlateauSchedule(s.lr_plateau, cfg.optimizer.learning_rate)
@@ -263,7 +264,7 @@ class Trainer:
                               self.cfg.source)
 
         def check() -> None:
-            self.train_data.check_units()
+            self._train_records = self.train_data.check_units()
             self.eval_data.check_units()
             for name, _ in self.cfg.data.test_sources:
                 self.test_data(name).check_units()
@@ -379,7 +380,11 @@ class Trainer:
         evaluated_at = None  # the last evaluation's iteration: the final one is not repeated
         # a bar on a terminal (the default printer only); log lines go above it
         printer = self._print
-        progress = Progress(max_iter, done, printer, bar=None if self._default_print else False)
+        # an epoch run's last iteration, for the ETA: each epoch ends on a batch of its own
+        last_iter = max_iter or (epochs and epochs * -(-self._train_records
+                                                      // (s.batchsize // jax.process_count())))
+        progress = Progress(last_iter or None, done, printer,
+                            bar=None if self._default_print else False)
         self._print = progress.write
         try:
             for batch, position, fits, filled in batches:

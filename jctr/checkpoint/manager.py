@@ -283,11 +283,13 @@ class Checkpointer:
         _atomic_json(os.path.join(pending, INTEGRITY), _file_digests(pending))
         if os.path.isdir(final) and step in self._replace | self._overwrite:
             self._remove_step(step)
+        # ours before it is visible: the main thread's next save may list the steps while this
+        # thread renames, and must not take the new folder for another run's
+        self.sealed.add(step)
         os.rename(pending, final)
         for name, data in self._beside.items():
             _atomic_bytes(os.path.join(self.directory, name), data)
         self._in_flight, self._beside = None, {}
-        self.sealed.add(step)
         for old in sorted(self._replace):  # --force: the other run's checkpoints go now
             if old != step:
                 self._remove_step(old)

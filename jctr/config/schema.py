@@ -172,8 +172,8 @@ class SolverConfig:
     """Batches per evaluation; unset: the whole evaluation set (HugeCTR's default of 100
     batches truncated larger sets)."""
     dense_model_file: str | None = None
-    """Start from these dense weights (a HugeCTR ``_dense_*.model`` file); the JSON key may
-    also be ``"dense model_file"``."""
+    """Start from these dense weights (a HugeCTR dense model file); the JSON key may also be
+    ``"dense model_file"``."""
     sparse_model_file: tuple[str, ...] = ()
     """Start from these sparse model folders, one per embedding in order."""
     mixed_precision: int | None = None

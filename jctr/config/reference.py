@@ -178,8 +178,8 @@ SERVING_CLAUSES = (
            "One served model; the Python object is `InferenceParams` (its field name in "
            "parentheses where the JSON key differs). Relative paths are taken from the file's "
            "folder.",
-           keys={**{name: _MODEL_KEYS.get(name) for name in
-                    (f.name for f in dataclasses.fields(hps.InferenceParams))}},
+           # fields the file sets elsewhere (the databases, supportlonglong) are hidden
+           keys={f.name: _MODEL_KEYS.get(f.name) for f in dataclasses.fields(hps.InferenceParams)},
            types={"sparse_model_files": "list of strings"},
            defaults={"default_value_for_each_table": "0 per table",
                      "embedding_table_names": '"sparse_embedding1", ...'},

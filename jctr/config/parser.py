@@ -519,12 +519,12 @@ def parse_embedding(r: ObjectReader, etype: str) -> EmbeddingConfig:
 
 def parse_dense_layer(r: ObjectReader, ltype: str) -> LayerConfig:
     spec = LAYER_TYPES[ltype]
-    parse_params, (lo, hi), n_tops = spec.parse, spec.bottoms, spec.tops
+    (lo, hi), n_tops = spec.bottoms, spec.tops
     r.has("type")
     name = r.str("name")
     bottoms = r.str_or_list("bottom")
     tops = r.str_or_list("top")
-    params = parse_params(r)
+    params = spec.parse(r)
     r.finish()
     if not lo <= len(bottoms) <= hi:
         want = str(lo) if lo == hi else f"{lo} to {hi}"

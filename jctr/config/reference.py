@@ -216,20 +216,14 @@ def json_type(annotation: str) -> str:
     return " or ".join(words)
 
 
-def json_value(value: object) -> str:
-    if isinstance(value, tuple):
-        value = list(value)
-    return json.dumps(value)
-
-
 def _default(f: dataclasses.Field, derived: dict[str, str]) -> str:
     if f.name in derived:
         return derived[f.name]
     if f.default is not dataclasses.MISSING:
-        return "unset" if f.default is None else f"`{json_value(f.default)}`"
+        return "unset" if f.default is None else f"`{json.dumps(f.default)}`"
     if f.default_factory is not dataclasses.MISSING:
         value = f.default_factory()
-        return "defaults" if dataclasses.is_dataclass(value) else f"`{json_value(value)}`"
+        return "defaults" if dataclasses.is_dataclass(value) else f"`{json.dumps(value)}`"
     return "required"
 
 

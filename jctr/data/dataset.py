@@ -160,8 +160,7 @@ class Dataset(abc.ABC):
         """Open every unit this process reads, so that a broken header or a missing file is
         found before training rather than when it is reached (records are checked as read).
         Returns the records of those units (what one epoch of this process reads)."""
-        return sum(len(self._cache[i] if i in self._cache else self._read_unit(i))
-                   for i in self.host_units())
+        return sum(len(self._unit(i)) for i in self.host_units())
 
     def host_units(self) -> list[int]:
         units = list(range(self.num_units()))[self.process_index::self.process_count]

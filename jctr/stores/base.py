@@ -105,6 +105,18 @@ def last_occurrences(keys: np.ndarray) -> np.ndarray:
     return np.sort(order[last])
 
 
+def put_found(values: np.ndarray, found: np.ndarray, positions: np.ndarray,
+              replies: list[bytes | None]) -> None:
+    """Write a batched get's replies (each a float32 vector's bytes, or None: absent) into
+    rows ``positions`` of ``values`` and mark them ``found``."""
+    hits = [i for i, v in enumerate(replies) if v is not None]
+    if hits:
+        idx = positions[hits]
+        found[idx] = True
+        values[idx] = np.frombuffer(b"".join([replies[i] for i in hits]),
+                                    np.float32).reshape(-1, values.shape[1])
+
+
 def partition_of(keys: np.ndarray, num_partitions: int) -> np.ndarray:
     """The partition of each key (the high bits of its hash; slots use the low bits)."""
     return ((mix64(keys.view(np.uint64)) >> np.uint64(40))

@@ -35,6 +35,7 @@ from jctr.stores.base import (
     distinct_rows,
     no_rows,
     partition_of,
+    put_found,
 )
 
 SOCKET_TIMEOUT_S = 1.0
@@ -208,12 +209,7 @@ class RedisClusterStore:
             plan.append(chunk)
         replies = self._run("lookup", pipe.execute)
         for chunk, got in zip(plan, replies):
-            hits = [i for i, v in enumerate(got) if v is not None]
-            if hits:
-                idx = chunk[hits]
-                found[idx] = True
-                values[idx] = np.frombuffer(b"".join([got[i] for i in hits]),
-                                            np.float32).reshape(-1, dim)
+            put_found(values, found, chunk, got)
         if self.params.refresh_time_after_fetch and found.any():
             self._touch(table, keys[found])
         return values, found

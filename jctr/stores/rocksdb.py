@@ -21,7 +21,14 @@ from collections.abc import Iterator
 import numpy as np
 
 from jctr.config.hps import PersistentDatabaseParams
-from jctr.stores.base import StoreError, as_keys, check_dim, distinct_rows, no_rows
+from jctr.stores.base import (
+    StoreError,
+    as_keys,
+    check_dim,
+    distinct_rows,
+    no_rows,
+    put_found,
+)
 
 MARKER_KEY = b"jctr.hps.format"
 MARKER = b"jctr-hps-rocksdb 1"
@@ -122,15 +129,9 @@ class RocksDBStore:
         self._check_dim(table, dim)
         kb = _key_bytes(keys)
         step = self.params.max_get_batch_size
-        width = 4 * dim
+        positions = np.arange(keys.size)
         for start in range(0, keys.size, step):
-            got = cf.get(kb[start:start + step])
-            hits = [i for i, v in enumerate(got) if v is not None]
-            if hits:
-                idx = np.asarray(hits) + start
-                found[idx] = True
-                blob = b"".join(got[i] for i in hits)
-                values[idx] = np.frombuffer(blob, np.float32).reshape(-1, width // 4)
+            put_found(values, found, positions[start:start + step], cf.get(kb[start:start + step]))
         return values, found
 
     def insert(self, table: str, keys, values) -> None:

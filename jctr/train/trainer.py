@@ -357,8 +357,9 @@ class Trainer:
         epochs = None if max_iter else s.num_epochs
         # evaluating after each epoch: epochs end on a (padded) batch of their own
         reader_epochs = epochs or (1 << 40 if s.eval_every_epoch else None)
+        local_batch = s.batchsize // jax.process_count()
         batches = Prefetcher(
-            self.train_data.batches_with_position(s.batchsize // jax.process_count(),
+            self.train_data.batches_with_position(local_batch,
                                                   epochs=reader_epochs,
                                                   start=self.reader_position),
             transform=lambda item: (self.placed.to_devices(item[0], True), item[1],
@@ -380,11 +381,10 @@ class Trainer:
         evaluated_at = None  # the last evaluation's iteration: the final one is not repeated
         # a bar on a terminal (the default printer only); log lines go above it
         printer = self._print
-        # an epoch run's last iteration, for the ETA: each epoch ends on a batch of its own
-        last_iter = max_iter or (epochs and epochs * -(-self._train_records
-                                                      // (s.batchsize // jax.process_count())))
-        progress = Progress(last_iter or None, done, printer,
-                            bar=None if self._default_print else False)
+        last_iter = max_iter
+        if epochs:  # for the ETA; each epoch ends on a (padded) batch of its own
+            last_iter = epochs * -(-self._train_records // local_batch) or None
+        progress = Progress(last_iter, done, printer, bar=None if self._default_print else False)
         self._print = progress.write
         try:
             for batch, position, fits, filled in batches:

@@ -55,14 +55,15 @@ def main(argv: list[str] | None = None) -> int:
         from jctr.runtime.host_memory import reexec_with_malloc_tuning
 
         reexec_with_malloc_tuning(["-m", "jctr.train", *rest])
+        from jctr.train import cli as train_cli
+
+        return train_cli.end_process(train_cli.main(rest))
     return int(_command_main(name)(rest) or 0)
 
 
 def _command_main(name: str):
     """The subcommand's ``main`` (imported only now: the others' dependencies stay unloaded)."""
-    if name == "train":
-        from jctr.train.cli import main
-    elif name == "export":
+    if name == "export":
         from jctr.serving.export import main
     elif name == "serve":
         from jctr.serving.cli import main

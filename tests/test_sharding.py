@@ -385,3 +385,28 @@ def test_regularized_tables_train_alike_on_one_and_four_devices(tmp_path):
         t = Trainer(load_config(cfg), log=lambda s: None)
         losses[len(gpu)] = [h["loss"] for h in t.fit() if h["kind"] == "train"]
     np.testing.assert_allclose(losses[4], losses[1], rtol=1e-5)
+
+
+def test_the_process_hosting_the_coordinator_ends_with_its_status_and_its_exit_handlers(tmp_path):
+    """Process 0 of a cluster ends inside ``end_process`` (its coordination service is never
+    destroyed, see there): its exit handlers still run, its output is flushed and the status is
+    the command's."""
+    marker = tmp_path / "atexit-ran"
+    code = f"""
+import atexit, socket, sys
+import jax
+from jctr.sharding import distributed
+s = socket.socket(); s.bind(("127.0.0.1", 0)); port = s.getsockname()[1]; s.close()
+jax.distributed.initialize(f"127.0.0.1:{{port}}", num_processes=1, process_id=0)
+distributed._started = True
+atexit.register(lambda: open({str(marker)!r}, "w").write("yes"))
+print("buffered line", end="")
+sys.exit(distributed.end_process(3))
+print("not reached")
+"""
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 3, out.stderr[-2000:]
+    assert out.stdout == "buffered line"
+    assert marker.read_text() == "yes"
+    assert "Check failed" not in out.stderr

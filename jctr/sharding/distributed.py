@@ -14,13 +14,17 @@ devices (the CLI does).
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
+import time
 
 import jax
 
 from jctr.errors import UserError
 
 _started = False
+_SERVICE_LINGER_S = 0.5
 
 
 def _int_env(name: str) -> int:
@@ -75,6 +79,38 @@ def initialize_distributed(timeout_s: int = 300) -> bool:
     jax.distributed.initialize(initialization_timeout=timeout_s, **args)
     _started = True
     return True
+
+
+def end_process(status: int) -> int:
+    """``status``, for the entry point's ``sys.exit``; process 0 of a multi-process run (which
+    hosts the coordination service) instead ends here, with ``status``.
+
+    Every process leaves the cluster through JAX's shutdown barrier at exit. Process 0 then ends
+    without destroying the service: XLA aborts a process whose gRPC server is destroyed while
+    another process's last calls still arrive (``server.cc: Check failed: queue.Pop() ==
+    nullptr``), which turned a clean exit status into 134 now and then.
+    """
+    if not (_started and jax.process_index() == 0):
+        return status
+    try:
+        from jax._src.distributed import global_state
+    except ImportError:  # a JAX that moved it: the usual shutdown
+        return status
+    service = getattr(global_state, "service", None)
+    if service is None:
+        return status
+    # detached (but referenced, so not destroyed): JAX's own exit handler, run with the others
+    # here, then leaves the cluster on the client side only
+    global_state.service = None
+    try:
+        atexit._run_exitfuncs()
+        # the barrier's replies to the other processes left with this one's: a moment for them
+        # to be delivered before the service's process is gone
+        time.sleep(_SERVICE_LINGER_S)
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(status)
 
 
 def all_processes(action, what: str):

@@ -124,8 +124,15 @@ def console_main() -> int:
     from jctr.runtime.host_memory import reexec_with_malloc_tuning
 
     reexec_with_malloc_tuning(["-m", "jctr.train", *sys.argv[1:]])
-    return main()
+    return end_process(main())
+
+
+def end_process(status: int) -> int:
+    """``status`` for ``sys.exit`` at the end of a training command; in a multi-process run
+    process 0 ends inside (:func:`jctr.sharding.distributed.end_process`)."""
+    distributed = sys.modules.get("jctr.sharding.distributed")  # not loaded for --help (JAX)
+    return status if distributed is None else distributed.end_process(status)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(end_process(main()))

@@ -90,14 +90,14 @@ def end_process(status: int) -> int:
     another process's last calls still arrive (``server.cc: Check failed: queue.Pop() ==
     nullptr``), which turned a clean exit status into 134 now and then.
     """
-    if not (_started and jax.process_index() == 0):
+    if not _started:
         return status
     try:
         from jax._src.distributed import global_state
     except ImportError:  # a JAX that moved it: the usual shutdown
         return status
     service = getattr(global_state, "service", None)
-    if service is None:
+    if service is None:  # not process 0
         return status
     # detached (but referenced, so not destroyed): JAX's own exit handler, run with the others
     # here, then leaves the cluster on the client side only

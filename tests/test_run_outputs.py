@@ -215,6 +215,12 @@ def test_lr_flag_sets_the_optimizer_rate_and_errors_name_it(tmp_path):
     bad = build_parser().parse_args(["--config", "x.json", "--lr", "-1"])
     with pytest.raises(ConfigError, match=r"^--lr: "):
         apply_flags(cfg, bad)
+    # the same from Python
+    t = Trainer.from_config(raw, generate_data=False, max_iter=3,
+                            optimizer={"learning_rate": 0.0123})
+    assert t.cfg.optimizer == new.optimizer and t.cfg.solver.max_iter == 3
+    with pytest.raises(ConfigError, match=r"learning_rate"):
+        Trainer.from_config(raw, generate_data=False, optimizer={"learning_rate": -1})
 
 
 def test_epoch_runs_show_an_eta_from_the_data_size(tmp_path):

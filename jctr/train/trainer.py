@@ -18,7 +18,13 @@ from flax import nnx
 import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.checkpoint.model_files import load_model_files, save_model_files
 from jctr.checkpoint.snapshots import restore_snapshot, save_snapshot
-from jctr.config import ConfigError, ModelConfig, load_config, override_solver
+from jctr.config import (
+    ConfigError,
+    ModelConfig,
+    load_config,
+    override_optimizer,
+    override_solver,
+)
 from jctr.data.batch import Batch, check_batch
 from jctr.data.dataset import Dataset
 from jctr.data.loader import Prefetcher, ReaderPosition, open_dataset
@@ -151,10 +157,20 @@ class Trainer:
 
     @classmethod
     def from_config(cls, config: str | os.PathLike | dict, *, generate_data: bool = True,
-                    force: bool = False, **solver_overrides) -> Trainer:
-        """Build from a JSON path or dict; keyword arguments override solver fields and are
-        validated like the file (``max_iter=0`` is a :class:`ConfigError`)."""
+                    force: bool = False, optimizer: dict | None = None,
+                    **solver_overrides) -> Trainer:
+        """Build from a JSON path or dict; keyword arguments override solver fields, and
+        ``optimizer`` fields of the global optimizer's hparam object, validated like the file
+        (``max_iter=0`` is a :class:`ConfigError`).
+
+        Example::
+
+            t = Trainer.from_config("configs/dlrm_synthetic.json", max_iter=200,
+                                    optimizer={"learning_rate": 0.01})
+        """
         cfg = load_config(config, require_solver=False)
+        if optimizer:
+            cfg = override_optimizer(cfg, optimizer)
         if solver_overrides:
             cfg = override_solver(cfg, solver_overrides)
         return cls(cfg, generate_data=generate_data, force=force)

@@ -50,14 +50,10 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"jctr: unknown command {name!r}\n\n{usage()}", file=sys.stderr)
         return 2
-    if name == "train":
-        # as python -m jctr.train: re-run with malloc tuned for XLA:CPU
-        from jctr.runtime.host_memory import reexec_with_malloc_tuning
+    if name == "train":  # as python -m jctr.train (malloc tuning, leaving a cluster)
+        from jctr.train.cli import console_main
 
-        reexec_with_malloc_tuning(["-m", "jctr.train", *rest])
-        from jctr.train import cli as train_cli
-
-        return train_cli.end_process(train_cli.main(rest))
+        return console_main(rest)
     return int(_command_main(name)(rest) or 0)
 
 

@@ -118,13 +118,14 @@ def _train(args: argparse.Namespace) -> None:
     trainer.fit()
 
 
-def console_main() -> int:
-    """The ``jctr-train`` command: like ``python -m jctr.train`` it first re-executes itself
-    with malloc tuned for XLA:CPU (:mod:`jctr.runtime.host_memory`)."""
+def console_main(argv: list[str] | None = None) -> int:
+    """The ``jctr-train`` command (and ``jctr train``): like ``python -m jctr.train`` it first
+    re-executes itself with malloc tuned for XLA:CPU (:mod:`jctr.runtime.host_memory`)."""
     from jctr.runtime.host_memory import reexec_with_malloc_tuning
 
-    reexec_with_malloc_tuning(["-m", "jctr.train", *sys.argv[1:]])
-    return end_process(main())
+    argv = sys.argv[1:] if argv is None else argv
+    reexec_with_malloc_tuning(["-m", "jctr.train", *argv])
+    return end_process(main(argv))
 
 
 def end_process(status: int) -> int:

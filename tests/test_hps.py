@@ -25,7 +25,7 @@ from jctr.serving.hps import Databases
 from jctr.serving.hps_model import HPSModel
 from jctr.stores import HashMapStore, StoreError
 from jctr.stores.rocksdb import RocksDBStore
-from tests.conftest import tiny_config
+from tests.conftest import ROOT, tiny_config
 
 # -- parameters ------------------------------------------------------------------------------
 
@@ -260,10 +260,12 @@ def test_rocksdb_persists_and_refuses_foreign_folders(tmp_path):
     db = rocksdict.Rdict(other, opts)
     db.put(b"someone", b"else's data")
     db.close()
-    before = sorted(os.listdir(other))
+    before = _folder_bytes(other)
     with pytest.raises(StoreError, match="holds another RocksDB database"):
         RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=other))
-    assert sorted(os.listdir(other)) == before
+    with pytest.raises(StoreError, match="holds another RocksDB database"):
+        RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=other, read_only=True))
+    assert _folder_bytes(other) == before  # every byte, rocksdict's config and LOG included
     files = tmp_path / "files"
     files.mkdir()
     (files / "notes.txt").write_text("mine")
@@ -273,6 +275,47 @@ def test_rocksdb_persists_and_refuses_foreign_folders(tmp_path):
     with pytest.raises(StoreError, match="no database there to open read-only"):
         RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "none"),
                                               read_only=True))
+
+
+def _folder_bytes(path):
+    return {name: (open(os.path.join(path, name), "rb").read(),
+                   os.stat(os.path.join(path, name)).st_mtime_ns)
+            for name in sorted(os.listdir(path))}
+
+
+def test_rocksdb_read_only_opens_on_read_only_storage(tmp_path):
+    """``read_only: true`` on a read-only mount (a user+mount namespace makes one without
+    privileges): the lookup works and nothing is written."""
+    import shutil
+    import subprocess
+    import sys
+
+    if not shutil.which("unshare") or subprocess.run(
+            ["unshare", "-rm", "true"], capture_output=True).returncode:
+        pytest.skip("no unprivileged mount namespaces here")
+    path = str(tmp_path / "db")
+    store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path))
+    keys = np.array([4, 9], np.int64)
+    store.insert("hps_et.m.t", keys, _vectors(keys))
+    store.close()
+    before = _folder_bytes(path)
+    code = ("import numpy as np\n"
+            "from jctr.config.hps import PersistentDatabaseParams as P\n"
+            "from jctr.stores.rocksdb import RocksDBStore\n"
+            f"s = RocksDBStore(P(type='rocks_db', path={path!r}, read_only=True))\n"
+            "v, f = s.lookup('hps_et.m.t', np.array([9, 5]), 4)\n"
+            "s.close()\n"
+            "print(f.tolist(), v[0].tolist())\n")
+    script = (f"mount --bind {tmp_path} {tmp_path} && "
+              f"mount -o remount,bind,ro {tmp_path} && "
+              f"(touch {tmp_path}/probe 2>/dev/null && echo WRITABLE; true) && "
+              f"{sys.executable} -c \"$CODE\"")
+    out = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "CODE": code}, cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert "WRITABLE" not in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == f"[True, False] {_vectors([9])[0].tolist()}"
+    assert _folder_bytes(path) == before
 
 
 # -- device cache ----------------------------------------------------------------------------
@@ -327,7 +370,10 @@ def test_lookup_order_fallbacks_and_defaults(tmp_path):
     dbs = Databases(VolatileDatabaseParams(type="hash_map", initial_cache_rate=0.25),
                     PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db2")))
     keys = np.arange(100)
-    assert dbs.load("u", keys, _vectors(keys)) == {"volatile_db": 25, "persistent_db": 100}
+    manifest = {"identity": "x", "dim": 4}
+    assert dbs.load("u", keys, _vectors(keys), manifest) == {"volatile_db": 25,
+                                                             "persistent_db": 100}
+    assert dbs.persistent.get_meta("u") == manifest == dbs.volatile.get_meta("u")
     assert dbs.volatile.size("u") == 25 and dbs.persistent.size("u") == 100
     dbs.close()
 

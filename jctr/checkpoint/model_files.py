@@ -74,6 +74,11 @@ def load_dense_model(path: str, net) -> None:
         raise ModelFileError(f"{path}: dense model file holds {os.path.getsize(path)} bytes; "
                              f"this network's weights need {4 * expected} "
                              f"({expected} float32 in layer order)")
+    bad = np.flatnonzero(~np.isfinite(flat))
+    if bad.size:
+        raise ModelFileError(f"{path}: {bad.size} non-finite weight(s) (NaN or infinity), the "
+                             f"first at float {int(bad[0])}; a model with them predicts NaN: "
+                             "export it again from a sound checkpoint")
     pos = 0
     for mod, attr, shape, i in slots:
         size = int(np.prod(shape))
@@ -121,6 +126,11 @@ def read_sparse_model(path: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
         raise ModelFileError(f"{vp}: holds {os.path.getsize(vp)} bytes; {keys.size} keys of "
                              f"embedding_vec_size {dim} need {want}")
     vectors = np.fromfile(vp, dtype="<f4").reshape(keys.size, dim)
+    bad = np.flatnonzero(~np.isfinite(vectors).all(axis=1))
+    if bad.size:
+        raise ModelFileError(f"{vp}: {bad.size} row(s) with non-finite values (NaN or "
+                             f"infinity), the first of key {int(keys[bad[0]])}; export the "
+                             "model again from a sound checkpoint")
     if np.unique(keys).size != keys.size:
         raise ModelFileError(f"{kp}: duplicate keys")
     return keys.astype(np.int64), vectors
@@ -156,6 +166,12 @@ def load_non_trainable(path: str, net) -> None:
         n = mod.mean[...].shape[0]
         if len(entry.get("mean", [])) != n or len(entry.get("var", [])) != n:
             raise ModelFileError(f"{path}: layers[{i}]: expected mean and var of length {n}")
+        try:
+            finite = np.isfinite(np.asarray([entry["mean"], entry["var"]], np.float64)).all()
+        except (TypeError, ValueError):
+            finite = False
+        if not finite:
+            raise ModelFileError(f"{path}: layers[{i}]: mean and var must be finite numbers")
         mod.mean[...] = jnp.asarray(entry["mean"], jnp.float32)
         mod.var[...] = jnp.asarray(entry["var"], jnp.float32)
 

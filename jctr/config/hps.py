@@ -169,7 +169,8 @@ class PersistentDatabaseParams:
     type: str = "disabled"
     """``rocks_db`` or ``disabled``."""
     path: str = "/tmp/rocksdb"
-    """The RocksDB folder (created if empty; a folder holding anything else is refused)."""
+    """The RocksDB folder (created if empty; a folder holding anything else is refused). In a
+    parameter-server file a relative path is taken from the file's folder."""
     num_threads: int = 16
     """RocksDB background threads."""
     read_only: bool = False
@@ -446,8 +447,8 @@ def _build(cls, kwargs: dict[str, Any], path: str, source: str | None,
 
 
 def parse_ps_config(raw: Any, source: str | None = None) -> ParameterServerConfig:
-    """Parse a parameter-server JSON object (already loaded). Relative model paths are taken
-    from the file's folder."""
+    """Parse a parameter-server JSON object (already loaded). Relative paths (the models'
+    files, ``persistent_db.path``) are taken from the file's folder."""
     r = ObjectReader(raw, "", source)
     base = os.path.dirname(os.path.abspath(source)) if source else os.getcwd()
     supportlonglong = r.bool("supportlonglong", True)
@@ -459,6 +460,10 @@ def parse_ps_config(raw: Any, source: str | None = None) -> ParameterServerConfi
             sub = r.child(key)
             kwargs = _read_fields(sub, cls)
             sub.finish()
+            if key == "persistent_db" and "path" in kwargs and isinstance(kwargs["path"], str) \
+                    and kwargs["path"]:
+                # like the model paths: a file's relative paths mean the same from any cwd
+                kwargs["path"] = os.path.join(base, kwargs["path"])
             dbs[key] = _build(cls, kwargs, key, source)
         else:
             dbs[key] = cls()
@@ -517,7 +522,7 @@ def load_ps_config(path: str | os.PathLike | dict) -> ParameterServerConfig:
 
     Example::
 
-        ps = load_ps_config("configs/hps_dlrm.json")
+        ps = load_ps_config("configs/hps/ps_dlrm.json")
     """
     if isinstance(path, dict):
         return parse_ps_config(path)

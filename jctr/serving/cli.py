@@ -19,16 +19,18 @@ from jctr.errors import run_command
 
 
 def open_models(ps: ParameterServerConfig, *, load: bool = True, log=print):
-    """(databases, {name: HPSModel}) for a parameter-server config; with ``load`` the tables
-    the persistent database lacks are loaded from the sparse model files, and the volatile
-    database gets its ``initial_cache_rate`` share."""
+    """(databases, {name: HPSModel}) for a parameter-server config. With ``load`` (``serve``
+    starting) each table is checked in each database and loaded where missing (see
+    :meth:`HPSModel.load_databases`); a volatile database that cannot be reached is then
+    tolerated when the persistent database holds every row, and tried again meanwhile."""
     from jctr.serving.hps import Databases
     from jctr.serving.hps_model import HPSModel
+    from jctr.stores.base import StoreUnavailable
 
     if ps.update_source.type != "null":
         raise ConfigError("update_source.type", f'"{ps.update_source.type}": online updates '
                           'are not consumed by this jctr version; use "null"', ps.source)
-    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    dbs = Databases(ps.volatile_db, ps.persistent_db, volatile_may_be_down=load)
     models = {}
     try:
         for i, params in enumerate(ps.models):
@@ -37,9 +39,19 @@ def open_models(ps: ParameterServerConfig, *, load: bool = True, log=print):
         if load:
             for name, model in models.items():
                 for table, written in model.load_databases().items():
-                    log(f"[jctr] {name}: {table}: {written['persistent_db']:,} rows into the "
-                        f"persistent db, {written['volatile_db']:,} into the volatile db "
-                        f"({ps.volatile_db.type})")
+                    if any(written.values()):
+                        log(f"[jctr] {name}: {table}: {written['persistent_db']:,} rows into "
+                            f"the persistent db, {written['volatile_db']:,} into the volatile "
+                            f"db ({ps.volatile_db.type})")
+                    else:
+                        log(f"[jctr] {name}: {table}: the databases hold this export")
+            if dbs.volatile is None and dbs.volatile_configured:
+                if dbs.persistent is None:
+                    raise StoreUnavailable(dbs.volatile_error or "volatile_db: down")
+                log(f"[jctr] warning: {dbs.volatile_error}; serving from the persistent db "
+                    f"({ps.persistent_db.type}), which holds every row of every table, and "
+                    f"trying the volatile db again every {dbs.backoff_s:g} s")
+                dbs.start_reviving()
         for model in models.values():
             model.start_refresh()
     except BaseException:
@@ -55,7 +67,7 @@ def _load(args) -> None:
     dbs, models = open_models(ps, load=False)
     try:
         for name, model in models.items():
-            for table, written in model.load_databases(persistent=True).items():
+            for table, written in model.load_databases(replace=True).items():
                 print(f"{name}: {table}: {written['persistent_db']:,} rows into "
                       f"{ps.persistent_db.type}, {written['volatile_db']:,} into "
                       f"{ps.volatile_db.type}")

@@ -2,14 +2,18 @@
 then persistent database (RocksDB), then the table's default value (HugeCTR's HPS order).
 
 One :class:`Databases` object serves every model of a parameter-server file; tables are named
-``hps_et.<model>.<table>``. A volatile database that stops answering is skipped for
-``backoff_s`` (lookups read RocksDB meanwhile) and then tried again, so a Redis outage costs
-latency, never a failed request.
+``hps_et.<model>.<table>``. The default value answers only keys that no layer holds: a key the
+persistent database (which holds every row of a table) does not have, or, without one, a key
+the volatile database does not have. When a layer that may hold a key does not answer (Redis
+down, one Redis master down) and no complete layer below answered for it, the lookup raises
+:class:`LayerUnavailable` (the server answers 503 naming the layer) instead of a default. A
+volatile database that stops answering is skipped for ``backoff_s`` and then tried again; one
+that cannot be reached when serving starts is tried again in the background.
 
 Example::
 
     dbs = Databases(ps.volatile_db, ps.persistent_db)
-    values, layers = dbs.lookup("hps_et.dlrm.emb", keys, dim=16, default=0.0)
+    values, found, counts = dbs.lookup("hps_et.dlrm.emb", keys, dim=16, default=0.0)
 """
 
 from __future__ import annotations
@@ -22,11 +26,24 @@ import numpy as np
 
 from jctr.config import ConfigError
 from jctr.config.hps import PersistentDatabaseParams, VolatileDatabaseParams
-from jctr.stores.base import KeyValueStore, StoreUnavailable
+from jctr.serving.table_manifest import mismatch
+from jctr.stores.base import KeyValueStore, PartialUnavailable, StoreError, StoreUnavailable
 
 log = logging.getLogger("jctr.serving")
 
 LAYERS = ("device_cache", "volatile_db", "persistent_db", "default")
+
+
+class LayerUnavailable(StoreUnavailable):
+    """Keys that only a layer which did not answer could give (HTTP 503 naming ``layer``)."""
+
+    def __init__(self, layer: str, message: str):
+        super().__init__(f"{layer}: {message}")
+        self.layer = layer
+
+
+class TableMismatch(StoreError):
+    """A database holds another export of a table, or an incomplete one."""
 
 
 def open_volatile(params: VolatileDatabaseParams) -> KeyValueStore | None:
@@ -50,26 +67,44 @@ def open_persistent(params: PersistentDatabaseParams) -> KeyValueStore | None:
 
 
 class Databases:
-    """The volatile and persistent databases of one parameter server, looked up in order."""
+    """The volatile and persistent databases of one parameter server, looked up in order.
+    ``volatile_may_be_down``: a volatile database that cannot be reached is tried again in the
+    background instead of failing here (``serve`` allows it when the persistent database
+    holds every row)."""
 
     def __init__(self, volatile: VolatileDatabaseParams, persistent: PersistentDatabaseParams,
-                 *, backoff_s: float = 1.0):
+                 *, backoff_s: float = 1.0, volatile_may_be_down: bool = False):
         if volatile.type == "disabled" and persistent.type == "disabled":
             raise ConfigError("volatile_db.type", 'and persistent_db.type are both "disabled": '
                               "the embeddings would have nowhere to live")
         self.volatile_params = volatile
         self.persistent_params = persistent
         self.backoff_s = backoff_s
-        self.volatile = open_volatile(volatile)
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._down_until = 0.0
+        self.volatile_failures = 0
+        self.volatile_error: str | None = None  # why the volatile database is down now
+        self.expected: dict[str, dict] = {}  # table -> manifest the served model needs
+        self._volatile_skip: dict[str, str] = {}  # tables the volatile db holds wrongly
+        self._reviver: threading.Thread | None = None
+        try:
+            self.volatile = open_volatile(volatile)
+        except StoreUnavailable as e:
+            if not volatile_may_be_down:
+                raise
+            self.volatile = None
+            self.volatile_error = str(e)
         try:
             self.persistent = open_persistent(persistent)
         except BaseException:
             if self.volatile is not None:
                 self.volatile.close()
             raise
-        self._down_until = 0.0
-        self._lock = threading.Lock()
-        self.volatile_failures = 0
+
+    @property
+    def volatile_configured(self) -> bool:
+        return self.volatile_params.type != "disabled"
 
     # -- the volatile layer may be down -------------------------------------------------------
     def _volatile_up(self) -> bool:
@@ -78,66 +113,166 @@ class Databases:
     def _volatile_failed(self, e: StoreUnavailable) -> None:
         with self._lock:
             self.volatile_failures += 1
+            self.volatile_error = str(e)
             if time.monotonic() >= self._down_until:
-                log.warning("%s; reading the persistent database for %.1f s", e, self.backoff_s)
-            self._down_until = time.monotonic() + self.backoff_s
+                log.warning("%s; its keys go to the next layer for %.1f s", e, self.backoff_s)
+            if not isinstance(e, PartialUnavailable):
+                self._down_until = time.monotonic() + self.backoff_s
+
+    def start_reviving(self) -> None:
+        """Try to reach a volatile database that was down at start every ``backoff_s``; once
+        it answers, its tables are checked against :attr:`expected` before use."""
+        if self.volatile is not None or not self.volatile_configured or self._reviver:
+            return
+
+        def run():
+            while not self._closed.wait(self.backoff_s):
+                try:
+                    store = open_volatile(self.volatile_params)
+                except StoreUnavailable as e:
+                    self.volatile_error = str(e)
+                    continue
+                self._check_volatile_tables(store)
+                self.volatile, self.volatile_error = store, None
+                log.warning("volatile_db %s answers again", self.volatile_params.type)
+                return
+
+        self._reviver = threading.Thread(target=run, name="hps-volatile-revive", daemon=True)
+        self._reviver.start()
+
+    def _check_volatile_tables(self, store: KeyValueStore) -> None:
+        """Tables a volatile database that came back holds for another export are not read."""
+        for table, expected in self.expected.items():
+            meta = store.get_meta(table)
+            if meta is None:  # empty or restarted: rows written now are this export's
+                store.set_meta(table, expected)
+                continue
+            why = mismatch(meta, expected)
+            if why:
+                self._volatile_skip[table] = why
+                log.error("volatile_db table %s %s; reading the persistent database for it",
+                          table, why)
+
+    def health(self) -> dict[str, str]:
+        """Per configured layer: "up", or "down: <why>"."""
+        out = {}
+        if self.volatile_configured:
+            down = self.volatile is None or time.monotonic() < self._down_until
+            nodes = getattr(self.volatile, "down_nodes", lambda: [])()
+            out["volatile_db"] = (f"down: {self.volatile_error}" if down else
+                                  f"down: masters {', '.join(nodes)}" if nodes else "up")
+        if self.persistent is not None:
+            out["persistent_db"] = "up"
+        return out
+
+    def ready(self) -> bool:
+        """Every key can be answered: each configured layer is up, or a persistent database
+        (which holds every row) is."""
+        return self.persistent is not None or all(v == "up" for v in self.health().values())
 
     def lookup(self, table: str, keys: np.ndarray, dim: int, default: float
                ) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
         """``(values [n, dim], found [n], per-layer counts)``: ``found`` is False where the
-        default value was used."""
+        default value was used. Raises :class:`LayerUnavailable` for keys only a layer that
+        did not answer could hold."""
         n = keys.size
         values = np.zeros((n, dim), np.float32)
         found = np.zeros(n, bool)
+        unanswered = np.zeros(n, bool)  # keys a volatile layer that failed may hold
         counts = {"volatile_db": 0, "persistent_db": 0}
-        if self._volatile_up():
-            try:
-                v, f = self.volatile.lookup(table, keys, dim)
-                values[f] = v[f]
-                found = f
-                counts["volatile_db"] = int(f.sum())
-            except StoreUnavailable as e:
-                self._volatile_failed(e)
+        if self.volatile_configured:
+            if self._volatile_up() and table not in self._volatile_skip:
+                try:
+                    v, f = self.volatile.lookup(table, keys, dim)
+                except PartialUnavailable as e:
+                    v, f = e.values, e.found
+                    unanswered |= e.failed
+                    self._volatile_failed(e)
+                except StoreUnavailable as e:
+                    v, f = None, None
+                    unanswered[:] = True
+                    self._volatile_failed(e)
+                if v is not None:
+                    values[f] = v[f]
+                    found |= f
+                    counts["volatile_db"] = int(f.sum())
+            else:
+                unanswered[:] = True
         if self.persistent is not None and not found.all():
             miss = np.flatnonzero(~found)
-            v, f = self.persistent.lookup(table, keys[miss], dim)
+            try:
+                v, f = self.persistent.lookup(table, keys[miss], dim)
+            except StoreUnavailable as e:
+                raise LayerUnavailable("persistent_db", str(e)) from None
             hit = miss[f]
             values[hit] = v[f]
             found[hit] = True
+            unanswered[:] = False  # it holds every row: what it lacks, no layer has
             counts["persistent_db"] = int(hit.size)
             if (hit.size and self.volatile_params.cache_missed_embeddings
-                    and self._volatile_up()):
+                    and self._volatile_up() and table not in self._volatile_skip):
                 try:
                     self.volatile.insert(table, keys[hit], v[f])
                 except StoreUnavailable as e:
                     self._volatile_failed(e)
+        if unanswered.any():
+            raise LayerUnavailable(
+                "volatile_db", f"{int(unanswered.sum())} of {n} keys of {table} are held only "
+                f"by the {self.volatile_params.type} database, which does not answer "
+                f"({self.volatile_error or 'down'})")
         if default and not found.all():
             values[~found] = default
         return values, found, counts
 
-    def load(self, table: str, keys: np.ndarray, values: np.ndarray, *,
-             into_persistent: bool = True) -> dict[str, int]:
-        """Write a table: every row into the persistent database (unless it is read-only), the
-        first ``initial_cache_rate`` of the rows into the volatile one (all of them when there
-        is no persistent database to fall back on). Returns rows written per layer."""
+    # -- loading --------------------------------------------------------------------------------
+    def check_table(self, layer: str, table: str, expected: dict) -> str:
+        """What ``layer`` holds of ``table``: "match", "absent", "down" (not reachable), or
+        raises :class:`TableMismatch` naming the table and both exports."""
+        store = self.volatile if layer == "volatile_db" else self.persistent
+        if store is None:
+            return "down" if layer == "volatile_db" and self.volatile_configured else "absent"
+        meta = store.get_meta(table)
+        if meta is None and table not in store.tables():
+            return "absent"
+        why = mismatch(meta, expected)
+        if why is None:
+            return "match"
+        kind = (self.volatile_params.type if layer == "volatile_db"
+                else self.persistent_params.type)
+        raise TableMismatch(f"{layer} ({kind}) table {table} {why}; run `python -m jctr.serve "
+                            "load --config <file>` to load this export into it")
+
+    def load(self, table: str, keys: np.ndarray, values: np.ndarray, manifest: dict, *,
+             into_persistent: bool = True, into_volatile: bool = True) -> dict[str, int]:
+        """Replace a table: every row into the persistent database (unless it is read-only),
+        the first ``initial_cache_rate`` of the rows into the volatile one (all of them when
+        there is no persistent database to fall back on). In each layer the old table and
+        its manifest go first and the new manifest is written last, so a load stopped half
+        way leaves a table that ``serve`` refuses. Returns rows written per layer."""
         written = {"volatile_db": 0, "persistent_db": 0}
         if (into_persistent and self.persistent is not None
                 and not self.persistent_params.read_only):
+            self.persistent.drop_table(table)
             step = self.persistent_params.max_set_batch_size * 16
             for s in range(0, keys.size, step):
                 self.persistent.insert(table, keys[s:s + step], values[s:s + step])
+            self.persistent.set_meta(table, manifest)
             written["persistent_db"] = int(keys.size)
-        if self.volatile is not None:
+        if into_volatile and self.volatile is not None:
             rate = self.volatile_params.initial_cache_rate if self.persistent else 1.0
             n = int(round(keys.size * rate))
+            self.volatile.drop_table(table)
             step = 1 << 18
             for s in range(0, n, step):
                 e = min(n, s + step)
                 self.volatile.insert(table, keys[s:e], values[s:e])
+            self.volatile.set_meta(table, manifest)
+            self._volatile_skip.pop(table, None)
             written["volatile_db"] = n
         return written
 
     def close(self) -> None:
+        self._closed.set()
         for store in (self.volatile, self.persistent):
             if store is not None:
                 store.close()

@@ -38,7 +38,9 @@ from jctr.data.batch import Batch, batch_from_features, check_batch
 from jctr.embedding.sparse_embedding import pool
 from jctr.models.ctr import StepConfig, build_model, forward
 from jctr.serving.device_cache import WAYS, DeviceCache
-from jctr.serving.hps import LAYERS, Databases
+from jctr.serving.hps import LAYERS, Databases, LayerUnavailable
+from jctr.serving.table_manifest import table_manifest
+from jctr.stores.base import StoreError
 
 _JSON_NAMES = {v: k for k, v in MODEL_JSON_KEYS.items()}
 
@@ -54,6 +56,7 @@ class _Table:
         self.cache = cache
         self.counts = dict.fromkeys(LAYERS, 0)
         self.queries = 0
+        self.unanswered = 0  # batches refused: a layer that did not answer held keys
 
 
 class HPSModel:
@@ -91,6 +94,7 @@ class HPSModel:
                                     spec.dim)
             self.tables.append(_Table(params.table_key(i), spec,
                                       float(params.default_value_for_each_table[i]), cache))
+        self._manifests: list[dict | None] = [None] * len(self.tables)
         self._forward = _make_forward(step_config)
         self._lock = threading.Lock()
         pool_size = params.number_of_worker_buffers_in_pool
@@ -147,15 +151,45 @@ class HPSModel:
                               f"{p.maxnum_des_feature_per_sample}, but the network has "
                               f"{cfg.data.dense_dim} dense features")
 
-    def load_databases(self, *, persistent: bool | None = None) -> dict[str, dict[str, int]]:
-        """Write the sparse model files into the databases (``python -m jctr.serve load``).
-        ``persistent`` None: write RocksDB only for tables it does not hold yet."""
+    def table_manifest(self, i: int) -> dict:
+        """What table ``i`` must hold (see :mod:`jctr.serving.table_manifest`)."""
+        if self._manifests[i] is None:
+            path = self.params.sparse_model_files[i]
+            self._manifests[i] = table_manifest(self.params.dense_model_file, path,
+                                                rows=_stored_rows(path),
+                                                dim=self.tables[i].dim)
+        return self._manifests[i]
+
+    def load_databases(self, *, replace: bool = False) -> dict[str, dict[str, int]]:
+        """Fill the databases from the sparse model files. ``replace`` (``python -m jctr.serve
+        load``): every table into every layer. Otherwise (``serve`` starting) a layer's table
+        is loaded where the layer lacks it, kept where it holds this export, and refused
+        (:class:`jctr.serving.hps.TableMismatch`) where it holds another export or an
+        incomplete load; an in-process hash map is always filled. Returns rows written per
+        table and layer."""
         out = {}
-        existing = set(self.dbs.persistent.tables()) if self.dbs.persistent else set()
-        for t, path in zip(self.tables, self.params.sparse_model_files):
-            keys, values = read_sparse_model(path, t.dim)
-            into = (t.key not in existing) if persistent is None else persistent
-            out[t.key] = self.dbs.load(t.key, keys, values, into_persistent=into)
+        in_process = self.dbs.volatile_params.type in ("hash_map", "parallel_hash_map")
+        for i, (t, path) in enumerate(zip(self.tables, self.params.sparse_model_files)):
+            manifest = self.table_manifest(i)
+            self.dbs.expected[t.key] = manifest
+            into_p = into_v = True
+            if not replace:
+                held = self.dbs.check_table("persistent_db", t.key, manifest)
+                if held == "absent" and self.dbs.persistent is not None \
+                        and self.dbs.persistent_params.read_only:
+                    raise StoreError(f"persistent_db ({self.dbs.persistent_params.type}, "
+                                     f"read-only) {self.dbs.persistent_params.path}: has no "
+                                     f"table {t.key}; load it first (python -m jctr.serve "
+                                     "load) or turn read_only off")
+                into_p = held == "absent"
+                into_v = in_process or self.dbs.check_table("volatile_db", t.key,
+                                                            manifest) == "absent"
+            if into_p or into_v:
+                keys, values = read_sparse_model(path, t.dim)
+                out[t.key] = self.dbs.load(t.key, keys, values, manifest,
+                                           into_persistent=into_p, into_volatile=into_v)
+            else:
+                out[t.key] = {"volatile_db": 0, "persistent_db": 0}
         return out
 
     # -- lookups ------------------------------------------------------------------------------
@@ -174,7 +208,11 @@ class HPSModel:
         miss = np.flatnonzero(~hit)
         host = np.zeros((cap, t.dim), np.float32)
         if miss.size:
-            values, found, counts = self.dbs.lookup(t.key, uniq[miss], t.dim, t.default)
+            try:
+                values, found, counts = self.dbs.lookup(t.key, uniq[miss], t.dim, t.default)
+            except LayerUnavailable:
+                t.unanswered += 1
+                raise
             host[miss] = values
             for layer, c in counts.items():
                 t.counts[layer] += c
@@ -260,7 +298,10 @@ class HPSModel:
                 keys = t.cache.cached_keys(first, step)
                 if not keys.size:
                     continue
-                values, found, _ = self.dbs.lookup(t.key, keys, t.dim, t.default)
+                try:
+                    values, found, _ = self.dbs.lookup(t.key, keys, t.dim, t.default)
+                except LayerUnavailable:
+                    continue  # the cached rows stay; the next round tries again
                 t.cache.refresh(keys[found], values[found], step * WAYS)
                 done += int(found.sum())
         return done
@@ -291,7 +332,7 @@ class HPSModel:
         """Lookups per layer and table, cache hit rate and fill (the server's metrics)."""
         out = {}
         for t in self.tables:
-            out[t.key] = {"queries": t.queries, **t.counts,
+            out[t.key] = {"queries": t.queries, **t.counts, "unanswered": t.unanswered,
                           "cache_capacity": t.cache.capacity if t.cache else 0,
                           "hit_rate": t.counts["device_cache"] / t.queries if t.queries else 0.0}
         return out

@@ -1,8 +1,10 @@
 """HTTP inference server speaking the KServe v2 protocol (what Triton Inference Server speaks,
 so ``tritonclient.http`` and any KServe v2 client work), with Prometheus metrics.
 
-Endpoints: ``GET /v2/health/live``, ``GET /v2/health/ready``, ``GET /v2``,
+Endpoints: ``GET /v2/health/live``, ``GET /v2/health/ready`` (503 while a database layer is down
+that some keys can only come from; the body lists each layer), ``GET /v2``,
 ``GET /v2/models/<name>[/versions/<v>]``, ``GET /v2/models/<name>/ready``,
+``GET /v2/models/<name>/config`` (the model configuration, in Triton's JSON form),
 ``POST /v2/models/<name>[/versions/<v>]/infer`` (JSON, or the binary tensor extension with the
 ``Inference-Header-Content-Length`` header), ``GET /metrics``.
 
@@ -12,7 +14,9 @@ row offsets ``[n * slot_num + 1]`` (CSR over sample x slot), or ``CATCOLUMN`` sh
 ``[n, slot_num]`` without ``ROWINDEX`` (one key per slot). With several sparse inputs the
 names carry the input's top: ``CATCOLUMN_<top>``, ``ROWINDEX_<top>``. The output is
 ``OUTPUT0`` FP32 ``[n, label_dim]``. Requests of any size are cut into ``max_batchsize``
-batches.
+batches. Non-finite dense inputs are refused (400 naming the input and the place); a key that
+only a database which does not answer could give fails the request (503 naming the layer),
+never a default value in its place; JSON never carries a bare ``NaN``.
 
 Example::
 
@@ -30,6 +34,7 @@ import numpy as np
 
 from jctr.data.batch import BatchError
 from jctr.serving.hps import LAYERS
+from jctr.stores.base import StoreUnavailable
 from jctr.version import __version__
 
 DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
@@ -67,6 +72,30 @@ def model_metadata(model) -> dict:
                                               "max_feature_num_per_sample":
                                                   sp.max_feature_num_per_sample}
                                              for sp in data.sparse]}}
+
+
+def model_config(model) -> dict:
+    """The model's configuration as Triton's ``GET /v2/models/<name>/config`` gives it (the
+    JSON form of a ``config.pbtxt``: HugeCTR's HPS backend's inputs and output)."""
+    data = model.cfg.data
+    inputs = []
+    for name, dtype, shape in input_names(model):
+        inputs.append({"name": name, "data_type": f"TYPE_{dtype}", "format": "FORMAT_NONE",
+                       "dims": [-1] if name.startswith(("CATCOLUMN", "ROWINDEX"))
+                       else shape[1:], "is_shape_tensor": False, "optional": False})
+    return {"name": model.name, "platform": "", "backend": "jctr_hps",
+            "version_policy": {"latest": {"num_versions": 1}},
+            "max_batch_size": model.batch_size, "input": inputs,
+            "output": [{"name": "OUTPUT0", "data_type": "TYPE_FP32",
+                        "dims": [data.label_dim], "label_filename": "",
+                        "is_shape_tensor": False}],
+            "instance_group": [{"name": f"{model.name}_0", "kind": "KIND_CPU", "count": 1}],
+            "parameters": {"network_file": {"string_value": model.params.network_file},
+                           "dense_file": {"string_value": model.params.dense_model_file},
+                           "sparse_files": {"string_value":
+                                            ",".join(model.params.sparse_model_files)},
+                           "embedding_table_names": {"string_value": ",".join(
+                               model.params.embedding_table_names)}}}
 
 
 def parse_infer_request(body: bytes, header_length: int | None
@@ -148,6 +177,12 @@ def request_features(model, tensors: dict[str, np.ndarray]) -> tuple[np.ndarray,
             raise RequestError(f"input DES: expected shape [n, {data.dense_dim}], got "
                                f"{list(des.shape)}")
         n = des.shape[0]
+        bad = np.argwhere(~np.isfinite(des)) if des.dtype.kind == "f" else np.zeros((0, 2))
+        if bad.size:
+            r, c = (int(x) for x in bad[0])
+            raise RequestError(f"input DES: {bad.shape[0]} non-finite value(s) (NaN or "
+                               f"infinity), the first at sample {r}, feature {c} "
+                               f"({des[r, c]}); dense features must be finite")
     sparse = []
     for sp in data.sparse:
         suffix = f"_{sp.top}" if several else ""
@@ -190,6 +225,11 @@ def request_features(model, tensors: dict[str, np.ndarray]) -> tuple[np.ndarray,
 def infer_response(model, req: dict, pred: np.ndarray) -> tuple[bytes, dict[str, str]]:
     """Response body and headers: JSON, or the binary extension where the request asked."""
     out = np.ascontiguousarray(pred.reshape(pred.shape[0], -1), np.float32)
+    if not np.isfinite(out).all():
+        rows = np.flatnonzero(~np.isfinite(out).all(axis=1))
+        raise ValueError(f"the model predicted non-finite values for {rows.size} sample(s) "
+                         f"(the first: sample {int(rows[0])}); the bundle's weights or the "
+                         "inputs are out of range")
     binary = bool((req.get("parameters") or {}).get("binary_data_output"))
     for o in req.get("outputs") or []:
         if isinstance(o, dict) and o.get("name") == "OUTPUT0":
@@ -200,10 +240,10 @@ def infer_response(model, req: dict, pred: np.ndarray) -> tuple[bytes, dict[str,
         head["id"] = req["id"]
     if not binary:
         entry["data"] = out.reshape(-1).tolist()
-        return json.dumps(head).encode(), {"content-type": "application/json"}
+        return json.dumps(head, allow_nan=False).encode(), {"content-type": "application/json"}
     raw = out.tobytes()
     entry["parameters"] = {"binary_data_size": len(raw)}
-    text = json.dumps(head).encode()
+    text = json.dumps(head, allow_nan=False).encode()
     return text + raw, {"content-type": "application/octet-stream",
                         HEADER: str(len(text))}
 
@@ -242,9 +282,21 @@ class Metrics:
                             lookups.add_metric([name, table, layer], s[layer])
                         hit.add_metric([name, table], s["hit_rate"])
                         cap.add_metric([name, table], s["cache_capacity"])
+                unanswered = CounterMetricFamily(
+                    "jctr_unanswered_batches", "batches refused because a database layer "
+                    "that held their keys did not answer", labels=["model", "table"])
+                up = GaugeMetricFamily("jctr_store_up", "database layer answering (1) or "
+                                       "not (0)", labels=["layer"])
+                for name, model in models.items():
+                    for table, s in model.stats().items():
+                        unanswered.add_metric([name, table], s["unanswered"])
+                for layer, state in _health(models).items():
+                    up.add_metric([layer], 1.0 if state == "up" else 0.0)
                 yield lookups
                 yield hit
                 yield cap
+                yield unanswered
+                yield up
 
         self.registry.register(Tables())
 
@@ -252,6 +304,18 @@ class Metrics:
         from prometheus_client import generate_latest
 
         return generate_latest(self.registry)
+
+
+def _health(models: dict) -> dict[str, str]:
+    """Each database layer's state (the models of one server share their databases)."""
+    out: dict[str, str] = {}
+    for model in models.values():
+        out.update(model.dbs.health())
+    return out
+
+
+def _ready(models: dict) -> bool:
+    return all(model.dbs.ready() for model in models.values())
 
 
 def build_app(models: dict):
@@ -280,7 +344,9 @@ def build_app(models: dict):
         return JSONResponse({"live": True})
 
     async def ready(request):
-        return JSONResponse({"ready": True})
+        ok = _ready(models)
+        return JSONResponse({"ready": ok, "layers": _health(models)},
+                            status_code=200 if ok else 503)
 
     async def server_meta(request):
         return JSONResponse({"name": "jctr", "version": __version__,
@@ -292,7 +358,15 @@ def build_app(models: dict):
 
     async def model_ready(request):
         model, err = find(request)
-        return err or JSONResponse({"name": model.name, "ready": True})
+        if err:
+            return err
+        ok = model.dbs.ready()
+        return JSONResponse({"name": model.name, "ready": ok, "layers": model.dbs.health()},
+                            status_code=200 if ok else 503)
+
+    async def model_config_route(request):
+        model, err = find(request)
+        return err or JSONResponse(model_config(model))
 
     async def infer(request):
         model, err = find(request)
@@ -316,6 +390,9 @@ def build_app(models: dict):
         except (RequestError, BatchError) as e:
             status = "bad_request"
             return error(400, str(e))
+        except StoreUnavailable as e:
+            status = "unavailable"
+            return error(503, f"embedding lookup failed: {e}")
         except Exception as e:  # noqa: BLE001 - a server answers, it does not die
             status = "error"
             return error(500, f"{type(e).__name__}: {e}")
@@ -332,6 +409,8 @@ def build_app(models: dict):
         Route("/v2/models/{name}", model_meta),
         Route("/v2/models/{name}/versions/{version}", model_meta),
         Route("/v2/models/{name}/ready", model_ready),
+        Route("/v2/models/{name}/config", model_config_route),
+        Route("/v2/models/{name}/versions/{version}/config", model_config_route),
         Route("/v2/models/{name}/versions/{version}/ready", model_ready),
         Route("/v2/models/{name}/infer", infer, methods=["POST"]),
         Route("/v2/models/{name}/versions/{version}/infer", infer, methods=["POST"]),

@@ -33,6 +33,16 @@ class StoreUnavailable(UserError, RuntimeError):
     with this one-line message."""
 
 
+class PartialUnavailable(StoreUnavailable):
+    """Part of a store did not answer (one Redis master of several): ``values`` / ``found``
+    hold what the rest answered, ``failed`` marks the keys whose part was down."""
+
+    def __init__(self, message: str, values: np.ndarray, found: np.ndarray,
+                 failed: np.ndarray):
+        super().__init__(message)
+        self.values, self.found, self.failed = values, found, failed
+
+
 class KeyValueStore(Protocol):
     name: str  # "hash_map", "redis_cluster", "rocks_db", ... (metrics and messages)
 
@@ -50,6 +60,15 @@ class KeyValueStore(Protocol):
 
     def tables(self) -> list[str]:
         ...
+
+    def get_meta(self, table: str) -> dict | None:
+        """The table's manifest (what was loaded into it, written last by a load), or None."""
+
+    def set_meta(self, table: str, meta: dict | None) -> None:
+        """Write (None: remove) the table's manifest."""
+
+    def drop_table(self, table: str) -> None:
+        """Remove the table, its rows and its manifest."""
 
     def items(self, table: str, chunk: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """All (keys, values) of ``table`` in chunks."""

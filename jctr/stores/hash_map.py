@@ -172,6 +172,7 @@ class HashMapStore:
         self.name = self.params.type
         self.num_partitions = self.params.partitions
         self._tables: dict[str, HostTable] = {}
+        self._meta: dict[str, dict] = {}
         self._lock = threading.Lock()
         self._rng = np.random.default_rng(seed)
         self._pool = (ThreadPoolExecutor(self.num_partitions, thread_name_prefix="hps-map")
@@ -264,6 +265,20 @@ class HashMapStore:
 
     def tables(self) -> list[str]:
         return sorted(self._tables)
+
+    def get_meta(self, table: str) -> dict | None:
+        return self._meta.get(table)
+
+    def set_meta(self, table: str, meta: dict | None) -> None:
+        if meta is None:
+            self._meta.pop(table, None)
+        else:
+            self._meta[table] = dict(meta)
+
+    def drop_table(self, table: str) -> None:
+        with self._lock:
+            self._tables.pop(table, None)
+            self._meta.pop(table, None)
 
     def items(self, table: str, chunk: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         with self._lock:

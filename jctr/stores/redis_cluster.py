@@ -9,8 +9,12 @@ and different partitions spread over the nodes. Lookups are HMGETs of at most
 sent as one cluster pipeline. A partition that grows past ``overflow_margin`` is cut to
 ``overflow_margin * overflow_resolution_target`` (oldest first, or random with HRANDFIELD).
 
-A node that does not answer makes the call raise :class:`StoreUnavailable` within the socket
-timeout; the lookup hierarchy then reads the persistent database and tries Redis again later.
+Lookups send one pipeline per master, at the same time. A master that does not answer makes
+the lookup raise :class:`PartialUnavailable` within the socket timeout, carrying what the other
+masters answered: only that master's keys go to the next layer, and the master is skipped
+(its keys failed at once) for ``NODE_BACKOFF_S`` before it is tried again. A cluster that does
+not answer at all at start is :class:`StoreUnavailable` (a wrong password is a
+:class:`StoreError`).
 
 Example::
 
@@ -20,14 +24,17 @@ Example::
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from jctr.config.hps import VolatileDatabaseParams
 from jctr.stores.base import (
+    PartialUnavailable,
     StoreError,
     StoreUnavailable,
     as_keys,
@@ -39,8 +46,8 @@ from jctr.stores.base import (
 )
 
 SOCKET_TIMEOUT_S = 1.0
+NODE_BACKOFF_S = 1.0
 TABLES_KEY = "hps_tables"
-
 
 
 class _Packed:
@@ -127,6 +134,8 @@ class RedisClusterStore:
         self.num_partitions = params.partitions
         self._lock = threading.Lock()
         self._dims: dict[str, int] = {}
+        self._node_down: dict[str, float] = {}  # master -> monotonic time to try it again
+        self._pool = ThreadPoolExecutor(8, thread_name_prefix="hps-redis")
         self.evicted = 0
         nodes = [ClusterNode(h, p) for h, p in params.nodes()]
         try:
@@ -141,13 +150,14 @@ class RedisClusterStore:
             self.client.ping()
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException,
                 OSError) as e:
+            self._pool.shutdown(wait=False)
             text = str(e)
             if (isinstance(e, redis.exceptions.AuthenticationError)
                     or "username-password" in text or "NOAUTH" in text):
                 raise StoreError(f"volatile_db redis_cluster {params.address}: authentication "
                                  f"failed for user {params.user_name!r}: {text}") from None
-            raise StoreError(f"volatile_db redis_cluster {params.address}: cannot reach the "
-                             f"cluster ({type(e).__name__}: {e})") from None
+            raise StoreUnavailable(f"volatile_db redis_cluster {params.address}: cannot reach "
+                                   f"the cluster ({type(e).__name__}: {e})") from None
 
     # -- helpers ------------------------------------------------------------------------------
     @staticmethod
@@ -202,17 +212,66 @@ class RedisClusterStore:
         self._check_dim(table, dim)
         cols = _key_columns(keys)
         step = self.params.max_get_batch_size
-        pipe = self.client.pipeline(transaction=False)
-        plan = []
+        per_node: dict = {}
+        failed = np.zeros(keys.size, bool)
+        now = time.monotonic()
         for _, name, chunk in self._chunks(table, keys, step):
-            pipe.execute_command("HMGET", name, _fixed_bulks(cols[chunk]))
-            plan.append(chunk)
-        replies = self._run("lookup", pipe.execute)
-        for chunk, got in zip(plan, replies):
-            put_found(values, found, chunk, got)
+            node = self._node_of(name)
+            if node is None or self._node_down.get(node.name, 0.0) > now:
+                failed[chunk] = True
+                continue
+            per_node.setdefault(node.name, (node, []))[1].append((name, chunk))
+        errors = []
+        jobs = [(node, work) for node, work in per_node.values()]
+        results = (list(self._pool.map(lambda job: self._hmget(*job, cols), jobs))
+                   if len(jobs) > 1 else [self._hmget(*job, cols) for job in jobs])
+        for (node, work), (replies, error) in zip(jobs, results):
+            if error is not None:
+                errors.append(error)
+                self._node_down[node.name] = time.monotonic() + NODE_BACKOFF_S
+                for _, chunk in work:
+                    failed[chunk] = True
+                continue
+            for (_, chunk), got in zip(work, replies):
+                put_found(values, found, chunk, got)
         if self.params.refresh_time_after_fetch and found.any():
-            self._touch(table, keys[found])
+            try:
+                self._touch(table, keys[found])
+            except StoreUnavailable:
+                pass  # an eviction-order hint; the values stand
+        if failed.all():
+            raise StoreUnavailable(f"redis_cluster {self.params.address}: lookup failed "
+                                   f"({errors[0] if errors else 'no master answers'})")
+        if failed.any():
+            raise PartialUnavailable(
+                f"redis_cluster {self.params.address}: {int(failed.sum())} of {keys.size} "
+                f"keys unanswered ({errors[0] if errors else 'their master is down'})",
+                values, found, failed)
         return values, found
+
+    def down_nodes(self) -> list[str]:
+        """Masters skipped now after failing to answer."""
+        now = time.monotonic()
+        return sorted(n for n, until in self._node_down.items() if until > now)
+
+    def _node_of(self, name: str):
+        """The master serving Redis key ``name`` (None: its slot has none)."""
+        try:
+            return self.client.nodes_manager.get_node_from_slot(self.client.keyslot(name))
+        except (self._redis.exceptions.RedisError,
+                self._redis.exceptions.RedisClusterException):
+            return None
+
+    def _hmget(self, node, work, cols) -> tuple[list | None, str | None]:
+        """One master's HMGETs as one pipeline: (replies, None) or (None, the error)."""
+        try:
+            pipe = self.client.get_redis_connection(node).pipeline(transaction=False)
+            for name, chunk in work:
+                pipe.execute_command("HMGET", name, _fixed_bulks(cols[chunk]))
+            return pipe.execute(), None
+        except (self._redis.exceptions.RedisError, OSError) as e:
+            text = str(e).splitlines()[0][:120].encode("ascii", "replace").decode()
+            return None, f"{node.name}: {type(e).__name__}: {text}"
 
     def _touch(self, table: str, keys: np.ndarray) -> None:
         cols = _key_columns(keys)
@@ -319,19 +378,37 @@ class RedisClusterStore:
                 for s in range(0, keys.size, chunk):
                     yield keys[s:s + chunk], values[s:s + chunk]
 
+    def get_meta(self, table: str) -> dict | None:
+        raw = self._run("reading table metadata", self.client.hget, f"hps_meta.{table}",
+                        "manifest")
+        try:
+            meta = None if raw is None else json.loads(raw)
+        except ValueError:
+            return None
+        return meta if isinstance(meta, dict) else None
+
+    def set_meta(self, table: str, meta: dict | None) -> None:
+        key = f"hps_meta.{table}"
+        if meta is None:
+            self._run("writing table metadata", self.client.hdel, key, "manifest")
+        else:
+            self._run("writing table metadata", self.client.hset, key, "manifest",
+                      json.dumps(meta, sort_keys=True))
+
     def drop_table(self, table: str) -> None:
-        """Delete every partition of ``table`` (tests and ``load --force``)."""
+        """Delete every partition of ``table`` and its metadata (``load`` replaces a table)."""
         def run():
+            self.client.delete(f"hps_meta.{table}")  # first: a half-dropped table is no table
             for part in range(self.num_partitions):
                 name = self._hkey(table, part)
                 self.client.delete(name)
                 self.client.delete(name + "t")
-            self.client.delete(f"hps_meta.{table}")
             self.client.srem(TABLES_KEY, table)
         self._run("drop table", run)
         self._dims.pop(table, None)
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False)
         try:
             self.client.close()
         except Exception:  # closing a client of a dead cluster must not mask the real error

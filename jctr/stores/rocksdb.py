@@ -6,6 +6,12 @@ layout HugeCTR writes). Lookups and writes go in chunks of ``max_get_batch_size`
 a ``path`` that holds another RocksDB database, or files that are not a database, is refused
 (never written into), as is a missing path with ``read_only``.
 
+Looking into an existing folder, and every ``read_only`` open, goes through a private folder of
+links to the database's files: ``rocksdict`` rewrites its ``rocksdict-config.json`` and
+RocksDB its ``LOG`` on every open, which must touch neither a foreign database nor read-only
+storage. (A read-only database must not be written by another process meanwhile: its
+compactions would delete the files linked to.)
+
 Example::
 
     store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path="/data/hps"))
@@ -14,7 +20,10 @@ Example::
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
 import threading
 from collections.abc import Iterator
 
@@ -40,6 +49,21 @@ def _dim_key(table: str) -> bytes:
     return b"jctr.dim/" + table.encode()
 
 
+def _meta_key(table: str) -> bytes:
+    return b"jctr.manifest/" + table.encode()
+
+
+def _shadow(path: str) -> str:
+    """A new temporary folder of links to the database files of ``path`` (not its LOCK, LOG
+    or rocksdict's config): RocksDB opens it read-only and writes what it must there."""
+    shadow = tempfile.mkdtemp(prefix="jctr-rocksdb-ro.")
+    for name in os.listdir(path):
+        if name == "LOCK" or name.startswith("LOG") or name == "rocksdict-config.json":
+            continue
+        os.symlink(os.path.join(path, name), os.path.join(shadow, name))
+    return shadow
+
+
 def _key_bytes(keys: np.ndarray) -> list[bytes]:
     raw = keys.astype("<i8").tobytes()
     return [raw[i:i + 8] for i in range(0, len(raw), 8)]
@@ -58,6 +82,7 @@ class RocksDBStore:
         self.path = os.path.abspath(params.path)
         self._lock = threading.Lock()
         self._dims: dict[str, int] = {}
+        self._shadow: str | None = None
         exists = os.path.isdir(self.path) and bool(os.listdir(self.path))
         if os.path.exists(self.path) and not os.path.isdir(self.path):
             raise StoreError(f"persistent_db.path {self.path}: is a file, not a RocksDB folder")
@@ -72,27 +97,34 @@ class RocksDBStore:
         opts.increase_parallelism(params.num_threads)
         families = {}
         if exists:
-            # look before writing: a read-only open changes nothing in another's database
+            # look before writing, through links: nothing in another's database changes
+            self._shadow = _shadow(self.path)
             try:
                 families = {name: self._options() for name in
-                            rocksdict.Rdict.list_cf(self.path, self._options())}
-                probe = rocksdict.Rdict(self.path, self._options(), column_families=families,
+                            rocksdict.Rdict.list_cf(self._shadow, self._options())}
+                probe = rocksdict.Rdict(self._shadow, self._options(),
+                                        column_families=families,
                                         access_type=rocksdict.AccessType.read_only())
                 marker = probe.get(MARKER_KEY)
                 probe.close()
             except Exception as e:  # rocksdict raises plain Exception
+                self._drop_shadow()
                 raise StoreError(f"persistent_db.path {self.path}: cannot open as RocksDB: "
                                  f"{e}") from None
             if marker != MARKER:
+                self._drop_shadow()
                 raise StoreError(f"persistent_db.path {self.path}: holds another RocksDB "
                                  "database (no jctr HPS marker); jctr does not write into it: "
                                  "give an empty folder")
+            if not params.read_only:
+                self._drop_shadow()
         access = (rocksdict.AccessType.read_only() if params.read_only
                   else rocksdict.AccessType.read_write())
         try:
-            self.db = rocksdict.Rdict(self.path, opts, column_families=families or None,
-                                      access_type=access)
+            self.db = rocksdict.Rdict(self._shadow or self.path, opts,
+                                      column_families=families or None, access_type=access)
         except Exception as e:
+            self._drop_shadow()
             raise StoreError(f"persistent_db.path {self.path}: cannot open RocksDB: {e}") \
                 from None
         if not exists:
@@ -106,6 +138,11 @@ class RocksDBStore:
 
     def _options(self):
         return self._rd.Options(raw_mode=True)
+
+    def _drop_shadow(self) -> None:
+        if self._shadow is not None:
+            shutil.rmtree(self._shadow, ignore_errors=True)
+            self._shadow = None
 
     def _family(self, table: str, create_dim: int | None = None):
         cf = self._families.get(table)
@@ -192,9 +229,42 @@ class RocksDBStore:
     def tables(self) -> list[str]:
         return sorted(self._families)
 
+    def get_meta(self, table: str) -> dict | None:
+        raw = self.db.get(_meta_key(table))
+        if raw is None:
+            return None
+        try:
+            meta = json.loads(raw)
+        except ValueError:
+            return None
+        return meta if isinstance(meta, dict) else None
+
+    def set_meta(self, table: str, meta: dict | None) -> None:
+        if self.params.read_only:
+            raise StoreError(f"rocks_db {self.path}: read-only, cannot write table {table}")
+        with self._lock:
+            if meta is None:
+                self.db.delete(_meta_key(table))
+            else:
+                # after the rows in the write-ahead log: a load killed before this line
+                # leaves no manifest, whatever it had written
+                self.db.put(_meta_key(table), json.dumps(meta, sort_keys=True).encode())
+
+    def drop_table(self, table: str) -> None:
+        if self.params.read_only:
+            raise StoreError(f"rocks_db {self.path}: read-only, cannot drop table {table}")
+        with self._lock:
+            self.db.delete(_meta_key(table))  # first: a half-dropped table is not complete
+            if table in self._families:
+                self.db.drop_column_family(table)
+                del self._families[table]
+            self.db.delete(_dim_key(table))
+            self._dims.pop(table, None)
+
     def close(self) -> None:
         self._families.clear()
         self.db.close()
+        self._drop_shadow()
 
 
 def _decode(ks: list[bytes], vs: list[bytes], dim: int) -> tuple[np.ndarray, np.ndarray]:

@@ -17,9 +17,9 @@ import pytest
 
 from jctr.config import load_config
 from jctr.config.hps import PersistentDatabaseParams, VolatileDatabaseParams, load_ps_config
-from jctr.serving.hps import Databases
+from jctr.serving.hps import Databases, LayerUnavailable
 from jctr.serving.hps_model import HPSModel
-from jctr.stores import StoreError
+from jctr.stores import StoreError, StoreUnavailable
 from jctr.stores.redis_cluster import RedisClusterStore
 from tests.conftest import ROOT, tiny_config
 
@@ -113,7 +113,7 @@ def test_wrong_password_and_unreachable_cluster_are_clear_errors(cluster):
                                                  address=cluster["address"], password="no"))
     port = _free_port_block(1)
     start = time.monotonic()
-    with pytest.raises(StoreError, match=f"127.0.0.1:{port}: cannot reach the cluster"):
+    with pytest.raises(StoreUnavailable, match=f"127.0.0.1:{port}: cannot reach the cluster"):
         RedisClusterStore(VolatileDatabaseParams(type="redis_cluster",
                                                  address=f"127.0.0.1:{port}"))
     assert time.monotonic() - start < 10
@@ -168,10 +168,26 @@ def test_lookups_survive_a_killed_redis_master(cluster, bundle, tmp_path):
                                     "redis.pid")).read())
         os.kill(pid, signal.SIGKILL)
         killed_at = rounds[0]
-        time.sleep(2.0)
+        time.sleep(1.0)
+        v0 = sum(s["volatile_db"] for s in model.stats().values())
+        time.sleep(1.0)
         assert rounds[0] > killed_at + 2  # requests kept coming back meanwhile
         assert dbs.volatile_failures > 0
+        assert dbs.volatile.down_nodes() == [f"127.0.0.1:{cluster['ports'][1]}"]
+        # the other masters still answer: only the dead one's keys went to RocksDB
+        assert sum(s["volatile_db"] for s in model.stats().values()) > v0
         persistent_during = sum(s["persistent_db"] for s in model.stats().values())
+        # without RocksDB below, the dead master's keys fail the batch (no default rows)
+        alone = Databases(ps.volatile_db, PersistentDatabaseParams(type="disabled"))
+        solo = HPSModel(ps.models[0], alone, where="models[0]")
+        try:
+            with pytest.raises(LayerUnavailable, match="volatile_db: .* keys of "
+                                                       "hps_et.wdl_kill.sparse_embedding"):
+                solo.predict(reference[0][0])
+            assert not alone.ready()
+        finally:
+            solo.close()
+            alone.close()
         out = subprocess.run(["bash", SCRIPT, "node", cluster["dir"], str(cluster["ports"][1])],
                              env=cluster["env"], capture_output=True, text=True, timeout=60)
         assert out.returncode == 0, out.stderr

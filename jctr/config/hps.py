@@ -463,7 +463,7 @@ def parse_ps_config(raw: Any, source: str | None = None) -> ParameterServerConfi
             if key == "persistent_db" and "path" in kwargs and isinstance(kwargs["path"], str) \
                     and kwargs["path"]:
                 # like the model paths: a file's relative paths mean the same from any cwd
-                kwargs["path"] = os.path.join(base, kwargs["path"])
+                kwargs["path"] = os.path.normpath(os.path.join(base, kwargs["path"]))
             dbs[key] = _build(cls, kwargs, key, source)
         else:
             dbs[key] = cls()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from jctr.checkpoint.model_files import ModelFileError
-from jctr.config import ConfigError
+from jctr.config import ConfigError, load_config
 from jctr.config.hps import (
     InferenceParams,
     PersistentDatabaseParams,
@@ -107,6 +107,9 @@ def test_defaults_are_hugectrs():
      r"models\[0\].embedding_vecsize_per_table: expected one entry per sparse model file"),
     ({"dense_file": None}, r"models\[0\].dense_file: expected a non-empty string"),
     ({"embedding_table_names": ["a", "a"]}, r"embedding_table_names: expected distinct"),
+    ({"deployed_device_list": [0, 1]}, r"models\[0\].deployed_device_list: \[0, 1\]: a jctr "
+                                       r"server process runs a model on one device"),
+    ({"hit_rate_threshold": -0.5}, r"models\[0\].hit_rate_threshold: expected a number >= 0"),
 ])
 def test_model_errors_name_the_json_path(change, message):
     model = {**SEED_MODEL, **change}
@@ -121,6 +124,9 @@ def test_model_errors_name_the_json_path(change, message):
     ({"type": "memcached"}, r"volatile_db.type: expected one of \"disabled\""),
     ({"address": "127.0.0.1:70000"}, r"volatile_db.address: expected \"host\[:port\]"),
     ({"num_partitions": 0}, r"volatile_db.num_partitions: expected a positive integer"),
+    ({"update_filters": ["^hps_.+$", "(unclosed"]},
+     r"volatile_db.update_filters\[1\]: '\(unclosed' is not a regular expression"),
+    ({"update_filters": "^hps_.+$"}, r"volatile_db.update_filters: expected a list"),
 ])
 def test_database_errors_name_the_json_path(change, message):
     with pytest.raises(ConfigError, match=message):
@@ -382,7 +388,6 @@ def test_lookup_order_fallbacks_and_defaults(tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from jctr.config import load_config
     from jctr.serving.bundle import export_bundle
     from jctr.train.trainer import Trainer
 
@@ -541,8 +546,8 @@ def test_bad_model_files_and_sizes_are_clear_errors(trained, tmp_path):
         for change, error, message in [
             ({"dense_file": str(tmp_path / "missing.model")}, (ModelFileError, OSError),
              "missing.model"),
-            ({"embedding_vecsize_per_table": [1, 15]}, ConfigError,
-             r"models\[0\].embedding_vecsize_per_table\[1\]: 15, but embedding "
+            ({"embedding_vecsize_per_table": [1, 4]}, ConfigError,
+             r"models\[0\].embedding_vecsize_per_table\[1\]: 4, but embedding "
              r"\"sparse_embedding1\" has embedding_vec_size 8"),
             ({"maxnum_catfeature_query_per_table_per_sample": [1, 8]}, ConfigError,
              r"maxnum_catfeature_query_per_table_per_sample\[0\]: 1, but input \"wide_data\""),
@@ -556,4 +561,64 @@ def test_bad_model_files_and_sizes_are_clear_errors(trained, tmp_path):
             with pytest.raises(error, match=message):
                 HPSModel(ps.models[0], dbs, where="models[0]")
     finally:
+        dbs.close()
+
+
+def test_seed_valid_settings_work(trained, tmp_path):
+    """hit_rate_threshold above 1 (never asynchronous), embedding_vecsize_per_table as a
+    maximum, supportlonglong false (INT32 keys; a model with wider keys is refused)."""
+    import shutil
+
+    from jctr.serving.server import input_names
+
+    tmp, reference = trained("dlrm")
+    shutil.copytree(tmp / "bundle", tmp_path / "bundle")
+    doc = {"volatile_db": {"type": "hash_map"},
+           "models": [{"model": "dlrm_seed", "bundle": "bundle", "max_batch_size": 256,
+                       "gpucacheper": 0.5, "hit_rate_threshold": 1.5}]}
+    (tmp_path / "ps.json").write_text(json.dumps(doc))
+    ps = load_ps_config(tmp_path / "ps.json")
+    dims = [e.embedding_vec_size for e in
+            load_config(str(tmp_path / "bundle" / "config.json"), require_solver=False).embeddings]
+    params = dataclasses.replace(ps.models[0], embedding_vecsize_per_table=[d * 4 for d in dims])
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    m = HPSModel(params, dbs)
+    try:
+        m.load_databases()
+        for _ in range(2):
+            for batch, expected in reference:
+                np.testing.assert_allclose(m.predict(batch), expected, **TOL)
+        assert m._pending == []  # every insert ran before the answer
+        assert m.stats()[m.tables[0].key]["device_cache"] > 0
+        small = dataclasses.replace(params, embedding_vecsize_per_table=[d - 1 for d in dims])
+        with pytest.raises(ConfigError, match=r"embedding_vecsize_per_table\[0\]: .* the "
+                                              "largest vector size the table may hold"):
+            HPSModel(small, dbs)
+    finally:
+        m.close()
+        dbs.close()
+    # supportlonglong false: these hashed keys are 64-bit -> refused at load, naming the file
+    narrow = dataclasses.replace(params, i64_input_key=False)
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    wide = HPSModel(narrow, dbs)
+    with pytest.raises(StoreError, match="does not fit in int32, but supportlonglong is false"):
+        wide.load_databases()
+    wide.close()
+    dbs.close()
+    # ... and with keys that fit (the same model, keys masked to 31 bits on both sides)
+    mask = np.int64(0x7FFFFFFF)
+    for folder in (tmp_path / "bundle" / "sparse").iterdir():
+        keys = np.fromfile(folder / "key", "<i8")
+        assert np.unique(keys & mask).size == keys.size
+        (keys & mask).tofile(folder / "key")
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    m = HPSModel(narrow, dbs)
+    try:
+        m.load_databases()
+        assert [d for n, d, _ in input_names(m) if n.startswith("CATCOLUMN")] == ["INT32"]
+        for batch, expected in reference:
+            narrowed = batch._replace(keys=tuple(k & mask for k in batch.keys))
+            np.testing.assert_allclose(m.predict(narrowed), expected, **TOL)
+    finally:
+        m.close()
         dbs.close()

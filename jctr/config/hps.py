@@ -72,6 +72,25 @@ def _check_fraction(obj, name: str, *, open_interval: bool = False) -> None:
         raise _fail(name, "a number in (0, 1)" if open_interval else "a number in [0.0, 1.0]", v)
 
 
+def _check_filters(obj) -> None:
+    """``update_filters``: a list of regular expressions that compile."""
+    import re
+
+    filters = obj.update_filters
+    if isinstance(filters, (str, bytes)) or not hasattr(filters, "__iter__"):
+        raise _fail("update_filters", "a list of regular expressions", filters)
+    for i, f in enumerate(filters):
+        if not isinstance(f, str):
+            raise ConfigError(f"update_filters[{i}]", f"expected a regular expression string, "
+                              f"got {describe(f)}")
+        try:
+            re.compile(f)
+        except re.error as e:
+            raise ConfigError(f"update_filters[{i}]", f"{f!r} is not a regular expression: "
+                              f"{e}") from None
+    object.__setattr__(obj, "update_filters", tuple(filters))
+
+
 def _check_choice(obj, name: str, choices: tuple[str, ...]) -> None:
     v = getattr(obj, name)
     if v not in choices:
@@ -134,7 +153,7 @@ class VolatileDatabaseParams:
             _check_int(self, name, 1)
         _check_fraction(self, "overflow_resolution_target", open_interval=True)
         _check_fraction(self, "initial_cache_rate")
-        object.__setattr__(self, "update_filters", tuple(self.update_filters))
+        _check_filters(self)
         if self.type == "redis_cluster":
             self.nodes()  # address must parse
 
@@ -189,7 +208,7 @@ class PersistentDatabaseParams:
             _check_int(self, name, 1)
         if not isinstance(self.path, str) or not self.path:
             raise _fail("path", "a non-empty string", self.path)
-        object.__setattr__(self, "update_filters", tuple(self.update_filters))
+        _check_filters(self)
 
 
 @dataclass(frozen=True)
@@ -252,10 +271,12 @@ class InferenceParams:
     """One HugeCTR sparse model folder (``key`` + ``emb_vector``) per embedding, in the
     config's order."""
     i64_input_key: bool = True
-    """Keys are int64 (the file's ``supportlonglong``)."""
+    """Keys are int64 (the file's ``supportlonglong``); False: requests send INT32 keys and
+    every key of the model files must fit in int32 (checked at load)."""
     hit_rate_threshold: float = 0.9
     """A batch whose cache hit rate is below this inserts its misses before answering; above
-    it a worker thread inserts them."""
+    it a worker thread inserts them. Above 1: always before answering (no asynchronous
+    inserts, as HugeCTR's documentation suggests to save worker buffers)."""
     use_gpu_embedding_cache: bool = True
     """Keep a device embedding cache."""
     cache_size_percentage: float = 0.2
@@ -277,7 +298,8 @@ class InferenceParams:
     cache_refresh_percentage_per_iteration: float = 0.1
     """The share of the cache one refresh step re-reads from the databases."""
     deployed_devices: tuple[int, ...] = (0,)
-    """Accepted; the model runs on the first local device."""
+    """One device id: the model runs on the first local device. Several are refused (one
+    server process serves a model on one device: start one per device)."""
     default_value_for_each_table: tuple[float, ...] = ()
     """Per table, the value of every component of a key no layer knows (default 0)."""
     volatile_db: VolatileDatabaseParams = field(default_factory=VolatileDatabaseParams)
@@ -295,7 +317,8 @@ class InferenceParams:
     maxnum_catfeature_query_per_table_per_sample: tuple[int, ...] = ()
     """Per table, keys per sample; checked against the network (empty: taken from it)."""
     embedding_vecsize_per_table: tuple[int, ...] = ()
-    """Per table, the vector size; checked against the network (empty: taken from it)."""
+    """Per table, the largest vector size it may hold (HugeCTR preallocates by it); a value
+    below the network's ``embedding_vec_size`` is refused (empty: taken from the network)."""
     embedding_table_names: tuple[str, ...] = ()
     """Per table, its name in the databases (default ``sparse_embedding1``, ...)."""
     label_dim: int = 1
@@ -325,13 +348,20 @@ class InferenceParams:
                      "number_of_refresh_buffers_in_pool", "thread_pool_size",
                      "maxnum_des_feature_per_sample", "label_dim", "slot_num"):
             _check_int(self, name, 1)
-        _check_fraction(self, "hit_rate_threshold")
+        v = self.hit_rate_threshold
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
+            raise _fail("hit_rate_threshold", "a number >= 0 (above 1: no asynchronous "
+                        "inserts)", v)
         _check_fraction(self, "cache_size_percentage")
         _check_fraction(self, "cache_refresh_percentage_per_iteration")
         for name in ("refresh_delay", "refresh_interval", "scaler"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:
                 raise _fail(name, "a non-negative number", v)
+        if len(self.deployed_devices) > 1:
+            raise ConfigError("deployed_devices", f"{list(self.deployed_devices)}: a jctr "
+                              "server process runs a model on one device; start one server "
+                              "per device (each with one id here) behind a load balancer")
         n = len(self.sparse_model_files)
         for name in ("default_value_for_each_table", "maxnum_catfeature_query_per_table_per_sample",
                      "embedding_vecsize_per_table", "embedding_table_names"):

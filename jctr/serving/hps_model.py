@@ -132,11 +132,12 @@ class HPSModel:
                               f"({', '.join(e.name for e, _ in specs)}), one per embedding in "
                               "config order")
         for i, (e, sp) in enumerate(specs):
-            if p.embedding_vecsize_per_table and p.embedding_vecsize_per_table[i] != \
+            if p.embedding_vecsize_per_table and p.embedding_vecsize_per_table[i] < \
                     e.embedding_vec_size:
                 raise self._error(f"embedding_vecsize_per_table[{i}]",
                                   f"{p.embedding_vecsize_per_table[i]}, but embedding "
-                                  f'"{e.name}" has embedding_vec_size {e.embedding_vec_size}')
+                                  f'"{e.name}" has embedding_vec_size {e.embedding_vec_size} '
+                                  "(this is the largest vector size the table may hold)")
             width = sp.slot_num if sp.one_hot else sp.max_feature_num_per_sample
             q = p.maxnum_catfeature_query_per_table_per_sample
             if q and q[i] < width:
@@ -186,6 +187,12 @@ class HPSModel:
                                                             manifest) == "absent"
             if into_p or into_v:
                 keys, values = read_sparse_model(path, t.dim)
+                if not self.params.i64_input_key and keys.size and (
+                        keys.min() < -2 ** 31 or keys.max() >= 2 ** 31):
+                    k = keys[(keys < -2 ** 31) | (keys >= 2 ** 31)][0]
+                    raise StoreError(f"{path}: key {int(k)} does not fit in int32, but "
+                                     "supportlonglong is false (requests send INT32 keys); "
+                                     "set supportlonglong to true")
                 out[t.key] = self.dbs.load(t.key, keys, values, manifest,
                                            into_persistent=into_p, into_volatile=into_v)
             else:

@@ -56,7 +56,8 @@ def input_names(model) -> list[tuple[str, str, list[int]]]:
     several = len(data.sparse) > 1
     for sp in data.sparse:
         suffix = f"_{sp.top}" if several else ""
-        out.append((f"CATCOLUMN{suffix}", "INT64", [-1]))
+        out.append((f"CATCOLUMN{suffix}", "INT64" if model.params.i64_input_key else "INT32",
+                    [-1]))
         out.append((f"ROWINDEX{suffix}", "INT32", [-1]))
     return out
 
@@ -192,6 +193,10 @@ def request_features(model, tensors: dict[str, np.ndarray]) -> tuple[np.ndarray,
         keys = tensors[kname]
         if keys.dtype.kind not in "iu":
             raise RequestError(f"input {kname}: expected integer keys, got {keys.dtype}")
+        if not model.params.i64_input_key and keys.size and keys.dtype.itemsize > 4 and (
+                keys.min() < -2 ** 31 or keys.max() >= 2 ** 31):
+            raise RequestError(f"input {kname}: keys beyond int32, but the server runs with "
+                               "supportlonglong false")
         if rname in tensors:
             offsets = tensors[rname]
             if offsets.dtype.kind not in "iu" or offsets.ndim != 1 or offsets.size < 1:

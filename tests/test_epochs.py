@@ -246,3 +246,34 @@ def test_best_weights_come_back_on_a_mesh(tiny, tmp_path):
     saved, _, _ = restore_snapshot(ckpt, t.cfg, t.step_config, Trainer.from_config(cfg).state,
                                    t.placements, STEPS_PER_EPOCH, keep_positions=False)
     assert same_model(t.state, saved)
+
+
+def test_early_stopping_saves_the_restored_best_and_export_takes_it(tiny, tmp_path, capsys):
+    """The best evaluation (iter 8) is no snapshot step: after the restore the run writes one,
+    keeps it past the rotation (snapshot_keep 1), names it in best.json; export takes it and
+    the final line shows its figures, not the last evaluation's."""
+    import json
+
+    from jctr.serving.export import main as export_main
+
+    cfg = epoch_config(tiny, tmp_path, num_epochs=4, snapshot=2 * STEPS_PER_EPOCH,
+                       snapshot_keep=1, early_stopping={"patience": 2})
+    t = Trainer.from_config(cfg)
+    scripted(t, [0.72, 0.70, 0.69, 0.68])
+    t.fit()
+    assert int(t.state.step) == STEPS_PER_EPOCH
+    ckpt = Checkpointer(cfg["solver"]["snapshot_prefix"] + "checkpoints")
+    assert ckpt.steps() == [STEPS_PER_EPOCH, 3 * STEPS_PER_EPOCH] or \
+        ckpt.steps() == [STEPS_PER_EPOCH, 2 * STEPS_PER_EPOCH]
+    assert ckpt.best() == {"step": STEPS_PER_EPOCH, "metric": "AUC", "value": 0.72}
+    saved, _, _ = restore_snapshot(ckpt, t.cfg, t.step_config, Trainer.from_config(cfg).state,
+                                   t.placements, STEPS_PER_EPOCH, keep_positions=False)
+    assert same_model(t.state, saved)
+    out = capsys.readouterr()
+    final = [x for x in (out.out + out.err).splitlines() if "[jctr] done:" in x][-1]
+    assert f"restored best (iter {STEPS_PER_EPOCH}): validation AUC 0.72000" in final, final
+    bundle = tmp_path / "bundle"
+    assert export_main(["--checkpoint", ckpt.directory, "--output", str(bundle)]) == 0
+    err = capsys.readouterr().err
+    assert f"exporting the checkpoint of iter {STEPS_PER_EPOCH} (early stopping's best" in err
+    assert json.loads((bundle / "manifest.json").read_text())["step"] == STEPS_PER_EPOCH

@@ -48,6 +48,7 @@ VERSION = 2  # 2: sealed from .pending/ with jctr_integrity.json inside the step
 INTEGRITY = "jctr_integrity.json"
 PENDING = ".pending"
 LOCK = "LOCK"
+BEST = "best.json"
 
 
 class CheckpointError(UserError, RuntimeError):
@@ -113,6 +114,25 @@ class Checkpointer:
     def latest_step(self) -> int | None:
         steps = self.steps()
         return steps[-1] if steps else None
+
+    def best(self) -> dict | None:
+        """Early stopping's record of the best evaluation (``best.json``: its step, metric and
+        value), or None."""
+        try:
+            with open(os.path.join(self.directory, BEST), encoding="utf-8") as f:
+                best = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return best if isinstance(best, dict) and isinstance(best.get("step"), int) else None
+
+    def best_step(self) -> int | None:
+        best = self.best()
+        return None if best is None else best["step"]
+
+    def mark_best(self, step: int, **info) -> None:
+        """Record ``step`` as the best evaluation's snapshot (export takes it by default; the
+        rotation keeps it)."""
+        _atomic_json(os.path.join(self.directory, BEST), {"step": int(step), **info})
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
@@ -294,12 +314,17 @@ class Checkpointer:
             if old != step:
                 self._remove_step(old)
         self._replace = set()
+        best = self.best_step()
         for old in self.steps()[:-self.keep]:
-            self._remove_step(old)
+            if old != best:  # early stopping's restored best outlives the rotation
+                self._remove_step(old)
         if self.on_sealed is not None:
             self.on_sealed(step, final)
 
     def _remove_step(self, step: int) -> None:
+        if step == self.best_step():  # the record must not name a snapshot that is gone
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(self.directory, BEST))
         shutil.rmtree(self.step_dir(step), ignore_errors=True)
         for name in (f"non_trainable_{step}.json", f"{step}.integrity.json"):
             with contextlib.suppress(OSError):

@@ -10,9 +10,12 @@ import sys
 from jctr.errors import run_command
 
 
-def export_checkpoint(checkpoint: str, output: str, step: int | None = None) -> str:
-    """Write the bundle of checkpoint ``step`` (default: the latest) of the directory
-    ``checkpoint`` into ``output``; returns the bundle's path.
+def export_checkpoint(checkpoint: str, output: str, step: int | None = None,
+                      report=None) -> str:
+    """Write the bundle of checkpoint ``step`` of the directory ``checkpoint`` into
+    ``output``; returns the bundle's path. ``step`` None: the best evaluation's snapshot where
+    early stopping restored one (``best.json``), else the latest; ``report`` (a print
+    function) is told which.
 
     Example::
 
@@ -28,7 +31,20 @@ def export_checkpoint(checkpoint: str, output: str, step: int | None = None) -> 
 
     check_bundle_target(output)  # before the (slow) restore
     ckpt = Checkpointer(checkpoint)
+    if step is None:
+        best = ckpt.best()
+        if best is not None and best["step"] in ckpt.steps():
+            step = best["step"]
+            why = (f"early stopping's best, validation {best.get('metric')} "
+                   f"{best.get('value')}; --step for another")
+        else:
+            step = ckpt.latest_step()
+            why = "the latest"
+    else:
+        why = "as asked"
     meta = ckpt.read_meta(step)
+    if report is not None:
+        report(f"[jctr] exporting the checkpoint of iter {step} ({why})")
     if not meta.get("config"):
         raise CheckpointError(f"{ckpt.directory}: the checkpoint carries no config")
     try:
@@ -50,11 +66,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--output", required=True,
                     help="bundle folder to write: a new or empty folder, or a previous bundle "
                          "(replaced once the new one is complete)")
-    ap.add_argument("--step", type=int, help="checkpoint step (default: the latest)")
+    ap.add_argument("--step", type=int, help="checkpoint step (default: early stopping's "
+                                             "best where best.json names one, else the latest)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks with errors")
     args = ap.parse_args(argv)
-    return run_command(lambda: print(export_checkpoint(args.checkpoint, args.output, args.step)),
-                       debug=args.debug)
+    def report(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    return run_command(lambda: print(export_checkpoint(args.checkpoint, args.output, args.step,
+                                                       report=report)), debug=args.debug)
 
 
 if __name__ == "__main__":

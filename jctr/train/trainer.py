@@ -144,6 +144,7 @@ class Trainer:
         self.plateau = (PlateauSchedule(s.lr_plateau, cfg.optimizer.learning_rate)
                         if s.lr_plateau else None)
         self._best_copy = None  # host copy of the state at early stopping's best evaluation
+        self._restored_best: int | None = None  # the iteration restore_best_weights went to
         self._test_data: dict[str, Dataset] = {}
         self._norms = jax.jit(_embedding_norms)
         self._lr_at = jax.jit(learning_rate_schedule(cfg.optimizer))
@@ -501,7 +502,13 @@ class Trainer:
                 + (f" (first step {compile_s:.1f} s)" if compile_s is not None else "")
                 + f", {rate:,.0f} samples/s after it")
         evals = [h for h in self.history if h["kind"] == "eval"]
-        if evals:
+        best = [h for h in evals if h.get("iter") == self._restored_best]
+        if best:  # the model the run ends with is the restored best: its figures
+            last = best[-1]
+            line += f"; restored best (iter {self._restored_best}): validation " + ", ".join(
+                f"{k} {v:.5f}" for k, v in last.items()
+                if isinstance(v, float) and k not in ("time", "lr"))
+        elif evals:
             last = evals[-1]
             line += "; validation " + ", ".join(
                 f"{k} {v:.5f}" for k, v in last.items()
@@ -573,6 +580,23 @@ class Trainer:
         self._print(f"[jctr] restored the weights of iter {es.best_iter} (validation "
                     f"{es.metric} {es.best:.5f})")
         self._record("restore_best", iter=es.best_iter, **{es.metric: es.best})
+        self._restored_best = es.best_iter
+        self._save_best(es)
+
+    def _save_best(self, es) -> None:
+        """A run that writes snapshots keeps the restored best as one (written now unless a
+        snapshot of that iteration exists) and names it in ``best.json``: export takes it
+        by default and the rotation keeps it."""
+        if not self.solver.snapshot and self._checkpointer is None:
+            return
+        ckpt = self.checkpointer
+        if jax.process_index() == 0:  # first: the rotation at sealing reads it
+            ckpt.mark_best(es.best_iter, metric=es.metric, value=es.best)
+        if es.best_iter not in ckpt.steps():
+            self.save_checkpoint()
+            ckpt.wait()
+        self._print(f"[jctr] the best weights (iter {es.best_iter}) are the snapshot "
+                    f"{ckpt.step_dir(es.best_iter)} (best.json names it; export takes it)")
 
     def _evaluate_test_sets(self) -> None:
         step = int(to_host(self.state.step))

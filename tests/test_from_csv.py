@@ -103,3 +103,64 @@ def test_real_samples_from_raw_file_to_a_test_auc(tmp_path, name):
     tests = [h for h in history if h["kind"] == "test"]
     assert len(tests) == 1 and 0.0 <= tests[0]["AUC"] <= 1.0 and tests[0]["LogLoss"] > 0
     assert [h for h in history if h["kind"] == "eval"]
+
+
+def test_raw_rows_become_requests_as_the_training_data_was_encoded(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from jctr.config.parser import load_config
+    from jctr.serving.cli import main as serve_main
+    from jctr.serving.requests import RowEncoder
+    from jctr.serving.server import parse_infer_request, request_features
+
+    rng = np.random.default_rng(0)
+    lines = [f"{rng.integers(2)},{'abcz'[rng.integers(4)]},{rng.integers(40)},"
+             f"{rng.uniform(-1, 9):.2f},{i}" for i in range(40)]
+    train = write(tmp_path / "train.csv", "y,site,n,price,id\n" + "\n".join(lines) + "\n")
+    out = tmp_path / "out"
+    assert main(["--train", train, "--label", "y", "--dense", "price", "--bucketize", "n",
+                 "--drop", "id", "--min-count", "2", "--output", str(out),
+                 "--model", "wdl"]) == 0
+    err = capsys.readouterr().err
+    assert f"[jctr] converted {train} into {out}: 1 dense and 2 categorical fields" in err
+    assert f"  train: 36 rows from {train}; out-of-vocabulary values" in err
+    assert "  valid: 4 rows from " in err and "(its last 10%: no --valid or --split given)" in err
+    # the training file's rows, encoded for a request: the keys and dense values trained on
+    enc = RowEncoder.from_vocab(out / "vocab.json")
+    dense, keys = enc.features(train)
+    tr = records(str(out / "train" / "_file_list.txt"), 1, 2)
+    np.testing.assert_array_equal(keys[:36].reshape(-1), tr.keys)
+    np.testing.assert_array_equal(dense[:36], tr.dense)
+    va = records(str(out / "valid" / "_file_list.txt"), 1, 2)
+    np.testing.assert_array_equal(keys[36:].reshape(-1), va.keys)
+    # rows as dicts (text as in the file; the label and other columns may be there or not)
+    row = dict(zip(["y", "site", "n", "price", "id"], lines[3].split(",")))
+    d1, k1 = enc.features([row, {k: v for k, v in row.items() if k not in ("y", "id")}])
+    np.testing.assert_array_equal(k1, keys[[3, 3]])
+    np.testing.assert_array_equal(d1, dense[[3, 3]])
+    # the request body is what the server takes for this model
+    body = enc.request([row])
+    cfg = load_config(str(out / "wdl.json"), require_solver=False)
+    model = SimpleNamespace(cfg=cfg, name="wdl", params=SimpleNamespace(i64_input_key=True))
+    _, tensors = parse_infer_request(json.dumps(body).encode(), None)
+    got_dense, [(got_keys, offsets)] = request_features(model, tensors)
+    np.testing.assert_array_equal(got_dense, dense[[3]])
+    np.testing.assert_array_equal(got_keys, keys[3])
+    assert offsets.tolist() == [0, 1, 2]
+    # the command-line helper prints the same body
+    assert serve_main(["request", "--vocab", str(out / "vocab.json"), "--rows", train]) == 0
+    assert json.loads(capsys.readouterr().out) == enc.request(train)
+    # a later file through --vocab: no held-out set, and the summary says so
+    assert main(["--train", train, "--label", "y", "--dense", "price", "--bucketize", "n",
+                 "--drop", "id", "--vocab", str(out / "vocab.json"),
+                 "--output", str(tmp_path / "later")]) == 0
+    assert "no validation set: evaluation and early stopping read the training file" in \
+        capsys.readouterr().err
+    # a bad vocabulary file is a clear error
+    empty = write(tmp_path / "empty.json", "")
+    with pytest.raises(DataError, match="empty.json: empty file; expected the vocab.json"):
+        RowEncoder.from_vocab(empty)
+    with pytest.raises(DataError, match="nope.json: cannot read the vocabulary file"):
+        RowEncoder.from_vocab(tmp_path / "nope.json")
+    assert serve_main(["request", "--vocab", empty, "--rows", train]) == 2
+    assert "empty file" in capsys.readouterr().err

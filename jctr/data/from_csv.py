@@ -13,7 +13,9 @@ value is the empty string, a value like any other. The vocabularies are written 
 ``vocab.json`` (JSON, no pickle), so new files can be converted later with ``--vocab``.
 
 Validation and test files are given separately (``--valid``, ``--test``, any number of test
-files), or carved out of the training file's end with ``--split 0.8,0.1,0.1``.
+files), or carved out of the training file's end with ``--split 0.8,0.1,0.1``; with neither,
+the last 10% of the training file is the validation set. A summary (rows per split, fields,
+vocabulary sizes, out-of-vocabulary shares) goes to stderr.
 
 Example (train on your own CSV in three commands)::
 
@@ -144,12 +146,21 @@ def encode(table: pa.Table, layout: Layout, vocab: dict[str, list[str]], path: s
            ) -> RecordBlock:
     """One record per row: the label, log1p dense values, one key per field. Keys of field f
     are ``offset[f] + id`` with offsets the running sum of the fields' sizes (V + 1)."""
-    n = table.num_rows
     label = _numbers(table, layout.label, path)
     bad = np.isnan(label)
     if bad.any():
         raise DataError(f"{path}: row {int(np.argmax(bad)) + 1}: column \"{layout.label}\" "
                         "(the label) is missing or not a number")
+    dense, keys = encode_features(table, layout, vocab, path)
+    return RecordBlock(label.astype(np.float32)[:, None], dense,
+                       np.ones(keys.shape, np.int32), keys.ravel())
+
+
+def encode_features(table: pa.Table, layout: Layout, vocab: dict[str, list[str]], path: str
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """``(dense [n, dense fields] float32, keys [n, categorical fields] int64)`` of the rows,
+    as :func:`encode` makes them (no label needed: what a served model is sent)."""
+    n = table.num_rows
     dense = np.zeros((n, len(layout.dense)), np.float32)
     for j, name in enumerate(layout.dense):
         v = np.nan_to_num(_numbers(table, name, path), nan=0.0)
@@ -162,8 +173,7 @@ def encode(table: pa.Table, layout: Layout, vocab: dict[str, list[str]], path: s
                           value_set=values)
         keys[:, j] = offset + pc.fill_null(ids, -1).to_numpy(zero_copy_only=False) + 1
         offset += len(vocab[name]) + 1
-    return RecordBlock(label.astype(np.float32)[:, None], dense,
-                       np.ones(keys.shape, np.int32), keys.ravel())
+    return dense, keys
 
 
 def write_split(block: RecordBlock, folder: str) -> str:
@@ -190,10 +200,14 @@ def _split(table: pa.Table, fractions: list[float]) -> list[pa.Table]:
 def convert(train: str, output: str, *, label: str, dense: list[str], bucketize: list[str],
             drop: list[str], valid: str | None = None, tests: tuple[str, ...] = (),
             split: list[float] | None = None, min_count: int = 1, sep: str | None = None,
-            columns: list[str] | None = None, vocab_file: str | None = None
-            ) -> tuple[dict, dict[str, int]]:
+            columns: list[str] | None = None, vocab_file: str | None = None,
+            report=None) -> tuple[dict, dict[str, int]]:
     """Convert; returns the Data layer (a dict for a JSON config, with ``slot_size_array``)
-    and the rows written per split.
+    and the rows written per split. Without ``valid`` or ``split`` the last 10% of the
+    training file become the validation set (with ``vocab_file``, converting a later file,
+    the training file is also the validation source, and the summary says so). ``report``
+    (a print function) receives a summary: rows per split, fields, vocabulary sizes and
+    out-of-vocabulary shares.
 
     Example::
 
@@ -222,6 +236,9 @@ def convert(train: str, output: str, *, label: str, dense: list[str], bucketize:
     else:
         if valid:
             pieces["valid"] = (read_csv(valid, sep=sep, columns=columns), valid)
+        elif not vocab_file and table.num_rows >= 10:
+            table, held = _split(table, [0.9, 0.1])
+            pieces["valid"] = (held, f"{train} (its last 10%: no --valid or --split given)")
         for i, path in enumerate(tests):
             name = "test" if len(tests) == 1 else f"test{i + 1}"
             pieces[name] = (read_csv(path, sep=sep, columns=columns), path)
@@ -230,14 +247,27 @@ def convert(train: str, output: str, *, label: str, dense: list[str], bucketize:
             vocab = json.load(f)["vocabularies"]
     else:
         vocab = fit_vocabularies(table, layout, min_count, train)
-    lists = {"train": write_split(encode(table, layout, vocab, train),
-                                  os.path.join(output, "train"))}
-    rows = {"train": table.num_rows}
-    for name, (piece, where) in pieces.items():
-        lists[name] = write_split(encode(piece, layout, vocab, where),
-                                  os.path.join(output, name))
-        rows[name] = piece.num_rows
     sizes = [len(vocab[f]) + 1 for f in layout.categorical]
+    oov_keys = np.concatenate([[0], np.cumsum(sizes)[:-1]])  # each field's id 0
+    lines = []
+    lists, rows = {}, {}
+    for name, (piece, where) in {"train": (table, train), **pieces}.items():
+        block = encode(piece, layout, vocab, where)
+        lists[name] = write_split(block, os.path.join(output, name))
+        rows[name] = piece.num_rows
+        oov = (block.keys.reshape(len(block), -1) == oov_keys).mean() if len(block) else 0.0
+        lines.append(f"  {name}: {piece.num_rows:,} rows from {where}; out-of-vocabulary "
+                     f"values {100 * oov:.1f}%")
+    if "valid" not in lists:
+        lines.append("  no validation set: evaluation and early stopping read the training "
+                     "file; give --valid or --split for a held-out set")
+    if report is not None:
+        report(f"[jctr] converted {train} into {output}: {len(layout.dense)} dense and "
+               f"{len(layout.categorical)} categorical fields (vocabularies "
+               f"{', '.join(f'{f} {n - 1:,}' for f, n in zip(layout.categorical, sizes))}; "
+               f"{'from ' + vocab_file if vocab_file else f'min count {min_count}'})")
+        for line in lines:
+            report(line)
     with open(os.path.join(output, VOCAB_FILE), "w", encoding="utf-8") as f:
         json.dump({"layout": layout.to_json(), "min_count": min_count, "train": train,
                    "vocabularies": vocab}, f)
@@ -296,7 +326,8 @@ def main(argv: list[str] | None = None) -> int:
                         dense=expand_names(args.dense), bucketize=expand_names(args.bucketize),
                         drop=expand_names(args.drop), valid=args.valid, tests=tuple(args.test),
                         split=split, min_count=args.min_count, sep=args.sep,
-                        columns=expand_names(args.columns) or None, vocab_file=args.vocab)
+                        columns=expand_names(args.columns) or None, vocab_file=args.vocab,
+                        report=lambda line: print(line, file=sys.stderr))
         if args.model:
             from jctr.config.recipes import tabular_config
 

@@ -1,11 +1,12 @@
 """``python -m jctr.serve``: serve every model of a parameter-server JSON file over HTTP
-(KServe v2), or ``python -m jctr.serve load`` to write the models' embeddings into the
-databases first.
+(KServe v2), ``python -m jctr.serve load`` to write the models' embeddings into the
+databases first, or ``python -m jctr.serve request`` to turn raw CSV rows into a request.
 
 Example::
 
     python -m jctr.serve load --config ps.json
     python -m jctr.serve --config ps.json --port 8000
+    python -m jctr.serve request --vocab data/mine/vocab.json --rows new.csv > request.json
 """
 
 from __future__ import annotations
@@ -97,6 +98,10 @@ def _serve(args) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["request"]:
+        from jctr.serving.requests import main as request_main
+
+        return request_main(argv[1:])
     if argv[:1] == ["load"]:
         ap = argparse.ArgumentParser(prog="python -m jctr.serve load",
                                      description="Write every model's sparse model files into "

@@ -25,6 +25,12 @@ EXIT_INTERNAL_ERROR = 1
 EXIT_INTERRUPTED = 130
 EXIT_TERMINATED = 143
 
+# optional packages -> the pyproject extra that brings them
+OPTIONAL_MODULES = {"redis": "serving", "hiredis": "serving", "rocksdict": "serving",
+                    "starlette": "serving", "uvicorn": "serving",
+                    "prometheus_client": "serving", "tritonclient": "dev",
+                    "mkdocs": "docs", "torch": "bench"}
+
 
 class UserError(Exception):
     """Something the user can fix; the message is complete on one line (file, field, what was
@@ -63,6 +69,17 @@ def run_command(action: Callable[[], int | None], *, debug: bool = False) -> int
     except OSError as e:
         where = f"{e.filename}: " if e.filename else ""
         _report(debug, f"error: {where}{_one_line(e.strerror or e)}")
+        return EXIT_USER_ERROR
+    except ModuleNotFoundError as e:
+        top = (e.name or "").split(".")[0]
+        extra = OPTIONAL_MODULES.get(top)
+        if extra is None:
+            _report(debug, f"error: internal error (ModuleNotFoundError: {_one_line(e)}); "
+                           "rerun with --debug for the traceback and please report it")
+            return EXIT_INTERNAL_ERROR
+        _report(debug, f"error: this command needs the Python package {top!r}, which comes "
+                       f"with jctr's \"{extra}\" extra: pip install \"jctr[{extra}]\" (from a "
+                       f"checkout: pip install -e \".[{extra}]\")")
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         _report(debug, "interrupted")

@@ -67,6 +67,9 @@ class RecordBlock:
                              for f in ("label", "dense", "nnz", "keys")))
 
 
+MAX_FILE_LIST_BYTES = 256 << 20  # a list of millions of paths; more is not a list
+
+
 def write_file_list(path: str, files: list[str]) -> None:
     """A file list: the count, then one data file per line (relative to the list's folder)."""
     base = os.path.dirname(os.path.abspath(path))
@@ -78,11 +81,22 @@ def write_file_list(path: str, files: list[str]) -> None:
 def read_file_list(path: str) -> list[str]:
     """Data files of a file list; relative entries resolve against the list's folder, then the
     working directory (HugeCTR's convention)."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise DataError(f"{path}: not a regular file (a folder or a device); a source is a "
+                        "file list: the count, then one data file per line")
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = [ln.strip() for ln in f.read().splitlines()]
+        with open(path, "rb") as f:
+            raw = f.read(MAX_FILE_LIST_BYTES + 1)
     except OSError as e:
         raise DataError(f"{path}: cannot read file list: {e.strerror}") from e
+    if len(raw) > MAX_FILE_LIST_BYTES:
+        raise DataError(f"{path}: larger than {MAX_FILE_LIST_BYTES >> 20} MiB: not a file list "
+                        "(the count, then one data file per line); is it a data file?")
+    try:
+        lines = [ln.strip() for ln in raw.decode("utf-8").splitlines()]
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not a text file list (byte {e.start} is not UTF-8); a source "
+                        "is a file list: the count, then one data file per line") from None
     lines = [ln for ln in lines if ln]
     if not lines:
         raise DataError(f"{path}: empty file list; expected a count line, then file paths")
@@ -101,6 +115,9 @@ def read_file_list(path: str) -> list[str]:
             cand = name
         if not os.path.exists(cand):
             raise DataError(f"{path}: line {i + 2}: data file {name!r} does not exist")
+        if not os.path.isfile(cand):
+            raise DataError(f"{path}: line {i + 2}: {name!r} is not a regular file (a folder "
+                            "or a device)")
         out.append(cand)
     return out
 

@@ -34,9 +34,13 @@ def read_records(log_dir: str) -> list[dict]:
     if not os.path.isfile(path):
         raise ReportError(f"{path}: no such file (a run writes it when solver.log_dir is set)")
     records = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError as e:
+                raise ReportError(f"{path}: line {n}: byte {e.start + 1} is not UTF-8 text (a "
+                                  "damaged log; remove the line or the file)") from None
             if not line:
                 continue
             try:

@@ -237,6 +237,15 @@ class Trainer:
         if os.path.exists(self.solver.log_dir) and not os.path.isdir(self.solver.log_dir):
             raise ConfigError("solver.log_dir", f"{self.solver.log_dir} exists and is not a "
                               "folder", self.cfg.source)
+        if os.path.isfile(path) and os.path.getsize(path) and not self._resumed:
+            # another run's log: appending would draw two runs as one line
+            if not self.force:
+                raise ConfigError("solver.log_dir", f"{path} holds another run's log; "
+                                  "continue that run with --resume, give another --log-dir, "
+                                  "or pass --force to start a new log there (the old run's "
+                                  "files are moved into previous-<n>/)", self.cfg.source)
+            moved = _move_previous_run(self.solver.log_dir)
+            self._print(f"[jctr] --force: the previous run's log files are in {moved}")
         try:
             os.makedirs(self.solver.log_dir, exist_ok=True)
             self._log_file = open(path, "a", encoding="utf-8")  # noqa: SIM115 - kept open
@@ -279,6 +288,12 @@ class Trainer:
         if not (max_iter or s.max_iter or s.num_epochs):
             raise ConfigError("solver", "set max_iter or num_epochs (or --max-iter)",
                               self.cfg.source)
+        done = int(to_host(self.state.step))
+        last = max_iter or s.max_iter
+        if last and done >= last:  # a resumed run counts the iterations done before
+            raise ConfigError("solver.max_iter", f"{last}, but the state is at iteration "
+                              f"{done} already (resumed from a checkpoint): nothing to train; "
+                              f"give a max_iter above {done} (--max-iter)", self.cfg.source)
 
         def check() -> None:
             self._train_records = self.train_data.check_units()
@@ -752,3 +767,19 @@ class Trainer:
         :class:`jctr.data.batch.BatchError`."""
         batch = check_batch(batch, self.cfg.data)
         return self._predict_all(batch)[batch.mask]
+
+
+_RUN_LOG_FILES = ("metrics.jsonl", "report.html", "report_files", "tensorboard")
+
+
+def _move_previous_run(log_dir: str) -> str:
+    """Move a previous run's log files (only those a run writes) into ``previous-<n>/``."""
+    n = 1
+    while os.path.exists(os.path.join(log_dir, f"previous-{n}")):
+        n += 1
+    target = os.path.join(log_dir, f"previous-{n}")
+    os.makedirs(target)
+    for name in _RUN_LOG_FILES:
+        if os.path.exists(os.path.join(log_dir, name)):
+            os.rename(os.path.join(log_dir, name), os.path.join(target, name))
+    return target

@@ -132,6 +132,73 @@ def test_log_dir_that_is_a_file(tmp_path, capsys):
     assert "[jctr] iter" not in err and (tmp_path / "log").read_text() == "keep me"
 
 
+def test_a_second_run_into_a_log_folder_is_refused_unless_resumed_or_forced(tmp_path, capsys):
+    logs = tmp_path / "logs"
+    _train(tmp_path, capsys, log_dir=str(logs), max_iter=4, snapshot=4)
+    first = (logs / "metrics.jsonl").read_text()
+    err = _train(tmp_path, capsys, status=2, log_dir=str(logs), max_iter=4,
+                 snapshot_prefix=str(tmp_path / "second_"))
+    error_line(err, r"solver\.log_dir: .*/logs/metrics.jsonl holds another run's log; continue "
+                    r"that run with --resume, give another --log-dir, or pass --force")
+    assert (logs / "metrics.jsonl").read_text() == first
+    # --resume continues the same run's log
+    _train(tmp_path, capsys, "--resume", log_dir=str(logs), max_iter=6, snapshot=4)
+    resumed = (logs / "metrics.jsonl").read_text()
+    assert resumed.startswith(first) and len(resumed) > len(first)
+    # --force starts a new log; the old run's files are kept aside
+    err = _train(tmp_path, capsys, "--force", log_dir=str(logs), max_iter=4,
+                 snapshot_prefix=str(tmp_path / "third_"))
+    assert f"--force: the previous run's log files are in {logs / 'previous-1'}" in err
+    assert (logs / "previous-1" / "metrics.jsonl").read_text() == resumed
+    assert (logs / "previous-1" / "tensorboard").is_dir()
+    starts = [json.loads(x) for x in (logs / "metrics.jsonl").read_text().splitlines()
+              if '"kind": "start"' in x]
+    assert len(starts) == 1
+
+
+def test_sources_that_are_devices_or_not_lists_and_resume_below_the_checkpoint(tmp_path,
+                                                                               capsys):
+    _train(tmp_path, capsys, max_iter=2)  # writes the data
+    cfg = small_config(tmp_path, max_iter=2)
+    cfg["layers"][0]["source"] = "/dev/zero"
+    err = run_main(main, ["--config", write_config(tmp_path, cfg)], capsys, status=2)
+    error_line(err, r"/dev/zero: not a regular file \(a folder or a device\); a source is a "
+                    r"file list")
+    # a data file given where the list belongs
+    cfg["layers"][0]["source"] = str(sorted((tmp_path / "data" / "train").glob("*.data"))[0])
+    err = run_main(main, ["--config", write_config(tmp_path, cfg)], capsys, status=2)
+    error_line(err, r"\.data: (not a text file list|line 1: expected the number of files)")
+    # --resume with --max-iter at or below the checkpoint: nothing to train, said so
+    _train(tmp_path, capsys, max_iter=6, snapshot=6, snapshot_prefix=str(tmp_path / "r_"))
+    err = _train(tmp_path, capsys, "--resume", "--max-iter", "4", status=2, max_iter=6,
+                 snapshot=6, snapshot_prefix=str(tmp_path / "r_"))
+    error_line(err, r"solver\.max_iter: 4, but the state is at iteration 6 already \(resumed "
+                    r"from a checkpoint\): nothing to train")
+
+
+def test_a_missing_optional_package_names_its_extra(capsys):
+    from jctr.errors import run_command
+
+    def needs_uvicorn():
+        raise ModuleNotFoundError("No module named 'uvicorn'", name="uvicorn")
+
+    assert run_command(needs_uvicorn) == 2
+    assert ('this command needs the Python package \'uvicorn\', which comes with jctr\'s '
+            '"serving" extra: pip install "jctr[serving]"') in capsys.readouterr().err
+    assert run_command(lambda: __import__("jctr_no_such_module")) == 1
+    assert "internal error (ModuleNotFoundError" in capsys.readouterr().err
+
+
+def test_a_damaged_metrics_log_is_a_clear_report_error(tmp_path, capsys):
+    from jctr.train.report import main as report_main
+
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / "metrics.jsonl").write_bytes(b'{"kind": "start", "iter": 0}\n{"kind": "tr\xff"}\n')
+    err = run_main(report_main, [str(logs)], capsys, status=2)
+    error_line(err, r"metrics.jsonl: line 2: byte 13 is not UTF-8 text")
+
+
 def _in_tmpfs(tmp, size: str, args: list[str]) -> subprocess.CompletedProcess:
     """Run ``python -m jctr.train args`` with a tmpfs of ``size`` mounted at tmp/disk, in a
     mount namespace of its own (nothing to unmount afterwards)."""

@@ -164,3 +164,7 @@ def test_raw_rows_become_requests_as_the_training_data_was_encoded(tmp_path, cap
         RowEncoder.from_vocab(tmp_path / "nope.json")
     assert serve_main(["request", "--vocab", empty, "--rows", train]) == 2
     assert "empty file" in capsys.readouterr().err
+    assert main(["--train", train, "--label", "y", "--vocab", empty,
+                 "--output", str(tmp_path / "o9")]) == 2
+    err = capsys.readouterr().err
+    assert "empty.json: empty file; expected the vocab.json" in err and "internal" not in err

@@ -76,6 +76,38 @@ class Layout:
                 "bucketized": self.bucketized}
 
 
+def read_vocab(path: str) -> tuple[Layout, dict[str, list[str]]]:
+    """The layout and vocabularies of a ``vocab.json`` this converter wrote."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot read the vocabulary file: "
+                        f"{getattr(e, 'strerror', None) or e}") from None
+    expected = "expected the vocab.json that python -m jctr.data.from_csv writes"
+    if not text.strip():
+        raise DataError(f"{path}: empty file; {expected}")
+    try:
+        doc = json.loads(text)
+    except ValueError as e:
+        raise DataError(f"{path}: not JSON ({e}); {expected}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("layout"), dict) \
+            or not isinstance(doc.get("vocabularies"), dict):
+        raise DataError(f"{path}: expected an object with \"layout\" and \"vocabularies\" "
+                        f"({expected})")
+    lay = doc["layout"]
+    try:
+        layout = Layout(str(lay["label"]), list(lay["dense"]), list(lay["categorical"]),
+                        list(lay.get("bucketized", [])))
+    except (KeyError, TypeError) as e:
+        raise DataError(f"{path}: layout: missing or malformed field {e}") from None
+    vocab = doc["vocabularies"]
+    missing = [c for c in layout.categorical if not isinstance(vocab.get(c), list)]
+    if missing:
+        raise DataError(f"{path}: vocabularies: no list for field(s) {', '.join(missing)}")
+    return layout, vocab
+
+
 def read_csv(path: str, *, sep: str | None, columns: list[str] | None) -> pa.Table:
     """The whole file as strings (types are decided per role, not guessed)."""
     try:
@@ -243,8 +275,11 @@ def convert(train: str, output: str, *, label: str, dense: list[str], bucketize:
             name = "test" if len(tests) == 1 else f"test{i + 1}"
             pieces[name] = (read_csv(path, sep=sep, columns=columns), path)
     if vocab_file:
-        with open(vocab_file, encoding="utf-8") as f:
-            vocab = json.load(f)["vocabularies"]
+        _, vocab = read_vocab(vocab_file)
+        absent = [c for c in layout.categorical if c not in vocab]
+        if absent:
+            raise DataError(f"{vocab_file}: no vocabulary for column(s) {', '.join(absent)} "
+                            f"of {train}")
     else:
         vocab = fit_vocabularies(table, layout, min_count, train)
     sizes = [len(vocab[f]) + 1 for f in layout.categorical]

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from jctr.data.from_csv import Layout, encode_features, read_csv
+from jctr.data.from_csv import Layout, encode_features, read_csv, read_vocab
 from jctr.data.records import DataError
 
 
@@ -40,33 +40,7 @@ class RowEncoder:
     def from_vocab(cls, path: str | os.PathLike) -> RowEncoder:
         """Read a ``vocab.json`` written by ``python -m jctr.data.from_csv``."""
         path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError as e:
-            raise DataError(f"{path}: cannot read the vocabulary file: {e.strerror}") from None
-        if not text.strip():
-            raise DataError(f"{path}: empty file; expected the vocab.json that python -m "
-                            "jctr.data.from_csv writes")
-        try:
-            doc = json.loads(text)
-        except ValueError as e:
-            raise DataError(f"{path}: not JSON ({e}); expected the vocab.json that python -m "
-                            "jctr.data.from_csv writes") from None
-        if not isinstance(doc, dict) or not isinstance(doc.get("layout"), dict) \
-                or not isinstance(doc.get("vocabularies"), dict):
-            raise DataError(f"{path}: expected an object with \"layout\" and \"vocabularies\" "
-                            "(the vocab.json that python -m jctr.data.from_csv writes)")
-        lay = doc["layout"]
-        try:
-            layout = Layout(str(lay["label"]), list(lay["dense"]), list(lay["categorical"]),
-                            list(lay.get("bucketized", [])))
-        except (KeyError, TypeError) as e:
-            raise DataError(f"{path}: layout: missing or malformed field {e}") from None
-        vocab = doc["vocabularies"]
-        missing = [c for c in layout.categorical if not isinstance(vocab.get(c), list)]
-        if missing:
-            raise DataError(f"{path}: vocabularies: no list for field(s) {', '.join(missing)}")
+        layout, vocab = read_vocab(path)
         return cls(layout, vocab, path)
 
     def _table(self, rows: Any, where: str) -> pa.Table:

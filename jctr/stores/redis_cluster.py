@@ -401,8 +401,9 @@ class RedisClusterStore:
             self.client.delete(f"hps_meta.{table}")  # first: a half-dropped table is no table
             for part in range(self.num_partitions):
                 name = self._hkey(table, part)
-                self.client.delete(name)
-                self.client.delete(name + "t")
+                # UNLINK frees big hashes in the background: the server keeps answering
+                self.client.unlink(name)
+                self.client.unlink(name + "t")
             self.client.srem(TABLES_KEY, table)
         self._run("drop table", run)
         self._dims.pop(table, None)

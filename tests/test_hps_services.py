@@ -350,3 +350,50 @@ def test_persistent_only_fallback_and_load_command(bundle, tmp_path):
     finally:
         model.close()
         dbs.close()
+
+
+def test_serving_starts_while_redis_is_down_and_takes_it_up_when_it_answers(bundle, tmp_path):
+    """The persistent database holds every row: serving starts without Redis, says so, keeps
+    answering, and uses Redis once a cluster answers at the address."""
+    from jctr.serving.cli import main as serve_main
+    from jctr.serving.cli import open_models
+
+    tmp, reference = bundle
+    base = _free_port_block()
+    rocks = str(tmp_path / "rocks")
+    loader = {"volatile_db": {"type": "disabled"},
+              "persistent_db": {"type": "rocks_db", "path": rocks},
+              "models": [{"model": "wdl_up", "bundle": str(tmp / "bundle"),
+                          "max_batch_size": 512, "gpucache": False}]}
+    (tmp_path / "load.json").write_text(json.dumps(loader))
+    assert serve_main(["load", "--config", str(tmp_path / "load.json")]) == 0
+    doc = {**loader, "volatile_db": {"type": "redis_cluster", "address": f"127.0.0.1:{base}",
+                                     "password": PASSWORD, "cache_missed_embeddings": True}}
+    (tmp_path / "ps.json").write_text(json.dumps(doc))
+    lines = []
+    dbs, models = open_models(load_ps_config(tmp_path / "ps.json"), log=lines.append)
+    d = tmp_path / "redis"
+    env = {**os.environ, "REDIS_PORT": str(base)}
+    started = False
+    try:
+        assert any("serving from the persistent db" in x for x in lines), lines
+        batch, expected = reference[0]
+        np.testing.assert_allclose(models["wdl_up"].predict(batch), expected, **TOL)
+        assert dbs.volatile is None and dbs.ready()
+        out = subprocess.run(["bash", SCRIPT, "start", str(d), PASSWORD], env=env,
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr + out.stdout
+        started = True
+        deadline = time.monotonic() + 30
+        while dbs.volatile is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert dbs.volatile is not None and dbs.health()["volatile_db"] == "up"
+        for _ in range(2):  # the first pass fills Redis (cache_missed_embeddings)
+            np.testing.assert_allclose(models["wdl_up"].predict(batch), expected, **TOL)
+        assert sum(s["volatile_db"] for s in models["wdl_up"].stats().values()) > 0
+    finally:
+        for m in models.values():
+            m.close()
+        dbs.close()
+        if started:
+            subprocess.run(["bash", SCRIPT, "stop", str(d)], env=env, timeout=60)

@@ -83,6 +83,7 @@ class Databases:
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._down_until = 0.0
+        self._warned_until = 0.0
         self.volatile_failures = 0
         self.volatile_error: str | None = None  # why the volatile database is down now
         self.expected: dict[str, dict] = {}  # table -> manifest the served model needs
@@ -114,10 +115,12 @@ class Databases:
         with self._lock:
             self.volatile_failures += 1
             self.volatile_error = str(e)
-            if time.monotonic() >= self._down_until:
-                log.warning("%s; its keys go to the next layer for %.1f s", e, self.backoff_s)
+            now = time.monotonic()
+            if now >= self._warned_until:  # once per backoff period, not per lookup
+                log.warning("%s; its keys go to the next layer", e)
+                self._warned_until = now + self.backoff_s
             if not isinstance(e, PartialUnavailable):
-                self._down_until = time.monotonic() + self.backoff_s
+                self._down_until = now + self.backoff_s
 
     def start_reviving(self) -> None:
         """Try to reach a volatile database that was down at start every ``backoff_s``; once
@@ -132,7 +135,12 @@ class Databases:
                 except StoreUnavailable as e:
                     self.volatile_error = str(e)
                     continue
-                self._check_volatile_tables(store)
+                try:
+                    self._check_volatile_tables(store)
+                except StoreUnavailable as e:  # gone again while checking
+                    self.volatile_error = str(e)
+                    store.close()
+                    continue
                 self.volatile, self.volatile_error = store, None
                 log.warning("volatile_db %s answers again", self.volatile_params.type)
                 return
@@ -144,8 +152,8 @@ class Databases:
         """Tables a volatile database that came back holds for another export are not read."""
         for table, expected in self.expected.items():
             meta = store.get_meta(table)
-            if meta is None:  # empty or restarted: rows written now are this export's
-                store.set_meta(table, expected)
+            if meta is None and table not in store.tables():
+                store.set_meta(table, expected)  # empty: rows written from now are this export's
                 continue
             why = mismatch(meta, expected)
             if why:

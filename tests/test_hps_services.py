@@ -264,6 +264,11 @@ def test_kserve_v2_server_with_tritonclient(cluster, bundle, tmp_path):
         data = load_config(str(tmp / "bundle" / "config.json"), require_solver=False).data
         assert names == ["DES"] + [f"{kind}_{sp.top}" for sp in data.sparse
                                    for kind in ("CATCOLUMN", "ROWINDEX")]
+        config = client.get_model_config("wdl")  # Triton's model configuration, as JSON
+        assert config["name"] == "wdl" and config["max_batch_size"] == 200
+        assert [(i["name"], i["data_type"]) for i in config["input"]][:2] == [
+            ("DES", "TYPE_FP32"), (f"CATCOLUMN_{data.sparse[0].top}", "TYPE_INT64")]
+        assert config["output"][0]["name"] == "OUTPUT0"
         for binary in (True, False):
             for batch, expected in reference:  # 512 samples: cut into batches of 200
                 dense, sparse = _csr(batch, data)

@@ -64,10 +64,18 @@ case "$cmd" in
     # shellcheck disable=SC2046
     redis-cli $(auth_args) --cluster create "${ports[@]/#/127.0.0.1:}" --cluster-replicas 0 \
       --cluster-yes > "$dir/create.log" 2>&1
-    for _ in $(seq 1 200); do
-      # shellcheck disable=SC2046
-      if redis-cli -p "$base" $(auth_args) cluster info 2>/dev/null | grep -q "cluster_state:ok"
-      then echo "redis cluster up on 127.0.0.1:${ports[0]},${ports[1]},${ports[2]}"; exit 0; fi
+    # every master must see the cluster as ok: the one asked first may agree before the
+    # others do, and a command routed to those would fail with CLUSTERDOWN
+    for _ in $(seq 1 400); do
+      ok=0
+      for p in "${ports[@]}"; do
+        # shellcheck disable=SC2046
+        if redis-cli -p "$p" $(auth_args) cluster info 2>/dev/null | grep -q "cluster_state:ok"
+        then ok=$((ok + 1)); fi
+      done
+      if [ "$ok" -eq "${#ports[@]}" ]; then
+        echo "redis cluster up on 127.0.0.1:${ports[0]},${ports[1]},${ports[2]}"; exit 0
+      fi
       sleep 0.05
     done
     echo "redis cluster did not reach state ok; see $dir/create.log" >&2

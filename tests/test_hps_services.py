@@ -17,7 +17,7 @@ import pytest
 
 from jctr.config import load_config
 from jctr.config.hps import PersistentDatabaseParams, VolatileDatabaseParams, load_ps_config
-from jctr.serving.hps import Databases, LayerUnavailable
+from jctr.serving.hps import Databases, LayerUnavailable, TableMismatch
 from jctr.serving.hps_model import HPSModel
 from jctr.stores import StoreError, StoreUnavailable
 from jctr.stores.redis_cluster import RedisClusterStore
@@ -357,6 +357,20 @@ def test_persistent_only_fallback_and_load_command(bundle, tmp_path):
         dbs.close()
 
 
+def _wait_closed(base: int, n: int = 3) -> None:
+    """Until nothing listens on the cluster's ports (a stopped node exits asynchronously)."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        busy = 0
+        for p in range(base, base + n):
+            with socket.socket() as s:
+                busy += s.connect_ex(("127.0.0.1", p)) == 0
+        if not busy:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the Redis nodes did not stop")
+
+
 def test_serving_starts_while_redis_is_down_and_takes_it_up_when_it_answers(bundle, tmp_path):
     """The persistent database holds every row: serving starts without Redis, says so, keeps
     answering, and uses Redis once a cluster answers at the address."""
@@ -375,10 +389,26 @@ def test_serving_starts_while_redis_is_down_and_takes_it_up_when_it_answers(bund
     doc = {**loader, "volatile_db": {"type": "redis_cluster", "address": f"127.0.0.1:{base}",
                                      "password": PASSWORD, "cache_missed_embeddings": True}}
     (tmp_path / "ps.json").write_text(json.dumps(doc))
-    lines = []
-    dbs, models = open_models(load_ps_config(tmp_path / "ps.json"), log=lines.append)
     d = tmp_path / "redis"
     env = {**os.environ, "REDIS_PORT": str(base)}
+    # a cluster holding another export of a table is refused for it, naming both
+    out = subprocess.run(["bash", SCRIPT, "start", str(d / "other"), PASSWORD], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr + out.stdout
+    try:
+        other = RedisClusterStore(VolatileDatabaseParams(
+            type="redis_cluster", address=f"127.0.0.1:{base}", password=PASSWORD))
+        other.set_meta("hps_et.wdl_up.sparse_embedding1", {"identity": "f" * 64, "dim": 1})
+        other.close()
+        with pytest.raises(TableMismatch, match=r"volatile_db \(redis_cluster\) table "
+                                                r"hps_et.wdl_up.sparse_embedding1 holds export "
+                                                r"ffffffffffff"):
+            open_models(load_ps_config(tmp_path / "ps.json"), log=lambda s: None)
+    finally:
+        subprocess.run(["bash", SCRIPT, "stop", str(d / "other")], env=env, timeout=60)
+    _wait_closed(base)
+    lines = []
+    dbs, models = open_models(load_ps_config(tmp_path / "ps.json"), log=lines.append)
     started = False
     try:
         assert any("serving from the persistent db" in x for x in lines), lines

@@ -341,3 +341,52 @@ def test_shipped_parameter_server_file_keeps_its_database_in_the_checkout(export
     monkeypatch.chdir(tmp)  # from any working directory
     ps = parse_ps_config(raw, source=shipped)
     assert ps.persistent_db.path == os.path.join(ROOT, "runs", "hps_rocksdb")
+
+
+def test_a_layer_down_is_a_503_an_unready_server_and_a_metric(exports):
+    """Over HTTP: the batch fails with 503 naming the layer, readiness turns 503, /metrics
+    shows the layer down and the refused batch; nothing is answered with defaults."""
+    import urllib.request
+
+    from jctr.serving.server import build_app
+
+    tmp, (batch, _), _ = exports
+    _use(tmp, "first")
+    doc = {"volatile_db": {"type": "hash_map"},
+           "models": [{"model": "wdl", "bundle": str(tmp / "bundle"), "max_batch_size": 64,
+                       "gpucache": False}]}
+    (tmp / "ps_down.json").write_text(json.dumps(doc))
+    dbs, models = _serve_open(tmp / "ps_down.json")
+    http = None
+    try:
+        model = models["wdl"]
+        n = 2
+        body = {"inputs": [{"name": "DES", "datatype": "FP32",
+                            "shape": [n, model.cfg.data.dense_dim],
+                            "data": [0.0] * (n * model.cfg.data.dense_dim)}]}
+        for sp in model.cfg.data.sparse:
+            body["inputs"].append({"name": f"CATCOLUMN_{sp.top}", "datatype": "INT64",
+                                   "shape": [n, sp.slot_num],
+                                   "data": list(range(1, n * sp.slot_num + 1))})
+        http = _Http(build_app(models))
+        status, answer = http.request("/v2/models/wdl/infer", json.dumps(body).encode())
+        assert status == 200 and len(answer["outputs"][0]["data"]) == n
+        dbs.volatile.close()
+        dbs.volatile = _DownStore()  # the only layer stops answering
+        status, answer = http.request("/v2/models/wdl/infer", json.dumps(body).encode())
+        assert status == 503, answer
+        assert answer["error"].startswith("embedding lookup failed: volatile_db: ")
+        status, ready = http.request("/v2/health/ready")
+        assert status == 503 and ready["ready"] is False
+        assert ready["layers"]["volatile_db"].startswith("down: ")
+        assert http.request("/v2/models/wdl/ready")[0] == 503
+        metrics = urllib.request.urlopen(
+            f"http://127.0.0.1:{http.port}/metrics", timeout=30).read().decode()
+        assert 'jctr_store_up{layer="volatile_db"} 0.0' in metrics
+        assert any(line.startswith("jctr_unanswered_batches_total{") and
+                   float(line.split()[-1]) >= 1 for line in metrics.splitlines())
+        assert 'jctr_requests_total{model="wdl",status="unavailable"} 1.0' in metrics
+    finally:
+        if http is not None:
+            http.close()
+        _close(dbs, models)

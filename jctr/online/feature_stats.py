@@ -1,0 +1,184 @@
+"""Per-key show/click statistics of streaming training and the decisions made from them
+(PaddlePaddle's ``SparseAccessor`` semantics, with its parameter names and defaults):
+
+* ``score = click_coeff * click + nonclk_coeff * (show - click)``: clicks, plus a smaller
+  weight for impressions that were not clicked. (The seed document prints the difference as
+  ``click - show``; PaddlePaddle's accessor computes ``show - click``, which is what the names
+  mean, and so does jctr.)
+* admission: a key's ``embedx`` dimensions exist once its score reaches ``embedx_threshold``;
+* shrink (at the end of each day): every key ages a day, show and click decay by
+  ``show_click_decay_rate``; keys whose score is below ``delete_threshold``, or unseen for
+  more than ``delete_after_unseen_days`` days, go;
+* saves: the base model keeps keys whose score is at least ``base_threshold``; a delta model
+  keeps keys seen since the previous delta whose score is at least ``delta_threshold`` and
+  that were seen within ``delta_keep_days`` days.
+
+The statistics live on the host, keyed by key (sorted int64 arrays), independent of where a
+key's row sits in a device table; batches are merged in bulk (:meth:`FeatureStats.flush`),
+vectorized, never a Python loop per key.
+
+Example::
+
+    stats = FeatureStats()
+    stats.observe(keys, show=np.ones(n), click=labels)   # per key occurrence
+    stats.flush()
+    deleted = stats.shrink(ShrinkRule())                  # the end of a day
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ScoreRule:
+    nonclk_coeff: float = 0.1
+    """Weight of an impression that was not clicked."""
+    click_coeff: float = 1.0
+    """Weight of a click."""
+
+    def score(self, show: np.ndarray, click: np.ndarray) -> np.ndarray:
+        return self.click_coeff * click + self.nonclk_coeff * (show - click)
+
+
+@dataclass(frozen=True)
+class ShrinkRule:
+    show_click_decay_rate: float = 1.0
+    """Show and click are multiplied by this at each shrink (in [0, 1])."""
+    delete_threshold: float = 0.0
+    """Keys whose score (after the decay) is below this are deleted."""
+    delete_after_unseen_days: int = 30
+    """Keys unseen for more than this many days are deleted."""
+
+    def __post_init__(self):
+        if not 0.0 <= self.show_click_decay_rate <= 1.0:
+            raise ValueError(f"show_click_decay_rate: expected a number in [0, 1], got "
+                             f"{self.show_click_decay_rate}")
+        if self.delete_after_unseen_days < 1:
+            raise ValueError("delete_after_unseen_days: expected an integer > 0, got "
+                             f"{self.delete_after_unseen_days}")
+
+
+class FeatureStats:
+    """Show, click, unseen days and "seen since the last delta" per key (sorted keys)."""
+
+    def __init__(self, score: ScoreRule | None = None):
+        self.rule = score or ScoreRule()
+        self.keys = np.zeros(0, np.int64)
+        self.show = np.zeros(0, np.float64)
+        self.click = np.zeros(0, np.float64)
+        self.unseen_days = np.zeros(0, np.int32)  # whole days since the key was last seen
+        self.since_delta = np.zeros(0, bool)  # seen since the last delta save
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+
+    def __len__(self) -> int:
+        self.flush()
+        return int(self.keys.size)
+
+    def observe(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray) -> None:
+        """Add one occurrence per entry: ``keys[i]`` was shown ``show[i]`` times and clicked
+        ``click[i]`` times (a batch's keys with each sample's show and click broadcast)."""
+        keys = np.asarray(keys, np.int64).reshape(-1)
+        show = np.broadcast_to(np.asarray(show, np.float64).reshape(-1), keys.shape)
+        click = np.broadcast_to(np.asarray(click, np.float64).reshape(-1), keys.shape)
+        if keys.size:
+            self._pending.append((keys, show, click))
+
+    def flush(self) -> None:
+        """Merge what :meth:`observe` collected (one sort of the new keys, one merge)."""
+        if not self._pending:
+            return
+        keys = np.concatenate([p[0] for p in self._pending])
+        show = np.concatenate([p[1] for p in self._pending])
+        click = np.concatenate([p[2] for p in self._pending])
+        self._pending = []
+        uniq, inverse = np.unique(keys, return_inverse=True)
+        add_show = np.bincount(inverse, show, uniq.size)
+        add_click = np.bincount(inverse, click, uniq.size)
+        pos = np.searchsorted(self.keys, uniq)
+        known = pos < self.keys.size
+        known[known] = self.keys[pos[known]] == uniq[known]
+        p = pos[known]
+        self.show[p] += add_show[known]
+        self.click[p] += add_click[known]
+        self.unseen_days[p] = 0
+        self.since_delta[p] = True
+        new = ~known
+        if new.any():
+            at = pos[new]
+            self.keys = np.insert(self.keys, at, uniq[new])
+            self.show = np.insert(self.show, at, add_show[new])
+            self.click = np.insert(self.click, at, add_click[new])
+            self.unseen_days = np.insert(self.unseen_days, at, 0)
+            self.since_delta = np.insert(self.since_delta, at, True)
+
+    def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(found, score)`` per key (score 0 where unknown)."""
+        self.flush()
+        keys = np.asarray(keys, np.int64).reshape(-1)
+        if not self.keys.size:
+            return np.zeros(keys.size, bool), np.zeros(keys.size)
+        pos = np.minimum(np.searchsorted(self.keys, keys), self.keys.size - 1)
+        found = self.keys[pos] == keys
+        return found, np.where(found, self.scores()[pos], 0.0)
+
+    def scores(self) -> np.ndarray:
+        self.flush()
+        return self.rule.score(self.show, self.click)
+
+    def admitted(self, embedx_threshold: float) -> np.ndarray:
+        """Keys whose ``embedx`` dimensions exist: score >= ``embedx_threshold``."""
+        self.flush()  # before self.keys is read
+        return self.keys[self.scores() >= embedx_threshold]
+
+    def shrink(self, rule: ShrinkRule) -> np.ndarray:
+        """The end of a day: every key ages one day (a key seen since is back at 0 with its
+        next occurrence), show and click decay, and the keys the rule removes are deleted;
+        returns them (their table rows are to be freed)."""
+        self.flush()
+        self.unseen_days += 1
+        self.show *= rule.show_click_decay_rate
+        self.click *= rule.show_click_decay_rate
+        drop = (self.scores() < rule.delete_threshold) | \
+            (self.unseen_days > rule.delete_after_unseen_days)
+        deleted = self.keys[drop]
+        keep = ~drop
+        for name in ("keys", "show", "click", "unseen_days", "since_delta"):
+            setattr(self, name, getattr(self, name)[keep])
+        return deleted
+
+    def base_keys(self, base_threshold: float) -> np.ndarray:
+        """Keys a base model holds: score >= ``base_threshold``."""
+        self.flush()
+        return self.keys[self.scores() >= base_threshold]
+
+    def delta_keys(self, delta_threshold: float, delta_keep_days: int) -> np.ndarray:
+        """Keys the next delta model holds (seen since the last delta, score >=
+        ``delta_threshold``, unseen for at most ``delta_keep_days`` days); the "seen since"
+        marks start again."""
+        self.flush()
+        take = self.since_delta & (self.scores() >= delta_threshold) & \
+            (self.unseen_days <= delta_keep_days)
+        self.since_delta[:] = False
+        return self.keys[take]
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Plain arrays (for a checkpoint; no pickle)."""
+        self.flush()
+        return {"keys": self.keys, "show": self.show, "click": self.click,
+                "unseen_days": self.unseen_days, "since_delta": self.since_delta}
+
+    def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        n = np.asarray(state["keys"]).size
+        for name, dtype in (("keys", np.int64), ("show", np.float64), ("click", np.float64),
+                            ("unseen_days", np.int32), ("since_delta", bool)):
+            value = np.asarray(state[name], dtype)
+            if value.shape != (n,):
+                raise ValueError(f"feature statistics: {name} holds {value.shape}, expected "
+                                 f"({n},)")
+            setattr(self, name, value.copy())
+        if n > 1 and not (np.diff(self.keys) > 0).all():
+            raise ValueError("feature statistics: keys are not sorted and distinct")
+        self._pending = []

@@ -236,3 +236,20 @@ def test_epoch_runs_show_an_eta_from_the_data_size(tmp_path):
     assert [x.split()[2] for x in iter_lines] == ["4", "8", "12", "16", "20"]
     assert all("ETA" in x for x in iter_lines[1:])
     assert "ETA 0s" in iter_lines[-1]
+
+
+def test_a_resumed_run_is_drawn_as_trained():
+    """A run logged iterations 1..6, was killed, and resumed from its checkpoint of iter 4:
+    iterations 5 and 6 were trained again, so the report draws each iteration once."""
+    from jctr.train.report import _series, as_trained
+
+    records = [{"kind": "start", "iter": 0}]
+    records += [{"kind": "train", "iter": i, "loss": 1.0 / i} for i in range(1, 7)]
+    records += [{"kind": "eval", "iter": 6, "AUC": 0.7}, {"kind": "start", "iter": 4}]
+    records += [{"kind": "train", "iter": i, "loss": 2.0 / i} for i in range(5, 9)]
+    kept = as_trained(records)
+    iters, losses = _series(kept, "train", "loss")
+    assert iters == list(range(1, 9))
+    assert losses[4:] == [2.0 / i for i in range(5, 9)]  # the resumed run's values
+    assert not [r for r in kept if r["kind"] == "eval"]  # the eval at 6 was undone too
+    assert [r["iter"] for r in kept if r["kind"] == "start"] == [0, 4]

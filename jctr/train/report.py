@@ -52,6 +52,19 @@ def read_records(log_dir: str) -> list[dict]:
     return records
 
 
+def as_trained(records: list[dict]) -> list[dict]:
+    """The records of the iterations the model went through: a resumed run starts again at
+    its checkpoint's iteration, and what the interrupted run logged after that iteration was
+    trained again, so its records are dropped (else the plots draw those iterations twice)."""
+    out: list[dict] = []
+    for r in records:
+        if r.get("kind") == "start" and isinstance(r.get("iter"), int):
+            out = [o for o in out if not (isinstance(o.get("iter"), (int, float))
+                                          and o["iter"] > r["iter"])]
+        out.append(r)
+    return out
+
+
 def _series(records, kind, key, x="iter"):
     pts = [(r[x], r[key]) for r in records if r.get("kind") == kind
            and isinstance(r.get(key), (int, float)) and isinstance(r.get(x), (int, float))]
@@ -167,7 +180,7 @@ def write_report(log_dir: str) -> str:
     returns the path."""
     from jctr.version import __version__
 
-    records = read_records(log_dir)
+    records = as_trained(read_records(log_dir))
     path = os.path.join(log_dir, "report.html")
     if os.path.exists(path):
         with open(path, encoding="utf-8", errors="replace") as f:

@@ -19,6 +19,8 @@ COMMANDS = {
     "export": ("jctr.serving.export", "write an inference bundle from a checkpoint"),
     "serve": ("jctr.serving.cli", "serve models from the parameter server over HTTP "
                                   "(serve load: fill its databases)"),
+    "online": ("jctr.online.runner", "streaming training, pass by pass over time-sliced "
+                                     "folders"),
     "report": ("jctr.train.report", "write report.html (plots, summary, config) of a run"),
     "synth": ("jctr.data.synthetic", "generate a power-law synthetic dataset"),
     "convert": ("jctr.data.criteo", "convert Criteo TSV files to the Norm / Raw / Parquet formats"),
@@ -73,6 +75,8 @@ def _command_main(name: str):
         from jctr.data.from_csv import main
     elif name == "transcode":
         from jctr.data.transcode import main
+    elif name == "online":
+        from jctr.online.runner import main
     else:
         from jctr.data.gen_csv import main
     return main

@@ -137,3 +137,126 @@ def test_statistics_round_trip_and_bulk_merge():
     bad = dict(stats.state_dict(), keys=stats.keys[::-1].copy())
     with pytest.raises(ValueError, match="keys are not sorted and distinct"):
         copy.load_state_dict(bad)
+
+
+# -- the runner ------------------------------------------------------------------------------
+
+def _stream(tmp, days=("20190720", "20190721")):
+    """A model config and a two-day folder tree (two passes a day, one Norm file each),
+    from the small synthetic DLRM's generated files."""
+    import json
+    import shutil
+
+    from jctr.config import parse_config
+    from jctr.data.synthetic import generate_for_config
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp, "dlrm", display=1000, eval_batches=2, batchsize=256,
+                      batchsize_eval=256, eval_interval=10_000)
+    cfg["layers"][0]["synthetic"].update(num_samples=4 * 512, eval_num_samples=512,
+                                         num_files=4)
+    generate_for_config(parse_config(cfg))
+    train = sorted((tmp / "dlrm" / "train").glob("*.data"))
+    assert len(train) == 4
+    k = 0
+    for day in days:
+        for hhmm in ("0000", "1200"):
+            folder = tmp / "stream" / day / hhmm
+            folder.mkdir(parents=True)
+            shutil.copy(train[k % 4], folder / "part-0.data")
+            k += 1
+    model = tmp / "model.json"
+    model.write_text(json.dumps(cfg))
+    return model
+
+
+def _online(tmp, model, save, end_day="20190721", **extra):
+    from jctr.config.online import parse_online_config
+
+    doc = {"model": str(model), "train_data_dir": str(tmp / "stream"), "split_interval": 720,
+           "split_per_pass": 1, "start_day": "20190720", "end_day": end_day,
+           "save_model_path": str(save), "data_donefile": "DONE", "data_sleep_second": 0.05,
+           **extra}
+    return parse_online_config(doc, str(tmp / "online.yaml"))
+
+
+def test_streaming_runs_pass_by_pass_waits_for_data_and_resumes_exactly(tmp_path):
+    import json
+
+    import jax
+
+    from jctr.online.runner import OnlineRun
+    from tests.test_epochs import leaves_equal
+
+    model = _stream(tmp_path)
+    folders = sorted(p for p in (tmp_path / "stream").glob("*/*"))
+    for folder in folders[:-1]:
+        (folder / "DONE").touch()
+    lines = []
+    timers = []
+
+    def log(line):  # the last slice lands while the run waits for it
+        lines.append(line)
+        if line.startswith("[jctr] waiting for"):
+            timers.append(threading.Timer(0.3, (folders[-1] / "DONE").touch))
+            timers[-1].start()
+
+    whole = OnlineRun(_online(tmp_path, model, tmp_path / "whole"), log=log)
+    assert whole.run() == 4
+    assert len(timers) == 1
+    text = "\n".join(lines)
+    assert f"[jctr] waiting for {folders[-1]}/DONE" in text
+    passes = [x for x in lines if x.startswith("[jctr] day ")]
+    assert [x.split(":")[0] for x in passes] == [
+        "[jctr] day 20190720 pass 1/2", "[jctr] day 20190720 pass 2/2",
+        "[jctr] day 20190721 pass 1/2", "[jctr] day 20190721 pass 2/2"]
+    assert all("2 iterations" in x and "validation AUC" in x for x in passes), passes
+    assert int(whole.trainer.state.step) == 8
+    progress = json.loads((tmp_path / "whole" / "progress.json").read_text())
+    assert (progress["day"], progress["pass"], progress["step"]) == ("20190721", 2, 8)
+    assert (tmp_path / "whole" / "20190720" / "1" / "2").is_dir()
+    # stopped after the first day, started again up to the second: the same model
+    half = tmp_path / "half"
+    assert OnlineRun(_online(tmp_path, model, half, end_day="20190720"),
+                     log=lambda s: None).run() == 2
+    lines = []
+    again = OnlineRun(_online(tmp_path, model, half), log=lines.append)
+    assert again.run() == 2
+    assert any("resuming after day 20190720 pass 2 (iter 4" in x for x in lines)
+    assert int(again.trainer.state.step) == 8
+    a = jax.tree.map(np.asarray, whole.trainer.state.params)
+    b = jax.tree.map(np.asarray, again.trainer.state.params)
+    assert leaves_equal(a, b)
+    # nothing left to do
+    lines = []
+    assert OnlineRun(_online(tmp_path, model, half), log=lines.append).run() == 0
+    assert any("nothing to train" in x for x in lines)
+
+
+def test_streaming_config_errors_name_the_file_and_field(tmp_path):
+    from jctr.config import ConfigError
+    from jctr.config.online import load_online_config
+    from jctr.online.runner import OnlineRun
+
+    path = tmp_path / "online.yaml"
+    path.write_text("model: m.json\ntrain_data_dir: d\nsplit_interval: 7\nsplit_per_pass: 1\n"
+                    "start_day: '20190720'\nend_day: '20190721'\nsave_model_path: out\n")
+    cfg = load_online_config(path)
+    assert cfg.model == str(tmp_path / "m.json") and cfg.data_sleep_second == 30.0
+    with pytest.raises(ConfigError, match="schedule: split_interval: 7 minutes do not divide"):
+        OnlineRun(cfg)
+    path.write_text(path.read_text().replace("split_interval: 7", "split_interval: 5")
+                    + "prefetch: true\n")
+    with pytest.raises(ConfigError, match=r"online.yaml: prefetch: unknown key"):
+        load_online_config(path)
+    path.write_text("model: m.json\nstart_day: 2019-07-20\n")
+    with pytest.raises(ConfigError, match="online.yaml: "):
+        load_online_config(path)
+
+
+def test_online_command_reports_errors_in_one_line(tmp_path, capsys):
+    from jctr.online.runner import main
+
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.yaml: <file>: cannot read streaming config" in err and "Traceback" not in err

@@ -154,6 +154,7 @@ def test_jctr_command_mirrors_the_module_commands(tmp_path):
     ["-m", "jctr", "--help"], ["-m", "jctr", "--version"], ["-m", "jctr.train", "--help"],
     ["-m", "jctr", "train", "--help"], ["-m", "jctr.export", "--help"],
     ["-m", "jctr.serve", "--help"], ["-m", "jctr.report", "--help"],
+    ["-m", "jctr.online", "--help"], ["-m", "jctr", "online", "--help"],
 ])
 def test_help_answers_without_starting_jax(command):
     out = subprocess.run([sys.executable, "-X", "importtime", *command], cwd=ROOT,

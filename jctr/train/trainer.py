@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -136,6 +137,7 @@ class Trainer:
         self.reader_position: ReaderPosition | None = None  # after the last consumed batch
         self._checkpointer = None
         self._resumed = False  # restored from the solver's checkpoint directory
+        self._continues_log = False  # restored from any checkpoint: its log goes on
         self._nonfinite_at: int | None = None  # the state went bad at this iteration
         self._space_checked = False  # the checkpoint disk was checked for one snapshot
         self._train_records = 0  # one epoch of this process's training data (the ETA)
@@ -237,7 +239,7 @@ class Trainer:
         if os.path.exists(self.solver.log_dir) and not os.path.isdir(self.solver.log_dir):
             raise ConfigError("solver.log_dir", f"{self.solver.log_dir} exists and is not a "
                               "folder", self.cfg.source)
-        if os.path.isfile(path) and os.path.getsize(path) and not self._resumed:
+        if os.path.isfile(path) and os.path.getsize(path) and not self._continues_log:
             # another run's log: appending would draw two runs as one line
             if not self.force:
                 raise ConfigError("solver.log_dir", f"{path} holds another run's log; "
@@ -658,6 +660,35 @@ class Trainer:
         """The dense network as a concrete NNX module (a view of the current state)."""
         return nnx.merge(self.step_config.graphdef, self.state.params, self.state.batch_stats)
 
+    def use_training_data(self, source: str) -> None:
+        """Train on another file list from now on (streaming training: each pass its own
+        files); the reader starts at its beginning. Nothing is compiled again."""
+        self.cfg = dataclasses.replace(self.cfg, data=dataclasses.replace(self.cfg.data,
+                                                                          source=source))
+        self._train_data = None
+        self.reader_position = None
+
+    def save_checkpoint_to(self, directory: str) -> str:
+        """Snapshot the state into a checkpoint directory of its own (streaming training's
+        ``<save_model_path>/<day>/<pass>/``), complete on return; returns the step's
+        folder."""
+        from jctr.checkpoint.manager import Checkpointer
+
+        if self._nonfinite_at is not None:
+            raise NonFiniteLoss(f"not saving: the state went non-finite at iter "
+                                f"{self._nonfinite_at}")
+        ckpt = Checkpointer(directory, keep=1)
+        if jax.process_index() == 0:
+            ckpt.acquire(report=self._print)
+        try:
+            step = save_snapshot(ckpt, self.cfg, self.step_config, self.state, self.placements,
+                                 readers=[vars(ReaderPosition())] * jax.process_count(),
+                                 devices=self.num_devices, monitors=self._monitors())
+            ckpt.wait()
+        finally:
+            ckpt.finish(report=self._print)
+        return ckpt.step_dir(step)
+
     def save_checkpoint(self) -> int:
         """Snapshot the whole state (asynchronously) plus the BatchNorm JSON beside it; the
         snapshot is reported once it is complete on disk. Refuses a state that went
@@ -697,6 +728,7 @@ class Trainer:
                 monitor.load_state_dict(meta.get("monitors", {}).get(name, {}))
         self._best_copy = None
         self._resumed = directory is None
+        self._continues_log = True
         if self._resumed:
             ckpt.resumed_from(int(meta.get("step", 0)))
         self._nonfinite_at = None

@@ -1,0 +1,116 @@
+"""Streaming-training config (``python -m jctr.online --config online.yaml``): the model (a
+jctr/HugeCTR training config it names) and PaddlePaddle's streaming keys, with their names.
+
+Example (YAML; JSON works the same)::
+
+    model: dlrm.json                 # training config: network, optimizer, validation set
+    train_data_dir: data/stream      # <train_data_dir>/<YYYYMMDD>/<HHMM>/ folders
+    split_interval: 5                # minutes per folder
+    split_per_pass: 2                # folders per pass
+    start_day: "20190720"
+    end_day: "20190721"
+    data_donefile: to.hadoop.done    # a folder is complete once this file is in it
+    data_sleep_second: 30
+    save_model_path: runs/online     # <save_model_path>/<day>/<pass>/ checkpoints
+    checkpoint_per_pass: 1
+
+Relative paths are taken from the config file's folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from jctr.config.reader import ConfigError, ObjectReader
+
+
+@dataclass(frozen=True)
+class OnlineConfig:
+    """A parsed streaming-training config (see the module docstring)."""
+
+    model: str
+    """The training config (JSON) of the model: its network, optimizer, solver and Data layer
+    (format and shapes; its ``source`` is replaced by each pass's files, its ``eval_source``
+    is the validation set scored after every pass)."""
+    train_data_dir: str
+    """The folder holding ``<YYYYMMDD>/<HHMM>/`` data folders."""
+    split_interval: int
+    """Minutes of data per folder (``HHMM`` steps by this; it must divide a day)."""
+    split_per_pass: int
+    """Folders per pass."""
+    start_day: str
+    """The first day, ``YYYYMMDD``."""
+    end_day: str
+    """The last day, ``YYYYMMDD`` (included)."""
+    save_model_path: str
+    """Checkpoints go to ``<save_model_path>/<day>/<pass>/``; ``progress.json`` there names
+    the last one (a stopped run resumes at the pass after it)."""
+    data_donefile: str = ""
+    """A folder is read once this file exists in it (empty: at once)."""
+    data_sleep_second: float = 30.0
+    """Seconds between two looks for a missing done-file."""
+    checkpoint_per_pass: int = 1
+    """A checkpoint every this many passes (and after a day's last pass)."""
+    source: str | None = None
+    """Not in the file: where the config came from."""
+
+
+def parse_online_config(raw: Any, source: str | None = None) -> OnlineConfig:
+    """Parse an already-loaded streaming config; relative paths from ``source``'s folder."""
+    r = ObjectReader(raw, "", source)
+    base = os.path.dirname(os.path.abspath(source)) if source else os.getcwd()
+
+    def path(key: str) -> str:
+        value = r.str(key)
+        if not value:
+            raise r.error(key, "expected a non-empty path")
+        return os.path.normpath(os.path.join(base, value))
+
+    def day(key: str) -> str:
+        value = r.raw(key)
+        text = str(value) if isinstance(value, (str, int)) and not isinstance(value, bool) \
+            else ""
+        if len(text) != 8 or not text.isdigit():
+            raise r.error(key, f"expected a day as \"YYYYMMDD\", got {value!r}")
+        return text
+
+    cfg = OnlineConfig(
+        model=path("model"), train_data_dir=path("train_data_dir"),
+        split_interval=r.int("split_interval", min_value=1),
+        split_per_pass=r.int("split_per_pass", min_value=1),
+        start_day=day("start_day"), end_day=day("end_day"),
+        save_model_path=path("save_model_path"),
+        data_donefile=r.str("data_donefile", ""),
+        data_sleep_second=r.float("data_sleep_second", 30.0, min_value=0.0),
+        checkpoint_per_pass=r.int("checkpoint_per_pass", 1, min_value=1),
+        source=source)
+    r.finish()
+    return cfg
+
+
+def load_online_config(path: str | os.PathLike) -> OnlineConfig:
+    """Read a streaming config from a YAML or JSON file."""
+    source = os.fspath(path)
+    try:
+        with open(source, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ConfigError("<file>", f"cannot read streaming config: {e.strerror}",
+                          source) from e
+    if source.endswith(".json"):
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"line {e.lineno} column {e.colno}", f"invalid JSON: {e.msg}",
+                              source) from e
+    else:
+        import yaml
+
+        try:
+            raw = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            raise ConfigError("<file>", f"invalid YAML: {e}", source) from None
+    return parse_online_config(raw, source)

@@ -19,12 +19,11 @@ Relative paths are taken from the config file's folder.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
-from jctr.config.reader import ConfigError, ObjectReader
+from jctr.config.reader import ConfigError, ObjectReader, json_from_text
 
 
 @dataclass(frozen=True)
@@ -101,11 +100,7 @@ def load_online_config(path: str | os.PathLike) -> OnlineConfig:
         raise ConfigError("<file>", f"cannot read streaming config: {e.strerror}",
                           source) from e
     if source.endswith(".json"):
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"line {e.lineno} column {e.colno}", f"invalid JSON: {e.msg}",
-                              source) from e
+        raw = json_from_text(text, source)
     else:
         import yaml
 

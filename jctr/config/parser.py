@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import copy
-import json
 import os
 from typing import Any
 
 from jctr.config.layer_types import LAYER_TYPES, LOSS_TYPES
-from jctr.config.reader import ConfigError, ObjectReader, describe, join_path
+from jctr.config.reader import ConfigError, ObjectReader, describe, join_path, json_from_text
 from jctr.config.schema import (
     COMPUTE_DTYPES,
     DATA_FORMATS,
@@ -58,11 +57,7 @@ def load_config(config: str | os.PathLike | dict, *, require_solver: bool = True
                 text = f.read()
         except OSError as e:
             raise ConfigError("<file>", f"cannot read config: {e.strerror}", source) from e
-        try:
-            raw = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"line {e.lineno} column {e.colno}", f"invalid JSON: {e.msg}",
-                              source) from e
+        raw = json_from_text(text, source)
     else:
         raw = config
     return parse_config(raw, source=source, require_solver=require_solver)

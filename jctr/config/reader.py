@@ -31,6 +31,17 @@ class ConfigError(UserError, ValueError):
         super().__init__(f"{where}{path}: {message}")
 
 
+def json_from_text(text: str, source: str | None) -> Any:
+    """A config file's JSON; a syntax error names the file, line and column."""
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"line {e.lineno} column {e.colno}", f"invalid JSON: {e.msg}",
+                          source) from e
+
+
 def describe(value: Any) -> str:
     """A short, JSON-looking rendering of a value for error messages."""
     if isinstance(value, str):

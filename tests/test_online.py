@@ -215,6 +215,8 @@ def test_streaming_runs_pass_by_pass_waits_for_data_and_resumes_exactly(tmp_path
     progress = json.loads((tmp_path / "whole" / "progress.json").read_text())
     assert (progress["day"], progress["pass"], progress["step"]) == ("20190721", 2, 8)
     assert (tmp_path / "whole" / "20190720" / "1" / "2").is_dir()
+    assert (tmp_path / "whole" / "20190720" / "1" / "feature_stats.npz").is_file()
+    assert len(whole.stats[0]) > 0 and whole.stats[0].show.sum() > 0
     # stopped after the first day, started again up to the second: the same model
     half = tmp_path / "half"
     assert OnlineRun(_online(tmp_path, model, half, end_day="20190720"),
@@ -224,6 +226,8 @@ def test_streaming_runs_pass_by_pass_waits_for_data_and_resumes_exactly(tmp_path
     assert again.run() == 2
     assert any("resuming after day 20190720 pass 2 (iter 4" in x for x in lines)
     assert int(again.trainer.state.step) == 8
+    for name, value in whole.stats[0].state_dict().items():  # statistics resumed too
+        np.testing.assert_array_equal(getattr(again.stats[0], name), value)
     a = jax.tree.map(np.asarray, whole.trainer.state.params)
     b = jax.tree.map(np.asarray, again.trainer.state.params)
     assert leaves_equal(a, b)
@@ -260,3 +264,60 @@ def test_online_command_reports_errors_in_one_line(tmp_path, capsys):
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
     err = capsys.readouterr().err
     assert "missing.yaml: <file>: cannot read streaming config" in err and "Traceback" not in err
+
+
+def test_weeks_of_new_keys_fit_a_small_table_through_the_daily_shrink(tmp_path):
+    """Six days, each with keys never seen before (the day's files have their keys shifted),
+    through a table holding a little over two days of keys: with the shrink (keys unseen for
+    more than a day deleted, rows freed) every day fits and the table never fills; without it
+    the third day does not fit."""
+    import json
+
+    from jctr.data.norm import read_norm_file, write_norm_file
+    from jctr.data.records import RecordBlock
+    from jctr.embedding.hash_table import TableFullError
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path, days=())
+    cfg = json.loads(model.read_text())
+    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 8000
+    model.write_text(json.dumps(cfg))
+    train = sorted((tmp_path / "dlrm" / "train").glob("*.data"))
+    day_names = [f"201907{20 + d}" for d in range(6)]
+    per_day = []
+    for d, day in enumerate(day_names):
+        folder = tmp_path / "stream" / day / "0000"
+        folder.mkdir(parents=True)
+        blocks = [read_norm_file(str(f), label_dim=1, dense_dim=13, slot_num=8,
+                                 key_type="I64", check="Sum") for f in train]
+        keys = np.concatenate([b.keys for b in blocks]) + d * 10**9  # the day's new keys
+        per_day.append(np.unique(keys).size)
+        block = RecordBlock(np.concatenate([b.label for b in blocks]),
+                            np.concatenate([b.dense for b in blocks]),
+                            np.concatenate([b.nnz for b in blocks]), keys)
+        write_norm_file(str(folder / "part-0.data"), block, key_type="I64", check="Sum")
+        (folder / "DONE").touch()
+    assert 2 * max(per_day) < 8000 < 3 * min(per_day)  # the premise
+
+    def online(save, unseen_days):
+        doc = {"model": str(model), "train_data_dir": str(tmp_path / "stream"),
+               "split_interval": 1440, "split_per_pass": 1, "start_day": day_names[0],
+               "end_day": day_names[-1], "save_model_path": str(tmp_path / save),
+               "data_donefile": "DONE", "data_sleep_second": 0.05,
+               "table_parameters": {"delete_after_unseen_days": unseen_days}}
+        from jctr.config.online import parse_online_config
+
+        return parse_online_config(doc, str(tmp_path / "online.yaml"))
+
+    lines = []
+    run = OnlineRun(online("shrunk", 1), log=lines.append)
+    assert run.run() == 6
+    shrinks = [x for x in lines if x.startswith("[jctr] shrink at the end of day")]
+    assert len(shrinks) == 6
+    rows = [int(x.split(", ")[-1].split(" rows")[0].replace(",", "")) for x in shrinks
+            if "rows in use" in x]
+    # from day 2 on each shrink deletes the day before's keys: one day's keys stay
+    assert rows == [per_day[0]] * 5
+    assert " 0 key(s) deleted" in shrinks[0]
+    with pytest.raises(TableFullError):
+        OnlineRun(online("kept", 30), log=lambda s: None).run()

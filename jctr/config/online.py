@@ -20,10 +20,29 @@ Relative paths are taken from the config file's folder.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from jctr.config.reader import ConfigError, ObjectReader, json_from_text
+
+
+@dataclass(frozen=True)
+class TableParameters:
+    """Per-key show/click statistics and the shrink at the end of each day (PaddlePaddle's
+    ``table_parameters`` accessor keys and defaults). A sample is one show of each of its
+    keys and a click when its label is 1."""
+
+    click_coeff: float = 1.0
+    """Score weight of a click: ``score = click_coeff * click + nonclk_coeff * (show -
+    click)``."""
+    nonclk_coeff: float = 0.1
+    """Score weight of a show that was not clicked."""
+    show_click_decay_rate: float = 1.0
+    """At each day's shrink, show and click are multiplied by this (in [0, 1])."""
+    delete_threshold: float = 0.0
+    """At each day's shrink, keys whose score is below this are deleted (rows freed)."""
+    delete_after_unseen_days: int = 30
+    """At each day's shrink, keys unseen for more than this many days are deleted."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +72,8 @@ class OnlineConfig:
     """Seconds between two looks for a missing done-file."""
     checkpoint_per_pass: int = 1
     """A checkpoint every this many passes (and after a day's last pass)."""
+    table_parameters: TableParameters = field(default_factory=lambda: TableParameters())
+    """Feature statistics and the daily shrink, for every embedding table (object below)."""
     source: str | None = None
     """Not in the file: where the config came from."""
 
@@ -85,9 +106,25 @@ def parse_online_config(raw: Any, source: str | None = None) -> OnlineConfig:
         data_donefile=r.str("data_donefile", ""),
         data_sleep_second=r.float("data_sleep_second", 30.0, min_value=0.0),
         checkpoint_per_pass=r.int("checkpoint_per_pass", 1, min_value=1),
-        source=source)
+        table_parameters=_table_parameters(r), source=source)
     r.finish()
     return cfg
+
+
+def _table_parameters(r: ObjectReader) -> TableParameters:
+    if not r.has("table_parameters"):
+        return TableParameters()
+    t = r.child("table_parameters")
+    out = TableParameters(
+        click_coeff=t.float("click_coeff", 1.0), nonclk_coeff=t.float("nonclk_coeff", 0.1),
+        show_click_decay_rate=t.float("show_click_decay_rate", 1.0, min_value=0.0),
+        delete_threshold=t.float("delete_threshold", 0.0),
+        delete_after_unseen_days=t.int("delete_after_unseen_days", 30, min_value=1))
+    if out.show_click_decay_rate > 1.0:
+        raise t.error("show_click_decay_rate", "expected a number in [0, 1], got "
+                      f"{out.show_click_decay_rate}")
+    t.finish()
+    return out
 
 
 def load_online_config(path: str | os.PathLike) -> OnlineConfig:

@@ -6,9 +6,12 @@ lists the pass's data files (any format the model's Data layer reads; a ``jax.di
 run's processes each read their share, as the core trainer's readers do), trains one epoch of
 them with the model's :class:`jctr.train.trainer.Trainer` (one compiled step for the whole run),
 scores the model's validation set, and prints one line per pass: day, pass, samples, samples/s,
-mean loss, validation AUC. Every ``checkpoint_per_pass`` passes (and after a day's last pass) it
-writes a checkpoint to ``<save_model_path>/<day>/<pass>/`` and then ``progress.json`` naming
-it; a run started again resumes at the pass after that checkpoint.
+mean loss, validation AUC. Every key's show and click are counted as the batches are read
+(:mod:`jctr.online.feature_stats`, ``table_parameters``); at the end of each day the shrink
+decays them and deletes keys from the statistics and the tables, freeing their rows. Every
+``checkpoint_per_pass`` passes (and after a day's last pass) it writes a checkpoint to
+``<save_model_path>/<day>/<pass>/`` with ``feature_stats.npz`` beside it, then
+``progress.json`` naming it; a run started again resumes at the pass after that checkpoint.
 
 Example::
 
@@ -26,6 +29,7 @@ from collections.abc import Callable
 from jctr.config.online import OnlineConfig
 from jctr.config.reader import ConfigError
 from jctr.data.records import DataError, write_file_list
+from jctr.online.feature_stats import FeatureStats, ScoreRule, ShrinkRule
 from jctr.online.schedule import data_files, days, pass_folders, wait_ready
 
 PROGRESS = "progress.json"
@@ -46,6 +50,12 @@ class OnlineRun:
             raise ConfigError("schedule", str(e), cfg.source) from None
         self.trainer = None
         self.passes_trained = 0
+        tp = cfg.table_parameters
+        self._score = ScoreRule(nonclk_coeff=tp.nonclk_coeff, click_coeff=tp.click_coeff)
+        self._shrink = ShrinkRule(show_click_decay_rate=tp.show_click_decay_rate,
+                                  delete_threshold=tp.delete_threshold,
+                                  delete_after_unseen_days=tp.delete_after_unseen_days)
+        self.stats: list[FeatureStats] = []  # per embedding table, once the trainer exists
 
     # -- where a run stands ---------------------------------------------------------------
     def progress(self) -> dict | None:
@@ -115,13 +125,73 @@ class OnlineRun:
             write_file_list(file_list, files)
             if self.trainer is None:
                 self.trainer = self._trainer(file_list)
+                self._start_statistics()
                 if done is not None:
                     self.trainer.restore_checkpoint(directory=os.path.dirname(
                         done["checkpoint"]))
+                    self._load_statistics(os.path.dirname(done["checkpoint"]))
             else:
                 self.trainer.use_training_data(file_list)
             self._train_pass(day, n, len(files))
         return self.passes_trained
+
+    # -- feature statistics and the daily shrink -------------------------------------------
+    def _start_statistics(self) -> None:
+        import jax
+
+        if jax.process_count() > 1:
+            raise ConfigError("table_parameters", "feature statistics and the daily shrink run "
+                              "in one process in this version (each process would decide on "
+                              "its own share of the data)", self.cfg.source)
+        t = self.trainer
+        self.stats = [FeatureStats(self._score) for _ in t.specs]
+        label_dim = t.cfg.data.label_dim
+
+        def observe(batch) -> None:  # one show per key of a sample, a click per label 1
+            b = batch.label.shape[0]
+            for spec, stats in zip(t.specs, self.stats):
+                keys = batch.keys[spec.input_index]
+                segs = batch.segments[spec.input_index]
+                valid = segs < b * spec.slot_num
+                sample = segs[valid] // spec.slot_num
+                real = batch.mask[sample]
+                click = (batch.label.reshape(b, label_dim)[sample, 0] > 0.5)[real]
+                stats.observe(keys[valid][real], 1.0, click.astype(float))
+
+        t.batch_hooks.append(observe)
+
+    def _save_statistics(self, folder: str) -> None:
+        import numpy as np
+
+        arrays = {f"{i}/{k}": v for i, st in enumerate(self.stats)
+                  for k, v in st.state_dict().items()}
+        tmp = os.path.join(folder, "feature_stats.tmp.npz")
+        np.savez(tmp, **arrays)
+        os.replace(tmp, os.path.join(folder, "feature_stats.npz"))
+
+    def _load_statistics(self, folder: str) -> None:
+        import numpy as np
+
+        path = os.path.join(folder, "feature_stats.npz")
+        try:
+            with np.load(path, allow_pickle=False) as f:
+                for i, st in enumerate(self.stats):
+                    st.load_state_dict({k: f[f"{i}/{k}"] for k in
+                                        ("keys", "show", "click", "unseen_days",
+                                         "since_delta")})
+        except (OSError, KeyError, ValueError) as e:
+            raise DataError(f"{path}: feature statistics unreadable ({e})") from None
+
+    def _shrink_day(self, day: str) -> None:
+        """The end of a day: statistics age and decay; deleted keys leave the tables."""
+        t = self.trainer
+        for i, (spec, stats) in enumerate(zip(t.specs, self.stats)):
+            deleted = stats.shrink(self._shrink)
+            rows = t.drop_keys(i, deleted) if deleted.size else None
+            self.log(f"[jctr] shrink at the end of day {day}: {spec.name}: {deleted.size:,} "
+                     f"key(s) deleted, {len(stats):,} with statistics"
+                     + (f", {rows:,} rows in use of {spec.capacity:,}" if rows is not None
+                        else ""))
 
     def _train_pass(self, day: str, n: int, num_files: int) -> None:
         t = self.trainer
@@ -141,11 +211,15 @@ class OnlineRun:
                  + (f"; validation {metric}" if metric else ""))
         self.passes_trained += 1
         last_of_day = n == len(self.passes)
+        if last_of_day:
+            self._shrink_day(day)
         if n % self.cfg.checkpoint_per_pass == 0 or last_of_day:
-            path = t.save_checkpoint_to(os.path.join(self.cfg.save_model_path, day, str(n)))
+            folder = os.path.join(self.cfg.save_model_path, day, str(n))
+            path = t.save_checkpoint_to(folder)
             import jax
 
             if jax.process_index() == 0:
+                self._save_statistics(folder)
                 self._write_progress(day, n, first + iters, path)
             self.log(f"[jctr] checkpoint of day {day} pass {n} -> {path}")
 

@@ -19,6 +19,7 @@ from flax import nnx
 import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.checkpoint.model_files import load_model_files, save_model_files
 from jctr.checkpoint.snapshots import restore_snapshot, save_snapshot
+from jctr.checkpoint.tables import export_placed, import_placed
 from jctr.config import (
     ConfigError,
     ModelConfig,
@@ -32,6 +33,7 @@ from jctr.data.loader import Prefetcher, ReaderPosition, open_dataset
 from jctr.data.records import DataError
 from jctr.data.synthetic import generate_for_config
 from jctr.embedding.hash_table import TableFullError
+from jctr.embedding.sparse_embedding import init_embedding
 from jctr.errors import UserError
 from jctr.models.ctr import build_model, make_eval_step, with_lr_scale
 from jctr.runtime.cpu import has_bf16_matmul
@@ -128,6 +130,7 @@ class Trainer:
                             "AVX512-BF16 or AMX: XLA emulates bfloat16 here, slower than "
                             "float32 (docs/performance.md); use float32 on this machine")
         self.state = self.placed.create(init_state)
+        self.batch_hooks: list[Callable[[Batch], None]] = []  # see _observed
         self._jit_steps()
         self._train_data: Dataset | None = None
         self._eval_data: Dataset | None = None
@@ -396,7 +399,8 @@ class Trainer:
             self.train_data.batches_with_position(local_batch,
                                                   epochs=reader_epochs,
                                                   start=self.reader_position),
-            transform=lambda item: (self.placed.to_devices(item[0], True), item[1],
+            transform=lambda item: (self._observed(item[0]) and
+                                    self.placed.to_devices(item[0], True), item[1],
                                     self.placed.routing_fits(item[0]),
                                     float(np.mean(item[0].mask))))
         self._print(f"[jctr] training {', '.join(e.name for e in self.cfg.embeddings)} + "
@@ -659,6 +663,35 @@ class Trainer:
     def network(self):
         """The dense network as a concrete NNX module (a view of the current state)."""
         return nnx.merge(self.step_config.graphdef, self.state.params, self.state.batch_stats)
+
+    def _observed(self, batch: Batch) -> bool:
+        """Hand a host training batch to :attr:`batch_hooks` (streaming statistics); runs in
+        the reader's thread, before the batch goes to the devices. Always True."""
+        for hook in self.batch_hooks:
+            hook(batch)
+        return True
+
+    def drop_keys(self, table: int, keys: np.ndarray) -> int:
+        """Delete ``keys`` from embedding ``table`` and free their rows (streaming training's
+        shrink): the kept keys, values and optimizer rows are re-inserted into a fresh table,
+        whose free rows hold initial values again. Returns the rows in use afterwards."""
+        spec, placement = self.specs[table], self.placements[table]
+        current = self.state.embeddings[table]
+        stored = export_placed(current, placement)
+        keep = ~np.isin(stored["keys"], np.asarray(keys, np.int64))
+        # an empty table in the same layout; a key's row gets its initial vector when the key
+        # is inserted, so freed rows need no reset
+        fresh = init_embedding(spec)
+        if placement is not None and placement.sharded:
+            fresh = jax.tree.map(lambda x: jnp.broadcast_to(x, (placement.num_shards,)
+                                                            + x.shape), fresh)
+        compacted = import_placed(spec, fresh, {k: v[keep] for k, v in stored.items()},
+                                  placement, source=f"shrink of {spec.name}")
+        compacted = jax.device_put(compacted, jax.tree.map(lambda x: x.sharding, current))
+        embeddings = list(self.state.embeddings)
+        embeddings[table] = compacted
+        self.state = self.state._replace(embeddings=tuple(embeddings))
+        return int(keep.sum())
 
     def use_training_data(self, source: str) -> None:
         """Train on another file list from now on (streaming training: each pass its own

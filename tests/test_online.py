@@ -321,3 +321,53 @@ def test_weeks_of_new_keys_fit_a_small_table_through_the_daily_shrink(tmp_path):
     assert " 0 key(s) deleted" in shrinks[0]
     with pytest.raises(TableFullError):
         OnlineRun(online("kept", 30), log=lambda s: None).run()
+
+
+def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path):
+    """``python -m jctr.online`` SIGKILLed while it waits for the second pass's data, started
+    again once the data is there: its last checkpoint equals an uninterrupted run's."""
+    import signal
+    import subprocess
+    import sys
+
+    import jax
+    import yaml
+
+    from jctr.checkpoint.manager import Checkpointer
+    from jctr.online.runner import OnlineRun
+    from tests.conftest import ROOT
+    from tests.test_epochs import leaves_equal
+
+    model = _stream(tmp_path, days=("20190720",))
+    folders = sorted((tmp_path / "stream").glob("*/*"))
+    (folders[0] / "DONE").touch()
+    doc = {"model": str(model), "train_data_dir": str(tmp_path / "stream"),
+           "split_interval": 720, "split_per_pass": 1, "start_day": "20190720",
+           "end_day": "20190720", "save_model_path": "killed", "data_donefile": "DONE",
+           "data_sleep_second": 0.1}
+    (tmp_path / "online.yaml").write_text(yaml.safe_dump(doc))
+    cmd = [sys.executable, "-m", "jctr.online", "--config", str(tmp_path / "online.yaml")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    seen = []
+    for line in proc.stdout:  # pass 1 is checkpointed, then the run waits for pass 2
+        seen.append(line)
+        if line.startswith("[jctr] waiting for"):
+            break
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=60)
+    assert any("checkpoint of day 20190720 pass 1" in x for x in seen), seen[-5:]
+    (folders[1] / "DONE").touch()
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert "resuming after day 20190720 pass 1" in out.stdout
+    assert "day 20190720 pass 2/2" in out.stdout
+    # the same two passes without a stop, in this process
+    whole = OnlineRun(_online(tmp_path, model, tmp_path / "whole", end_day="20190720"),
+                      log=lambda s: None)
+    assert whole.run() == 2
+    killed = Checkpointer(str(tmp_path / "killed" / "20190720" / "2"))
+    state, _ = killed.restore(whole.trainer.state, whole.trainer.specs)
+    assert int(state.step) == int(whole.trainer.state.step) == 4
+    assert leaves_equal(jax.tree.map(np.asarray, state.params),
+                        jax.tree.map(np.asarray, whole.trainer.state.params))

@@ -291,14 +291,14 @@ def _folder_bytes(path):
 
 def test_rocksdb_read_only_opens_on_read_only_storage(tmp_path):
     """``read_only: true`` on a read-only mount (a user+mount namespace makes one without
-    privileges): the lookup works and nothing is written."""
+    privileges): the lookup works and nothing is written. Where user namespaces are not
+    allowed the same open runs on ordinary storage, still checking that nothing is written."""
     import shutil
     import subprocess
     import sys
 
-    if not shutil.which("unshare") or subprocess.run(
-            ["unshare", "-rm", "true"], capture_output=True).returncode:
-        pytest.skip("no unprivileged mount namespaces here")
+    namespaces = bool(shutil.which("unshare")) and subprocess.run(
+        ["unshare", "-rm", "true"], capture_output=True).returncode == 0
     path = str(tmp_path / "db")
     store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path))
     keys = np.array([4, 9], np.int64)
@@ -316,8 +316,10 @@ def test_rocksdb_read_only_opens_on_read_only_storage(tmp_path):
               f"mount -o remount,bind,ro {tmp_path} && "
               f"(touch {tmp_path}/probe 2>/dev/null && echo WRITABLE; true) && "
               f"{sys.executable} -c \"$CODE\"")
-    out = subprocess.run(["unshare", "-rm", "sh", "-c", script], capture_output=True,
-                         text=True, timeout=120, env={**os.environ, "CODE": code}, cwd=ROOT)
+    argv = ["unshare", "-rm", "sh", "-c", script] if namespaces else [sys.executable, "-c",
+                                                                     code]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CODE": code}, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "WRITABLE" not in out.stdout
     assert out.stdout.strip().splitlines()[-1] == f"[True, False] {_vectors([9])[0].tolist()}"

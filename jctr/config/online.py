@@ -72,7 +72,7 @@ class OnlineConfig:
     """Seconds between two looks for a missing done-file."""
     checkpoint_per_pass: int = 1
     """A checkpoint every this many passes (and after a day's last pass)."""
-    table_parameters: TableParameters = field(default_factory=lambda: TableParameters())
+    table_parameters: TableParameters = field(default_factory=TableParameters)
     """Feature statistics and the daily shrink, for every embedding table (object below)."""
     source: str | None = None
     """Not in the file: where the config came from."""

@@ -2,15 +2,15 @@
 
 For each day from ``start_day`` to ``end_day`` and each pass of the day (``split_per_pass``
 folders of ``split_interval`` minutes), the runner waits for every folder's ``data_donefile``,
-lists the pass's data files (any format the model's Data layer reads; a ``jax.distributed``
-run's processes each read their share, as the core trainer's readers do), trains one epoch of
-them with the model's :class:`jctr.train.trainer.Trainer` (one compiled step for the whole run),
-scores the model's validation set, and prints one line per pass: day, pass, samples, samples/s,
-mean loss, validation AUC. Every key's show and click are counted as the batches are read
-(:mod:`jctr.online.feature_stats`, ``table_parameters``); at the end of each day the shrink
-decays them and deletes keys from the statistics and the tables, freeing their rows. Every
-``checkpoint_per_pass`` passes (and after a day's last pass) it writes a checkpoint to
-``<save_model_path>/<day>/<pass>/`` with ``feature_stats.npz`` beside it, then
+lists the pass's data files (any format the model's Data layer reads), trains one epoch of them
+with the model's :class:`jctr.train.trainer.Trainer` (one compiled step for the whole run),
+scores the model's validation set, and prints one line per pass: day, pass, files, iterations,
+samples/s, loss, validation metrics. (One process: the statistics below are not yet gathered
+across a ``jax.distributed`` run, which is refused.) Every key's show and click are counted as
+the batches are read (:mod:`jctr.online.feature_stats`, ``table_parameters``); at the end of
+each day the shrink decays them and deletes keys from the statistics and the tables, freeing
+their rows. Every ``checkpoint_per_pass`` passes (and after a day's last pass) it writes a
+checkpoint to ``<save_model_path>/<day>/<pass>/`` with ``feature_stats.npz`` beside it, then
 ``progress.json`` naming it; a run started again resumes at the pass after that checkpoint.
 
 Example::

@@ -87,7 +87,7 @@ class Databases:
         self.volatile_failures = 0
         self.volatile_error: str | None = None  # why the volatile database is down now
         self.expected: dict[str, dict] = {}  # table -> manifest the served model needs
-        self._volatile_skip: dict[str, str] = {}  # tables the volatile db holds wrongly
+        self._volatile_skip: set[str] = set()  # tables the volatile db holds for another export
         self._reviver: threading.Thread | None = None
         try:
             self.volatile = open_volatile(volatile)
@@ -157,7 +157,7 @@ class Databases:
                 continue
             why = mismatch(meta, expected)
             if why:
-                self._volatile_skip[table] = why
+                self._volatile_skip.add(table)
                 log.error("volatile_db table %s %s; reading the persistent database for it",
                           table, why)
 
@@ -275,7 +275,7 @@ class Databases:
                 e = min(n, s + step)
                 self.volatile.insert(table, keys[s:e], values[s:e])
             self.volatile.set_meta(table, manifest)
-            self._volatile_skip.pop(table, None)
+            self._volatile_skip.discard(table)
             written["volatile_db"] = n
         return written
 

@@ -40,7 +40,7 @@ from jctr.models.ctr import StepConfig, build_model, forward
 from jctr.serving.device_cache import WAYS, DeviceCache
 from jctr.serving.hps import LAYERS, Databases, LayerUnavailable
 from jctr.serving.table_manifest import table_manifest
-from jctr.stores.base import StoreError
+from jctr.stores.base import StoreError, first_beyond_int32
 
 _JSON_NAMES = {v: k for k, v in MODEL_JSON_KEYS.items()}
 
@@ -187,10 +187,9 @@ class HPSModel:
                                                             manifest) == "absent"
             if into_p or into_v:
                 keys, values = read_sparse_model(path, t.dim)
-                if not self.params.i64_input_key and keys.size and (
-                        keys.min() < -2 ** 31 or keys.max() >= 2 ** 31):
-                    k = keys[(keys < -2 ** 31) | (keys >= 2 ** 31)][0]
-                    raise StoreError(f"{path}: key {int(k)} does not fit in int32, but "
+                wide = None if self.params.i64_input_key else first_beyond_int32(keys)
+                if wide is not None:
+                    raise StoreError(f"{path}: key {wide} does not fit in int32, but "
                                      "supportlonglong is false (requests send INT32 keys); "
                                      "set supportlonglong to true")
                 out[t.key] = self.dbs.load(t.key, keys, values, manifest,

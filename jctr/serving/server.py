@@ -34,7 +34,7 @@ import numpy as np
 
 from jctr.data.batch import BatchError
 from jctr.serving.hps import LAYERS
-from jctr.stores.base import StoreUnavailable
+from jctr.stores.base import StoreUnavailable, first_beyond_int32
 from jctr.version import __version__
 
 DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
@@ -193,8 +193,7 @@ def request_features(model, tensors: dict[str, np.ndarray]) -> tuple[np.ndarray,
         keys = tensors[kname]
         if keys.dtype.kind not in "iu":
             raise RequestError(f"input {kname}: expected integer keys, got {keys.dtype}")
-        if not model.params.i64_input_key and keys.size and keys.dtype.itemsize > 4 and (
-                keys.min() < -2 ** 31 or keys.max() >= 2 ** 31):
+        if not model.params.i64_input_key and first_beyond_int32(keys) is not None:
             raise RequestError(f"input {kname}: keys beyond int32, but the server runs with "
                                "supportlonglong false")
         if rname in tensors:

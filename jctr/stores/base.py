@@ -88,6 +88,15 @@ def as_values(values, n: int) -> np.ndarray:
     return values
 
 
+def first_beyond_int32(keys: np.ndarray) -> int | None:
+    """The first key that does not fit in int32 (``supportlonglong`` false), or None."""
+    keys = np.asarray(keys)
+    if not keys.size or keys.dtype.itemsize <= 4:
+        return None
+    beyond = (keys < -2 ** 31) | (keys >= 2 ** 31)
+    return int(keys[beyond][0]) if beyond.any() else None
+
+
 def check_dim(where: str, table: str, have: int | None, dim: int) -> None:
     """A table keeps the vector size it was created with."""
     if have is not None and have != dim:

@@ -130,7 +130,7 @@ class Trainer:
                             "AVX512-BF16 or AMX: XLA emulates bfloat16 here, slower than "
                             "float32 (docs/performance.md); use float32 on this machine")
         self.state = self.placed.create(init_state)
-        self.batch_hooks: list[Callable[[Batch], None]] = []  # see _observed
+        self.batch_hooks: list[Callable[[Batch], None]] = []  # see _to_step_input
         self._jit_steps()
         self._train_data: Dataset | None = None
         self._eval_data: Dataset | None = None
@@ -399,10 +399,7 @@ class Trainer:
             self.train_data.batches_with_position(local_batch,
                                                   epochs=reader_epochs,
                                                   start=self.reader_position),
-            transform=lambda item: (self._observed(item[0]) and
-                                    self.placed.to_devices(item[0], True), item[1],
-                                    self.placed.routing_fits(item[0]),
-                                    float(np.mean(item[0].mask))))
+            transform=self._to_step_input)
         self._print(f"[jctr] training {', '.join(e.name for e in self.cfg.embeddings)} + "
                     f"{len(self.cfg.layers)} dense layers; batch {s.batchsize}; "
                     f"{'max_iter ' + str(max_iter) if max_iter else str(epochs) + ' epoch(s)'}")
@@ -525,16 +522,13 @@ class Trainer:
         evals = [h for h in self.history if h["kind"] == "eval"]
         best = [h for h in evals if h.get("iter") == self._restored_best]
         if best:  # the model the run ends with is the restored best: its figures
-            last = best[-1]
-            line += f"; restored best (iter {self._restored_best}): validation " + ", ".join(
-                f"{k} {v:.5f}" for k, v in last.items()
-                if isinstance(v, float) and k not in ("time", "lr"))
+            shown, label = best[-1], f"; restored best (iter {self._restored_best}): validation "
         elif evals:
-            last = evals[-1]
-            line += "; validation " + ", ".join(
-                f"{k} {v:.5f}" for k, v in last.items()
-                if isinstance(v, float) and k not in ("time", "lr"))
-        return line
+            shown, label = evals[-1], "; validation "
+        else:
+            return line
+        return line + label + ", ".join(f"{k} {v:.5f}" for k, v in shown.items()
+                                        if isinstance(v, float) and k not in ("time", "lr"))
 
     def _eval_and_report(self, step: int, epoch: int | None = None) -> bool:
         """Evaluate the validation set, log it with the tables' norms and the learning rate,
@@ -664,12 +658,16 @@ class Trainer:
         """The dense network as a concrete NNX module (a view of the current state)."""
         return nnx.merge(self.step_config.graphdef, self.state.params, self.state.batch_stats)
 
-    def _observed(self, batch: Batch) -> bool:
-        """Hand a host training batch to :attr:`batch_hooks` (streaming statistics); runs in
-        the reader's thread, before the batch goes to the devices. Always True."""
+    def _to_step_input(self, item):
+        """A read (batch, position) as the train loop takes it: the batch on the devices, its
+        position, whether its keys fit the routing buffers, and its share of real samples.
+        Runs in the reader's thread; :attr:`batch_hooks` (streaming statistics) see the host
+        batch first."""
+        batch, position = item
         for hook in self.batch_hooks:
             hook(batch)
-        return True
+        return (self.placed.to_devices(batch, True), position, self.placed.routing_fits(batch),
+                float(np.mean(batch.mask)))
 
     def drop_keys(self, table: int, keys: np.ndarray) -> int:
         """Delete ``keys`` from embedding ``table`` and free their rows (streaming training's

@@ -371,3 +371,149 @@ def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path):
     assert int(state.step) == int(whole.trainer.state.step) == 4
     assert leaves_equal(jax.tree.map(np.asarray, state.params),
                         jax.tree.map(np.asarray, whole.trainer.state.params))
+
+
+def record_conversion(path, kind, day, pass_id):  # the converter hook of the test below
+    import json
+
+    save = os.path.dirname(os.path.dirname(path))
+    with open(os.path.join(save, "converted.jsonl"), "a") as f:
+        f.write(json.dumps([os.path.relpath(path, save), kind, day, pass_id]) + "\n")
+
+
+def test_base_and_delta_models_load_into_the_hps_and_predict_as_the_trainer(tmp_path):
+    """Two days of two passes with a delta every pass and SparseAdaGradSGDRule tables: the
+    saves land under the seed's names, the converter sees each inference model, and the HPS
+    loaded with the day's base and its deltas in order (the deltas one at a time, each load
+    writing only the delta the database lacks) predicts what the trainer predicts. The base
+    holds exactly the keys whose score reaches base_threshold (counted here from the files)."""
+    import json
+
+    from jctr.config import ConfigError
+    from jctr.config.hps import parse_ps_config
+    from jctr.data.norm import read_norm_file
+    from jctr.online.runner import OnlineRun
+    from jctr.serving.bundle import InferenceModel
+    from jctr.serving.hps import Databases
+    from jctr.serving.hps_model import HPSModel
+
+    model = _stream(tmp_path)
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    tp = {"converter": "tests.test_online:record_conversion",
+          "embedx_sgd_param": {"learning_rate": 0.1, "initial_range": 0.01}}
+    save = tmp_path / "save"
+    run = OnlineRun(_online(tmp_path, model, save, save_delta_frequency=1,
+                            table_parameters=tp), log=lambda s: None)
+    assert run.run() == 4
+    assert run.trainer.specs[0].optimizer.type == "SparseAdaGradSGDRule"
+    assert run.trainer.specs[0].optimizer.embedx_sgd_param.learning_rate == 0.1
+    converted = [json.loads(x) for x in (save / "converted.jsonl").read_text().splitlines()]
+    assert converted == [["20190720/delta-1", "delta", "20190720", 1],
+                         ["20190720/delta-2", "delta", "20190720", 2],
+                         ["20190721/base", "base", "20190721", None],
+                         ["20190721/delta-1", "delta", "20190721", 1],
+                         ["20190721/delta-2", "delta", "20190721", 2],
+                         ["20190722/base", "base", "20190722", None]]
+    progress = json.loads((save / "progress.json").read_text())
+    assert progress["day_end"] and progress["checkpoint"] == str(save / "20190722" / "0" / "8")
+    assert (save / "20190721" / "0" / "4").is_dir()  # day 1's batch model
+    manifest = json.loads((save / "20190721" / "delta-2" / "manifest.json").read_text())
+    assert (manifest["kind"], manifest["day"], manifest["pass"], manifest["step"]) == (
+        "delta", "20190721", 2, 8)
+
+    # the HPS: base of 20190721, then its deltas one at a time, into RocksDB + a hash map
+    day = save / "20190721"
+    eval_batch = next(run.trainer.eval_data.batches(256, epochs=1))
+
+    def ps(deltas):
+        return parse_ps_config({
+            "supportlonglong": True,
+            "volatile_db": {"type": "hash_map", "initial_cache_rate": 0.5},
+            "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
+            "models": [{"model": "m", "max_batch_size": 256, "bundle": str(day / "base"),
+                        "deltas": [str(day / d) for d in deltas]}]}, str(tmp_path / "ps.json"))
+
+    written = []
+    for deltas in ([], ["delta-1"], ["delta-1", "delta-2"]):
+        cfg = ps(deltas)
+        dbs = Databases(cfg.volatile_db, cfg.persistent_db)
+        hps = HPSModel(cfg.models[0], dbs)
+        written.append(hps.load_databases(replace=True)["hps_et.m.sparse_embedding1"])
+        dbs.close()
+    delta_rows = [np.fromfile(day / d / "sparse" / "sparse_embedding1.model" / "key",
+                              "<i8").size for d in ("delta-1", "delta-2")]
+    assert written[1]["persistent_db"] == delta_rows[0]  # only what the database lacked
+    assert written[2]["persistent_db"] == delta_rows[1]
+    dbs = Databases(cfg.volatile_db, cfg.persistent_db)
+    hps = HPSModel(cfg.models[0], dbs)
+    assert hps.load_databases()["hps_et.m.sparse_embedding1"]["persistent_db"] == 0  # matches
+    want = run.trainer.predict(eval_batch)
+    np.testing.assert_allclose(hps.predict(eval_batch), want, rtol=2e-5, atol=1e-6)
+    dbs.close()
+    # the next day's base alone is the same model (the shrink deleted nothing)
+    base = InferenceModel.load(str(save / "20190722" / "base"))
+    np.testing.assert_allclose(base.predict(eval_batch), want, rtol=2e-5, atol=1e-6)
+    # a database left half way through a delta is refused until loaded again
+    cfg = ps(["delta-1"])
+    from jctr.serving.hps import TableMismatch
+    from jctr.stores.rocksdb import RocksDBStore
+
+    store = RocksDBStore(cfg.persistent_db)
+    meta = store.get_meta("hps_et.m.sparse_embedding1")
+    store.set_meta("hps_et.m.sparse_embedding1", {**meta, "incomplete": True})
+    store.close()
+    dbs = Databases(cfg.volatile_db, cfg.persistent_db)
+    with pytest.raises(TableMismatch, match="was being updated with delta models"):
+        HPSModel(cfg.models[0], dbs).load_databases()
+    dbs.close()
+    with pytest.raises(ConfigError, match=r"ps.json: models\[0\].deltas\[1\]: .*iter 6, not after"):
+        ps(["delta-2", "delta-1"])
+
+    # base_threshold 1.0: the base holds the keys with click + 0.1 * (show - click) >= 1
+    files = sorted((tmp_path / "stream").glob("*/*/part-0.data"))
+    blocks = [read_norm_file(str(f), label_dim=1, dense_dim=13, slot_num=8, key_type="I64",
+                             check="Sum") for f in files]
+    keys = np.concatenate([b.keys for b in blocks])
+    per_key = np.concatenate([np.repeat(b.label[:, 0], b.nnz.sum(axis=1)) for b in blocks])
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    show = np.bincount(inverse, minlength=uniq.size)
+    click = np.bincount(inverse, per_key, uniq.size)
+    expected = np.sort(uniq[click + 0.1 * (show - click) >= 1.0])
+    run = OnlineRun(_online(tmp_path, model, tmp_path / "filtered",
+                            table_parameters={"base_threshold": 1.0}), log=lambda s: None)
+    run.run()
+    stored = np.fromfile(tmp_path / "filtered" / "20190722" / "base" / "sparse"
+                         / "sparse_embedding1.model" / "key", "<i8")
+    assert 0 < expected.size < uniq.size
+    np.testing.assert_array_equal(np.sort(stored), expected)
+
+
+def test_a_run_stopped_before_the_day_end_saves_does_them_on_resume(tmp_path):
+    """Stopped after the day's last pass checkpoint but before its shrink and saves: started
+    again, it shrinks and writes the batch and base models from that checkpoint."""
+    import json
+    import shutil
+
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path, days=("20190720",))
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    save = tmp_path / "save"
+    assert OnlineRun(_online(tmp_path, model, save, end_day="20190720"),
+                     log=lambda s: None).run() == 2
+    base = (save / "20190721" / "base" / "sparse" / "sparse_embedding1.model" / "key")
+    keys = np.fromfile(base, "<i8")
+    # as if stopped right after the checkpoint of pass 2
+    shutil.rmtree(save / "20190721")
+    (save / "progress.json").write_text(json.dumps(
+        {"day": "20190720", "pass": 2, "step": 4, "day_end": False,
+         "checkpoint": str(save / "20190720" / "2" / "4")}))
+    lines = []
+    assert OnlineRun(_online(tmp_path, model, save, end_day="20190720"),
+                     log=lines.append).run() == 0
+    assert any(x.startswith("[jctr] shrink at the end of day 20190720") for x in lines)
+    assert any("batch model after day 20190720 pass 2" in x for x in lines)
+    np.testing.assert_array_equal(np.fromfile(base, "<i8"), keys)
+    assert json.loads((save / "progress.json").read_text())["day_end"]

@@ -170,3 +170,88 @@ def test_embedding_regularization_touches_each_batch_row_once(opt):
                                                train=True), segs, grad,
                             jnp.float32(opt.learning_rate), jnp.int32(1))
     assert not np.allclose(np.asarray(plain.values)[rows], np.asarray(got.values)[rows])
+
+
+def _paddle_sparse_adagrad(w, g2sum, g, show, embed, embedx):
+    """PaddlePaddle's SparseAdaGradSGDRule for one row, in float64 loops (the reference)."""
+    w, g2sum = w.astype(np.float64).copy(), g2sum.astype(np.float64).copy()
+    for part, (rule, cols) in enumerate(((embed, [0]), (embedx, list(range(1, w.size))))):
+        ratio = rule.learning_rate * np.sqrt(rule.initial_g2sum
+                                             / (rule.initial_g2sum + g2sum[part]))
+        add = 0.0
+        for c in cols:
+            scaled = g[c] / show
+            w[c] = min(max(w[c] - ratio * scaled, rule.weight_bounds[0]),
+                       rule.weight_bounds[1])
+            add += scaled * scaled
+        g2sum[part] += add / len(cols)
+    return w, g2sum
+
+
+def test_sparse_adagrad_sgd_rule_against_a_hand_computed_row():
+    """The first dimension and the rest follow their own rules; a key's summed gradient is
+    divided by its occurrences in the batch; weights are clipped to weight_bounds; a new row
+    starts within each part's initial_range."""
+    from jctr.config.parser import parse_config
+    from jctr.config.schema import SparseSGDRule
+
+    embed = SparseSGDRule(learning_rate=0.05, initial_g2sum=3.0, initial_range=1e-4,
+                          weight_bounds=(-10.0, 10.0))
+    embedx = SparseSGDRule(learning_rate=0.5, initial_g2sum=1.0, initial_range=0.02,
+                           weight_bounds=(-0.03, 0.03))
+    opt = OptimizerConfig("SparseAdaGradSGDRule", learning_rate=1.0, embed_sgd_param=embed,
+                          embedx_sgd_param=embedx)
+    spec = EmbeddingSpec("e", capacity=CAP, dim=DIM, slot_num=2, max_features=2, one_hot=True,
+                         input_index=0, optimizer=opt, seed=5)
+    keys = jnp.asarray([7, 9, 7, 0], jnp.int64)  # key 7 twice, key 9 once, one padding
+    segs = jnp.asarray([0, 1, 2, 4], jnp.int32)
+    state, lk = lookup_rows(spec, init_embedding(spec), keys, segs, 2, train=True)
+    rows = np.asarray(lk.rows[:2])
+    w0 = np.asarray(state.values)[rows]
+    assert (np.abs(w0[:, 0]) <= 1e-4).all() and (np.abs(w0[:, 1:]) <= 0.02).all()
+    assert np.abs(w0[:, 1:]).max() > 1e-4  # the embedx range, not the embed one
+    g2 = np.zeros((2, 2))
+    w = w0.copy()
+    rng = np.random.default_rng(0)
+    for step in range(3):
+        grad = jnp.asarray(rng.normal(size=(2, 2, DIM)).astype(np.float32) * 0.3)
+        state = apply_gradients(spec, state, lk, segs, grad, jnp.float32(1.0),
+                                jnp.int32(step + 1))
+        g_rows = [np.asarray(grad[0, 0] + grad[1, 0]), np.asarray(grad[0, 1])]
+        for i, (gr, show) in enumerate(zip(g_rows, (2, 1))):
+            w[i], g2[i] = _paddle_sparse_adagrad(w[i], g2[i], gr, show, embed, embedx)
+    np.testing.assert_allclose(np.asarray(state.values)[rows], w, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(state.slots["g2sum"])[rows], g2, rtol=1e-5)
+    assert np.abs(w[:, 1:]).max() == pytest.approx(0.03)  # the embedx bound was reached
+    # the config: an embedding's own clause, with Paddle's defaults where keys are left out
+    layers = [{"name": "data", "type": "Data", "source": "x", "eval_source": "x",
+               "label": {"top": "label", "label_dim": 1},
+               "dense": {"top": "dense", "dense_dim": 1},
+               "sparse": [{"top": "s", "type": "DistributedSlot", "slot_num": 1,
+                           "max_feature_num_per_sample": 1}]},
+              {"name": "e", "type": "DistributedSlotSparseEmbeddingHash", "bottom": "s",
+               "top": "e", "sparse_embedding_hparam": {"max_vocabulary_size_per_gpu": 10,
+                                                       "embedding_vec_size": 4},
+               "optimizer": {"type": "SparseAdaGradSGDRule",
+                             "embedx_sgd_param": {"learning_rate": 0.5,
+                                                  "weight_bounds": [-0.03, 0.03]}}},
+              {"name": "r", "type": "Reshape", "bottom": "e", "top": "r", "leading_dim": 4},
+              {"name": "fc", "type": "InnerProduct", "bottom": "r", "top": "fc",
+               "fc_param": {"num_output": 1}},
+              {"name": "loss", "type": "BinaryCrossEntropyLoss", "bottom": ["fc", "label"],
+               "top": "loss"}]
+    cfg = parse_config({"solver": {}, "optimizer": {"type": "Adam"}, "layers": layers})
+    parsed = cfg.embedding_optimizer(cfg.embeddings[0])
+    assert parsed.embed_sgd_param == SparseSGDRule()
+    assert parsed.embedx_sgd_param == SparseSGDRule(learning_rate=0.5,
+                                                    weight_bounds=(-0.03, 0.03))
+    from jctr.config import ConfigError
+
+    with pytest.raises(ConfigError, match="optimizer.type.*embedding rows only"):
+        parse_config({"solver": {}, "optimizer": {"type": "SparseAdaGradSGDRule"},
+                      "layers": layers})
+    bad = [dict(layers[1], optimizer={"type": "SparseAdaGradSGDRule",
+                                      "embed_sgd_param": {"weight_bounds": [1, -1]}})]
+    with pytest.raises(ConfigError, match="embed_sgd_param.weight_bounds.*low < high"):
+        parse_config({"solver": {}, "optimizer": {"type": "Adam"},
+                      "layers": layers[:1] + bad + layers[2:]})

@@ -122,7 +122,7 @@ def _batch(keys_per_sample, slot_num, max_features):
 
 
 @pytest.mark.parametrize("kind", ["distributed", "localized", "replicated"])
-@pytest.mark.parametrize("opt", ["SGD", "Adam"])
+@pytest.mark.parametrize("opt", ["SGD", "Adam", "SparseAdaGradSGDRule"])
 def test_routing_with_skewed_keys(kind, opt):
     d, slot_num, mf, b = 8, 3, 4, 16
     spec = EmbeddingSpec("e", capacity=64, dim=5, slot_num=slot_num, max_features=mf,

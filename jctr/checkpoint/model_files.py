@@ -205,13 +205,18 @@ def host_network(step_config: StepConfig, state: TrainState):
 
 def write_model_files(step_config: StepConfig, state: TrainState, placements, dense: str,
                       non_trainable_json: str, sparse: list[str], *,
-                      slot_ids: bool = True) -> list[int]:
+                      slot_ids: bool = True, keys: list[np.ndarray] | None = None
+                      ) -> list[int]:
     """Write the dense model file, the BatchNorm JSON and one sparse model folder per
-    embedding (with ``slot_id`` files unless ``slot_ids`` is False) at the given paths. Every
+    embedding (with ``slot_id`` files unless ``slot_ids`` is False) at the given paths; with
+    ``keys`` (one array per embedding) only the rows of those keys the tables hold. Every
     process takes part (tables are gathered); process 0 writes. Returns each table's key
     count."""
     placements = placements or (None,) * len(step_config.specs)
     tables = [export_placed(es, p) for es, p in zip(state.embeddings, placements)]
+    if keys is not None:
+        tables = [{name: arr[np.isin(t["keys"], np.asarray(k, np.int64))]
+                   for name, arr in t.items()} for t, k in zip(tables, keys)]
     if jax.process_index() == 0:
         net = host_network(step_config, state)
         write_dense_model(dense, net)

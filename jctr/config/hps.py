@@ -328,6 +328,11 @@ class InferenceParams:
     non_trainable_file: str | None = None
     """jctr: the BatchNorm statistics JSON (default: ``non_trainable.json`` beside the dense
     model file)."""
+    delta_bundles: tuple[str, ...] = ()
+    """jctr: streaming training's delta models (``<day>/delta-<pass>`` bundle folders), in
+    training order, applied over the base model that ``bundle`` names: their rows overwrite
+    the base's, the dense weights and BatchNorm statistics are the last delta's. ``load``
+    writes only the deltas a database lacks (see docs/streaming.md)."""
 
     def __post_init__(self):
         for name in ("model_name", "dense_model_file", "network_file"):
@@ -428,6 +433,7 @@ MODEL_JSON_KEYS = {
     "embedding_vecsize_per_table": "embedding_vecsize_per_table",
     "embedding_table_names": "embedding_table_names", "label_dim": "label_dim",
     "slot_num": "slot_num", "non_trainable_file": "non_trainable_file",
+    "deltas": "delta_bundles",
 }
 _PATH_KEYS = ("dense_file", "network_file", "non_trainable_file")
 
@@ -505,6 +511,12 @@ def parse_ps_config(raw: Any, source: str | None = None) -> ParameterServerConfi
         path = join_path("models", i)
         mr = ObjectReader(m, path, source)
         kwargs = _read_fields(mr, InferenceParams, MODEL_JSON_KEYS)
+        if "delta_bundles" in kwargs:
+            for key in ("dense_file", "non_trainable_file"):
+                if mr.has(key):
+                    raise mr.error(key, "with \"deltas\" the dense weights and BatchNorm "
+                                   "statistics are the last delta's; leave it out")
+            kwargs.update(_deltas(mr, base, kwargs["delta_bundles"]))
         if mr.has("bundle"):  # jctr: an exported bundle folder fills the three model paths
             bundle = os.path.join(base, mr.str("bundle"))
             kwargs.setdefault("network_file", os.path.join(bundle, "config.json"))
@@ -536,15 +548,55 @@ def parse_ps_config(raw: Any, source: str | None = None) -> ParameterServerConfi
                                  source=source, **dbs)
 
 
-def _bundle_sparse_files(bundle: str, mr: ObjectReader) -> list[str]:
+def _bundle_manifest(bundle: str, mr: ObjectReader, key: str) -> dict:
     manifest = os.path.join(bundle, "manifest.json")
     try:
         with open(manifest, encoding="utf-8") as f:
-            tables = json.load(f)["embeddings"]
+            out = json.load(f)
+        if not isinstance(out["embeddings"], dict):
+            raise TypeError("embeddings is not an object")
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise mr.error("bundle", f"{manifest}: not a readable jctr inference bundle ({e})") \
+        raise mr.error(key, f"{manifest}: not a readable jctr inference bundle ({e})") \
             from None
+    return out
+
+
+def _bundle_sparse_files(bundle: str, mr: ObjectReader) -> list[str]:
+    tables = _bundle_manifest(bundle, mr, "bundle")["embeddings"]
     return [os.path.join(bundle, "sparse", f"{name}.model") for name in tables]
+
+
+def _deltas(mr: ObjectReader, base: str, folders: list) -> dict[str, Any]:
+    """Checked delta bundle folders (absolute) and the dense files they bring: the delta
+    models of one base, in training order, with the base's tables."""
+    if not mr.has("bundle"):
+        raise mr.error("deltas", 'needs "bundle": the base model the deltas apply to')
+    base_bundle = os.path.join(base, mr.str("bundle"))
+    base_manifest = _bundle_manifest(base_bundle, mr, "bundle")
+    last_step = int(base_manifest.get("step", 0))
+    out = []
+    for i, folder in enumerate(folders):
+        path = os.path.normpath(os.path.join(base, str(folder)))
+        manifest = _bundle_manifest(path, mr, f"deltas[{i}]")
+        where = f"deltas[{i}]"
+        if manifest.get("kind") != "delta":
+            raise mr.error(where, f"{path}: a {manifest.get('kind', 'full')} model, not a delta "
+                           "model of streaming training")
+        if list(manifest["embeddings"]) != list(base_manifest["embeddings"]):
+            raise mr.error(where, f"{path}: tables {list(manifest['embeddings'])}, but the base "
+                           f"has {list(base_manifest['embeddings'])}")
+        step = int(manifest.get("step", 0))
+        if step <= last_step:
+            raise mr.error(where, f"{path}: trained to iter {step}, not after the model before "
+                           f"it in the list (iter {last_step}): deltas go in training order, "
+                           "after their base")
+        last_step = step
+        out.append(path)
+    if not out:
+        return {"delta_bundles": ()}
+    return {"delta_bundles": tuple(out),
+            "dense_model_file": os.path.join(out[-1], "dense.model"),
+            "non_trainable_file": os.path.join(out[-1], "non_trainable.json")}
 
 
 def load_ps_config(path: str | os.PathLike | dict) -> ParameterServerConfig:

@@ -13,6 +13,11 @@ Example (YAML; JSON works the same)::
     data_sleep_second: 30
     save_model_path: runs/online     # <save_model_path>/<day>/<pass>/ checkpoints
     checkpoint_per_pass: 1
+    save_delta_frequency: 2          # <day>/delta-<pass>/ inference deltas every 2 passes
+    table_parameters:
+      delete_after_unseen_days: 7
+      base_threshold: 0.5
+      embedx_sgd_param: {learning_rate: 0.05}
 
 Relative paths are taken from the config file's folder.
 """
@@ -23,7 +28,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from jctr.config.parser import parse_sparse_sgd_rule
 from jctr.config.reader import ConfigError, ObjectReader, json_from_text
+from jctr.config.schema import SparseSGDRule
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,23 @@ class TableParameters:
     """At each day's shrink, keys whose score is below this are deleted (rows freed)."""
     delete_after_unseen_days: int = 30
     """At each day's shrink, keys unseen for more than this many days are deleted."""
+    base_threshold: float = 0.0
+    """A day's base model holds the keys whose score is at least this."""
+    delta_threshold: float = 0.0
+    """A delta model holds the keys seen since the previous delta (or base) whose score is at
+    least this ..."""
+    delta_keep_days: int = 16
+    """... and that were unseen for at most this many days."""
+    converter: str = ""
+    """``package.module:function`` called as ``function(path, kind, day, pass_id)`` after each
+    base (``kind`` "base", ``pass_id`` None) or delta model is written, e.g. to copy it into an
+    online key-value store; an exception stops the run (it resumes at the pass)."""
+    embed_sgd_param: SparseSGDRule | None = None
+    """With this or ``embedx_sgd_param`` every embedding trains with ``SparseAdaGradSGDRule``:
+    this object for the first dimension of each row (default: the rule's defaults; absent
+    both: the model's own optimizers)."""
+    embedx_sgd_param: SparseSGDRule | None = None
+    """The rule for the other dimensions of each row."""
 
 
 @dataclass(frozen=True)
@@ -71,7 +95,12 @@ class OnlineConfig:
     data_sleep_second: float = 30.0
     """Seconds between two looks for a missing done-file."""
     checkpoint_per_pass: int = 1
-    """A checkpoint every this many passes (and after a day's last pass)."""
+    """A checkpoint every this many passes; after a day's last pass and its shrink the batch
+    model ``<save_model_path>/<next day>/0/`` is the checkpoint."""
+    save_delta_frequency: int = 0
+    """An inference delta model ``<save_model_path>/<day>/delta-<pass>/`` every this many
+    passes (0: none). The base model ``<next day>/base/`` is written after every day's
+    shrink."""
     table_parameters: TableParameters = field(default_factory=TableParameters)
     """Feature statistics and the daily shrink, for every embedding table (object below)."""
     source: str | None = None
@@ -106,6 +135,7 @@ def parse_online_config(raw: Any, source: str | None = None) -> OnlineConfig:
         data_donefile=r.str("data_donefile", ""),
         data_sleep_second=r.float("data_sleep_second", 30.0, min_value=0.0),
         checkpoint_per_pass=r.int("checkpoint_per_pass", 1, min_value=1),
+        save_delta_frequency=r.int("save_delta_frequency", 0, min_value=0),
         table_parameters=_table_parameters(r), source=source)
     r.finish()
     return cfg
@@ -115,11 +145,25 @@ def _table_parameters(r: ObjectReader) -> TableParameters:
     if not r.has("table_parameters"):
         return TableParameters()
     t = r.child("table_parameters")
+    if t.has("deconverter"):
+        raise t.error("deconverter", "jctr's base and delta models are plain files (nothing "
+                      "to unpack); leave it out")
+    converter = t.str("converter", "")
+    if converter and (converter.count(":") != 1 or not all(converter.split(":"))):
+        raise t.error("converter", f'expected "package.module:function", got {converter!r}')
+    rules = {key: parse_sparse_sgd_rule(t.child(key)) if t.has(key) else None
+             for key in ("embed_sgd_param", "embedx_sgd_param")}
+    if any(rules.values()):
+        rules = {k: v or SparseSGDRule() for k, v in rules.items()}
     out = TableParameters(
         click_coeff=t.float("click_coeff", 1.0), nonclk_coeff=t.float("nonclk_coeff", 0.1),
         show_click_decay_rate=t.float("show_click_decay_rate", 1.0, min_value=0.0),
         delete_threshold=t.float("delete_threshold", 0.0),
-        delete_after_unseen_days=t.int("delete_after_unseen_days", 30, min_value=1))
+        delete_after_unseen_days=t.int("delete_after_unseen_days", 30, min_value=1),
+        base_threshold=t.float("base_threshold", 0.0),
+        delta_threshold=t.float("delta_threshold", 0.0),
+        delta_keep_days=t.int("delta_keep_days", 16, min_value=0),
+        converter=converter, **rules)
     if out.show_click_decay_rate > 1.0:
         raise t.error("show_click_decay_rate", "expected a number in [0, 1], got "
                       f"{out.show_click_decay_rate}")

@@ -16,6 +16,7 @@ from jctr.config.schema import (
     MIXED_PRECISION_SCALERS,
     NAN_POLICIES,
     OPTIMIZER_TYPES,
+    ROW_ONLY_OPTIMIZERS,
     SPARSE_INPUT_TYPES,
     UPDATE_TYPES,
     DataConfig,
@@ -28,6 +29,7 @@ from jctr.config.schema import (
     PlateauConfig,
     SolverConfig,
     SparseInputConfig,
+    SparseSGDRule,
     SyntheticConfig,
     default_mode,
 )
@@ -143,6 +145,10 @@ def parse_config(raw: Any, *, source: str | None = None,
     solver = (parse_solver(root.child("solver")) if (root.has("solver") or require_solver)
               else SolverConfig())
     optimizer = parse_optimizer(root.child("optimizer"))
+    if optimizer.type in ROW_ONLY_OPTIMIZERS:
+        raise root.child("optimizer").error(
+            "type", f'"{optimizer.type}" updates embedding rows only; give it in an '
+            "embedding's own optimizer clause and keep a dense optimizer here")
     layers_raw = root.list("layers")
     root.finish()
     data, embeddings, layers = parse_layers(layers_raw, source)
@@ -295,9 +301,35 @@ def _parse_metrics(r: ObjectReader) -> tuple[Metric, ...]:
 # ---- optimizer ----------------------------------------------------------------------------
 
 
+def parse_sparse_sgd_rule(r: ObjectReader) -> SparseSGDRule:
+    """One ``embed_sgd_param`` / ``embedx_sgd_param`` object (PaddlePaddle's names)."""
+    r.choice("name", ("SparseAdaGradSGDRule",), "SparseAdaGradSGDRule")
+    bounds = r.list("weight_bounds", [-10.0, 10.0])
+    if (len(bounds) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool)
+                                    for b in bounds) or not bounds[0] < bounds[1]):
+        raise r.error("weight_bounds", f"expected [low, high] with low < high, got "
+                      f"{describe(bounds)}")
+    rule = SparseSGDRule(learning_rate=r.float("learning_rate", 0.05, min_value=0.0),
+                         initial_g2sum=r.float("initial_g2sum", 3.0, positive=True),
+                         initial_range=r.float("initial_range", 1e-4, min_value=0.0),
+                         weight_bounds=(float(bounds[0]), float(bounds[1])))
+    r.finish()
+    return rule
+
+
 def parse_optimizer(r: ObjectReader) -> OptimizerConfig:
     opt_type = r.choice("type", OPTIMIZER_TYPES)
     update_type = r.choice("update_type", UPDATE_TYPES, "Local")
+    if opt_type == "SparseAdaGradSGDRule":
+        if update_type != "Local":
+            raise r.error("update_type", f'"{update_type}": SparseAdaGradSGDRule updates the '
+                          'rows a batch touches ("Local")')
+        rules = {key: parse_sparse_sgd_rule(r.child(key)) if r.has(key) else SparseSGDRule()
+                 for key in ("embed_sgd_param", "embedx_sgd_param")}
+        r.finish()
+        # each part has its own rate; the schedule's rate (1.0 here) only scales them, so
+        # the plateau factor and a skipped step's zero rate reach these rows too
+        return OptimizerConfig(type=opt_type, learning_rate=1.0, **rules)
     # Older HugeCTR configs carry a boolean "learning_rate" flag here; it has no effect.
     r.bool("learning_rate", True)
     r.bool("global_update", False)

@@ -122,13 +122,24 @@ TRAINING_CLAUSES = (
                "learning_rate", "beta1", "beta2", "epsilon", "momentum_factor",
                "initial_accu_value", "warmup_steps", "decay_start", "decay_steps",
                "decay_power", "end_lr")},
-           defaults={"learning_rate": "0.001 (Adam), 0.01 (others)"},
+           types={"embed_sgd_param": "object", "embedx_sgd_param": "object"},
+           defaults={"learning_rate": "0.001 (Adam), 0.01 (others)",
+                     "embed_sgd_param": "the defaults below",
+                     "embedx_sgd_param": "the defaults below"},
            extra=(("learning_rate", "boolean", "true",
                    "A flag of older HugeCTR configs in the optimizer object itself; no "
                    "effect."),
                   ("global_update", "boolean", "false", "Older HugeCTR flag; no effect."),
                   ("sgd_hparam.atomic_update", "boolean", "true",
                    "HugeCTR GPU detail; updates here are deterministic."))),
+    Clause("SparseAdaGradSGDRule", "optimizer.embed_sgd_param, optimizer.embedx_sgd_param",
+           schema.SparseSGDRule,
+           'jctr (PaddlePaddle\'s rule): an embedding\'s own `"type": "SparseAdaGradSGDRule"` '
+           "optimizer takes one object for the first dimension of each row "
+           "(`embed_sgd_param`) and one for the others (`embedx_sgd_param`); the streaming "
+           "config's `table_parameters` sets them for every table.",
+           types={"weight_bounds": "[low, high]"},
+           extra=(("name", "string", '"SparseAdaGradSGDRule"', "The only rule there is."),)),
     Clause("Data layer", "layers[0]", schema.DataConfig,
            'The first layer, `"type": "Data"`: where samples come from and how each sample '
            "splits into label, dense features and sparse inputs.",

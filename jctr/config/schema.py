@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 from jctr.config.layer_types import LOSS_TYPES, NoParam
 
-OPTIMIZER_TYPES = ("Adam", "MomentumSGD", "Nesterov", "SGD", "AdaGrad")
+OPTIMIZER_TYPES = ("Adam", "MomentumSGD", "Nesterov", "SGD", "AdaGrad", "SparseAdaGradSGDRule")
+# row-only optimizers: an embedding's own optimizer clause, never the dense network's
+ROW_ONLY_OPTIMIZERS = ("SparseAdaGradSGDRule",)
 UPDATE_TYPES = ("Local", "Global", "LazyGlobal")
 EMBEDDING_TYPES = (
     "DistributedSlotSparseEmbeddingHash",
@@ -27,6 +29,25 @@ NAN_POLICIES = ("stop", "skip")
 
 
 @dataclass(frozen=True)
+class SparseSGDRule:
+    """PaddlePaddle's ``SparseAdaGradSGDRule`` for one part of an embedding row (the first
+    dimension, ``embed_sgd_param``, or the rest, ``embedx_sgd_param``): per row one
+    squared-gradient sum ``g2sum`` (the mean over the part's dimensions); a step moves each
+    weight by ``learning_rate * sqrt(initial_g2sum / (initial_g2sum + g2sum)) * g`` with ``g``
+    the key's gradient divided by its occurrences in the batch, then clips it to
+    ``weight_bounds``."""
+
+    learning_rate: float = 0.05
+    """The rate before the adaptive factor."""
+    initial_g2sum: float = 3.0
+    """Stands for the squared gradients seen before the first step."""
+    initial_range: float = 1e-4
+    """A new row's weights start uniform in ``[-initial_range, initial_range]``."""
+    weight_bounds: tuple[float, float] = (-10.0, 10.0)
+    """Weights are clipped to ``[low, high]`` after each step."""
+
+
+@dataclass(frozen=True)
 class OptimizerConfig:
     """One optimizer clause (the global one or an embedding's own).
 
@@ -38,7 +59,9 @@ class OptimizerConfig:
     type: str = "Adam"
     """One of ``Adam``, ``MomentumSGD``, ``Nesterov``, ``SGD``, ``AdaGrad``; its numbers go in
     the matching ``adam_hparam``, ``momentum_sgd_hparam``, ``nesterov_hparam``, ``sgd_hparam``
-    or ``adagrad_hparam`` object."""
+    or ``adagrad_hparam`` object. An embedding's own clause may also be
+    ``SparseAdaGradSGDRule`` (jctr, from PaddlePaddle) with ``embed_sgd_param`` and
+    ``embedx_sgd_param`` objects."""
     update_type: str = "Local"
     """Embedding rows: ``Local`` updates the rows a batch touches; ``Global`` every row (a dense
     pass over the table, as HugeCTR); ``LazyGlobal`` touched rows after applying the moment
@@ -68,6 +91,10 @@ class OptimizerConfig:
     """Schedule: the exponent of the polynomial decay."""
     end_lr: float = 0.0
     """Schedule: the rate at the end of the decay, kept afterwards."""
+    embed_sgd_param: SparseSGDRule | None = None
+    """SparseAdaGradSGDRule: the rule of each row's first dimension (object below)."""
+    embedx_sgd_param: SparseSGDRule | None = None
+    """SparseAdaGradSGDRule: the rule of each row's other dimensions (object below)."""
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,10 @@ update type.
 
 ``Global`` updates every row (the moments of untouched rows decay and move their weights), and
 ``LazyGlobal`` updates touched rows only but first applies the decay of the steps they missed.
+
+``SparseAdaGradSGDRule`` (PaddlePaddle's sparse table rule) keeps one squared-gradient sum per
+row and part (the first dimension, "embed", and the rest, "embedx"), divides a key's gradient
+by its occurrences in the batch and clips the weights (:class:`jctr.config.schema.SparseSGDRule`).
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jctr.config.schema import OptimizerConfig
+from jctr.config.schema import OptimizerConfig, SparseSGDRule
 
 
 def slot_names(opt: OptimizerConfig) -> tuple[str, ...]:
@@ -26,10 +30,13 @@ def slot_names(opt: OptimizerConfig) -> tuple[str, ...]:
         "Nesterov": ("momentum",),
         "Adam": ("m", "v"),
         "AdaGrad": ("accum",),
+        "SparseAdaGradSGDRule": ("g2sum",),
     }[opt.type]
 
 
 def init_slots(opt: OptimizerConfig, capacity: int, dim: int) -> dict[str, jax.Array]:
+    if opt.type == "SparseAdaGradSGDRule":  # one sum per row for embed and for embedx
+        return {"g2sum": jnp.zeros((capacity, 2), jnp.float32)}
     slots = {}
     for name in slot_names(opt):
         fill = opt.initial_accu_value if name == "accum" else 0.0
@@ -64,14 +71,48 @@ def _row_rule(opt: OptimizerConfig, w, g, state: dict, lr, count):
     raise ValueError(t)
 
 
+def initial_scales(opt: OptimizerConfig, dim: int, bound: float) -> jax.Array | float:
+    """What a new row's uniform [-1, 1) vector is multiplied by: ``bound`` for every column, or
+    per part the ``initial_range`` of SparseAdaGradSGDRule."""
+    if opt.type != "SparseAdaGradSGDRule":
+        return bound
+    embed, embedx = _rules(opt)
+    return jnp.asarray([embed.initial_range] + [embedx.initial_range] * (dim - 1), jnp.float32)
+
+
+def _rules(opt: OptimizerConfig) -> tuple[SparseSGDRule, SparseSGDRule]:
+    """SparseAdaGradSGDRule's (embed, embedx) rules, PaddlePaddle's defaults where unset."""
+    return opt.embed_sgd_param or SparseSGDRule(), opt.embedx_sgd_param or SparseSGDRule()
+
+
+def _sparse_adagrad(opt: OptimizerConfig, w, g, g2sum, lr):
+    """SparseAdaGradSGDRule on gathered rows: ``g`` already divided by the occurrences."""
+    embed, embedx = _rules(opt)
+    parts = [(embed, slice(0, 1))]
+    if w.shape[1] > 1:
+        parts.append((embedx, slice(1, None)))
+    new_w, new_g2 = [], []
+    for i, (rule, cols) in enumerate(parts):
+        acc = g2sum[:, i]
+        ratio = rule.learning_rate * lr * jnp.sqrt(rule.initial_g2sum / (rule.initial_g2sum
+                                                                          + acc))
+        lo, hi = rule.weight_bounds
+        new_w.append(jnp.clip(w[:, cols] - ratio[:, None] * g[:, cols], lo, hi))
+        new_g2.append(acc + jnp.mean(g[:, cols] * g[:, cols], axis=1))
+    if len(parts) == 1:
+        new_g2.append(g2sum[:, 1])
+    return jnp.concatenate(new_w, axis=1), jnp.stack(new_g2, axis=1)
+
+
 def apply_rows(opt: OptimizerConfig, values: jax.Array, slots: dict, rows: jax.Array,
                grads: jax.Array, lr: jax.Array, count: jax.Array, *, l2: float = 0.0,
-               l1: float = 0.0):
+               l1: float = 0.0, occurrences: jax.Array | None = None):
     """Update the distinct ``rows`` (others out of range, dropped) with summed ``grads``.
 
     Returns (values, slots). ``count`` is the 1-based global step (Adam's bias correction).
     ``l2`` / ``l1`` regularize the updated rows lazily: ``l2 * w + l1 * sign(w)`` joins each
     row's gradient (rows no batch touches are not regularized, whatever the update type).
+    ``occurrences`` (SparseAdaGradSGDRule): how often each row's key came in the batch.
     """
     capacity = values.shape[0]
     regularized = bool(l2 or l1)
@@ -96,6 +137,12 @@ def apply_rows(opt: OptimizerConfig, values: jax.Array, slots: dict, rows: jax.A
     w = touched()
     if regularized:
         grads = penalized(grads, w)
+    if opt.type == "SparseAdaGradSGDRule":
+        g = grads if occurrences is None else grads / jnp.maximum(occurrences, 1.0)[:, None]
+        g2 = slots["g2sum"].at[rows].get(mode="fill", fill_value=0.0)
+        w, g2 = _sparse_adagrad(opt, w, g, g2, lr)
+        return (values.at[rows].set(w, mode="drop"),
+                {"g2sum": slots["g2sum"].at[rows].set(g2, mode="drop")})
     state = {k: v.at[rows].get(mode="fill", fill_value=0.0)
              for k, v in slots.items() if k != "last_step"}
     new_slots = dict(slots)

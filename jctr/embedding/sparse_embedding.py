@@ -134,8 +134,9 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
         sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
         rows = lk.rows.at[idx].get(mode="fill", fill_value=-1)
         rows = jnp.where(rows >= 0, rows, capacity)
-        values = values.at[rows].set(key_uniform(sub_keys, spec.dim, spec.seed, spec.init_bound),
-                                     mode="drop")
+        fresh = key_uniform(sub_keys, spec.dim, spec.seed, 1.0) * row_opt.initial_scales(
+            spec.optimizer, spec.dim, spec.init_bound)
+        values = values.at[rows].set(fresh, mode="drop")
         row_slot = row_slot.at[rows].set(key_slots.at[idx].get(mode="fill", fill_value=-1),
                                          mode="drop")
         return todo.at[idx].set(False, mode="drop"), values, row_slot
@@ -180,6 +181,10 @@ def _apply_rows(spec, state, lk, g, lr, count) -> EmbeddingState:
     if spec.sums_rows:  # one update per distinct row, at its representative position
         ar = jnp.arange(rows.shape[0], dtype=jnp.int32)
         rows = jnp.where(lk.rep == ar, rows, capacity)
+    occurrences = None
+    if spec.optimizer.type == "SparseAdaGradSGDRule":  # its gradient is per occurrence
+        occurrences = sum_at_representatives(
+            (lk.rep >= 0).astype(jnp.float32)[:, None], lk.rep)[:, 0]
     values, slots = row_opt.apply_rows(spec.optimizer, state.values, state.slots, rows, g, lr,
-                                       count, l2=spec.l2, l1=spec.l1)
+                                       count, l2=spec.l2, l1=spec.l1, occurrences=occurrences)
     return state._replace(values=values, slots=slots)

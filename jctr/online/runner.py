@@ -9,9 +9,17 @@ samples/s, loss, validation metrics. (One process: the statistics below are not 
 across a ``jax.distributed`` run, which is refused.) Every key's show and click are counted as
 the batches are read (:mod:`jctr.online.feature_stats`, ``table_parameters``); at the end of
 each day the shrink decays them and deletes keys from the statistics and the tables, freeing
-their rows. Every ``checkpoint_per_pass`` passes (and after a day's last pass) it writes a
-checkpoint to ``<save_model_path>/<day>/<pass>/`` with ``feature_stats.npz`` beside it, then
-``progress.json`` naming it; a run started again resumes at the pass after that checkpoint.
+their rows. Each checkpoint has ``feature_stats.npz`` beside it and is then named in
+``progress.json``; a run started again resumes at the pass after that checkpoint.
+
+Saves, with PaddlePaddle's names: a checkpoint ``<save_model_path>/<day>/<pass>/`` every
+``checkpoint_per_pass`` passes; after each day's shrink the batch model ``<next day>/0/`` (a
+checkpoint) and the inference base model ``<next day>/base/``; every ``save_delta_frequency``
+passes an inference delta model ``<day>/delta-<pass>/``. Base and delta models are jctr
+inference bundles (:mod:`jctr.serving.bundle`) holding the dense model and the rows of the keys
+the ``table_parameters`` filters keep; the ``converter`` hook is called with each.
+``python -m jctr.serve load --config ps.json`` (base) then ``--delta <day>/delta-<pass>`` for
+each delta in order puts them into the HPS.
 
 Example::
 
@@ -21,6 +29,9 @@ Example::
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import importlib
 import json
 import os
 import threading
@@ -30,7 +41,7 @@ from jctr.config.online import OnlineConfig
 from jctr.config.reader import ConfigError
 from jctr.data.records import DataError, write_file_list
 from jctr.online.feature_stats import FeatureStats, ScoreRule, ShrinkRule
-from jctr.online.schedule import data_files, days, pass_folders, wait_ready
+from jctr.online.schedule import data_files, days, next_day, pass_folders, wait_ready
 
 PROGRESS = "progress.json"
 
@@ -56,6 +67,7 @@ class OnlineRun:
                                   delete_threshold=tp.delete_threshold,
                                   delete_after_unseen_days=tp.delete_after_unseen_days)
         self.stats: list[FeatureStats] = []  # per embedding table, once the trainer exists
+        self._converter = _converter(cfg)
 
     # -- where a run stands ---------------------------------------------------------------
     def progress(self) -> dict | None:
@@ -67,16 +79,19 @@ class OnlineRun:
             with open(path, encoding="utf-8") as f:
                 record = json.load(f)
             return {"day": str(record["day"]), "pass": int(record["pass"]),
-                    "step": int(record["step"]), "checkpoint": str(record["checkpoint"])}
+                    "step": int(record["step"]), "checkpoint": str(record["checkpoint"]),
+                    "day_end": bool(record.get("day_end", False))}
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"{path}: unreadable progress record ({e}); move it away to start "
                             "over") from None
 
-    def _write_progress(self, day: str, n: int, step: int, checkpoint: str) -> None:
+    def _write_progress(self, day: str, n: int, step: int, checkpoint: str,
+                        day_end: bool) -> None:
         path = os.path.join(self.cfg.save_model_path, PROGRESS)
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"day": day, "pass": n, "step": step, "checkpoint": checkpoint}, f)
+            json.dump({"day": day, "pass": n, "step": step, "checkpoint": checkpoint,
+                       "day_end": day_end}, f)
         os.replace(tmp, path)
 
     def _todo(self, done: dict | None) -> list[tuple[str, int]]:
@@ -88,12 +103,23 @@ class OnlineRun:
 
     # -- training -------------------------------------------------------------------------
     def _trainer(self, first_list: str):
-        import dataclasses
-
         from jctr.config.parser import load_config
         from jctr.train.trainer import Trainer
 
         model = load_config(self.cfg.model)
+        tp = self.cfg.table_parameters
+        if tp.embed_sgd_param is not None:  # every table trains with SparseAdaGradSGDRule
+            from jctr.config.parser import parse_config
+
+            raw = copy.deepcopy(model.raw)
+            names = {e.name for e in model.embeddings}
+            clause = {"type": "SparseAdaGradSGDRule",
+                      "embed_sgd_param": _rule_json(tp.embed_sgd_param),
+                      "embedx_sgd_param": _rule_json(tp.embedx_sgd_param)}
+            for layer in raw["layers"]:
+                if isinstance(layer, dict) and layer.get("name") in names:
+                    layer["optimizer"] = clause
+            model = parse_config(raw, source=model.source)
         # one epoch of each pass's files; the first pass's list stands for the source
         solver = dataclasses.replace(model.solver, max_iter=None, num_epochs=1, snapshot=0)
         model = dataclasses.replace(model, solver=solver,
@@ -105,14 +131,18 @@ class OnlineRun:
         os.makedirs(self.cfg.save_model_path, exist_ok=True)
         done = self.progress()
         todo = self._todo(done)
+        lists = os.path.join(self.cfg.save_model_path, "_passes")
+        os.makedirs(lists, exist_ok=True)
         if done is not None:
             self.log(f"[jctr] resuming after day {done['day']} pass {done['pass']} (iter "
                      f"{done['step']}, {done['checkpoint']})")
+            if done["pass"] == len(self.passes) and not done["day_end"]:
+                # stopped between the day's last checkpoint and its shrink and saves
+                self._start(os.path.join(lists, f"{done['day']}_{done['pass']:04d}.txt"), done)
+                self._end_day(done["day"])
         if not todo:
             self.log(f"[jctr] nothing to train: every pass up to {self.cfg.end_day} is done")
             return 0
-        lists = os.path.join(self.cfg.save_model_path, "_passes")
-        os.makedirs(lists, exist_ok=True)
         for day, n in todo:
             folders = [os.path.join(self.cfg.train_data_dir, day, f)
                        for f in self.passes[n - 1]]
@@ -124,16 +154,20 @@ class OnlineRun:
             file_list = os.path.join(lists, f"{day}_{n:04d}.txt")
             write_file_list(file_list, files)
             if self.trainer is None:
-                self.trainer = self._trainer(file_list)
-                self._start_statistics()
-                if done is not None:
-                    self.trainer.restore_checkpoint(directory=os.path.dirname(
-                        done["checkpoint"]))
-                    self._load_statistics(os.path.dirname(done["checkpoint"]))
+                self._start(file_list, done)
             else:
                 self.trainer.use_training_data(file_list)
             self._train_pass(day, n, len(files))
         return self.passes_trained
+
+    def _start(self, file_list: str, done: dict | None) -> None:
+        """The trainer (reading ``file_list``) and statistics, from the last checkpoint."""
+        self.trainer = self._trainer(file_list)
+        self._start_statistics()
+        if done is not None:
+            folder = os.path.dirname(done["checkpoint"])
+            self.trainer.restore_checkpoint(directory=folder)
+            self._load_statistics(folder)
 
     # -- feature statistics and the daily shrink -------------------------------------------
     def _start_statistics(self) -> None:
@@ -201,7 +235,6 @@ class OnlineRun:
         train = [r["loss"] for r in records if r["kind"] == "train"]
         summary = next((r for r in records if r["kind"] == "summary"), {})
         evals = [r for r in records if r["kind"] == "eval"]
-        first = next((r["iter"] for r in records if r["kind"] == "start"), 0)
         iters = int(summary.get("iters", 0))
         metric = ", ".join(f"{k} {v:.5f}" for k, v in (evals[-1] if evals else {}).items()
                            if isinstance(v, float) and k not in ("time", "lr"))
@@ -210,18 +243,81 @@ class OnlineRun:
                  + (f", loss {train[-1]:.5f}" if train else "")
                  + (f"; validation {metric}" if metric else ""))
         self.passes_trained += 1
-        last_of_day = n == len(self.passes)
-        if last_of_day:
-            self._shrink_day(day)
-        if n % self.cfg.checkpoint_per_pass == 0 or last_of_day:
-            folder = os.path.join(self.cfg.save_model_path, day, str(n))
-            path = t.save_checkpoint_to(folder)
-            import jax
+        freq = self.cfg.save_delta_frequency
+        if freq and n % freq == 0:
+            self._save_inference("delta", day, n)
+        if n % self.cfg.checkpoint_per_pass == 0:
+            self._checkpoint(os.path.join(self.cfg.save_model_path, day, str(n)), day, n,
+                             day_end=False)
+        if n == len(self.passes):
+            self._end_day(day)
 
-            if jax.process_index() == 0:
-                self._save_statistics(folder)
-                self._write_progress(day, n, first + iters, path)
-            self.log(f"[jctr] checkpoint of day {day} pass {n} -> {path}")
+    def _end_day(self, day: str) -> None:
+        """Shrink, then the base model and the batch model of the next day (PaddlePaddle
+        names both after the day they start)."""
+        self._shrink_day(day)
+        following = next_day(day)
+        self._save_inference("base", following, None)
+        self._checkpoint(os.path.join(self.cfg.save_model_path, following, "0"), day,
+                         len(self.passes), day_end=True)
+
+    def _checkpoint(self, folder: str, day: str, n: int, *, day_end: bool) -> None:
+        import jax
+
+        path = self.trainer.save_checkpoint_to(folder)
+        if jax.process_index() == 0:
+            self._save_statistics(folder)
+            self._write_progress(day, n, int(os.path.basename(path)), path, day_end)
+        what = "batch model after" if day_end else "checkpoint of"
+        self.log(f"[jctr] {what} day {day} pass {n} -> {path}")
+
+    def _save_inference(self, kind: str, day: str, n: int | None) -> str:
+        """A base (``kind`` "base") or delta inference bundle with the keys the filters keep;
+        the "seen since the last delta" marks start again."""
+        from jctr.serving.bundle import export_bundle
+
+        tp = self.cfg.table_parameters
+        if kind == "base":
+            keys = [st.base_keys(tp.base_threshold) for st in self.stats]
+            for st in self.stats:
+                st.delta_keys(tp.delta_threshold, tp.delta_keep_days)  # a delta starts here
+            folder = os.path.join(self.cfg.save_model_path, day, "base")
+        else:
+            keys = [st.delta_keys(tp.delta_threshold, tp.delta_keep_days) for st in self.stats]
+            folder = os.path.join(self.cfg.save_model_path, day, f"delta-{n}")
+        t = self.trainer
+        path = export_bundle(t.cfg, t.state, folder, t.placements, keys=keys,
+                             about={"kind": kind, "day": day, "pass": n})
+        self.log(f"[jctr] {kind} model -> {path} ("
+                 + ", ".join(f"{spec.name}: {k.size:,} keys" for spec, k in zip(t.specs, keys))
+                 + ")")
+        if self._converter is not None:
+            self._converter(path, kind, day, n)
+        return path
+
+
+def _rule_json(rule) -> dict:
+    """A SparseSGDRule as its JSON object (to write it into the model's config)."""
+    out = dataclasses.asdict(rule)
+    out["weight_bounds"] = list(rule.weight_bounds)
+    return out
+
+
+def _converter(cfg: OnlineConfig) -> Callable | None:
+    """The ``table_parameters.converter`` function, imported now (a bad name fails at once)."""
+    name = cfg.table_parameters.converter
+    if not name:
+        return None
+    module, _, attr = name.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError("table_parameters.converter", f"cannot import {name!r}: {e}",
+                          cfg.source) from None
+    if not callable(fn):
+        raise ConfigError("table_parameters.converter", f"{name!r} is not callable",
+                          cfg.source)
+    return fn
 
 
 def main(argv: list[str] | None = None) -> int:

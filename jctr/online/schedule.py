@@ -58,6 +58,12 @@ def days(start_day: str, end_day: str) -> list[str]:
             for i in range((last - first).days + 1)]
 
 
+def next_day(day: str) -> str:
+    """The ``YYYYMMDD`` day after ``day``."""
+    d = datetime.datetime.strptime(day, "%Y%m%d").date() + datetime.timedelta(days=1)
+    return d.strftime("%Y%m%d")
+
+
 def wait_ready(folders: list[str], donefile: str | None, *, sleep_s: float,
                stop: threading.Event | None = None,
                report: Callable[[str], None] | None = None) -> None:

@@ -73,11 +73,14 @@ _BUNDLE_ENTRIES = {"manifest.json", "config.json", "dense.model", "non_trainable
                    "sparse"}
 
 
-def export_bundle(cfg, state, output: str, placements=None) -> str:
+def export_bundle(cfg, state, output: str, placements=None, *,
+                  keys: list[np.ndarray] | None = None, about: dict | None = None) -> str:
     """Write an inference bundle of a model (its parsed config and :class:`TrainState`; the
     optimizer state is not needed) into ``output``: a new or empty folder, or a previous
     bundle, replaced only once the new one is complete. ``placements`` say how the state's
-    tables lie on devices (the trainer's plan; default: one device).
+    tables lie on devices (the trainer's plan; default: one device). ``keys`` (one array per
+    embedding) keeps only those keys' rows (streaming training's base and delta models);
+    ``about`` joins the manifest (e.g. ``{"kind": "delta", "day": ..., "pass": ...}``).
 
     Example::
 
@@ -91,7 +94,7 @@ def export_bundle(cfg, state, output: str, placements=None) -> str:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.", suffix=".partial", dir=parent)
     try:
-        _write_bundle(cfg, state, placements, tmp, __version__)
+        _write_bundle(cfg, state, placements, tmp, __version__, keys, about or {})
         _replace_folder(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -119,7 +122,7 @@ def _replace_folder(new: str, output: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_bundle(cfg, state, placements, tmp: str, version: str) -> None:
+def _write_bundle(cfg, state, placements, tmp: str, version: str, keys, about: dict) -> None:
     from jctr.models.ctr import build_model
 
     os.makedirs(os.path.join(tmp, "sparse"))
@@ -128,7 +131,7 @@ def _write_bundle(cfg, state, placements, tmp: str, version: str) -> None:
         step_config, state, placements, os.path.join(tmp, "dense.model"),
         os.path.join(tmp, "non_trainable.json"),
         [os.path.join(tmp, "sparse", f"{spec.name}.model") for spec in step_config.specs],
-        slot_ids=False)
+        slot_ids=False, keys=keys)
     tables = {spec.name: {"keys": n, "embedding_vec_size": spec.dim, "combiner": spec.combiner}
               for spec, n in zip(step_config.specs, counts)}
     if cfg.raw is None:
@@ -138,7 +141,7 @@ def _write_bundle(cfg, state, placements, tmp: str, version: str) -> None:
     manifest = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "jctr_version": version,
                 "jax_version": jax.__version__, "step": int(to_host(state.step)),
                 "embeddings": tables, "dense_weights": dense_count,
-                "inputs": bundle_inputs(cfg)}
+                "inputs": bundle_inputs(cfg), **about}
     for name, obj in (("config.json", cfg.raw), ("manifest.json", manifest)):
         with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
             json.dump(obj, f, indent=1)

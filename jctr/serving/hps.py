@@ -26,7 +26,7 @@ import numpy as np
 
 from jctr.config import ConfigError
 from jctr.config.hps import PersistentDatabaseParams, VolatileDatabaseParams
-from jctr.serving.table_manifest import mismatch
+from jctr.serving.table_manifest import incomplete, links_held, mismatch
 from jctr.stores.base import KeyValueStore, PartialUnavailable, StoreError, StoreUnavailable
 
 log = logging.getLogger("jctr.serving")
@@ -278,6 +278,27 @@ class Databases:
             self._volatile_skip.discard(table)
             written["volatile_db"] = n
         return written
+
+    def links_held(self, layer: str, table: str, expected: dict) -> int | None:
+        """How many first links of ``expected``'s base + delta chain ``layer`` holds of
+        ``table`` when it holds fewer than all (see
+        :func:`jctr.serving.table_manifest.links_held`); else None."""
+        store = self.volatile if layer == "volatile_db" else self.persistent
+        return None if store is None else links_held(store.get_meta(table), expected)
+
+    def apply_rows(self, layer: str, table: str, keys: np.ndarray, values: np.ndarray,
+                   manifest: dict) -> int:
+        """Write delta rows over ``layer``'s table (kept rows stay); the table is marked
+        incomplete until every row is in, then takes ``manifest``. Returns rows written."""
+        store = self.volatile if layer == "volatile_db" else self.persistent
+        store.set_meta(table, incomplete(store.get_meta(table) or {}))
+        step = 1 << 18
+        for s in range(0, keys.size, step):
+            store.insert(table, keys[s:s + step], values[s:s + step])
+        store.set_meta(table, manifest)
+        if layer == "volatile_db":
+            self._volatile_skip.discard(table)
+        return int(keys.size)
 
     def close(self) -> None:
         self._closed.set()

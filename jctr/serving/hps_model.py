@@ -40,7 +40,7 @@ from jctr.models.ctr import StepConfig, build_model, forward
 from jctr.serving.device_cache import WAYS, DeviceCache
 from jctr.serving.hps import LAYERS, Databases, LayerUnavailable
 from jctr.serving.table_manifest import table_manifest
-from jctr.stores.base import StoreError, first_beyond_int32
+from jctr.stores.base import StoreError, first_beyond_int32, last_occurrences
 
 _JSON_NAMES = {v: k for k, v in MODEL_JSON_KEYS.items()}
 
@@ -158,45 +158,89 @@ class HPSModel:
             path = self.params.sparse_model_files[i]
             self._manifests[i] = table_manifest(self.params.dense_model_file, path,
                                                 rows=_stored_rows(path),
-                                                dim=self.tables[i].dim)
+                                                dim=self.tables[i].dim,
+                                                deltas=self._delta_files(i))
         return self._manifests[i]
 
+    def _delta_files(self, i: int) -> tuple[str, ...]:
+        name = self.step_config.specs[i].name
+        return tuple(os.path.join(d, "sparse", f"{name}.model")
+                     for d in self.params.delta_bundles)
+
+    def _rows(self, i: int, first_link: int) -> tuple[np.ndarray, np.ndarray]:
+        """Keys and vectors of table ``i`` from link ``first_link`` of its chain on (0: the
+        base, then every delta), a later link's row winning."""
+        t = self.tables[i]
+        parts = [read_sparse_model(p, t.dim) for p in
+                 ((self.params.sparse_model_files[i],) + self._delta_files(i))[first_link:]]
+        if len(parts) == 1:
+            keys, values = parts[0]
+        else:
+            keys = np.concatenate([k for k, _ in parts])
+            values = np.concatenate([v for _, v in parts])
+            last = last_occurrences(keys)
+            keys, values = keys[last], values[last]
+        wide = None if self.params.i64_input_key else first_beyond_int32(keys)
+        if wide is not None:
+            raise StoreError(f"{self.params.sparse_model_files[i]}: key {wide} (or a delta's) "
+                             "does not fit in int32, but supportlonglong is false (requests "
+                             "send INT32 keys); set supportlonglong to true")
+        return keys, values
+
     def load_databases(self, *, replace: bool = False) -> dict[str, dict[str, int]]:
-        """Fill the databases from the sparse model files. ``replace`` (``python -m jctr.serve
-        load``): every table into every layer. Otherwise (``serve`` starting) a layer's table
-        is loaded where the layer lacks it, kept where it holds this export, and refused
-        (:class:`jctr.serving.hps.TableMismatch`) where it holds another export or an
-        incomplete load; an in-process hash map is always filled. Returns rows written per
-        table and layer."""
+        """Fill the databases from the sparse model files (and delta models). ``replace``
+        (``python -m jctr.serve load``): every table into every layer. Otherwise (``serve``
+        starting) a layer's table is loaded where the layer lacks it, kept where it holds this
+        export, and refused (:class:`jctr.serving.hps.TableMismatch`) where it holds another
+        export or an incomplete load; an in-process hash map is always filled. Either way a
+        layer holding the first links of this model's base + delta chain gets only the
+        deltas it lacks. Returns rows written per table and layer."""
         out = {}
         in_process = self.dbs.volatile_params.type in ("hash_map", "parallel_hash_map")
-        for i, (t, path) in enumerate(zip(self.tables, self.params.sparse_model_files)):
+        for i, t in enumerate(self.tables):
             manifest = self.table_manifest(i)
             self.dbs.expected[t.key] = manifest
-            into_p = into_v = True
-            if not replace:
-                held = self.dbs.check_table("persistent_db", t.key, manifest)
-                if held == "absent" and self.dbs.persistent is not None \
-                        and self.dbs.persistent_params.read_only:
-                    raise StoreError(f"persistent_db ({self.dbs.persistent_params.type}, "
-                                     f"read-only) {self.dbs.persistent_params.path}: has no "
-                                     f"table {t.key}; load it first (python -m jctr.serve "
-                                     "load) or turn read_only off")
-                into_p = held == "absent"
-                into_v = in_process or self.dbs.check_table("volatile_db", t.key,
-                                                            manifest) == "absent"
-            if into_p or into_v:
-                keys, values = read_sparse_model(path, t.dim)
-                wide = None if self.params.i64_input_key else first_beyond_int32(keys)
-                if wide is not None:
-                    raise StoreError(f"{path}: key {wide} does not fit in int32, but "
-                                     "supportlonglong is false (requests send INT32 keys); "
-                                     "set supportlonglong to true")
-                out[t.key] = self.dbs.load(t.key, keys, values, manifest,
-                                           into_persistent=into_p, into_volatile=into_v)
-            else:
-                out[t.key] = {"volatile_db": 0, "persistent_db": 0}
+            plan = {layer: self._plan(layer, t.key, manifest, replace,
+                                      in_process and layer == "volatile_db")
+                    for layer in ("persistent_db", "volatile_db")}
+            written = {"volatile_db": 0, "persistent_db": 0}
+            full = [layer for layer, step in plan.items() if step == 0]
+            if full:
+                keys, values = self._rows(i, 0)
+                written.update({k: v for k, v in self.dbs.load(
+                    t.key, keys, values, manifest, into_persistent="persistent_db" in full,
+                    into_volatile="volatile_db" in full).items() if k in full})
+            for layer, first in plan.items():
+                if first:  # the same chain's first links are there: the rest over them
+                    keys, values = self._rows(i, first)
+                    written[layer] = self.dbs.apply_rows(layer, t.key, keys, values, manifest)
+            out[t.key] = written
         return out
+
+    def _plan(self, layer: str, table: str, manifest: dict, replace: bool,
+              always: bool) -> int | None:
+        """What ``layer`` needs of ``table``: 0 the whole chain, k > 0 its links from k on,
+        None nothing."""
+        if always:
+            return 0
+        held = self.dbs.links_held(layer, table, manifest)
+        if held is not None:
+            if layer == "persistent_db" and self.dbs.persistent_params.read_only:
+                raise StoreError(f"persistent_db ({self.dbs.persistent_params.type}, "
+                                 f"read-only) {self.dbs.persistent_params.path}: holds "
+                                 f"{held} of the {len(manifest['links'])} parts of {table} "
+                                 "(base and deltas); turn read_only off to apply the rest")
+            return held
+        if replace:
+            return 0
+        state = self.dbs.check_table(layer, table, manifest)
+        if (state == "absent" and layer == "persistent_db" and self.dbs.persistent is not None
+                and self.dbs.persistent_params.read_only):
+            raise StoreError(f"persistent_db ({self.dbs.persistent_params.type}, "
+                             f"read-only) {self.dbs.persistent_params.path}: has no "
+                             f"table {table}; load it first (python -m jctr.serve "
+                             "load) or turn read_only off")
+        return 0 if state == "absent" else None
 
     # -- lookups ------------------------------------------------------------------------------
     def _gather(self, t: _Table, keys: np.ndarray, valid: np.ndarray):

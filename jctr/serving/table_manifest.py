@@ -3,8 +3,10 @@ of loading a table, and the check ``serve`` makes before it answers from it.
 
 A manifest names the model files the rows came from by content (SHA-256 of the dense file and
 of the table's ``key`` and ``emb_vector`` files, combined into one ``identity``), with the row
-count and vector size. A table without one was never loaded completely (a load stopped half
-way); a table whose identity differs holds another export of the model. Either would serve
+count and vector size; with streaming training's delta models applied over a base, the chain
+of their sparse files and the last delta's dense file. A table without one was never loaded
+completely (a load stopped half way); a table whose identity differs holds another export of
+the model. Either would serve
 wrong rows under the new dense weights, so ``serve`` refuses both.
 
 Example::
@@ -41,16 +43,49 @@ def file_digest(path: str) -> str:
     return digest
 
 
-def table_manifest(dense_file: str, sparse_folder: str, *, rows: int, dim: int) -> dict:
+def table_manifest(dense_file: str, sparse_folder: str, *, rows: int, dim: int,
+                   deltas: tuple[str, ...] = ()) -> dict:
     """The manifest of one table loaded from ``sparse_folder`` for the model whose dense
-    weights are ``dense_file``."""
+    weights are ``dense_file``; ``deltas`` (streaming training's delta models of this table,
+    in order) are applied over it. ``links`` names each sparse part (the base, then every
+    delta) by content, so a table holding the first links of a chain takes only the rest."""
     parts = {"dense_sha256": file_digest(dense_file),
              "key_sha256": file_digest(os.path.join(sparse_folder, "key")),
              "emb_vector_sha256": file_digest(os.path.join(sparse_folder, "emb_vector"))}
-    identity = hashlib.sha256("".join(parts[k] for k in sorted(parts)).encode()).hexdigest()
+    links = [_link(sparse_folder)] + [_link(d) for d in deltas]
+    if deltas:
+        identity = _sha("chain" + parts["dense_sha256"] + "".join(links))
+    else:
+        identity = _sha("".join(parts[k] for k in sorted(parts)))
     return {"identity": identity, "rows": int(rows), "dim": int(dim), **parts,
-            "dense_file": os.path.abspath(dense_file),
-            "sparse_file": os.path.abspath(sparse_folder)}
+            "links": links, "dense_file": os.path.abspath(dense_file),
+            "sparse_file": os.path.abspath(sparse_folder),
+            "delta_files": [os.path.abspath(d) for d in deltas]}
+
+
+def _sha(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _link(sparse_folder: str) -> str:
+    return _sha(file_digest(os.path.join(sparse_folder, "key"))
+                + file_digest(os.path.join(sparse_folder, "emb_vector")))
+
+
+def links_held(stored: dict | None, expected: dict) -> int | None:
+    """How many links of ``expected``'s chain a table holding ``stored`` has, when they are
+    its first ones and it holds fewer (the rest can be applied over it); else None."""
+    if not stored or stored.get("incomplete") or stored.get("dim") != expected["dim"]:
+        return None
+    have, want = stored.get("links") or [], expected["links"]
+    if 0 < len(have) < len(want) and want[:len(have)] == have:
+        return len(have)
+    return None
+
+
+def incomplete(stored: dict) -> dict:
+    """``stored`` marked as being updated: a table left so by a stop is loaded afresh."""
+    return {**stored, "incomplete": True}
 
 
 def short(identity: str | None) -> str:
@@ -62,6 +97,9 @@ def mismatch(stored: dict | None, expected: dict) -> str | None:
     if stored is None:
         return ("holds rows but no manifest: it was never loaded completely (a load stopped "
                 "half way, or another program wrote it)")
+    if stored.get("incomplete"):
+        return ("was being updated with delta models when the update stopped: it holds some "
+                "of their rows")
     if stored.get("identity") != expected["identity"]:
         return (f"holds export {short(stored.get('identity'))} (from "
                 f"{stored.get('sparse_file', '?')}), but the model files give export "

@@ -28,3 +28,50 @@ def test_log_loss():
     y = np.array([1.0, 0.0])
     p = np.array([0.9, 0.2])
     assert abs(log_loss(y, p) - (-(np.log(0.9) + np.log(0.8)) / 2)) < 1e-12
+
+
+def test_bucket_auc_is_the_exact_auc_of_bucketed_predictions():
+    from jctr.train.metrics import bucket_auc
+
+    rng = np.random.default_rng(1)
+    y = (rng.random(5000) < 0.2).astype(np.float32)
+    p = np.clip(rng.random(5000) * 0.7 + 0.3 * y, 0, 1)
+    n = 64
+    idx = np.minimum((p * n).astype(int), n - 1)
+    counts = np.stack([np.bincount(idx[y == 0], minlength=n), np.bincount(idx[y == 1],
+                                                                          minlength=n)])
+    assert abs(bucket_auc(counts) - auc(y, idx)) < 1e-12
+    # two processes' counts add up to the AUC of all their samples
+    half = np.stack([np.bincount(idx[:2500][y[:2500] == c], minlength=n) for c in (0, 1)])
+    assert abs(bucket_auc(half + (counts - half)) - bucket_auc(counts)) < 1e-15
+    assert abs(bucket_auc(counts) - auc(y, p)) < 2e-3  # fine buckets: close to the exact one
+    assert bucket_auc(np.array([[1, 0], [0, 1]])) == 1.0
+    assert np.isnan(bucket_auc(np.array([[0, 0], [2, 1]])))
+
+
+def test_trainer_counts_training_predictions_per_bucket(tmp_path):
+    """With a learning rate of almost 0 the model stands still: the counts the train steps
+    summed on the device equal the buckets of the trainer's own predictions of the same
+    batches afterwards (their keys inserted by the training)."""
+    from jctr.config import parse_config
+    from jctr.train.trainer import Trainer
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, "dlrm", max_iter=3, display=1000, eval_interval=10_000,
+                      batchsize=128)
+    cfg["optimizer"] = {"type": "SGD", "sgd_hparam": {"learning_rate": 1e-30}}
+    for layer in cfg["layers"][1:]:
+        layer.pop("optimizer", None)
+    t = Trainer(parse_config(cfg), log=lambda s: None)
+    t.count_predictions(32)
+    t.fit(3)
+    got = t.take_auc_counts()
+    batches = list(t.train_data.batches(128, epochs=1))[:3]
+    preds = [t.predict(b) for b in batches]
+    y = np.concatenate([b.label[b.mask, 0] for b in batches])
+    p = np.concatenate([x.reshape(x.shape[0], -1)[:, 0] for x in preds])
+    idx = np.minimum((p * 32).astype(int), 31)
+    want = np.stack([np.bincount(idx[y < 0.5], minlength=32),
+                     np.bincount(idx[y > 0.5], minlength=32)])
+    np.testing.assert_array_equal(got, want)
+    assert t.take_auc_counts().sum() == 0  # taken: they start again

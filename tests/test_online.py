@@ -210,7 +210,13 @@ def test_streaming_runs_pass_by_pass_waits_for_data_and_resumes_exactly(tmp_path
     assert [x.split(":")[0] for x in passes] == [
         "[jctr] day 20190720 pass 1/2", "[jctr] day 20190720 pass 2/2",
         "[jctr] day 20190721 pass 1/2", "[jctr] day 20190721 pass 2/2"]
-    assert all("2 iterations" in x and "validation AUC" in x for x in passes), passes
+    assert all("2 iterations" in x and "validation AUC" in x and ", pass AUC 0." in x
+               for x in passes), passes
+    records = [json.loads(x) for x in (tmp_path / "whole" / "passes.jsonl").read_text()
+               .splitlines()]
+    assert [(r["day"], r["pass"], r["iterations"]) for r in records] == [
+        ("20190720", 1, 2), ("20190720", 2, 2), ("20190721", 1, 2), ("20190721", 2, 2)]
+    assert all(0.0 < r["pass_auc"] < 1.0 and "AUC" in r["validation"] for r in records)
     assert int(whole.trainer.state.step) == 8
     progress = json.loads((tmp_path / "whole" / "progress.json").read_text())
     assert (progress["day"], progress["pass"], progress["step"]) == ("20190721", 2, 8)

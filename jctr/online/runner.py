@@ -33,6 +33,7 @@ import copy
 import dataclasses
 import importlib
 import json
+import math
 import os
 import threading
 from collections.abc import Callable
@@ -42,8 +43,10 @@ from jctr.config.reader import ConfigError
 from jctr.data.records import DataError, write_file_list
 from jctr.online.feature_stats import FeatureStats, ScoreRule, ShrinkRule
 from jctr.online.schedule import data_files, days, next_day, pass_folders, wait_ready
+from jctr.train.metrics import bucket_auc
 
 PROGRESS = "progress.json"
+PASS_LOG = "passes.jsonl"  # one JSON record per trained pass
 
 
 class OnlineRun:
@@ -93,6 +96,20 @@ class OnlineRun:
             json.dump({"day": day, "pass": n, "step": step, "checkpoint": checkpoint,
                        "day_end": day_end}, f)
         os.replace(tmp, path)
+
+    def _record(self, record: dict) -> None:
+        """One line of ``<save_model_path>/passes.jsonl`` (process 0)."""
+        import jax
+
+        if jax.process_index() != 0:
+            return
+        def clean(v):  # NaN (e.g. an AUC of one class) is not JSON
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items()}
+            return None if isinstance(v, float) and not math.isfinite(v) else v
+
+        with open(os.path.join(self.cfg.save_model_path, PASS_LOG), "a", encoding="utf-8") as f:
+            f.write(json.dumps(clean(record), allow_nan=False) + "\n")
 
     def _todo(self, done: dict | None) -> list[tuple[str, int]]:
         """(day, pass number) still to train, in order."""
@@ -163,6 +180,7 @@ class OnlineRun:
     def _start(self, file_list: str, done: dict | None) -> None:
         """The trainer (reading ``file_list``) and statistics, from the last checkpoint."""
         self.trainer = self._trainer(file_list)
+        self.trainer.count_predictions()  # the pass AUC
         self._start_statistics()
         if done is not None:
             folder = os.path.dirname(done["checkpoint"])
@@ -236,12 +254,19 @@ class OnlineRun:
         summary = next((r for r in records if r["kind"] == "summary"), {})
         evals = [r for r in records if r["kind"] == "eval"]
         iters = int(summary.get("iters", 0))
-        metric = ", ".join(f"{k} {v:.5f}" for k, v in (evals[-1] if evals else {}).items()
-                           if isinstance(v, float) and k not in ("time", "lr"))
+        validation = {k: v for k, v in (evals[-1] if evals else {}).items()
+                      if isinstance(v, float) and k not in ("time", "lr")}
+        pass_auc = bucket_auc(t.take_auc_counts())
+        rate = float(summary.get("samples_per_s", 0.0))
         self.log(f"[jctr] day {day} pass {n}/{len(self.passes)}: {num_files} file(s), {iters} "
-                 f"iterations, {summary.get('samples_per_s', 0.0):,.0f} samples/s"
+                 f"iterations, {rate:,.0f} samples/s"
                  + (f", loss {train[-1]:.5f}" if train else "")
-                 + (f"; validation {metric}" if metric else ""))
+                 + f", pass AUC {pass_auc:.5f}"
+                 + ("; validation " + ", ".join(f"{k} {v:.5f}" for k, v in validation.items())
+                    if validation else ""))
+        self._record({"day": day, "pass": n, "files": num_files, "iterations": iters,
+                      "samples_per_s": rate, "loss": train[-1] if train else None,
+                      "pass_auc": pass_auc, "validation": validation})
         self.passes_trained += 1
         freq = self.cfg.save_delta_frequency
         if freq and n % freq == 0:

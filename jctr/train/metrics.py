@@ -1,4 +1,7 @@
-"""Evaluation metrics on host arrays: exact AUC (ties averaged) and average log loss."""
+"""Evaluation metrics on host arrays: exact AUC (ties averaged), AUC from bucketed
+positive/negative counts (PaddlePaddle's ``stat_pos`` / ``stat_neg``: counts add up across
+batches and processes, so the AUC of a whole pass is exact to the bucket width), and average
+log loss."""
 
 from __future__ import annotations
 
@@ -36,3 +39,20 @@ def log_loss(labels: np.ndarray, probs: np.ndarray) -> float:
     p = np.clip(np.asarray(probs, np.float64).ravel(), 1e-7, 1 - 1e-7)
     y = np.asarray(labels, np.float64).ravel()
     return float(-np.mean(y * np.log(p) + (1 - y) * np.log(1 - p)))
+
+
+def bucket_auc(counts: np.ndarray) -> float:
+    """AUC from ``counts[0]`` (negatives) and ``counts[1]`` (positives) per prediction bucket
+    (bucket ``i`` holds predictions in ``[i / n, (i + 1) / n)``); a bucket's samples count as
+    tied. NaN if one class only.
+
+    Example::
+
+        bucket_auc(np.array([[1, 0], [0, 1]]))  # 1.0: the negative below the positive
+    """
+    neg, pos = (np.asarray(c, np.float64) for c in counts)
+    n_pos, n_neg = pos.sum(), neg.sum()
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    below = np.cumsum(neg) - neg  # negatives in lower buckets
+    return float((pos * (below + 0.5 * neg)).sum() / (n_pos * n_neg))

@@ -13,10 +13,14 @@ from jctr.models.ctr import StepConfig, TrainState, forward
 from jctr.train.schedules import learning_rate_schedule
 
 
-def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation, engine=None):
+def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation, engine=None,
+                    auc_buckets: int = 0):
     """``train_step(state, batch) -> (state, metrics)``; jit it with the state donated.
 
-    ``engine`` does the embedding lookups and updates (default: all tables on one device)."""
+    ``engine`` does the embedding lookups and updates (default: all tables on one device).
+    ``auc_buckets`` > 0 adds ``metrics["auc_counts"]``: the batch's real samples counted per
+    prediction bucket, negatives then positives (``[2, auc_buckets]``, see
+    :func:`jctr.train.metrics.bucket_auc`)."""
     schedules = [learning_rate_schedule(s.optimizer) for s in sc.specs]
     engine = engine or LocalEmbeddings(sc.specs)
 
@@ -69,7 +73,20 @@ def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation, engi
             new_state = TrainState(count, state.rng, params, new_stats, opt_state,
                                    tuple(new_embs), state.lr_scale)
             skipped = ~finite if sc.skip_nonfinite else jnp.array(False)
-            return new_state, {"loss": scaled / sc.loss_scale, "overflow": overflow,
-                               "grads_finite": finite, "skipped": skipped}
+            metrics = {"loss": scaled / sc.loss_scale, "overflow": overflow,
+                       "grads_finite": finite, "skipped": skipped}
+            if auc_buckets:
+                metrics["auc_counts"] = prediction_counts(pred, batch, auc_buckets)
+            return new_state, metrics
 
     return train_step
+
+
+def prediction_counts(pred: jax.Array, batch: Batch, buckets: int) -> jax.Array:
+    """``[2, buckets]`` int32: the real samples per bucket of their (first) prediction,
+    label 0 in row 0 and label 1 in row 1."""
+    p = pred.reshape(pred.shape[0], -1)[:, 0].astype(jnp.float32)
+    y = batch.label.reshape(batch.label.shape[0], -1)[:, 0] > 0.5
+    idx = jnp.clip((p * buckets).astype(jnp.int32), 0, buckets - 1)
+    w = batch.mask.astype(jnp.int32)
+    return jnp.zeros((2, buckets), jnp.int32).at[y.astype(jnp.int32), idx].add(w)

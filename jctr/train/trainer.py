@@ -131,6 +131,8 @@ class Trainer:
                             "float32 (docs/performance.md); use float32 on this machine")
         self.state = self.placed.create(init_state)
         self.batch_hooks: list[Callable[[Batch], None]] = []  # see _to_step_input
+        self.auc_buckets = 0  # see count_predictions
+        self._auc_counts = None
         self._jit_steps()
         self._train_data: Dataset | None = None
         self._eval_data: Dataset | None = None
@@ -188,12 +190,29 @@ class Trainer:
         opts = step_compiler_options(self.solver.compute_dtype)
         placed = self.placed
         engines = (None,) if placed.mesh is None else (placed.engine, placed.engine_full)
-        steps = [placed.jit(make_train_step(self.step_config, self.dense_tx, e),
+        steps = [placed.jit(make_train_step(self.step_config, self.dense_tx, e,
+                                            self.auc_buckets),
                             donate_state=True, returns_state=True, compiler_options=opts)
                  for e in engines]
         self.train_step, self.train_step_full = steps[0], steps[-1]
         self.eval_step = placed.jit(make_eval_step(self.step_config, placed.engine_full),
                                     compiler_options=opts)
+
+    def count_predictions(self, buckets: int = 4096) -> None:
+        """From now on count the training batches' predictions per bucket, negatives and
+        positives (on the devices, summed over every process), for :meth:`take_auc_counts`:
+        the AUC of everything trained since (streaming training's pass AUC)."""
+        self.auc_buckets = buckets
+        self._jit_steps()
+
+    def take_auc_counts(self) -> np.ndarray:
+        """``[2, buckets]`` counts since the last call (see :meth:`count_predictions`), which
+        start again from zero."""
+        counts = self._auc_counts
+        self._auc_counts = None
+        if counts is None:
+            return np.zeros((2, self.auc_buckets), np.int64)
+        return np.asarray(to_host(counts), np.int64)
 
     # ---- data ---------------------------------------------------------------------------
 
@@ -431,6 +450,10 @@ class Trainer:
                     run.fallback_steps += 1
                 step_fn = self.train_step if fits else self.train_step_full
                 self.state, metrics = step_fn(self.state, batch)
+                if self.auc_buckets:  # stays on the devices: no wait for the step
+                    counts = metrics["auc_counts"]
+                    self._auc_counts = (counts if self._auc_counts is None
+                                        else self._auc_counts + counts)
                 self.reader_position = position
                 if prev is not None:  # one step behind: no stall of the pipeline
                     run.add(self._check_step(*prev[:2]), prev[2])

@@ -3,7 +3,8 @@
 #
 #   scripts/launch_local.sh N CONFIG [more python -m jctr.train flags]
 #
-# Every process runs `python -m jctr.train --config CONFIG ...` with JCTR_COORDINATOR,
+# Every process runs `python -m jctr.train --config CONFIG ...` (JCTR_LAUNCH_MODULE=jctr.online:
+# `python -m jctr.online --config CONFIG ...`, streaming training) with JCTR_COORDINATOR,
 # JCTR_NUM_PROCESSES and JCTR_PROCESS_ID set (process 0 hosts the coordinator). The config's
 # solver.gpu lists one device list per process, e.g. [[0, 1], [0, 1]]. On CPU give each process
 # its devices with XLA_FLAGS=--xla_force_host_platform_device_count=K (default here: 1, so that a config with gpu [0] runs as is).
@@ -26,7 +27,7 @@ export JCTR_COORDINATOR=127.0.0.1:$PORT JCTR_NUM_PROCESSES=$N
 
 pids=()
 for ((i = 0; i < N; i++)); do
-  JCTR_PROCESS_ID=$i "$PY" -m jctr.train --config "$CONFIG" "$@" \
+  JCTR_PROCESS_ID=$i "$PY" -m "${JCTR_LAUNCH_MODULE:-jctr.train}" --config "$CONFIG" "$@" \
     > >(sed -u "s/^/[p$i] /") 2> >(sed -u "s/^/[p$i] /" >&2) &
   pids+=($!)
 done

@@ -523,3 +523,70 @@ def test_a_run_stopped_before_the_day_end_saves_does_them_on_resume(tmp_path):
     assert any("batch model after day 20190720 pass 2" in x for x in lines)
     np.testing.assert_array_equal(np.fromfile(base, "<i8"), keys)
     assert json.loads((save / "progress.json").read_text())["day_end"]
+
+
+def test_two_processes_count_and_score_as_one(tmp_path):
+    """``python -m jctr.online`` in two jax.distributed processes (each reading its share of
+    a pass's files; the second pass's three files give one process twice the other's data)
+    against one process on the same tree, with a learning rate of almost 0 so that both
+    predict alike: every key's show and click, the base model's keys and each pass AUC
+    (bucketed counts summed over the processes) are the single process's."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import ROOT
+
+    model = _stream(tmp_path, days=())
+    cfg = json.loads(model.read_text())
+    cfg["optimizer"] = {"type": "SGD", "sgd_hparam": {"learning_rate": 1e-30}}
+    for layer in cfg["layers"][1:]:
+        layer.pop("optimizer", None)
+    train = sorted((tmp_path / "dlrm" / "train").glob("*.data"))
+    for hhmm, picks in (("0000", (0, 1)), ("1200", (2, 3, 0))):
+        folder = tmp_path / "stream" / "20190720" / hhmm
+        folder.mkdir(parents=True)
+        for i, k in enumerate(picks):
+            shutil.copy(train[k], folder / f"part-{i}.data")
+        (folder / "DONE").touch()
+
+    def run(name, processes):
+        cfg["solver"]["gpu"] = [[0]] * processes if processes > 1 else [0]
+        (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
+        doc = {"model": f"{name}.json", "train_data_dir": "stream", "split_interval": 720,
+               "split_per_pass": 1, "start_day": "20190720", "end_day": "20190720",
+               "save_model_path": name, "data_donefile": "DONE", "data_sleep_second": 0.05}
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(yaml.safe_dump(doc))
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+               "PYTHON": sys.executable, "JCTR_LAUNCH_MODULE": "jctr.online"}
+        cmd = (["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), str(processes),
+                str(path)] if processes > 1 else [sys.executable, "-m", "jctr.online",
+                                                   "--config", str(path)])
+        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        save = tmp_path / name
+        records = [json.loads(x) for x in (save / "passes.jsonl").read_text().splitlines()]
+        with np.load(next((save / "20190721" / "0").glob("feature_stats.npz"))) as f:
+            stats = {k: f[k] for k in f.files}
+        base = np.fromfile(save / "20190721" / "base" / "sparse" / "sparse_embedding1.model"
+                           / "key", "<i8")
+        return records, stats, np.sort(base), out.stdout
+
+    one = run("one", 1)
+    two = run("two", 2)
+    assert "[p0] [jctr] day 20190720 pass 2/2" in two[3]
+    assert "[p1] [jctr] day" not in two[3]  # one process reports for all
+    assert [r["iterations"] for r in one[0]] == [4, 6]
+    assert [r["iterations"] for r in two[0]] == [4, 8]  # 4 + 4 padding-only steps in pass 2
+    for a, b in zip(one[0], two[0]):
+        assert a["pass_auc"] == pytest.approx(b["pass_auc"], abs=1e-12)
+    assert one[1].keys() == two[1].keys()
+    for name in one[1]:
+        np.testing.assert_array_equal(one[1][name], two[1][name], err_msg=name)
+    np.testing.assert_array_equal(one[2], two[2])
+    assert one[1]["0/show"].sum() == 2560 * 8  # every sample's 8 keys, counted once

@@ -3,6 +3,7 @@
 import sys
 
 from jctr.online.runner import main
+from jctr.train.cli import end_process
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(end_process(main()))

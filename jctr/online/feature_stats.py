@@ -88,29 +88,40 @@ class FeatureStats:
 
     def flush(self) -> None:
         """Merge what :meth:`observe` collected (one sort of the new keys, one merge)."""
+        self.merge(*self.take_pending())
+
+    def take_pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """What :meth:`observe` collected since, summed per key: ``(keys, show, click)``
+        (sorted keys), no longer pending. A multi-process run gathers every process's and
+        :meth:`merge` s them all, so that every process holds the same statistics."""
         if not self._pending:
-            return
+            return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
         keys = np.concatenate([p[0] for p in self._pending])
         show = np.concatenate([p[1] for p in self._pending])
         click = np.concatenate([p[2] for p in self._pending])
         self._pending = []
         uniq, inverse = np.unique(keys, return_inverse=True)
-        add_show = np.bincount(inverse, show, uniq.size)
-        add_click = np.bincount(inverse, click, uniq.size)
-        pos = np.searchsorted(self.keys, uniq)
+        return uniq, np.bincount(inverse, show, uniq.size), np.bincount(inverse, click,
+                                                                         uniq.size)
+
+    def merge(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray) -> None:
+        """Add shows and clicks of distinct ``keys`` (seen now: unseen days back to 0)."""
+        if not keys.size:
+            return
+        pos = np.searchsorted(self.keys, keys)
         known = pos < self.keys.size
-        known[known] = self.keys[pos[known]] == uniq[known]
+        known[known] = self.keys[pos[known]] == keys[known]
         p = pos[known]
-        self.show[p] += add_show[known]
-        self.click[p] += add_click[known]
+        self.show[p] += show[known]
+        self.click[p] += click[known]
         self.unseen_days[p] = 0
         self.since_delta[p] = True
         new = ~known
         if new.any():
             at = pos[new]
-            self.keys = np.insert(self.keys, at, uniq[new])
-            self.show = np.insert(self.show, at, add_show[new])
-            self.click = np.insert(self.click, at, add_click[new])
+            self.keys = np.insert(self.keys, at, keys[new])
+            self.show = np.insert(self.show, at, show[new])
+            self.click = np.insert(self.click, at, click[new])
             self.unseen_days = np.insert(self.unseen_days, at, 0)
             self.since_delta = np.insert(self.since_delta, at, True)
 

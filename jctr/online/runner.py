@@ -5,8 +5,10 @@ folders of ``split_interval`` minutes), the runner waits for every folder's ``da
 lists the pass's data files (any format the model's Data layer reads), trains one epoch of them
 with the model's :class:`jctr.train.trainer.Trainer` (one compiled step for the whole run),
 scores the model's validation set, and prints one line per pass: day, pass, files, iterations,
-samples/s, loss, validation metrics. (One process: the statistics below are not yet gathered
-across a ``jax.distributed`` run, which is refused.) Every key's show and click are counted as
+samples/s, loss, pass AUC (of the pass's training predictions, from bucketed counts summed over
+every process) and validation metrics, and appends it to ``passes.jsonl``. In a
+``jax.distributed`` run (``scripts/launch_local.sh``, or ``JCTR_COORDINATOR`` and friends)
+each process reads its share of the pass's files. Every key's show and click are counted as
 the batches are read (:mod:`jctr.online.feature_stats`, ``table_parameters``); at the end of
 each day the shrink decays them and deletes keys from the statistics and the tables, freeing
 their rows. Each checkpoint has ``feature_stats.npz`` beside it and is then named in
@@ -17,9 +19,10 @@ Saves, with PaddlePaddle's names: a checkpoint ``<save_model_path>/<day>/<pass>/
 checkpoint) and the inference base model ``<next day>/base/``; every ``save_delta_frequency``
 passes an inference delta model ``<day>/delta-<pass>/``. Base and delta models are jctr
 inference bundles (:mod:`jctr.serving.bundle`) holding the dense model and the rows of the keys
-the ``table_parameters`` filters keep; the ``converter`` hook is called with each.
-``python -m jctr.serve load --config ps.json`` (base) then ``--delta <day>/delta-<pass>`` for
-each delta in order puts them into the HPS.
+the ``table_parameters`` filters keep; the ``converter`` hook is called with each. A
+parameter-server file naming a day's base as ``bundle`` and its deltas in order as ``deltas``
+serves the trained model (``python -m jctr.serve load`` writes only the deltas a database
+lacks).
 
 Example::
 
@@ -55,7 +58,7 @@ class OnlineRun:
     def __init__(self, cfg: OnlineConfig, *, log: Callable[[str], None] | None = None,
                  stop: threading.Event | None = None):
         self.cfg = cfg
-        self.log = log or (lambda s: print(s, flush=True))
+        self.log = log or _print
         self.stop = stop or threading.Event()
         try:
             self.passes = pass_folders(cfg.split_interval, cfg.split_per_pass)
@@ -155,7 +158,7 @@ class OnlineRun:
                      f"{done['step']}, {done['checkpoint']})")
             if done["pass"] == len(self.passes) and not done["day_end"]:
                 # stopped between the day's last checkpoint and its shrink and saves
-                self._start(os.path.join(lists, f"{done['day']}_{done['pass']:04d}.txt"), done)
+                self._start(self._file_list(lists, done["day"], done["pass"]), done)
                 self._end_day(done["day"])
         if not todo:
             self.log(f"[jctr] nothing to train: every pass up to {self.cfg.end_day} is done")
@@ -168,7 +171,7 @@ class OnlineRun:
             files = data_files(folders, self.cfg.data_donefile)
             if not files:
                 raise DataError(f"{', '.join(folders)}: no data files in the pass's folders")
-            file_list = os.path.join(lists, f"{day}_{n:04d}.txt")
+            file_list = self._file_list(lists, day, n)
             write_file_list(file_list, files)
             if self.trainer is None:
                 self._start(file_list, done)
@@ -176,6 +179,15 @@ class OnlineRun:
                 self.trainer.use_training_data(file_list)
             self._train_pass(day, n, len(files))
         return self.passes_trained
+
+    @staticmethod
+    def _file_list(folder: str, day: str, n: int) -> str:
+        """The pass's file list (each process writes its own; the reader takes the
+        process's share of the files)."""
+        import jax
+
+        mine = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
+        return os.path.join(folder, f"{day}_{n:04d}{mine}.txt")
 
     def _start(self, file_list: str, done: dict | None) -> None:
         """The trainer (reading ``file_list``) and statistics, from the last checkpoint."""
@@ -189,12 +201,6 @@ class OnlineRun:
 
     # -- feature statistics and the daily shrink -------------------------------------------
     def _start_statistics(self) -> None:
-        import jax
-
-        if jax.process_count() > 1:
-            raise ConfigError("table_parameters", "feature statistics and the daily shrink run "
-                              "in one process in this version (each process would decide on "
-                              "its own share of the data)", self.cfg.source)
         t = self.trainer
         self.stats = [FeatureStats(self._score) for _ in t.specs]
         label_dim = t.cfg.data.label_dim
@@ -211,6 +217,16 @@ class OnlineRun:
                 stats.observe(keys[valid][real], 1.0, click.astype(float))
 
         t.batch_hooks.append(observe)
+
+    def _sync_statistics(self) -> None:
+        """Every process's new shows and clicks into every process's statistics (one
+        gather per table), so that all take the same shrink and save decisions."""
+        from jctr.sharding.distributed import gather_rows
+
+        for st in self.stats:
+            keys, show, click = st.take_pending()
+            for part in gather_rows({"keys": keys, "show": show, "click": click}):
+                st.merge(part["keys"], part["show"], part["click"])
 
     def _save_statistics(self, folder: str) -> None:
         import numpy as np
@@ -249,6 +265,7 @@ class OnlineRun:
         t = self.trainer
         before = len(t.history)
         t.fit()
+        self._sync_statistics()
         records = t.history[before:]
         train = [r["loss"] for r in records if r["kind"] == "train"]
         summary = next((r for r in records if r["kind"] == "summary"), {})
@@ -316,9 +333,18 @@ class OnlineRun:
         self.log(f"[jctr] {kind} model -> {path} ("
                  + ", ".join(f"{spec.name}: {k.size:,} keys" for spec, k in zip(t.specs, keys))
                  + ")")
-        if self._converter is not None:
+        import jax
+
+        if self._converter is not None and jax.process_index() == 0:
             self._converter(path, kind, day, n)
         return path
+
+
+def _print(line: str) -> None:
+    import jax
+
+    if jax.process_index() == 0:  # one process reports for all
+        print(line, flush=True)
 
 
 def _rule_json(rule) -> dict:
@@ -358,7 +384,10 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> None:
         from jctr.config.online import load_online_config
+        from jctr.sharding.distributed import initialize_distributed
 
-        OnlineRun(load_online_config(args.config)).run()
+        cfg = load_online_config(args.config)
+        initialize_distributed()  # the cluster the environment describes, if any
+        OnlineRun(cfg).run()
 
     return run_command(go, debug=args.debug)

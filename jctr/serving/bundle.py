@@ -89,6 +89,13 @@ def export_bundle(cfg, state, output: str, placements=None, *,
     from jctr.version import __version__
 
     output = os.path.abspath(output)
+    if jax.process_index() != 0:  # the tables are gathered from every process; 0 writes
+        from jctr.models.ctr import build_model
+
+        step_config = build_model(cfg)[0]
+        write_model_files(step_config, state, placements, "", "",
+                          [""] * len(step_config.specs), keys=keys)
+        return output
     check_bundle_target(output)
     parent = os.path.dirname(output)
     os.makedirs(parent, exist_ok=True)

@@ -20,6 +20,7 @@ import sys
 import time
 
 import jax
+import numpy as np
 
 from jctr.errors import UserError
 
@@ -119,7 +120,6 @@ def all_processes(action, what: str):
     in a collective the failed one never reaches. Single-process: just ``action()``."""
     if jax.process_count() == 1:
         return action()
-    import numpy as np
     from jax.experimental import multihost_utils
 
     error: BaseException | None = None
@@ -135,3 +135,28 @@ def all_processes(action, what: str):
         failed = [int(i) for i in np.nonzero(~flags.ravel())[0]]
         raise UserError(f"process(es) {failed} could not {what}; see their messages")
     return result
+
+
+def gather_rows(arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
+    """Every process's ``arrays`` (1-D, equal length within a process, any length across
+    processes), in process order; single-process: ``[arrays]``.
+
+    Example::
+
+        parts = gather_rows({"keys": keys, "show": show})   # one dict per process
+    """
+    if jax.process_count() == 1:
+        return [arrays]
+    from jax.experimental import multihost_utils
+
+    n = len(next(iter(arrays.values())))
+    sizes = np.asarray(multihost_utils.process_allgather(np.array([n], np.int64))).ravel()
+    width = max(int(sizes.max()), 1)
+    out: list[dict[str, np.ndarray]] = [{} for _ in sizes]
+    for name, a in arrays.items():
+        padded = np.zeros(width, a.dtype)
+        padded[:n] = a
+        every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), width)
+        for p, size in enumerate(sizes):
+            out[p][name] = every[p, :int(size)]
+    return out

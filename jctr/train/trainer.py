@@ -414,11 +414,11 @@ class Trainer:
         # evaluating after each epoch: epochs end on a (padded) batch of their own
         reader_epochs = epochs or (1 << 40 if s.eval_every_epoch else None)
         local_batch = s.batchsize // jax.process_count()
-        batches = Prefetcher(
-            self.train_data.batches_with_position(local_batch,
-                                                  epochs=reader_epochs,
-                                                  start=self.reader_position),
-            transform=self._to_step_input)
+        reads = self.train_data.batches_with_position(local_batch, epochs=reader_epochs,
+                                                      start=self.reader_position)
+        if jax.process_count() > 1 and reader_epochs is not None:
+            reads = self._even_epochs(reads, local_batch)
+        batches = Prefetcher(reads, transform=self._to_step_input)
         self._print(f"[jctr] training {', '.join(e.name for e in self.cfg.embeddings)} + "
                     f"{len(self.cfg.layers)} dense layers; batch {s.batchsize}; "
                     f"{'max_iter ' + str(max_iter) if max_iter else str(epochs) + ' epoch(s)'}")
@@ -692,6 +692,28 @@ class Trainer:
         return (self.placed.to_devices(batch, True), position, self.placed.routing_fits(batch),
                 float(np.mean(batch.mask)))
 
+    def _even_epochs(self, reads, local_batch: int):
+        """Every process the same number of steps per epoch (the processes step together):
+        one whose share of the files is smaller ends each epoch with batches of padding only.
+        An epoch entered part way (a resumed run) is not padded."""
+        from jax.experimental import multihost_utils
+
+        mine = -(-self._train_records // local_batch)  # this process's batches per epoch
+        most = int(np.max(multihost_utils.process_allgather(np.array([mine], np.int64))))
+        start = self.reader_position
+        counting = start is None or (start.file_index == 0 and start.record == 0)
+        count, empty = 0, None
+        for batch, position in reads:
+            yield batch, position
+            count += 1
+            if empty is None:
+                empty = _padding_batch(batch, self.cfg.data)
+            if position.file_index == 0 and position.record == 0:  # the epoch ended here
+                while counting and count < most:
+                    yield empty, position
+                    count += 1
+                count, counting = 0, True
+
     def drop_keys(self, table: int, keys: np.ndarray) -> int:
         """Delete ``keys`` from embedding ``table`` and free their rows (streaming training's
         shrink): the kept keys, values and optimizer rows are re-inserted into a fresh table,
@@ -853,6 +875,16 @@ class Trainer:
         :class:`jctr.data.batch.BatchError`."""
         batch = check_batch(batch, self.cfg.data)
         return self._predict_all(batch)[batch.mask]
+
+
+def _padding_batch(like: Batch, data) -> Batch:
+    """A batch shaped like ``like`` with no sample in it (every key is padding)."""
+    b = like.label.shape[0]
+    return Batch(np.zeros_like(like.label), np.zeros_like(like.dense),
+                 tuple(np.zeros_like(k) for k in like.keys),
+                 tuple(np.full_like(seg, b * sp.slot_num)
+                       for seg, sp in zip(like.segments, data.sparse)),
+                 np.zeros_like(like.mask))
 
 
 _RUN_LOG_FILES = ("metrics.jsonl", "report.html", "report_files", "tensorboard")

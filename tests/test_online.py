@@ -217,6 +217,10 @@ def test_streaming_runs_pass_by_pass_waits_for_data_and_resumes_exactly(tmp_path
     assert [(r["day"], r["pass"], r["iterations"]) for r in records] == [
         ("20190720", 1, 2), ("20190720", 2, 2), ("20190721", 1, 2), ("20190721", 2, 2)]
     assert all(0.0 < r["pass_auc"] < 1.0 and "AUC" in r["validation"] for r in records)
+    # passes after the first were read while the one before trained (the last one's data
+    # landed during that wait)
+    assert [r["read_ahead_s"] is not None for r in records] == [False, True, True, True]
+    assert all("read ahead in" in x for x in passes[1:])
     assert int(whole.trainer.state.step) == 8
     progress = json.loads((tmp_path / "whole" / "progress.json").read_text())
     assert (progress["day"], progress["pass"], progress["step"]) == ("20190721", 2, 8)
@@ -256,8 +260,8 @@ def test_streaming_config_errors_name_the_file_and_field(tmp_path):
     with pytest.raises(ConfigError, match="schedule: split_interval: 7 minutes do not divide"):
         OnlineRun(cfg)
     path.write_text(path.read_text().replace("split_interval: 7", "split_interval: 5")
-                    + "prefetch: true\n")
-    with pytest.raises(ConfigError, match=r"online.yaml: prefetch: unknown key"):
+                    + "prefetch_passes: 2\n")
+    with pytest.raises(ConfigError, match=r"online.yaml: prefetch_passes: unknown key"):
         load_online_config(path)
     path.write_text("model: m.json\nstart_day: 2019-07-20\n")
     with pytest.raises(ConfigError, match="online.yaml: "):
@@ -358,8 +362,9 @@ def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path):
     seen = []
     for line in proc.stdout:  # pass 1 is checkpointed, then the run waits for pass 2
         seen.append(line)
-        if line.startswith("[jctr] waiting for"):
+        if "checkpoint of day 20190720 pass 1" in line:
             break
+    time.sleep(0.3)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert any("checkpoint of day 20190720 pass 1" in x for x in seen), seen[-5:]
@@ -590,3 +595,27 @@ def test_two_processes_count_and_score_as_one(tmp_path):
         np.testing.assert_array_equal(one[1][name], two[1][name], err_msg=name)
     np.testing.assert_array_equal(one[2], two[2])
     assert one[1]["0/show"].sum() == 2560 * 8  # every sample's 8 keys, counted once
+
+
+def test_prefetch_trains_the_same_model_and_a_stop_ends_its_wait(tmp_path):
+    import jax
+
+    from jctr.online.runner import OnlineRun
+    from tests.test_epochs import leaves_equal
+
+    model = _stream(tmp_path, days=("20190720",))
+    folders = sorted((tmp_path / "stream").glob("*/*"))
+    (folders[0] / "DONE").touch()
+    stop = threading.Event()
+    waiting = OnlineRun(_online(tmp_path, model, tmp_path / "stopped", end_day="20190720"),
+                        log=lambda s: None, stop=stop)
+    threading.Timer(0.5, stop.set).start()  # pass 2's data never lands
+    with pytest.raises(InterruptedError, match="stopped while waiting for day 20190720 pass 2"):
+        waiting.run()
+    (folders[1] / "DONE").touch()
+    runs = [OnlineRun(_online(tmp_path, model, tmp_path / name, end_day="20190720",
+                              prefetch=prefetch), log=lambda s: None)
+            for name, prefetch in (("plain", False), ("ahead", True))]
+    assert [r.run() for r in runs] == [2, 2]
+    a, b = (jax.tree.map(np.asarray, r.trainer.state.params) for r in runs)
+    assert leaves_equal(a, b)

@@ -11,6 +11,7 @@ Example (YAML; JSON works the same)::
     end_day: "20190721"
     data_donefile: to.hadoop.done    # a folder is complete once this file is in it
     data_sleep_second: 30
+    prefetch: true                   # read the next pass while this one trains
     save_model_path: runs/online     # <save_model_path>/<day>/<pass>/ checkpoints
     checkpoint_per_pass: 1
     save_delta_frequency: 2          # <day>/delta-<pass>/ inference deltas every 2 passes
@@ -94,6 +95,9 @@ class OnlineConfig:
     """A folder is read once this file exists in it (empty: at once)."""
     data_sleep_second: float = 30.0
     """Seconds between two looks for a missing done-file."""
+    prefetch: bool = True
+    """Read the next pass's files into memory while the current pass trains (it waits for
+    their done-files in the background too)."""
     checkpoint_per_pass: int = 1
     """A checkpoint every this many passes; after a day's last pass and its shrink the batch
     model ``<save_model_path>/<next day>/0/`` is the checkpoint."""
@@ -134,6 +138,7 @@ def parse_online_config(raw: Any, source: str | None = None) -> OnlineConfig:
         save_model_path=path("save_model_path"),
         data_donefile=r.str("data_donefile", ""),
         data_sleep_second=r.float("data_sleep_second", 30.0, min_value=0.0),
+        prefetch=r.bool("prefetch", True),
         checkpoint_per_pass=r.int("checkpoint_per_pass", 1, min_value=1),
         save_delta_frequency=r.int("save_delta_frequency", 0, min_value=0),
         table_parameters=_table_parameters(r), source=source)

@@ -39,7 +39,9 @@ import json
 import math
 import os
 import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from jctr.config.online import OnlineConfig
 from jctr.config.reader import ConfigError
@@ -163,22 +165,57 @@ class OnlineRun:
         if not todo:
             self.log(f"[jctr] nothing to train: every pass up to {self.cfg.end_day} is done")
             return 0
-        for day, n in todo:
-            folders = [os.path.join(self.cfg.train_data_dir, day, f)
-                       for f in self.passes[n - 1]]
-            wait_ready(folders, self.cfg.data_donefile, sleep_s=self.cfg.data_sleep_second,
-                       stop=self.stop, report=self.log)
-            files = data_files(folders, self.cfg.data_donefile)
-            if not files:
-                raise DataError(f"{', '.join(folders)}: no data files in the pass's folders")
-            file_list = self._file_list(lists, day, n)
-            write_file_list(file_list, files)
-            if self.trainer is None:
-                self._start(file_list, done)
-            else:
-                self.trainer.use_training_data(file_list)
-            self._train_pass(day, n, len(files))
+        pool = ThreadPoolExecutor(1, thread_name_prefix="jctr-prefetch") \
+            if self.cfg.prefetch else None
+        halt = threading.Event()  # ends a prefetch that waits for data when the run ends
+        ahead: Future | None = None
+        try:
+            for i, (day, n) in enumerate(todo):
+                if ahead is not None:  # read while the previous pass trained
+                    t0 = time.perf_counter()
+                    while not ahead.done():
+                        if self.stop.wait(0.05):
+                            raise InterruptedError(f"stopped while waiting for day {day} pass "
+                                                   f"{n}'s data")
+                    data = ahead.result()
+                    data["wait_s"] = time.perf_counter() - t0
+                else:
+                    data = self._pass_data(lists, day, n, self.stop, read=False)
+                if self.trainer is None:
+                    self._start(data["list"], done)
+                else:
+                    self.trainer.use_training_data(data["list"], data["dataset"])
+                data["dataset"] = None  # the trainer holds it now, for this pass only
+                ahead = None
+                if pool is not None and i + 1 < len(todo):
+                    ahead = pool.submit(self._pass_data, lists, *todo[i + 1], halt, read=True)
+                self._train_pass(day, n, data)
+        finally:
+            halt.set()
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
         return self.passes_trained
+
+    def _pass_data(self, lists: str, day: str, n: int, stop: threading.Event, *,
+                   read: bool) -> dict:
+        """Waits for the pass's done-files, lists its files; with ``read`` (the prefetch,
+        once the trainer exists) also reads this process's share into memory."""
+        folders = [os.path.join(self.cfg.train_data_dir, day, f) for f in self.passes[n - 1]]
+        wait_ready(folders, self.cfg.data_donefile, sleep_s=self.cfg.data_sleep_second,
+                   stop=stop, report=self.log)
+        t0 = time.perf_counter()
+        files = data_files(folders, self.cfg.data_donefile)
+        if not files:
+            raise DataError(f"{', '.join(folders)}: no data files in the pass's folders")
+        file_list = self._file_list(lists, day, n)
+        write_file_list(file_list, files)
+        dataset = None
+        if read and self.trainer is not None:
+            dataset = self.trainer.open_training_data(file_list)
+            dataset.cache_all()
+        return {"files": len(files), "list": file_list, "dataset": dataset,
+                "read_s": time.perf_counter() - t0 if dataset is not None else None,
+                "wait_s": None}
 
     @staticmethod
     def _file_list(folder: str, day: str, n: int) -> str:
@@ -261,7 +298,7 @@ class OnlineRun:
                      + (f", {rows:,} rows in use of {spec.capacity:,}" if rows is not None
                         else ""))
 
-    def _train_pass(self, day: str, n: int, num_files: int) -> None:
+    def _train_pass(self, day: str, n: int, data: dict) -> None:
         t = self.trainer
         before = len(t.history)
         t.fit()
@@ -275,15 +312,19 @@ class OnlineRun:
                       if isinstance(v, float) and k not in ("time", "lr")}
         pass_auc = bucket_auc(t.take_auc_counts())
         rate = float(summary.get("samples_per_s", 0.0))
+        num_files = data["files"]
+        read = ("" if data["read_s"] is None else f", read ahead in {data['read_s']:.2f} s "
+                f"(waited {data['wait_s']:.2f} s for it)")
         self.log(f"[jctr] day {day} pass {n}/{len(self.passes)}: {num_files} file(s), {iters} "
                  f"iterations, {rate:,.0f} samples/s"
                  + (f", loss {train[-1]:.5f}" if train else "")
                  + f", pass AUC {pass_auc:.5f}"
                  + ("; validation " + ", ".join(f"{k} {v:.5f}" for k, v in validation.items())
-                    if validation else ""))
+                    if validation else "") + read)
         self._record({"day": day, "pass": n, "files": num_files, "iterations": iters,
                       "samples_per_s": rate, "loss": train[-1] if train else None,
-                      "pass_auc": pass_auc, "validation": validation})
+                      "pass_auc": pass_auc, "validation": validation,
+                      "read_ahead_s": data["read_s"], "read_wait_s": data["wait_s"]})
         self.passes_trained += 1
         freq = self.cfg.save_delta_frequency
         if freq and n % freq == 0:

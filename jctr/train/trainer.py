@@ -223,12 +223,16 @@ class Trainer:
     @property
     def train_data(self) -> Dataset:
         if self._train_data is None:
-            self._train_data = open_dataset(
-                self.cfg.data.source, self.cfg.data, self.solver.input_key_type,
-                seed=self.solver.seed if self.cfg.data.shuffle else None,
-                process_index=jax.process_index(), process_count=jax.process_count(),
-                labels=self._label_rule)
+            self._train_data = self.open_training_data(self.cfg.data.source)
         return self._train_data
+
+    def open_training_data(self, source: str) -> Dataset:
+        """``source`` opened as the training set is (this process's share, shuffled as the
+        Data layer says); streaming training reads the next pass with it ahead of time."""
+        return open_dataset(source, self.cfg.data, self.solver.input_key_type,
+                            seed=self.solver.seed if self.cfg.data.shuffle else None,
+                            process_index=jax.process_index(),
+                            process_count=jax.process_count(), labels=self._label_rule)
 
     @property
     def eval_data(self) -> Dataset:
@@ -736,12 +740,14 @@ class Trainer:
         self.state = self.state._replace(embeddings=tuple(embeddings))
         return int(keep.sum())
 
-    def use_training_data(self, source: str) -> None:
+    def use_training_data(self, source: str, dataset: Dataset | None = None) -> None:
         """Train on another file list from now on (streaming training: each pass its own
-        files); the reader starts at its beginning. Nothing is compiled again."""
+        files); the reader starts at its beginning. ``dataset``: ``source`` already opened
+        (:meth:`open_training_data`, e.g. read into memory meanwhile). Nothing is compiled
+        again."""
         self.cfg = dataclasses.replace(self.cfg, data=dataclasses.replace(self.cfg.data,
                                                                           source=source))
-        self._train_data = None
+        self._train_data = dataset
         self.reader_position = None
 
     def save_checkpoint_to(self, directory: str) -> str:

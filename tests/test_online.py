@@ -1,6 +1,6 @@
 """Streaming training parts: the time-sliced data schedule (passes of folders, done-files,
-per-process shares) and the per-key show/click statistics (score, admission, shrink, base and
-delta filters), each against a hand-computed case."""
+per-process shares), the per-key show/click statistics (score, shrink, base and delta
+filters), each against a hand-computed case, and the streaming runner."""
 
 import os
 import threading
@@ -68,7 +68,7 @@ def test_waiting_for_done_files_and_sharing_files(tmp_path):
         data_files([str(tmp_path / "20190720" / "0010")])
 
 
-def test_score_admission_and_shrink_by_hand():
+def test_score_and_shrink_by_hand():
     stats = FeatureStats()
     # four occurrences: key 1 twice (one click), keys 2 and 3 once each (no click)
     stats.observe(np.array([1, 2, 1, 3]), show=1.0, click=np.array([1, 0, 0, 0]))
@@ -76,8 +76,6 @@ def test_score_admission_and_shrink_by_hand():
     # score = click_coeff * click + nonclk_coeff * (show - click): 1 * 1 + 0.1 * (2 - 1)
     assert found.tolist() == [True, True, True, False]
     np.testing.assert_allclose(score, [1.1, 0.1, 0.1, 0.0])
-    assert stats.admitted(embedx_threshold=0.5).tolist() == [1]
-    assert stats.admitted(embedx_threshold=0).tolist() == [1, 2, 3]
     # decay 0.5: scores 0.55, 0.05, 0.05; delete below 0.06 -> keys 2 and 3 go
     deleted = stats.shrink(ShrinkRule(show_click_decay_rate=0.5, delete_threshold=0.06))
     assert deleted.tolist() == [2, 3] and stats.keys.tolist() == [1]
@@ -619,3 +617,50 @@ def test_prefetch_trains_the_same_model_and_a_stop_ends_its_wait(tmp_path):
     assert [r.run() for r in runs] == [2, 2]
     a, b = (jax.tree.map(np.asarray, r.trainer.state.params) for r in runs)
     assert leaves_equal(a, b)
+
+
+def test_admission_in_a_streaming_run(tmp_path):
+    """embedx_threshold 2: at the end every key's row has trained embedx dimensions exactly
+    when its score (from the run's own show/click statistics) reached 2; the others are 0 in
+    the table and in the base model."""
+    from jctr.checkpoint.tables import export_placed
+    from jctr.config import ConfigError
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path, days=("20190720",))
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    run = OnlineRun(_online(tmp_path, model, tmp_path / "save", end_day="20190720",
+                            table_parameters={"embedx_threshold": 2.0, "embedx_dim": 7,
+                                              "fea_dim": 10}), log=lambda s: None)
+    assert run.run() == 2
+    t = run.trainer
+    assert t.specs[0].optimizer.embedx_threshold == 2.0
+    table = export_placed(t.state.embeddings[0], t.placements[0])
+    found, score = run.stats[0].lookup(table["keys"])
+    assert found.all()
+    admitted = (table["values"][:, 1:] != 0).any(axis=1)
+    np.testing.assert_array_equal(admitted, score >= 2.0 - 1e-9)
+    assert 0 < admitted.sum() < admitted.size
+    np.testing.assert_array_equal(table["accessor"][:, 2] > 0, admitted)
+    # the table's counts are the statistics' (after the day's decay: both halved)
+    run2 = OnlineRun(_online(tmp_path, model, tmp_path / "decayed", end_day="20190720",
+                             table_parameters={"embedx_threshold": 2.0,
+                                               "show_click_decay_rate": 0.5}),
+                     log=lambda s: None)
+    run2.run()
+    t2 = run2.trainer
+    table2 = export_placed(t2.state.embeddings[0], t2.placements[0])
+    at = np.searchsorted(run2.stats[0].keys, table2["keys"])
+    np.testing.assert_allclose(table2["accessor"][:, 0], run2.stats[0].show[at])
+    np.testing.assert_allclose(table2["accessor"][:, 1], run2.stats[0].click[at])
+    assert run2.stats[0].show.sum() == 0.5 * run.stats[0].show.sum()
+    base = tmp_path / "save" / "20190721" / "base" / "sparse" / "sparse_embedding1.model"
+    keys = np.fromfile(base / "key", "<i8")
+    vectors = np.fromfile(base / "emb_vector", "<f4").reshape(keys.size, 8)
+    order = np.argsort(table["keys"])
+    pos = order[np.searchsorted(table["keys"], keys, sorter=order)]
+    np.testing.assert_array_equal((vectors[:, 1:] != 0).any(axis=1), admitted[pos])
+    with pytest.raises(ConfigError, match="embedx_dim: 5, but embedding .* makes it 7"):
+        OnlineRun(_online(tmp_path, model, tmp_path / "bad", end_day="20190720",
+                          table_parameters={"embedx_dim": 5}), log=lambda s: None).run()

@@ -255,3 +255,39 @@ def test_sparse_adagrad_sgd_rule_against_a_hand_computed_row():
     with pytest.raises(ConfigError, match="embed_sgd_param.weight_bounds.*low < high"):
         parse_config({"solver": {}, "optimizer": {"type": "Adam"},
                       "layers": layers[:1] + bad + layers[2:]})
+
+
+def test_admission_gives_embedx_once_the_score_reaches_the_threshold():
+    """embedx_threshold 0.25 with Paddle's score (click + 0.1 * (show - click)): key 7 shown
+    three times (0.3) and key 9 clicked once (1.0) get their embedx dimensions' initial values
+    after the step that counted them (that step trains their first dimension only); key 11
+    shown once (0.1), then twice (0.2), keeps zeros there and its embedx never trains."""
+    from jctr.embedding.sparse_embedding import initial_vectors
+
+    opt = OptimizerConfig("SparseAdaGradSGDRule", learning_rate=1.0, embedx_threshold=0.25)
+    spec = EmbeddingSpec("e", capacity=CAP, dim=DIM, slot_num=1, max_features=1, one_hot=True,
+                         input_index=0, optimizer=opt, seed=2)
+    keys = jnp.asarray([7, 7, 9, 7, 11], jnp.int64)
+    segs = jnp.arange(5, dtype=jnp.int32)
+    clicks = jnp.asarray([0, 0, 1, 0, 0], jnp.float32)
+    state, lk = lookup_rows(spec, init_embedding(spec), keys, segs, 5, train=True)
+    rows = np.asarray(lk.rows)[[0, 2, 4]]  # keys 7, 9, 11
+    assert (np.asarray(state.values)[rows, 1:] == 0).all()  # the first dimension only
+    grad = jnp.ones((5, 1, DIM), jnp.float32)
+    state = apply_gradients(spec, state, lk, segs, grad, jnp.float32(1.0), jnp.int32(1),
+                            keys, clicks)
+    values = np.asarray(state.values)
+    init = np.asarray(initial_vectors(spec, jnp.asarray([7, 9, 11], jnp.int64)))
+    np.testing.assert_array_equal(values[rows[:2], 1:], init[:2, 1:])
+    assert (values[rows[2], 1:] == 0).all()
+    assert (values[rows, 0] != init[:, 0]).all()  # the first dimension trained
+    acc = np.asarray(state.slots["accessor"])[rows]
+    np.testing.assert_allclose(acc, [[3, 0, 1], [1, 1, 1], [1, 0, 0]])
+    # a second step: key 7's embedx trains now; key 11 (score 0.2) still waits
+    state, lk = lookup_rows(spec, state, keys[3:], segs[:2], 2, train=True)
+    state = apply_gradients(spec, state, lk, segs[:2], grad[:2], jnp.float32(1.0),
+                            jnp.int32(2), keys[3:], clicks[3:])
+    values = np.asarray(state.values)
+    assert (values[rows[0], 1:] < init[0, 1:]).all()
+    assert (values[rows[2], 1:] == 0).all()
+    np.testing.assert_allclose(np.asarray(state.slots["accessor"])[rows[2]], [2, 0, 0])

@@ -122,11 +122,15 @@ def _batch(keys_per_sample, slot_num, max_features):
 
 
 @pytest.mark.parametrize("kind", ["distributed", "localized", "replicated"])
-@pytest.mark.parametrize("opt", ["SGD", "Adam", "SparseAdaGradSGDRule"])
+@pytest.mark.parametrize("opt", ["SGD", "Adam", "SparseAdaGradSGDRule", "admission"])
 def test_routing_with_skewed_keys(kind, opt):
     d, slot_num, mf, b = 8, 3, 4, 16
+    # admission: keys shown 3 times without a click (or clicked once) get their embedx
+    optimizer = (OptimizerConfig("SparseAdaGradSGDRule", learning_rate=1.0,
+                                 embedx_threshold=0.3) if opt == "admission"
+                 else OptimizerConfig(opt))
     spec = EmbeddingSpec("e", capacity=64, dim=5, slot_num=slot_num, max_features=mf,
-                         one_hot=False, input_index=0, optimizer=OptimizerConfig(opt),
+                         one_hot=False, input_index=0, optimizer=optimizer,
                          combiner="mean")
     rng = np.random.default_rng(0)
     samples = []
@@ -139,6 +143,7 @@ def test_routing_with_skewed_keys(kind, opt):
             samples.append([(int(rng.integers(slot_num)), int(rng.integers(1, 40)))
                             for _ in range(int(rng.integers(0, mf + 1)))])
     batch = _batch(samples, slot_num, mf)
+    batch = batch._replace(label=(rng.random((b, 1)) < 0.3).astype(np.float32))
     owner = (0, 0, 0) if kind == "localized" else ()  # every slot on device 0: 7 empty shards
     placement = Placement(kind, d, owner)
     mesh = Mesh(np.array(jax.devices()[:d]), ("d",))
@@ -173,6 +178,11 @@ def test_routing_with_skewed_keys(kind, opt):
     for name in want:
         np.testing.assert_allclose(got[name][order_g], want[name][order_w], rtol=1e-6,
                                    atol=1e-7, err_msg=name)
+    if opt == "admission":  # some rows have their embedx, others not (yet)
+        admitted = want["accessor"][:, 2] > 0
+        assert admitted.any() and not admitted.all()
+        assert (want["values"][~admitted, 1:] == 0).all()
+        assert (want["values"][admitted, 1:] != 0).all()
     if kind == "localized":  # every row sits on device 0
         sizes = np.asarray(embs_s[0].table.size)
         assert sizes[0] == len(want["keys"]) and not sizes[1:].any()

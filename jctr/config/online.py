@@ -51,6 +51,17 @@ class TableParameters:
     """At each day's shrink, keys whose score is below this are deleted (rows freed)."""
     delete_after_unseen_days: int = 30
     """At each day's shrink, keys unseen for more than this many days are deleted."""
+    embedx_threshold: float = 0.0
+    """Admission: above 0 a new key's row trains its first dimension only until its score
+    (counted by the table as it trains) reaches this; then its other ``embedx_dim``
+    dimensions get their initial values and train too. Needs (and turns on)
+    ``SparseAdaGradSGDRule``."""
+    embedx_dim: int | None = None
+    """PaddlePaddle's ``embedx_dim``: the embedding size minus 1 (checked against the model
+    when given)."""
+    fea_dim: int | None = None
+    """PaddlePaddle's ``fea_dim``: ``embedx_dim + 3`` (show, click, first dimension; checked
+    when given)."""
     base_threshold: float = 0.0
     """A day's base model holds the keys whose score is at least this."""
     delta_threshold: float = 0.0
@@ -63,9 +74,9 @@ class TableParameters:
     base (``kind`` "base", ``pass_id`` None) or delta model is written, e.g. to copy it into an
     online key-value store; an exception stops the run (it resumes at the pass)."""
     embed_sgd_param: SparseSGDRule | None = None
-    """With this or ``embedx_sgd_param`` every embedding trains with ``SparseAdaGradSGDRule``:
-    this object for the first dimension of each row (default: the rule's defaults; absent
-    both: the model's own optimizers)."""
+    """With this, ``embedx_sgd_param`` or ``embedx_threshold`` every embedding trains with
+    ``SparseAdaGradSGDRule``: this object for the first dimension of each row (default: the
+    rule's defaults; absent all three: the model's own optimizers)."""
     embedx_sgd_param: SparseSGDRule | None = None
     """The rule for the other dimensions of each row."""
 
@@ -158,13 +169,17 @@ def _table_parameters(r: ObjectReader) -> TableParameters:
         raise t.error("converter", f'expected "package.module:function", got {converter!r}')
     rules = {key: parse_sparse_sgd_rule(t.child(key)) if t.has(key) else None
              for key in ("embed_sgd_param", "embedx_sgd_param")}
-    if any(rules.values()):
+    embedx_threshold = t.float("embedx_threshold", 0.0, min_value=0.0)
+    if any(rules.values()) or embedx_threshold > 0:
         rules = {k: v or SparseSGDRule() for k, v in rules.items()}
     out = TableParameters(
         click_coeff=t.float("click_coeff", 1.0), nonclk_coeff=t.float("nonclk_coeff", 0.1),
         show_click_decay_rate=t.float("show_click_decay_rate", 1.0, min_value=0.0),
         delete_threshold=t.float("delete_threshold", 0.0),
         delete_after_unseen_days=t.int("delete_after_unseen_days", 30, min_value=1),
+        embedx_threshold=embedx_threshold,
+        embedx_dim=t.int("embedx_dim", None, min_value=0),
+        fea_dim=t.int("fea_dim", None, min_value=3),
         base_threshold=t.float("base_threshold", 0.0),
         delta_threshold=t.float("delta_threshold", 0.0),
         delta_keep_days=t.int("delta_keep_days", 16, min_value=0),

@@ -326,10 +326,13 @@ def parse_optimizer(r: ObjectReader) -> OptimizerConfig:
                           'rows a batch touches ("Local")')
         rules = {key: parse_sparse_sgd_rule(r.child(key)) if r.has(key) else SparseSGDRule()
                  for key in ("embed_sgd_param", "embedx_sgd_param")}
+        admission = {"embedx_threshold": r.float("embedx_threshold", 0.0, min_value=0.0),
+                     "click_coeff": r.float("click_coeff", 1.0),
+                     "nonclk_coeff": r.float("nonclk_coeff", 0.1)}
         r.finish()
         # each part has its own rate; the schedule's rate (1.0 here) only scales them, so
         # the plateau factor and a skipped step's zero rate reach these rows too
-        return OptimizerConfig(type=opt_type, learning_rate=1.0, **rules)
+        return OptimizerConfig(type=opt_type, learning_rate=1.0, **rules, **admission)
     # Older HugeCTR configs carry a boolean "learning_rate" flag here; it has no effect.
     r.bool("learning_rate", True)
     r.bool("global_update", False)

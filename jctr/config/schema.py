@@ -95,6 +95,15 @@ class OptimizerConfig:
     """SparseAdaGradSGDRule: the rule of each row's first dimension (object below)."""
     embedx_sgd_param: SparseSGDRule | None = None
     """SparseAdaGradSGDRule: the rule of each row's other dimensions (object below)."""
+    embedx_threshold: float = 0.0
+    """SparseAdaGradSGDRule (PaddlePaddle's admission): above 0 a new key's row has its first
+    dimension only (the others stay 0 and untrained) until its score ``click_coeff * click +
+    nonclk_coeff * (show - click)``, counted by the table as it trains, reaches this; then
+    the others get their initial values and train too."""
+    click_coeff: float = 1.0
+    """SparseAdaGradSGDRule admission: the score's weight of a click."""
+    nonclk_coeff: float = 0.1
+    """SparseAdaGradSGDRule admission: the score's weight of a show without a click."""
 
 
 @dataclass(frozen=True)

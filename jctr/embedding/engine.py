@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import jax.numpy as jnp
 
+from jctr.embedding.row_optimizers import admits
 from jctr.embedding.sparse_embedding import (
     EmbeddingSpec,
     apply_gradients,
@@ -54,6 +55,20 @@ class LocalEmbeddings:
         return (tuple(new_embs) if train else embs), tuple(lookups), tuple(pooled)
 
     def apply(self, embs, lookups, batch: Batch, grads, lrs, count):
-        return tuple(apply_gradients(spec, es, lk, batch.segments[spec.input_index],
-                                     g.astype(jnp.float32), lr, count)
-                     for spec, es, lk, g, lr in zip(self.specs, embs, lookups, grads, lrs))
+        out = []
+        for spec, es, lk, g, lr in zip(self.specs, embs, lookups, grads, lrs):
+            segs = batch.segments[spec.input_index]
+            keys = clicks = None
+            if admits(spec.optimizer):  # per key: its sample's click
+                keys = batch.keys[spec.input_index]
+                clicks = segment_clicks(batch.label, spec.slot_num)[segs]
+            out.append(apply_gradients(spec, es, lk, segs, g.astype(jnp.float32), lr, count,
+                                       keys, clicks))
+        return tuple(out)
+
+
+def segment_clicks(label, slot_num: int):
+    """[batch * slot_num + 1] float32: each (sample, slot) segment's click (the first label
+    column), and 0 for the padding segment id."""
+    click = (label.reshape(label.shape[0], -1)[:, 0] > 0.5).astype(jnp.float32)
+    return jnp.append(jnp.repeat(click, slot_num), 0.0)

@@ -36,7 +36,10 @@ def slot_names(opt: OptimizerConfig) -> tuple[str, ...]:
 
 def init_slots(opt: OptimizerConfig, capacity: int, dim: int) -> dict[str, jax.Array]:
     if opt.type == "SparseAdaGradSGDRule":  # one sum per row for embed and for embedx
-        return {"g2sum": jnp.zeros((capacity, 2), jnp.float32)}
+        slots = {"g2sum": jnp.zeros((capacity, 2), jnp.float32)}
+        if admits(opt):  # show, click, embedx admitted (0 / 1) per row
+            slots["accessor"] = jnp.zeros((capacity, 3), jnp.float32)
+        return slots
     slots = {}
     for name in slot_names(opt):
         fill = opt.initial_accu_value if name == "accum" else 0.0
@@ -78,6 +81,12 @@ def initial_scales(opt: OptimizerConfig, dim: int, bound: float) -> jax.Array | 
         return bound
     embed, embedx = _rules(opt)
     return jnp.asarray([embed.initial_range] + [embedx.initial_range] * (dim - 1), jnp.float32)
+
+
+def admits(opt: OptimizerConfig) -> bool:
+    """Whether a row's embedx dimensions wait for admission (SparseAdaGradSGDRule with an
+    ``embedx_threshold``)."""
+    return opt.type == "SparseAdaGradSGDRule" and opt.embedx_threshold > 0
 
 
 def _rules(opt: OptimizerConfig) -> tuple[SparseSGDRule, SparseSGDRule]:
@@ -142,7 +151,7 @@ def apply_rows(opt: OptimizerConfig, values: jax.Array, slots: dict, rows: jax.A
         g2 = slots["g2sum"].at[rows].get(mode="fill", fill_value=0.0)
         w, g2 = _sparse_adagrad(opt, w, g, g2, lr)
         return (values.at[rows].set(w, mode="drop"),
-                {"g2sum": slots["g2sum"].at[rows].set(g2, mode="drop")})
+                {**slots, "g2sum": slots["g2sum"].at[rows].set(g2, mode="drop")})
     state = {k: v.at[rows].get(mode="fill", fill_value=0.0)
              for k, v in slots.items() if k != "last_step"}
     new_slots = dict(slots)

@@ -134,8 +134,9 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
         sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
         rows = lk.rows.at[idx].get(mode="fill", fill_value=-1)
         rows = jnp.where(rows >= 0, rows, capacity)
-        fresh = key_uniform(sub_keys, spec.dim, spec.seed, 1.0) * row_opt.initial_scales(
-            spec.optimizer, spec.dim, spec.init_bound)
+        fresh = initial_vectors(spec, sub_keys)
+        if row_opt.admits(spec.optimizer):  # the first dimension only, until admitted
+            fresh = fresh.at[:, 1:].set(0.0)
         values = values.at[rows].set(fresh, mode="drop")
         row_slot = row_slot.at[rows].set(key_slots.at[idx].get(mode="fill", fill_value=-1),
                                          mode="drop")
@@ -143,6 +144,12 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
 
     _, values, row_slot = jax.lax.while_loop(cond, body, (lk.fresh, state.values, state.row_slot))
     return state._replace(values=values, row_slot=row_slot)
+
+
+def initial_vectors(spec: EmbeddingSpec, keys: jax.Array) -> jax.Array:
+    """[n, dim]: the initial vector of each key's row."""
+    return key_uniform(keys, spec.dim, spec.seed, 1.0) * row_opt.initial_scales(
+        spec.optimizer, spec.dim, spec.init_bound)
 
 
 def pool(spec: EmbeddingSpec, values: jax.Array, rows: jax.Array, segments: jax.Array,
@@ -155,8 +162,11 @@ def pool(spec: EmbeddingSpec, values: jax.Array, rows: jax.Array, segments: jax.
 
 def apply_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
                     segments: jax.Array, grad_pooled: jax.Array, lr: jax.Array,
-                    count: jax.Array) -> EmbeddingState:
-    """Sparse update from the gradient w.r.t. the pooled embeddings [batch, slots, dim]."""
+                    count: jax.Array, keys: jax.Array | None = None,
+                    clicks: jax.Array | None = None) -> EmbeddingState:
+    """Sparse update from the gradient w.r.t. the pooled embeddings [batch, slots, dim].
+    ``keys`` and ``clicks`` (per looked-up key, 0 / 1) feed admission (see
+    :func:`jctr.embedding.row_optimizers.admits`)."""
     b = grad_pooled.shape[0]
     flat = grad_pooled.reshape(b * spec.slot_num, spec.dim)
     if spec.sums_rows:
@@ -164,18 +174,21 @@ def apply_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
                                    one_hot=spec.one_hot)
     else:  # SGD's scatter-add sums duplicate rows itself: no per-row summation pass needed
         g = key_gradients(flat, segments, b * spec.slot_num, spec.combiner)
-    return _apply_rows(spec, state, lk, g, lr, count)
+    return _apply_rows(spec, state, lk, g, lr, count, keys, clicks)
 
 
 def apply_key_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
-                        g_keys: jax.Array, lr: jax.Array, count: jax.Array) -> EmbeddingState:
-    """Sparse update from one gradient per looked-up key [n, dim] (duplicates are summed)."""
+                        g_keys: jax.Array, lr: jax.Array, count: jax.Array,
+                        keys: jax.Array | None = None,
+                        clicks: jax.Array | None = None) -> EmbeddingState:
+    """Sparse update from one gradient per looked-up key [n, dim] (duplicates are summed);
+    ``keys`` and ``clicks`` as in :func:`apply_gradients`."""
     if spec.sums_rows:
         g_keys = sum_at_representatives(g_keys, lk.rep)
-    return _apply_rows(spec, state, lk, g_keys, lr, count)
+    return _apply_rows(spec, state, lk, g_keys, lr, count, keys, clicks)
 
 
-def _apply_rows(spec, state, lk, g, lr, count) -> EmbeddingState:
+def _apply_rows(spec, state, lk, g, lr, count, keys=None, clicks=None) -> EmbeddingState:
     capacity = state.values.shape[0]
     rows = _safe_rows(lk.rows, capacity)
     if spec.sums_rows:  # one update per distinct row, at its representative position
@@ -185,6 +198,33 @@ def _apply_rows(spec, state, lk, g, lr, count) -> EmbeddingState:
     if spec.optimizer.type == "SparseAdaGradSGDRule":  # its gradient is per occurrence
         occurrences = sum_at_representatives(
             (lk.rep >= 0).astype(jnp.float32)[:, None], lk.rep)[:, 0]
+    admitted = None
+    if row_opt.admits(spec.optimizer):
+        if keys is None or clicks is None:
+            raise ValueError(f"embedding \"{spec.name}\": admission needs the keys and clicks "
+                             "of the batch")
+        admitted = state.slots["accessor"].at[rows, 2].get(mode="fill", fill_value=0.0)
+        g = g.at[:, 1:].multiply(admitted[:, None])  # embedx trains once admitted
     values, slots = row_opt.apply_rows(spec.optimizer, state.values, state.slots, rows, g, lr,
                                        count, l2=spec.l2, l1=spec.l1, occurrences=occurrences)
+    if admitted is not None:
+        values, slots = _admit(spec, values, slots, rows, admitted, occurrences, keys,
+                               sum_at_representatives(clicks.astype(jnp.float32)[:, None],
+                                                      lk.rep)[:, 0])
     return state._replace(values=values, slots=slots)
+
+
+def _admit(spec, values, slots, rows, admitted, shows, keys, clicks):
+    """Count the batch's shows and clicks per row; rows whose score reaches
+    ``embedx_threshold`` now get their embedx dimensions' initial values."""
+    opt = spec.optimizer
+    acc = slots["accessor"].at[rows].get(mode="fill", fill_value=0.0)
+    show, click = acc[:, 0] + shows, acc[:, 1] + clicks
+    score = opt.click_coeff * click + opt.nonclk_coeff * (show - click)
+    now = (admitted > 0) | (score >= opt.embedx_threshold)
+    newly = now & (admitted == 0)
+    init = initial_vectors(spec, keys)
+    capacity = values.shape[0]
+    values = values.at[jnp.where(newly, rows, capacity), 1:].set(init[:, 1:], mode="drop")
+    acc = jnp.stack([show, click, now.astype(jnp.float32)], axis=1)
+    return values, {**slots, "accessor": slots["accessor"].at[rows].set(acc, mode="drop")}

@@ -5,7 +5,6 @@
   weight for impressions that were not clicked. (The seed document prints the difference as
   ``click - show``; PaddlePaddle's accessor computes ``show - click``, which is what the names
   mean, and so does jctr.)
-* admission: a key's ``embedx`` dimensions exist once its score reaches ``embedx_threshold``;
 * shrink (at the end of each day): every key ages a day, show and click decay by
   ``show_click_decay_rate``; keys whose score is below ``delete_threshold``, or unseen for
   more than ``delete_after_unseen_days`` days, go;
@@ -15,7 +14,8 @@
 
 The statistics live on the host, keyed by key (sorted int64 arrays), independent of where a
 key's row sits in a device table; batches are merged in bulk (:meth:`FeatureStats.flush`),
-vectorized, never a Python loop per key.
+vectorized, never a Python loop per key. (Admission, ``embedx_threshold``, is decided by the
+table itself as it trains: :func:`jctr.embedding.row_optimizers.admits`.)
 
 Example::
 
@@ -138,11 +138,6 @@ class FeatureStats:
     def scores(self) -> np.ndarray:
         self.flush()
         return self.rule.score(self.show, self.click)
-
-    def admitted(self, embedx_threshold: float) -> np.ndarray:
-        """Keys whose ``embedx`` dimensions exist: score >= ``embedx_threshold``."""
-        self.flush()  # before self.keys is read
-        return self.keys[self.scores() >= embedx_threshold]
 
     def shrink(self, rule: ShrinkRule) -> np.ndarray:
         """The end of a day: every key ages one day (a key seen since is back at 0 with its

@@ -137,11 +137,23 @@ class OnlineRun:
             names = {e.name for e in model.embeddings}
             clause = {"type": "SparseAdaGradSGDRule",
                       "embed_sgd_param": _rule_json(tp.embed_sgd_param),
-                      "embedx_sgd_param": _rule_json(tp.embedx_sgd_param)}
+                      "embedx_sgd_param": _rule_json(tp.embedx_sgd_param),
+                      "embedx_threshold": tp.embedx_threshold,
+                      "click_coeff": tp.click_coeff, "nonclk_coeff": tp.nonclk_coeff}
             for layer in raw["layers"]:
                 if isinstance(layer, dict) and layer.get("name") in names:
                     layer["optimizer"] = clause
             model = parse_config(raw, source=model.source)
+        for e in model.embeddings:  # Paddle's derived sizes, where the file gives them
+            want = {"embedx_dim": e.embedding_vec_size - 1,
+                    "fea_dim": e.embedding_vec_size + 2}
+            for key, value in want.items():
+                given = getattr(tp, key)
+                if given is not None and given != value:
+                    raise ConfigError(f"table_parameters.{key}", f"{given}, but embedding "
+                                      f"\"{e.name}\" has embedding_vec_size "
+                                      f"{e.embedding_vec_size}, which makes it {value}",
+                                      self.cfg.source)
         # one epoch of each pass's files; the first pass's list stands for the source
         solver = dataclasses.replace(model.solver, max_iter=None, num_epochs=1, snapshot=0)
         model = dataclasses.replace(model, solver=solver,
@@ -290,7 +302,10 @@ class OnlineRun:
     def _shrink_day(self, day: str) -> None:
         """The end of a day: statistics age and decay; deleted keys leave the tables."""
         t = self.trainer
+        rate = self.cfg.table_parameters.show_click_decay_rate
         for i, (spec, stats) in enumerate(zip(t.specs, self.stats)):
+            if "accessor" in t.state.embeddings[i].slots and rate != 1.0:
+                t.scale_slot(i, "accessor", (rate, rate, 1.0))  # admission's counts decay too
             deleted = stats.shrink(self._shrink)
             rows = t.drop_keys(i, deleted) if deleted.size else None
             self.log(f"[jctr] shrink at the end of day {day}: {spec.name}: {deleted.size:,} "

@@ -32,7 +32,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jctr.embedding.engine import segment_clicks
 from jctr.embedding.hash_table import Lookup
+from jctr.embedding.row_optimizers import admits
 from jctr.embedding.sparse_embedding import (
     EmbeddingSpec,
     EmbeddingState,
@@ -223,7 +225,7 @@ class ShardedEmbeddings:
         b = batch.label.shape[0] // self.num_devices
         _, segs = self._inputs(batch)
 
-        def local(embs, residuals, segs, grads, lrs, count):
+        def local(embs, residuals, segs, grads, lrs, count, label):
             dev = jax.lax.axis_index(AXIS)
             out = []
             for spec, pl, es, res, sg, g, lr in zip(self.specs, self.placements, embs,
@@ -232,28 +234,41 @@ class ShardedEmbeddings:
                 nseg = b * spec.slot_num
                 flat = g.reshape(nseg, spec.dim).astype(jnp.float32)
                 res = _squeeze(res)
+                admission = admits(spec.optimizer)
                 if pl.kind == "replicated":
-                    rows, rep = res
+                    rows, rep, keys = res
                     g_keys = key_gradients(flat, sg, nseg, spec.combiner)
                     g_all = jax.lax.all_gather(g_keys, AXIS, tiled=True)
-                    es = apply_key_gradients(spec, es, _lookup(rows, rep), g_all, lr, count)
+                    clicks = None
+                    if admission:  # every key's click, gathered like its gradient
+                        clicks = jax.lax.all_gather(
+                            segment_clicks(label, spec.slot_num)[sg], AXIS, tiled=True)
+                    es = apply_key_gradients(spec, es, _lookup(rows, rep), g_all, lr, count,
+                                             keys, clicks)
                 else:
-                    target, rows, rep = res
+                    target, rows, rep, keys = res
                     if spec.combiner == "mean":
                         flat = flat / jnp.maximum(_segment_counts(sg, nseg), 1.0)[:, None]
                     # every owner gets every requester's segment gradients, then each key
                     # it served picks its segment's
                     g_all = jax.lax.all_gather(flat, AXIS, tiled=True)  # [D * nseg, dim]
                     g_keys = g_all.at[target].get(mode="fill", fill_value=0.0)
+                    clicks = None
+                    if admission:  # the click of each served key's segment, the same way
+                        all_clicks = jax.lax.all_gather(
+                            segment_clicks(label, spec.slot_num)[:nseg], AXIS, tiled=True)
+                        clicks = all_clicks.at[target].get(mode="fill", fill_value=0.0)
                     es = _expand(apply_key_gradients(spec, _squeeze(es), _lookup(rows, rep),
-                                                     g_keys, lr, count))
+                                                     g_keys, lr, count,
+                                                     keys, clicks))
                 out.append(es)
             return tuple(out)
 
         fn = jax.shard_map(local, mesh=self.mesh,
-                           in_specs=(self.state_specs, P(AXIS), P(AXIS), P(AXIS), P(), P()),
+                           in_specs=(self.state_specs, P(AXIS), P(AXIS), P(AXIS), P(), P(),
+                                     P(AXIS)),
                            out_specs=self.state_specs, check_vma=False)
-        return fn(embs, residuals, segs, tuple(grads), tuple(lrs), count)
+        return fn(embs, residuals, segs, tuple(grads), tuple(lrs), count, batch.label)
 
 
 def _lookup(rows, rep) -> Lookup:
@@ -290,7 +305,9 @@ def _routed_lookup(spec: EmbeddingSpec, pl: Placement, es: EmbeddingState, keys,
     pooled = _exchange(partial.reshape(d, nseg, spec.dim)).sum(axis=0)
     if spec.combiner == "mean":
         pooled = pooled / jnp.maximum(_segment_counts(segs, nseg), 1.0)[:, None]
-    return es, (target, lk.rows, lk.rep), pooled.reshape(b, spec.slot_num, spec.dim)
+    keys_kept = recv_keys if admits(spec.optimizer) else None  # admission initializes by key
+    return es, (target, lk.rows, lk.rep, keys_kept), pooled.reshape(b, spec.slot_num,
+                                                                    spec.dim)
 
 
 def _replicated_lookup(spec: EmbeddingSpec, es: EmbeddingState, keys, segs, b: int, dev,
@@ -299,10 +316,11 @@ def _replicated_lookup(spec: EmbeddingSpec, es: EmbeddingState, keys, segs, b: i
     valid = segs < b * spec.slot_num
     if not train:  # every copy is complete: look up locally
         _, lk = lookup_keys(spec, es, keys, valid, segs % spec.slot_num, train=False)
-        return es, (lk.rows, lk.rep), pool(spec, es.values, lk.rows, segs, b)
+        return es, (lk.rows, lk.rep, None), pool(spec, es.values, lk.rows, segs, b)
     all_keys = jax.lax.all_gather(keys, AXIS, tiled=True)
     all_valid = jax.lax.all_gather(valid, AXIS, tiled=True)
     all_slots = jax.lax.all_gather(segs % spec.slot_num, AXIS, tiled=True)
     es, lk = lookup_keys(spec, es, all_keys, all_valid, all_slots, train=train)
     rows = jax.lax.dynamic_slice_in_dim(lk.rows, dev * n, n)
-    return es, (lk.rows, lk.rep), pool(spec, es.values, rows, segs, b)
+    keys_kept = all_keys if admits(spec.optimizer) else None
+    return es, (lk.rows, lk.rep, keys_kept), pool(spec, es.values, rows, segs, b)

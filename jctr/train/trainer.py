@@ -740,6 +740,15 @@ class Trainer:
         self.state = self.state._replace(embeddings=tuple(embeddings))
         return int(keep.sum())
 
+    def scale_slot(self, table: int, name: str, factors: tuple[float, ...]) -> None:
+        """Multiply the columns of optimizer slot ``name`` of embedding ``table`` by
+        ``factors`` (streaming training's daily decay of the admission counts)."""
+        embeddings = list(self.state.embeddings)
+        es = embeddings[table]
+        scaled = _scale(es.slots[name], jnp.asarray(factors, jnp.float32))
+        embeddings[table] = es._replace(slots={**es.slots, name: scaled})
+        self.state = self.state._replace(embeddings=tuple(embeddings))
+
     def use_training_data(self, source: str, dataset: Dataset | None = None) -> None:
         """Train on another file list from now on (streaming training: each pass its own
         files); the reader starts at its beginning. ``dataset``: ``source`` already opened
@@ -881,6 +890,9 @@ class Trainer:
         :class:`jctr.data.batch.BatchError`."""
         batch = check_batch(batch, self.cfg.data)
         return self._predict_all(batch)[batch.mask]
+
+
+_scale = jax.jit(lambda x, f: x * f)
 
 
 def _padding_batch(like: Batch, data) -> Batch:

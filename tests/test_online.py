@@ -168,11 +168,11 @@ def _stream(tmp, days=("20190720", "20190721")):
     return model
 
 
-def _online(tmp, model, save, end_day="20190721", **extra):
+def _online(tmp, model, save, end_day="20190721", start_day="20190720", **extra):
     from jctr.config.online import parse_online_config
 
     doc = {"model": str(model), "train_data_dir": str(tmp / "stream"), "split_interval": 720,
-           "split_per_pass": 1, "start_day": "20190720", "end_day": end_day,
+           "split_per_pass": 1, "start_day": start_day, "end_day": end_day,
            "save_model_path": str(save), "data_donefile": "DONE", "data_sleep_second": 0.05,
            **extra}
     return parse_online_config(doc, str(tmp / "online.yaml"))
@@ -331,9 +331,12 @@ def test_weeks_of_new_keys_fit_a_small_table_through_the_daily_shrink(tmp_path):
         OnlineRun(online("kept", 30), log=lambda s: None).run()
 
 
-def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path):
-    """``python -m jctr.online`` SIGKILLed while it waits for the second pass's data, started
-    again once the data is there: its last checkpoint equals an uninterrupted run's."""
+@pytest.mark.parametrize("when", ["waiting", "training"])
+def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path, when):
+    """``python -m jctr.online`` SIGKILLed while it waits for the second pass's data, or in
+    the middle of the second pass's training, and started again (once the data is there):
+    its last checkpoint equals an uninterrupted run's."""
+    import json
     import signal
     import subprocess
     import sys
@@ -347,8 +350,12 @@ def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path):
     from tests.test_epochs import leaves_equal
 
     model = _stream(tmp_path, days=("20190720",))
+    cfg = json.loads(model.read_text())
+    cfg["solver"].update(batchsize=64, display=1)  # 8 iterations a pass, each reported
+    model.write_text(json.dumps(cfg))
     folders = sorted((tmp_path / "stream").glob("*/*"))
-    (folders[0] / "DONE").touch()
+    for folder in folders[:1] if when == "waiting" else folders:
+        (folder / "DONE").touch()
     doc = {"model": str(model), "train_data_dir": str(tmp_path / "stream"),
            "split_interval": 720, "split_per_pass": 1, "start_day": "20190720",
            "end_day": "20190720", "save_model_path": "killed", "data_donefile": "DONE",
@@ -358,14 +365,19 @@ def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path):
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
     seen = []
-    for line in proc.stdout:  # pass 1 is checkpointed, then the run waits for pass 2
+    # waiting: pass 1 is checkpointed, then the run waits for pass 2's data; training: the
+    # first of pass 2's eight iterations is done
+    mark = "checkpoint of day 20190720 pass 1" if when == "waiting" else "[jctr] iter 9 "
+    for line in proc.stdout:
         seen.append(line)
-        if "checkpoint of day 20190720 pass 1" in line:
+        if mark in line:
             break
-    time.sleep(0.3)
+    if when == "waiting":
+        time.sleep(0.3)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=60)
     assert any("checkpoint of day 20190720 pass 1" in x for x in seen), seen[-5:]
+    assert not (tmp_path / "killed" / "20190720" / "2").exists()  # pass 2 never finished
     (folders[1] / "DONE").touch()
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
@@ -377,7 +389,7 @@ def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path):
     assert whole.run() == 2
     killed = Checkpointer(str(tmp_path / "killed" / "20190720" / "2"))
     state, _ = killed.restore(whole.trainer.state, whole.trainer.specs)
-    assert int(state.step) == int(whole.trainer.state.step) == 4
+    assert int(state.step) == int(whole.trainer.state.step) == 16
     assert leaves_equal(jax.tree.map(np.asarray, state.params),
                         jax.tree.map(np.asarray, whole.trainer.state.params))
 
@@ -664,3 +676,45 @@ def test_admission_in_a_streaming_run(tmp_path):
     with pytest.raises(ConfigError, match="embedx_dim: 5, but embedding .* makes it 7"):
         OnlineRun(_online(tmp_path, model, tmp_path / "bad", end_day="20190720",
                           table_parameters={"embedx_dim": 5}), log=lambda s: None).run()
+
+
+def test_ten_days_of_a_drifting_stream_through_a_small_table(tmp_path):
+    """Ten simulated days of power-law keys whose popular keys drift every day (a generated
+    tree): with the shrink the table never holds more than about two days of keys and the
+    pass AUC (each pass's predictions before it learns from them) climbs and holds; the same
+    stream without a shrink fills the table."""
+    import json
+
+    from jctr.config import parse_config
+    from jctr.embedding.hash_table import TableFullError
+    from jctr.online.runner import OnlineRun
+    from jctr.online.synthetic_stream import write_stream
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, "dlrm", display=1000, eval_batches=2, batchsize=256,
+                      batchsize_eval=256, eval_interval=10**6)
+    cfg["layers"][0]["synthetic"].update(num_samples=512, eval_num_samples=512, num_files=1)
+    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 13000
+    from jctr.data.synthetic import generate_for_config
+
+    generate_for_config(parse_config(cfg))  # the validation set
+    days = [f"201907{20 + d}" for d in range(10)]
+    write_stream(parse_config(cfg), str(tmp_path / "stream"), days, split_interval=720,
+                 files_per_slice=1, samples_per_file=4096, drift=0.3)
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(cfg))
+
+    def online(name, unseen_days):
+        return _online(tmp_path, model, tmp_path / name, start_day=days[0], end_day=days[-1],
+                       table_parameters={"delete_after_unseen_days": unseen_days})
+
+    lines = []
+    assert OnlineRun(online("shrunk", 1), log=lines.append).run() == 20
+    rows = [int(x.split(", ")[-1].split(" rows")[0].replace(",", "")) for x in lines
+            if "rows in use" in x]
+    assert len(rows) == 9 and max(rows) < 0.7 * 13000
+    aucs = [json.loads(x)["pass_auc"] for x in
+            (tmp_path / "shrunk" / "passes.jsonl").read_text().splitlines()]
+    assert min(aucs[-6:]) > 0.7 and min(aucs[-6:]) > aucs[0] + 0.15, aucs
+    with pytest.raises(TableFullError):
+        OnlineRun(online("kept", 30), log=lambda s: None).run()

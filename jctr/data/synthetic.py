@@ -58,9 +58,12 @@ def key_weights(keys: np.ndarray, seed: int) -> np.ndarray:
 
 def generate_block(num_samples: int, *, slot_nnz: list[int], vocab: list[int], dense_dim: int,
                    label_dim: int = 1, alpha: float = 1.2, key_type: str = "I64",
-                   seed: int = 0, signal: float = 1.0, stream: int = 0) -> RecordBlock:
+                   seed: int = 0, signal: float = 1.0, stream: int = 0,
+                   rank_shift: int = 0) -> RecordBlock:
     """One block of samples. ``slot_nnz[s]`` is the most keys slot s holds (1 = one-hot;
-    multi-hot slots draw 1..max keys per sample)."""
+    multi-hot slots draw 1..max keys per sample). ``rank_shift`` moves which keys are popular
+    (rank k draws the key of rank ``k + rank_shift``, modulo the vocabulary): streams whose
+    head drifts from day to day."""
     rng = np.random.default_rng([seed, stream])
     r = num_samples
     slots = len(slot_nnz)
@@ -77,7 +80,8 @@ def generate_block(num_samples: int, *, slot_nnz: list[int], vocab: list[int], d
     keys = np.empty(total, np.int64)
     for s in range(slots):
         sel = slot_of_key == s
-        ranks[sel] = power_law_ranks(rng, int(sel.sum()), vocab[s], alpha)
+        ranks[sel] = (power_law_ranks(rng, int(sel.sum()), vocab[s], alpha)
+                      + rank_shift) % vocab[s]
         keys[sel] = slot_keys(s, ranks[sel], offsets, key_type)
     del key_parts
     # slot contribution: mean hidden weight of its keys, head keys weigh more so a few steps

@@ -1,0 +1,48 @@
+"""A synthetic streaming-data tree: ``<out>/<YYYYMMDD>/<HHMM>/part-<i>.data`` Norm files with
+power-law keys whose popular keys drift from day to day (new keys keep arriving), and a
+done-file in each slice folder, for tests and ``scripts/bench_online.py``.
+
+Example::
+
+    write_stream(cfg, "data/stream", ["20190720", "20190721"], split_interval=360,
+                 files_per_slice=2, samples_per_file=4096)
+"""
+
+from __future__ import annotations
+
+import os
+
+from jctr.config.schema import ModelConfig
+from jctr.data.norm import write_norm_file
+from jctr.data.synthetic import generate_block, layout_from_config
+from jctr.online.schedule import pass_folders
+
+
+def write_stream(cfg: ModelConfig, out: str, days: list[str], *, split_interval: int,
+                 files_per_slice: int, samples_per_file: int, drift: float = 0.05,
+                 donefile: str = "DONE", alpha: float = 1.2, seed: int = 0) -> list[str]:
+    """Write every slice of ``days`` (one folder per ``split_interval`` minutes) with the
+    config's slot layout; day ``d``'s popular keys are those of day 0 moved ``d * drift`` of
+    each slot's vocabulary down the ranks. Returns the slice folders in order."""
+    layout = layout_from_config(cfg)
+    vocab = layout["vocab"]
+    key_type, check = cfg.solver.input_key_type, cfg.data.check
+    syn = cfg.data.synthetic
+    signal = syn.signal if syn else 1.0
+    folders = []
+    slices = [name for group in pass_folders(split_interval, 1) for name in group]
+    for d, day in enumerate(days):
+        for s, hhmm in enumerate(slices):
+            folder = os.path.join(out, day, hhmm)
+            os.makedirs(folder, exist_ok=True)
+            for i in range(files_per_slice):
+                block = generate_block(
+                    samples_per_file, **layout, key_type=key_type, alpha=alpha, seed=seed,
+                    signal=signal, stream=(d * len(slices) + s) * 1000 + i,
+                    rank_shift=int(d * drift * min(vocab)))
+                write_norm_file(os.path.join(folder, f"part-{i}.data"), block,
+                                key_type=key_type, check=check)
+            if donefile:
+                open(os.path.join(folder, donefile), "w").close()
+            folders.append(folder)
+    return folders

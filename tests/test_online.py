@@ -718,3 +718,42 @@ def test_ten_days_of_a_drifting_stream_through_a_small_table(tmp_path):
     assert min(aucs[-6:]) > 0.7 and min(aucs[-6:]) > aucs[0] + 0.15, aucs
     with pytest.raises(TableFullError):
         OnlineRun(online("kept", 30), log=lambda s: None).run()
+
+
+def test_show_and_click_from_named_inputs(tmp_path):
+    """show_click_entry: each key's show is the sum of its samples' dense[0] and its click the
+    sum of label[0] (counted here from the files); a column the model lacks is refused."""
+    from jctr.config import ConfigError
+    from jctr.data.norm import read_norm_file
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path, days=("20190720",))
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    run = OnlineRun(_online(tmp_path, model, tmp_path / "save", end_day="20190720",
+                            table_parameters={"show_click_entry": {"show": "dense[0]",
+                                                                   "click": "label[0]"}}),
+                    log=lambda s: None)
+    run.run()
+    blocks = [read_norm_file(str(f), label_dim=1, dense_dim=13, slot_num=8, key_type="I64",
+                             check="Sum")
+              for f in sorted((tmp_path / "stream").glob("*/*/part-0.data"))]
+    keys = np.concatenate([b.keys for b in blocks])
+    per_key = lambda col: np.concatenate([np.repeat(col(b), b.nnz.sum(axis=1))  # noqa: E731
+                                          for b in blocks])
+    uniq, inverse = np.unique(keys, return_inverse=True)
+    show = np.bincount(inverse, per_key(lambda b: b.dense[:, 0].astype(np.float64)), uniq.size)
+    click = np.bincount(inverse, per_key(lambda b: b.label[:, 0] > 0.5), uniq.size)
+    stats = run.stats[0]
+    np.testing.assert_array_equal(stats.keys, uniq)
+    np.testing.assert_allclose(stats.show, show, rtol=1e-6)
+    np.testing.assert_array_equal(stats.click, click)
+    with pytest.raises(ConfigError, match=r'show_click_entry.show: "dense\[13\]", but the '
+                                          r"model has 13 dense column"):
+        OnlineRun(_online(tmp_path, model, tmp_path / "bad", end_day="20190720",
+                          table_parameters={"show_click_entry": {"show": "dense[13]"}}),
+                  log=lambda s: None).run()
+    with pytest.raises(ConfigError, match=r'show_click_entry.click: expected a number >= 0, '
+                                          r'"label\[i\]" or "dense\[i\]", got .label0.'):
+        _online(tmp_path, model, tmp_path / "bad", table_parameters={
+            "show_click_entry": {"click": "label0"}})

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jctr.checkpoint.tables import export_placed, import_placed
+from jctr.checkpoint.tables import export_keys, export_placed, import_placed
 from jctr.errors import UserError
 from jctr.models import layers as L
 from jctr.sharding.mesh import to_host
@@ -213,10 +213,10 @@ def write_model_files(step_config: StepConfig, state: TrainState, placements, de
     process takes part (tables are gathered); process 0 writes. Returns each table's key
     count."""
     placements = placements or (None,) * len(step_config.specs)
-    tables = [export_placed(es, p) for es, p in zip(state.embeddings, placements)]
-    if keys is not None:
-        tables = [{name: arr[np.isin(t["keys"], np.asarray(k, np.int64))]
-                   for name, arr in t.items()} for t, k in zip(tables, keys)]
+    if keys is None:
+        tables = [export_placed(es, p) for es, p in zip(state.embeddings, placements)]
+    else:
+        tables = [export_keys(es, k, p) for es, k, p in zip(state.embeddings, keys, placements)]
     if jax.process_index() == 0:
         net = host_network(step_config, state)
         write_dense_model(dense, net)

@@ -36,6 +36,38 @@ _insert = jax.jit(lambda table, keys, valid, capacity: lookup(table, keys, valid
                   static_argnums=3, donate_argnums=0)
 
 
+_find = jax.jit(lambda table, keys, valid, capacity: lookup(table, keys, valid, capacity,
+                                                            insert=False)[1].rows,
+                static_argnums=3)
+
+
+def export_keys(state: EmbeddingState, keys: np.ndarray, placement=None
+                ) -> dict[str, np.ndarray]:
+    """:func:`export_placed` of only ``keys`` (those the table holds, in ``keys``' order):
+    on one device the keys are looked up, not the whole table copied."""
+    keys = np.asarray(keys, np.int64)
+    if (placement is not None and placement.sharded) or jax.process_count() > 1:
+        stored = export_placed(state, placement)
+        keep = np.isin(stored["keys"], keys)
+        return {name: arr[keep] for name, arr in stored.items()}
+    capacity = state.values.shape[0]
+    rows = np.empty(keys.size, np.int32)
+    for start in range(0, keys.size, _INSERT_CHUNK):
+        chunk = keys[start:start + _INSERT_CHUNK]
+        pad = np.zeros(_INSERT_CHUNK, np.int64)
+        pad[:chunk.size] = chunk
+        valid = np.arange(_INSERT_CHUNK) < chunk.size
+        rows[start:start + chunk.size] = np.asarray(
+            _find(state.table, jnp.asarray(pad), jnp.asarray(valid), capacity))[:chunk.size]
+    held = rows >= 0
+    idx = jnp.asarray(rows[held])
+    out = {"keys": keys[held], "values": np.asarray(jnp.take(state.values, idx, axis=0)),
+           "slot": np.asarray(jnp.take(state.row_slot, idx, axis=0))}
+    for name, arr in state.slots.items():
+        out[name] = np.asarray(jnp.take(arr, idx, axis=0))
+    return out
+
+
 def import_table(spec: EmbeddingSpec, state: EmbeddingState,
                  stored: dict[str, np.ndarray], *, source: str = "<table>") -> EmbeddingState:
     """Insert stored keys into ``state`` (normally freshly initialised) and set their rows.

@@ -26,12 +26,25 @@ Relative paths are taken from the config file's folder.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from jctr.config.parser import parse_sparse_sgd_rule
 from jctr.config.reader import ConfigError, ObjectReader, json_from_text
 from jctr.config.schema import SparseSGDRule
+
+
+@dataclass(frozen=True)
+class ShowClickEntry:
+    """Where a sample's show and click come from (PaddlePaddle's ``ShowClickEntry``): a
+    number (the same for every sample) or a column of the sample, ``"label[i]"`` or
+    ``"dense[i]"``. Each key of the sample gets them."""
+
+    show: float | str = 1.0
+    """A sample's shows: 1 (the default), or a column such as ``"dense[0]"``."""
+    click: float | str = "label[0]"
+    """A sample's clicks: the first label column (default), or another column."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +64,8 @@ class TableParameters:
     """At each day's shrink, keys whose score is below this are deleted (rows freed)."""
     delete_after_unseen_days: int = 30
     """At each day's shrink, keys unseen for more than this many days are deleted."""
+    show_click_entry: ShowClickEntry = field(default_factory=ShowClickEntry)
+    """Which inputs are a sample's show and click (object below)."""
     embedx_threshold: float = 0.0
     """Admission: above 0 a new key's row trains its first dimension only until its score
     (counted by the table as it trains) reaches this; then its other ``embedx_dim``
@@ -172,7 +187,14 @@ def _table_parameters(r: ObjectReader) -> TableParameters:
     embedx_threshold = t.float("embedx_threshold", 0.0, min_value=0.0)
     if any(rules.values()) or embedx_threshold > 0:
         rules = {k: v or SparseSGDRule() for k, v in rules.items()}
+    entry = ShowClickEntry()
+    if t.has("show_click_entry"):
+        e = t.child("show_click_entry")
+        entry = ShowClickEntry(show=_entry_source(e, "show", 1.0),
+                               click=_entry_source(e, "click", "label[0]"))
+        e.finish()
     out = TableParameters(
+        show_click_entry=entry,
         click_coeff=t.float("click_coeff", 1.0), nonclk_coeff=t.float("nonclk_coeff", 0.1),
         show_click_decay_rate=t.float("show_click_decay_rate", 1.0, min_value=0.0),
         delete_threshold=t.float("delete_threshold", 0.0),
@@ -189,6 +211,15 @@ def _table_parameters(r: ObjectReader) -> TableParameters:
                       f"{out.show_click_decay_rate}")
     t.finish()
     return out
+
+
+def _entry_source(r: ObjectReader, key: str, default: float | str) -> float | str:
+    value = r.raw(key, default)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
+        return float(value)
+    if isinstance(value, str) and re.fullmatch(r"(label|dense)\[\d+\]", value):
+        return value
+    raise r.error(key, f'expected a number >= 0, "label[i]" or "dense[i]", got {value!r}')
 
 
 def load_online_config(path: str | os.PathLike) -> OnlineConfig:

@@ -43,7 +43,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from jctr.config.online import OnlineConfig
+import numpy as np
+
+from jctr.config.online import OnlineConfig, ShowClickEntry
 from jctr.config.reader import ConfigError
 from jctr.data.records import DataError, write_file_list
 from jctr.online.feature_stats import FeatureStats, ScoreRule, ShrinkRule
@@ -250,20 +252,29 @@ class OnlineRun:
 
     # -- feature statistics and the daily shrink -------------------------------------------
     def _start_statistics(self) -> None:
+        from jctr.embedding.row_optimizers import admits
+
         t = self.trainer
         self.stats = [FeatureStats(self._score) for _ in t.specs]
-        label_dim = t.cfg.data.label_dim
+        entry = self.cfg.table_parameters.show_click_entry
+        show_of = _entry_column(entry.show, t.cfg.data, "show", self.cfg.source)
+        click_of = _entry_column(entry.click, t.cfg.data, "click", self.cfg.source)
+        if entry != ShowClickEntry() and any(admits(s.optimizer) for s in t.specs):
+            raise ConfigError("table_parameters.show_click_entry", "admission "
+                              "(embedx_threshold) counts one show per key and the first label "
+                              "column as its click; leave show_click_entry out with it",
+                              self.cfg.source)
 
-        def observe(batch) -> None:  # one show per key of a sample, a click per label 1
+        def observe(batch) -> None:  # each key of a sample gets the sample's show and click
             b = batch.label.shape[0]
+            show, click = show_of(batch), click_of(batch)
             for spec, stats in zip(t.specs, self.stats):
                 keys = batch.keys[spec.input_index]
                 segs = batch.segments[spec.input_index]
                 valid = segs < b * spec.slot_num
                 sample = segs[valid] // spec.slot_num
                 real = batch.mask[sample]
-                click = (batch.label.reshape(b, label_dim)[sample, 0] > 0.5)[real]
-                stats.observe(keys[valid][real], 1.0, click.astype(float))
+                stats.observe(keys[valid][real], show[sample[real]], click[sample[real]])
 
         t.batch_hooks.append(observe)
 
@@ -394,6 +405,24 @@ class OnlineRun:
         if self._converter is not None and jax.process_index() == 0:
             self._converter(path, kind, day, n)
         return path
+
+
+def _entry_column(source: float | str, data, name: str, where: str | None):
+    """A batch -> per-sample values function for a show/click source: a constant, or a
+    label or dense column (a label column counts as 1 where it is above 0.5)."""
+    if isinstance(source, float):
+        return lambda batch: np.full(batch.label.shape[0], source)
+    kind, index = source[:-1].split("[")
+    index = int(index)
+    width = data.label_dim if kind == "label" else data.dense_dim
+    if index >= width:
+        raise ConfigError(f"table_parameters.show_click_entry.{name}",
+                          f'"{source}", but the model has {width} {kind} column(s)', where)
+    if kind == "label":
+        return lambda batch: (batch.label.reshape(batch.label.shape[0], -1)[:, index]
+                              > 0.5).astype(np.float64)
+    return lambda batch: batch.dense.reshape(batch.dense.shape[0], -1)[:, index].astype(
+        np.float64)
 
 
 def _print(line: str) -> None:

@@ -20,11 +20,15 @@ from jctr.online.schedule import pass_folders
 
 def write_stream(cfg: ModelConfig, out: str, days: list[str], *, split_interval: int,
                  files_per_slice: int, samples_per_file: int, drift: float = 0.05,
-                 donefile: str = "DONE", alpha: float = 1.2, seed: int = 0) -> list[str]:
+                 donefile: str = "DONE", alpha: float = 1.2, seed: int = 0,
+                 vocab: list[int] | None = None) -> list[str]:
     """Write every slice of ``days`` (one folder per ``split_interval`` minutes) with the
-    config's slot layout; day ``d``'s popular keys are those of day 0 moved ``d * drift`` of
-    each slot's vocabulary down the ranks. Returns the slice folders in order."""
+    config's slot layout (``vocab``: keys per slot, default the config's); day ``d``'s popular
+    keys are those of day 0 moved ``d * drift`` of each slot's vocabulary down the ranks.
+    Returns the slice folders in order."""
     layout = layout_from_config(cfg)
+    if vocab is not None:
+        layout["vocab"] = list(vocab)
     vocab = layout["vocab"]
     key_type, check = cfg.solver.input_key_type, cfg.data.check
     syn = cfg.data.synthetic

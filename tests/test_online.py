@@ -757,3 +757,85 @@ def test_show_and_click_from_named_inputs(tmp_path):
                                           r'"label\[i\]" or "dense\[i\]", got .label0.'):
         _online(tmp_path, model, tmp_path / "bad", table_parameters={
             "show_click_entry": {"click": "label0"}})
+
+
+def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypatch):
+    """sparse_store: three days of drifting keys, several times more than the device table
+    holds, trained with the rows in RocksDB (each pass pulls its keys' rows, trains, writes
+    them back): every stored row, the statistics and the deltas equal an in-memory run's,
+    with SparseAdaGradSGDRule, admission and the daily shrink. A run that stops after a
+    write-back but before that pass's checkpoint puts the rows back when started again."""
+    import json
+
+    from jctr.checkpoint.tables import export_placed
+    from jctr.config import ConfigError, parse_config
+    from jctr.data.synthetic import generate_for_config
+    from jctr.online.row_store import RowStore
+    from jctr.online.runner import OnlineRun
+    from jctr.online.synthetic_stream import write_stream
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, "dlrm", display=1000, eval_batches=1, batchsize=256,
+                      batchsize_eval=256, eval_interval=10**6)
+    cfg["layers"][0]["synthetic"].update(num_samples=128, eval_num_samples=128, num_files=1)
+    generate_for_config(parse_config(cfg))
+    days = ["20190720", "20190721", "20190722", "20190723"]
+    write_stream(parse_config(cfg), str(tmp_path / "stream"), days, split_interval=720,
+                 files_per_slice=1, samples_per_file=512, drift=0.37)
+    # the last shrink deletes the keys only the first day had
+    tp = {"embedx_threshold": 1.0, "delete_after_unseen_days": 2, "show_click_decay_rate": 0.9}
+
+    def online(name, capacity, **extra):
+        cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = capacity
+        model = tmp_path / f"{name}.json"
+        model.write_text(json.dumps(cfg))
+        return _online(tmp_path, model, tmp_path / name, start_day=days[0], end_day=days[-1],
+                       save_delta_frequency=1, table_parameters=tp, **extra)
+
+    memory = OnlineRun(online("memory", 40_000), log=lambda s: None)
+    assert memory.run() == 8
+    want = export_placed(memory.trainer.state.embeddings[0], memory.trainer.placements[0])
+    order = np.argsort(want["keys"])
+    want = {k: v[order] for k, v in want.items()}
+
+    # the second day's first write-back is not followed by its checkpoint: the run stops
+    real = OnlineRun._checkpoint
+    stopped = []
+
+    def fail_once(self, folder, day, n, *, day_end):
+        if (day, n, day_end) == ("20190721", 1, False) and not stopped:
+            stopped.append(1)
+            raise KeyboardInterrupt
+        return real(self, folder, day, n, day_end=day_end)
+
+    monkeypatch.setattr(OnlineRun, "_checkpoint", fail_once)
+    store_cfg = online("disk", 2000, sparse_store={"path": "rows"})
+    with pytest.raises(KeyboardInterrupt):
+        OnlineRun(store_cfg, log=lambda s: None).run()
+    lines = []
+    disk = OnlineRun(store_cfg, log=lines.append)
+    assert disk.run() == 6  # day 2 pass 1 again, then the rest
+    assert any("put back the rows day 20190721 pass 1" in x for x in lines)
+    t = disk.trainer
+    assert int(t.state.embeddings[0].table.size) == 0  # only a pass's working set was there
+    shapes = [{k: tuple(v.shape[1:]) for k, v in t.state.embeddings[0].slots.items()}]
+    store = RowStore(str(tmp_path / "rows"), t.specs, shapes)
+    got = store.pull(0, want["keys"])
+    assert got["keys"].size == want["keys"].size == store.size(0)
+    # several device tables' worth: at the end, and more before the day-end shrinks
+    assert want["keys"].size > 2 * 2000
+    peak = max(int(x.split(": ")[2].split(" key")[0].replace(",", ""))
+               + int(x.split(", ")[1].split(" with")[0].replace(",", ""))
+               for x in lines if "shrink at the end" in x)
+    assert peak > 3 * 2000
+    for name in ("values", "g2sum", "accessor", "slot"):
+        np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
+    store.close()
+    for name, value in memory.stats[0].state_dict().items():
+        np.testing.assert_array_equal(getattr(disk.stats[0], name), value)
+    for folder in ("20190723/delta-2", "20190724/base"):
+        a, b = (np.fromfile(tmp_path / run / folder / "sparse" / "sparse_embedding1.model"
+                            / "key", "<i8") for run in ("memory", "disk"))
+        np.testing.assert_array_equal(np.sort(a), np.sort(b))
+    with pytest.raises(ConfigError, match="checkpoint_per_pass: 2, but with sparse_store"):
+        online("x", 2000, sparse_store={"path": "rows"}, checkpoint_per_pass=2)

@@ -205,17 +205,18 @@ def host_network(step_config: StepConfig, state: TrainState):
 
 def write_model_files(step_config: StepConfig, state: TrainState, placements, dense: str,
                       non_trainable_json: str, sparse: list[str], *,
-                      slot_ids: bool = True, keys: list[np.ndarray] | None = None
-                      ) -> list[int]:
+                      slot_ids: bool = True, keys: list[np.ndarray] | None = None,
+                      tables: list[dict[str, np.ndarray]] | None = None) -> list[int]:
     """Write the dense model file, the BatchNorm JSON and one sparse model folder per
     embedding (with ``slot_id`` files unless ``slot_ids`` is False) at the given paths; with
-    ``keys`` (one array per embedding) only the rows of those keys the tables hold. Every
-    process takes part (tables are gathered); process 0 writes. Returns each table's key
-    count."""
+    ``keys`` (one array per embedding) only the rows of those keys the tables hold;
+    ``tables`` (stored-table dicts, one per embedding) are written instead of the state's.
+    Every process takes part (tables are gathered); process 0 writes. Returns each table's
+    key count."""
     placements = placements or (None,) * len(step_config.specs)
-    if keys is None:
+    if tables is None and keys is None:
         tables = [export_placed(es, p) for es, p in zip(state.embeddings, placements)]
-    else:
+    elif tables is None:
         tables = [export_keys(es, k, p) for es, k, p in zip(state.embeddings, keys, placements)]
     if jax.process_index() == 0:
         net = host_network(step_config, state)

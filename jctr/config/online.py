@@ -131,6 +131,12 @@ class OnlineConfig:
     """An inference delta model ``<save_model_path>/<day>/delta-<pass>/`` every this many
     passes (0: none). The base model ``<next day>/base/`` is written after every day's
     shrink."""
+    sparse_store: str | None = None
+    """A folder for a RocksDB database holding every embedding row (the file's
+    ``sparse_store: {type: rocks_db, path: ...}``): tables larger than memory. Each pass pulls
+    the rows of its keys (and the validation set's) into the device table, trains, and writes
+    them back; ``max_vocabulary_size_per_gpu`` then only needs to hold one pass's keys.
+    Needs ``checkpoint_per_pass: 1`` and one process."""
     table_parameters: TableParameters = field(default_factory=TableParameters)
     """Feature statistics and the daily shrink, for every embedding table (object below)."""
     source: str | None = None
@@ -167,9 +173,26 @@ def parse_online_config(raw: Any, source: str | None = None) -> OnlineConfig:
         prefetch=r.bool("prefetch", True),
         checkpoint_per_pass=r.int("checkpoint_per_pass", 1, min_value=1),
         save_delta_frequency=r.int("save_delta_frequency", 0, min_value=0),
+        sparse_store=_sparse_store(r, base),
         table_parameters=_table_parameters(r), source=source)
+    if cfg.sparse_store and cfg.checkpoint_per_pass != 1:
+        raise r.error("checkpoint_per_pass", f"{cfg.checkpoint_per_pass}, but with "
+                      "sparse_store every pass is checkpointed (the database is written after "
+                      "each pass, and a run resumes from the checkpoint it matches): use 1")
     r.finish()
     return cfg
+
+
+def _sparse_store(r: ObjectReader, base: str) -> str | None:
+    if not r.has("sparse_store"):
+        return None
+    t = r.child("sparse_store")
+    t.choice("type", ("rocks_db",), "rocks_db")
+    path = t.str("path")
+    if not path:
+        raise t.error("path", "expected a folder for the database")
+    t.finish()
+    return os.path.normpath(os.path.join(base, path))
 
 
 def _table_parameters(r: ObjectReader) -> TableParameters:

@@ -78,6 +78,9 @@ class OnlineRun:
                                   delete_after_unseen_days=tp.delete_after_unseen_days)
         self.stats: list[FeatureStats] = []  # per embedding table, once the trainer exists
         self._converter = _converter(cfg)
+        self.store = None  # the row database (sparse_store), once the trainer exists
+        self._pulled: list[dict] = []
+        self._eval_keys: list[np.ndarray] = []
 
     # -- where a run stands ---------------------------------------------------------------
     def progress(self) -> dict | None:
@@ -164,6 +167,14 @@ class OnlineRun:
 
     def run(self) -> int:
         """Train every pass still to do; returns the number trained now."""
+        try:
+            return self._run()
+        finally:
+            if self.store is not None:
+                self.store.close()
+                self.store = None
+
+    def _run(self) -> int:
         os.makedirs(self.cfg.save_model_path, exist_ok=True)
         done = self.progress()
         todo = self._todo(done)
@@ -223,11 +234,13 @@ class OnlineRun:
             raise DataError(f"{', '.join(folders)}: no data files in the pass's folders")
         file_list = self._file_list(lists, day, n)
         write_file_list(file_list, files)
-        dataset = None
+        dataset = keys = None
         if read and self.trainer is not None:
             dataset = self.trainer.open_training_data(file_list)
             dataset.cache_all()
-        return {"files": len(files), "list": file_list, "dataset": dataset,
+            if self.cfg.sparse_store:
+                keys = self._working_keys(dataset)
+        return {"files": len(files), "list": file_list, "dataset": dataset, "keys": keys,
                 "read_s": time.perf_counter() - t0 if dataset is not None else None,
                 "wait_s": None}
 
@@ -249,6 +262,79 @@ class OnlineRun:
             folder = os.path.dirname(done["checkpoint"])
             self.trainer.restore_checkpoint(directory=folder)
             self._load_statistics(folder)
+        if self.cfg.sparse_store:
+            self._open_store(done)
+
+    # -- tables larger than memory (sparse_store) ------------------------------------------
+    def _open_store(self, done: dict | None) -> None:
+        """The row database; a write-back that its checkpoint never followed is undone."""
+        import jax
+
+        from jctr.online.row_store import RowStore
+
+        if jax.process_count() > 1:
+            raise ConfigError("sparse_store", "the row database serves one process in this "
+                              "version", self.cfg.source)
+        t = self.trainer
+        shapes = [{name: tuple(arr.shape[1:]) for name, arr in es.slots.items()}
+                  for es in t.state.embeddings]
+        self.store = RowStore(self.cfg.sparse_store, t.specs, shapes)
+        undo_dir = self._undo_dir()
+        os.makedirs(undo_dir, exist_ok=True)
+        last = (done["day"], done["pass"]) if done is not None else ("", 0)
+        for name in sorted(os.listdir(undo_dir)):
+            path = os.path.join(undo_dir, name)
+            if RowStore.marker_of(path) > last:  # written back after the last checkpoint
+                day, n = self.store.undo(path)
+                self.log(f"[jctr] sparse_store: put back the rows day {day} pass {n} wrote "
+                         "after the last checkpoint")
+            os.remove(path)
+        self._eval_keys = self._working_keys(t.eval_data)
+
+    def _undo_dir(self) -> str:
+        return os.path.join(self.cfg.save_model_path, "_store_undo")
+
+    def _working_keys(self, dataset) -> list[np.ndarray]:
+        """Distinct keys per table of a dataset (this process's share)."""
+        t = self.trainer
+        found: list[list[np.ndarray]] = [[] for _ in t.specs]
+        size = t.solver.batchsize
+        for batch in dataset.batches(size, epochs=1):
+            b = batch.label.shape[0]
+            for i, spec in enumerate(t.specs):
+                segs = batch.segments[spec.input_index]
+                found[i].append(np.unique(batch.keys[spec.input_index][segs < b * spec.slot_num]))
+        return [np.unique(np.concatenate(k)) if k else np.zeros(0, np.int64) for k in found]
+
+    def _pull(self, keys: list[np.ndarray]) -> None:
+        """The rows of the pass's (and the validation set's) keys into the empty tables."""
+        t = self.trainer
+        self._pulled = []
+        for i, spec in enumerate(t.specs):
+            want = np.union1d(keys[i], self._eval_keys[i])
+            if want.size > spec.capacity:
+                raise DataError(f"sparse_store: a pass's working set of {want.size:,} keys "
+                                f"(with the validation set's) does not fit embedding "
+                                f'"{spec.name}" ({spec.capacity:,} rows): raise '
+                                "max_vocabulary_size_per_gpu or make passes smaller")
+            stored = self.store.pull(i, want)
+            self._pulled.append(stored)
+            t.put_rows(i, stored, replace=True)
+
+    def _push(self, day: str, n: int) -> None:
+        """The working set back into the database (undoable until the pass's checkpoint);
+        the tables are empty again."""
+        from jctr.checkpoint.tables import export_placed
+
+        t = self.trainer
+        tables = [export_placed(es, pl) for es, pl in zip(t.state.embeddings, t.placements)]
+        added = [np.setdiff1d(tb["keys"], old["keys"]) for tb, old in zip(tables, self._pulled)]
+        self.store.save_undo(os.path.join(self._undo_dir(), f"{day}_{n:04d}.npz"),
+                             self._pulled, added, {"day": day, "pass": n})
+        for i, tb in enumerate(tables):
+            self.store.push(i, tb)
+            t.put_rows(i, {k: v[:0] for k, v in tb.items()}, replace=True)
+        self._pulled = []
 
     # -- feature statistics and the daily shrink -------------------------------------------
     def _start_statistics(self) -> None:
@@ -315,20 +401,41 @@ class OnlineRun:
         t = self.trainer
         rate = self.cfg.table_parameters.show_click_decay_rate
         for i, (spec, stats) in enumerate(zip(t.specs, self.stats)):
-            if "accessor" in t.state.embeddings[i].slots and rate != 1.0:
-                t.scale_slot(i, "accessor", (rate, rate, 1.0))  # admission's counts decay too
+            decays = "accessor" in t.state.embeddings[i].slots and rate != 1.0
             deleted = stats.shrink(self._shrink)
-            rows = t.drop_keys(i, deleted) if deleted.size else None
+            if self.store is not None:
+                self._shrink_store(i, day, deleted, rate if decays else None)
+                rows = None
+            else:
+                if decays:  # admission's counts decay too
+                    t.scale_slot(i, "accessor", (rate, rate, 1.0))
+                rows = t.drop_keys(i, deleted) if deleted.size else None
             self.log(f"[jctr] shrink at the end of day {day}: {spec.name}: {deleted.size:,} "
                      f"key(s) deleted, {len(stats):,} with statistics"
                      + (f", {rows:,} rows in use of {spec.capacity:,}" if rows is not None
                         else ""))
 
+    def _shrink_store(self, i: int, day: str, deleted: np.ndarray, rate: float | None) -> None:
+        """The shrink in the row database: deleted keys go; admission counts decay once a day
+        (a resumed day end does not decay them again)."""
+        self.store.erase(i, deleted)
+        if rate is None:
+            return
+        meta = self.store.db.get_meta(self.store.names[i]) or {}
+        if meta.get("decayed_day") != day:
+            self.store.scale(i, "accessor", (rate, rate, 1.0))
+            self.store.db.set_meta(self.store.names[i], {**meta, "decayed_day": day})
+
     def _train_pass(self, day: str, n: int, data: dict) -> None:
         t = self.trainer
+        if self.store is not None:
+            self._pull(data["keys"] if data.get("keys") is not None
+                       else self._working_keys(t.train_data))
         before = len(t.history)
         t.fit()
         self._sync_statistics()
+        if self.store is not None:
+            self._push(day, n)
         records = t.history[before:]
         train = [r["loss"] for r in records if r["kind"] == "train"]
         summary = next((r for r in records if r["kind"] == "summary"), {})
@@ -377,6 +484,9 @@ class OnlineRun:
         if jax.process_index() == 0:
             self._save_statistics(folder)
             self._write_progress(day, n, int(os.path.basename(path)), path, day_end)
+        if self.store is not None:  # the database now matches this checkpoint
+            for name in os.listdir(self._undo_dir()):
+                os.remove(os.path.join(self._undo_dir(), name))
         what = "batch model after" if day_end else "checkpoint of"
         self.log(f"[jctr] {what} day {day} pass {n} -> {path}")
 
@@ -395,8 +505,11 @@ class OnlineRun:
             keys = [st.delta_keys(tp.delta_threshold, tp.delta_keep_days) for st in self.stats]
             folder = os.path.join(self.cfg.save_model_path, day, f"delta-{n}")
         t = self.trainer
+        tables = None
+        if self.store is not None:  # every row is in the database
+            tables = [self.store.rows(i, k) for i, k in enumerate(keys)]
         path = export_bundle(t.cfg, t.state, folder, t.placements, keys=keys,
-                             about={"kind": kind, "day": day, "pass": n})
+                             about={"kind": kind, "day": day, "pass": n}, tables=tables)
         self.log(f"[jctr] {kind} model -> {path} ("
                  + ", ".join(f"{spec.name}: {k.size:,} keys" for spec, k in zip(t.specs, keys))
                  + ")")

@@ -74,13 +74,15 @@ _BUNDLE_ENTRIES = {"manifest.json", "config.json", "dense.model", "non_trainable
 
 
 def export_bundle(cfg, state, output: str, placements=None, *,
-                  keys: list[np.ndarray] | None = None, about: dict | None = None) -> str:
+                  keys: list[np.ndarray] | None = None, about: dict | None = None,
+                  tables: list[dict[str, np.ndarray]] | None = None) -> str:
     """Write an inference bundle of a model (its parsed config and :class:`TrainState`; the
     optimizer state is not needed) into ``output``: a new or empty folder, or a previous
     bundle, replaced only once the new one is complete. ``placements`` say how the state's
     tables lie on devices (the trainer's plan; default: one device). ``keys`` (one array per
     embedding) keeps only those keys' rows (streaming training's base and delta models);
-    ``about`` joins the manifest (e.g. ``{"kind": "delta", "day": ..., "pass": ...}``).
+    ``about`` joins the manifest (e.g. ``{"kind": "delta", "day": ..., "pass": ...}``);
+    ``tables`` (stored-table dicts with ``keys`` and ``values``) replace the state's tables.
 
     Example::
 
@@ -94,14 +96,14 @@ def export_bundle(cfg, state, output: str, placements=None, *,
 
         step_config = build_model(cfg)[0]
         write_model_files(step_config, state, placements, "", "",
-                          [""] * len(step_config.specs), keys=keys)
+                          [""] * len(step_config.specs), keys=keys, tables=tables)
         return output
     check_bundle_target(output)
     parent = os.path.dirname(output)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output)}.", suffix=".partial", dir=parent)
     try:
-        _write_bundle(cfg, state, placements, tmp, __version__, keys, about or {})
+        _write_bundle(cfg, state, placements, tmp, __version__, keys, about or {}, tables)
         _replace_folder(tmp, output)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -129,7 +131,8 @@ def _replace_folder(new: str, output: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
-def _write_bundle(cfg, state, placements, tmp: str, version: str, keys, about: dict) -> None:
+def _write_bundle(cfg, state, placements, tmp: str, version: str, keys, about: dict,
+                  tables) -> None:
     from jctr.models.ctr import build_model
 
     os.makedirs(os.path.join(tmp, "sparse"))
@@ -138,7 +141,7 @@ def _write_bundle(cfg, state, placements, tmp: str, version: str, keys, about: d
         step_config, state, placements, os.path.join(tmp, "dense.model"),
         os.path.join(tmp, "non_trainable.json"),
         [os.path.join(tmp, "sparse", f"{spec.name}.model") for spec in step_config.specs],
-        slot_ids=False, keys=keys)
+        slot_ids=False, keys=keys, tables=tables)
     tables = {spec.name: {"keys": n, "embedding_vec_size": spec.dim, "combiner": spec.combiner}
               for spec, n in zip(step_config.specs, counts)}
     if cfg.raw is None:

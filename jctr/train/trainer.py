@@ -722,23 +722,30 @@ class Trainer:
         """Delete ``keys`` from embedding ``table`` and free their rows (streaming training's
         shrink): the kept keys, values and optimizer rows are re-inserted into a fresh table,
         whose free rows hold initial values again. Returns the rows in use afterwards."""
+        stored = export_placed(self.state.embeddings[table], self.placements[table])
+        keep = ~np.isin(stored["keys"], np.asarray(keys, np.int64))
+        self.put_rows(table, {k: v[keep] for k, v in stored.items()}, replace=True)
+        return int(keep.sum())
+
+    def put_rows(self, table: int, stored: dict[str, np.ndarray], *,
+                 replace: bool = False) -> None:
+        """Insert stored rows (keys, values, optimizer rows, slot ids: a
+        :mod:`jctr.checkpoint.tables` dict) into embedding ``table``; ``replace``: into an
+        empty table instead (every other key leaves). Streaming training moves its working
+        set between a database and the device table with this."""
         spec, placement = self.specs[table], self.placements[table]
         current = self.state.embeddings[table]
-        stored = export_placed(current, placement)
-        keep = ~np.isin(stored["keys"], np.asarray(keys, np.int64))
-        # an empty table in the same layout; a key's row gets its initial vector when the key
-        # is inserted, so freed rows need no reset
-        fresh = init_embedding(spec)
-        if placement is not None and placement.sharded:
-            fresh = jax.tree.map(lambda x: jnp.broadcast_to(x, (placement.num_shards,)
-                                                            + x.shape), fresh)
-        compacted = import_placed(spec, fresh, {k: v[keep] for k, v in stored.items()},
-                                  placement, source=f"shrink of {spec.name}")
-        compacted = jax.device_put(compacted, jax.tree.map(lambda x: x.sharding, current))
+        base = current
+        if replace:  # a key's row gets its initial vector when inserted: no reset needed
+            base = init_embedding(spec)
+            if placement is not None and placement.sharded:
+                base = jax.tree.map(lambda x: jnp.broadcast_to(x, (placement.num_shards,)
+                                                               + x.shape), base)
+        filled = import_placed(spec, base, stored, placement, source=f"rows of {spec.name}")
+        filled = jax.device_put(filled, jax.tree.map(lambda x: x.sharding, current))
         embeddings = list(self.state.embeddings)
-        embeddings[table] = compacted
+        embeddings[table] = filled
         self.state = self.state._replace(embeddings=tuple(embeddings))
-        return int(keep.sum())
 
     def scale_slot(self, table: int, name: str, factors: tuple[float, ...]) -> None:
         """Multiply the columns of optimizer slot ``name`` of embedding ``table`` by

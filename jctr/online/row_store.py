@@ -1,0 +1,130 @@
+"""Embedding tables larger than memory for streaming training (HugeCTR's "model
+oversubscription"): every row of a table -- its vector, optimizer state and input slot -- lives
+in a RocksDB database (:class:`jctr.stores.rocksdb.RocksDBStore`, one column family per table);
+before a pass trains, the rows of the keys it will see are pulled into the (empty) device
+table, and after it they are written back and the device table is emptied again. Only a pass's
+working set is ever in memory.
+
+Writing back is made undoable: the rows a pass pulled (and the keys it added) are saved to
+``<undo folder>/<day>_<pass>.npz`` first, and removed once the pass's checkpoint is complete;
+a run that stops between the two puts the old rows back when it starts again, so the database
+always matches the checkpoint the run resumes from.
+
+Example::
+
+    store = RowStore("runs/online/rows", specs, slot_shapes)
+    stored = store.pull(0, keys)          # -> jctr.checkpoint.tables stored-table dict
+    store.push(0, export_placed(table))
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from jctr.config.hps import PersistentDatabaseParams
+from jctr.stores.rocksdb import RocksDBStore
+
+
+class RowStore:
+    """The rows of every embedding table in one RocksDB database (see the module docstring).
+    ``slot_shapes`` holds, per table, each optimizer slot's shape per row (``()`` or
+    ``(width,)``)."""
+
+    def __init__(self, path: str, specs, slot_shapes: list[dict[str, tuple[int, ...]]]):
+        self.db = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path))
+        self.path = path
+        self.names = [f"online.{spec.name}" for spec in specs]
+        # one float32 row per key: vector, then each slot (sorted by name), then the slot id
+        self.layouts = []
+        for spec, shapes in zip(specs, slot_shapes):
+            parts = [("values", (spec.dim,))] + [(name, shapes[name]) for name in sorted(shapes)]
+            parts.append(("slot", ()))
+            self.layouts.append(parts)
+
+    def width(self, table: int) -> int:
+        return sum(int(np.prod(shape)) for _, shape in self.layouts[table])
+
+    def _pack(self, table: int, stored: dict[str, np.ndarray]) -> np.ndarray:
+        n = stored["keys"].size
+        cols = [np.asarray(stored[name], np.float32).reshape(n, -1)
+                for name, _ in self.layouts[table]]
+        return np.concatenate(cols, axis=1)
+
+    def _unpack(self, table: int, keys: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
+        out = {"keys": keys}
+        at = 0
+        for name, shape in self.layouts[table]:
+            w = int(np.prod(shape))
+            part = rows[:, at:at + w].reshape((keys.size, *shape))
+            out[name] = part.astype(np.int32) if name == "slot" else part
+            at += w
+        return out
+
+    def pull(self, table: int, keys: np.ndarray) -> dict[str, np.ndarray]:
+        """The stored rows of those of ``keys`` the database holds (a stored-table dict)."""
+        keys = np.asarray(keys, np.int64)
+        rows, found = self.db.lookup(self.names[table], keys, self.width(table))
+        return self._unpack(table, keys[found], rows[found])
+
+    def push(self, table: int, stored: dict[str, np.ndarray]) -> None:
+        """Write (overwrite) the rows of a stored-table dict."""
+        if stored["keys"].size:
+            self.db.insert(self.names[table], stored["keys"], self._pack(table, stored))
+
+    def erase(self, table: int, keys: np.ndarray) -> None:
+        self.db.erase(self.names[table], np.asarray(keys, np.int64))
+
+    def rows(self, table: int, keys: np.ndarray) -> dict[str, np.ndarray]:
+        """Like :meth:`pull` (for base and delta models)."""
+        return self.pull(table, keys)
+
+    def scale(self, table: int, slot: str, factors: tuple[float, ...]) -> None:
+        """Multiply a slot's columns in every stored row (the daily decay of admission counts;
+        one pass over the table, as the shrink's)."""
+        at = 0
+        for name, shape in self.layouts[table]:
+            if name == slot:
+                break
+            at += int(np.prod(shape))
+        f = np.asarray(factors, np.float32)
+        for keys, rows in self.db.items(self.names[table]):
+            rows = rows.copy()
+            rows[:, at:at + f.size] *= f
+            self.db.insert(self.names[table], keys, rows)
+
+    def size(self, table: int) -> int:
+        return self.db.size(self.names[table])
+
+    # -- undo of a write-back --------------------------------------------------------------
+    def save_undo(self, path: str, pulled: list[dict[str, np.ndarray]],
+                  added: list[np.ndarray], marker: dict) -> None:
+        """Before writing a pass back: what the database held of its keys, the keys it did
+        not hold, and which pass it is (plain arrays)."""
+        arrays = {"day": np.array(marker["day"]), "pass": np.array(marker["pass"])}
+        for i, (old, new) in enumerate(zip(pulled, added)):
+            arrays[f"{i}/added"] = np.asarray(new, np.int64)
+            arrays[f"{i}/keys"] = old["keys"]
+            arrays[f"{i}/rows"] = self._pack(i, old) if old["keys"].size else \
+                np.zeros((0, self.width(i)), np.float32)
+        tmp = path + ".tmp.npz"
+        np.savez(tmp, **arrays)
+        os.replace(tmp, path)
+
+    def undo(self, path: str) -> tuple[str, int]:
+        """Put back what :meth:`save_undo` saved; returns its (day, pass)."""
+        with np.load(path, allow_pickle=False) as f:
+            for i in range(len(self.names)):
+                self.db.erase(self.names[i], f[f"{i}/added"])
+                if f[f"{i}/keys"].size:
+                    self.db.insert(self.names[i], f[f"{i}/keys"], f[f"{i}/rows"])
+            return str(f["day"]), int(f["pass"])
+
+    @staticmethod
+    def marker_of(path: str) -> tuple[str, int]:
+        with np.load(path, allow_pickle=False) as f:
+            return str(f["day"]), int(f["pass"])
+
+    def close(self) -> None:
+        self.db.close()

@@ -86,7 +86,8 @@ def throughput(args, alpha: float, tmp: str) -> dict:
     core = Trainer(parse_config(raw_core), log=lambda s: None, generate_data=False)
     core.fit()
     core_wall = time.perf_counter() - t0
-    core_rate = next(r for r in core.history if r["kind"] == "summary")["samples_per_s"]
+    core_rate = next(r for r in core.history
+                     if r["kind"] == "summary")["steady_samples_per_s"]
     del core
 
     model = os.path.join(tmp, "model.json")

@@ -624,3 +624,32 @@ def test_seed_valid_settings_work(trained, tmp_path):
     finally:
         m.close()
         dbs.close()
+
+
+def test_update_messages_round_trip_and_refuse_garbage():
+    """The documented binary layout of online updates: rows and dense weights come back as
+    they went in; anything else is a clear MessageError, never a crash."""
+    from jctr.stores.update_messages import (
+        MessageError,
+        decode,
+        encode_dense,
+        encode_rows,
+        rows_per_message,
+    )
+
+    keys = np.array([3, -7, 2**62], np.int64)
+    values = np.arange(12, dtype=np.float32).reshape(3, 4)
+    data = encode_rows("dlrm", "sparse_embedding1", 42, keys, values)
+    assert data[:8] == b"JCTRUPD1" and len(data) == 32 + 4 + 17 + 8 * 3 + 4 * 12
+    u = decode(data)
+    assert (u.kind, u.model, u.table, u.step) == ("rows", "dlrm", "sparse_embedding1", 42)
+    np.testing.assert_array_equal(u.keys, keys)
+    np.testing.assert_array_equal(u.values, values)
+    d = decode(encode_dense("dlrm", 7, b"\x00\x01\x02\x03", '{"layers": []}'))
+    assert (d.kind, d.step, d.dense, d.non_trainable) == ("dense", 7, b"\x00\x01\x02\x03",
+                                                          '{"layers": []}')
+    with pytest.raises(MessageError, match="no JCTRUPD1 header"):
+        decode(b"\x80\x04pickle")
+    with pytest.raises(MessageError, match="rows of 4 need"):
+        decode(data[:-1])
+    assert rows_per_message(16, 262144) * (8 + 64) < 262144

@@ -216,7 +216,8 @@ class UpdateSourceParams:
     """Where online updates come from (``kafka_message_queue``; default ``null``: none)."""
 
     type: str = "null"
-    """``null`` (no online updates) or ``kafka_message_queue`` (refused by this version)."""
+    """``null`` (no online updates) or ``kafka_message_queue`` (``serve`` applies the updates
+    training publishes with ``solver.kafka_sink``; docs/serving.md)."""
     brokers: str = "127.0.0.1:9092"
     """Kafka: the brokers, ``host:port,...``."""
     metadata_refresh_interval_ms: int = 30000
@@ -228,9 +229,9 @@ class UpdateSourceParams:
     max_batch_size: int = 8192
     """Kafka: updates applied at once at most."""
     failure_backoff_ms: int = 50
-    """Kafka: the wait after a failed poll."""
+    """Kafka: the wait before a failed database write is tried again."""
     max_commit_interval: int = 32
-    """Kafka: batches between offset commits at most."""
+    """Kafka: messages applied between two offset commits at most."""
 
     def __post_init__(self):
         _check_choice(self, "type", UPDATE_SOURCE_TYPES)

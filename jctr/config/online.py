@@ -131,6 +131,10 @@ class OnlineConfig:
     """An inference delta model ``<save_model_path>/<day>/delta-<pass>/`` every this many
     passes (0: none). The base model ``<next day>/base/`` is written after every day's
     shrink."""
+    kafka_sink: dict | None = None
+    """Online updates for serving (the training config's ``solver.kafka_sink`` object:
+    ``model_name``, ``brokers``, ``send_buffer_size``, ...): the rows each pass changed and
+    the dense weights are published after every pass (``every_n_steps`` adds more)."""
     sparse_store: str | None = None
     """A folder for a RocksDB database holding every embedding row (the file's
     ``sparse_store: {type: rocks_db, path: ...}``): tables larger than memory. Each pass pulls
@@ -173,6 +177,7 @@ def parse_online_config(raw: Any, source: str | None = None) -> OnlineConfig:
         prefetch=r.bool("prefetch", True),
         checkpoint_per_pass=r.int("checkpoint_per_pass", 1, min_value=1),
         save_delta_frequency=r.int("save_delta_frequency", 0, min_value=0),
+        kafka_sink=_kafka_sink(r),
         sparse_store=_sparse_store(r, base),
         table_parameters=_table_parameters(r), source=source)
     if cfg.sparse_store and cfg.checkpoint_per_pass != 1:
@@ -181,6 +186,18 @@ def parse_online_config(raw: Any, source: str | None = None) -> OnlineConfig:
                       "each pass, and a run resumes from the checkpoint it matches): use 1")
     r.finish()
     return cfg
+
+
+def _kafka_sink(r: ObjectReader) -> dict | None:
+    """Checked as the training config's ``solver.kafka_sink``; kept as its JSON object (the
+    runner puts it into the model's solver)."""
+    if not r.has("kafka_sink"):
+        return None
+    from jctr.config.parser import parse_kafka_sink
+
+    child = r.child("kafka_sink")
+    parse_kafka_sink(ObjectReader(child.obj, child.path, child.source))
+    return dict(child.obj)
 
 
 def _sparse_store(r: ObjectReader, base: str) -> str | None:

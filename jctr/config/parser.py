@@ -22,6 +22,7 @@ from jctr.config.schema import (
     DataConfig,
     EarlyStoppingConfig,
     EmbeddingConfig,
+    KafkaSinkConfig,
     LayerConfig,
     Metric,
     ModelConfig,
@@ -208,6 +209,7 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
                       if r.has("lr_plateau") else
                       _parse_watch(ObjectReader({}, join_path(r.path, "lr_plateau"), r.source),
                                    PlateauConfig, metrics))
+    kafka_sink = parse_kafka_sink(r.child("kafka_sink")) if r.has("kafka_sink") else None
     # Accepted for HugeCTR compatibility; XLA schedules the step as a whole already.
     r.bool("cuda_graph", True)
     r.finish()
@@ -220,7 +222,7 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
         input_key_type=input_key_type, compute_dtype=compute_dtype, seed=seed, log_dir=log_dir,
         snapshot_keep=snapshot_keep, replicate_table_bytes=replicate_table_bytes,
         all2all_capacity_factor=all2all_capacity_factor, nan_policy=nan_policy,
-        early_stopping=early_stopping, lr_plateau=lr_plateau)
+        early_stopping=early_stopping, lr_plateau=lr_plateau, kafka_sink=kafka_sink)
 
 
 def _parse_watch(r: ObjectReader, kind: type, metrics: tuple[Metric, ...]):
@@ -299,6 +301,23 @@ def _parse_metrics(r: ObjectReader) -> tuple[Metric, ...]:
 
 
 # ---- optimizer ----------------------------------------------------------------------------
+
+
+def parse_kafka_sink(r: ObjectReader) -> KafkaSinkConfig:
+    """``solver.kafka_sink`` (also the streaming config's ``kafka_sink``)."""
+    name = r.str("model_name")
+    if not name or not all(c.isalnum() or c in "._-" for c in name):
+        raise r.error("model_name", f"expected a model name of letters, digits, '.', '_' or "
+                      f"'-', got {name!r}")
+    brokers = r.str("brokers", "127.0.0.1:9092")
+    if not brokers.strip():
+        raise r.error("brokers", "expected host:port of at least one broker")
+    out = KafkaSinkConfig(model_name=name, brokers=brokers,
+                          send_buffer_size=r.int("send_buffer_size", 262144, min_value=4096),
+                          every_n_steps=r.int("every_n_steps", 0, min_value=0),
+                          max_buffered_mb=r.int("max_buffered_mb", 64, min_value=1))
+    r.finish()
+    return out
 
 
 def parse_sparse_sgd_rule(r: ObjectReader) -> SparseSGDRule:

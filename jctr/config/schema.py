@@ -123,6 +123,27 @@ def default_mode(metric: str) -> str:
 
 
 @dataclass(frozen=True)
+class KafkaSinkConfig:
+    """jctr extension ``solver.kafka_sink`` (HugeCTR's ``KafkaMessageSink``): publish the
+    embedding rows training updated, and the dense weights, to Kafka for serving models to
+    follow (``update_source`` in the parameter-server file)."""
+
+    model_name: str
+    """The served model's name: topics are ``hps_et.<model_name>.<embedding>`` and
+    ``hps_dense.<model_name>``."""
+    brokers: str = "127.0.0.1:9092"
+    """The brokers, ``host:port`` separated by ``;`` or ``,``."""
+    send_buffer_size: int = 262144
+    """The largest message in bytes (rows are split to fit)."""
+    every_n_steps: int = 0
+    """Publish every this many iterations, and at the end of training (0: at the end only;
+    streaming training: after every pass)."""
+    max_buffered_mb: int = 64
+    """Messages wait in a buffer of this size while the broker is slow or away; beyond it
+    they are dropped and counted (a training step never waits for the broker)."""
+
+
+@dataclass(frozen=True)
 class EarlyStoppingConfig:
     """jctr extension ``solver.early_stopping``: stop when the validation ``metric`` has not
     improved by more than ``min_delta`` for ``patience`` evaluations in a row, and (with
@@ -243,6 +264,8 @@ class SolverConfig:
     saved) or ``skip`` the batch (no update from it)."""
     early_stopping: EarlyStoppingConfig | None = None
     """jctr: stop when validation stops improving (object below; absent: never)."""
+    kafka_sink: KafkaSinkConfig | None = None
+    """jctr: publish updates for online serving (object below; absent: none)."""
     lr_plateau: PlateauConfig | None = None
     """jctr: how ``lr_policy`` ``plateau`` lowers the rates (object below; set exactly when
     ``lr_policy`` is ``plateau``)."""

@@ -135,6 +135,12 @@ class OnlineRun:
 
         model = load_config(self.cfg.model)
         tp = self.cfg.table_parameters
+        if self.cfg.kafka_sink is not None:  # published after every pass (end of each fit)
+            from jctr.config.parser import parse_config
+
+            raw = copy.deepcopy(model.raw)
+            raw.setdefault("solver", {})["kafka_sink"] = self.cfg.kafka_sink
+            model = parse_config(raw, source=model.source)
         if tp.embed_sgd_param is not None:  # every table trains with SparseAdaGradSGDRule
             from jctr.config.parser import parse_config
 
@@ -444,7 +450,8 @@ class OnlineRun:
         validation = {k: v for k, v in (evals[-1] if evals else {}).items()
                       if isinstance(v, float) and k not in ("time", "lr")}
         pass_auc = bucket_auc(t.take_auc_counts())
-        rate = float(summary.get("samples_per_s", 0.0))
+        # the steady rate leaves the pass's first step out (the compile, on the first pass)
+        rate = float(summary.get("steady_samples_per_s") or summary.get("samples_per_s", 0.0))
         num_files = data["files"]
         read = ("" if data["read_s"] is None else f", read ahead in {data['read_s']:.2f} s "
                 f"(waited {data['wait_s']:.2f} s for it)")

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jctr.config import ConfigError
 from jctr.config.hps import ParameterServerConfig, load_ps_config
 from jctr.errors import run_command
 
@@ -28,9 +27,6 @@ def open_models(ps: ParameterServerConfig, *, load: bool = True, log=print):
     from jctr.serving.hps_model import HPSModel
     from jctr.stores.base import StoreUnavailable
 
-    if ps.update_source.type != "null":
-        raise ConfigError("update_source.type", f'"{ps.update_source.type}": online updates '
-                          'are not consumed by this jctr version; use "null"', ps.source)
     dbs = Databases(ps.volatile_db, ps.persistent_db, volatile_may_be_down=load)
     models = {}
     try:
@@ -63,6 +59,19 @@ def open_models(ps: ParameterServerConfig, *, load: bool = True, log=print):
     return dbs, models
 
 
+def start_updates(ps: ParameterServerConfig, dbs, models, log=print):
+    """The applier of ``update_source`` (None for type ``null``), started."""
+    if ps.update_source.type == "null":
+        return None
+    from jctr.serving.updates import UpdateApplier
+
+    applier = UpdateApplier(ps.update_source, dbs, models)
+    applier.start()
+    log(f"[jctr] applying online updates from {ps.update_source.brokers} "
+        f"(topics hps_et.<model>.<table>, hps_dense.<model>)")
+    return applier
+
+
 def _load(args) -> None:
     ps = load_ps_config(args.config)
     dbs, models = open_models(ps, load=False)
@@ -85,12 +94,16 @@ def _serve(args) -> None:
 
     ps = load_ps_config(args.config)
     dbs, models = open_models(ps)
+    applier = None
     try:
+        applier = start_updates(ps, dbs, models)
         app = build_app(models)
         print(f"[jctr] serving {', '.join(models)} on http://{args.host}:{args.port} "
               "(KServe v2: /v2/models/<name>/infer; metrics: /metrics)", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     finally:
+        if applier is not None:
+            applier.close()
         for model in models.values():
             model.close()
         dbs.close()

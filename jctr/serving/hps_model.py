@@ -334,6 +334,44 @@ class HPSModel:
                                  tuple(hosts), tuple(rows))
             return np.asarray(pred)
 
+    # -- online updates (jctr.serving.updates) -----------------------------------------------
+    def table_index(self, name: str) -> int | None:
+        """The table of embedding ``name`` (the name training publishes updates under)."""
+        return next((i for i, t in enumerate(self.tables) if t.spec.name == name), None)
+
+    def refresh_rows(self, i: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """New values for those of ``keys`` the device cache holds (the databases are written
+        by the caller)."""
+        cache = self.tables[i].cache
+        if cache is not None and keys.size:
+            size = 1 << max(int(keys.size - 1).bit_length(), 6)  # few compiled shapes
+            for s in range(0, keys.size, size):
+                cache.refresh(keys[s:s + size], values[s:s + size], size)
+
+    def swap_dense(self, dense: bytes, non_trainable: str) -> None:
+        """New dense weights (a dense model file's bytes) and BatchNorm statistics, checked like
+        the files, put in place between two requests."""
+        import tempfile
+
+        with tempfile.TemporaryDirectory(prefix="jctr-dense-") as tmp:
+            dense_path = os.path.join(tmp, "dense.model")
+            with open(dense_path, "wb") as f:
+                f.write(dense)
+            nt_path = None
+            if non_trainable and _has_batchnorm(self.cfg):
+                nt_path = os.path.join(tmp, "non_trainable.json")
+                with open(nt_path, "w", encoding="utf-8") as f:
+                    f.write(non_trainable)
+            _, init_state = build_model(self.cfg, capacities={e.name: 1
+                                                              for e in self.cfg.embeddings})
+            with jax.default_device(jax.local_devices()[0]):
+                state = load_model_files(self.step_config, init_state(), dense_path,
+                                         non_trainable_json=nt_path)
+        with self._lock:
+            self._params = state.params
+            if nt_path is not None:
+                self._stats = state.batch_stats
+
     # -- cache refresh ------------------------------------------------------------------------
     def refresh_cache(self) -> int:
         """Re-read every cached row from the databases, ``cache_refresh_percentage_per_

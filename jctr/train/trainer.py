@@ -133,6 +133,8 @@ class Trainer:
         self.batch_hooks: list[Callable[[Batch], None]] = []  # see _to_step_input
         self.auc_buckets = 0  # see count_predictions
         self._auc_counts = None
+        self._sink = None  # see sink
+        self._touched: list[list[np.ndarray]] = [[] for _ in self.specs]
         self._jit_steps()
         self._train_data: Dataset | None = None
         self._eval_data: Dataset | None = None
@@ -197,6 +199,58 @@ class Trainer:
         self.train_step, self.train_step_full = steps[0], steps[-1]
         self.eval_step = placed.jit(make_eval_step(self.step_config, placed.engine_full),
                                     compiler_options=opts)
+
+    # ---- online updates (solver.kafka_sink) -------------------------------------------------
+
+    @property
+    def sink(self):
+        """The Kafka message sink of ``solver.kafka_sink`` (None without one)."""
+        ks = self.solver.kafka_sink
+        if ks is None:
+            return None
+        if self._sink is None:
+            if jax.process_count() > 1:
+                raise ConfigError("solver.kafka_sink", "publishing updates from a "
+                                  "multi-process run is not supported in this version",
+                                  self.cfg.source)
+            from jctr.stores.kafka import KafkaMessageSink
+
+            self._sink = KafkaMessageSink(ks.brokers, ks.model_name,
+                                          send_buffer_size=ks.send_buffer_size,
+                                          max_buffered_bytes=ks.max_buffered_mb << 20,
+                                          report=self._print)
+        return self._sink
+
+    def _note_updates(self, touched: list[np.ndarray], step: int) -> None:
+        for seen, keys in zip(self._touched, touched):
+            seen.append(keys)
+        every = self.solver.kafka_sink.every_n_steps
+        if every and step % every == 0:
+            self.publish_updates()
+
+    def publish_updates(self) -> int:
+        """Send the rows of every key trained since the last call, and the dense weights, to
+        the sink (the messages queue; nothing waits for the broker); returns rows sent."""
+        sink = self.sink
+        if sink is None:
+            return 0
+        from jctr.checkpoint.model_files import dense_weights, host_network, non_trainable
+        from jctr.checkpoint.tables import export_keys
+
+        step = int(to_host(self.state.step))
+        rows = 0
+        for i, spec in enumerate(self.specs):
+            if not self._touched[i]:
+                continue
+            keys = np.unique(np.concatenate(self._touched[i]))
+            self._touched[i] = []
+            stored = export_keys(self.state.embeddings[i], keys, self.placements[i])
+            sink.publish_rows(spec.name, step, stored["keys"], stored["values"])
+            rows += int(stored["keys"].size)
+        net = host_network(self.step_config, self.state)
+        sink.publish_dense(step, dense_weights(net).astype("<f4").tobytes(),
+                           json.dumps(non_trainable(net)))
+        return rows
 
     def count_predictions(self, buckets: int = 4096) -> None:
         """From now on count the training batches' predictions per bucket, negatives and
@@ -445,7 +499,7 @@ class Trainer:
         progress = Progress(last_iter, done, printer, bar=None if self._default_print else False)
         self._print = progress.write
         try:
-            for batch, position, fits, filled in batches:
+            for batch, position, fits, filled, touched in batches:
                 if jax.process_count() > 1:  # every process must run the same program
                     from jax.experimental import multihost_utils
 
@@ -454,6 +508,8 @@ class Trainer:
                     run.fallback_steps += 1
                 step_fn = self.train_step if fits else self.train_step_full
                 self.state, metrics = step_fn(self.state, batch)
+                if touched is not None:
+                    self._note_updates(touched, int(to_host(self.state.step)))
                 if self.auc_buckets:  # stays on the devices: no wait for the step
                     counts = metrics["auc_counts"]
                     self._auc_counts = (counts if self._auc_counts is None
@@ -531,6 +587,8 @@ class Trainer:
             progress.close()
             self._print = printer
         self._restore_best()
+        if self.solver.kafka_sink is not None:
+            self.publish_updates()  # what the last steps changed, and the final dense weights
         self._evaluate_test_sets()
         self._print(self._final_line(trained, elapsed, progress.compile_s, steady_rate))
         self._write_report()
@@ -693,8 +751,14 @@ class Trainer:
         batch, position = item
         for hook in self.batch_hooks:
             hook(batch)
+        touched = None
+        if self.solver.kafka_sink is not None:  # the keys this step updates, per table
+            b = batch.label.shape[0]
+            touched = [np.unique(batch.keys[s.input_index][batch.segments[s.input_index]
+                                                           < b * s.slot_num])
+                       for s in self.specs]
         return (self.placed.to_devices(batch, True), position, self.placed.routing_fits(batch),
-                float(np.mean(batch.mask)))
+                float(np.mean(batch.mask)), touched)
 
     def _even_epochs(self, reads, local_batch: int):
         """Every process the same number of steps per epoch (the processes step together):

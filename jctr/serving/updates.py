@@ -1,0 +1,170 @@
+"""The HPS side of online model updates (``update_source`` of type ``kafka_message_queue``):
+a thread reads the update topics of the served models (:class:`jctr.stores.kafka.UpdateReader`)
+and applies each message to every layer whose ``update_filters`` match the table
+(``hps_et.<model>.<table>``): the volatile database, the persistent database, and the device
+cache (rows it holds are refreshed in place); dense weights are swapped between two requests.
+
+Delivery is at least once and applying is idempotent (a row is set, never added to; a table's
+messages come in order), so a restarted consumer that reads some messages again ends in the
+same state. Offsets are committed only after every layer holds what was read; a failed write is
+retried after ``failure_backoff_ms`` from the last committed point, never acknowledged early.
+
+Example::
+
+    applier = UpdateApplier(ps.update_source, dbs, models)
+    applier.start()            # ... serve ...
+    applier.close()
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+
+import numpy as np
+
+from jctr.config.hps import UpdateSourceParams
+from jctr.serving.hps import Databases
+from jctr.stores.base import StoreError, StoreUnavailable
+from jctr.stores.kafka import UpdateReader
+
+log = logging.getLogger("jctr.serving")
+
+
+class UpdateApplier:
+    """Applies online updates to the layers of the served models (see the module
+    docstring). ``group``: the consumer group whose committed offsets say what is applied
+    (servers with layers of their own need groups of their own)."""
+
+    def __init__(self, params: UpdateSourceParams, dbs: Databases, models: dict, *,
+                 group: str = "jctr-hps"):
+        self.params = params
+        self.dbs = dbs
+        self.models = models
+        self.group = group
+        names = "|".join(re.escape(m) for m in models)
+        self.topics = rf"^hps_(et\.({names})\..+|dense\.({names}))$"
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.applied_rows = 0
+        self.applied_dense = 0
+        self.failures = 0
+        self.last_step: dict[str, int] = {}  # table key / dense topic -> step applied
+        self.dense_steps: list[int] = []  # the step of each dense message applied
+        self.error: str | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="hps-updates", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    def _filters(self, layer: str) -> list[re.Pattern]:
+        params = self.dbs.volatile_params if layer == "volatile_db" else self.dbs.persistent_params
+        return [re.compile(f) for f in params.update_filters]
+
+    def _run(self) -> None:
+        p = self.params
+        backoff = p.failure_backoff_ms / 1000.0
+        reader = None
+        filters = {layer: self._filters(layer) for layer in ("volatile_db", "persistent_db")}
+        while not self._stop.is_set():
+            try:
+                if reader is None:
+                    reader = UpdateReader(p.brokers, group=self.group, topics=self.topics,
+                                          metadata_refresh_interval_ms=
+                                          p.metadata_refresh_interval_ms,
+                                          receive_buffer_size=p.receive_buffer_size)
+                batch = reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
+            except (StoreUnavailable, StoreError) as e:
+                self.error = str(e)
+                self._stop.wait(backoff)
+                continue
+            except Exception as e:  # noqa: BLE001 - the client's errors: try again later
+                self.error = f"update_source: {e}"
+                log.warning("%s", self.error)
+                if reader is not None:
+                    reader.close()
+                reader = None
+                self._stop.wait(max(backoff, 1.0))
+                continue
+            if not batch:
+                continue
+            try:
+                self._apply(batch, filters)
+            except (StoreError, StoreUnavailable, OSError, ValueError) as e:
+                # nothing of this batch is acknowledged: read again from the last commit
+                self.failures += 1
+                self.error = f"applying updates failed ({e}); retrying"
+                log.warning("update_source: %s", self.error)
+                self._stop.wait(backoff)
+                reader.rewind()
+                continue
+            for topic, offset, _ in batch:
+                reader.mark_applied(topic, offset)
+            try:
+                reader.commit()
+                self.error = None
+            except Exception as e:  # noqa: BLE001 - confluent_kafka.KafkaException
+                self.error = f"commit failed ({e}); the next commit covers it"
+        if reader is not None:
+            reader.close()
+
+    def _apply(self, batch, filters) -> None:
+        p = self.params
+        for _topic, _offset, u in batch:
+            model = self.models.get(u.model)
+            if model is None:
+                continue
+            if u.kind == "dense":
+                model.swap_dense(u.dense, u.non_trainable)
+                self.applied_dense += 1
+                self.dense_steps.append(u.step)
+                self.last_step[f"hps_dense.{u.model}"] = u.step
+                continue
+            i = model.table_index(u.table)
+            if i is None:
+                log.error("update_source: model %s has no table %s; skipped", u.model, u.table)
+                continue
+            t = model.tables[i]
+            if u.values.shape[1] != t.dim:
+                log.error("update_source: %s rows of size %d, the table has %d; skipped",
+                          t.key, u.values.shape[1], t.dim)
+                continue
+            for s in range(0, u.keys.size, p.max_batch_size):
+                keys = u.keys[s:s + p.max_batch_size]
+                values = np.ascontiguousarray(u.values[s:s + p.max_batch_size])
+                self._write(t.key, keys, values, filters)
+                model.refresh_rows(i, keys, values)
+            self.applied_rows += int(u.keys.size)
+            self.last_step[t.key] = u.step
+
+    def _write(self, table: str, keys, values, filters) -> None:
+        dbs = self.dbs
+        if dbs.persistent is not None and not dbs.persistent_params.read_only and \
+                any(f.search(table) for f in filters["persistent_db"]):
+            dbs.persistent.insert(table, keys, values)
+        if dbs.volatile_configured and any(f.search(table) for f in filters["volatile_db"]):
+            if dbs.volatile is None:
+                raise StoreUnavailable(f"volatile_db down: {dbs.volatile_error}")
+            dbs.volatile.insert(table, keys, values)
+
+    def stats(self) -> dict:
+        return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,
+                "failures": self.failures, "error": self.error,
+                "last_step": dict(self.last_step)}
+
+
+def wait_for(applier: UpdateApplier, predicate, timeout_s: float = 30.0) -> bool:
+    """Wait until ``predicate(applier)`` holds (tests and benchmarks)."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        if predicate(applier):
+            return True
+        time.sleep(0.02)
+    return False

@@ -1,0 +1,266 @@
+"""Online model updates over Kafka (``confluent-kafka``): the training side's message sink and
+the serving side's reader. Topics are HugeCTR's table names, one partition each, so a table's
+updates stay in order: ``hps_et.<model>.<table>`` for embedding rows and ``hps_dense.<model>``
+for dense weights; messages use :mod:`jctr.stores.update_messages`.
+
+The sink never blocks a training step: messages wait in the client's queue (at most
+``max_buffered_bytes``) while the broker is slow or away, and beyond that are dropped and
+counted. The reader assigns itself every matching topic, starts at the offset its group last
+committed (the beginning when none), and commits only what the caller says is applied.
+
+Example::
+
+    sink = KafkaMessageSink("127.0.0.1:19092", "dlrm")
+    sink.publish_rows("sparse_embedding1", step, keys, vectors)
+    reader = UpdateReader("127.0.0.1:19092", group="jctr-hps", topics=r"^hps_(et|dense)\\.dlrm")
+    for topic, offset, update in reader.poll(64, timeout_s=0.5): ...
+    reader.commit()
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+
+import numpy as np
+
+from jctr.stores.base import StoreError, StoreUnavailable
+from jctr.stores.update_messages import (
+    MessageError,
+    Update,
+    decode,
+    encode_dense,
+    encode_rows,
+    rows_per_message,
+)
+
+log = logging.getLogger("jctr.updates")
+
+
+def _kafka():
+    try:
+        import confluent_kafka
+        import confluent_kafka.admin  # noqa: F401  (AdminClient, NewTopic)
+    except ImportError:
+        raise StoreError('online updates need confluent-kafka: pip install "jctr[serving]"') \
+            from None
+    return confluent_kafka
+
+
+def _servers(brokers: str) -> str:
+    """HugeCTR separates brokers with ";", librdkafka with ","."""
+    return ",".join(b.strip() for b in re.split("[;,]", brokers) if b.strip())
+
+
+def rows_topic(model: str, table: str) -> str:
+    return f"hps_et.{model}.{table}"
+
+
+def dense_topic(model: str) -> str:
+    return f"hps_dense.{model}"
+
+
+class KafkaMessageSink:
+    """Publishes a model's updated embedding rows and dense weights (see the module
+    docstring). ``send_buffer_size``: the largest message in bytes (HugeCTR's name)."""
+
+    def __init__(self, brokers: str, model: str, *, send_buffer_size: int = 262144,
+                 max_buffered_bytes: int = 64 << 20, connect_timeout_s: float = 5.0,
+                 report=print):
+        kafka = _kafka()
+        self.model = model
+        self.brokers = _servers(brokers)
+        self.send_buffer_size = send_buffer_size
+        self.report = report
+        self.sent = self.dropped = self.failed = 0
+        self._lock = threading.Lock()
+        self._warned = 0.0
+        self.producer = kafka.Producer({
+            "bootstrap.servers": self.brokers,
+            "message.max.bytes": max(send_buffer_size + 4096, 1 << 20),
+            "queue.buffering.max.kbytes": max(max_buffered_bytes >> 10, 1),
+            "queue.buffering.max.messages": 1 << 20,
+            "linger.ms": 5,
+            "acks": "all",
+        })
+        self._admin = kafka.admin.AdminClient({"bootstrap.servers": self.brokers})
+        self._topics: set[str] = set()
+        self.reachable = self._check(connect_timeout_s)
+
+    def _check(self, timeout_s: float) -> bool:
+        """Say at once when no broker answers (training goes on, buffering)."""
+        try:
+            self._admin.list_topics(timeout=timeout_s)
+            return True
+        except Exception as e:  # confluent_kafka.KafkaException
+            self.report(f"[jctr] warning: kafka_sink: no broker answers at {self.brokers} "
+                        f"({e}); training goes on, updates wait in a buffer and are dropped "
+                        "(counted) once it is full")
+            return False
+
+    def _ensure_topic(self, topic: str) -> None:
+        """Create the topic with one partition while the broker answers (once; never waits
+        on a broker that did not answer at start). Messages carry the topic as their key, so a
+        topic the broker created itself with more partitions keeps them in one, in order."""
+        if topic in self._topics:
+            return
+        self._topics.add(topic)
+        if not self.reachable:
+            return
+        from confluent_kafka.admin import NewTopic
+
+        try:
+            futures = self._admin.create_topics([NewTopic(topic, 1, 1)],
+                                                operation_timeout=2.0, request_timeout=2.0)
+            futures[topic].result(timeout=2.0)
+        except Exception:  # noqa: BLE001 - exists already, or the broker went: produce anyway
+            pass
+
+    def _delivered(self, err, _msg) -> None:
+        if err is not None:
+            with self._lock:
+                self.failed += 1
+
+    def _produce(self, topic: str, payload: bytes) -> bool:
+        self._ensure_topic(topic)
+        try:
+            self.producer.produce(topic, value=payload, key=topic.encode(),
+                                  on_delivery=self._delivered)
+        except BufferError:
+            with self._lock:
+                self.dropped += 1
+            now = time.monotonic()
+            if now - self._warned > 10:
+                self._warned = now
+                self.report(f"[jctr] warning: kafka_sink: the send buffer is full (broker "
+                            f"{self.brokers} slow or away); {self.dropped} update message(s) "
+                            "dropped so far")
+            return False
+        self.producer.poll(0)  # delivery reports
+        with self._lock:
+            self.sent += 1
+        return True
+
+    def publish_rows(self, table: str, step: int, keys: np.ndarray, values: np.ndarray) -> int:
+        """Embedding rows of ``table``, in messages of at most ``send_buffer_size`` bytes;
+        returns the messages queued."""
+        values = np.asarray(values, np.float32)
+        per = rows_per_message(values.shape[1], self.send_buffer_size)
+        queued = 0
+        for s in range(0, keys.size, per):
+            queued += self._produce(rows_topic(self.model, table),
+                                    encode_rows(self.model, table, step, keys[s:s + per],
+                                                values[s:s + per]))
+        return queued
+
+    def publish_dense(self, step: int, dense: bytes, non_trainable: str) -> bool:
+        return self._produce(dense_topic(self.model),
+                             encode_dense(self.model, step, dense, non_trainable))
+
+    def flush(self, timeout_s: float = 10.0) -> int:
+        """Wait up to ``timeout_s`` for queued messages; returns how many are still queued."""
+        return self.producer.flush(timeout_s)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"sent": self.sent, "dropped": self.dropped, "failed": self.failed}
+
+
+class UpdateReader:
+    """Reads update messages from every topic matching ``topics`` (a regex), in order per
+    topic, from the group's committed offsets (see the module docstring)."""
+
+    def __init__(self, brokers: str, *, group: str, topics: str,
+                 metadata_refresh_interval_ms: int = 30000, receive_buffer_size: int = 262144):
+        kafka = _kafka()
+        self._kafka = kafka
+        self.pattern = re.compile(topics)
+        self.refresh_s = metadata_refresh_interval_ms / 1000.0
+        # librdkafka wants fetch.max.bytes >= message.max.bytes and the receive buffer above
+        # both; HugeCTR's receive_buffer_size is the largest message
+        message = max(receive_buffer_size + 1024, 1000)
+        fetch = max(message, 1 << 20)
+        try:
+            self.consumer = kafka.Consumer({
+                "bootstrap.servers": _servers(brokers),
+                "group.id": group,
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+                "message.max.bytes": message,
+                "fetch.max.bytes": fetch,
+                "receive.message.max.bytes": fetch + 4096,
+                "topic.metadata.refresh.interval.ms": metadata_refresh_interval_ms,
+            })
+        except kafka.KafkaException as e:
+            raise StoreError(f"update_source: cannot create the consumer: {e}") from None
+        self.assigned: dict[tuple[str, int], int] = {}  # (topic, partition) -> next to read
+        self.applied: dict[tuple[str, int], int] = {}  # (topic, partition) -> next applied
+        self._looked = 0.0
+
+    def _refresh(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if not force and now - self._looked < min(self.refresh_s, 1.0) and self.assigned:
+            return
+        self._looked = now
+        try:
+            topics = self.consumer.list_topics(timeout=2.0).topics
+        except Exception as e:
+            raise StoreUnavailable(f"update_source: no broker answers ({e})") from None
+        known = {t for t, _ in self.assigned}
+        new = [self._kafka.TopicPartition(t, p) for t, meta in topics.items()
+               if self.pattern.search(t) and t not in known for p in meta.partitions]
+        if not new:
+            return
+        for tp in self.consumer.committed(new, timeout=5.0):
+            start = tp.offset if tp.offset >= 0 else 0
+            self.assigned[(tp.topic, tp.partition)] = start
+            self.applied[(tp.topic, tp.partition)] = start
+        self._assign(self.assigned)
+
+    def _assign(self, offsets: dict[tuple[str, int], int]) -> None:
+        self.consumer.assign([self._kafka.TopicPartition(t, p, o)
+                              for (t, p), o in offsets.items()])
+
+    def poll(self, max_messages: int, timeout_s: float) -> list[tuple[tuple[str, int], int,
+                                                                      Update]]:
+        """Up to ``max_messages`` decoded updates ``((topic, partition), offset, update)``, in
+        order per topic; messages that are not jctr updates are logged and skipped."""
+        self._refresh()
+        if not self.assigned:
+            time.sleep(timeout_s)
+            return []
+        out = []
+        for msg in self.consumer.consume(max_messages, timeout_s):
+            if msg.error():
+                if msg.error().code() != self._kafka.KafkaError._PARTITION_EOF:
+                    log.warning("update_source: %s", msg.error())
+                continue
+            where, offset = (msg.topic(), msg.partition()), msg.offset()
+            self.assigned[where] = offset + 1
+            try:
+                out.append((where, offset, decode(msg.value())))
+            except MessageError as e:
+                log.error("update_source: %s offset %d skipped: %s", where, offset, e)
+                self.applied[where] = offset + 1
+        return out
+
+    def mark_applied(self, where: tuple[str, int], offset: int) -> None:
+        # in order per partition; lower again only when a restarted broker begins anew
+        self.applied[where] = offset + 1
+
+    def rewind(self) -> None:
+        """Read again from what was applied (after a failed write)."""
+        self.assigned = dict(self.applied)
+        self._assign(self.assigned)
+
+    def commit(self) -> None:
+        """Commit what :meth:`mark_applied` recorded (never what was only read)."""
+        if self.applied:
+            self.consumer.commit(offsets=[self._kafka.TopicPartition(t, p, o)
+                                          for (t, p), o in self.applied.items()],
+                                 asynchronous=False)
+
+    def close(self) -> None:
+        self.consumer.close()

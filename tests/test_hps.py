@@ -634,6 +634,7 @@ def test_update_messages_round_trip_and_refuse_garbage():
         decode,
         encode_dense,
         encode_rows,
+        join_dense,
         rows_per_message,
     )
 
@@ -645,9 +646,18 @@ def test_update_messages_round_trip_and_refuse_garbage():
     assert (u.kind, u.model, u.table, u.step) == ("rows", "dlrm", "sparse_embedding1", 42)
     np.testing.assert_array_equal(u.keys, keys)
     np.testing.assert_array_equal(u.values, values)
-    d = decode(encode_dense("dlrm", 7, b"\x00\x01\x02\x03", '{"layers": []}'))
+    (whole,) = encode_dense("dlrm", 7, b"\x00\x01\x02\x03", '{"layers": []}')
+    d = decode(whole)
     assert (d.kind, d.step, d.dense, d.non_trainable) == ("dense", 7, b"\x00\x01\x02\x03",
                                                           '{"layers": []}')
+    # dense weights larger than a message travel in parts
+    weights = np.arange(5000, dtype=np.float32).tobytes()
+    parts = encode_dense("dlrm", 8, weights, '{"layers": [1]}', max_bytes=4096)
+    assert len(parts) == 5 and all(len(p) <= 4096 + 64 for p in parts)
+    joined = join_dense([decode(p) for p in parts])
+    assert (joined.dense, joined.non_trainable, joined.step) == (weights, '{"layers": [1]}', 8)
+    with pytest.raises(MessageError, match="do not add up"):
+        join_dense([decode(p) for p in parts[:2] + parts[3:]])
     with pytest.raises(MessageError, match="no JCTRUPD1 header"):
         decode(b"\x80\x04pickle")
     with pytest.raises(MessageError, match="rows of 4 need"):

@@ -229,3 +229,47 @@ def test_streaming_training_publishes_every_pass(broker, tmp_path):
     np.testing.assert_allclose(hps.predict(batch), t.predict(batch), **TOL)
     hps.close()
     dbs.close()
+
+
+def test_a_restarted_broker_loses_no_update(tmp_path):
+    """The broker (memory storage) is restarted empty between two trainings: the sink sees
+    its topics gone and sends everything trained so far again, the server's consumer starts
+    again from what the new broker has; serving ends equal to the trainer."""
+    pytest.importorskip("confluent_kafka")
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.updates import UpdateApplier, wait_for
+
+    d, port = tmp_path / "kafka", str(_free_port())
+
+    def start():
+        out = subprocess.run(["bash", SCRIPT, "start", str(d), port], capture_output=True,
+                             text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        return out.stdout.strip()
+
+    brokers = start()
+    try:
+        name = "dlrm_restart"
+        lines = []
+        t = _trainer(tmp_path, brokers, name)
+        t._print = lines.append
+        export_bundle(t.cfg, t.state, str(tmp_path / "bundle"), t.placements)
+        ps, dbs, model = _hps(tmp_path, name, tmp_path / "bundle", brokers)
+        applier = UpdateApplier(ps.update_source, dbs, {name: model}, group="g-restart")
+        applier.start()
+        t.fit()
+        assert t.sink.flush(10) == 0
+        assert wait_for(applier, lambda a: _applied(a, t, name)), applier.stats()
+        subprocess.run(["bash", SCRIPT, "stop", str(d)], timeout=30)
+        start()  # empty: every message and committed offset is gone
+        t.fit(24)
+        assert t.sink.flush(10) == 0
+        assert any("lost topic(s)" in x for x in lines), lines[-5:]
+        assert wait_for(applier, lambda a: _applied(a, t, name), 60), applier.stats()
+        applier.close()
+        batch = next(t.eval_data.batches(256, epochs=1))
+        np.testing.assert_allclose(model.predict(batch), t.predict(batch), **TOL)
+        model.close()
+        dbs.close()
+    finally:
+        subprocess.run(["bash", SCRIPT, "stop", str(d)], timeout=30)

@@ -74,6 +74,7 @@ class HPSModel:
         self._check_against_network(cfg)
         step_config, init_state = build_model(cfg, capacities={e.name: 1 for e in cfg.embeddings})
         self.step_config: StepConfig = step_config
+        self._init_state = init_state  # a fresh model to load new dense weights into
         nt = params.non_trainable_file
         if nt is None:
             guess = os.path.join(os.path.dirname(params.dense_model_file), "non_trainable.json")
@@ -362,10 +363,8 @@ class HPSModel:
                 nt_path = os.path.join(tmp, "non_trainable.json")
                 with open(nt_path, "w", encoding="utf-8") as f:
                     f.write(non_trainable)
-            _, init_state = build_model(self.cfg, capacities={e.name: 1
-                                                              for e in self.cfg.embeddings})
             with jax.default_device(jax.local_devices()[0]):
-                state = load_model_files(self.step_config, init_state(), dense_path,
+                state = load_model_files(self.step_config, self._init_state(), dense_path,
                                          non_trainable_json=nt_path)
         with self._lock:
             self._params = state.params

@@ -33,6 +33,7 @@ from jctr.stores.update_messages import (
     decode,
     encode_dense,
     encode_rows,
+    join_dense,
     rows_per_message,
 )
 
@@ -70,6 +71,7 @@ class KafkaMessageSink:
                  max_buffered_bytes: int = 64 << 20, connect_timeout_s: float = 5.0,
                  report=print):
         kafka = _kafka()
+        self._kafka = kafka
         self.model = model
         self.brokers = _servers(brokers)
         self.send_buffer_size = send_buffer_size
@@ -87,6 +89,7 @@ class KafkaMessageSink:
         })
         self._admin = kafka.admin.AdminClient({"bootstrap.servers": self.brokers})
         self._topics: set[str] = set()
+        self._created: set[str] = set()  # topics created here, with one partition
         self.reachable = self._check(connect_timeout_s)
 
     def _check(self, timeout_s: float) -> bool:
@@ -115,8 +118,28 @@ class KafkaMessageSink:
             futures = self._admin.create_topics([NewTopic(topic, 1, 1)],
                                                 operation_timeout=2.0, request_timeout=2.0)
             futures[topic].result(timeout=2.0)
+            self._created.add(topic)
         except Exception:  # noqa: BLE001 - exists already, or the broker went: produce anyway
             pass
+
+    def broker_restarted(self) -> bool:
+        """Whether a topic this sink created is gone, or came back with other partitions: a
+        broker that lost its messages (one keeping them in memory, restarted). The caller
+        then sends the whole state again (applying is idempotent)."""
+        if not self._created:
+            return False
+        try:
+            topics = self._admin.list_topics(timeout=2.0).topics
+        except Exception:  # noqa: BLE001 - not answering now: nothing to conclude yet
+            return False
+        lost = [t for t in self._created if t not in topics or len(topics[t].partitions) != 1]
+        if lost:
+            self.report(f"[jctr] kafka_sink: the broker at {self.brokers} lost topic(s) "
+                        f"{', '.join(sorted(lost))} (restarted?): sending the whole state again")
+            self._created.clear()
+            self._topics.clear()
+            return True
+        return False
 
     def _delivered(self, err, _msg) -> None:
         if err is not None:
@@ -128,9 +151,13 @@ class KafkaMessageSink:
         try:
             self.producer.produce(topic, value=payload, key=topic.encode(),
                                   on_delivery=self._delivered)
-        except BufferError:
+        except (BufferError, self._kafka.KafkaException) as e:
+            # a full buffer, or a message the broker refuses: dropped and counted, never a
+            # failed training step
             with self._lock:
                 self.dropped += 1
+            if not isinstance(e, BufferError):
+                self.report(f"[jctr] warning: kafka_sink: {topic}: {e}")
             now = time.monotonic()
             if now - self._warned > 10:
                 self._warned = now
@@ -156,8 +183,13 @@ class KafkaMessageSink:
         return queued
 
     def publish_dense(self, step: int, dense: bytes, non_trainable: str) -> bool:
-        return self._produce(dense_topic(self.model),
-                             encode_dense(self.model, step, dense, non_trainable))
+        """The dense weights, in as many messages of at most ``send_buffer_size`` bytes as
+        they need (the reader puts them together)."""
+        ok = True
+        for part in encode_dense(self.model, step, dense, non_trainable,
+                                 max_bytes=self.send_buffer_size):
+            ok = self._produce(dense_topic(self.model), part) and ok
+        return ok
 
     def flush(self, timeout_s: float = 10.0) -> int:
         """Wait up to ``timeout_s`` for queued messages; returns how many are still queued."""
@@ -179,7 +211,8 @@ class UpdateReader:
         self.pattern = re.compile(topics)
         self.refresh_s = metadata_refresh_interval_ms / 1000.0
         # librdkafka wants fetch.max.bytes >= message.max.bytes and the receive buffer above
-        # both; HugeCTR's receive_buffer_size is the largest message
+        # both; HugeCTR's receive_buffer_size is the largest message. Some brokers (Tansu)
+        # answer a fetch with more than fetch.max.bytes: the receive buffer may grow to 1 GiB
         message = max(receive_buffer_size + 1024, 1000)
         fetch = max(message, 1 << 20)
         try:
@@ -190,13 +223,15 @@ class UpdateReader:
                 "auto.offset.reset": "earliest",
                 "message.max.bytes": message,
                 "fetch.max.bytes": fetch,
-                "receive.message.max.bytes": fetch + 4096,
+                "receive.message.max.bytes": max(fetch + 4096, 1 << 30),
                 "topic.metadata.refresh.interval.ms": metadata_refresh_interval_ms,
             })
         except kafka.KafkaException as e:
             raise StoreError(f"update_source: cannot create the consumer: {e}") from None
         self.assigned: dict[tuple[str, int], int] = {}  # (topic, partition) -> next to read
         self.applied: dict[tuple[str, int], int] = {}  # (topic, partition) -> next applied
+        self._parts: dict[tuple[str, int], list[Update]] = {}  # dense parts read so far
+        self._reconnected = False  # the connection was lost: offsets to be fetched again
         self._looked = 0.0
 
     def _refresh(self, force: bool = False) -> None:
@@ -208,10 +243,22 @@ class UpdateReader:
             topics = self.consumer.list_topics(timeout=2.0).topics
         except Exception as e:
             raise StoreUnavailable(f"update_source: no broker answers ({e})") from None
+        gone = [w for w in self.assigned if w[0] not in topics]
+        if self._reconnected or gone:
+            # after a lost connection start again from what the group committed: the same
+            # offsets from a broker that kept them, the beginning from one that restarted
+            # empty (applying twice changes nothing)
+            for w in set(gone) | (set(self.assigned) if self._reconnected else set()):
+                self.assigned.pop(w, None)
+                self.applied.pop(w, None)
+            self._parts.clear()
+            self._reconnected = False
         known = {t for t, _ in self.assigned}
         new = [self._kafka.TopicPartition(t, p) for t, meta in topics.items()
                if self.pattern.search(t) and t not in known for p in meta.partitions]
         if not new:
+            if gone:
+                self._assign(self.assigned)
             return
         for tp in self.consumer.committed(new, timeout=5.0):
             start = tp.offset if tp.offset >= 0 else 0
@@ -234,16 +281,34 @@ class UpdateReader:
         out = []
         for msg in self.consumer.consume(max_messages, timeout_s):
             if msg.error():
-                if msg.error().code() != self._kafka.KafkaError._PARTITION_EOF:
+                code = msg.error().code()
+                if code in (self._kafka.KafkaError._TRANSPORT,
+                            self._kafka.KafkaError._ALL_BROKERS_DOWN):
+                    self._reconnected = True
+                    self._looked = 0.0
+                elif code != self._kafka.KafkaError._PARTITION_EOF:
                     log.warning("update_source: %s", msg.error())
                 continue
             where, offset = (msg.topic(), msg.partition()), msg.offset()
             self.assigned[where] = offset + 1
             try:
-                out.append((where, offset, decode(msg.value())))
+                update = decode(msg.value())
             except MessageError as e:
                 log.error("update_source: %s offset %d skipped: %s", where, offset, e)
-                self.applied[where] = offset + 1
+                continue
+            if update.kind == "dense_part":  # dense weights come in parts, in order
+                parts = self._parts.setdefault(where, [])
+                if update.part == 0:
+                    parts.clear()
+                parts.append(update)
+                if len(parts) < update.parts or parts[0].step != update.step:
+                    continue
+                try:
+                    update = join_dense(self._parts.pop(where))
+                except MessageError as e:
+                    log.error("update_source: %s skipped: %s", where, e)
+                    continue
+            out.append((where, offset, update))
         return out
 
     def mark_applied(self, where: tuple[str, int], offset: int) -> None:
@@ -252,6 +317,7 @@ class UpdateReader:
 
     def rewind(self) -> None:
         """Read again from what was applied (after a failed write)."""
+        self._parts.clear()
         self.assigned = dict(self.applied)
         self._assign(self.assigned)
 

@@ -9,14 +9,17 @@ One message is one table's rows or one model's dense weights::
     9       1     reserved (0)
     10      2     model name length M (uint16)
     12      2     table name length T (uint16; 0 for dense weights)
-    14      2     reserved (0)
+    14      2     rows: 0; dense weights: the number of parts P
     16      8     step: the training iteration the values are from (int64)
-    24      4     rows N (uint32; dense weights: 0)
+    24      4     rows N (uint32; dense weights: this part's index, 0..P-1)
     28      4     vector size D (uint32; dense weights: bytes of the dense model file)
     32      M     model name (UTF-8)
     32+M    T     table name (UTF-8)
-    then    8N    keys (int64)            | dense: D bytes of the dense model file, then
-            4ND   vectors (float32 [N,D]) | the BatchNorm JSON (UTF-8) to the end
+    then    8N    keys (int64)            | dense: this part's bytes of the dense model file
+            4ND   vectors (float32 [N,D]) | (the parts in order make D bytes); the last part
+                                          | ends with the BatchNorm JSON (UTF-8)
+
+Dense weights larger than one message travel in P consecutive messages of the same step.
 
 Example::
 
@@ -42,7 +45,7 @@ class MessageError(ValueError):
 
 @dataclass(frozen=True)
 class Update:
-    kind: str  # "rows" or "dense"
+    kind: str  # "rows", "dense" (whole) or "dense_part" (see join_dense)
     model: str
     table: str
     step: int
@@ -50,6 +53,9 @@ class Update:
     values: np.ndarray | None = None
     dense: bytes = b""
     non_trainable: str = ""
+    part: int = 0
+    parts: int = 1
+    dense_bytes: int = 0
 
 
 def _names(model: str, table: str) -> tuple[bytes, bytes]:
@@ -72,18 +78,43 @@ def encode_rows(model: str, table: str, step: int, keys: np.ndarray,
     return b"".join((head, m, t, keys.tobytes(), values.tobytes()))
 
 
-def encode_dense(model: str, step: int, dense: bytes, non_trainable: str) -> bytes:
-    """One message of dense weights: the dense model file's bytes and the BatchNorm JSON."""
-    m, t = _names(model, "")
-    head = _HEADER.pack(MAGIC, DENSE, 0, len(m), 0, 0, int(step), 0, len(dense))
-    return b"".join((head, m, dense, non_trainable.encode()))
+def encode_dense(model: str, step: int, dense: bytes, non_trainable: str, *,
+                 max_bytes: int = 1 << 30) -> list[bytes]:
+    """The messages of dense weights (the dense model file's bytes and the BatchNorm JSON),
+    each at most about ``max_bytes``."""
+    m, _ = _names(model, "")
+    nt = non_trainable.encode()
+    room = max(max_bytes - _HEADER.size - len(m), 1024)
+    chunks = [dense[s:s + room] for s in range(0, len(dense), room)] or [b""]
+    if len(chunks) > 0xFFFF:
+        raise MessageError(f"dense weights of {len(dense)} bytes need more than 65535 parts")
+    out = []
+    for i, chunk in enumerate(chunks):
+        head = _HEADER.pack(MAGIC, DENSE, 0, len(m), 0, len(chunks), int(step), i, len(dense))
+        out.append(b"".join((head, m, chunk, nt if i == len(chunks) - 1 else b"")))
+    return out
+
+
+def join_dense(parts: list[Update]) -> Update:
+    """One dense update from its parts (in order); :class:`MessageError` if they do not add
+    up."""
+    data = b"".join(p.dense for p in parts)
+    last = parts[-1]
+    if len(data) < last.dense_bytes or [p.part for p in parts] != list(range(last.parts)):
+        raise MessageError(f"{last.model}: dense parts of step {last.step} do not add up")
+    try:
+        nt = data[last.dense_bytes:].decode()
+    except UnicodeDecodeError:
+        raise MessageError(f"{last.model}: BatchNorm JSON is not UTF-8") from None
+    return Update("dense", last.model, "", last.step, dense=data[:last.dense_bytes],
+                  non_trainable=nt)
 
 
 def decode(data: bytes) -> Update:
     """The :class:`Update` of one message; :class:`MessageError` if it is not one."""
     if len(data) < _HEADER.size or data[:8] != MAGIC:
         raise MessageError("not a jctr update message (no JCTRUPD1 header)")
-    _, kind, _, lm, lt, _, step, n, d = _HEADER.unpack_from(data)
+    _, kind, _, lm, lt, nparts, step, n, d = _HEADER.unpack_from(data)
     at = _HEADER.size
     try:
         model = data[at:at + lm].decode()
@@ -100,14 +131,20 @@ def decode(data: bytes) -> Update:
         values = np.frombuffer(data, "<f4", n * d, at + 8 * n).reshape(n, d).astype(np.float32)
         return Update("rows", model, table, step, keys, values)
     if kind == DENSE:
-        if len(data) < at + d:
-            raise MessageError(f"{model}: dense message shorter than its {d} weight bytes")
+        if nparts < 1 or n >= nparts:
+            raise MessageError(f"{model}: dense part {n} of {nparts}")
+        if nparts == 1:
+            if len(data) < at + d:
+                raise MessageError(f"{model}: dense message shorter than its {d} weight bytes")
+            body, nt_bytes = data[at:at + d], data[at + d:]
+        else:  # a part: its bytes (the last one ends with the JSON; join_dense splits)
+            return Update("dense_part", model, "", step, dense=bytes(data[at:]), part=n,
+                          parts=nparts, dense_bytes=d)
         try:
-            nt = data[at + d:].decode()
+            nt = nt_bytes.decode()
         except UnicodeDecodeError:
             raise MessageError(f"{model}: BatchNorm JSON is not UTF-8") from None
-        return Update("dense", model, "", step, dense=bytes(data[at:at + d]),
-                      non_trainable=nt)
+        return Update("dense", model, "", step, dense=bytes(body), non_trainable=nt)
     raise MessageError(f"unknown message kind {kind}")
 
 

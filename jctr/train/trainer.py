@@ -135,6 +135,7 @@ class Trainer:
         self._auc_counts = None
         self._sink = None  # see sink
         self._touched: list[list[np.ndarray]] = [[] for _ in self.specs]
+        self._published = [np.zeros(0, np.int64) for _ in self.specs]  # keys ever sent
         self._jit_steps()
         self._train_data: Dataset | None = None
         self._eval_data: Dataset | None = None
@@ -239,11 +240,16 @@ class Trainer:
 
         step = int(to_host(self.state.step))
         rows = 0
+        resend = sink.broker_restarted()  # it lost what it had: everything trained so far
         for i, spec in enumerate(self.specs):
-            if not self._touched[i]:
-                continue
-            keys = np.unique(np.concatenate(self._touched[i]))
+            keys = (np.unique(np.concatenate(self._touched[i])) if self._touched[i]
+                    else np.zeros(0, np.int64))
             self._touched[i] = []
+            self._published[i] = np.union1d(self._published[i], keys)
+            if resend:
+                keys = self._published[i]
+            if not keys.size:
+                continue
             stored = export_keys(self.state.embeddings[i], keys, self.placements[i])
             sink.publish_rows(spec.name, step, stored["keys"], stored["values"])
             rows += int(stored["keys"].size)

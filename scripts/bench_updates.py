@@ -1,0 +1,180 @@
+"""Online model updates: rows per second from a trainer's Kafka sink to the HPS layers, and the
+latency from publishing a step's update to the moment the served model holds it, against what
+the broker itself moves in the same run.
+
+Setup: the pinned Tansu broker (scripts/kafka_broker.sh, loopback), a DLRM of the Criteo shape
+(26 one-hot slots, dim 16) served by the HPS with a hash-map volatile database, a RocksDB
+persistent database and a device cache (50%).
+
+1. Throughput: ``--rows`` fresh rows (new keys, uniform or power-law over 10M keys, so some
+   repeat) published by :class:`jctr.stores.kafka.KafkaMessageSink` in messages of
+   ``send_buffer_size``, applied by :class:`jctr.serving.updates.UpdateApplier` to every layer.
+   Baseline: the broker's own rate for the same bytes: a plain confluent-kafka producer then a
+   plain consumer (no decoding, no databases).
+2. Latency: ``--updates`` times, a step's update (1,024 changed rows and the dense weights) is
+   published and the time until the applier has applied it (hash map, RocksDB, device cache,
+   dense swap) is taken; p50 / p99.
+
+    python scripts/bench_updates.py
+    python scripts/bench_updates.py --rows 200000 --updates 50
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jctr._x64  # noqa: E402,F401  (64-bit keys)
+from scripts.bench_hps import cpu_name  # noqa: E402
+from scripts.bench_train import jctr_config  # noqa: E402
+
+DIM = 16
+MODEL = "bench_updates"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def broker_rate(brokers: str, payloads: list[bytes]) -> tuple[float, float]:
+    """Seconds to produce, and to consume, ``payloads`` with plain clients."""
+    from confluent_kafka import Consumer, Producer, TopicPartition
+
+    topic = "bench_raw"
+    p = Producer({"bootstrap.servers": brokers, "linger.ms": 5, "acks": "all",
+                  "message.max.bytes": 1 << 21})
+    t0 = time.perf_counter()
+    for data in payloads:
+        p.produce(topic, value=data, key=b"k")
+    p.flush(60)
+    produce_s = time.perf_counter() - t0
+    c = Consumer({"bootstrap.servers": brokers, "group.id": "bench-raw",
+                  "enable.auto.commit": False, "fetch.max.bytes": 1 << 21,
+                  "message.max.bytes": 1 << 21, "receive.message.max.bytes": 1 << 30})
+    parts = c.list_topics(topic, timeout=5).topics[topic].partitions
+    c.assign([TopicPartition(topic, q, 0) for q in parts])
+    got = 0
+    t0 = time.perf_counter()
+    while got < len(payloads) and time.perf_counter() - t0 < 120:
+        got += sum(1 for m in c.consume(min(256, len(payloads) - got), 0.5)
+                   if not m.error())
+    consume_s = time.perf_counter() - t0
+    c.close()
+    return produce_s, consume_s
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--updates", type=int, default=100)
+    ap.add_argument("--send-buffer-size", type=int, default=262144)
+    args = ap.parse_args()
+    from jctr.config import parse_config
+    from jctr.config.hps import parse_ps_config
+    from jctr.data.synthetic import power_law_ranks
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.hps import Databases
+    from jctr.serving.hps_model import HPSModel
+    from jctr.serving.updates import UpdateApplier, wait_for
+    from jctr.stores.kafka import KafkaMessageSink
+    from jctr.stores.update_messages import encode_rows, rows_per_message
+    from jctr.train.trainer import Trainer
+
+    print(f"CPU: {cpu_name()}")
+    tmp = tempfile.mkdtemp(prefix="jctr-bench-updates-")
+    script = os.path.join(ROOT, "scripts", "kafka_broker.sh")
+    brokers = subprocess.run(["bash", script, "start", tmp, str(free_port())], check=True,
+                             capture_output=True, text=True).stdout.strip()
+    try:
+        raw = jctr_config(1024, 1)
+        raw["layers"][0]["source"] = raw["layers"][0]["eval_source"] = os.path.join(tmp, "x")
+        raw["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 1 << 20
+        t = Trainer(parse_config(raw), log=lambda s: None, generate_data=False)
+        export_bundle(t.cfg, t.state, os.path.join(tmp, "bundle"), t.placements)
+        ps = parse_ps_config({
+            "volatile_db": {"type": "hash_map"},
+            "persistent_db": {"type": "rocks_db", "path": os.path.join(tmp, "rocks")},
+            "update_source": {"type": "kafka_message_queue", "brokers": brokers,
+                              "poll_timeout_ms": 20, "metadata_refresh_interval_ms": 100,
+                              "max_batch_size": 65536},
+            "models": [{"model": MODEL, "bundle": os.path.join(tmp, "bundle"),
+                        "max_batch_size": 1024, "gpucache": True, "gpucacheper": 0.5}]},
+            os.path.join(tmp, "ps.json"))
+        dbs = Databases(ps.volatile_db, ps.persistent_db)
+        hps = HPSModel(ps.models[0], dbs)
+        hps.load_databases()
+        sink = KafkaMessageSink(brokers, MODEL, send_buffer_size=args.send_buffer_size,
+                                report=print)
+        applier = UpdateApplier(ps.update_source, dbs, {MODEL: hps}, group="bench")
+        applier.start()
+        rng = np.random.default_rng(0)
+        per = rows_per_message(DIM, args.send_buffer_size)
+        for dist in ("uniform", "power-law"):
+            if dist == "uniform":
+                keys = rng.integers(1, 10_000_000, args.rows)
+            else:
+                keys = power_law_ranks(rng, args.rows, 10_000_000, 1.05) + 1
+            values = rng.normal(0, 0.01, (args.rows, DIM)).astype(np.float32)
+            before = applier.applied_rows
+            t0 = time.perf_counter()
+            sink.publish_rows("sparse_embedding1", 1, keys.astype(np.int64), values)
+            sink.flush(120)
+            ok = wait_for(applier, lambda a, b=before: a.applied_rows >= b + args.rows, 120)
+            jctr_s = time.perf_counter() - t0
+            payloads = [encode_rows(MODEL, "sparse_embedding1", 1, keys[s:s + per],
+                                    values[s:s + per]) for s in range(0, args.rows, per)]
+            produce_s, consume_s = broker_rate(brokers, payloads)
+            broker_s = produce_s + consume_s
+            print(f"[{dist}] {args.rows:,} rows of {DIM} floats in {len(payloads)} messages: "
+                  f"trainer sink -> HPS layers {args.rows / jctr_s:,.0f} rows/s"
+                  f"{'' if ok else ' (did not finish)'}; the broker alone (produce then "
+                  f"consume the same bytes) {args.rows / broker_s:,.0f} rows/s (produce "
+                  f"{args.rows / produce_s:,.0f}, consume {args.rows / consume_s:,.0f}): "
+                  f"ratio {broker_s / jctr_s:.2f}")
+        # latency of one step's update: 1,024 rows and the dense weights
+        from jctr.checkpoint.model_files import dense_weights, host_network, non_trainable
+
+        net = host_network(t.step_config, t.state)
+        dense = dense_weights(net).astype("<f4").tobytes()
+        nt = __import__("json").dumps(non_trainable(net))
+        lat = []
+        for i in range(args.updates):
+            step = 100 + i
+            keys = rng.integers(1, 10_000_000, 1024).astype(np.int64)
+            values = rng.normal(0, 0.01, (1024, DIM)).astype(np.float32)
+            t0 = time.perf_counter()
+            sink.publish_rows("sparse_embedding1", step, keys, values)
+            sink.publish_dense(step, dense, nt)
+            sink.producer.flush(0)
+            key = f"hps_dense.{MODEL}"
+            if wait_for(applier, lambda a, s=step, k=key: a.last_step.get(k) == s, 30):
+                lat.append(time.perf_counter() - t0)
+        lat_ms = sorted(1e3 * x for x in lat)
+        p99 = lat_ms[min(len(lat_ms) - 1, int(0.99 * len(lat_ms)))]
+        print(f"[latency] {len(lat)} updates of 1,024 rows + dense weights ({len(dense):,} "
+              f"bytes), publish -> applied to hash map, RocksDB, device cache and dense swap: "
+              f"p50 {statistics.median(lat_ms):.1f} ms, p99 {p99:.1f} ms")
+        applier.close()
+        hps.close()
+        dbs.close()
+    finally:
+        subprocess.run(["bash", script, "stop", tmp], capture_output=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

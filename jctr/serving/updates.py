@@ -79,7 +79,8 @@ class UpdateApplier:
                     reader = UpdateReader(p.brokers, group=self.group, topics=self.topics,
                                           metadata_refresh_interval_ms=
                                           p.metadata_refresh_interval_ms,
-                                          receive_buffer_size=p.receive_buffer_size)
+                                          receive_buffer_size=p.receive_buffer_size,
+                                          poll_timeout_ms=p.poll_timeout_ms)
                 batch = reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
             except (StoreUnavailable, StoreError) as e:
                 self.error = str(e)

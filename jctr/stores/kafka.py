@@ -205,7 +205,8 @@ class UpdateReader:
     topic, from the group's committed offsets (see the module docstring)."""
 
     def __init__(self, brokers: str, *, group: str, topics: str,
-                 metadata_refresh_interval_ms: int = 30000, receive_buffer_size: int = 262144):
+                 metadata_refresh_interval_ms: int = 30000, receive_buffer_size: int = 262144,
+                 poll_timeout_ms: int = 500):
         kafka = _kafka()
         self._kafka = kafka
         self.pattern = re.compile(topics)
@@ -225,6 +226,9 @@ class UpdateReader:
                 "fetch.max.bytes": fetch,
                 "receive.message.max.bytes": max(fetch + 4096, 1 << 30),
                 "topic.metadata.refresh.interval.ms": metadata_refresh_interval_ms,
+                # a broker may hold a fetch this long when nothing is new (Tansu does): no
+                # longer than a poll may wait
+                "fetch.wait.max.ms": poll_timeout_ms,
             })
         except kafka.KafkaException as e:
             raise StoreError(f"update_source: cannot create the consumer: {e}") from None

@@ -38,6 +38,9 @@ from jctr.stores.update_messages import (
 )
 
 log = logging.getLogger("jctr.updates")
+# librdkafka's own lines (connection attempts to an absent broker, ...) go to logging, not to
+# stderr: the sink and the reader report what matters themselves
+_CLIENT_LOG = logging.getLogger("jctr.kafka.client")
 
 
 def _kafka():
@@ -86,8 +89,9 @@ class KafkaMessageSink:
             "queue.buffering.max.messages": 1 << 20,
             "linger.ms": 5,
             "acks": "all",
-        })
-        self._admin = kafka.admin.AdminClient({"bootstrap.servers": self.brokers})
+        }, logger=_CLIENT_LOG)
+        self._admin = kafka.admin.AdminClient({"bootstrap.servers": self.brokers},
+                                              logger=_CLIENT_LOG)
         self._topics: set[str] = set()
         self._created: set[str] = set()  # topics created here, with one partition
         self.reachable = self._check(connect_timeout_s)
@@ -229,7 +233,7 @@ class UpdateReader:
                 # a broker may hold a fetch this long when nothing is new (Tansu does): no
                 # longer than a poll may wait
                 "fetch.wait.max.ms": poll_timeout_ms,
-            })
+            }, logger=_CLIENT_LOG)
         except kafka.KafkaException as e:
             raise StoreError(f"update_source: cannot create the consumer: {e}") from None
         self.assigned: dict[tuple[str, int], int] = {}  # (topic, partition) -> next to read

@@ -473,6 +473,8 @@ class Trainer:
 
     def _fit(self, max_iter: int | None) -> list[dict[str, Any]]:
         s = self.solver
+        if s.kafka_sink is not None:
+            _ = self.sink  # a broker that does not answer is reported before the first step
         max_iter = max_iter or s.max_iter
         epochs = None if max_iter else s.num_epochs
         # evaluating after each epoch: epochs end on a (padded) batch of their own
@@ -595,6 +597,10 @@ class Trainer:
         self._restore_best()
         if self.solver.kafka_sink is not None:
             self.publish_updates()  # what the last steps changed, and the final dense weights
+            left = self.sink.flush(10.0 if self.sink.reachable else 0.0)
+            if left:
+                self._print(f"[jctr] warning: kafka_sink: {left} update message(s) not "
+                            f"delivered yet ({self.sink.stats()['dropped']} dropped)")
         self._evaluate_test_sets()
         self._print(self._final_line(trained, elapsed, progress.compile_s, steady_rate))
         self._write_report()

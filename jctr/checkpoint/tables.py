@@ -23,6 +23,12 @@ _INSERT_CHUNK = 1 << 18
 def export_table(state: EmbeddingState) -> dict[str, np.ndarray]:
     """The used rows of a table, ordered by row."""
     keys, rows = export_items(state.table)
+    return _rows_of(state, keys, rows)
+
+
+def _rows_of(state: EmbeddingState, keys: np.ndarray, rows: np.ndarray
+             ) -> dict[str, np.ndarray]:
+    """A stored-table dict of ``keys`` held at ``rows``: vectors, slot ids, optimizer rows."""
     idx = jnp.asarray(rows)
     out = {"keys": keys, "values": np.asarray(jnp.take(state.values, idx, axis=0)),
            "slot": np.asarray(jnp.take(state.row_slot, idx, axis=0))}
@@ -60,12 +66,7 @@ def export_keys(state: EmbeddingState, keys: np.ndarray, placement=None
         rows[start:start + chunk.size] = np.asarray(
             _find(state.table, jnp.asarray(pad), jnp.asarray(valid), capacity))[:chunk.size]
     held = rows >= 0
-    idx = jnp.asarray(rows[held])
-    out = {"keys": keys[held], "values": np.asarray(jnp.take(state.values, idx, axis=0)),
-           "slot": np.asarray(jnp.take(state.row_slot, idx, axis=0))}
-    for name, arr in state.slots.items():
-        out[name] = np.asarray(jnp.take(arr, idx, axis=0))
-    return out
+    return _rows_of(state, keys[held], rows[held])
 
 
 def import_table(spec: EmbeddingSpec, state: EmbeddingState,

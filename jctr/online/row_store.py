@@ -76,10 +76,6 @@ class RowStore:
     def erase(self, table: int, keys: np.ndarray) -> None:
         self.db.erase(self.names[table], np.asarray(keys, np.int64))
 
-    def rows(self, table: int, keys: np.ndarray) -> dict[str, np.ndarray]:
-        """Like :meth:`pull` (for base and delta models)."""
-        return self.pull(table, keys)
-
     def scale(self, table: int, slot: str, factors: tuple[float, ...]) -> None:
         """Multiply a slot's columns in every stored row (the daily decay of admission counts;
         one pass over the table, as the shrink's)."""

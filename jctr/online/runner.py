@@ -514,7 +514,7 @@ class OnlineRun:
         t = self.trainer
         tables = None
         if self.store is not None:  # every row is in the database
-            tables = [self.store.rows(i, k) for i, k in enumerate(keys)]
+            tables = [self.store.pull(i, k) for i, k in enumerate(keys)]
         path = export_bundle(t.cfg, t.state, folder, t.placements, keys=keys,
                              about={"kind": kind, "day": day, "pass": n}, tables=tables)
         self.log(f"[jctr] {kind} model -> {path} ("

@@ -516,8 +516,8 @@ class Trainer:
                     run.fallback_steps += 1
                 step_fn = self.train_step if fits else self.train_step_full
                 self.state, metrics = step_fn(self.state, batch)
-                if touched is not None:
-                    self._note_updates(touched, int(to_host(self.state.step)))
+                if touched is not None:  # the step number from the loop: no device sync
+                    self._note_updates(touched, done + 1)
                 if self.auc_buckets:  # stays on the devices: no wait for the step
                     counts = metrics["auc_counts"]
                     self._auc_counts = (counts if self._auc_counts is None

@@ -68,7 +68,7 @@ def test_raw_reads_what_was_written_with_offsets_and_log(tmp_path):
 def test_raw_errors(tmp_path):
     path = str(tmp_path / "d.bin")
     write_raw_file(path, np.zeros((10, 1)), np.zeros((10, 13)), np.zeros((10, SLOTS)))
-    with pytest.raises(DataError, match="holds 10 records but the config's num_samples"):
+    with pytest.raises(DataError, match="holds 10 records of 88 bytes .* num_samples"):
         open_dataset(path, parse_config(_data_cfg("Raw", path, num_samples=11,
                                                   eval_num_samples=1)).data, "I32")
     with open(path, "ab") as f:

@@ -67,7 +67,7 @@ def test_batchnorm_train_masked_and_eval():
 
 def test_reshape_concat_slice_split_add():
     e = rng.normal(size=(B, 3, 4)).astype(np.float32)
-    close(L.Reshape(12)([e], ctx())[0], e.reshape(B, 12))
+    close(L.Reshape((12,))([e], ctx())[0], e.reshape(B, 12))
     a, b = x2(2), x2(3)
     close(L.Concat()([a, b], ctx())[0], np.concatenate([a, b], 1))
     close(L.Concat()([e, e], ctx())[0], np.concatenate([e, e], 1))

@@ -291,3 +291,37 @@ def test_admission_gives_embedx_once_the_score_reaches_the_threshold():
     assert (values[rows[0], 1:] < init[0, 1:]).all()
     assert (values[rows[2], 1:] == 0).all()
     np.testing.assert_allclose(np.asarray(state.slots["accessor"])[rows[2]], [2, 0, 0])
+
+
+CHUNKED = OPTS[1:] + [
+    OptimizerConfig("Adam", update_type="LazyGlobal", learning_rate=0.01),
+    OptimizerConfig("SparseAdaGradSGDRule", learning_rate=1.0),
+]
+
+
+@pytest.mark.parametrize("opt", CHUNKED, ids=lambda o: f"{o.type}-{o.update_type}")
+def test_rows_stepped_in_chunks_equal_one_pass(opt, monkeypatch):
+    """A batch of millions of keys steps its rows in chunks (row_optimizers.row_chunk) to
+    bound the step's temporaries; the result is the one-pass update, padding rows dropped."""
+    rng = np.random.default_rng(5)
+    values = jnp.asarray(rng.normal(size=(CAP, DIM)).astype(np.float32))
+    # distinct rows, some out of range (padding / non-representative keys: dropped)
+    rows = np.concatenate([rng.permutation(CAP)[:23], [CAP] * 4])
+    steps = [(rng.permutation(rows), rng.normal(size=(27, DIM)).astype(np.float32))
+             for _ in range(3)]
+    occ = jnp.asarray(rng.integers(1, 4, 27).astype(np.float32))
+
+    def run():
+        v, slots = values, row_opt.init_slots(opt, CAP, DIM)
+        for t, (r, g) in enumerate(steps):
+            v, slots = row_opt.apply_rows(opt, v, slots, jnp.asarray(r), jnp.asarray(g),
+                                          jnp.float32(0.05), jnp.int32(t + 1), l2=0.01,
+                                          occurrences=occ)
+        return np.asarray(v), {k: np.asarray(x) for k, x in slots.items()}
+
+    whole = run()
+    monkeypatch.setattr(row_opt, "row_chunk", lambda dim: 5)  # 27 rows: 6 chunks, padded
+    chunked = run()
+    np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-6, atol=1e-7)
+    for k in whole[1]:
+        np.testing.assert_allclose(chunked[1][k], whole[1][k], rtol=1e-6, atol=1e-7)

@@ -85,12 +85,26 @@ def _bn(r: ObjectReader):
 
 @dataclass(frozen=True)
 class ReshapeParam:
-    leading_dim: int
-    """The output is ``[batch, leading_dim]``; equals the input's per-sample size."""
+    leading_dim: int | None = None
+    """The width of the output rows (default: a sample's size, ``[batch, slots * vec]``). A
+    divisor of a sample's size splits each sample into several rows, ``[batch * k,
+    leading_dim]``, as HugeCTR does (DeepFM: ``[batch, 26, 11]`` -> ``[batch * 26, 11]``); it
+    must be a multiple of the input's last dimension."""
+    selected: tuple[int, ...] | None = None
+    """Slots of an embedding output ``[batch, slots, vec]`` to keep, in this order:
+    ``[batch, len(selected) * vec]`` (exclusive with ``leading_dim``)."""
 
 
 def _reshape(r: ObjectReader):
-    return ReshapeParam(leading_dim=r.int("leading_dim", min_value=1))
+    if r.has("selected"):
+        if r.has("leading_dim"):
+            raise r.error("selected", "a selective Reshape takes no leading_dim (HugeCTR reads "
+                          "one or the other); drop one of them")
+        sel = r.int_list("selected", min_value=0)
+        if not sel:
+            raise r.error("selected", "expected at least one slot index")
+        return ReshapeParam(selected=tuple(sel))
+    return ReshapeParam(leading_dim=r.int("leading_dim", None, min_value=1))
 
 
 @dataclass(frozen=True)
@@ -103,15 +117,22 @@ def _slice(r: ObjectReader):
     ranges = r.list("ranges")
     out = []
     for i, rg in enumerate(ranges):
+        where = join_path(join_path(r.path, "ranges"), i)
         if (not isinstance(rg, list) or len(rg) != 2
                 or not all(isinstance(v, int) and not isinstance(v, bool) for v in rg)
                 or not 0 <= rg[0] < rg[1]):
-            raise ConfigError(join_path(join_path(r.path, "ranges"), i),
-                              f"expected [begin, end) with 0 <= begin < end, got {describe(rg)}",
-                              r.source)
+            raise ConfigError(where, f"expected [begin, end) with 0 <= begin < end, got "
+                              f"{describe(rg)}", r.source)
+        # HugeCTR's SliceLayer: ranges in order, none inside an earlier one (equal is fine)
+        if out and not (out[-1][0] <= rg[0] and out[-1][1] <= rg[1]):
+            raise ConfigError(where, f"{rg} comes before or inside the previous "
+                              f"range {list(out[-1])}; HugeCTR takes ranges in order "
+                              "(begin and end both non-decreasing)", r.source)
         out.append((rg[0], rg[1]))
     if not out:
         raise r.error("ranges", "expected at least one range")
+    if len(out) > 5:
+        raise r.error("ranges", f"{len(out)} ranges; HugeCTR's Slice gives at most 5 tops")
     return SliceParam(ranges=tuple(out))
 
 
@@ -218,7 +239,9 @@ LAYER_TYPES: dict[str, LayerType] = {
                            "batch normalization over the batch axis (padding samples left "
                            "out); running statistics are saved as non-trainable JSON"),
     "Reshape": LayerType(_reshape, ReshapeParam, (1, 1), 1,
-                         "flattens each sample: the output is ``[batch, leading_dim]``"),
+                         "rows of ``leading_dim`` values: ``[batch, leading_dim]`` (a sample "
+                         "per row) or ``[batch * k, leading_dim]`` (k rows per sample); or the "
+                         "``selected`` slots of an embedding output"),
     "Concat": LayerType(_none, NoParam, (2, 5), 1,
                         "joins 2-D inputs on the feature axis, 3-D inputs on the slot axis"),
     "Slice": LayerType(_slice, SliceParam, (1, 1), None,

@@ -34,6 +34,7 @@ from jctr.config.schema import (
     SyntheticConfig,
     default_mode,
 )
+from jctr.config.slots import localized_slot_owners, rows_per_device
 
 _HPARAM_KEYS = {
     "Adam": "adam_hparam",
@@ -152,7 +153,8 @@ def parse_config(raw: Any, *, source: str | None = None,
             "embedding's own optimizer clause and keep a dense optimizer here")
     layers_raw = root.list("layers")
     root.finish()
-    data, embeddings, layers = parse_layers(layers_raw, source)
+    devices = sum(len(host) for host in solver.gpu)
+    data, embeddings, layers = parse_layers(layers_raw, source, devices)
     cfg = ModelConfig(solver=solver, optimizer=optimizer, data=data, embeddings=embeddings,
                       layers=layers, source=source, raw=raw)
     validate_config(cfg)
@@ -394,7 +396,7 @@ def parse_optimizer(r: ObjectReader) -> OptimizerConfig:
 # ---- layers -------------------------------------------------------------------------------
 
 
-def parse_layers(layers_raw: list, source: str | None):
+def parse_layers(layers_raw: list, source: str | None, devices: int = 1):
     if not layers_raw:
         raise ConfigError("layers", "expected a non-empty list of layers", source)
     data = None
@@ -414,7 +416,7 @@ def parse_layers(layers_raw: list, source: str | None):
             if dense:
                 raise r.error("type", "embedding layers must precede the dense layers "
                               f"(dense layer \"{dense[0].name}\" comes before)")
-            embeddings.append(parse_embedding(r, ltype))
+            embeddings.append(parse_embedding(r, ltype, devices))
         elif ltype in LAYER_TYPES:
             dense.append(parse_dense_layer(r, ltype))
         else:
@@ -456,6 +458,10 @@ def parse_data(r: ObjectReader) -> DataConfig:
         max_nnz = s.int("max_nnz", max_feat, min_value=1)
         s.bool("is_fixed_length", False)
         s.finish()
+        if fmt in ("Raw", "Parquet"):
+            # HugeCTR's Raw and Parquet readers take exactly one key per slot: max_nnz and
+            # max_feature_num_per_sample (26, 30, 100 in its samples) are upper bounds
+            max_nnz = 1
         if max_feat < slot_num and max_nnz == 1:
             raise s.error("max_feature_num_per_sample",
                           f"one-hot input (max_nnz 1) needs at least slot_num={slot_num}, "
@@ -484,8 +490,6 @@ def parse_data(r: ObjectReader) -> DataConfig:
         if eval_num_samples is None:
             raise r.error("eval_num_samples", "required for format Raw")
     if fmt in ("Raw", "Parquet"):
-        if any(not s.one_hot for s in sparse):
-            raise r.error("sparse", f"format {fmt} is one-hot: every sparse input needs max_nnz 1")
         total_slots = sum(s.slot_num for s in sparse)
         if not slot_size_array:
             raise r.error("slot_size_array", f"required for format {fmt}")
@@ -536,13 +540,30 @@ def _parse_synthetic(r: ObjectReader) -> SyntheticConfig:
     return out
 
 
-def parse_embedding(r: ObjectReader, etype: str) -> EmbeddingConfig:
+def parse_embedding(r: ObjectReader, etype: str, devices: int = 1) -> EmbeddingConfig:
+    """One embedding layer; ``devices`` (all of ``solver.gpu``) sizes a table given by its
+    ``slot_size_array``."""
     name = r.str("name")
     bottom = r.str("bottom")
     top = r.str("top")
-    plan_file = r.str("plan_file", None)
+    plan_file = _parse_plan_file(r)
     h = r.child("sparse_embedding_hparam")
-    vocab = h.int("max_vocabulary_size_per_gpu", min_value=1)
+    sizes = h.int_list("slot_size_array", (), min_value=1)
+    if sizes and not etype.startswith("LocalizedSlot"):
+        raise h.error("slot_size_array", f"sizes the tables of LocalizedSlot* embeddings; "
+                      f"{etype} spreads keys by hash and needs max_vocabulary_size_per_gpu "
+                      "(HugeCTR reads slot_size_array only for LocalizedSlot*)")
+    if etype == "LocalizedSlotSparseEmbeddingOneHot" and not sizes:
+        raise h.error("slot_size_array", "required for LocalizedSlotSparseEmbeddingOneHot "
+                      "(its table holds each slot's keys [0, size) side by side)")
+    if sizes:
+        # HugeCTR sizes such tables from the slots and ignores max_vocabulary_size_per_gpu
+        h.int("max_vocabulary_size_per_gpu", None, min_value=1)
+        replicate = h.raw("replicated", None) is True
+        owners = localized_slot_owners(sizes, len(sizes), 1 if replicate else devices)
+        vocab = rows_per_device(sizes, owners, 1 if replicate else devices)
+    else:
+        vocab = h.int("max_vocabulary_size_per_gpu", min_value=1)
     vec = h.int("embedding_vec_size", min_value=1)
     combiner_raw = h.raw("combiner", 0)
     combiner = {0: "sum", 1: "mean", "sum": "sum", "mean": "mean"}.get(
@@ -561,7 +582,18 @@ def parse_embedding(r: ObjectReader, etype: str) -> EmbeddingConfig:
                            max_vocabulary_size_per_gpu=vocab, embedding_vec_size=vec,
                            combiner=combiner, optimizer=optimizer, plan_file=plan_file,
                            init_range=init_range, replicated=replicated,
-                           l2_lambda=l2_lambda, l1_lambda=l1_lambda)
+                           l2_lambda=l2_lambda, l1_lambda=l1_lambda, slot_size_array=sizes)
+
+
+def _parse_plan_file(r: ObjectReader) -> str | None:
+    """``plan_file``: HugeCTR's all-to-all plan for its NCCL/gossip routing, one path or a
+    list of one per node; jctr plans placement itself and reads neither."""
+    value = r.raw("plan_file", None)
+    if value is None:
+        return None
+    if isinstance(value, list) and value and all(isinstance(v, str) and v for v in value):
+        return ",".join(value)
+    return r.str("plan_file")
 
 
 
@@ -608,8 +640,12 @@ def validate_config(cfg: ModelConfig) -> None:
                               f"Data layer; expected one of {sorted(sparse_tops)}", src)
         if emb.top in available:
             raise ConfigError(f"{path}.top", f"\"{emb.top}\" is already defined", src)
+        sp = cfg.data.sparse_input(emb.bottom)
+        if emb.slot_size_array and len(emb.slot_size_array) != sp.slot_num:
+            raise ConfigError(f"{path}.sparse_embedding_hparam.slot_size_array",
+                              f"has {len(emb.slot_size_array)} entries but input \"{sp.top}\" "
+                              f"has slot_num {sp.slot_num}", src)
         if emb.type == "LocalizedSlotSparseEmbeddingOneHot":
-            sp = cfg.data.sparse_input(emb.bottom)
             if not sp.one_hot:
                 raise ConfigError(f"{path}.type", "LocalizedSlotSparseEmbeddingOneHot needs a "
                                   f"one-hot input (max_nnz 1); \"{sp.top}\" has max_nnz "
@@ -638,6 +674,15 @@ def validate_config(cfg: ModelConfig) -> None:
     if loss.bottoms[1] != cfg.data.label_top:
         raise ConfigError(f"{loss.path}.bottom", f"the second bottom of the loss must be the "
                           f"label \"{cfg.data.label_top}\", got \"{loss.bottoms[1]}\"", src)
+    for sp in cfg.data.sparse:  # key positions and segment ids of a batch are int32
+        width = sp.slot_num if sp.one_hot else sp.max_feature_num_per_sample
+        for name in ("batchsize", "batchsize_eval"):
+            size = getattr(cfg.solver, name)
+            if size * max(width, sp.slot_num) >= 2**31:
+                raise ConfigError(f"solver.{name}", f"{size:,} samples x {width} key positions "
+                                  f"of sparse input \"{sp.top}\" (max_feature_num_per_sample, "
+                                  "or slot_num when one-hot) pass 2^31 keys in one batch; use "
+                                  "a smaller batch", src)
     n_sparse_model = len(cfg.solver.sparse_model_file)
     if n_sparse_model and n_sparse_model != len(cfg.embeddings):
         raise ConfigError("solver.sparse_model_file", f"lists {n_sparse_model} files for "

@@ -411,7 +411,9 @@ class EmbeddingConfig:
     """The output, ``[batch, slots, embedding_vec_size]``."""
     max_vocabulary_size_per_gpu: int
     """``sparse_embedding_hparam``: the row capacity of one device's part of the table; more
-    distinct keys stop training with an error naming the table."""
+    distinct keys stop training with an error naming the table. A ``LocalizedSlot*``
+    embedding with ``slot_size_array`` is sized from it instead (HugeCTR ignores this field
+    then): the sizes of the slots the busiest device owns."""
     embedding_vec_size: int
     """``sparse_embedding_hparam``: the width of one embedding vector."""
     combiner: str = "sum"
@@ -435,6 +437,11 @@ class EmbeddingConfig:
     l1_lambda: float = 0.0
     """``sparse_embedding_hparam`` (jctr): every row a batch touches gets ``l1_lambda *
     sign(w)`` added to its gradient, once per step."""
+    slot_size_array: tuple[int, ...] = ()
+    """``sparse_embedding_hparam``, ``LocalizedSlot*`` only: the keys of each slot of the input
+    (one entry per slot). The table is sized from it (``max_vocabulary_size_per_gpu`` then
+    unneeded, as in HugeCTR's DLRM samples) and its slots are balanced over the devices by
+    size."""
 
 
 @dataclass(frozen=True)

@@ -32,15 +32,18 @@ class RawDataset(Dataset):
             raise DataError(f"{path}: Raw data file does not exist")
         size = os.path.getsize(path)
         rec_bytes = 4 * self.width
-        if size % rec_bytes:
+        layout = (f"4 x (label_dim {data.label_dim} + dense_dim {data.dense_dim} + slots "
+                  f"{data.total_slots})")
+        if size % rec_bytes:  # HugeCTR would read it; a partial record means another layout
             raise DataError(f"{path}: size {size} bytes is not a multiple of the record size "
-                            f"{rec_bytes} (4 x (label_dim {data.label_dim} + dense_dim "
-                            f"{data.dense_dim} + slots {data.total_slots}))")
-        n = size // rec_bytes
-        if n != num_samples:
-            raise DataError(f"{path}: holds {n} records but the config's num_samples / "
-                            f"eval_num_samples says {num_samples}")
-        self.n = n
+                            f"{rec_bytes} ({layout})")
+        # HugeCTR maps num_samples records of the file and reads those (a longer file's rest
+        # is never read); a shorter file is an error here, where HugeCTR would crash
+        if size < num_samples * rec_bytes:
+            raise DataError(f"{path}: holds {size // rec_bytes} records of {rec_bytes} bytes "
+                            f"({layout}) but the config's num_samples / eval_num_samples says "
+                            f"{num_samples}")
+        self.n = num_samples
         ld, dd = data.label_dim, data.dense_dim
         self.layout = FixedLayout(
             record_bytes=rec_bytes, label_at=0, label_dim=ld, dense_at=4 * ld, dense_dim=dd,

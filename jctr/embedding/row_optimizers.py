@@ -143,31 +143,66 @@ def apply_rows(opt: OptimizerConfig, values: jax.Array, slots: dict, rows: jax.A
         state = {k: v for k, v in slots.items() if k != "last_step"}
         w, state = _row_rule(opt, values, dense_g, state, lr, count)
         return w, {**slots, **state}
-    w = touched()
-    if regularized:
-        grads = penalized(grads, w)
-    if opt.type == "SparseAdaGradSGDRule":
-        g = grads if occurrences is None else grads / jnp.maximum(occurrences, 1.0)[:, None]
-        g2 = slots["g2sum"].at[rows].get(mode="fill", fill_value=0.0)
-        w, g2 = _sparse_adagrad(opt, w, g, g2, lr)
-        return (values.at[rows].set(w, mode="drop"),
-                {**slots, "g2sum": slots["g2sum"].at[rows].set(g2, mode="drop")})
-    state = {k: v.at[rows].get(mode="fill", fill_value=0.0)
-             for k, v in slots.items() if k != "last_step"}
-    new_slots = dict(slots)
-    if "last_step" in slots:
-        missed = count - 1 - slots["last_step"].at[rows].get(mode="fill", fill_value=0)
-        missed = jnp.maximum(missed, 0).astype(jnp.float32)[:, None]
-        if opt.type == "Adam":
-            state = {"m": state["m"] * jnp.float32(opt.beta1) ** missed,
-                     "v": state["v"] * jnp.float32(opt.beta2) ** missed}
-        else:
-            state = {"momentum": state["momentum"] * jnp.float32(opt.momentum_factor) ** missed}
-        new_slots["last_step"] = slots["last_step"].at[rows].set(
-            jnp.broadcast_to(count.astype(jnp.int32), rows.shape), mode="drop")
-    w, state = _row_rule(opt, w, grads, state, lr, count)
-    values = values.at[rows].set(w, mode="drop")
-    for k, v in state.items():
-        new_slots[k] = slots[k].at[rows].set(v, mode="drop")
-    del capacity
-    return values, new_slots
+
+    def update(values, slots, rows, grads, occurrences):
+        """Gather, step and scatter back the rows of one chunk."""
+        w = values.at[rows].get(mode="fill", fill_value=0.0)
+        if regularized:
+            grads = penalized(grads, w)
+        if opt.type == "SparseAdaGradSGDRule":
+            g = (grads if occurrences is None
+                 else grads / jnp.maximum(occurrences, 1.0)[:, None])
+            g2 = slots["g2sum"].at[rows].get(mode="fill", fill_value=0.0)
+            w, g2 = _sparse_adagrad(opt, w, g, g2, lr)
+            return (values.at[rows].set(w, mode="drop"),
+                    {**slots, "g2sum": slots["g2sum"].at[rows].set(g2, mode="drop")})
+        state = {k: v.at[rows].get(mode="fill", fill_value=0.0)
+                 for k, v in slots.items() if k != "last_step"}
+        new_slots = dict(slots)
+        if "last_step" in slots:
+            missed = count - 1 - slots["last_step"].at[rows].get(mode="fill", fill_value=0)
+            missed = jnp.maximum(missed, 0).astype(jnp.float32)[:, None]
+            if opt.type == "Adam":
+                state = {"m": state["m"] * jnp.float32(opt.beta1) ** missed,
+                         "v": state["v"] * jnp.float32(opt.beta2) ** missed}
+            else:
+                state = {"momentum": state["momentum"]
+                         * jnp.float32(opt.momentum_factor) ** missed}
+            new_slots["last_step"] = slots["last_step"].at[rows].set(
+                jnp.broadcast_to(count.astype(jnp.int32), rows.shape), mode="drop")
+        w, state = _row_rule(opt, w, grads, state, lr, count)
+        values = values.at[rows].set(w, mode="drop")
+        for k, v in state.items():
+            new_slots[k] = slots[k].at[rows].set(v, mode="drop")
+        return values, new_slots
+
+    return _in_chunks(update, values, slots, rows, grads, occurrences, capacity)
+
+
+def row_chunk(dim: int) -> int:
+    """Rows a gathering optimizer steps at a time: ~32 MiB per gathered array. A batch of
+    millions of keys (HugeCTR's criteo sample: 40,960 samples x 100 keys) otherwise holds
+    the gathered rows, the optimizer state and their new values for every key at once,
+    six to eight ``[keys, dim]`` arrays in the step's temporaries."""
+    return max(4096, (32 << 20) // (4 * max(dim, 1)))
+
+
+def _in_chunks(update, values, slots, rows, grads, occurrences, capacity: int):
+    """``update`` over the distinct ``rows`` in chunks of :func:`row_chunk` rows (one call
+    when they fit one): the same result, the temporaries of one chunk."""
+    n, chunk = rows.shape[0], row_chunk(values.shape[1])
+    if n <= 2 * chunk:
+        return update(values, slots, rows, grads, occurrences)
+    k = -(-n // chunk)
+    pad = k * chunk - n
+    rows_c = jnp.concatenate([rows, jnp.full((pad,), capacity, rows.dtype)]).reshape(k, chunk)
+    grads_c = jnp.concatenate([grads, jnp.zeros((pad, grads.shape[1]), grads.dtype)]
+                              ).reshape(k, chunk, grads.shape[1])
+    occ_c = (None if occurrences is None else
+             jnp.concatenate([occurrences, jnp.ones((pad,), occurrences.dtype)]
+                             ).reshape(k, chunk))
+
+    def body(i, carry):
+        return update(*carry, rows_c[i], grads_c[i], None if occ_c is None else occ_c[i])
+
+    return jax.lax.fori_loop(0, k, body, (values, slots))

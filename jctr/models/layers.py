@@ -45,8 +45,25 @@ def layer_type(*names: str) -> Callable[[type[Layer]], type[Layer]]:
     return register
 
 
+class Rows(tuple):
+    """The per-sample shape ``(k, n)`` of a tensor HugeCTR holds as ``[batch * k, n]``: a
+    Reshape to rows narrower than a sample. Stored as ``[batch, k, n]`` (the same memory
+    order); the layers that take 2-D inputs in HugeCTR work on its last axis."""
+
+    @property
+    def per_sample(self) -> int:
+        return self[0]
+
+
 def fmt_shape(shape: Shape) -> str:
+    if isinstance(shape, Rows):
+        return f"[batch*{shape[0]}, {shape[1]}]"
     return "[batch" + "".join(f", {d}" for d in shape) + "]"
+
+
+def _like(shape: Shape, width: int) -> Shape:
+    """A 2-D per-sample shape of ``width`` columns, in the row layout of ``shape``."""
+    return Rows((shape[0], width)) if isinstance(shape, Rows) else (width,)
 
 
 class Inputs(NamedTuple):
@@ -66,9 +83,19 @@ class Inputs(NamedTuple):
         return ConfigError(self.cfg.path or self.cfg.name,
                            f"{self.cfg.type} \"{self.cfg.name}\": {msg}", self.source)
 
+    def columns(self, i: int = 0) -> int:
+        """The width n of the 2-D input ``i``: ``[batch, n]`` or ``[batch * k, n]``."""
+        if isinstance(self.shapes[i], Rows):
+            return self.shapes[i][1]
+        return self.width(i)
+
     def width(self, i: int = 0) -> int:
         """The width n >= 1 of the 2-D input ``i`` ([batch, n]); any other rank, or an empty
         input (``dense_dim: 0``), is an error naming the layer."""
+        if isinstance(self.shapes[i], Rows):
+            raise self.fail(f"expects one row per sample [batch, n], got "
+                            f"{fmt_shape(self.shapes[i])} from \"{self.cfg.bottoms[i]}\" "
+                            "(Reshape it back to a row per sample first)")
         if len(self.shapes[i]) != 1:
             raise self.fail(f"expects a 2-D input [batch, n], got {fmt_shape(self.shapes[i])} "
                             f"from \"{self.cfg.bottoms[i]}\" (add a Reshape)")
@@ -114,8 +141,9 @@ class InnerProduct(Layer):
     @classmethod
     def build(cls, x):
         p = x.params
-        return (cls(x.width(), p.num_output, bias=p.bias, relu=x.cfg.type == "FusedInnerProduct",
-                    rngs=x.rngs), [(p.num_output,)])
+        return (cls(x.columns(), p.num_output, bias=p.bias,
+                    relu=x.cfg.type == "FusedInnerProduct", rngs=x.rngs),
+                [_like(x.shapes[0], p.num_output)])
 
     def file_weights(self):
         return [("kernel", None)] + ([("bias", None)] if self.bias is not None else [])
@@ -123,7 +151,9 @@ class InnerProduct(Layer):
     def __call__(self, xs, ctx: Context):
         (x,) = xs
         bias = None if self.bias is None else self.bias[...].astype(x.dtype)
-        return [linear(x, self.kernel[...].astype(x.dtype), bias, relu=self.relu)]
+        rows = x.reshape(-1, x.shape[-1])  # [batch * k, n] for a row-split input
+        y = linear(rows, self.kernel[...].astype(x.dtype), bias, relu=self.relu)
+        return [y.reshape(*x.shape[:-1], y.shape[-1])]
 
 
 @layer_type("ReLU")
@@ -208,29 +238,63 @@ class BatchNorm(Layer):
 
 @layer_type("Reshape")
 class Reshape(Layer):
-    def __init__(self, leading_dim: int):
-        self.leading_dim = leading_dim
+    """HugeCTR's Reshape (``reshape_layer.cu``): rows of ``leading_dim`` values, one or several
+    per sample, or the ``selected`` slots of an embedding output side by side."""
+
+    def __init__(self, out: Shape, selected: tuple[int, ...] | None = None):
+        self.out = tuple(out)
+        self.selected = selected
 
     @classmethod
     def build(cls, x):
-        size, n = math.prod(x.shapes[0]), x.params.leading_dim
-        if size != n:
-            raise x.fail(f"leading_dim {n} must equal the per-sample size {size} of input "
-                         f"{fmt_shape(x.shapes[0])} (output [batch, leading_dim])")
-        return cls(n), [(n,)]
+        shape, p = x.shapes[0], x.params
+        if p.selected is not None:
+            if isinstance(shape, Rows) or len(shape) != 2:
+                raise x.fail(f"selected slots need an embedding output [batch, slots, vec], "
+                             f"got {fmt_shape(shape)}")
+            slots, vec = shape
+            if len(p.selected) > slots:
+                raise x.fail(f"selects {len(p.selected)} slots of an input with {slots}")
+            bad = [s for s in p.selected if s >= slots]
+            if bad:
+                raise x.fail(f"selected slot {bad[0]} does not exist: the input "
+                             f"{fmt_shape(shape)} has slots 0..{slots - 1}")
+            return cls((len(p.selected) * vec,), tuple(p.selected)), [(len(p.selected) * vec,)]
+        size = math.prod(shape)
+        n = size if p.leading_dim is None else p.leading_dim
+        last = shape[-1]
+        if n < last or n % last:
+            raise x.fail(f"leading_dim {n} must be a multiple of the input's last dimension "
+                         f"{last} (input {fmt_shape(shape)})")
+        if n > size or size % n:
+            raise x.fail(f"leading_dim {n} must divide a sample's {size} values (input "
+                         f"{fmt_shape(shape)}): a row may not hold parts of two samples")
+        out = (n,) if n == size else Rows((size // n, n))
+        return cls(out), [out]
 
     def __call__(self, xs, ctx):
         (x,) = xs
-        return [x.reshape(x.shape[0], self.leading_dim)]
+        if self.selected is not None:
+            x = x[:, jnp.asarray(self.selected)]
+        return [x.reshape(x.shape[0], *self.out)]
 
 
 @layer_type("Concat")
 class Concat(Layer):
-    """2-D inputs join on the feature axis, 3-D inputs on the slot axis."""
+    """2-D inputs join on the feature axis, 3-D inputs on the slot axis (row-split inputs,
+    HugeCTR's 2-D ``[batch * k, n]``, on the columns)."""
+
+    def __init__(self, axis: int = 1):
+        self.axis = axis
 
     @classmethod
     def build(cls, x):
         shapes = x.shapes
+        if any(isinstance(s, Rows) for s in shapes):  # HugeCTR: 2-D, equal heights
+            if len({s[0] if isinstance(s, Rows) else None for s in shapes}) != 1:
+                raise x.fail("inputs must have the same rows per sample, got "
+                             + ", ".join(fmt_shape(s) for s in shapes))
+            return cls(axis=2), [Rows((shapes[0][0], sum(s[1] for s in shapes)))]
         ranks = {len(s) for s in shapes}
         if ranks == {1}:
             return cls(), [(sum(s[0] for s in shapes),)]
@@ -240,7 +304,7 @@ class Concat(Layer):
                      + ", ".join(fmt_shape(s) for s in shapes))
 
     def __call__(self, xs, ctx):
-        return [jnp.concatenate(xs, axis=1)]
+        return [jnp.concatenate(xs, axis=self.axis)]
 
 
 @layer_type("Slice")
@@ -250,15 +314,15 @@ class Slice(Layer):
 
     @classmethod
     def build(cls, x):
-        n = x.width()
+        n = x.columns()
         for b, e in x.params.ranges:
             if e > n:
                 raise x.fail(f"range [{b}, {e}) exceeds the input width {n}")
-        return cls(x.params.ranges), [(e - b,) for b, e in x.params.ranges]
+        return cls(x.params.ranges), [_like(x.shapes[0], e - b) for b, e in x.params.ranges]
 
     def __call__(self, xs, ctx):
         (x,) = xs
-        return [x[:, b:e] for b, e in self.ranges]
+        return [x[..., b:e] for b, e in self.ranges]
 
 
 @layer_type("Split")
@@ -357,6 +421,11 @@ class ReduceSum(Layer):
     @classmethod
     def build(cls, x):
         axis, shape = x.params.axis, x.shapes[0]
+        if isinstance(shape, Rows):  # HugeCTR's 2-D [batch * k, n]: axis 1 is the columns
+            if axis != 1:
+                raise x.fail(f"axis {axis} of input {fmt_shape(shape)}: only axis 1 (the "
+                             "columns) keeps samples apart")
+            return cls(-1), [Rows((shape[0], 1))]
         if not 1 <= axis < len(shape) + 1:
             raise x.fail(f"axis {axis} out of range for input {fmt_shape(shape)} (axis 0 is "
                          "the batch)")

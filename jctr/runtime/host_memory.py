@@ -78,3 +78,10 @@ def describe_malloc_tuning() -> str:
         return ("[jctr] host memory: default malloc settings; start Python with "
                 f"GLIBC_TUNABLES={wanted} for faster embedding steps on CPU")
     return f"[jctr] host memory: GLIBC_TUNABLES={current or '(unset)'}"
+
+
+def heap_never_trimmed() -> bool:
+    """Whether this process runs with the never-trimmed heap (``mmap_max=0``): freed step
+    temporaries stay resident for reuse (the memory plan counts a reserve for that)."""
+    return "glibc.malloc.mmap_max=0" in os.environ.get("GLIBC_TUNABLES", "")
+

@@ -82,6 +82,19 @@ def initialize_distributed(timeout_s: int = 300) -> bool:
     return True
 
 
+def planned_process_count() -> int:
+    """The processes of this run, known before JAX starts its backends: those of the cluster
+    joined, else those the environment describes, else 1."""
+    if _started:
+        return jax.process_count()
+    if os.environ.get("JCTR_NUM_PROCESSES"):
+        return max(1, _int_env("JCTR_NUM_PROCESSES"))
+    for name in ("OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"):
+        if os.environ.get(name, "").isdigit():
+            return max(1, int(os.environ[name]))
+    return 1
+
+
 def end_process(status: int) -> int:
     """``status``, for the entry point's ``sys.exit``; process 0 of a multi-process run (which
     hosts the coordination service) instead ends here, with ``status``.

@@ -21,9 +21,7 @@ def mesh_devices(gpu: tuple[tuple[int, ...], ...], source: str = "<config>") -> 
     """The devices the ``gpu`` field names, ordered by process, then as listed."""
     nproc = jax.process_count()
     if nproc == 1 and len(gpu) > 1:
-        raise ConfigError("solver.gpu", f"lists {len(gpu)} hosts but this is a single process; "
-                          "start one process per host (scripts/launch_local.sh, "
-                          "jctr.sharding.initialize_distributed)", source)
+        return _nodes_in_one_process(gpu, source)
     if nproc > 1 and len(gpu) not in (1, nproc):
         raise ConfigError("solver.gpu", f"lists {len(gpu)} hosts but {nproc} processes "
                           "are running; give one device list per process", source)
@@ -54,6 +52,29 @@ def mesh_devices(gpu: tuple[tuple[int, ...], ...], source: str = "<config>") -> 
                                   f"{len(mine)} {mine[0].platform if mine else ''} device(s)"
                                   + hint, source)
             devices.append(mine[i])
+    return devices
+
+
+def _nodes_in_one_process(gpu: tuple[tuple[int, ...], ...], source: str) -> list:
+    """A list per node run by one process: on CPU the nodes' devices side by side (node ``h``'s
+    device ``i`` is host device ``i`` after the devices of the nodes before it); elsewhere an
+    error that gives the launch command."""
+    mine = sorted(jax.local_devices(), key=lambda d: d.id)
+    launch = (f"start one process per node: scripts/launch_local.sh {len(gpu)} "
+              f"{source if source != '<config>' else 'CONFIG'} on one machine, or srun / mpirun "
+              f"with {len(gpu)} tasks")
+    if not mine or mine[0].platform != "cpu":
+        raise ConfigError("solver.gpu", f"lists {len(gpu)} nodes but this is a single process; "
+                          + launch, source)
+    devices, base = [], 0
+    for host in gpu:
+        for i in host:
+            if base + i >= len(mine):
+                raise ConfigError("solver.gpu", f"lists {len(gpu)} nodes, run by this process "
+                                  f"as {base + max(host) + 1}+ host devices, but it has "
+                                  f"{len(mine)}; {launch}", source)
+            devices.append(mine[base + i])
+        base += max(host) + 1
     return devices
 
 

@@ -20,12 +20,20 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import Sharding, SingleDeviceSharding
 
 from jctr.config import ConfigError, ModelConfig
-from jctr.data.batch import Batch
+from jctr.data.batch import Batch, input_width
 from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.models.ctr import TrainState
-from jctr.sharding.mesh import build_mesh, describe_mesh, global_batch, mesh_devices, replicated
+from jctr.sharding.mesh import (
+    build_mesh,
+    describe_mesh,
+    global_batch,
+    mesh_devices,
+    replicated,
+    sharded,
+)
 from jctr.sharding.plan import device_memory_bytes, plan_embeddings
 from jctr.sharding.sharded_embeddings import ShardedEmbeddings, globalize_segments
 
@@ -64,6 +72,46 @@ class PlacedModel:
 
     def describe(self) -> str:
         return describe_mesh(self.mesh) + "\n" + self.plan.describe()
+
+    # ---- abstract arrays: compile and size the steps before any table is allocated --------
+
+    def _shard(self, sharding):
+        return lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    def abstract_state(self, init_state: Callable[[], TrainState]) -> TrainState:
+        """The state :meth:`create` would make, as shapes with their shardings."""
+        if self.mesh is None:
+            return jax.tree.map(self._shard(SingleDeviceSharding(self.device)),
+                                jax.eval_shape(init_state))
+        shapes = jax.eval_shape(lambda: init_state()._replace(embeddings=self.engine.init()))
+        return jax.tree.map(lambda sh, sub: jax.tree.map(self._shard(sh), sub),
+                            self.state_shardings, shapes,
+                            is_leaf=lambda x: isinstance(x, Sharding))
+
+    def abstract_batch(self, batch_size: int) -> Batch:
+        """A global batch of ``batch_size`` samples on the devices, as shapes."""
+        data = self.cfg.data
+        put = self._shard(SingleDeviceSharding(self.device) if self.mesh is None
+                          else sharded(self.mesh))
+        sds = lambda shape, dtype: put(jax.ShapeDtypeStruct(shape, dtype))  # noqa: E731
+        keys = tuple(sds((batch_size * input_width(sp),), np.int64) for sp in data.sparse)
+        return Batch(sds((batch_size, data.label_dim), np.float32),
+                     sds((batch_size, data.dense_dim), np.float32), keys,
+                     tuple(sds(k.shape, np.int32) for k in keys), sds((batch_size,), np.bool_))
+
+    def local_devices(self) -> int:
+        """Devices of the mesh this process drives (they share its host memory on CPU)."""
+        if self.mesh is None:
+            return 1
+        return sum(d.process_index == jax.process_index() for d in self.mesh.devices.ravel())
+
+    def state_bytes_per_device(self, abstract_state: TrainState) -> int:
+        """Bytes of one device's part of the state."""
+        total = 0
+        for x in jax.tree.leaves(abstract_state):
+            shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+            total += int(np.prod(shape)) * x.dtype.itemsize
+        return total
 
     def _check_batch_sizes(self) -> None:
         for name in ("batchsize", "batchsize_eval"):

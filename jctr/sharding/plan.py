@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jctr.config.schema import ModelConfig
+from jctr.config.slots import localized_slot_owners
 from jctr.embedding.hash_table import num_slots_for
 from jctr.embedding.row_optimizers import init_slots
 from jctr.embedding.sparse_embedding import EmbeddingSpec
@@ -137,24 +138,14 @@ def device_memory_bytes(device) -> int | None:
     return None
 
 
-def _slot_sizes(cfg: ModelConfig, spec: EmbeddingSpec) -> list[int] | None:
+def _slot_sizes(cfg: ModelConfig, emb, spec: EmbeddingSpec) -> list[int] | None:
+    if emb.slot_size_array:  # the embedding's own sizes (HugeCTR's LocalizedSlot* hparam)
+        return list(emb.slot_size_array)
     sizes = cfg.data.slot_size_array
     first = sum(s.slot_num for s in cfg.data.sparse[:spec.input_index])
     if len(sizes) >= first + spec.slot_num:
         return list(sizes[first:first + spec.slot_num])
     return None
-
-
-def _balance_slots(sizes: list[int] | None, slot_num: int, devices: int) -> tuple[int, ...]:
-    if not sizes:
-        return tuple(s % devices for s in range(slot_num))
-    load = [0] * devices
-    owner = [0] * slot_num
-    for s in sorted(range(slot_num), key=lambda s: (-sizes[s], s)):
-        d = min(range(devices), key=lambda d: (load[d], d))
-        owner[s] = d
-        load[d] += sizes[s]
-    return tuple(owner)
 
 
 def plan_embeddings(cfg: ModelConfig, specs: tuple[EmbeddingSpec, ...], num_devices: int, *,
@@ -173,12 +164,13 @@ def plan_embeddings(cfg: ModelConfig, specs: tuple[EmbeddingSpec, ...], num_devi
         one = table_bytes(spec, cap)
         if num_devices == 1:
             p = Placement("single")
-        elif emb.replicated or (emb.replicated is None
+        elif emb.replicated or (emb.replicated is None and not emb.slot_size_array
                                 and one <= cfg.solver.replicate_table_bytes):
             p = Placement("replicated", num_devices)
         elif emb.type.startswith("LocalizedSlot"):
             p = Placement("localized", num_devices,
-                          _balance_slots(_slot_sizes(cfg, spec), spec.slot_num, num_devices))
+                          localized_slot_owners(_slot_sizes(cfg, emb, spec), spec.slot_num,
+                                                num_devices))
         else:
             p = Placement("distributed", num_devices)
         tables.append(TablePlan(spec.name, p, (cap,) * num_devices, (one,) * num_devices))
@@ -197,3 +189,144 @@ def plan_embeddings(cfg: ModelConfig, specs: tuple[EmbeddingSpec, ...], num_devi
                 f"({biggest.rows_per_device[worst]:,} rows of max_vocabulary_size_per_gpu); "
                 "lower max_vocabulary_size_per_gpu or use more devices")
     return plan
+
+
+def _host_memory() -> tuple[int | None, int | None]:
+    """(total, available) bytes of this machine's memory, from ``/proc/meminfo``."""
+    found: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "MemAvailable"):
+                    found[name] = int(rest.split()[0]) << 10
+    except (OSError, ValueError):
+        return None, None
+    return found.get("MemTotal"), found.get("MemAvailable")
+
+
+def process_resident_bytes() -> int:
+    """This process's resident memory now (Python, JAX, compiled code, data read so far)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """A training step's whole memory, from XLA's own figures for the compiled steps.
+
+    Per device: the state (tables with their optimizer state and hash slots, the dense
+    parameters and theirs), the step's input batch, and the step's temporaries (activations,
+    gradients, all-to-all buffers, gathered rows; the larger of the train and evaluation
+    steps). On the CPU platform the local devices share the host's memory, which also holds
+    the reader's queue of batches and the process itself.
+
+    Example::
+
+        plan = MemoryPlan(devices=2, state=600 << 20, batch=40 << 20, temp=2 << 30,
+                          reader=160 << 20, process=500 << 20, platform="cpu")
+        print(plan.describe()); plan.check()
+    """
+
+    devices: int
+    state: int
+    batch: int
+    temp: int
+    reader: int
+    process: int
+    platform: str
+    device_limit: int | None = None  # accelerators: each device's own memory
+    available: int | None = None  # CPU: the host's available memory before the tables
+    heap_reserve: bool = False  # CPU: freed temporaries stay in a never-trimmed heap
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Steps the loop may queue on the devices: a queued step holds its own batch and
+        temporaries while the one before runs, worth it for small steps only (their dispatch
+        time would show); a step with a GiB of temporaries waits for the one before."""
+        return 1 if self.devices * self.temp >= (1 << 30) else 2
+
+    @property
+    def per_device(self) -> int:
+        return self.state + self.steps_in_flight * (self.batch + self.temp)
+
+    @property
+    def total(self) -> int:
+        """Everything this process holds at the step's peak, on CPU (host memory)."""
+        if self.platform != "cpu":
+            return self.reader + self.process
+        return self.devices * self.per_device + self.reserve + self.reader + self.process
+
+    @property
+    def reserve(self) -> int:
+        """CPU with jctr's never-trimmed malloc heap (:mod:`jctr.runtime.host_memory`): host
+        allocations made between two steps split a freed block of temporaries, and the next
+        step takes a new one; measured, that costs about one device's temporaries."""
+        return self.temp if self.heap_reserve and self.platform == "cpu" else 0
+
+    def describe(self) -> str:
+        parts = (f"state {format_bytes(self.state)} + batch {format_bytes(self.batch)} + "
+                 f"step temporaries {format_bytes(self.temp)}")
+        if self.steps_in_flight > 1:
+            parts = (f"state {format_bytes(self.state)} + {self.steps_in_flight} steps in "
+                     f"flight x (batch {format_bytes(self.batch)} + temporaries "
+                     f"{format_bytes(self.temp)})")
+        if self.platform != "cpu":
+            limit = f" of {format_bytes(self.device_limit)}" if self.device_limit else ""
+            return (f"[jctr] memory plan: per device {parts} = "
+                    f"{format_bytes(self.per_device)}{limit}; host: reader queue "
+                    f"{format_bytes(self.reader)} + process {format_bytes(self.process)}; "
+                    f"{format_bytes(self.per_device)} in all per device")
+        avail = (f" (host memory available {format_bytes(self.available + self.process)})"
+                 if self.available is not None else "")
+        return (f"[jctr] memory plan: per device {parts} = {format_bytes(self.per_device)}; "
+                f"x {self.devices} device(s) + "
+                + (f"heap reserve {format_bytes(self.reserve)} + " if self.reserve else "")
+                + f"reader queue {format_bytes(self.reader)} + "
+                f"process {format_bytes(self.process)} = {format_bytes(self.total)} in all"
+                + avail)
+
+    def check(self, advice: str = "") -> None:
+        """Raise :class:`PlanError` with the figures when the step will not fit."""
+        if self.platform != "cpu":
+            if self.device_limit and self.per_device > self.device_limit:
+                raise PlanError(f"the training step does not fit: each device needs "
+                                f"{format_bytes(self.per_device)} ({self._parts()}) but has "
+                                f"{format_bytes(self.device_limit)}{advice}")
+            return
+        if self.available is not None and self.total - self.process > self.available:
+            raise PlanError(f"the training step does not fit: it needs "
+                            f"{format_bytes(self.total)} in all ({self.devices} device(s) x "
+                            f"{format_bytes(self.per_device)}: {self._parts()}; reader queue "
+                            f"{format_bytes(self.reader)}; this process "
+                            f"{format_bytes(self.process)}) but the machine has "
+                            f"{format_bytes(self.available + self.process)} available"
+                            + advice)
+
+    def _parts(self) -> str:
+        return (f"state {format_bytes(self.state)}, batch {format_bytes(self.batch)}, step "
+                f"temporaries {format_bytes(self.temp)}")
+
+
+def memory_plan(steps: list, state_bytes: int, devices: int, reader_bytes: int,
+                device_memory: int | None, platform: str,
+                heap_reserve: bool = False) -> MemoryPlan:
+    """The :class:`MemoryPlan` of compiled steps (``jax.stages.Compiled``, the train step
+    first) whose state holds ``state_bytes`` per device."""
+    temp, batch = 0, 0
+    for compiled in steps:
+        m = compiled.memory_analysis()
+        if m is None:  # a backend without the analysis: no temporaries known
+            continue
+        # outputs that do not reuse a donated input come on top of the inputs
+        temp = max(temp, int(m.temp_size_in_bytes)
+                   + max(0, int(m.output_size_in_bytes) - int(m.alias_size_in_bytes)))
+        batch = max(batch, int(m.argument_size_in_bytes) - state_bytes)
+    _, available = _host_memory() if platform == "cpu" else (None, None)
+    return MemoryPlan(devices=devices, state=state_bytes, batch=max(batch, 0), temp=temp,
+                      reader=reader_bytes, process=process_resident_bytes(), platform=platform,
+                      device_limit=device_memory if platform != "cpu" else None,
+                      available=available, heap_reserve=heap_reserve)

@@ -27,7 +27,7 @@ from jctr.config import (
     override_optimizer,
     override_solver,
 )
-from jctr.data.batch import Batch, check_batch
+from jctr.data.batch import Batch, batch_bytes, check_batch
 from jctr.data.dataset import Dataset
 from jctr.data.loader import Prefetcher, ReaderPosition, open_dataset
 from jctr.data.records import DataError
@@ -37,11 +37,13 @@ from jctr.embedding.sparse_embedding import init_embedding
 from jctr.errors import UserError
 from jctr.models.ctr import build_model, make_eval_step, with_lr_scale
 from jctr.runtime.cpu import has_bf16_matmul
-from jctr.runtime.host_memory import describe_malloc_tuning
+from jctr.runtime.devices import provide_host_devices
+from jctr.runtime.host_memory import describe_malloc_tuning, heap_never_trimmed
 from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding import to_host
-from jctr.sharding.distributed import all_processes
+from jctr.sharding.distributed import all_processes, planned_process_count
 from jctr.sharding.placed_model import PlacedModel
+from jctr.sharding.plan import MemoryPlan, device_memory_bytes, memory_plan
 from jctr.train.dense_optimizer import dense_optimizer
 from jctr.train.metrics import auc, log_loss
 from jctr.train.monitors import EarlyStopping, PlateauSchedule
@@ -111,9 +113,13 @@ class Trainer:
         self.cfg = cfg
         self.solver = cfg.solver
         self.force = force  # a fresh run may replace another run's checkpoints
+        # before anything starts JAX's backends: the host devices solver.gpu names (CPU)
+        devices_note = provide_host_devices(cfg.solver.gpu, planned_process_count())
         quiet = jax.process_index() != 0  # one process reports for all
         self._default_print = log is None and not quiet
         self._print = log or (lambda s: None if quiet else print(s, file=sys.stderr, flush=True))
+        if devices_note and jax.default_backend() == "cpu":
+            self._print(devices_note)
         if generate_data:  # process 0 writes; the others wait for the files (or its error)
             all_processes(lambda: generate_for_config(cfg) if jax.process_index() == 0
                           else None, "generate the synthetic data")
@@ -129,7 +135,6 @@ class Trainer:
                 self._print("[jctr] warning: compute_dtype bfloat16 on a CPU without "
                             "AVX512-BF16 or AMX: XLA emulates bfloat16 here, slower than "
                             "float32 (docs/performance.md); use float32 on this machine")
-        self.state = self.placed.create(init_state)
         self.batch_hooks: list[Callable[[Batch], None]] = []  # see _to_step_input
         self.auc_buckets = 0  # see count_predictions
         self._auc_counts = None
@@ -137,6 +142,10 @@ class Trainer:
         self._touched: list[list[np.ndarray]] = [[] for _ in self.specs]
         self._published = [np.zeros(0, np.int64) for _ in self.specs]  # keys ever sent
         self._jit_steps()
+        # the steps are compiled (and the first call reuses them) before any table exists,
+        # so that a step that will not fit is refused with XLA's figures, not killed
+        self.memory_plan = self._plan_memory(init_state)
+        self.state = self.placed.create(init_state)
         self._train_data: Dataset | None = None
         self._eval_data: Dataset | None = None
         self.history: list[dict[str, Any]] = []
@@ -185,6 +194,21 @@ class Trainer:
         if solver_overrides:
             cfg = override_solver(cfg, solver_overrides)
         return cls(cfg, generate_data=generate_data, force=force)
+
+    def _plan_memory(self, init_state) -> MemoryPlan:
+        placed, s = self.placed, self.solver
+        state = placed.abstract_state(init_state)
+        steps = [self.train_step.lower(state, placed.abstract_batch(s.batchsize)).compile(),
+                 self.eval_step.lower(state, placed.abstract_batch(s.batchsize_eval)).compile()]
+        # the reader's queue: two batches ahead, one in transfer, one being assembled
+        reader = 4 * batch_bytes(self.cfg.data, s.batchsize // jax.process_count())
+        plan = memory_plan(steps, placed.state_bytes_per_device(state), placed.local_devices(),
+                           reader, device_memory_bytes(placed.device), jax.default_backend(),
+                           heap_reserve=heap_never_trimmed())
+        self._print(plan.describe())
+        plan.check("; lower solver.batchsize (the step's temporaries grow with the batch and "
+                   "its keys) or the tables' max_vocabulary_size_per_gpu, or use more devices")
+        return plan
 
     def _jit_steps(self) -> None:
         """The jitted steps for this placement: on a mesh, small all-to-all send buffers for
@@ -515,6 +539,8 @@ class Trainer:
                 if not fits:
                     run.fallback_steps += 1
                 step_fn = self.train_step if fits else self.train_step_full
+                if prev is not None and self.memory_plan.steps_in_flight == 1:
+                    jax.block_until_ready(prev[0])  # its temporaries are freed first
                 self.state, metrics = step_fn(self.state, batch)
                 if touched is not None:  # the step number from the loop: no device sync
                     self._note_updates(touched, done + 1)

@@ -325,3 +325,28 @@ def test_rows_stepped_in_chunks_equal_one_pass(opt, monkeypatch):
     np.testing.assert_allclose(chunked[0], whole[0], rtol=1e-6, atol=1e-7)
     for k in whole[1]:
         np.testing.assert_allclose(chunked[1][k], whole[1][k], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("opt", OPTS[1:], ids=lambda o: o.type)
+def test_global_update_in_blocks_equals_one_pass(opt, monkeypatch):
+    """``Global`` steps the whole table in blocks of row_chunk rows (in place): the same
+    values and state as one pass, including a last, shorter block."""
+    opt = OptimizerConfig(**{**opt.__dict__, "update_type": "Global"})
+    rng = np.random.default_rng(6)
+    values = jnp.asarray(rng.normal(size=(CAP, DIM)).astype(np.float32))
+    steps = [(rng.permutation(CAP)[:9], rng.normal(size=(9, DIM)).astype(np.float32))
+             for _ in range(3)]
+
+    def run():
+        v, slots = values, row_opt.init_slots(opt, CAP, DIM)
+        for t, (r, g) in enumerate(steps):
+            v, slots = row_opt.apply_rows(opt, v, slots, jnp.asarray(r), jnp.asarray(g),
+                                          jnp.float32(0.05), jnp.int32(t + 1))
+        return np.asarray(v), {k: np.asarray(x) for k, x in slots.items()}
+
+    whole = run()
+    monkeypatch.setattr(row_opt, "row_chunk", lambda dim: 7)  # 40 rows: 5 blocks + 5 rows
+    blocks = run()
+    np.testing.assert_allclose(blocks[0], whole[0], rtol=1e-6, atol=1e-7)
+    for k in whole[1]:
+        np.testing.assert_allclose(blocks[1][k], whole[1][k], rtol=1e-6, atol=1e-7)

@@ -49,29 +49,44 @@ def init_slots(opt: OptimizerConfig, capacity: int, dim: int) -> dict[str, jax.A
     return slots
 
 
-def _row_rule(opt: OptimizerConfig, w, g, state: dict, lr, count):
-    """New (weights, state) for a block of rows; ``count`` is the 1-based step."""
+def _state_rule(opt: OptimizerConfig, g, state: dict) -> dict:
+    """The new optimizer state of a block of rows (what :func:`_row_rule` computes first)."""
+    t = opt.type
+    if t in ("MomentumSGD", "Nesterov"):
+        return {"momentum": opt.momentum_factor * state["momentum"] + g}
+    if t == "Adam":
+        return {"m": opt.beta1 * state["m"] + (1.0 - opt.beta1) * g,
+                "v": opt.beta2 * state["v"] + (1.0 - opt.beta2) * g * g}
+    if t == "AdaGrad":
+        return {"accum": state["accum"] + g * g}
+    raise ValueError(t)
+
+
+def _weight_rule(opt: OptimizerConfig, w, g, new_state: dict, lr, count):
+    """The new weights of a block of rows from the gradient and the new state."""
     t = opt.type
     if t == "SGD":
-        return w - lr * g, state
+        return w - lr * g
     if t in ("MomentumSGD", "Nesterov"):
-        mu = opt.momentum_factor
-        m = mu * state["momentum"] + g
-        upd = g + mu * m if t == "Nesterov" else m
-        return w - lr * upd, {"momentum": m}
+        m = new_state["momentum"]
+        return w - lr * (g + opt.momentum_factor * m if t == "Nesterov" else m)
     if t == "Adam":
-        b1, b2 = opt.beta1, opt.beta2
-        m = b1 * state["m"] + (1.0 - b1) * g
-        v = b2 * state["v"] + (1.0 - b2) * g * g
         c = count.astype(jnp.float32)
-        m_hat = m / (1.0 - jnp.float32(b1) ** c)
-        v_hat = v / (1.0 - jnp.float32(b2) ** c)
-        return w - lr * m_hat / (jnp.sqrt(v_hat) + opt.epsilon), {"m": m, "v": v}
+        m_hat = new_state["m"] / (1.0 - jnp.float32(opt.beta1) ** c)
+        v_hat = new_state["v"] / (1.0 - jnp.float32(opt.beta2) ** c)
+        return w - lr * m_hat / (jnp.sqrt(v_hat) + opt.epsilon)
     if t == "AdaGrad":
-        acc = state["accum"] + g * g
-        upd = jnp.where(acc > 0, g * jax.lax.rsqrt(acc + opt.epsilon), 0.0)
-        return w - lr * upd, {"accum": acc}
+        acc = new_state["accum"]
+        return w - lr * jnp.where(acc > 0, g * jax.lax.rsqrt(acc + opt.epsilon), 0.0)
     raise ValueError(t)
+
+
+def _row_rule(opt: OptimizerConfig, w, g, state: dict, lr, count):
+    """New (weights, state) for a block of rows; ``count`` is the 1-based step."""
+    if opt.type == "SGD":
+        return w - lr * g, state
+    new = _state_rule(opt, g, state)
+    return _weight_rule(opt, w, g, new, lr, count), new
 
 
 def initial_scales(opt: OptimizerConfig, dim: int, bound: float) -> jax.Array | float:
@@ -141,7 +156,7 @@ def apply_rows(opt: OptimizerConfig, values: jax.Array, slots: dict, rows: jax.A
         g = penalized(grads, touched()) if regularized else grads
         dense_g = jnp.zeros_like(values).at[rows].add(g, mode="drop")
         state = {k: v for k, v in slots.items() if k != "last_step"}
-        w, state = _row_rule(opt, values, dense_g, state, lr, count)
+        w, state = _global_in_blocks(opt, values, dense_g, state, lr, count)
         return w, {**slots, **state}
 
     def update(values, slots, rows, grads, occurrences):
@@ -177,6 +192,39 @@ def apply_rows(opt: OptimizerConfig, values: jax.Array, slots: dict, rows: jax.A
         return values, new_slots
 
     return _in_chunks(update, values, slots, rows, grads, occurrences, capacity)
+
+
+def _global_in_blocks(opt: OptimizerConfig, values, dense_g, state: dict, lr, count):
+    """``Global``: every row steps, in blocks of :func:`row_chunk` rows updated in place: first
+    the optimizer state, then the weights from the new state, so that the step holds the
+    table's gradient and one block of new values (one loop for both would have XLA fuse each
+    write-back with a recomputation from the old state, and copy the table to keep it)."""
+    cap, block = values.shape[0], row_chunk(values.shape[1])
+    if cap <= 2 * block or not state:
+        return _row_rule(opt, values, dense_g, state, lr, count)
+    full = cap // block
+    cut = lambda x, start, n: jax.lax.dynamic_slice_in_dim(x, start, n)  # noqa: E731
+    put = lambda x, new, start: jax.lax.dynamic_update_slice_in_dim(x, new, start, 0)  # noqa
+
+    def state_block(st, start, n):
+        new = _state_rule(opt, cut(dense_g, start, n), {k: cut(v, start, n)
+                                                         for k, v in st.items()})
+        return {k: put(st[k], new[k], start) for k in st}
+
+    def weight_block(w, st, start, n):
+        new = _weight_rule(opt, cut(w, start, n), cut(dense_g, start, n),
+                           {k: cut(v, start, n) for k, v in st.items()}, lr, count)
+        return put(w, new, start)
+
+    tail = cap - full * block  # the last, shorter block
+    state = jax.lax.fori_loop(0, full, lambda i, st: state_block(st, i * block, block), state)
+    if tail:
+        state = state_block(state, full * block, tail)
+    w = jax.lax.fori_loop(0, full, lambda i, w: weight_block(w, state, i * block, block),
+                          values)
+    if tail:
+        w = weight_block(w, state, full * block, tail)
+    return w, state
 
 
 def row_chunk(dim: int) -> int:

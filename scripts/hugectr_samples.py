@@ -180,7 +180,10 @@ def write_data(cfg: dict, samples: int, seed: int = 0) -> list[str]:
                 files.append(f)
             write_file_list(path, files)
         else:
-            offsets = np.concatenate([[0], np.cumsum(vocab)[:-1]]).astype(np.int64)
+            # per-slot ids where the Data layer gives slot_size_array, else global keys
+            offsets = (np.concatenate([[0], np.cumsum(vocab)[:-1]]).astype(np.int64)
+                       if isinstance(data.get("slot_size_array"), list)
+                       else np.zeros(len(vocab), np.int64))
 
             def part(count, strm, offsets=offsets, kw=kw):
                 b = generate_block(count, key_type="I32", stream=strm, **kw)

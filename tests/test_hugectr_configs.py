@@ -304,8 +304,6 @@ def test_onehot_table_sized_from_slot_size_array(tmp_path):
     (lambda r: r["layers"][1]["sparse_embedding_hparam"].update(slot_size_array=[5, 5]),
      r"layers\[1\]\.sparse_embedding_hparam\.slot_size_array: has 2 entries but input "
      r"\"data1\" has slot_num 6"),
-    (lambda r: r["layers"][1].update(type="DistributedSlotSparseEmbeddingHash"),
-     r"slot_size_array: sizes the tables of LocalizedSlot\* embeddings"),
     (lambda r: r["layers"][1]["sparse_embedding_hparam"].pop("slot_size_array"),
      r"slot_size_array: required for LocalizedSlotSparseEmbeddingOneHot"),
 ])
@@ -313,6 +311,80 @@ def test_slot_size_array_errors(tmp_path, change, message):
     raw = _onehot_config(tmp_path)
     change(raw)
     with pytest.raises(ConfigError, match=message):
+        parse_config(raw)
+
+
+def test_hugectr_3x_sparse_inputs_and_table_sizes(tmp_path):
+    """HugeCTR 3.x (v3.3 ``create_datareader.cpp``, ``parser.hpp``
+    get_max_feature_num_per_sample_from_nnz_per_slot, ``create_embedding.cpp``): inputs give
+    ``nnz_per_slot`` (a number or one per slot; the sample's bound is their sum) and
+    ``is_fixed_length``, no type; tables give ``workspace_size_per_gpu_in_mb`` (MB of float
+    vectors per device) and ``combiner`` as a word; a DistributedSlot table's
+    ``slot_size_array`` is read and not used when the workspace sizes it."""
+    raw = _onehot_config(tmp_path, etype="DistributedSlotSparseEmbeddingHash")
+    sp = raw["layers"][0]["sparse"][0]
+    del sp["type"], sp["max_feature_num_per_sample"]
+    sp.update(nnz_per_slot=[1, 2, 1, 3, 1, 1], is_fixed_length=False)
+    raw["layers"][0]["format"] = "Norm"
+    h = raw["layers"][1]["sparse_embedding_hparam"]
+    h.update(workspace_size_per_gpu_in_mb=2, combiner="mean")
+    cfg = parse_config(raw)
+    s = cfg.data.sparse[0]
+    assert (s.max_feature_num_per_sample, s.max_nnz, s.type) == (9, 3, "DistributedSlot")
+    e = cfg.embeddings[0]
+    assert e.max_vocabulary_size_per_gpu == (2 << 20) // (4 * 4) and e.combiner == "mean"
+    assert e.slot_size_array == ()
+    del h["workspace_size_per_gpu_in_mb"]  # only the sizes: the table holds them all
+    assert parse_config(raw).embeddings[0].max_vocabulary_size_per_gpu == sum(SLOT_SIZES)
+    sp["nnz_per_slot"] = 2
+    assert parse_config(raw).data.sparse[0].max_feature_num_per_sample == 12
+    sp["nnz_per_slot"] = [1, 2]
+    with pytest.raises(ConfigError, match=r"sparse\[0\]\.nnz_per_slot: has 2 entries for "
+                                          r"slot_num 6"):
+        parse_config(raw)
+    sp.update(nnz_per_slot=1, max_nnz=1)
+    with pytest.raises(ConfigError, match="give nnz_per_slot .* not both"):
+        parse_config(raw)
+
+
+def test_hugectr_3x_solver_keys(tmp_path):
+    """HugeCTR 3.x ``solver_parser.cpp``: ``max_eval_batches`` or ``max_eval_samples``
+    (truncated to whole batches; never both), ``auc_threshold`` of the Python API's solver,
+    GPU scheduling switches accepted, optimizer state files refused with the reason."""
+    raw = _config(tmp_path, _deepfm_layers())
+    solver = raw["solver"]
+    del solver["eval_batches"]
+    solver.update(max_eval_samples=64 * 5 + 3, auc_threshold=0.8, holistic_cuda_graph=True,
+                  export_predictions_prefix="./pred")
+    cfg = parse_config(raw)
+    assert cfg.solver.eval_batches == 5 and cfg.solver.auc_threshold == 0.8
+    solver["max_eval_batches"] = 4
+    with pytest.raises(ConfigError, match="give one of eval_batches, max_eval_batches"):
+        parse_config(raw)
+    del solver["max_eval_samples"]
+    from jctr.config import override_solver
+
+    assert override_solver(parse_config(raw), {"eval_batches": 2}).solver.eval_batches == 2
+    solver["dense_opt_states_file"] = "opt.bin"
+    with pytest.raises(ConfigError, match="dense_opt_states_file: HugeCTR's optimizer state"):
+        parse_config(raw)
+
+
+def test_network_file_of_graph_to_json_parses(tmp_path):
+    """The network file an HPS model names (HugeCTR's ``graph_to_json`` for inference,
+    v3.3 test/scripts/dcn_inference.json): layers and an ``inference`` clause, no solver,
+    optimizer or data sources."""
+    raw = _config(tmp_path, _deepfm_layers())
+    del raw["solver"], raw["optimizer"]
+    data = raw["layers"][0]
+    for key in ("source", "eval_source", "synthetic"):
+        del data[key]
+    raw["inference"] = {"max_batchsize": 4096, "hit_rate_threshold": 0.6,
+                        "dense_model_file": "/models/_dense_10000.model",
+                        "sparse_model_file": "/models/0_sparse_10000.model"}
+    cfg = parse_config(raw, require_solver=False)
+    assert [e.name for e in cfg.embeddings] == ["sparse_embedding1"]
+    with pytest.raises(ConfigError, match="solver"):
         parse_config(raw)
 
 

@@ -250,6 +250,9 @@ LAYER_TYPES: dict[str, LayerType] = {
     "Multiply": LayerType(_multiply, MultiplyParam, (1, 1), 1,
                           "``[batch, slots]`` times a weight ``[slots, vec]`` row by row, "
                           "flattened to ``[batch, slots * vec]`` (DeepFM's dense embeddings)"),
+    # HugeCTR 3.x's name of the same layer
+    "WeightMultiply": LayerType(_multiply, MultiplyParam, (1, 1), 1,
+                                "HugeCTR 3.x's name of ``Multiply``"),
     "FmOrder2": LayerType(_fm, FmOrder2Param, (1, 1), 1,
                           "the second-order factorization-machine term "
                           "``0.5 * ((sum v)^2 - sum v^2)``: ``[batch, fields * out_dim]`` to "

@@ -7,7 +7,14 @@ import os
 from typing import Any
 
 from jctr.config.layer_types import LAYER_TYPES, LOSS_TYPES
-from jctr.config.reader import ConfigError, ObjectReader, describe, join_path, json_from_text
+from jctr.config.reader import (
+    _MISSING,
+    ConfigError,
+    ObjectReader,
+    describe,
+    join_path,
+    json_from_text,
+)
 from jctr.config.schema import (
     COMPUTE_DTYPES,
     DATA_FORMATS,
@@ -88,6 +95,9 @@ def override_solver(cfg: ModelConfig, changes: dict[str, Any],
         solver.pop("num_epochs", None)
     if changes.get("num_epochs") is not None and "max_iter" not in changes:
         solver.pop("max_iter", None)
+    if changes.get("eval_batches") is not None:  # replaces HugeCTR 3.x's limits too
+        solver.pop("max_eval_batches", None)
+        solver.pop("max_eval_samples", None)
     return _reparse(cfg, raw, solver, "solver", changes, names)
 
 
@@ -146,7 +156,11 @@ def parse_config(raw: Any, *, source: str | None = None,
     root = ObjectReader(raw, "", source)
     solver = (parse_solver(root.child("solver")) if (root.has("solver") or require_solver)
               else SolverConfig())
-    optimizer = parse_optimizer(root.child("optimizer"))
+    # a network file (HugeCTR's graph_to_json, an HPS model's network_file) has layers only
+    optimizer = (parse_optimizer(root.child("optimizer"))
+                 if (root.has("optimizer") or require_solver) else OptimizerConfig())
+    if root.has("inference"):
+        _check_inference_clause(root.child("inference"))
     if optimizer.type in ROW_ONLY_OPTIMIZERS:
         raise root.child("optimizer").error(
             "type", f'"{optimizer.type}" updates embedding rows only; give it in an '
@@ -154,7 +168,8 @@ def parse_config(raw: Any, *, source: str | None = None,
     layers_raw = root.list("layers")
     root.finish()
     devices = sum(len(host) for host in solver.gpu)
-    data, embeddings, layers = parse_layers(layers_raw, source, devices)
+    data, embeddings, layers = parse_layers(layers_raw, source, devices,
+                                            network_only=not require_solver)
     cfg = ModelConfig(solver=solver, optimizer=optimizer, data=data, embeddings=embeddings,
                       layers=layers, source=source, raw=raw)
     validate_config(cfg)
@@ -175,7 +190,7 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
     snapshot = r.int("snapshot", 0, min_value=0)
     snapshot_prefix = r.str("snapshot_prefix", "./")
     eval_interval = r.int_or_word("eval_interval", 1000, ("epoch",))
-    eval_batches = r.int("eval_batches", None, min_value=1)
+    eval_batches = _eval_batches(r, batchsize_eval)
     dense_model_file = r.str("dense model_file", None)
     if dense_model_file is None:
         dense_model_file = r.str("dense_model_file", None)
@@ -214,6 +229,22 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
     kafka_sink = parse_kafka_sink(r.child("kafka_sink")) if r.has("kafka_sink") else None
     # Accepted for HugeCTR compatibility; XLA schedules the step as a whole already.
     r.bool("cuda_graph", True)
+    for knob in ("holistic_cuda_graph", "algorithm_search", "async_mlp_wgrad",
+                 "enable_overlap", "use_algorithm_search"):  # HugeCTR 3.x GPU scheduling
+        r.bool(knob, False)
+    r.raw("device_layout", None)
+    # HugeCTR 3.3 reads it and its JSON training path never uses it (Model.export_predictions
+    # of the Python API writes predictions); jctr: Trainer.predict / evaluate(data=...)
+    r.str("export_predictions_prefix", None)
+    for key, reason in _REFUSED_SOLVER_KEYS.items():
+        if r.has(key):
+            raise r.error(key, reason)
+    threshold = r.float("auc_threshold", None, positive=True)
+    if threshold is not None:  # HugeCTR 3.x CreateSolver: stop once AUC reaches it
+        if not 0.0 < threshold <= 1.0:
+            raise r.error("auc_threshold", f"expected a number in (0, 1], got {threshold}")
+        if not any(m.name == "AUC" and m.threshold is not None for m in metrics):
+            metrics = tuple(m for m in metrics if m.name != "AUC") + (Metric("AUC", threshold),)
     r.finish()
     return SolverConfig(
         lr_policy=lr_policy, display=display, max_iter=max_iter, num_epochs=num_epochs, gpu=gpu,
@@ -225,6 +256,33 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
         snapshot_keep=snapshot_keep, replicate_table_bytes=replicate_table_bytes,
         all2all_capacity_factor=all2all_capacity_factor, nan_policy=nan_policy,
         early_stopping=early_stopping, lr_plateau=lr_plateau, kafka_sink=kafka_sink)
+
+
+_REFUSED_SOLVER_KEYS = {
+    "dense_opt_states_file": "HugeCTR's optimizer state files are not read; jctr resumes "
+    "optimizer state from its own checkpoints (--resume)",
+    "sparse_opt_states_file": "HugeCTR's optimizer state files are not read; jctr resumes "
+    "optimizer state from its own checkpoints (--resume)",
+}
+
+
+def _eval_batches(r: ObjectReader, batchsize_eval: int) -> int | None:
+    """Batches per evaluation: ``eval_batches`` (2.x), ``max_eval_batches`` or
+    ``max_eval_samples`` (3.x, ``solver_parser.cpp``; samples are truncated to whole
+    batches); at most one of them."""
+    given = [k for k in ("eval_batches", "max_eval_batches", "max_eval_samples") if r.has(k)]
+    if len(given) > 1:
+        raise r.error(given[1], f"give one of eval_batches, max_eval_batches, max_eval_samples "
+                      f"(also given: {given[0]})")
+    if not given:
+        return None
+    if given[0] == "max_eval_samples":
+        samples = r.int("max_eval_samples", min_value=1)
+        if samples < batchsize_eval:
+            raise r.error("max_eval_samples", f"{samples} is less than one evaluation batch "
+                          f"(batchsize_eval {batchsize_eval})")
+        return samples // batchsize_eval
+    return r.int(given[0], min_value=1)
 
 
 def _parse_watch(r: ObjectReader, kind: type, metrics: tuple[Metric, ...]):
@@ -396,7 +454,8 @@ def parse_optimizer(r: ObjectReader) -> OptimizerConfig:
 # ---- layers -------------------------------------------------------------------------------
 
 
-def parse_layers(layers_raw: list, source: str | None, devices: int = 1):
+def parse_layers(layers_raw: list, source: str | None, devices: int = 1, *,
+                 network_only: bool = False):
     if not layers_raw:
         raise ConfigError("layers", "expected a non-empty list of layers", source)
     data = None
@@ -411,7 +470,7 @@ def parse_layers(layers_raw: list, source: str | None, devices: int = 1):
         if ltype == "Data":
             if data is not None:
                 raise r.error("type", "a second Data layer; a config has exactly one")
-            data = parse_data(r)
+            data = parse_data(r, network_only=network_only)
         elif ltype in EMBEDDING_TYPES:
             if dense:
                 raise r.error("type", "embedding layers must precede the dense layers "
@@ -428,11 +487,13 @@ def parse_layers(layers_raw: list, source: str | None, devices: int = 1):
     return data, tuple(embeddings), tuple(dense)
 
 
-def parse_data(r: ObjectReader) -> DataConfig:
+def parse_data(r: ObjectReader, *, network_only: bool = False) -> DataConfig:
+    """The Data layer; ``network_only`` (a network file for inference) makes the sources
+    optional."""
     name = r.str("name", "data")
     fmt = r.choice("format", DATA_FORMATS, "Norm")
-    source_value = r.str_or_list("source")
-    eval_value = r.str_or_list("eval_source")
+    source_value = r.str_or_list("source", ("",) if network_only else _MISSING)
+    eval_value = r.str_or_list("eval_source", ("",) if network_only else _MISSING)
     test_sources = _parse_test_sources(r)
     check = r.choice("check", ("Sum", "None"), "None")
     if fmt != "Norm" and check != "None":
@@ -452,11 +513,24 @@ def parse_data(r: ObjectReader) -> DataConfig:
     for j, s_raw in enumerate(sparse_raw):
         s = ObjectReader(s_raw, join_path(join_path(r.path, "sparse"), j), r.source)
         top = s.str("top")
-        stype = s.choice("type", SPARSE_INPUT_TYPES)
         slot_num = s.int("slot_num", min_value=1)
-        max_feat = s.int("max_feature_num_per_sample", min_value=1)
-        max_nnz = s.int("max_nnz", max_feat, min_value=1)
-        s.bool("is_fixed_length", False)
+        if s.has("nnz_per_slot"):  # HugeCTR 3.x: the most keys of each slot
+            # (create_datareader.cpp; parser.hpp get_max_feature_num_per_sample_from_nnz_per_slot)
+            for key in ("max_feature_num_per_sample", "max_nnz"):
+                if s.has(key):
+                    raise s.error(key, "give nnz_per_slot (HugeCTR 3.x) or "
+                                  "max_feature_num_per_sample / max_nnz (2.x), not both")
+            nnz = _nnz_per_slot(s, slot_num)
+            max_feat, max_nnz = sum(nnz), max(nnz)
+            # 3.x names no input type: the embedding that reads it places it
+            stype = s.choice("type", SPARSE_INPUT_TYPES, "DistributedSlot")
+        else:
+            stype = s.choice("type", SPARSE_INPUT_TYPES)
+            max_feat = s.int("max_feature_num_per_sample", min_value=1)
+            max_nnz = s.int("max_nnz", max_feat, min_value=1)
+        fixed = s.raw("is_fixed_length", False)  # a GPU reader shortcut: no effect here
+        if fixed not in (True, False, 0, 1):
+            raise s.error("is_fixed_length", f"expected true or false, got {describe(fixed)}")
         s.finish()
         if fmt in ("Raw", "Parquet"):
             # HugeCTR's Raw and Parquet readers take exactly one key per slot: max_nnz and
@@ -489,10 +563,10 @@ def parse_data(r: ObjectReader) -> DataConfig:
             raise r.error("num_samples", "required for format Raw (the file has no header)")
         if eval_num_samples is None:
             raise r.error("eval_num_samples", "required for format Raw")
-    if fmt in ("Raw", "Parquet"):
+    if fmt in ("Raw", "Parquet") and slot_size_array:
+        # with it, slot s holds keys [0, size) and jctr offsets them into one table (HugeCTR's
+        # slot_offset); without it (HugeCTR 3.x allows that) keys are used as they are
         total_slots = sum(s.slot_num for s in sparse)
-        if not slot_size_array:
-            raise r.error("slot_size_array", f"required for format {fmt}")
         if len(slot_size_array) != total_slots:
             raise r.error("slot_size_array", f"has {len(slot_size_array)} entries but the sparse "
                           f"inputs have {total_slots} slots in all")
@@ -507,6 +581,31 @@ def parse_data(r: ObjectReader) -> DataConfig:
         eval_num_samples=eval_num_samples, slot_size_array=slot_size_array,
         float_label_dense=float_label_dense, cache_eval_data=cache, synthetic=synthetic,
         shuffle=shuffle, test_sources=test_sources)
+
+
+def _check_inference_clause(r: ObjectReader) -> None:
+    """The ``inference`` clause HugeCTR's ``graph_to_json`` writes into a network file: its
+    numbers are read from the parameter server's model entry (ps.json) when serving, so here
+    they are only checked."""
+    r.int("max_batchsize", None, min_value=1)
+    r.float("hit_rate_threshold", None, min_value=0.0, max_value=1.0)
+    r.str("dense_model_file", None)
+    r.str_or_list("sparse_model_file", ())
+    for flag in ("use_gpu_embedding_cache", "use_mixed_precision", "i64_input_key"):
+        r.bool(flag, False)
+    r.float("cache_size_percentage", None, min_value=0.0, max_value=1.0)
+    r.int("device_id", None, min_value=0)
+    r.finish()
+
+
+def _nnz_per_slot(s: ObjectReader, slot_num: int) -> list[int]:
+    value = s.raw("nnz_per_slot")
+    if isinstance(value, list):
+        nnz = list(s.int_list("nnz_per_slot", min_value=1))
+        if len(nnz) != slot_num:
+            raise s.error("nnz_per_slot", f"has {len(nnz)} entries for slot_num {slot_num}")
+        return nnz
+    return [s.int("nnz_per_slot", min_value=1)] * slot_num
 
 
 def _parse_test_sources(r: ObjectReader) -> tuple[tuple[str, str], ...]:
@@ -549,22 +648,40 @@ def parse_embedding(r: ObjectReader, etype: str, devices: int = 1) -> EmbeddingC
     plan_file = _parse_plan_file(r)
     h = r.child("sparse_embedding_hparam")
     sizes = h.int_list("slot_size_array", (), min_value=1)
-    if sizes and not etype.startswith("LocalizedSlot"):
-        raise h.error("slot_size_array", f"sizes the tables of LocalizedSlot* embeddings; "
-                      f"{etype} spreads keys by hash and needs max_vocabulary_size_per_gpu "
-                      "(HugeCTR reads slot_size_array only for LocalizedSlot*)")
+    spread = sizes and not etype.startswith("LocalizedSlot")
     if etype == "LocalizedSlotSparseEmbeddingOneHot" and not sizes:
         raise h.error("slot_size_array", "required for LocalizedSlotSparseEmbeddingOneHot "
                       "(its table holds each slot's keys [0, size) side by side)")
-    if sizes:
+    vec = h.int("embedding_vec_size", min_value=1)
+    if h.has("workspace_size_per_gpu_in_mb") and h.has("max_vocabulary_size_per_gpu"):
+        raise h.error("workspace_size_per_gpu_in_mb", "give it (HugeCTR 3.x) or "
+                      "max_vocabulary_size_per_gpu (2.x), not both")
+    workspace = h.int("workspace_size_per_gpu_in_mb", None, min_value=1)
+    if spread:
+        # HugeCTR 3.x reads slot_size_array here and passes none to a DistributedSlot table
+        # (create_embedding.cpp); jctr sizes the table from it only when nothing else does:
+        # keys spread by hash, so a device holds its share and a margin
+        if workspace is None and not h.has("max_vocabulary_size_per_gpu"):
+            vocab = -(-sum(sizes) // devices) if devices == 1 else \
+                int(sum(sizes) / devices * 1.05) + 1024
+        else:
+            vocab = ((workspace << 20) // (4 * vec) if workspace is not None
+                     else h.int("max_vocabulary_size_per_gpu", min_value=1))
+        sizes = ()
+    elif sizes:
         # HugeCTR sizes such tables from the slots and ignores max_vocabulary_size_per_gpu
         h.int("max_vocabulary_size_per_gpu", None, min_value=1)
         replicate = h.raw("replicated", None) is True
         owners = localized_slot_owners(sizes, len(sizes), 1 if replicate else devices)
         vocab = rows_per_device(sizes, owners, 1 if replicate else devices)
+    elif workspace is not None:
+        # HugeCTR 3.x create_embedding.cpp: the MB of float vectors a device holds
+        vocab = (workspace << 20) // (4 * vec)
+        if vocab < 1:
+            raise h.error("workspace_size_per_gpu_in_mb", f"{workspace} MB holds no vector of "
+                          f"embedding_vec_size {vec}")
     else:
         vocab = h.int("max_vocabulary_size_per_gpu", min_value=1)
-    vec = h.int("embedding_vec_size", min_value=1)
     combiner_raw = h.raw("combiner", 0)
     combiner = {0: "sum", 1: "mean", "sum": "sum", "mean": "mean"}.get(
         combiner_raw if not isinstance(combiner_raw, bool) else None)

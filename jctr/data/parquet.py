@@ -71,7 +71,9 @@ class ParquetDataset(Dataset):
                                 f"has {want} ({cfg})")
         self.rows = {os.path.basename(s["file_name"]): int(s["num_rows"])
                      for s in self.meta["file_stats"]}
-        self.offsets = slot_offsets(data.slot_size_array)
+        # without slot_size_array (HugeCTR 3.x allows it) keys are global already
+        self.offsets = (slot_offsets(data.slot_size_array) if data.slot_size_array
+                        else np.zeros(data.total_slots, np.int64))
 
     def num_units(self) -> int:
         return len(self.files)
@@ -138,7 +140,8 @@ class ParquetDataset(Dataset):
         dense = np.stack([column(c, "float") for c in self.conts], 1).astype(np.float32) \
             if self.conts else np.zeros((n, 0), np.float32)
         keys = np.stack([column(c, "int") for c in self.cats], 1).astype(np.int64)
-        check_slot_keys(keys, self.data.slot_size_array, path)
+        if self.data.slot_size_array:
+            check_slot_keys(keys, self.data.slot_size_array, path)
         keys += self.offsets[None, :]
         return RecordBlock(label, dense, np.ones(keys.shape, np.int32), keys.ravel())
 

@@ -49,9 +49,10 @@ class RawDataset(Dataset):
             record_bytes=rec_bytes, label_at=0, label_dim=ld, dense_at=4 * ld, dense_dim=dd,
             key_at=4 * (ld + dd), key_stride=4, key_width=4, slot_num=data.total_slots,
             int_label_dense=not data.float_label_dense,
-            slot_offsets=slot_offsets(data.slot_size_array),
+            # without slot_size_array (HugeCTR 3.x allows it) keys are global already
+            slot_offsets=slot_offsets(data.slot_size_array) if data.slot_size_array else None,
             slot_sizes=np.minimum(np.asarray(data.slot_size_array, np.int64),
-                                  2**32 - 1).astype(np.uint32))
+                                  2**32 - 1).astype(np.uint32) if data.slot_size_array else None)
 
     def num_units(self) -> int:
         return max(1, -(-self.n // UNIT_RECORDS))

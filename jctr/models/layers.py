@@ -340,7 +340,7 @@ class Split(Layer):
         return [xs[0]] * self.copies
 
 
-@layer_type("Multiply")
+@layer_type("Multiply", "WeightMultiply")
 class Multiply(Layer):
     """[b, s] times a weight [s, d], elementwise per row, flattened to [b, s*d]."""
 

@@ -536,3 +536,73 @@ def test_hugectr_samples_script_trains_a_config(tmp_path):
     assert peak > 0 and plan > 0
     assert (folder / "_runs" / "deepfm_like" / "data" / "train.txt").exists()
 
+
+
+# ---- a HugeCTR user's model repository, served ----------------------------------------------
+
+
+def _graph_to_json(train_raw: dict, dense: str, sparse: list[str]) -> dict:
+    """The network file HugeCTR 3.x's ``graph_to_json`` writes for a trained model (as in
+    v3.3 test/scripts/dcn_inference.json): the layers, sparse inputs with ``nnz_per_slot``,
+    tables sized by ``workspace_size_per_gpu_in_mb``, combiners as words, no solver, optimizer
+    or data sources, and an ``inference`` clause."""
+    layers = copy.deepcopy(train_raw["layers"])
+    data = layers[0]
+    for key in ("source", "eval_source", "synthetic", "cache_eval_data"):
+        data.pop(key, None)
+    for sp in data["sparse"]:
+        width = sp.pop("max_feature_num_per_sample")
+        nnz = sp.pop("max_nnz", width)
+        sp.pop("type")
+        sp.update(is_fixed_length=False, nnz_per_slot=nnz)
+    for layer in layers[1:]:
+        h = layer.get("sparse_embedding_hparam")
+        if h:
+            rows = h.pop("max_vocabulary_size_per_gpu")
+            h["workspace_size_per_gpu_in_mb"] = -(-rows * 4 * h["embedding_vec_size"] >> 20)
+            h["combiner"] = {0: "sum", 1: "mean"}.get(h.get("combiner", 0), h.get("combiner"))
+    return {"inference": {"max_batchsize": 256, "hit_rate_threshold": 0.9,
+                          "dense_model_file": dense, "sparse_model_file": sparse},
+            "layers": layers}
+
+
+def test_hugectr_model_repository_served_from_the_seed_ps_json(tmp_path, tiny):
+    """HPS seed (002): a model's ``network_file`` (graph_to_json's JSON), ``dense_file`` and
+    ``sparse_files`` (HugeCTR model files) in ps.json, served as they stand: predictions equal
+    the trainer's."""
+    from jctr.config import load_config
+    from jctr.config.hps import load_ps_config
+    from jctr.serving.hps import Databases
+    from jctr.serving.hps_model import HPSModel
+
+    raw = tiny("dcn", max_iter=6, display=100, eval_interval=10_000, eval_batches=1)
+    sp, h = raw["layers"][0]["sparse"][0], raw["layers"][1]["sparse_embedding_hparam"]
+    trainer = Trainer(load_config(raw), log=lambda s: None)
+    trainer.fit()
+    files = trainer.save_model_files(str(tmp_path / "model" / "dcn_"))
+    dense = next(f for f in files if "dense_" in f)
+    sparse = [f for f in files if "_sparse_" in f]
+    net = tmp_path / "model" / "dcn.json"
+    net.write_text(json.dumps(_graph_to_json(raw, dense, sparse)))
+    ps = tmp_path / "ps.json"
+    ps.write_text(json.dumps({
+        "supportlonglong": True,
+        "models": [{"model": "dcn", "sparse_files": sparse, "dense_file": dense,
+                    "network_file": str(net), "num_of_worker_buffer_in_pool": 2,
+                    "deployed_device_list": [0], "max_batch_size": 256,
+                    "default_value_for_each_table": [0.0], "hit_rate_threshold": 0.9,
+                    "gpucacheper": 0.5, "gpucache": True,
+                    "maxnum_catfeature_query_per_table_per_sample": [sp["slot_num"]],
+                    "embedding_vecsize_per_table": [h["embedding_vec_size"]],
+                    "embedding_table_names": ["sparse_embedding1"]}]}))
+    params = load_ps_config(ps)
+    dbs = Databases(params.volatile_db, params.persistent_db)
+    model = HPSModel(params.models[0], dbs, where="models[0]", source=params.source)
+    try:
+        model.load_databases()
+        batch = next(iter(trainer.eval_data.batches(256, epochs=1)))
+        np.testing.assert_allclose(model.predict(batch), trainer.predict(batch), rtol=3e-5,
+                                   atol=3e-6)
+    finally:
+        model.close()
+        dbs.close()

@@ -127,7 +127,7 @@ def test_documented_defaults_are_what_the_parser_fills_in():
     assert n >= 55
 
     # every dense layer type's parameters: left out, they take the printed defaults
-    minimal = {"fc_param": {"num_output": 3}, "leading_dim": 4, "ranges": [[0, 1]],
+    minimal = {"fc_param": {"num_output": 3}, "ranges": [[0, 1]],
                "weight_dims": [2, 3], "out_dim": 4, "mc_param": {"num_layers": 2}}
     for name, spec in LAYER_TYPES.items():
         params = spec.parse(ObjectReader(dict(minimal), f"layers[{name}]", None))
@@ -164,6 +164,6 @@ def test_docs_site_builds_strict(tmp_path):
     assert out.returncode == 0, out.stderr[-4000:]
     html = (site / "config-reference" / "index.html").read_text(encoding="utf-8")
     assert html.count("<table>") == len(TRAINING_CLAUSES) + len(SERVING_CLAUSES) + 2
-    for page in ("getting-started", "data-formats", "migrating-from-hugectr",
+    for page in ("getting-started", "data-formats", "coming-from-hugectr",
                  "devices-and-hosts", "checkpoints", "serving", "troubleshooting"):
         assert (site / page / "index.html").stat().st_size > 10_000, page

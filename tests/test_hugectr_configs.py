@@ -463,6 +463,7 @@ def test_host_devices_needed():
     assert host_devices_needed(((0, 1, 2, 3),), 1) == 4
     assert host_devices_needed(((0, 2),), 1) == 3
     assert host_devices_needed(((0, 1), (0, 1, 2)), 1) == 5
+    assert host_devices_needed(((0, 1), (2, 3)), 1) == 4  # HugeCTR's local ids per node
     assert host_devices_needed(((0, 1), (0, 1)), 2) == 2
 
 

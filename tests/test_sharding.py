@@ -242,7 +242,8 @@ def test_skewed_batches_fall_back_to_full_buffers(tmp_path):
 def test_plan_that_does_not_fit_fails_before_allocating(tmp_path):
     cfg = _config(tmp_path, "dlrm", list(range(8)))
     cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 5_000_000_000
-    with pytest.raises(PlanError, match=r'short by.*embedding "sparse_embedding1"'):
+    with pytest.raises(PlanError, match=r'the 8 host device\(s\) need .* in all but the '
+                                        r'machine has .*short by.*embedding "sparse_embedding1"'):
         Trainer(load_config(cfg), log=lambda s: None, generate_data=False)
 
 

@@ -262,6 +262,8 @@ LAYER_TYPES: dict[str, LayerType] = {
     "ReduceSum": LayerType(_reduce_sum, ReduceSumParam, (1, 1), 1,
                            "sum over ``axis``, kept with size 1"),
     "Add": LayerType(_none, NoParam, (2, 16), 1, "elementwise sum of inputs of one shape"),
+    "DotProduct": LayerType(_none, NoParam, (2, 16), 1,
+                            "elementwise product of inputs of one shape"),
     # [dense, embeddings] or embeddings alone
     "Interaction": LayerType(_none, NoParam, (1, 2), 1,
                              "DLRM dot interaction of ``[dense, embeddings]`` (or the "

@@ -104,7 +104,23 @@ TRAINING_CLAUSES = (
                      "gpu": "`[0]`",
                      "compute_dtype": '"float32" ("float16" with `mixed_precision`)'},
            extra=(("cuda_graph", "boolean", "true",
-                   "Accepted for HugeCTR configs; no effect (XLA compiles the whole step)."),)),
+                   "Accepted for HugeCTR configs; no effect (XLA compiles the whole step)."),
+                  ("max_eval_batches", "integer", "unset",
+                   "HugeCTR 3.x's name of `eval_batches` (give one of the two, or "
+                   "`max_eval_samples`)."),
+                  ("max_eval_samples", "integer", "unset",
+                   "HugeCTR 3.x: evaluation samples, truncated to whole `batchsize_eval` "
+                   "batches."),
+                  ("auc_threshold", "number", "unset",
+                   "HugeCTR 3.x: stop once validation AUC reaches it (as `\"AUC:<t>\"` in "
+                   "`eval_metrics`)."),
+                  ("holistic_cuda_graph, algorithm_search, async_mlp_wgrad, enable_overlap, "
+                   "device_layout, export_predictions_prefix", "as HugeCTR", "unset",
+                   "HugeCTR 3.x GPU switches and a key its JSON training path does not use: "
+                   "accepted, no effect."),
+                  ("dense_opt_states_file, sparse_opt_states_file", "string", "unset",
+                   "Refused: HugeCTR's optimizer state files are not read (resume from "
+                   "jctr's checkpoints)."))),
     Clause("solver.early_stopping", "solver.early_stopping", schema.EarlyStoppingConfig,
            "jctr: Keras' EarlyStopping on a validation metric.",
            defaults={"metric": '"AUC" if listed, else the first of `eval_metrics`',
@@ -154,7 +170,11 @@ TRAINING_CLAUSES = (
     Clause("Sparse inputs", "layers[0].sparse[j]", schema.SparseInputConfig,
            defaults={"max_nnz": "`max_feature_num_per_sample`"},
            extra=(("is_fixed_length", "boolean", "false",
-                   "Accepted for HugeCTR configs; no effect (rows are padded to `max_nnz`)."),)),
+                   "Accepted for HugeCTR configs; no effect (rows are padded to `max_nnz`)."),
+                  ("nnz_per_slot", "integer or list of integers", "unset",
+                   "HugeCTR 3.x, instead of `max_feature_num_per_sample` and `max_nnz`: the "
+                   "most keys of each slot (one number for all); their sum bounds a sample, "
+                   "the largest is `max_nnz`. `type` may then be left out."),)),
     Clause("Synthetic data", "layers[0].synthetic", schema.SyntheticConfig,
            "jctr: the dataset `python -m jctr.train` generates (Norm files and file lists at "
            "`source` and `eval_source`) when they do not exist yet."),
@@ -163,12 +183,18 @@ TRAINING_CLAUSES = (
            "64-bit keys. Embedding layers follow the Data layer and precede the dense layers.",
            keys={name: f"{_EMB_HPARAM}.{name}" for name in (
                "max_vocabulary_size_per_gpu", "embedding_vec_size", "combiner", "init_range",
-               "replicated", "l2_lambda", "l1_lambda")},
-           types={"combiner": '0, 1, "sum" or "mean"', "optimizer": "object"},
+               "replicated", "l2_lambda", "l1_lambda", "slot_size_array")},
+           types={"combiner": '0, 1, "sum" or "mean"', "optimizer": "object",
+                  "slot_size_array": "list of integers"},
            defaults={"init_range": "1/sqrt(`embedding_vec_size`)",
-                     "replicated": "the planner decides"},
+                     "replicated": "the planner decides",
+                     "max_vocabulary_size_per_gpu": "required unless "
+                     "`workspace_size_per_gpu_in_mb` or `slot_size_array` sizes the table"},
            extra=((f"{_EMB_HPARAM}.load_factor", "integer", "1",
-                   "Accepted for HugeCTR configs; no effect (capacity is exact)."),)),
+                   "Accepted for HugeCTR configs; no effect (capacity is exact)."),
+                  (f"{_EMB_HPARAM}.workspace_size_per_gpu_in_mb", "integer", "unset",
+                   "HugeCTR 3.x, instead of `max_vocabulary_size_per_gpu`: MB of float "
+                   "vectors per device, rows = MB x 2^20 / (4 x `embedding_vec_size`)."))),
     Clause("Dense layers", "layers[k+1..]", schema.LayerConfig,
            "The network after the embeddings; `bottom` names tops of earlier layers or of the "
            "Data layer. The last layer is the loss, whose second bottom is the label.",

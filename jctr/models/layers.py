@@ -453,6 +453,25 @@ class Add(Layer):
         return [out]
 
 
+@layer_type("DotProduct")
+class DotProduct(Layer):
+    """HugeCTR's DotProduct (``dot_product_layer.cu``): the elementwise product of two or more
+    inputs of one shape."""
+
+    @classmethod
+    def build(cls, x):
+        if len(set(x.shapes)) != 1:
+            raise x.fail("inputs must have equal shapes, got "
+                         + ", ".join(fmt_shape(s) for s in x.shapes))
+        return cls(), [x.shapes[0]]
+
+    def __call__(self, xs, ctx):
+        out = xs[0]
+        for x in xs[1:]:
+            out = out * x
+        return [out]
+
+
 @layer_type("Interaction")
 class Interaction(Layer):
     """DLRM dot interaction of the bottom-MLP output [b, d] with embeddings [b, s, d]: the

@@ -25,7 +25,7 @@ def host_devices_needed(gpu: tuple[tuple[int, ...], ...], processes: int) -> int
     node run by one process needs every node's devices side by side."""
     if processes > 1 or len(gpu) == 1:
         return max(max(host) + 1 for host in gpu)
-    return sum(max(host) + 1 for host in gpu)
+    return sum(len(host) for host in gpu)
 
 
 def _backends_started() -> bool:

@@ -57,8 +57,8 @@ def mesh_devices(gpu: tuple[tuple[int, ...], ...], source: str = "<config>") -> 
 
 def _nodes_in_one_process(gpu: tuple[tuple[int, ...], ...], source: str) -> list:
     """A list per node run by one process: on CPU the nodes' devices side by side (node ``h``'s
-    device ``i`` is host device ``i`` after the devices of the nodes before it); elsewhere an
-    error that gives the launch command."""
+    ``j``-th listed device is host device ``j`` after the devices of the nodes before it);
+    elsewhere an error that gives the launch command."""
     mine = sorted(jax.local_devices(), key=lambda d: d.id)
     launch = (f"start one process per node: scripts/launch_local.sh {len(gpu)} "
               f"{source if source != '<config>' else 'CONFIG'} on one machine, or srun / mpirun "
@@ -66,16 +66,11 @@ def _nodes_in_one_process(gpu: tuple[tuple[int, ...], ...], source: str) -> list
     if not mine or mine[0].platform != "cpu":
         raise ConfigError("solver.gpu", f"lists {len(gpu)} nodes but this is a single process; "
                           + launch, source)
-    devices, base = [], 0
-    for host in gpu:
-        for i in host:
-            if base + i >= len(mine):
-                raise ConfigError("solver.gpu", f"lists {len(gpu)} nodes, run by this process "
-                                  f"as {base + max(host) + 1}+ host devices, but it has "
-                                  f"{len(mine)}; {launch}", source)
-            devices.append(mine[base + i])
-        base += max(host) + 1
-    return devices
+    need = sum(len(host) for host in gpu)
+    if need > len(mine):
+        raise ConfigError("solver.gpu", f"lists {len(gpu)} nodes, run by this process as "
+                          f"{need} host devices, but it has {len(mine)}; {launch}", source)
+    return mine[:need]
 
 
 def build_mesh(gpu: tuple[tuple[int, ...], ...], source: str = "<config>") -> Mesh | None:

@@ -56,7 +56,8 @@ class PlacedModel:
         self._check_batch_sizes()
         # the plan is checked against device memory before any table is allocated
         self.plan = plan_embeddings(cfg, specs, self.num_devices, dense_bytes=dense_bytes,
-                                    device_memory=device_memory_bytes(self.device))
+                                    device_memory=device_memory_bytes(self.device),
+                                    shared_memory=self.device.platform == "cpu")
         self.placements = self.plan.placements
         if self.mesh is None:
             self.engine = self.engine_full = None

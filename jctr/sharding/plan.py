@@ -69,6 +69,7 @@ class ShardingPlan:
     tables: tuple[TablePlan, ...]
     dense_bytes: int  # dense parameters and their optimizer state, on every device
     device_memory: int | None
+    shared_memory: bool = False  # CPU: the devices share device_memory
 
     @property
     def placements(self) -> tuple[Placement, ...]:
@@ -81,7 +82,10 @@ class ShardingPlan:
     def describe(self) -> str:
         """A table of the plan, one line per embedding plus the per-device totals."""
         lines = [f"[jctr] placement plan over {self.num_devices} device(s)"
-                 + (f", {format_bytes(self.device_memory)} each" if self.device_memory else "")]
+                 + (f", {format_bytes(self.device_memory)} each" if self.device_memory
+                    and not self.shared_memory else "")
+                 + (f" sharing {format_bytes(self.device_memory)}" if self.device_memory
+                    and self.shared_memory else "")]
         for t in self.tables:
             p = t.placement
             where = {"single": "device 0", "distributed": "rows by key hash on every device",
@@ -120,7 +124,7 @@ def table_bytes(spec: EmbeddingSpec, capacity: int) -> int:
 
 def device_memory_bytes(device) -> int | None:
     """Memory a device may use: the allocator's limit on accelerators; on CPU the host's
-    memory shared by the local CPU devices."""
+    memory, which all CPU devices share (:func:`plan_embeddings` checks their sum)."""
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - backends without memory stats
@@ -129,12 +133,9 @@ def device_memory_bytes(device) -> int | None:
         return int(stats["bytes_limit"])
     if device.platform == "cpu":
         try:
-            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (ValueError, OSError):
             return None
-        import jax
-
-        return total // max(1, len([d for d in jax.local_devices() if d.platform == "cpu"]))
     return None
 
 
@@ -149,9 +150,11 @@ def _slot_sizes(cfg: ModelConfig, emb, spec: EmbeddingSpec) -> list[int] | None:
 
 
 def plan_embeddings(cfg: ModelConfig, specs: tuple[EmbeddingSpec, ...], num_devices: int, *,
-                    dense_bytes: int = 0, device_memory: int | None = None) -> ShardingPlan:
+                    dense_bytes: int = 0, device_memory: int | None = None,
+                    shared_memory: bool = False) -> ShardingPlan:
     """The placement of every embedding on ``num_devices`` devices; raises :class:`PlanError`
-    when a device would need more than ``device_memory`` bytes.
+    when a device would need more than ``device_memory`` bytes (``shared_memory``, CPU
+    devices of one host: when all of them together would).
 
     Example::
 
@@ -174,8 +177,20 @@ def plan_embeddings(cfg: ModelConfig, specs: tuple[EmbeddingSpec, ...], num_devi
         else:
             p = Placement("distributed", num_devices)
         tables.append(TablePlan(spec.name, p, (cap,) * num_devices, (one,) * num_devices))
-    plan = ShardingPlan(num_devices, tuple(tables), dense_bytes, device_memory)
-    if device_memory:
+    plan = ShardingPlan(num_devices, tuple(tables), dense_bytes, device_memory, shared_memory)
+    if device_memory and shared_memory:
+        need = sum(plan.device_totals())
+        if need > device_memory:
+            biggest = max(tables, key=lambda t: sum(t.bytes_per_device))
+            raise PlanError(
+                f"the embedding tables do not fit: the {num_devices} host device(s) need "
+                f"{format_bytes(need)} in all but the machine has {format_bytes(device_memory)} "
+                f"(short by {format_bytes(need - device_memory)}); the largest is embedding "
+                f"\"{biggest.name}\" with {format_bytes(sum(biggest.bytes_per_device))} "
+                f"({'/'.join(f'{r:,}' for r in sorted(set(biggest.rows_per_device)))} rows per "
+                "device); lower max_vocabulary_size_per_gpu (or the sizes that set it), or "
+                "fewer devices for tables whose slots differ much in size")
+    elif device_memory:
         totals = plan.device_totals()
         worst = int(np.argmax(totals))
         if totals[worst] > device_memory:

@@ -7,8 +7,7 @@
 # `python -m jctr.online --config CONFIG ...`, streaming training) with JCTR_COORDINATOR,
 # JCTR_NUM_PROCESSES and JCTR_PROCESS_ID set (process 0 hosts the coordinator). The config's
 # solver.gpu lists one device list per process, e.g. [[0, 1], [0, 1]]. On CPU give each process
-# its devices with XLA_FLAGS=--xla_force_host_platform_device_count=K (default here: 1;
-# jctr adds the devices a config's gpu list names).
+# its devices with XLA_FLAGS=--xla_force_host_platform_device_count=K (default here: 1, so that a config with gpu [0] runs as is).
 # Output lines are prefixed with the process id; if one process fails the others are stopped,
 # and the exit status is the first failure's.
 set -uo pipefail

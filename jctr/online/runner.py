@@ -589,10 +589,18 @@ def main(argv: list[str] | None = None) -> int:
 
     def go() -> None:
         from jctr.config.online import load_online_config
-        from jctr.sharding.distributed import initialize_distributed
+        from jctr.config.parser import load_config
+        from jctr.runtime.devices import provide_host_devices
+        from jctr.sharding.distributed import initialize_distributed, planned_process_count
 
         cfg = load_online_config(args.config)
+        # the model's solver.gpu as host devices on CPU, before JAX starts its backends
+        note = provide_host_devices(load_config(cfg.model).solver.gpu, planned_process_count())
         initialize_distributed()  # the cluster the environment describes, if any
+        if note:
+            import sys
+
+            print(note, file=sys.stderr, flush=True)
         OnlineRun(cfg).run()
 
     return run_command(go, debug=args.debug)

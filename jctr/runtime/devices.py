@@ -2,14 +2,19 @@
 
 A HugeCTR config names its GPUs (``"gpu": [0, 1, 2, 3]``, or one list per node). On a machine
 without GPUs jctr runs the same placement and all-to-all over that many XLA:CPU devices, which
-must be created before JAX starts its backends; :func:`provide_host_devices` does that (the
-user's own ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` is kept when it gives enough).
+must be created before JAX starts its backends; :func:`provide_host_devices` does that for the
+command-line tools (the user's own ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
+stands, whatever it says). It changes a process-wide setting, so the library never calls it
+on its own: a notebook calls it first thing.
 On a GPU machine the CPU devices are never used for the mesh, and a config naming more GPUs than
 exist is an error from :func:`jctr.sharding.mesh.mesh_devices`.
 
 Example::
 
-    note = provide_host_devices(cfg.solver.gpu, processes=1)  # before any JAX computation
+    from jctr.runtime.devices import provide_host_devices
+
+    cfg = load_config("hugectr/dcn.json")            # "gpu": [0, 1, 2, 3]
+    print(provide_host_devices(cfg.solver.gpu))     # before any JAX computation
 """
 
 from __future__ import annotations
@@ -41,10 +46,10 @@ def provide_host_devices(gpu: tuple[tuple[int, ...], ...], processes: int = 1) -
     """Make the XLA:CPU client hold as many devices as ``gpu`` names for this process; returns
     the line to print when it changed anything, else None. Does nothing once JAX's backends
     run (a notebook that already computed: the mesh then says which device is missing)."""
+    if _FLAG.search(os.environ.get("XLA_FLAGS", "")):
+        return None  # the user's own count of host devices stands
     need = host_devices_needed(gpu, processes)
-    given = _FLAG.search(os.environ.get("XLA_FLAGS", ""))
-    have = int(given.group(1)) if given else 1
-    if need <= have or _backends_started():
+    if need <= 1 or _backends_started():
         return None
     import jax
 

@@ -106,10 +106,17 @@ def apply_flags(cfg, args: argparse.Namespace):
 
 def _train(args: argparse.Namespace) -> None:
     # before anything touches a device: join the cluster the environment describes
-    from jctr.sharding.distributed import initialize_distributed  # JAX: not for --help
+    from jctr.runtime.devices import provide_host_devices  # JAX: not for --help
+    from jctr.sharding.distributed import initialize_distributed, planned_process_count
 
-    initialize_distributed()
     cfg = apply_flags(load_config(args.config), args)
+    # before JAX starts its backends: the host devices solver.gpu names (CPU platform)
+    note = provide_host_devices(cfg.solver.gpu, planned_process_count())
+    initialize_distributed()
+    import jax
+
+    if note and jax.default_backend() == "cpu" and jax.process_index() == 0:
+        print(note, file=sys.stderr, flush=True)
     from jctr.train.trainer import Trainer
 
     trainer = Trainer(cfg, generate_data=not args.no_generate, force=args.force)

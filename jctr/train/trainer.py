@@ -37,11 +37,10 @@ from jctr.embedding.sparse_embedding import init_embedding
 from jctr.errors import UserError
 from jctr.models.ctr import build_model, make_eval_step, with_lr_scale
 from jctr.runtime.cpu import has_bf16_matmul
-from jctr.runtime.devices import provide_host_devices
 from jctr.runtime.host_memory import describe_malloc_tuning, heap_never_trimmed
 from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding import to_host
-from jctr.sharding.distributed import all_processes, planned_process_count
+from jctr.sharding.distributed import all_processes
 from jctr.sharding.placed_model import PlacedModel
 from jctr.sharding.plan import MemoryPlan, device_memory_bytes, memory_plan
 from jctr.train.dense_optimizer import dense_optimizer
@@ -113,13 +112,9 @@ class Trainer:
         self.cfg = cfg
         self.solver = cfg.solver
         self.force = force  # a fresh run may replace another run's checkpoints
-        # before anything starts JAX's backends: the host devices solver.gpu names (CPU)
-        devices_note = provide_host_devices(cfg.solver.gpu, planned_process_count())
         quiet = jax.process_index() != 0  # one process reports for all
         self._default_print = log is None and not quiet
         self._print = log or (lambda s: None if quiet else print(s, file=sys.stderr, flush=True))
-        if devices_note and jax.default_backend() == "cpu":
-            self._print(devices_note)
         if generate_data:  # process 0 writes; the others wait for the files (or its error)
             all_processes(lambda: generate_for_config(cfg) if jax.process_index() == 0
                           else None, "generate the synthetic data")

@@ -68,8 +68,12 @@ CASES = {
     "gpu mixed lists": (_set("solver", "gpu", [0, [1]]), r"solver\.gpu: .*do not mix"),
     "gpu negative": (_set("solver", "gpu", [-1]), r"solver\.gpu: expected"),
     "gpu twice": (_set("solver", "gpu", [0, 0]), r"lists a device twice"),
-    "gpu of two hosts in one process": (_set("solver", "gpu", [[0], [0]]),
-                                        r"solver\.gpu: lists 2 hosts but this is a single"),
+    # two nodes in one process run side by side on CPU; more than the process has is refused
+    # (the suite forces 8 host devices: the user's own count stands)
+    "gpu of nodes beyond this process's devices": (
+        _set("solver", "gpu", [list(range(8)), list(range(8))]),
+        r"solver\.gpu: lists 2 nodes, run by this process as 16 host devices, but it has 8; "
+        r"start one process per node: scripts/launch_local\.sh 2 "),
     "gpu that does not exist": (_set("solver", "gpu", [99]), r"solver\.gpu: device 99 does"),
     "negative snapshot": (_set("solver", "snapshot", -1), r"solver\.snapshot: expected a non"),
     "zero snapshot_keep": (_set("solver", "snapshot_keep", 0), r"snapshot_keep"),
@@ -134,7 +138,9 @@ FLAGS = {
     "--nan-policy maybe": (["--nan-policy", "maybe"], r"--nan-policy: expected one of"),
     "--gpu letters": (["--gpu", "a,b"], r"--gpu: expected device ids like 0,1,2,3"),
     "--gpu negative": (["--gpu", "-1"], r"--gpu: expected a list of device indices"),
-    "--gpu two hosts": (["--gpu", "0;0"], r"solver\.gpu: lists 2 hosts but this is a single"),
+    "--gpu two nodes beyond the devices": (["--gpu", "0,1,2,3,4,5,6,7;0"],
+                                           r"solver\.gpu: lists 2 nodes, run by this process "
+                                           r"as 9 host devices, but it has 8"),
     "--max-iter text": (["--max-iter", "ten"], r"argument --max-iter: invalid int value"),
     "unknown flag": (["--max_iter", "3"], r"unrecognized arguments"),
     "--batchsize not dividing 8 devices": (["--gpu", "0,1,2", "--batchsize", "256"],

@@ -607,3 +607,34 @@ def test_hugectr_model_repository_served_from_the_seed_ps_json(tmp_path, tiny):
     finally:
         model.close()
         dbs.close()
+
+
+def test_hugectr_weight_initializers(tmp_path):
+    """HugeCTR v2.3 ``fully_connected_layer.cu`` / ``multiply_layer.cu``
+    (get_uniform/xavier_*_initializer) and ``data_simulator.hpp`` (VarianceScalingSimulator):
+    ``weight_init`` / ``bias_init`` draw Uniform ±1/(fan_in + fan_out) (the bias with fan-in
+    0), Xavier uniform ±sqrt(3 / fan_avg), Xavier normal truncated at 2 sigma, or zeros;
+    MultiCross and BatchNorm know only Zero besides their defaults, as in HugeCTR."""
+    layers = [{"name": "r", "type": "Reshape", "bottom": "emb", "top": "r"},
+              {"name": "fc", "type": "InnerProduct", "bottom": "r", "top": "fc",
+               "fc_param": {"num_output": 64, "weight_init": "Uniform",
+                            "bias_init": "XavierNorm"}},
+              {"name": "fc2", "type": "InnerProduct", "bottom": "fc", "top": "fc2",
+               "fc_param": {"num_output": 1, "weight_init": "XavierUniform",
+                            "bias_init": "Zero"}},
+              {"name": "loss", "type": "BinaryCrossEntropyLoss", "bottom": ["fc2", "label"],
+               "top": "loss"}]
+    net = build_network(parse_config(_config(tmp_path, layers)), nnx.Rngs(0))
+    fc, fc2 = net.layers[1], net.layers[2]
+    k = np.asarray(fc.kernel[...])
+    assert np.abs(k).max() <= 1 / (286 + 64) and np.abs(k).max() > 0.8 / (286 + 64)
+    b = np.asarray(fc.bias[...])
+    std = (1 / 32) ** 0.5 / 0.87962566103423978  # fan_avg (0 + 64) / 2
+    assert np.abs(b).max() <= 2 * std + 1e-6 and b.std() > 0.3 * std
+    k2 = np.asarray(fc2.kernel[...])
+    assert np.abs(k2).max() <= (3 / 32.5) ** 0.5 and np.all(np.asarray(fc2.bias[...]) == 0)
+    bad = copy.deepcopy(layers)
+    bad[1]["fc_param"]["weight_init"] = "He"
+    with pytest.raises(ConfigError, match=r"fc_param\.weight_init: expected one of "
+                                          r"\"Uniform\", \"XavierNorm\""):
+        parse_config(_config(tmp_path, bad))

@@ -18,6 +18,14 @@ from jctr.config.reader import ConfigError, ObjectReader, describe, join_path
 LOSS_TYPES = ("BinaryCrossEntropyLoss", "CrossEntropyLoss", "MultiCrossEntropyLoss")
 
 
+# HugeCTR's weight initializers (parser.cpp INITIALIZER_TYPE_MAP); left out, jctr's own
+INITIALIZERS = ("Uniform", "XavierNorm", "XavierUniform", "Zero")
+
+
+def _init(r: ObjectReader, key: str) -> str | None:
+    return r.choice(key, INITIALIZERS, None)
+
+
 @dataclass(frozen=True)
 class FcParam:
     json_object: ClassVar[str] = "fc_param"  # the fields sit in this object of the layer
@@ -26,11 +34,18 @@ class FcParam:
     """``fc_param``: output width."""
     bias: bool = True
     """``fc_param``: add a bias vector."""
+    weight_init: str | None = None
+    """``fc_param``: HugeCTR's ``Uniform`` (±1/(in+out)), ``XavierUniform``, ``XavierNorm``
+    (truncated) or ``Zero``; left out: Glorot uniform."""
+    bias_init: str | None = None
+    """``fc_param``: as ``weight_init`` for the bias (fan-in 0, HugeCTR's rule); left out:
+    zeros."""
 
 
 def _fc(r: ObjectReader):
     p = r.child(FcParam.json_object)
-    out = FcParam(num_output=p.int("num_output", min_value=1), bias=p.bool("bias", True))
+    out = FcParam(num_output=p.int("num_output", min_value=1), bias=p.bool("bias", True),
+                  weight_init=_init(p, "weight_init"), bias_init=_init(p, "bias_init"))
     p.finish()
     return out
 
@@ -71,6 +86,11 @@ class BatchNormParam:
     (HugeCTR's; PyTorch's momentum 0.1 is factor 0.1)."""
     eps: float = 1e-5
     """``bn_param``: added to the variance."""
+    gamma_init: str | None = None
+    """``bn_param``: ``Zero``, or any other of HugeCTR's initializers, which give this layer
+    its default (ones), as in HugeCTR."""
+    beta_init: str | None = None
+    """``bn_param``: as ``gamma_init``; the default is zeros."""
 
 
 def _bn(r: ObjectReader):
@@ -78,7 +98,8 @@ def _bn(r: ObjectReader):
         return BatchNormParam()
     p = r.child(BatchNormParam.json_object)
     out = BatchNormParam(factor=p.float("factor", 1.0, min_value=0.0, max_value=1.0),
-                         eps=p.float("eps", 1e-5, positive=True))
+                         eps=p.float("eps", 1e-5, positive=True),
+                         gamma_init=_init(p, "gamma_init"), beta_init=_init(p, "beta_init"))
     p.finish()
     return out
 
@@ -140,13 +161,16 @@ def _slice(r: ObjectReader):
 class MultiplyParam:
     weight_dims: tuple[int, int]
     """``[slot_num, vec_size]``: the weight each input column is multiplied with."""
+    weight_init: str | None = None
+    """One of HugeCTR's initializers (fan-in ``slot_num``, fan-out ``slot_num * vec_size``);
+    left out: Glorot uniform."""
 
 
 def _multiply(r: ObjectReader):
     dims = r.int_list("weight_dims", min_value=1)
     if len(dims) != 2:
         raise r.error("weight_dims", f"expected [slot_num, vec_size], got {list(dims)}")
-    return MultiplyParam(weight_dims=(dims[0], dims[1]))
+    return MultiplyParam(weight_dims=(dims[0], dims[1]), weight_init=_init(r, "weight_init"))
 
 
 @dataclass(frozen=True)
@@ -165,11 +189,17 @@ class MultiCrossParam:
 
     num_layers: int
     """``mc_param``: cross layers."""
+    weight_init: str | None = None
+    """``mc_param``: ``Zero``, or any other of HugeCTR's initializers, which give this layer its
+    default (Xavier uniform), as in HugeCTR; left out: Glorot uniform."""
+    bias_init: str | None = None
+    """``mc_param``: as ``weight_init``; the default is zeros."""
 
 
 def _multicross(r: ObjectReader):
     p = r.child(MultiCrossParam.json_object)
-    out = MultiCrossParam(num_layers=p.int("num_layers", min_value=1))
+    out = MultiCrossParam(num_layers=p.int("num_layers", min_value=1),
+                          weight_init=_init(p, "weight_init"), bias_init=_init(p, "bias_init"))
     p.finish()
     return out
 

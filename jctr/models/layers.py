@@ -25,6 +25,32 @@ from jctr.ops import dot_interaction, interaction_output_dim, linear
 
 _glorot = nnx.initializers.glorot_uniform()
 
+
+def hugectr_initializer(kind: str | None, index: int, fan_in: float, fan_out: float,
+                        default=_glorot):
+    """HugeCTR's initializer ``kind`` of a layer's weight ``index`` (0: the kernel; others
+    take fan-in 0), as ``UniformDataSimulator`` / ``VarianceScalingSimulator`` (scale 1,
+    fan_avg; the normal truncated at 2 sigma) draw them; None: ``default``."""
+    if kind is None:
+        return default
+    if kind == "Zero":
+        return nnx.initializers.zeros
+    fi = fan_in if index == 0 else 0.0
+    if kind == "Uniform":
+        limit = 1.0 / (fi + fan_out)
+        return lambda key, shape, dtype=jnp.float32: jax.random.uniform(
+            key, shape, dtype, -limit, limit)
+    scale = 1.0 / max(1.0, (fi + fan_out) / 2.0)
+    if kind == "XavierUniform":
+        limit = (3.0 * scale) ** 0.5
+        return lambda key, shape, dtype=jnp.float32: jax.random.uniform(
+            key, shape, dtype, -limit, limit)
+    if kind == "XavierNorm":
+        std = scale ** 0.5 / 0.87962566103423978
+        return lambda key, shape, dtype=jnp.float32: std * jax.random.truncated_normal(
+            key, -2.0, 2.0, shape, dtype)
+    raise ValueError(kind)
+
 Shape = tuple[int, ...]
 
 # config type name -> the module class that implements it
@@ -133,16 +159,23 @@ class InnerProduct(Layer):
     """Fully connected layer ``x @ W + b``; ``FusedInnerProduct`` adds a ReLU."""
 
     def __init__(self, in_features: int, num_output: int, *, bias: bool = True,
-                 relu: bool = False, rngs: nnx.Rngs):
-        self.kernel = nnx.Param(_glorot(rngs.params(), (in_features, num_output), jnp.float32))
-        self.bias = nnx.Param(jnp.zeros((num_output,), jnp.float32)) if bias else None
+                 relu: bool = False, rngs: nnx.Rngs, weight_init: str | None = None,
+                 bias_init: str | None = None):
+        init = hugectr_initializer(weight_init, 0, in_features, num_output)
+        self.kernel = nnx.Param(init(rngs.params(), (in_features, num_output), jnp.float32))
+        # zeros draw no random key (the other layers' initial values stay as they were)
+        b_init = hugectr_initializer(bias_init, 1, in_features, num_output)
+        self.bias = (None if not bias else
+                     nnx.Param(jnp.zeros((num_output,), jnp.float32)) if bias_init is None
+                     else nnx.Param(b_init(rngs.params(), (num_output,), jnp.float32)))
         self.relu = relu
 
     @classmethod
     def build(cls, x):
         p = x.params
         return (cls(x.columns(), p.num_output, bias=p.bias,
-                    relu=x.cfg.type == "FusedInnerProduct", rngs=x.rngs),
+                    relu=x.cfg.type == "FusedInnerProduct", rngs=x.rngs,
+                    weight_init=p.weight_init, bias_init=p.bias_init),
                 [_like(x.shapes[0], p.num_output)])
 
     def file_weights(self):
@@ -204,9 +237,12 @@ class BatchNorm(Layer):
     factor * batch``; they are non-trainable state (``nnx.BatchStat``).
     """
 
-    def __init__(self, features: int, factor: float = 1.0, eps: float = 1e-5):
-        self.gamma = nnx.Param(jnp.ones((features,), jnp.float32))
+    def __init__(self, features: int, factor: float = 1.0, eps: float = 1e-5, *,
+                 gamma_zero: bool = False, beta_zero: bool = True):
+        # HugeCTR's BatchNorm has only its default initializer and Zero
+        self.gamma = nnx.Param((jnp.zeros if gamma_zero else jnp.ones)((features,), jnp.float32))
         self.beta = nnx.Param(jnp.zeros((features,), jnp.float32))
+        del beta_zero  # beta starts at zero either way
         self.mean = nnx.BatchStat(jnp.zeros((features,), jnp.float32))
         self.var = nnx.BatchStat(jnp.ones((features,), jnp.float32))
         self.factor = factor
@@ -214,7 +250,8 @@ class BatchNorm(Layer):
 
     @classmethod
     def build(cls, x):
-        return cls(x.width(), x.params.factor, x.params.eps), [x.shapes[0]]
+        p = x.params
+        return cls(x.width(), p.factor, p.eps, gamma_zero=p.gamma_init == "Zero"), [x.shapes[0]]
 
     def file_weights(self):
         return [("gamma", None), ("beta", None)]
@@ -344,8 +381,9 @@ class Split(Layer):
 class Multiply(Layer):
     """[b, s] times a weight [s, d], elementwise per row, flattened to [b, s*d]."""
 
-    def __init__(self, slots: int, dim: int, *, rngs: nnx.Rngs):
-        self.weight = nnx.Param(_glorot(rngs.params(), (slots, dim), jnp.float32))
+    def __init__(self, slots: int, dim: int, *, rngs: nnx.Rngs, weight_init: str | None = None):
+        init = hugectr_initializer(weight_init, 0, slots, slots * dim)
+        self.weight = nnx.Param(init(rngs.params(), (slots, dim), jnp.float32))
 
     @classmethod
     def build(cls, x):
@@ -353,7 +391,7 @@ class Multiply(Layer):
         s, d = x.params.weight_dims
         if n != s:
             raise x.fail(f"weight_dims[0] {s} must equal the input width {n}")
-        return cls(s, d, rngs=x.rngs), [(s * d,)]
+        return cls(s, d, rngs=x.rngs, weight_init=x.params.weight_init), [(s * d,)]
 
     def file_weights(self):
         return [("weight", None)]
@@ -390,15 +428,23 @@ class FmOrder2(Layer):
 class MultiCross(Layer):
     """DCN cross network: ``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l`` for ``num_layers``."""
 
-    def __init__(self, features: int, num_layers: int, *, rngs: nnx.Rngs):
-        self.w = nnx.Param(_glorot(rngs.params(), (num_layers, features), jnp.float32))
+    def __init__(self, features: int, num_layers: int, *, rngs: nnx.Rngs,
+                 weight_init: str | None = None, bias_init: str | None = None):
+        # HugeCTR's MultiCross has only its default initializer (Xavier uniform over
+        # features x features) and Zero
+        w_init = (_glorot if weight_init is None else nnx.initializers.zeros
+                  if weight_init == "Zero" else hugectr_initializer("XavierUniform", 0,
+                                                                   features, features))
+        self.w = nnx.Param(w_init(rngs.params(), (num_layers, features), jnp.float32))
         self.b = nnx.Param(jnp.zeros((num_layers, features), jnp.float32))
+        del bias_init  # zeros by default and with Zero
         self.num_layers = num_layers
 
     @classmethod
     def build(cls, x):
-        n = x.width()
-        return cls(n, x.params.num_layers, rngs=x.rngs), [(n,)]
+        n, p = x.width(), x.params
+        return cls(n, p.num_layers, rngs=x.rngs, weight_init=p.weight_init,
+                   bias_init=p.bias_init), [(n,)]
 
     def file_weights(self):
         return [(attr, i) for i in range(self.num_layers) for attr in ("w", "b")]

@@ -279,8 +279,11 @@ def test_mesh_and_batch_errors(tmp_path):
     cfg["solver"]["batchsize"] = 100
     with pytest.raises(ConfigError, match=r"solver\.batchsize.*8 devices"):
         Trainer(load_config(cfg), generate_data=False)
-    with pytest.raises(ConfigError, match=r"solver\.gpu.*2 hosts.*single process"):
-        Trainer(load_config(_config(tmp_path, "dlrm", [[0], [1]])), generate_data=False)
+    # nodes in one process run side by side on CPU, as far as the process's devices go
+    with pytest.raises(ConfigError, match=r"solver\.gpu: lists 2 nodes, run by this process "
+                                          r"as 12 host devices, but it has 8"):
+        Trainer(load_config(_config(tmp_path, "dlrm", [list(range(6)), list(range(6))])),
+                generate_data=False)
 
 
 # ---- checkpoints across device counts -------------------------------------------------------

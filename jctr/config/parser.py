@@ -270,10 +270,13 @@ def _eval_batches(r: ObjectReader, batchsize_eval: int) -> int | None:
     """Batches per evaluation: ``eval_batches`` (2.x), ``max_eval_batches`` or
     ``max_eval_samples`` (3.x, ``solver_parser.cpp``; samples are truncated to whole
     batches); at most one of them."""
-    given = [k for k in ("eval_batches", "max_eval_batches", "max_eval_samples") if r.has(k)]
+    given = [k for k in ("eval_batches", "max_eval_batches", "max_eval_samples")
+             if r.raw(k, None) is not None]  # null: unset
     if len(given) > 1:
         raise r.error(given[1], f"give one of eval_batches, max_eval_batches, max_eval_samples "
                       f"(also given: {given[0]})")
+    for key in ("eval_batches", "max_eval_batches", "max_eval_samples"):
+        r.raw(key, None)  # read, so that a null is not an unknown key
     if not given:
         return None
     if given[0] == "max_eval_samples":

@@ -78,8 +78,8 @@ def test_reshape_concat_slice_split_add():
     outs = L.Split(3)([x], ctx())
     assert len(outs) == 3
     close(outs[2], x)
-    close(L.Add()([a, a, a], ctx())[0], 3 * a)
-    close(L.DotProduct()([a, 2 * a, a], ctx())[0], 2 * a ** 3)
+    close(L.Elementwise()([a, a, a], ctx())[0], 3 * a)
+    close(L.Elementwise(product=True)([a, 2 * a, a], ctx())[0], 2 * a ** 3)
 
 
 def test_multiply():

@@ -483,38 +483,25 @@ class ReduceSum(Layer):
         return [jnp.sum(xs[0], axis=self.axis, keepdims=True)]
 
 
-@layer_type("Add")
-class Add(Layer):
-    @classmethod
-    def build(cls, x):
-        if len(set(x.shapes)) != 1:
-            raise x.fail("inputs must have equal shapes, got "
-                         + ", ".join(fmt_shape(s) for s in x.shapes))
-        return cls(), [x.shapes[0]]
+@layer_type("Add", "DotProduct")
+class Elementwise(Layer):
+    """``Add``: the elementwise sum of inputs of one shape; HugeCTR's ``DotProduct``
+    (``dot_product_layer.cu``): their elementwise product."""
 
-    def __call__(self, xs, ctx):
-        out = xs[0]
-        for x in xs[1:]:
-            out = out + x
-        return [out]
-
-
-@layer_type("DotProduct")
-class DotProduct(Layer):
-    """HugeCTR's DotProduct (``dot_product_layer.cu``): the elementwise product of two or more
-    inputs of one shape."""
+    def __init__(self, product: bool = False):
+        self.product = product
 
     @classmethod
     def build(cls, x):
         if len(set(x.shapes)) != 1:
             raise x.fail("inputs must have equal shapes, got "
                          + ", ".join(fmt_shape(s) for s in x.shapes))
-        return cls(), [x.shapes[0]]
+        return cls(product=x.cfg.type == "DotProduct"), [x.shapes[0]]
 
     def __call__(self, xs, ctx):
         out = xs[0]
         for x in xs[1:]:
-            out = out * x
+            out = out * x if self.product else out + x
         return [out]
 
 

@@ -497,7 +497,8 @@ def test_a_step_that_will_not_fit_is_refused_with_the_figure(tmp_path):
                                           r"positions .* pass 2\^31 keys in one batch"):
         parse_config(big)
     with pytest.raises(PlanError, match=r"the training step does not fit: it needs [0-9.]+ GiB "
-                                        r"in all .* but the machine has [0-9.]+ GiB available; "
+                                        r"in all .* but the machine has [0-9.]+ GiB available, of "
+                                        r"which .* stay free for the system; "
                                         r"lower solver\.batchsize"):
         Trainer(parse_config(raw), generate_data=False)
 

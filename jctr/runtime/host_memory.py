@@ -85,3 +85,19 @@ def heap_never_trimmed() -> bool:
     temporaries stay resident for reuse (the memory plan counts a reserve for that)."""
     return "glibc.malloc.mmap_max=0" in os.environ.get("GLIBC_TUNABLES", "")
 
+
+def give_back_big_blocks() -> bool:
+    """From now on serve blocks of 32 MiB and more with ``mmap`` (given back to the kernel
+    when freed), undoing ``mmap_max=0`` for this process; True if glibc took it. For steps
+    whose temporaries are GiBs: a never-trimmed heap may hold them twice, and faulting them in
+    again costs little beside such a step."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_mmap_threshold, m_mmap_max = -3, -4  # malloc.h
+    return bool(mallopt(m_mmap_max, 65536)) and bool(mallopt(m_mmap_threshold, 32 << 20))
+

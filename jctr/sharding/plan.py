@@ -278,9 +278,17 @@ class MemoryPlan:
     @property
     def reserve(self) -> int:
         """CPU with jctr's never-trimmed malloc heap (:mod:`jctr.runtime.host_memory`): host
-        allocations made between two steps split a freed block of temporaries, and the next
-        step takes a new one; measured, that costs about one device's temporaries."""
-        return self.temp if self.heap_reserve and self.platform == "cpu" else 0
+        allocations made between two steps split the freed blocks of temporaries, and the next
+        step may take new ones (measured: from one device's up to every device's again)."""
+        return self.devices * self.temp if self.heap_reserve and self.platform == "cpu" else 0
+
+    def fits(self) -> bool:
+        """Whether :meth:`check` passes."""
+        try:
+            self.check()
+        except PlanError:
+            return False
+        return True
 
     def describe(self) -> str:
         parts = (f"state {format_bytes(self.state)} + batch {format_bytes(self.batch)} + "

@@ -37,7 +37,11 @@ from jctr.embedding.sparse_embedding import init_embedding
 from jctr.errors import UserError
 from jctr.models.ctr import build_model, make_eval_step, with_lr_scale
 from jctr.runtime.cpu import has_bf16_matmul
-from jctr.runtime.host_memory import describe_malloc_tuning, heap_never_trimmed
+from jctr.runtime.host_memory import (
+    describe_malloc_tuning,
+    give_back_big_blocks,
+    heap_never_trimmed,
+)
 from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding import to_host
 from jctr.sharding.distributed import all_processes
@@ -200,6 +204,12 @@ class Trainer:
         plan = memory_plan(steps, placed.state_bytes_per_device(state), placed.local_devices(),
                            reader, device_memory_bytes(placed.device), jax.default_backend(),
                            heap_reserve=heap_never_trimmed())
+        if plan.reserve and not plan.fits() and \
+                dataclasses.replace(plan, heap_reserve=False).fits() and give_back_big_blocks():
+            plan = dataclasses.replace(plan, heap_reserve=False)
+            self._print("[jctr] host memory: blocks of 32 MiB and more go back to the system "
+                        "when freed (a never-trimmed heap could hold this step's temporaries "
+                        "twice, which does not fit)")
         self._print(plan.describe())
         plan.check("; lower solver.batchsize (the step's temporaries grow with the batch and "
                    "its keys) or the tables' max_vocabulary_size_per_gpu, or use more devices")
@@ -534,9 +544,11 @@ class Trainer:
                 if not fits:
                     run.fallback_steps += 1
                 step_fn = self.train_step if fits else self.train_step_full
-                if prev is not None and self.memory_plan.steps_in_flight == 1:
-                    jax.block_until_ready(prev[0])  # its temporaries are freed first
                 self.state, metrics = step_fn(self.state, batch)
+                if self.memory_plan.steps_in_flight == 1:
+                    # done before anything else is dispatched (the next step, an evaluation):
+                    # XLA allocates a computation's temporaries when it is dispatched
+                    jax.block_until_ready(metrics)
                 if touched is not None:  # the step number from the loop: no device sync
                     self._note_updates(touched, done + 1)
                 if self.auc_buckets:  # stays on the devices: no wait for the step

@@ -32,6 +32,7 @@ import glob
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -293,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="GiB resident at which a run is stopped (default 85%% of memory)")
     ap.add_argument("--json", help="append one JSON record per config to this file")
     ap.add_argument("--verbose", action="store_true", help="print each run's output")
-    ap.add_argument("extra", nargs="*", help="more arguments for python -m jctr.train")
+    ap.add_argument("--train-args", default="",
+                    help='more arguments for python -m jctr.train, e.g. "--gpu 0"')
     args = ap.parse_args(argv)
     configs = sorted(c for c in glob.glob(os.path.join(args.dir, "*.json"))
                      if fnmatch.fnmatch(os.path.basename(c), args.only))
@@ -319,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
             os.chdir(cwd)
             shutil.rmtree(os.path.join(run_dir, "checkpoints"), ignore_errors=True)
             res = run_config(config, run_dir, args.iters, args.timeout,
-                             int(args.mem_limit * 2**30), args.extra)
+                             int(args.mem_limit * 2**30), shlex.split(args.train_args))
         finally:
             os.chdir(cwd)
         res["devices"] = _count_devices(cfg.get("solver", {}).get("gpu", [0]))

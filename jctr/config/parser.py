@@ -275,8 +275,6 @@ def _eval_batches(r: ObjectReader, batchsize_eval: int) -> int | None:
     if len(given) > 1:
         raise r.error(given[1], f"give one of eval_batches, max_eval_batches, max_eval_samples "
                       f"(also given: {given[0]})")
-    for key in ("eval_batches", "max_eval_batches", "max_eval_samples"):
-        r.raw(key, None)  # read, so that a null is not an unknown key
     if not given:
         return None
     if given[0] == "max_eval_samples":
@@ -665,8 +663,7 @@ def parse_embedding(r: ObjectReader, etype: str, devices: int = 1) -> EmbeddingC
         # (create_embedding.cpp); jctr sizes the table from it only when nothing else does:
         # keys spread by hash, so a device holds its share and a margin
         if workspace is None and not h.has("max_vocabulary_size_per_gpu"):
-            vocab = -(-sum(sizes) // devices) if devices == 1 else \
-                int(sum(sizes) / devices * 1.05) + 1024
+            vocab = sum(sizes) if devices == 1 else int(sum(sizes) / devices * 1.05) + 1024
         else:
             vocab = ((workspace << 20) // (4 * vec) if workspace is not None
                      else h.int("max_vocabulary_size_per_gpu", min_value=1))

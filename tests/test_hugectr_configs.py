@@ -653,6 +653,5 @@ def test_big_blocks_can_be_given_back_at_run_time():
 
     from jctr.runtime.host_memory import give_back_big_blocks
 
-    if platform.libc_ver()[0] != "glibc":
-        pytest.skip("glibc's mallopt")
-    assert give_back_big_blocks()
+    # glibc takes it; elsewhere (no mallopt) the trainer keeps the plan with its reserve
+    assert give_back_big_blocks() == (platform.libc_ver()[0] == "glibc")

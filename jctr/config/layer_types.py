@@ -90,7 +90,7 @@ class BatchNormParam:
     """``bn_param``: ``Zero``, or any other of HugeCTR's initializers, which give this layer
     its default (ones), as in HugeCTR."""
     beta_init: str | None = None
-    """``bn_param``: as ``gamma_init``; the default is zeros."""
+    """``bn_param``: accepted as in HugeCTR, where every initializer leaves beta at zero."""
 
 
 def _bn(r: ObjectReader):
@@ -193,7 +193,8 @@ class MultiCrossParam:
     """``mc_param``: ``Zero``, or any other of HugeCTR's initializers, which give this layer its
     default (Xavier uniform), as in HugeCTR; left out: Glorot uniform."""
     bias_init: str | None = None
-    """``mc_param``: as ``weight_init``; the default is zeros."""
+    """``mc_param``: accepted as in HugeCTR, where every initializer leaves this bias at
+    zero."""
 
 
 def _multicross(r: ObjectReader):

@@ -7,14 +7,7 @@ import os
 from typing import Any
 
 from jctr.config.layer_types import LAYER_TYPES, LOSS_TYPES
-from jctr.config.reader import (
-    _MISSING,
-    ConfigError,
-    ObjectReader,
-    describe,
-    join_path,
-    json_from_text,
-)
+from jctr.config.reader import ConfigError, ObjectReader, describe, join_path, json_from_text
 from jctr.config.schema import (
     COMPUTE_DTYPES,
     DATA_FORMATS,
@@ -493,8 +486,10 @@ def parse_data(r: ObjectReader, *, network_only: bool = False) -> DataConfig:
     optional."""
     name = r.str("name", "data")
     fmt = r.choice("format", DATA_FORMATS, "Norm")
-    source_value = r.str_or_list("source", ("",) if network_only else _MISSING)
-    eval_value = r.str_or_list("eval_source", ("",) if network_only else _MISSING)
+    # a network file names no data; a training config must
+    sources = [r.str_or_list(key, ("",)) if network_only else r.str_or_list(key)
+               for key in ("source", "eval_source")]
+    source_value, eval_value = sources
     test_sources = _parse_test_sources(r)
     check = r.choice("check", ("Sum", "None"), "None")
     if fmt != "Norm" and check != "None":
@@ -792,7 +787,7 @@ def validate_config(cfg: ModelConfig) -> None:
         raise ConfigError(f"{loss.path}.bottom", f"the second bottom of the loss must be the "
                           f"label \"{cfg.data.label_top}\", got \"{loss.bottoms[1]}\"", src)
     for sp in cfg.data.sparse:  # key positions and segment ids of a batch are int32
-        width = sp.slot_num if sp.one_hot else sp.max_feature_num_per_sample
+        width = sp.key_positions
         for name in ("batchsize", "batchsize_eval"):
             size = getattr(cfg.solver, name)
             if size * max(width, sp.slot_num) >= 2**31:

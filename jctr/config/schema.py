@@ -310,6 +310,12 @@ class SparseInputConfig:
         """Every slot holds at most one key: the bag is a plain gather."""
         return self.max_nnz == 1
 
+    @property
+    def key_positions(self) -> int:
+        """Key positions per sample in a batch: one per slot when one-hot, else
+        ``max_feature_num_per_sample`` (the most keys of a sample over all its slots)."""
+        return self.slot_num if self.one_hot else self.max_feature_num_per_sample
+
 
 @dataclass(frozen=True)
 class SyntheticConfig:

@@ -36,16 +36,9 @@ class Batch(NamedTuple):
         return int(np.sum(self.mask))
 
 
-def input_width(sp) -> int:
-    """Key positions per sample of a sparse input in a :class:`Batch`: one per slot when
-    one-hot, else ``max_feature_num_per_sample`` (the most keys a sample holds over all the
-    input's slots, as HugeCTR bounds them)."""
-    return sp.slot_num if sp.one_hot else sp.max_feature_num_per_sample
-
-
 def batch_bytes(data: DataConfig, batch_size: int) -> int:
     """Bytes of one host :class:`Batch` of ``batch_size`` samples."""
-    keys = sum(input_width(sp) for sp in data.sparse)
+    keys = sum(sp.key_positions for sp in data.sparse)
     return batch_size * (4 * (data.label_dim + data.dense_dim) + 12 * keys + 1)
 
 
@@ -91,7 +84,7 @@ def check_batch(batch: Batch, data: DataConfig) -> Batch:
                          f"{len(batch.segments)}")
     keys, segs = [], []
     for i, sp in enumerate(data.sparse):
-        width = input_width(sp)
+        width = sp.key_positions
         keys.append(array(f"keys[{i}] ({sp.top})", batch.keys[i], (b * width,), "int",
                           np.int64))
         seg = array(f"segments[{i}] ({sp.top})", batch.segments[i], (b * width,), "int",
@@ -150,7 +143,7 @@ def batch_from_features(data: DataConfig, dense, sparse, *, label=None,
 
 def _sparse_input(sp, given, n: int, b: int) -> tuple[np.ndarray, np.ndarray]:
     slots = sp.slot_num
-    width = input_width(sp)
+    width = sp.key_positions
     if isinstance(given, tuple):
         keys, offsets = (np.asarray(x) for x in given)
         if keys.ndim != 1 or keys.dtype.kind not in "iu":

@@ -36,13 +36,9 @@ def hugectr_initializer(kind: str | None, index: int, fan_in: float, fan_out: fl
     if kind == "Zero":
         return nnx.initializers.zeros
     fi = fan_in if index == 0 else 0.0
-    if kind == "Uniform":
-        limit = 1.0 / (fi + fan_out)
-        return lambda key, shape, dtype=jnp.float32: jax.random.uniform(
-            key, shape, dtype, -limit, limit)
     scale = 1.0 / max(1.0, (fi + fan_out) / 2.0)
-    if kind == "XavierUniform":
-        limit = (3.0 * scale) ** 0.5
+    if kind in ("Uniform", "XavierUniform"):
+        limit = 1.0 / (fi + fan_out) if kind == "Uniform" else (3.0 * scale) ** 0.5
         return lambda key, shape, dtype=jnp.float32: jax.random.uniform(
             key, shape, dtype, -limit, limit)
     if kind == "XavierNorm":
@@ -238,11 +234,10 @@ class BatchNorm(Layer):
     """
 
     def __init__(self, features: int, factor: float = 1.0, eps: float = 1e-5, *,
-                 gamma_zero: bool = False, beta_zero: bool = True):
-        # HugeCTR's BatchNorm has only its default initializer and Zero
+                 gamma_zero: bool = False):
+        # HugeCTR's BatchNorm has only its default initializer and Zero (beta: zero either way)
         self.gamma = nnx.Param((jnp.zeros if gamma_zero else jnp.ones)((features,), jnp.float32))
         self.beta = nnx.Param(jnp.zeros((features,), jnp.float32))
-        del beta_zero  # beta starts at zero either way
         self.mean = nnx.BatchStat(jnp.zeros((features,), jnp.float32))
         self.var = nnx.BatchStat(jnp.ones((features,), jnp.float32))
         self.factor = factor
@@ -429,22 +424,20 @@ class MultiCross(Layer):
     """DCN cross network: ``x_{l+1} = x_0 * (x_l . w_l) + b_l + x_l`` for ``num_layers``."""
 
     def __init__(self, features: int, num_layers: int, *, rngs: nnx.Rngs,
-                 weight_init: str | None = None, bias_init: str | None = None):
+                 weight_init: str | None = None):
         # HugeCTR's MultiCross has only its default initializer (Xavier uniform over
-        # features x features) and Zero
+        # features x features) and Zero; its bias starts at zero either way
         w_init = (_glorot if weight_init is None else nnx.initializers.zeros
                   if weight_init == "Zero" else hugectr_initializer("XavierUniform", 0,
                                                                    features, features))
         self.w = nnx.Param(w_init(rngs.params(), (num_layers, features), jnp.float32))
         self.b = nnx.Param(jnp.zeros((num_layers, features), jnp.float32))
-        del bias_init  # zeros by default and with Zero
         self.num_layers = num_layers
 
     @classmethod
     def build(cls, x):
         n, p = x.width(), x.params
-        return cls(n, p.num_layers, rngs=x.rngs, weight_init=p.weight_init,
-                   bias_init=p.bias_init), [(n,)]
+        return cls(n, p.num_layers, rngs=x.rngs, weight_init=p.weight_init), [(n,)]
 
     def file_weights(self):
         return [(attr, i) for i in range(self.num_layers) for attr in ("w", "b")]

@@ -23,7 +23,7 @@ import numpy as np
 from jax.sharding import Sharding, SingleDeviceSharding
 
 from jctr.config import ConfigError, ModelConfig
-from jctr.data.batch import Batch, input_width
+from jctr.data.batch import Batch
 from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.models.ctr import TrainState
 from jctr.sharding.mesh import (
@@ -95,7 +95,7 @@ class PlacedModel:
         put = self._shard(SingleDeviceSharding(self.device) if self.mesh is None
                           else sharded(self.mesh))
         sds = lambda shape, dtype: put(jax.ShapeDtypeStruct(shape, dtype))  # noqa: E731
-        keys = tuple(sds((batch_size * input_width(sp),), np.int64) for sp in data.sparse)
+        keys = tuple(sds((batch_size * sp.key_positions,), np.int64) for sp in data.sparse)
         return Batch(sds((batch_size, data.label_dim), np.float32),
                      sds((batch_size, data.dense_dim), np.float32), keys,
                      tuple(sds(k.shape, np.int32) for k in keys), sds((batch_size,), np.bool_))

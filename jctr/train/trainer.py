@@ -27,7 +27,7 @@ from jctr.config import (
     override_optimizer,
     override_solver,
 )
-from jctr.data.batch import Batch, batch_bytes, check_batch
+from jctr.data.batch import Batch, check_batch
 from jctr.data.dataset import Dataset
 from jctr.data.loader import Prefetcher, ReaderPosition, open_dataset
 from jctr.data.records import DataError
@@ -37,16 +37,11 @@ from jctr.embedding.sparse_embedding import init_embedding
 from jctr.errors import UserError
 from jctr.models.ctr import build_model, make_eval_step, with_lr_scale
 from jctr.runtime.cpu import has_bf16_matmul
-from jctr.runtime.host_memory import (
-    describe_malloc_tuning,
-    give_back_big_blocks,
-    heap_never_trimmed,
-)
+from jctr.runtime.host_memory import describe_malloc_tuning
 from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding import to_host
 from jctr.sharding.distributed import all_processes
 from jctr.sharding.placed_model import PlacedModel
-from jctr.sharding.plan import MemoryPlan, device_memory_bytes, memory_plan
 from jctr.train.dense_optimizer import dense_optimizer
 from jctr.train.metrics import auc, log_loss
 from jctr.train.monitors import EarlyStopping, PlateauSchedule
@@ -54,6 +49,7 @@ from jctr.train.progress import Progress, format_seconds
 from jctr.train.report import write_report
 from jctr.train.schedules import learning_rate_schedule
 from jctr.train.step import make_train_step
+from jctr.train.step_memory import plan_step_memory
 from jctr.train.tensorboard import TensorBoardLog
 
 
@@ -143,7 +139,8 @@ class Trainer:
         self._jit_steps()
         # the steps are compiled (and the first call reuses them) before any table exists,
         # so that a step that will not fit is refused with XLA's figures, not killed
-        self.memory_plan = self._plan_memory(init_state)
+        self.memory_plan = plan_step_memory(self.placed, cfg, self.train_step,
+                                            self.eval_step, init_state, self._print)
         self.state = self.placed.create(init_state)
         self._train_data: Dataset | None = None
         self._eval_data: Dataset | None = None
@@ -193,30 +190,6 @@ class Trainer:
         if solver_overrides:
             cfg = override_solver(cfg, solver_overrides)
         return cls(cfg, generate_data=generate_data, force=force)
-
-    def _plan_memory(self, init_state) -> MemoryPlan:
-        placed, s = self.placed, self.solver
-        state = placed.abstract_state(init_state)
-        t0 = time.perf_counter()
-        steps = [self.train_step.lower(state, placed.abstract_batch(s.batchsize)).compile(),
-                 self.eval_step.lower(state, placed.abstract_batch(s.batchsize_eval)).compile()]
-        self._print(f"[jctr] train and evaluation steps compiled in "
-                    f"{time.perf_counter() - t0:.1f} s (before any table exists)")
-        # the reader's queue: two batches ahead, one in transfer, one being assembled
-        reader = 4 * batch_bytes(self.cfg.data, s.batchsize // jax.process_count())
-        plan = memory_plan(steps, placed.state_bytes_per_device(state), placed.local_devices(),
-                           reader, device_memory_bytes(placed.device), jax.default_backend(),
-                           heap_reserve=heap_never_trimmed())
-        if plan.reserve and not plan.fits() and \
-                dataclasses.replace(plan, heap_reserve=False).fits() and give_back_big_blocks():
-            plan = dataclasses.replace(plan, heap_reserve=False)
-            self._print("[jctr] host memory: blocks of 32 MiB and more go back to the system "
-                        "when freed (a never-trimmed heap could hold this step's temporaries "
-                        "twice, which does not fit)")
-        self._print(plan.describe())
-        plan.check("; lower solver.batchsize (the step's temporaries grow with the batch and "
-                   "its keys) or the tables' max_vocabulary_size_per_gpu, or use more devices")
-        return plan
 
     def _jit_steps(self) -> None:
         """The jitted steps for this placement: on a mesh, small all-to-all send buffers for
@@ -537,6 +510,7 @@ class Trainer:
         if epochs:  # for the ETA; each epoch ends on a (padded) batch of its own
             last_iter = epochs * -(-self._train_records // local_batch) or None
         progress = Progress(last_iter, done, printer, bar=None if self._default_print else False)
+        one_in_flight = self.memory_plan.steps_in_flight == 1
         self._print = progress.write
         try:
             for batch, position, fits, filled, touched in batches:
@@ -548,7 +522,7 @@ class Trainer:
                     run.fallback_steps += 1
                 step_fn = self.train_step if fits else self.train_step_full
                 self.state, metrics = step_fn(self.state, batch)
-                if self.memory_plan.steps_in_flight == 1:
+                if one_in_flight:
                     # done before anything else is dispatched (the next step, an evaluation):
                     # XLA allocates a computation's temporaries when it is dispatched
                     jax.block_until_ready(metrics)

@@ -15,7 +15,7 @@ hides, measured in one run.
 3. Shrink and delta save on a table of ``--keys`` keys (10M by default; dim 16,
    SparseAdaGradSGDRule): statistics for every key, a shrink deleting 10% of them (rows freed
    by re-inserting the rest) and a delta model of 10% of the keys. Baseline: a full
-   checkpoint of the same state (``Trainer.save_checkpoint_to``).
+   checkpoint of the same state (``Trainer.save_checkpoint(directory)``).
 
     python scripts/bench_online.py
     python scripts/bench_online.py --samples-per-file 32768 --keys 2000000
@@ -84,10 +84,8 @@ def throughput(args, alpha: float, tmp: str) -> dict:
     raw_core["layers"][0]["source"] = whole
     t0 = time.perf_counter()
     core = Trainer(parse_config(raw_core), log=lambda s: None, generate_data=False)
-    core.fit()
+    core_rate = core.fit().steady_samples_per_s
     core_wall = time.perf_counter() - t0
-    core_rate = next(r for r in core.history
-                     if r["kind"] == "summary")["steady_samples_per_s"]
     del core
 
     model = os.path.join(tmp, "model.json")
@@ -116,10 +114,10 @@ def throughput(args, alpha: float, tmp: str) -> dict:
 def shrink_and_delta(args, tmp: str) -> dict:
     import jax.numpy as jnp
 
-    from jctr.checkpoint.tables import import_placed
     from jctr.config import parse_config
     from jctr.online.feature_stats import FeatureStats, ShrinkRule
     from jctr.serving.bundle import export_bundle
+    from jctr.sharding.rows import drop_keys, import_placed
     from jctr.train.trainer import Trainer
 
     n = args.keys
@@ -147,7 +145,7 @@ def shrink_and_delta(args, tmp: str) -> dict:
     merge_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    path = t.save_checkpoint_to(os.path.join(tmp, "full"))
+    path = os.path.join(tmp, "full", str(t.save_checkpoint(os.path.join(tmp, "full"))))
     full_s = time.perf_counter() - t0
     size = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
     shutil.rmtree(os.path.join(tmp, "full"))
@@ -160,7 +158,8 @@ def shrink_and_delta(args, tmp: str) -> dict:
     deleted = stats.shrink(ShrinkRule(delete_threshold=0.05))
     stats_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    rows = t.drop_keys(0, deleted)
+    table, rows = drop_keys(spec, t.state.embeddings[0], t.placements[0], deleted)
+    t.state = t.state._replace(embeddings=(table,))
     drop_s = time.perf_counter() - t0
 
     # a delta of a tenth of the keys

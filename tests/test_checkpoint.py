@@ -38,12 +38,14 @@ def _cfg(tmp_path, model="dlrm", **solver):
 def test_resume_is_exact(tmp_path, model):
     # DeepFM adds dropout (RNG), AdaGrad embeddings and a second table; Adam dense state
     full = Trainer.from_config(_cfg(tmp_path, model))
-    reference = _losses(full.fit())
+    full.fit()
+    reference = _losses(full.history)
     first = Trainer.from_config(_cfg(tmp_path, model, max_iter=13, snapshot=13))
     first.fit()
     resumed = Trainer.from_config(_cfg(tmp_path, model))
     assert resumed.restore_checkpoint() == 13
-    got = _losses(resumed.fit(), after=13)
+    resumed.fit()
+    got = _losses(resumed.history, after=13)
     assert sorted(got) == list(range(14, 31))
     for it, loss in got.items():
         assert loss == reference[it], (it, loss, reference[it])
@@ -53,7 +55,9 @@ def test_resume_after_sigkill_at_a_random_step(tmp_path):
     cfg = _cfg(tmp_path, max_iter=40, snapshot=5)
     path = tmp_path / "cfg.json"
     path.write_text(json.dumps(cfg))
-    reference = _losses(Trainer.from_config(_cfg(tmp_path, max_iter=40)).fit())
+    ref = Trainer.from_config(_cfg(tmp_path, max_iter=40))
+    ref.fit()
+    reference = _losses(ref.history)
     # after the second snapshot has started, which first waits for the asynchronous save of
     # the first: some checkpoint is always complete when the process dies
     kill_at = random.Random(os.getpid()).randint(11, 30)
@@ -70,7 +74,8 @@ def test_resume_after_sigkill_at_a_random_step(tmp_path):
     resumed = Trainer.from_config(cfg)
     step = resumed.restore_checkpoint()
     assert step % 5 == 0 and 5 <= step <= kill_at
-    got = _losses(resumed.fit(), after=step)
+    resumed.fit()
+    got = _losses(resumed.history, after=step)
     assert sorted(got) == list(range(step + 1, 41))
     for it, loss in got.items():
         assert loss == reference[it], (it, loss, reference[it])
@@ -88,17 +93,17 @@ cfg = tiny_config(pathlib.Path(sys.argv[1]), "dlrm", max_iter=2, display=1000,
 cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 2_000_000
 t = Trainer.from_config(cfg)
 t.fit()
-t.save_checkpoint(); t.checkpointer.wait()
+t.save_checkpoint(); t.checkpoints.wait()
 print("first", int(t.state.step), flush=True)
 # fill many rows so the second save writes a lot
-from jctr.checkpoint.tables import import_table
+from jctr.sharding.rows import import_table
 import numpy as np
 es = import_table(t.specs[0], t.state.embeddings[0],
                   {"keys": np.arange(10**9, 10**9 + 1_500_000, dtype=np.int64),
                    "values": np.ones((1_500_000, t.specs[0].dim), np.float32)})
 t.state = t.state._replace(step=t.state.step + 1, embeddings=(es,))
 print("saving", flush=True)
-t.save_checkpoint(); t.checkpointer.wait()
+t.save_checkpoint(); t.checkpoints.wait()
 print("done", flush=True)
 """
 
@@ -168,7 +173,7 @@ def test_model_files_round_trip_and_warm_start(tmp_path):
     cfg["solver"]["sparse_model_file"] = sparse
     warm = Trainer.from_config(cfg)
     np.testing.assert_array_equal(dense_weights(warm.network()), dense_weights(t.network()))
-    batch = next(iter(t.eval_data.batches(512, epochs=1)))
+    batch = next(iter(t.data.eval.batches(512, epochs=1)))
     np.testing.assert_allclose(warm.predict(batch), t.predict(batch), rtol=1e-6)
     with open(dense_path, "ab") as f:
         f.write(b"\0\0\0\0")
@@ -208,7 +213,7 @@ def test_tables_restore_into_another_capacity(tmp_path):
     bigger = Trainer.from_config(cfg)
     bigger.restore_checkpoint()
     assert bigger.specs[0].capacity == 3 * t.specs[0].capacity
-    batch = next(iter(t.eval_data.batches(512, epochs=1)))
+    batch = next(iter(t.data.eval.batches(512, epochs=1)))
     np.testing.assert_allclose(bigger.predict(batch), t.predict(batch), rtol=1e-6)
 
 

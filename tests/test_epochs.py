@@ -105,7 +105,8 @@ def test_plateau_schedule_by_hand():
 
 def test_epochs_log_their_mean_training_loss_and_validation(tiny, tmp_path):
     t = Trainer.from_config(epoch_config(tiny, tmp_path, num_epochs=2))
-    history = t.fit()
+    t.fit()
+    history = t.history
     steps = [h for h in history if h["kind"] == "train"]
     epochs = [h for h in history if h["kind"] == "epoch"]
     evals = [h for h in history if h["kind"] == "eval"]
@@ -121,7 +122,8 @@ def test_epochs_log_their_mean_training_loss_and_validation(tiny, tmp_path):
 
 def test_embedding_norms_in_the_log_match_the_table(tiny, tmp_path):
     t = Trainer.from_config(epoch_config(tiny, tmp_path, num_epochs=1))
-    history = t.fit()
+    t.fit()
+    history = t.history
     logged = [h for h in history if h["kind"] == "eval"][-1]["embedding_norms"]
     es = t.state.embeddings[0]
     keys, rows = export_items(es.table)
@@ -145,7 +147,8 @@ def test_restored_weights_are_the_best_epochs_checkpoint(tmp_path_factory, aucs)
                        snapshot_keep=8, early_stopping={"patience": 2})
     t = Trainer.from_config(cfg)
     scripted(t, aucs)
-    history = t.fit()
+    t.fit()
+    history = t.history
     best = int(np.argmax(aucs))  # the first of equal values is the best
     best_iter = (best + 1) * STEPS_PER_EPOCH
     stopped = any(h["kind"] == "early_stop" for h in history)
@@ -163,7 +166,8 @@ def test_plateau_lowers_the_rate_without_compiling_again(tiny, tmp_path):
                        lr_plateau={"factor": 0.5, "patience": 1, "min_lr": 0.1})
     t = Trainer.from_config(cfg)  # SGD at 0.5: 0.25, then 0.125, then min_lr 0.1
     scripted(t, [0.7, 0.69, 0.68, 0.67])
-    history = t.fit()
+    t.fit()
+    history = t.history
     assert [round(h["lr"], 6) for h in history if h["kind"] == "lr"] == [0.25, 0.125, 0.1]
     assert float(t.state.lr_scale) == pytest.approx(0.2)
     assert t.train_step._cache_size() == 1
@@ -174,7 +178,7 @@ def test_the_rate_factor_scales_dense_and_table_updates(tiny, tmp_path):
     cfg = epoch_config(tiny, tmp_path, num_epochs=1)
     cfg["optimizer"]["sgd_hparam"]["warmup_steps"] = 0  # full-size steps
     t = Trainer.from_config(cfg)
-    batch = next(t.train_data.batches(512, epochs=1))
+    batch = next(t.data.train.batches(512, epochs=1))
     dev = t.placed.to_devices(batch, True)
     state, _ = t.train_step(t.state, dev)  # the batch's keys are in the table from here on
     start = t.placed.copy_to_host(state)
@@ -202,8 +206,8 @@ def test_plateau_and_early_stopping_resume_exactly(tiny, tmp_path):
     resumed = Trainer.from_config(cfg)
     resumed.restore_checkpoint()
     assert float(resumed.state.lr_scale) == pytest.approx(0.1)
-    assert resumed.plateau.state_dict() == t.plateau.state_dict()
-    assert resumed.early_stopping.state_dict() == {"best": 0.7, "best_iter": 8, "wait": 1}
+    assert resumed.judge.plateau.state_dict() == t.judge.plateau.state_dict()
+    assert resumed.judge.early_stopping.state_dict() == {"best": 0.7, "best_iter": 8, "wait": 1}
 
 
 def test_test_sets_are_scored_apart_after_training(tiny, tmp_path):
@@ -211,7 +215,8 @@ def test_test_sets_are_scored_apart_after_training(tiny, tmp_path):
     data = cfg["layers"][0]
     data["test_source"] = {"same_as_validation": data["eval_source"], "train": data["source"]}
     t = Trainer.from_config(cfg)
-    history = t.fit()
+    t.fit()
+    history = t.history
     tests = {h["set"]: h for h in history if h["kind"] == "test"}
     assert set(tests) == {"same_as_validation", "train"}
     val = [h for h in history if h["kind"] == "eval"][-1]
@@ -224,7 +229,8 @@ def test_same_config_and_seed_give_bit_identical_losses(tiny, tmp_path):
     runs = []
     for _ in range(2):
         t = Trainer.from_config(epoch_config(tiny, tmp_path, num_epochs=1))
-        history = t.fit()
+        t.fit()
+        history = t.history
         runs.append(([h["loss"] for h in history if h["kind"] == "train"],
                      t.placed.copy_to_host(t.state.params)))
     assert runs[0][0] == runs[1][0] and len(runs[0][0]) == STEPS_PER_EPOCH

@@ -332,7 +332,7 @@ def test_criteo_sample_converts_and_trains(tmp_path, fmt, mode):
     t = Trainer.from_config(raw)
     t.fit()
     assert int(t.state.step) == 4
-    assert t.train_data.num_records() == 180
+    assert t.data.train.num_records() == 180
     if mode == "vocab":
         sizes = layer["slot_size_array"]
         assert sizes[0] > 1 and max(sizes) < 180  # min_freq 2 drops singletons

@@ -130,7 +130,7 @@ def bundle(tmp_path_factory):
     t = Trainer(load_config(cfg), log=lambda s: None)
     t.fit()
     export_bundle(t.cfg, t.state, str(tmp / "bundle"), t.placements)
-    batches = list(t.eval_data.batches(512, epochs=1))[:2]
+    batches = list(t.data.eval.batches(512, epochs=1))[:2]
     return tmp, [(b, t.predict(b)) for b in batches]
 
 

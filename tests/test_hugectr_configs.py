@@ -607,7 +607,7 @@ def test_hugectr_model_repository_served_from_the_seed_ps_json(tmp_path, tiny):
     model = HPSModel(params.models[0], dbs, where="models[0]", source=params.source)
     try:
         model.load_databases()
-        batch = next(iter(trainer.eval_data.batches(256, epochs=1)))
+        batch = next(iter(trainer.data.eval.batches(256, epochs=1)))
         np.testing.assert_allclose(model.predict(batch), trainer.predict(batch), rtol=3e-5,
                                    atol=3e-6)
     finally:

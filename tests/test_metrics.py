@@ -54,6 +54,7 @@ def test_trainer_counts_training_predictions_per_bucket(tmp_path):
     summed on the device equal the buckets of the trainer's own predictions of the same
     batches afterwards (their keys inserted by the training)."""
     from jctr.config import parse_config
+    from jctr.train.hooks import PredictionCounts
     from jctr.train.trainer import Trainer
     from tests.conftest import tiny_config
 
@@ -62,11 +63,11 @@ def test_trainer_counts_training_predictions_per_bucket(tmp_path):
     cfg["optimizer"] = {"type": "SGD", "sgd_hparam": {"learning_rate": 1e-30}}
     for layer in cfg["layers"][1:]:
         layer.pop("optimizer", None)
-    t = Trainer(parse_config(cfg), log=lambda s: None)
-    t.count_predictions(32)
+    counts = PredictionCounts(32)
+    t = Trainer(parse_config(cfg), log=lambda s: None, hooks=[counts])
     t.fit(3)
-    got = t.take_auc_counts()
-    batches = list(t.train_data.batches(128, epochs=1))[:3]
+    got = counts.take()
+    batches = list(t.data.train.batches(128, epochs=1))[:3]
     preds = [t.predict(b) for b in batches]
     y = np.concatenate([b.label[b.mask, 0] for b in batches])
     p = np.concatenate([x.reshape(x.shape[0], -1)[:, 0] for x in preds])
@@ -74,4 +75,4 @@ def test_trainer_counts_training_predictions_per_bucket(tmp_path):
     want = np.stack([np.bincount(idx[y < 0.5], minlength=32),
                      np.bincount(idx[y > 0.5], minlength=32)])
     np.testing.assert_array_equal(got, want)
-    assert t.take_auc_counts().sum() == 0  # taken: they start again
+    assert counts.take().sum() == 0  # taken: they start again

@@ -445,7 +445,7 @@ def test_base_and_delta_models_load_into_the_hps_and_predict_as_the_trainer(tmp_
 
     # the HPS: base of 20190721, then its deltas one at a time, into RocksDB + a hash map
     day = save / "20190721"
-    eval_batch = next(run.trainer.eval_data.batches(256, epochs=1))
+    eval_batch = next(run.trainer.data.eval.batches(256, epochs=1))
 
     def ps(deltas):
         return parse_ps_config({
@@ -635,9 +635,9 @@ def test_admission_in_a_streaming_run(tmp_path):
     """embedx_threshold 2: at the end every key's row has trained embedx dimensions exactly
     when its score (from the run's own show/click statistics) reached 2; the others are 0 in
     the table and in the base model."""
-    from jctr.checkpoint.tables import export_placed
     from jctr.config import ConfigError
     from jctr.online.runner import OnlineRun
+    from jctr.sharding.rows import export_placed
 
     model = _stream(tmp_path, days=("20190720",))
     for folder in (tmp_path / "stream").glob("*/*"):
@@ -767,12 +767,12 @@ def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypa
     write-back but before that pass's checkpoint puts the rows back when started again."""
     import json
 
-    from jctr.checkpoint.tables import export_placed
     from jctr.config import ConfigError, parse_config
     from jctr.data.synthetic import generate_for_config
     from jctr.online.row_store import RowStore
     from jctr.online.runner import OnlineRun
     from jctr.online.synthetic_stream import write_stream
+    from jctr.sharding.rows import export_placed
     from tests.conftest import tiny_config
 
     cfg = tiny_config(tmp_path, "dlrm", display=1000, eval_batches=1, batchsize=256,

@@ -38,6 +38,13 @@ def broker(tmp_path_factory):
     subprocess.run(["bash", SCRIPT, "stop", str(d)], timeout=30)
 
 
+def _sink(trainer):
+    """The Kafka sink of the trainer's publisher hook (solver.kafka_sink)."""
+    from jctr.train.publisher import KafkaPublisher
+
+    return next(h for h in trainer.hooks if isinstance(h, KafkaPublisher)).sink
+
+
 def _trainer(tmp, brokers, name, **sink):
     from jctr.config import load_config
     from jctr.train.trainer import Trainer
@@ -83,10 +90,10 @@ def test_serving_follows_training_under_load_and_across_a_consumer_restart(broke
 
     name = "dlrm_online"
     t = _trainer(tmp_path, broker, name, every_n_steps=4)
-    assert t.sink.reachable
+    assert _sink(t).reachable
     export_bundle(t.cfg, t.state, str(tmp_path / "bundle"), t.placements)
     ps, dbs, model = _hps(tmp_path, name, tmp_path / "bundle", broker)
-    batches = [b for b, _ in zip(t.eval_data.batches(256, epochs=1), range(2))]
+    batches = [b for b, _ in zip(t.data.eval.batches(256, epochs=1), range(2))]
     errors, answered = [], [0]
     stop = threading.Event()
 
@@ -106,13 +113,13 @@ def test_serving_follows_training_under_load_and_across_a_consumer_restart(broke
     applier.start()
     try:
         t.fit()  # publishes at 4, 8, 12 and at the end
-        assert t.sink.flush(10) == 0
+        assert _sink(t).flush(10) == 0
         assert wait_for(applier, lambda a: _applied(a, t, name)), applier.stats()
         applier.close()
         first = list(applier.dense_steps)
         assert first[-1] == 12 and applier.applied_rows > 0
         t.fit(24)  # publishes at 16, 20, 24 and at the end, with no consumer
-        assert t.sink.flush(10) == 0
+        assert _sink(t).flush(10) == 0
         again = UpdateApplier(ps.update_source, dbs, {name: model}, group="g-test")
         again.start()
         assert wait_for(again, lambda a: _applied(a, t, name)), again.stats()
@@ -126,7 +133,7 @@ def test_serving_follows_training_under_load_and_across_a_consumer_restart(broke
     for b in batches:
         np.testing.assert_allclose(model.predict(b), t.predict(b), **TOL)
     # the layers themselves hold the trained rows (not only the device cache)
-    from jctr.checkpoint.tables import export_placed
+    from jctr.sharding.rows import export_placed
 
     rows = export_placed(t.state.embeddings[0], t.placements[0])
     got, found = dbs.persistent.lookup(f"hps_et.{name}.sparse_embedding1", rows["keys"], 8)
@@ -157,13 +164,13 @@ def test_a_failed_database_write_is_retried_and_not_acknowledged(broker, tmp_pat
 
     monkeypatch.setattr(dbs.persistent, "insert", flaky)
     t.fit()
-    t.sink.flush(10)
+    _sink(t).flush(10)
     applier = UpdateApplier(ps.update_source, dbs, {name: model}, group="g-retry")
     applier.start()
     assert wait_for(applier, lambda a: _applied(a, t, name)), applier.stats()
     applier.close()
     assert applier.failures == 3 and failures[0] == 0
-    batch = next(t.eval_data.batches(256, epochs=1))
+    batch = next(t.data.eval.batches(256, epochs=1))
     np.testing.assert_allclose(model.predict(batch), t.predict(batch), **TOL)
     model.close()
     dbs.close()
@@ -184,7 +191,7 @@ def test_a_sink_without_a_broker_says_so_and_never_blocks_training(tmp_path):
                                    "send_buffer_size": 65536}
     t = Trainer(load_config(cfg), log=lines.append)
     start = time.monotonic()
-    sink = t.sink
+    sink = _sink(t)
     assert time.monotonic() - start < 10 and not sink.reachable
     assert any("no broker answers" in x for x in lines)
     t.fit()
@@ -212,7 +219,7 @@ def test_streaming_training_publishes_every_pass(broker, tmp_path):
                     log=lambda s: None)
     assert run.run() == 2
     t = run.trainer
-    assert t.sink.flush(10) == 0 and t.sink.stats()["sent"] >= 4  # rows + dense, each pass
+    assert _sink(t).flush(10) == 0 and _sink(t).stats()["sent"] >= 4  # rows + dense, each pass
     # an HPS that starts from the untrained model and follows the published updates
     from jctr.config import load_config
     from jctr.train.trainer import Trainer
@@ -225,7 +232,7 @@ def test_streaming_training_publishes_every_pass(broker, tmp_path):
     assert wait_for(applier, lambda a: _applied(a, t, name)), applier.stats()
     applier.close()
     assert applier.dense_steps[:2] == [2, 4]  # after pass 1 and pass 2
-    batch = next(t.eval_data.batches(256, epochs=1))
+    batch = next(t.data.eval.batches(256, epochs=1))
     np.testing.assert_allclose(hps.predict(batch), t.predict(batch), **TOL)
     hps.close()
     dbs.close()
@@ -258,16 +265,16 @@ def test_a_restarted_broker_loses_no_update(tmp_path):
         applier = UpdateApplier(ps.update_source, dbs, {name: model}, group="g-restart")
         applier.start()
         t.fit()
-        assert t.sink.flush(10) == 0
+        assert _sink(t).flush(10) == 0
         assert wait_for(applier, lambda a: _applied(a, t, name)), applier.stats()
         subprocess.run(["bash", SCRIPT, "stop", str(d)], timeout=30)
         start()  # empty: every message and committed offset is gone
         t.fit(24)
-        assert t.sink.flush(10) == 0
+        assert _sink(t).flush(10) == 0
         assert any("lost topic(s)" in x for x in lines), lines[-5:]
         assert wait_for(applier, lambda a: _applied(a, t, name), 60), applier.stats()
         applier.close()
-        batch = next(t.eval_data.batches(256, epochs=1))
+        batch = next(t.data.eval.batches(256, epochs=1))
         np.testing.assert_allclose(model.predict(batch), t.predict(batch), **TOL)
         model.close()
         dbs.close()

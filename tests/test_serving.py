@@ -40,7 +40,7 @@ def test_export_load_predict_equals_eval(tmp_path):
 
     assert jctr.InferenceModel is InferenceModel
     model = InferenceModel.load(str(tmp_path / "b"))
-    for batch in list(t.eval_data.batches(512, epochs=1))[:3]:
+    for batch in list(t.data.eval.batches(512, epochs=1))[:3]:
         np.testing.assert_allclose(model.predict(batch), t.predict(batch), rtol=1e-5,
                                    atol=1e-7)
 

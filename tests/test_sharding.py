@@ -169,7 +169,7 @@ def test_routing_with_skewed_keys(kind, opt):
     embs_l, pooled_l = run_local(batch)
     np.testing.assert_allclose(np.asarray(pooled_s[0]), np.asarray(pooled_l[0]), rtol=1e-6,
                                atol=1e-7)
-    from jctr.checkpoint.tables import export_placed
+    from jctr.sharding.rows import export_placed
 
     got = export_placed(embs_s[0], placement)
     want = export_placed(embs_l[0])
@@ -215,7 +215,7 @@ def test_small_send_buffers_route_like_full_ones(kind):
             return engine.apply(embs, res, batch, grads, (jnp.float32(0.1),), jnp.int32(1)), pooled
 
         embs, pooled = run(jax.device_put(batch))
-        from jctr.checkpoint.tables import export_placed
+        from jctr.sharding.rows import export_placed
 
         t = export_placed(embs[0], placement)
         order = np.argsort(t["keys"])
@@ -293,7 +293,7 @@ def test_checkpoint_written_on_8_devices_resumes_on_1_and_2(data_dir):
     cfg = _config(data_dir, "deepfm", list(range(8)), TYPES[0], snapshot=10,
                   snapshot_prefix=str(data_dir / "ck8") + "/")
     full, losses, _ = _train(cfg)
-    batch = next(iter(full.eval_data.batches(256, epochs=1)))
+    batch = next(iter(full.data.eval.batches(256, epochs=1)))
     for gpu in ([0], [0, 1]):
         cfg_m = {**cfg, "solver": {**cfg["solver"], "gpu": gpu}}
         t = Trainer(load_config(cfg_m), log=lambda s: None)
@@ -371,7 +371,7 @@ def test_two_processes_agree_with_one_process(tmp_path):
 
     bundle = export_checkpoint(str(tmp_path / "ck" / "checkpoints"), str(tmp_path / "b2"),
                                step=STEPS)
-    batch = next(iter(ref.eval_data.batches(256, epochs=1)))
+    batch = next(iter(ref.data.eval.batches(256, epochs=1)))
     np.testing.assert_allclose(InferenceModel.load(bundle).predict(batch), ref.predict(batch),
                                rtol=1e-4, atol=1e-5)
 
@@ -396,7 +396,8 @@ def test_regularized_tables_train_alike_on_one_and_four_devices(tmp_path):
         for layer in cfg["layers"][1:3]:
             layer["sparse_embedding_hparam"]["l2_lambda"] = 0.05
         t = Trainer(load_config(cfg), log=lambda s: None)
-        losses[len(gpu)] = [h["loss"] for h in t.fit() if h["kind"] == "train"]
+        t.fit()
+        losses[len(gpu)] = [h["loss"] for h in t.history if h["kind"] == "train"]
     np.testing.assert_allclose(losses[4], losses[1], rtol=1e-5)
 
 

@@ -21,7 +21,8 @@ AUC_BOUND = {"dlrm": 0.78, "dcn": 0.84, "deepfm": 0.78, "wdl": 0.83}
 @pytest.mark.parametrize("model", ["dlrm", "dcn", "deepfm", "wdl"])
 def test_model_learns_the_planted_signal(tiny, model):
     t = Trainer.from_config(tiny(model))
-    history = t.fit()
+    t.fit()
+    history = t.history
     final = [h for h in history if h["kind"] == "eval"][-1]
     assert final["AUC"] > AUC_BOUND[model], final
     losses = [h["loss"] for h in history if h["kind"] == "train"]
@@ -46,7 +47,8 @@ def test_models_train_without_dense_features(tmp_path, model):
         steps, bound = 300, 0.62
     t = Trainer.from_config(cfg, max_iter=steps, eval_interval=steps)
     assert t.cfg.data.dense_dim == 0
-    history = t.fit()
+    t.fit()
+    history = t.history
     final = [h for h in history if h["kind"] == "eval"][-1]
     assert final["AUC"] > bound, final
 
@@ -76,7 +78,7 @@ def test_no_recompilation_including_the_ragged_last_batch(tiny):
 def test_padding_samples_do_not_change_the_step(tiny):
     """A half-empty batch trains exactly like the same samples in a batch of their own size."""
     t = Trainer.from_config(tiny("dlrm", batchsize=8))
-    data = t.train_data.read_unit(0).slice(0, 4)
+    data = t.data.train.read_unit(0).slice(0, 4)
     sp = t.cfg.data.sparse
     padded = build_batch(data, 8, sp)
     t2 = Trainer.from_config(tiny("dlrm", batchsize=4))
@@ -89,7 +91,7 @@ def test_padding_samples_do_not_change_the_step(tiny):
 def test_predict_and_evaluate_agree(tiny):
     t = Trainer.from_config(tiny("dlrm", max_iter=50, display=1000, eval_interval=1000))
     t.fit()
-    batches = list(t.eval_data.batches(512, epochs=1))[:t.solver.eval_batches]
+    batches = list(t.data.eval.batches(512, epochs=1))[:t.solver.eval_batches]
     p = np.concatenate([t.predict(b) for b in batches])
     y = np.concatenate([b.label[b.mask, 0] for b in batches])
     assert ((p > 0) & (p < 1)).all()
@@ -106,7 +108,8 @@ def test_evaluation_covers_any_dataset_whole_by_default(tiny, tmp_path):
     cfg["solver"].pop("eval_batches")
     t = Trainer.from_config(cfg)
     assert t.solver.eval_batches is None
-    history = t.fit()
+    t.fit()
+    history = t.history
     assert [h["iter"] for h in history if h["kind"] == "eval"] == [20]  # once at the end
     from jctr.train.metrics import auc
 
@@ -116,11 +119,11 @@ def test_evaluation_covers_any_dataset_whole_by_default(tiny, tmp_path):
                    np.concatenate([t.predict(b) for b in batches])), len(batches)
 
     result = t.evaluate()
-    want, n = whole(t.eval_data)
+    want, n = whole(t.data.eval)
     assert n == 16 and result["AUC"] == pytest.approx(want, abs=1e-9)  # all 8000 samples
     assert result["LogLoss"] == result["AverageLoss"]
     train = t.evaluate(data=t.cfg.data.source)  # any dataset, here the training set
-    assert train["AUC"] == pytest.approx(whole(t.train_data)[0], abs=1e-9)
+    assert train["AUC"] == pytest.approx(whole(t.data.train)[0], abs=1e-9)
     assert t.evaluate(num_batches=2)["AUC"] != result["AUC"]
     from jctr.data.records import DataError
 
@@ -131,7 +134,8 @@ def test_evaluation_covers_any_dataset_whole_by_default(tiny, tmp_path):
 def test_epochs_end_with_one_evaluation(tiny):
     # 40,000 samples / 512 = 79 batches per epoch; eval_interval 79: the last step evaluates
     t = Trainer.from_config(tiny("wdl", display=1000, eval_interval=79), num_epochs=1)
-    evals = [h["iter"] for h in t.fit() if h["kind"] == "eval"]
+    t.fit()
+    evals = [h["iter"] for h in t.history if h["kind"] == "eval"]
     assert evals == [79]
 
 
@@ -154,7 +158,8 @@ def test_reduced_precision_trains(tiny, dtype, model):
     # DCN trains with Adam; (DLRM's SGD at lr 0.5 stalls in fp16 for some seeds, see README);
     # bf16 DLRM runs the CPU's row-major MLP and Gram interaction formulations
     t = Trainer.from_config(tiny(model, **solver))
-    hist = t.fit()
+    t.fit()
+    hist = t.history
     final = [h for h in hist if h["kind"] == "eval"][-1]
     assert np.isfinite(final["AverageLoss"]) and final["AUC"] > 0.8
 

@@ -4,7 +4,7 @@ Layout under the checkpoint directory (``<snapshot_prefix>checkpoints``):
 
 * ``<step>/``: a finished checkpoint with three Orbax items -- ``dense`` (step, base RNG key,
   dense parameters, BatchNorm statistics, dense optimizer state), ``tables`` (every embedding
-  table by key with its optimizer rows, :mod:`jctr.checkpoint.tables`, so that another table
+  table by key with its optimizer rows, :mod:`jctr.sharding.rows`, so that another table
   capacity or device count can load it) and ``meta`` (JSON: format version, data reader
   positions, the config, the tables' shapes) -- plus ``jctr_integrity.json``, the size and CRC32
   of every file;
@@ -36,12 +36,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jctr.checkpoint.tables import export_placed, import_placed
 from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.errors import UserError
 from jctr.models.ctr import TrainState
 from jctr.sharding.mesh import to_host
 from jctr.sharding.plan import format_bytes
+from jctr.sharding.rows import export_placed, import_placed
 
 FORMAT = "jctr-checkpoint"
 VERSION = 2  # 2: sealed from .pending/ with jctr_integrity.json inside the step folder

@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jctr.checkpoint.tables import export_keys, export_placed, import_placed
 from jctr.errors import UserError
 from jctr.models import layers as L
 from jctr.sharding.mesh import to_host
+from jctr.sharding.rows import export_keys, export_placed, import_placed
 
 if TYPE_CHECKING:
     from jctr.models.ctr import StepConfig, TrainState

@@ -110,6 +110,22 @@ def override_optimizer(cfg: ModelConfig, changes: dict[str, Any],
     return _reparse(cfg, raw, hparam, f"optimizer.{hkey}", changes, names)
 
 
+def override_embedding_optimizers(cfg: ModelConfig, clause: dict[str, Any]) -> ModelConfig:
+    """``cfg`` with every embedding layer's ``optimizer`` set to ``clause`` (a JSON object,
+    e.g. streaming training's ``SparseAdaGradSGDRule``), validated like the file.
+
+    Example::
+
+        cfg = override_embedding_optimizers(cfg, {"type": "SparseAdaGradSGDRule", ...})
+    """
+    raw = _raw_copy(cfg)
+    names = {e.name for e in cfg.embeddings}
+    for layer in raw.get("layers", []):
+        if isinstance(layer, dict) and layer.get("name") in names:
+            layer["optimizer"] = _to_json(clause)
+    return parse_config(raw, source=cfg.source, require_solver=False)
+
+
 def _raw_copy(cfg: ModelConfig) -> dict:
     if cfg.raw is None:
         raise TypeError("overriding fields needs a config parsed from JSON (ModelConfig.raw)")

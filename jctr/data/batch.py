@@ -35,6 +35,22 @@ class Batch(NamedTuple):
     def num_valid(self) -> int:
         return int(np.sum(self.mask))
 
+    # per sparse input (a table reads input ``i`` with ``slot_num`` slots): host batches only
+    def key_mask(self, i: int, slot_num: int) -> np.ndarray:
+        """Which of sparse input ``i``'s key positions hold a key (not padding)."""
+        return np.asarray(self.segments[i]) < self.label.shape[0] * slot_num
+
+    def valid_keys(self, i: int, slot_num: int) -> np.ndarray:
+        """Sparse input ``i``'s keys, padding positions left out (duplicates kept)."""
+        return np.asarray(self.keys[i])[self.key_mask(i, slot_num)]
+
+    def sample_keys(self, i: int, slot_num: int) -> tuple[np.ndarray, np.ndarray]:
+        """Sparse input ``i``'s keys of real samples (``mask``) and each one's sample."""
+        valid = self.key_mask(i, slot_num)
+        sample = np.asarray(self.segments[i])[valid] // slot_num
+        real = np.asarray(self.mask)[sample]
+        return np.asarray(self.keys[i])[valid][real], sample[real]
+
 
 def batch_bytes(data: DataConfig, batch_size: int) -> int:
     """Bytes of one host :class:`Batch` of ``batch_size`` samples."""

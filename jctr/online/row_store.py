@@ -13,7 +13,7 @@ always matches the checkpoint the run resumes from.
 Example::
 
     store = RowStore("runs/online/rows", specs, slot_shapes)
-    stored = store.pull(0, keys)          # -> jctr.checkpoint.tables stored-table dict
+    stored = store.pull(0, keys)          # -> jctr.sharding.rows stored-table dict
     store.push(0, export_placed(table))
 """
 

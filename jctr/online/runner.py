@@ -32,7 +32,6 @@ Example::
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib
 import json
@@ -50,6 +49,9 @@ from jctr.config.reader import ConfigError
 from jctr.data.records import DataError, write_file_list
 from jctr.online.feature_stats import FeatureStats, ScoreRule, ShrinkRule
 from jctr.online.schedule import data_files, days, next_day, pass_folders, wait_ready
+from jctr.sharding.rows import drop_keys, export_placed, put_rows, scale_slot
+from jctr.train.datasets import open_training_set
+from jctr.train.hooks import Hook, PredictionCounts
 from jctr.train.metrics import bucket_auc
 
 PROGRESS = "progress.json"
@@ -70,6 +72,7 @@ class OnlineRun:
         except DataError as e:
             raise ConfigError("schedule", str(e), cfg.source) from None
         self.trainer = None
+        self.pass_auc = PredictionCounts()  # the pass AUC's counts, from the train steps
         self.passes_trained = 0
         tp = cfg.table_parameters
         self._score = ScoreRule(nonclk_coeff=tp.nonclk_coeff, click_coeff=tp.click_coeff)
@@ -129,32 +132,26 @@ class OnlineRun:
         return todo
 
     # -- training -------------------------------------------------------------------------
-    def _trainer(self, first_list: str):
+    def _trainer(self):
+        """The model's Trainer for one epoch of each pass's files (one compiled step for the
+        whole run), with the streaming settings over the model's config."""
+        from jctr.config import override_embedding_optimizers, override_solver
         from jctr.config.parser import load_config
         from jctr.train.trainer import Trainer
 
         model = load_config(self.cfg.model)
         tp = self.cfg.table_parameters
+        solver = {"max_iter": None, "num_epochs": 1, "snapshot": 0}
         if self.cfg.kafka_sink is not None:  # published after every pass (end of each fit)
-            from jctr.config.parser import parse_config
-
-            raw = copy.deepcopy(model.raw)
-            raw.setdefault("solver", {})["kafka_sink"] = self.cfg.kafka_sink
-            model = parse_config(raw, source=model.source)
+            solver["kafka_sink"] = self.cfg.kafka_sink
+        model = override_solver(model, solver)
         if tp.embed_sgd_param is not None:  # every table trains with SparseAdaGradSGDRule
-            from jctr.config.parser import parse_config
-
-            raw = copy.deepcopy(model.raw)
-            names = {e.name for e in model.embeddings}
-            clause = {"type": "SparseAdaGradSGDRule",
-                      "embed_sgd_param": _rule_json(tp.embed_sgd_param),
-                      "embedx_sgd_param": _rule_json(tp.embedx_sgd_param),
-                      "embedx_threshold": tp.embedx_threshold,
-                      "click_coeff": tp.click_coeff, "nonclk_coeff": tp.nonclk_coeff}
-            for layer in raw["layers"]:
-                if isinstance(layer, dict) and layer.get("name") in names:
-                    layer["optimizer"] = clause
-            model = parse_config(raw, source=model.source)
+            model = override_embedding_optimizers(model, {
+                "type": "SparseAdaGradSGDRule",
+                "embed_sgd_param": _rule_json(tp.embed_sgd_param),
+                "embedx_sgd_param": _rule_json(tp.embedx_sgd_param),
+                "embedx_threshold": tp.embedx_threshold,
+                "click_coeff": tp.click_coeff, "nonclk_coeff": tp.nonclk_coeff})
         for e in model.embeddings:  # Paddle's derived sizes, where the file gives them
             want = {"embedx_dim": e.embedding_vec_size - 1,
                     "fea_dim": e.embedding_vec_size + 2}
@@ -165,11 +162,7 @@ class OnlineRun:
                                       f"\"{e.name}\" has embedding_vec_size "
                                       f"{e.embedding_vec_size}, which makes it {value}",
                                       self.cfg.source)
-        # one epoch of each pass's files; the first pass's list stands for the source
-        solver = dataclasses.replace(model.solver, max_iter=None, num_epochs=1, snapshot=0)
-        model = dataclasses.replace(model, solver=solver,
-                                    data=dataclasses.replace(model.data, source=first_list))
-        return Trainer(model, log=self.log, generate_data=False)
+        return Trainer(model, log=self.log, generate_data=False, hooks=[self.pass_auc])
 
     def run(self) -> int:
         """Train every pass still to do; returns the number trained now."""
@@ -191,7 +184,7 @@ class OnlineRun:
                      f"{done['step']}, {done['checkpoint']})")
             if done["pass"] == len(self.passes) and not done["day_end"]:
                 # stopped between the day's last checkpoint and its shrink and saves
-                self._start(self._file_list(lists, done["day"], done["pass"]), done)
+                self._start(done)
                 self._end_day(done["day"])
         if not todo:
             self.log(f"[jctr] nothing to train: every pass up to {self.cfg.end_day} is done")
@@ -213,10 +206,7 @@ class OnlineRun:
                 else:
                     data = self._pass_data(lists, day, n, self.stop, read=False)
                 if self.trainer is None:
-                    self._start(data["list"], done)
-                else:
-                    self.trainer.use_training_data(data["list"], data["dataset"])
-                data["dataset"] = None  # the trainer holds it now, for this pass only
+                    self._start(done)
                 ahead = None
                 if pool is not None and i + 1 < len(todo):
                     ahead = pool.submit(self._pass_data, lists, *todo[i + 1], halt, read=True)
@@ -242,7 +232,7 @@ class OnlineRun:
         write_file_list(file_list, files)
         dataset = keys = None
         if read and self.trainer is not None:
-            dataset = self.trainer.open_training_data(file_list)
+            dataset = open_training_set(self.trainer.cfg, file_list)
             dataset.cache_all()
             if self.cfg.sparse_store:
                 keys = self._working_keys(dataset)
@@ -259,10 +249,9 @@ class OnlineRun:
         mine = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
         return os.path.join(folder, f"{day}_{n:04d}{mine}.txt")
 
-    def _start(self, file_list: str, done: dict | None) -> None:
-        """The trainer (reading ``file_list``) and statistics, from the last checkpoint."""
-        self.trainer = self._trainer(file_list)
-        self.trainer.count_predictions()  # the pass AUC
+    def _start(self, done: dict | None) -> None:
+        """The trainer and statistics, from the last checkpoint."""
+        self.trainer = self._trainer()
         self._start_statistics()
         if done is not None:
             folder = os.path.dirname(done["checkpoint"])
@@ -295,7 +284,7 @@ class OnlineRun:
                 self.log(f"[jctr] sparse_store: put back the rows day {day} pass {n} wrote "
                          "after the last checkpoint")
             os.remove(path)
-        self._eval_keys = self._working_keys(t.eval_data)
+        self._eval_keys = self._working_keys(t.data.eval)
 
     def _undo_dir(self) -> str:
         return os.path.join(self.cfg.save_model_path, "_store_undo")
@@ -306,10 +295,8 @@ class OnlineRun:
         found: list[list[np.ndarray]] = [[] for _ in t.specs]
         size = t.solver.batchsize
         for batch in dataset.batches(size, epochs=1):
-            b = batch.label.shape[0]
             for i, spec in enumerate(t.specs):
-                segs = batch.segments[spec.input_index]
-                found[i].append(np.unique(batch.keys[spec.input_index][segs < b * spec.slot_num]))
+                found[i].append(np.unique(batch.valid_keys(spec.input_index, spec.slot_num)))
         return [np.unique(np.concatenate(k)) if k else np.zeros(0, np.int64) for k in found]
 
     def _pull(self, keys: list[np.ndarray]) -> None:
@@ -325,13 +312,12 @@ class OnlineRun:
                                 "max_vocabulary_size_per_gpu or make passes smaller")
             stored = self.store.pull(i, want)
             self._pulled.append(stored)
-            t.put_rows(i, stored, replace=True)
+            self._set_table(i, put_rows(spec, t.state.embeddings[i], t.placements[i], stored,
+                                        replace=True))
 
     def _push(self, day: str, n: int) -> None:
         """The working set back into the database (undoable until the pass's checkpoint);
         the tables are empty again."""
-        from jctr.checkpoint.tables import export_placed
-
         t = self.trainer
         tables = [export_placed(es, pl) for es, pl in zip(t.state.embeddings, t.placements)]
         added = [np.setdiff1d(tb["keys"], old["keys"]) for tb, old in zip(tables, self._pulled)]
@@ -339,8 +325,16 @@ class OnlineRun:
                              self._pulled, added, {"day": day, "pass": n})
         for i, tb in enumerate(tables):
             self.store.push(i, tb)
-            t.put_rows(i, {k: v[:0] for k, v in tb.items()}, replace=True)
+            self._set_table(i, put_rows(t.specs[i], t.state.embeddings[i], t.placements[i],
+                                        {k: v[:0] for k, v in tb.items()}, replace=True))
         self._pulled = []
+
+    def _set_table(self, i: int, es) -> None:
+        """Embedding table ``i`` of the trainer's state replaced by ``es``."""
+        t = self.trainer
+        embeddings = list(t.state.embeddings)
+        embeddings[i] = es
+        t.state = t.state._replace(embeddings=tuple(embeddings))
 
     # -- feature statistics and the daily shrink -------------------------------------------
     def _start_statistics(self) -> None:
@@ -357,18 +351,7 @@ class OnlineRun:
                               "column as its click; leave show_click_entry out with it",
                               self.cfg.source)
 
-        def observe(batch) -> None:  # each key of a sample gets the sample's show and click
-            b = batch.label.shape[0]
-            show, click = show_of(batch), click_of(batch)
-            for spec, stats in zip(t.specs, self.stats):
-                keys = batch.keys[spec.input_index]
-                segs = batch.segments[spec.input_index]
-                valid = segs < b * spec.slot_num
-                sample = segs[valid] // spec.slot_num
-                real = batch.mask[sample]
-                stats.observe(keys[valid][real], show[sample[real]], click[sample[real]])
-
-        t.batch_hooks.append(observe)
+        t.hooks.append(_ObserveShowClick(t.specs, self.stats, show_of, click_of))
 
     def _sync_statistics(self) -> None:
         """Every process's new shows and clicks into every process's statistics (one
@@ -414,8 +397,12 @@ class OnlineRun:
                 rows = None
             else:
                 if decays:  # admission's counts decay too
-                    t.scale_slot(i, "accessor", (rate, rate, 1.0))
-                rows = t.drop_keys(i, deleted) if deleted.size else None
+                    self._set_table(i, scale_slot(t.state.embeddings[i], "accessor",
+                                                  (rate, rate, 1.0)))
+                rows = None
+                if deleted.size:
+                    es, rows = drop_keys(spec, t.state.embeddings[i], t.placements[i], deleted)
+                    self._set_table(i, es)
             self.log(f"[jctr] shrink at the end of day {day}: {spec.name}: {deleted.size:,} "
                      f"key(s) deleted, {len(stats):,} with statistics"
                      + (f", {rows:,} rows in use of {spec.capacity:,}" if rows is not None
@@ -434,35 +421,30 @@ class OnlineRun:
 
     def _train_pass(self, day: str, n: int, data: dict) -> None:
         t = self.trainer
+        dataset = data["dataset"] or open_training_set(t.cfg, data["list"])
+        data["dataset"] = None  # the trainer holds it, for this pass only
         if self.store is not None:
             self._pull(data["keys"] if data.get("keys") is not None
-                       else self._working_keys(t.train_data))
-        before = len(t.history)
-        t.fit()
+                       else self._working_keys(dataset))
+        summary = t.fit(data=dataset)
         self._sync_statistics()
         if self.store is not None:
             self._push(day, n)
-        records = t.history[before:]
-        train = [r["loss"] for r in records if r["kind"] == "train"]
-        summary = next((r for r in records if r["kind"] == "summary"), {})
-        evals = [r for r in records if r["kind"] == "eval"]
-        iters = int(summary.get("iters", 0))
-        validation = {k: v for k, v in (evals[-1] if evals else {}).items()
-                      if isinstance(v, float) and k not in ("time", "lr")}
-        pass_auc = bucket_auc(t.take_auc_counts())
+        iters, validation, loss = summary.iterations, summary.validation, summary.loss
+        pass_auc = bucket_auc(self.pass_auc.take())
         # the steady rate leaves the pass's first step out (the compile, on the first pass)
-        rate = float(summary.get("steady_samples_per_s") or summary.get("samples_per_s", 0.0))
+        rate = summary.steady_samples_per_s or summary.samples_per_s
         num_files = data["files"]
         read = ("" if data["read_s"] is None else f", read ahead in {data['read_s']:.2f} s "
                 f"(waited {data['wait_s']:.2f} s for it)")
         self.log(f"[jctr] day {day} pass {n}/{len(self.passes)}: {num_files} file(s), {iters} "
                  f"iterations, {rate:,.0f} samples/s"
-                 + (f", loss {train[-1]:.5f}" if train else "")
+                 + (f", loss {loss:.5f}" if loss is not None else "")
                  + f", pass AUC {pass_auc:.5f}"
                  + ("; validation " + ", ".join(f"{k} {v:.5f}" for k, v in validation.items())
                     if validation else "") + read)
         self._record({"day": day, "pass": n, "files": num_files, "iterations": iters,
-                      "samples_per_s": rate, "loss": train[-1] if train else None,
+                      "samples_per_s": rate, "loss": loss,
                       "pass_auc": pass_auc, "validation": validation,
                       "read_ahead_s": data["read_s"], "read_wait_s": data["wait_s"]})
         self.passes_trained += 1
@@ -487,7 +469,7 @@ class OnlineRun:
     def _checkpoint(self, folder: str, day: str, n: int, *, day_end: bool) -> None:
         import jax
 
-        path = self.trainer.save_checkpoint_to(folder)
+        path = os.path.join(folder, str(self.trainer.save_checkpoint(folder)))
         if jax.process_index() == 0:
             self._save_statistics(folder)
             self._write_progress(day, n, int(os.path.basename(path)), path, day_end)
@@ -525,6 +507,19 @@ class OnlineRun:
         if self._converter is not None and jax.process_index() == 0:
             self._converter(path, kind, day, n)
         return path
+
+
+class _ObserveShowClick(Hook):
+    """Each key of a sample gets the sample's show and click, as the batches are read."""
+
+    def __init__(self, specs, stats: list[FeatureStats], show_of, click_of):
+        self.specs, self.stats, self.show_of, self.click_of = specs, stats, show_of, click_of
+
+    def on_batch(self, batch) -> None:
+        show, click = self.show_of(batch), self.click_of(batch)
+        for spec, stats in zip(self.specs, self.stats):
+            keys, sample = batch.sample_keys(spec.input_index, spec.slot_num)
+            stats.observe(keys, show[sample], click[sample])
 
 
 def _entry_column(source: float | str, data, name: str, where: str | None):

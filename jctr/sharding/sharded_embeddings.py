@@ -167,7 +167,7 @@ class ShardedEmbeddings:
             keys = np.asarray(batch.keys[spec.input_index])
             segs = np.asarray(batch.segments[spec.input_index])
             n = keys.shape[0] // local_devices
-            valid = segs < batch.label.shape[0] * spec.slot_num
+            valid = batch.key_mask(spec.input_index, spec.slot_num)
             if pl.kind == "localized":
                 owner = np.asarray(pl.slot_owner, np.int64)[np.where(valid, segs, 0)
                                                             % spec.slot_num]

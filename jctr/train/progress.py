@@ -94,3 +94,47 @@ class Progress:
         if self.bar is not None:
             self.bar.close()
             self.bar = None
+
+
+class StepMeter:
+    """The clock of one ``fit``: the first step timed apart (it compiles), then samples/s and
+    ms/step over the window since the last display line, and the run's totals."""
+
+    def __init__(self, batchsize: int, progress: Progress):
+        self.batchsize = batchsize
+        self.progress = progress
+        self.t0 = time.perf_counter()
+        self._window_t, self._window_n = self.t0, 0
+
+    def stepped(self, done: int, metrics) -> None:
+        """After dispatching iteration ``done``; the first waits for its step."""
+        self._window_n += self.batchsize
+        if self.progress.compile_s is not None:
+            self.progress.tick(done)
+            return
+        import jax
+
+        jax.block_until_ready(metrics)
+        self.progress.first_step_done(time.perf_counter() - self.t0)
+        self.progress.write(f"[jctr] first step (its first batch read and placed) "
+                            f"{self.progress.compile_s:.1f} s")
+        self._window_t, self._window_n = time.perf_counter(), 0
+
+    def window(self) -> tuple[float, float]:
+        """(samples/s, ms per step) since the last call, which starts a new window."""
+        now = time.perf_counter()
+        steps = max(self._window_n // self.batchsize, 1)
+        rate = self._window_n / max(now - self._window_t, 1e-9)
+        step_ms = 1e3 * (now - self._window_t) / steps
+        self._window_t, self._window_n = now, 0
+        return rate, step_ms
+
+    def totals(self, trained: int) -> dict[str, float | None]:
+        """The run's rates: over all of it, and after the first step (``steady``)."""
+        elapsed = time.perf_counter() - self.t0
+        compile_s = self.progress.compile_s
+        steady = elapsed - (compile_s or 0.0)
+        return {"samples_per_s": trained * self.batchsize / max(elapsed, 1e-9),
+                "steady_samples_per_s": (max(trained - 1, 0) * self.batchsize / steady
+                                         if steady > 0 else 0.0),
+                "compile_s": compile_s, "elapsed_s": elapsed}

@@ -425,7 +425,7 @@ def model(tmp_path_factory):
     from jctr.serving import InferenceModel, export_bundle
 
     export_bundle(t.cfg, t.state, bundle, t.placements)
-    batch = next(iter(t.eval_data.batches(64, epochs=1)))
+    batch = next(iter(t.data.eval.batches(64, epochs=1)))
     return t, InferenceModel.load(bundle), batch
 
 

@@ -30,7 +30,7 @@ def _train_and_export(tmp, bundle, max_iter, seed):
     t = Trainer(load_config(cfg), log=lambda s: None)
     t.fit()
     export_bundle(t.cfg, t.state, str(bundle), t.placements)
-    batch = next(iter(t.eval_data.batches(256, epochs=1)))
+    batch = next(iter(t.data.eval.batches(256, epochs=1)))
     return batch, t.predict(batch)
 
 

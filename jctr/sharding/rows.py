@@ -1,5 +1,9 @@
-"""Embedding tables stored by key (not by device or hash slot), so that any table capacity and,
-with sharding, any number of devices can load them.
+"""A table's rows to and from the host, wherever the table is placed: the one module that moves
+rows (checkpoints, model files, streaming training's working set and shrink, the Kafka
+publisher all go through it).
+
+Tables are stored by key (not by device or hash slot), so that any table capacity and, with
+sharding, any number of devices can load them.
 
 A stored table is a dict of host arrays ordered by row: ``keys`` int64 [n], ``values`` float32
 [n, dim], ``slot`` int32 [n] (the input slot of each key: slot-wise placement needs it) and one
@@ -13,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jctr.embedding.hash_table import export_items, lookup
-from jctr.embedding.sparse_embedding import EmbeddingSpec, EmbeddingState
+from jctr.embedding.sparse_embedding import EmbeddingSpec, EmbeddingState, init_embedding
 from jctr.ops import owner_shards_host
 from jctr.sharding.mesh import to_host
 
@@ -169,3 +173,44 @@ def _like(new: EmbeddingState, old: EmbeddingState) -> EmbeddingState:
         return jnp.asarray(x)
 
     return jax.tree.map(put, new, old)
+
+
+def put_rows(spec: EmbeddingSpec, state: EmbeddingState, placement,
+             stored: dict[str, np.ndarray], *, replace: bool = False) -> EmbeddingState:
+    """``state`` with stored rows (keys, values, optimizer rows, slot ids) inserted, placed as
+    before; ``replace``: into an empty table instead (every other key leaves, free rows hold
+    initial values again). Streaming training moves its working set with this.
+
+    Example::
+
+        es = put_rows(spec, es, placement, store.pull(0, keys), replace=True)
+    """
+    base = state
+    if replace:  # a key's row gets its initial vector when inserted: no reset needed
+        base = init_embedding(spec)
+        if placement is not None and placement.sharded:
+            base = jax.tree.map(lambda x: jnp.broadcast_to(x, (placement.num_shards,)
+                                                           + x.shape), base)
+    filled = import_placed(spec, base, stored, placement, source=f"rows of {spec.name}")
+    return jax.device_put(filled, jax.tree.map(lambda x: x.sharding, state))
+
+
+def drop_keys(spec: EmbeddingSpec, state: EmbeddingState, placement, keys: np.ndarray
+              ) -> tuple[EmbeddingState, int]:
+    """``state`` without ``keys``, their rows freed (streaming training's shrink): the kept
+    keys, values and optimizer rows go into a fresh table. Returns it and its rows in use."""
+    stored = export_placed(state, placement)
+    keep = ~np.isin(stored["keys"], np.asarray(keys, np.int64))
+    kept = put_rows(spec, state, placement, {k: v[keep] for k, v in stored.items()},
+                    replace=True)
+    return kept, int(keep.sum())
+
+
+def scale_slot(state: EmbeddingState, name: str, factors: tuple[float, ...]) -> EmbeddingState:
+    """``state`` with the columns of optimizer slot ``name`` multiplied by ``factors``
+    (streaming training's daily decay of the admission counts)."""
+    scaled = _scale(state.slots[name], jnp.asarray(factors, jnp.float32))
+    return state._replace(slots={**state.slots, name: scaled})
+
+
+_scale = jax.jit(lambda x, f: x * f)

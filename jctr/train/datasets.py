@@ -1,0 +1,119 @@
+"""The data sets of a run, opened as the Data layer says: the training set (this process's share,
+shuffled), the validation set and the named test sets (whole, in order), and the padding a
+multi-process run needs so that every process steps the same number of times per epoch.
+
+Example::
+
+    data = RunData(cfg)
+    data.train.batches_with_position(512, epochs=1)
+    data.eval                            # the Data layer's eval_source
+    other = open_training_set(cfg, "data/day2/_file_list.txt")   # read like the training set
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import jax
+import numpy as np
+
+from jctr.config import ModelConfig
+from jctr.config.schema import DataConfig
+from jctr.data.batch import Batch
+from jctr.data.dataset import Dataset
+from jctr.data.loader import ReaderPosition, open_dataset
+
+
+def _label_rule(cfg: ModelConfig) -> str:
+    return "class" if cfg.loss.type == "CrossEntropyLoss" else "probability"
+
+
+def open_training_set(cfg: ModelConfig, source: str) -> Dataset:
+    """``source`` opened as the training set is: this process's share, shuffled as the Data
+    layer says (streaming training reads each pass with it, ahead of time)."""
+    return open_dataset(source, cfg.data, cfg.solver.input_key_type,
+                        seed=cfg.solver.seed if cfg.data.shuffle else None,
+                        process_index=jax.process_index(), process_count=jax.process_count(),
+                        labels=_label_rule(cfg))
+
+
+def open_eval_set(cfg: ModelConfig, source: str) -> Dataset:
+    """``source`` read like the Data layer's eval_source (whole, in order)."""
+    return open_dataset(source, cfg.data, cfg.solver.input_key_type, eval=True,
+                        labels=_label_rule(cfg))
+
+
+class RunData:
+    """The run's data sets, each opened when first used."""
+
+    def __init__(self, cfg: ModelConfig):
+        self.cfg = cfg
+        self._train: Dataset | None = None
+        self._eval: Dataset | None = None
+        self._tests: dict[str, Dataset] = {}
+        self.train_records = 0  # one epoch of this process's training data (known once checked)
+
+    @property
+    def train(self) -> Dataset:
+        if self._train is None:
+            self._train = open_training_set(self.cfg, self.cfg.data.source)
+        return self._train
+
+    def use_training_set(self, data: Dataset) -> None:
+        """Train on ``data`` from now on (streaming training: each pass its own files)."""
+        self._train = data
+
+    @property
+    def eval(self) -> Dataset:
+        if self._eval is None:
+            self._eval = open_eval_set(self.cfg, self.cfg.data.eval_source)
+            if self.cfg.data.cache_eval_data:  # keep the parsed evaluation set in memory
+                self._eval.cache_all()
+        return self._eval
+
+    def test(self, name: str) -> Dataset:
+        """The Data layer's test set ``name`` (``test_source``)."""
+        if name not in self._tests:
+            self._tests[name] = open_eval_set(self.cfg, dict(self.cfg.data.test_sources)[name])
+        return self._tests[name]
+
+    def check(self) -> None:
+        """Every file's header, before training (raises :class:`jctr.data.records.DataError`)."""
+        self.train_records = self.train.check_units()
+        self.eval.check_units()
+        for name, _ in self.cfg.data.test_sources:
+            self.test(name).check_units()
+
+
+def even_epochs(reads: Iterator[tuple[Batch, ReaderPosition]], local_batch: int,
+                train_records: int, start: ReaderPosition | None, data: DataConfig
+                ) -> Iterator[tuple[Batch, ReaderPosition]]:
+    """Every process the same number of steps per epoch (the processes step together): one
+    whose share of the files is smaller ends each epoch with batches of padding only. An
+    epoch entered part way (a resumed run) is not padded."""
+    from jax.experimental import multihost_utils
+
+    mine = -(-train_records // local_batch)  # this process's batches per epoch
+    most = int(np.max(multihost_utils.process_allgather(np.array([mine], np.int64))))
+    counting = start is None or (start.file_index == 0 and start.record == 0)
+    count, empty = 0, None
+    for batch, position in reads:
+        yield batch, position
+        count += 1
+        if empty is None:
+            empty = padding_batch(batch, data)
+        if position.file_index == 0 and position.record == 0:  # the epoch ended here
+            while counting and count < most:
+                yield empty, position
+                count += 1
+            count, counting = 0, True
+
+
+def padding_batch(like: Batch, data: DataConfig) -> Batch:
+    """A batch shaped like ``like`` with no sample in it (every key is padding)."""
+    b = like.label.shape[0]
+    return Batch(np.zeros_like(like.label), np.zeros_like(like.dense),
+                 tuple(np.zeros_like(k) for k in like.keys),
+                 tuple(np.full_like(seg, b * sp.slot_num)
+                       for seg, sp in zip(like.segments, data.sparse)),
+                 np.zeros_like(like.mask))

@@ -1,0 +1,93 @@
+"""How a feature attaches to the training loop without the loop knowing it: a :class:`Hook`
+sees each host batch as it is read (``on_batch``, in the reader's thread), each step after it
+is dispatched (``on_step``) and the end of each ``fit`` (``on_fit_end``). ``fit`` returns a
+:class:`FitSummary`. Streaming training's show/click statistics and pass AUC and the Kafka
+publisher are hooks.
+
+Example::
+
+    class CountKeys(Hook):
+        def __init__(self):
+            self.keys = 0
+        def on_batch(self, batch):
+            self.keys += sum(k.size for k in batch.keys)
+
+    trainer = Trainer.from_config("configs/dlrm_synthetic.json", max_iter=20,
+                                  hooks=[CountKeys()])
+    summary = trainer.fit()          # FitSummary(iterations=20, ...)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from jctr.data.batch import Batch
+from jctr.models.ctr import TrainState
+from jctr.sharding.mesh import to_host
+
+
+class Hook:
+    """The loop's three calls; override those you need. ``auc_buckets`` > 0 asks the train
+    step to count its predictions in that many buckets per label (``metrics["auc_counts"]``,
+    ``[2, buckets]``, summed over every process; fixed when the Trainer is built)."""
+
+    auc_buckets: int = 0
+
+    def on_batch(self, batch: Batch) -> Any:
+        """A host batch as read, before it goes to the devices (the reader's thread: keep it
+        host-side numpy). What it returns comes back with the batch's step, as ``note``."""
+        return None
+
+    def on_step(self, step: int, state: TrainState, metrics: dict[str, jax.Array],
+                note: Any) -> None:
+        """After iteration ``step`` was dispatched: ``state`` and ``metrics`` may still be
+        computing (reading them waits for the step)."""
+
+    def on_fit_end(self, state: TrainState, summary: FitSummary) -> None:
+        """After ``fit`` trained and evaluated (before the test sets are scored)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FitSummary:
+    """What one ``fit`` did: iterations trained, the state's iteration at the end, the last
+    checked training loss, throughput (``steady_samples_per_s`` leaves the first step out),
+    the last validation metrics (the restored best's, if early stopping restored them) and
+    whether it stopped early (early stopping, AUC threshold)."""
+
+    iterations: int
+    step: int
+    loss: float | None
+    samples_per_s: float
+    steady_samples_per_s: float
+    compile_s: float | None
+    elapsed_s: float
+    validation: dict[str, float]
+    stopped_early: bool
+    routing_fallback_steps: int = 0
+    skipped_nonfinite: int = 0
+
+
+class PredictionCounts(Hook):
+    """The training predictions' counts per bucket since the last :meth:`take` (negatives and
+    positives; summed on the devices, no wait for a step): the AUC of everything trained
+    since, as streaming training's pass AUC
+    (:func:`jctr.train.metrics.bucket_auc` of :meth:`take`)."""
+
+    def __init__(self, buckets: int = 4096):
+        self.auc_buckets = buckets
+        self._counts = None
+
+    def on_step(self, step, state, metrics, note) -> None:
+        counts = metrics["auc_counts"]
+        self._counts = counts if self._counts is None else self._counts + counts
+
+    def take(self) -> np.ndarray:
+        """``[2, buckets]`` counts since the last call, which start again from zero."""
+        counts, self._counts = self._counts, None
+        if counts is None:
+            return np.zeros((2, self.auc_buckets), np.int64)
+        return np.asarray(to_host(counts), np.int64)

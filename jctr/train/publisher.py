@@ -1,0 +1,95 @@
+"""Online updates from training (``solver.kafka_sink``): a :class:`jctr.train.hooks.Hook` that
+notes the keys each step trains and every ``every_n_steps`` steps, and at the end of each
+``fit``, sends their rows and the dense weights to Kafka, where serving's update applier reads
+them. The one module of the training side that talks to a store; the Trainer attaches it.
+
+Example::
+
+    publisher = KafkaPublisher(cfg, step_config, placements, report=print)
+    trainer = Trainer(cfg, hooks=[publisher])    # what Trainer does for solver.kafka_sink
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from jctr.checkpoint.model_files import dense_weights, host_network, non_trainable
+from jctr.config import ConfigError, ModelConfig
+from jctr.data.batch import Batch
+from jctr.models.ctr import StepConfig, TrainState
+from jctr.sharding.mesh import to_host
+from jctr.sharding.rows import export_keys
+from jctr.train.hooks import FitSummary, Hook
+
+
+class KafkaPublisher(Hook):
+    """Sends what training changed to ``solver.kafka_sink`` (see the module docstring). The
+    messages queue; nothing waits for the broker. A broker that lost its topics gets every
+    key trained so far again."""
+
+    def __init__(self, cfg: ModelConfig, step_config: StepConfig, placements, *,
+                 report: Callable[[str], None]):
+        ks = cfg.solver.kafka_sink
+        if jax.process_count() > 1:
+            raise ConfigError("solver.kafka_sink", "publishing updates from a multi-process "
+                              "run is not supported in this version", cfg.source)
+        from jctr.stores.kafka import KafkaMessageSink
+
+        self.every = ks.every_n_steps
+        self.step_config = step_config
+        self.specs = step_config.specs
+        self.placements = placements
+        self.report = report
+        # a broker that does not answer is reported now, before the first step
+        self.sink = KafkaMessageSink(ks.brokers, ks.model_name,
+                                     send_buffer_size=ks.send_buffer_size,
+                                     max_buffered_bytes=ks.max_buffered_mb << 20,
+                                     report=report)
+        self._touched: list[list[np.ndarray]] = [[] for _ in self.specs]
+        self._published = [np.zeros(0, np.int64) for _ in self.specs]  # keys ever sent
+
+    def on_batch(self, batch: Batch) -> list[np.ndarray]:
+        """The keys this batch's step updates, per table."""
+        return [np.unique(batch.valid_keys(s.input_index, s.slot_num)) for s in self.specs]
+
+    def on_step(self, step: int, state: TrainState, metrics, note: list[np.ndarray]) -> None:
+        for seen, keys in zip(self._touched, note):
+            seen.append(keys)
+        if self.every and step % self.every == 0:
+            self.publish(state)
+
+    def on_fit_end(self, state: TrainState, summary: FitSummary) -> None:
+        """What the last steps changed and the final dense weights; then a short wait for
+        delivery."""
+        self.publish(state)
+        left = self.sink.flush(10.0 if self.sink.reachable else 0.0)
+        if left:
+            self.report(f"[jctr] warning: kafka_sink: {left} update message(s) not delivered "
+                        f"yet ({self.sink.stats()['dropped']} dropped)")
+
+    def publish(self, state: TrainState) -> int:
+        """Send the rows of every key trained since the last call, and the dense weights;
+        returns the rows sent."""
+        step = int(to_host(state.step))
+        rows = 0
+        resend = self.sink.broker_restarted()  # it lost what it had: all trained so far
+        for i, spec in enumerate(self.specs):
+            keys = (np.unique(np.concatenate(self._touched[i])) if self._touched[i]
+                    else np.zeros(0, np.int64))
+            self._touched[i] = []
+            self._published[i] = np.union1d(self._published[i], keys)
+            if resend:
+                keys = self._published[i]
+            if not keys.size:
+                continue
+            stored = export_keys(state.embeddings[i], keys, self.placements[i])
+            self.sink.publish_rows(spec.name, step, stored["keys"], stored["values"])
+            rows += int(stored["keys"].size)
+        net = host_network(self.step_config, state)
+        self.sink.publish_dense(step, dense_weights(net).astype("<f4").tobytes(),
+                                json.dumps(non_trainable(net)))
+        return rows

@@ -19,14 +19,15 @@ COMMANDS = {
     "export": ("jctr.serving.export", "write an inference bundle from a checkpoint"),
     "serve": ("jctr.serving.cli", "serve models from the parameter server over HTTP "
                                   "(serve load: fill its databases)"),
-    "online": ("jctr.online.runner", "streaming training, pass by pass over time-sliced "
-                                     "folders"),
+    "online": ("jctr.online.cli", "streaming training, pass by pass over time-sliced "
+                                  "folders"),
     "report": ("jctr.train.report", "write report.html (plots, summary, config) of a run"),
-    "synth": ("jctr.data.synthetic", "generate a power-law synthetic dataset"),
-    "convert": ("jctr.data.criteo", "convert Criteo TSV files to the Norm / Raw / Parquet formats"),
-    "from-csv": ("jctr.data.from_csv", "turn any CSV/TSV into training data and a config"),
-    "transcode": ("jctr.data.transcode", "CSV to the feature-spec split binary format"),
-    "gen-csv": ("jctr.data.gen_csv", "generate a CSV dataset with a feature spec"),
+    "synth": ("jctr.data.tools.synthetic", "generate a power-law synthetic dataset"),
+    "convert": ("jctr.data.tools.criteo",
+                "convert Criteo TSV files to the Norm / Raw / Parquet formats"),
+    "from-csv": ("jctr.data.tools.from_csv", "turn any CSV/TSV into training data and a config"),
+    "transcode": ("jctr.data.tools.transcode", "CSV to the feature-spec split binary format"),
+    "gen-csv": ("jctr.data.tools.gen_csv", "generate a CSV dataset with a feature spec"),
 }
 
 
@@ -68,17 +69,17 @@ def _command_main(name: str):
     elif name == "report":
         from jctr.train.report import main
     elif name == "synth":
-        from jctr.data.synthetic import main
+        from jctr.data.tools.synthetic import main
     elif name == "convert":
-        from jctr.data.criteo import main
+        from jctr.data.tools.criteo import main
     elif name == "from-csv":
-        from jctr.data.from_csv import main
+        from jctr.data.tools.from_csv import main
     elif name == "transcode":
-        from jctr.data.transcode import main
+        from jctr.data.tools.transcode import main
     elif name == "online":
-        from jctr.online.runner import main
+        from jctr.online.cli import main
     else:
-        from jctr.data.gen_csv import main
+        from jctr.data.tools.gen_csv import main
     return main
 
 

@@ -38,7 +38,7 @@ sys.path.insert(0, ROOT)
 
 import jctr._x64  # noqa: E402,F401  (64-bit keys)
 from jctr.config.hps import PersistentDatabaseParams, VolatileDatabaseParams  # noqa: E402
-from jctr.data.synthetic import power_law_ranks  # noqa: E402
+from jctr.data.tools.synthetic import power_law_ranks  # noqa: E402
 from jctr.serving.device_cache import DeviceCache  # noqa: E402
 from jctr.stores.hash_map import HashMapStore  # noqa: E402
 from jctr.stores.redis_cluster import RedisClusterStore  # noqa: E402

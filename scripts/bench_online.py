@@ -60,7 +60,7 @@ def throughput(args, alpha: float, tmp: str) -> dict:
     from jctr.config import parse_config
     from jctr.config.online import parse_online_config
     from jctr.data.records import write_file_list
-    from jctr.data.synthetic import write_dataset
+    from jctr.data.tools.synthetic import write_dataset
     from jctr.online.runner import OnlineRun
     from jctr.online.synthetic_stream import write_stream
     from jctr.train.trainer import Trainer

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jctr._x64  # noqa: E402,F401  (64-bit keys)
 from jctr.data.batch import Batch  # noqa: E402
-from jctr.data.synthetic import power_law_ranks  # noqa: E402
+from jctr.data.tools.synthetic import power_law_ranks  # noqa: E402
 from jctr.runtime.host_memory import reexec_with_malloc_tuning  # noqa: E402
 from scripts.make_configs import KAGGLE_CAPPED  # noqa: E402
 

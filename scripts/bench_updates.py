@@ -85,7 +85,7 @@ def main() -> int:
     args = ap.parse_args()
     from jctr.config import parse_config
     from jctr.config.hps import parse_ps_config
-    from jctr.data.synthetic import power_law_ranks
+    from jctr.data.tools.synthetic import power_law_ranks
     from jctr.serving.bundle import export_bundle
     from jctr.serving.hps import Databases
     from jctr.serving.hps_model import HPSModel

@@ -50,7 +50,7 @@ from jctr.data.norm import write_norm_file  # noqa: E402
 from jctr.data.parquet import write_parquet_dataset  # noqa: E402
 from jctr.data.raw import write_raw_file  # noqa: E402
 from jctr.data.records import write_file_list  # noqa: E402
-from jctr.data.synthetic import generate_block  # noqa: E402
+from jctr.data.tools.synthetic import generate_block  # noqa: E402
 
 MARKER = ".jctr-samples"
 PLAN_RE = re.compile(r"\[jctr\] memory plan: .*?([0-9.]+) (GiB|MiB|KiB|B) in all")

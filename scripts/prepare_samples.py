@@ -19,7 +19,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
-from jctr.data.from_csv import main as from_csv  # noqa: E402
+from jctr.data.tools.from_csv import main as from_csv  # noqa: E402
 
 SAMPLES = {
     # name: (file, converter arguments)

@@ -13,7 +13,7 @@ from jctr.data.loader import NormDataset, ReaderPosition, build_batch
 from jctr.data.norm import read_norm_file, write_norm_file
 from jctr.data.raw import write_raw_file
 from jctr.data.records import DataError, RecordBlock, write_file_list
-from jctr.data.synthetic import generate_block
+from jctr.data.tools.synthetic import generate_block
 from tests.conftest import load_json
 
 SLOTS = 4

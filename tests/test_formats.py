@@ -13,13 +13,13 @@ import pytest
 import yaml
 
 from jctr.config import parse_config
-from jctr.data.criteo import _hex_values, convert
 from jctr.data.feature_spec import load_feature_spec
 from jctr.data.loader import open_dataset
 from jctr.data.parquet import write_parquet_dataset
 from jctr.data.raw import write_raw_file
 from jctr.data.records import DataError
-from jctr.data.synthetic import write_format
+from jctr.data.tools.criteo import _hex_values, convert
+from jctr.data.tools.synthetic import write_format
 from jctr.train.trainer import Trainer
 from tests.conftest import ROOT, load_json
 
@@ -200,11 +200,11 @@ def test_gen_csv_transcode_and_train(tmp_path):
     (src / "feature_spec.yaml").write_text(SPEC)
     run = lambda *a: subprocess.run([sys.executable, "-m", *a], cwd=ROOT, capture_output=True,
                                     text=True, timeout=120)
-    out = run("jctr.data.gen_csv", "--feature_spec_in", str(src / "feature_spec.yaml"),
+    out = run("jctr.data.tools.gen_csv", "--feature_spec_in", str(src / "feature_spec.yaml"),
               "--size", "3000")
     assert out.returncode == 0, out.stderr
     assert (src / "train_a_1.csv").exists() and (src / "test.csv").exists()
-    out = run("jctr.data.transcode", "--input", str(src), "--output", str(tmp_path / "bin"))
+    out = run("jctr.data.tools.transcode", "--input", str(src), "--output", str(tmp_path / "bin"))
     assert out.returncode == 0, out.stderr
     spec = yaml.safe_load((tmp_path / "bin" / "feature_spec.yaml").read_text())
     assert spec["feature_spec"]["cat_0"]["cardinality"] == 100  # inferred from 'auto'
@@ -244,7 +244,7 @@ def test_feature_spec_errors(tmp_path, edit, message):
 
 def test_csv_rows_with_wrong_field_count(tmp_path):
     (tmp_path / "feature_spec.yaml").write_text(SPEC)
-    from jctr.data.gen_csv import generate_csv
+    from jctr.data.tools.gen_csv import generate_csv
 
     generate_csv(str(tmp_path / "feature_spec.yaml"), size=50)
     with open(tmp_path / "train_b.csv", "a") as f:
@@ -273,7 +273,7 @@ def test_synthetic_formats_hold_the_same_samples(tmp_path, fmt):
     cfg = parse_config(_data_cfg(fmt, path, **extra))
     got = _blocks(open_dataset(path, cfg.data, "I64"))
     from jctr.data.records import RecordBlock
-    from jctr.data.synthetic import generate_block
+    from jctr.data.tools.synthetic import generate_block
 
     keys = np.concatenate([b.keys for b in got])
     if fmt == "Parquet":  # three files, three generator streams
@@ -347,7 +347,7 @@ def test_criteo_tsv_and_csv_agree(tmp_path):
     header = "label," + ",".join(f"I{i}" for i in range(1, 14)) + "," + \
         ",".join(f"C{i}" for i in range(1, 27))
     csv.write_text(header + "\n" + "\n".join(r.replace("\t", ",") for r in rows) + "\n")
-    from jctr.data.criteo import read_criteo
+    from jctr.data.tools.criteo import read_criteo
 
     a, b = read_criteo(str(tsv)), read_criteo(str(csv))
     for x, y in zip(a, b):

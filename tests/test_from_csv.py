@@ -8,9 +8,9 @@ import os
 import numpy as np
 import pytest
 
-from jctr.data.from_csv import convert, expand_names, main
 from jctr.data.norm import read_norm_file
 from jctr.data.records import DataError
+from jctr.data.tools.from_csv import convert, expand_names, main
 from jctr.train.trainer import Trainer
 from tests.conftest import ROOT
 

@@ -12,7 +12,7 @@ from jctr.config.schema import SparseInputConfig
 from jctr.data.dataset import build_batch
 from jctr.data.norm import read_norm_file, write_norm_file
 from jctr.data.records import DataError
-from jctr.data.synthetic import generate_block
+from jctr.data.tools.synthetic import generate_block
 
 SLOTS = 4
 SPARSE = (SparseInputConfig("a", "DistributedSlot", 12, SLOTS, 3),)
@@ -99,7 +99,7 @@ def test_mutated_raw_and_parquet_files_fail_cleanly(tmp_path, fmt, muts):
 
     from jctr.config import parse_config
     from jctr.data.loader import open_dataset
-    from jctr.data.synthetic import write_format
+    from jctr.data.tools.synthetic import write_format
     from tests.conftest import load_json
 
     folder = tmp_path / fmt

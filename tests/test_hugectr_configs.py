@@ -20,7 +20,7 @@ from flax import nnx
 from jctr.config import ConfigError, parse_config
 from jctr.data.parquet import write_parquet_dataset
 from jctr.data.raw import write_raw_file
-from jctr.data.synthetic import generate_block
+from jctr.data.tools.synthetic import generate_block
 from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.models import build_network
 from jctr.models import layers as L

@@ -9,7 +9,7 @@ from jctr.config import parse_config
 from jctr.data.loader import NormDataset, build_batch
 from jctr.data.norm import read_norm_file, write_norm_file
 from jctr.data.records import DataError, RecordBlock, read_file_list, write_file_list
-from jctr.data.synthetic import generate_block
+from jctr.data.tools.synthetic import generate_block
 from tests.conftest import load_json
 
 

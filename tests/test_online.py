@@ -146,7 +146,7 @@ def _stream(tmp, days=("20190720", "20190721")):
     import shutil
 
     from jctr.config import parse_config
-    from jctr.data.synthetic import generate_for_config
+    from jctr.data.tools.synthetic import generate_for_config
     from tests.conftest import tiny_config
 
     cfg = tiny_config(tmp, "dlrm", display=1000, eval_batches=2, batchsize=256,
@@ -267,7 +267,7 @@ def test_streaming_config_errors_name_the_file_and_field(tmp_path):
 
 
 def test_online_command_reports_errors_in_one_line(tmp_path, capsys):
-    from jctr.online.runner import main
+    from jctr.online.cli import main
 
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
     err = capsys.readouterr().err
@@ -695,7 +695,7 @@ def test_ten_days_of_a_drifting_stream_through_a_small_table(tmp_path):
                       batchsize_eval=256, eval_interval=10**6)
     cfg["layers"][0]["synthetic"].update(num_samples=512, eval_num_samples=512, num_files=1)
     cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 13000
-    from jctr.data.synthetic import generate_for_config
+    from jctr.data.tools.synthetic import generate_for_config
 
     generate_for_config(parse_config(cfg))  # the validation set
     days = [f"201907{20 + d}" for d in range(10)]
@@ -768,7 +768,7 @@ def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypa
     import json
 
     from jctr.config import ConfigError, parse_config
-    from jctr.data.synthetic import generate_for_config
+    from jctr.data.tools.synthetic import generate_for_config
     from jctr.online.row_store import RowStore
     from jctr.online.runner import OnlineRun
     from jctr.online.synthetic_stream import write_stream

@@ -10,7 +10,7 @@ from jctr.checkpoint.model_files import load_model_files, save_model_files
 from jctr.checkpoint.snapshots import restore_snapshot, save_snapshot
 from jctr.config import load_config
 from jctr.data.loader import open_dataset
-from jctr.data.synthetic import generate_for_config
+from jctr.data.tools.synthetic import generate_for_config
 from jctr.models.ctr import build_model, make_eval_step
 from jctr.sharding.placed_model import PlacedModel
 from jctr.train.dense_optimizer import dense_optimizer

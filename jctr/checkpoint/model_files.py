@@ -65,18 +65,26 @@ def write_dense_model(path: str, net) -> None:
 def load_dense_model(path: str, net) -> None:
     """Set ``net``'s trainable weights from a dense model file (in place)."""
     try:
-        flat = np.fromfile(path, dtype="<f4")
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise ModelFileError(f"{path}: cannot read dense model file: {e.strerror}") from e
+    set_dense_weights(data, net, path)
+
+
+def set_dense_weights(data: bytes, net, where: str) -> None:
+    """Set ``net``'s trainable weights from a dense model file's bytes (in place); ``where``
+    names them in errors."""
     slots = _weight_slots(net)
     expected = sum(int(np.prod(shape)) for _, _, shape, _ in slots)
-    if flat.size != expected or os.path.getsize(path) != 4 * expected:
-        raise ModelFileError(f"{path}: dense model file holds {os.path.getsize(path)} bytes; "
+    if len(data) != 4 * expected:
+        raise ModelFileError(f"{where}: dense model file holds {len(data)} bytes; "
                              f"this network's weights need {4 * expected} "
                              f"({expected} float32 in layer order)")
+    flat = np.frombuffer(data, dtype="<f4")
     bad = np.flatnonzero(~np.isfinite(flat))
     if bad.size:
-        raise ModelFileError(f"{path}: {bad.size} non-finite weight(s) (NaN or infinity), the "
+        raise ModelFileError(f"{where}: {bad.size} non-finite weight(s) (NaN or infinity), the "
                              f"first at float {int(bad[0])}; a model with them predicts NaN: "
                              "export it again from a sound checkpoint")
     pos = 0
@@ -86,6 +94,24 @@ def load_dense_model(path: str, net) -> None:
         pos += size
         var = getattr(mod, attr)
         var[...] = chunk if i is None else var[...].at[i].set(chunk)
+
+
+def dense_from_bytes(graphdef, params, batch_stats, dense: bytes,
+                     non_trainable_json: str | None = None, *, where: str = "dense weights"):
+    """New (params, batch_stats) from a dense model file's bytes (and the BatchNorm JSON, if
+    given), checked like the files; only the dense network is touched and ``params`` /
+    ``batch_stats`` are left as they were (serving swaps the result in).
+
+    Example::
+
+        params, stats = dense_from_bytes(step_config.graphdef, params, stats, payload)
+    """
+    net = nnx.merge(graphdef, params, batch_stats, copy=True)
+    set_dense_weights(dense, net, where)
+    if non_trainable_json:
+        set_non_trainable(non_trainable_json, net, where)
+    _, new_params, new_stats = nnx.split(net, nnx.Param, ...)
+    return new_params, new_stats
 
 
 def write_sparse_model(path: str, keys: np.ndarray, vectors: np.ndarray,
@@ -152,26 +178,36 @@ def write_non_trainable(path: str, net) -> None:
 
 
 def load_non_trainable(path: str, net) -> None:
+    """Set ``net``'s BatchNorm statistics from a ``non_trainable`` JSON file (in place)."""
     try:
         with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
+            text = f.read()
+    except OSError as e:
         raise ModelFileError(f"{path}: cannot read non-trainable parameters: {e}") from e
+    set_non_trainable(text, net, path)
+
+
+def set_non_trainable(text: str, net, where: str) -> None:
+    """Set ``net``'s BatchNorm statistics from HugeCTR's non-trainable JSON (in place)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ModelFileError(f"{where}: cannot read non-trainable parameters: {e}") from e
     bns = [m for m in net.layers if isinstance(m, L.BatchNorm)]
     entries = data.get("layers", []) if isinstance(data, dict) else []
     if len(entries) != len(bns):
-        raise ModelFileError(f"{path}: {len(entries)} BatchNorm entries for {len(bns)} "
+        raise ModelFileError(f"{where}: {len(entries)} BatchNorm entries for {len(bns)} "
                              "BatchNorm layers")
     for i, (mod, entry) in enumerate(zip(bns, entries)):
         n = mod.mean[...].shape[0]
         if len(entry.get("mean", [])) != n or len(entry.get("var", [])) != n:
-            raise ModelFileError(f"{path}: layers[{i}]: expected mean and var of length {n}")
+            raise ModelFileError(f"{where}: layers[{i}]: expected mean and var of length {n}")
         try:
             finite = np.isfinite(np.asarray([entry["mean"], entry["var"]], np.float64)).all()
         except (TypeError, ValueError):
             finite = False
         if not finite:
-            raise ModelFileError(f"{path}: layers[{i}]: mean and var must be finite numbers")
+            raise ModelFileError(f"{where}: layers[{i}]: mean and var must be finite numbers")
         mod.mean[...] = jnp.asarray(entry["mean"], jnp.float32)
         mod.var[...] = jnp.asarray(entry["var"], jnp.float32)
 

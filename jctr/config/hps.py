@@ -23,6 +23,17 @@ from typing import Any
 from jctr.config.reader import ConfigError, ObjectReader, describe, join_path
 
 
+def table_name(model: str, table: str) -> str:
+    """An embedding table's name in the databases and its online updates' Kafka topic
+    (HugeCTR's ``hps_et.<model>.<table>``): the one place it is made."""
+    return f"hps_et.{model}.{table}"
+
+
+def dense_name(model: str) -> str:
+    """The Kafka topic of a model's dense weight updates (``hps_dense.<model>``)."""
+    return f"hps_dense.{model}"
+
+
 class DatabaseType_t:  # noqa: N801 - HugeCTR's name
     """Database implementations (HugeCTR's enum; values are the JSON strings)."""
 
@@ -386,7 +397,7 @@ class InferenceParams:
 
     def table_key(self, table: int) -> str:
         """The name of one table in the databases: ``hps_et.<model>.<table>`` (HugeCTR's)."""
-        return f"hps_et.{self.model_name}.{self.embedding_table_names[table]}"
+        return table_name(self.model_name, self.embedding_table_names[table])
 
 
 @dataclass(frozen=True)

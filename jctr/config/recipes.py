@@ -5,7 +5,7 @@ kept) and the learning rate x0.1 on plateau.
 
 Example::
 
-    layer, rows = jctr.data.from_csv.convert(...)
+    layer, rows = jctr.data.tools.from_csv.convert(...)
     cfg = tabular_config("deepfm", layer, train_rows=rows["train"], run_dir="data/mine")
 """
 

@@ -80,16 +80,6 @@ class FeatureSpec:
             out.append(int(c))
         return out
 
-    def to_yaml_dict(self) -> dict:
-        return {
-            "feature_spec": self.features,
-            "source_spec": {m: [{"type": c.type, "features": c.features,
-                                 "files": [os.path.relpath(f, self.base) for f in c.files]}
-                                for c in chunks] for m, chunks in self.source.items()},
-            "channel_spec": self.channels,
-            "metadata": self.metadata,
-        }
-
 
 def load_feature_spec(path: str, *, check_files: bool = True) -> FeatureSpec:
     try:

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from jctr.config import ModelConfig
-from jctr.embedding.engine import LocalEmbeddings
+from jctr.embedding.engine import EmbeddingEngine, LocalEmbeddings
 from jctr.embedding.sparse_embedding import EmbeddingSpec, EmbeddingState, init_embedding
 from jctr.models.graph import build_network
 from jctr.models.layers import Context
@@ -87,7 +87,7 @@ def forward(sc: StepConfig, params, batch_stats, pooled, batch: Batch, rng, trai
     return loss, (pred, new_stats)
 
 
-def make_eval_step(sc: StepConfig, engine=None):
+def make_eval_step(sc: StepConfig, engine: EmbeddingEngine | None = None):
     """``eval_step(state, batch) -> (loss, prediction)``; never inserts keys."""
     engine = engine or LocalEmbeddings(sc.specs)
 

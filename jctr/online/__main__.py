@@ -2,7 +2,7 @@
 
 import sys
 
-from jctr.online.runner import main
+from jctr.online.cli import main
 from jctr.train.cli import end_process
 
 if __name__ == "__main__":

@@ -569,33 +569,3 @@ def _converter(cfg: OnlineConfig) -> Callable | None:
         raise ConfigError("table_parameters.converter", f"{name!r} is not callable",
                           cfg.source)
     return fn
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-
-    from jctr.errors import run_command
-
-    ap = argparse.ArgumentParser(prog="python -m jctr.online", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="streaming config (YAML or JSON)")
-    ap.add_argument("--debug", action="store_true", help="show tracebacks with errors")
-    args = ap.parse_args(argv)
-
-    def go() -> None:
-        from jctr.config.online import load_online_config
-        from jctr.config.parser import load_config
-        from jctr.runtime.devices import provide_host_devices
-        from jctr.sharding.distributed import initialize_distributed, planned_process_count
-
-        cfg = load_online_config(args.config)
-        # the model's solver.gpu as host devices on CPU, before JAX starts its backends
-        note = provide_host_devices(load_config(cfg.model).solver.gpu, planned_process_count())
-        initialize_distributed()  # the cluster the environment describes, if any
-        if note:
-            import sys
-
-            print(note, file=sys.stderr, flush=True)
-        OnlineRun(cfg).run()
-
-    return run_command(go, debug=args.debug)

@@ -14,7 +14,7 @@ import os
 
 from jctr.config.schema import ModelConfig
 from jctr.data.norm import write_norm_file
-from jctr.data.synthetic import generate_block, layout_from_config
+from jctr.data.tools.synthetic import generate_block, layout_from_config
 from jctr.online.schedule import pass_folders
 
 

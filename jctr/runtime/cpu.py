@@ -22,3 +22,16 @@ def has_bf16_matmul() -> bool:
     """Whether the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16); without it XLA
     emulates bfloat16 and it is slower than float32."""
     return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+
+
+def describe_cpu_setup(compute_dtype: str) -> list[str]:
+    """Lines a run on CPU prints before training: the malloc settings, and a warning where
+    ``compute_dtype`` is slow on this CPU."""
+    from jctr.runtime.host_memory import describe_malloc_tuning
+
+    lines = [describe_malloc_tuning()]
+    if compute_dtype == "bfloat16" and not has_bf16_matmul():
+        lines.append("[jctr] warning: compute_dtype bfloat16 on a CPU without AVX512-BF16 or "
+                     "AMX: XLA emulates bfloat16 here, slower than float32 "
+                     "(docs/performance.md); use float32 on this machine")
+    return lines

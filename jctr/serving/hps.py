@@ -19,6 +19,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 
@@ -89,6 +90,9 @@ class Databases:
         self.expected: dict[str, dict] = {}  # table -> manifest the served model needs
         self._volatile_skip: set[str] = set()  # tables the volatile db holds for another export
         self._reviver: threading.Thread | None = None
+        self._update_filters = {layer: [re.compile(f) for f in params.update_filters]
+                                for layer, params in (("volatile_db", volatile),
+                                                      ("persistent_db", persistent))}
         try:
             self.volatile = open_volatile(volatile)
         except StoreUnavailable as e:
@@ -286,18 +290,36 @@ class Databases:
         store = self.volatile if layer == "volatile_db" else self.persistent
         return None if store is None else links_held(store.get_meta(table), expected)
 
-    def apply_rows(self, layer: str, table: str, keys: np.ndarray, values: np.ndarray,
-                   manifest: dict) -> int:
-        """Write delta rows over ``layer``'s table (kept rows stay); the table is marked
-        incomplete until every row is in, then takes ``manifest``. Returns rows written."""
+    def update_layers(self, table: str) -> list[str]:
+        """The layers that take online updates of ``table``: those whose ``update_filters``
+        match it (not a read-only persistent database)."""
+        out = []
+        if (self.persistent is not None and not self.persistent_params.read_only
+                and any(f.search(table) for f in self._update_filters["persistent_db"])):
+            out.append("persistent_db")
+        if self.volatile_configured and any(f.search(table)
+                                            for f in self._update_filters["volatile_db"]):
+            out.append("volatile_db")
+        return out
+
+    def write_rows(self, layer: str, table: str, keys: np.ndarray, values: np.ndarray,
+                   manifest: dict | None = None) -> int:
+        """Write rows over ``layer``'s table (kept rows stay): a delta bundle's, with its
+        ``manifest`` (the table is marked incomplete until every row is in), or an online
+        update's (rows only). A volatile database that is down raises
+        :class:`StoreUnavailable`. Returns rows written."""
         store = self.volatile if layer == "volatile_db" else self.persistent
-        store.set_meta(table, incomplete(store.get_meta(table) or {}))
+        if store is None:
+            raise StoreUnavailable(f"{layer} down: {self.volatile_error}")
+        if manifest is not None:
+            store.set_meta(table, incomplete(store.get_meta(table) or {}))
         step = 1 << 18
         for s in range(0, keys.size, step):
             store.insert(table, keys[s:s + step], values[s:s + step])
-        store.set_meta(table, manifest)
-        if layer == "volatile_db":
-            self._volatile_skip.discard(table)
+        if manifest is not None:
+            store.set_meta(table, manifest)
+            if layer == "volatile_db":
+                self._volatile_skip.discard(table)
         return int(keys.size)
 
     def close(self) -> None:

@@ -30,7 +30,12 @@ import jax.numpy as jnp
 import numpy as np
 
 import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
-from jctr.checkpoint.model_files import ModelFileError, load_model_files, read_sparse_model
+from jctr.checkpoint.model_files import (
+    ModelFileError,
+    dense_from_bytes,
+    load_model_files,
+    read_sparse_model,
+)
 from jctr.config import ConfigError
 from jctr.config.hps import MODEL_JSON_KEYS, InferenceParams
 from jctr.config.parser import load_config
@@ -74,7 +79,6 @@ class HPSModel:
         self._check_against_network(cfg)
         step_config, init_state = build_model(cfg, capacities={e.name: 1 for e in cfg.embeddings})
         self.step_config: StepConfig = step_config
-        self._init_state = init_state  # a fresh model to load new dense weights into
         nt = params.non_trainable_file
         if nt is None:
             guess = os.path.join(os.path.dirname(params.dense_model_file), "non_trainable.json")
@@ -214,7 +218,7 @@ class HPSModel:
             for layer, first in plan.items():
                 if first:  # the same chain's first links are there: the rest over them
                     keys, values = self._rows(i, first)
-                    written[layer] = self.dbs.apply_rows(layer, t.key, keys, values, manifest)
+                    written[layer] = self.dbs.write_rows(layer, t.key, keys, values, manifest)
             out[t.key] = written
         return out
 
@@ -352,24 +356,16 @@ class HPSModel:
     def swap_dense(self, dense: bytes, non_trainable: str) -> None:
         """New dense weights (a dense model file's bytes) and BatchNorm statistics, checked like
         the files, put in place between two requests."""
-        import tempfile
-
-        with tempfile.TemporaryDirectory(prefix="jctr-dense-") as tmp:
-            dense_path = os.path.join(tmp, "dense.model")
-            with open(dense_path, "wb") as f:
-                f.write(dense)
-            nt_path = None
-            if non_trainable and _has_batchnorm(self.cfg):
-                nt_path = os.path.join(tmp, "non_trainable.json")
-                with open(nt_path, "w", encoding="utf-8") as f:
-                    f.write(non_trainable)
-            with jax.default_device(jax.local_devices()[0]):
-                state = load_model_files(self.step_config, self._init_state(), dense_path,
-                                         non_trainable_json=nt_path)
         with self._lock:
-            self._params = state.params
-            if nt_path is not None:
-                self._stats = state.batch_stats
+            params, stats = self._params, self._stats
+        nt = non_trainable if non_trainable and _has_batchnorm(self.cfg) else None
+        with jax.default_device(jax.local_devices()[0]):
+            params, stats = dense_from_bytes(self.step_config.graphdef, params, stats, dense,
+                                             nt, where=f"dense update of {self.name}")
+        with self._lock:
+            self._params = params
+            if nt is not None:
+                self._stats = stats
 
     # -- cache refresh ------------------------------------------------------------------------
     def refresh_cache(self) -> int:

@@ -1,6 +1,6 @@
 """Raw rows to inference requests: the inputs a served model takes (``DES``, ``CATCOLUMN``,
 ``ROWINDEX``), made from CSV-like rows with the ``vocab.json`` that ``python -m
-jctr.data.from_csv`` wrote, exactly as it encoded the training data (log1p dense values, the
+jctr.data.tools.from_csv`` wrote, exactly as it encoded the training data (log1p dense values, the
 same vocabulary ids and key offsets, bucketized integers, the out-of-vocabulary id 0).
 
 Values are matched as text, as the converter read the CSV: give ``"5"`` (not ``5.0``) for a
@@ -24,8 +24,8 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from jctr.data.from_csv import Layout, encode_features, read_csv, read_vocab
 from jctr.data.records import DataError
+from jctr.data.tools.from_csv import Layout, encode_features, read_csv, read_vocab
 
 
 class RowEncoder:
@@ -38,7 +38,7 @@ class RowEncoder:
 
     @classmethod
     def from_vocab(cls, path: str | os.PathLike) -> RowEncoder:
-        """Read a ``vocab.json`` written by ``python -m jctr.data.from_csv``."""
+        """Read a ``vocab.json`` written by ``python -m jctr.data.tools.from_csv``."""
         path = os.fspath(path)
         layout, vocab = read_vocab(path)
         return cls(layout, vocab, path)
@@ -91,7 +91,7 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m jctr.serve request",
                                  description="Print the KServe v2 request body of raw CSV rows, "
                                              "encoded with a from_csv vocab.json.")
-    ap.add_argument("--vocab", required=True, help="vocab.json written by jctr.data.from_csv")
+    ap.add_argument("--vocab", required=True, help="vocab.json written by jctr.data.tools.from_csv")
     ap.add_argument("--rows", required=True, help="CSV with a header line (the label column "
                                                   "may be absent)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks with errors")

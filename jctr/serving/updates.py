@@ -19,7 +19,6 @@ Example::
 from __future__ import annotations
 
 import logging
-import re
 import threading
 import time
 
@@ -28,7 +27,7 @@ import numpy as np
 from jctr.config.hps import UpdateSourceParams
 from jctr.serving.hps import Databases
 from jctr.stores.base import StoreError, StoreUnavailable
-from jctr.stores.kafka import UpdateReader
+from jctr.stores.kafka import UpdateReader, dense_topic, update_topics
 
 log = logging.getLogger("jctr.serving")
 
@@ -44,8 +43,7 @@ class UpdateApplier:
         self.dbs = dbs
         self.models = models
         self.group = group
-        names = "|".join(re.escape(m) for m in models)
-        self.topics = rf"^hps_(et\.({names})\..+|dense\.({names}))$"
+        self.topics = update_topics(list(models))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.applied_rows = 0
@@ -64,15 +62,10 @@ class UpdateApplier:
         if self._thread is not None:
             self._thread.join(timeout=10)
 
-    def _filters(self, layer: str) -> list[re.Pattern]:
-        params = self.dbs.volatile_params if layer == "volatile_db" else self.dbs.persistent_params
-        return [re.compile(f) for f in params.update_filters]
-
     def _run(self) -> None:
         p = self.params
         backoff = p.failure_backoff_ms / 1000.0
         reader = None
-        filters = {layer: self._filters(layer) for layer in ("volatile_db", "persistent_db")}
         while not self._stop.is_set():
             try:
                 if reader is None:
@@ -97,7 +90,7 @@ class UpdateApplier:
             if not batch:
                 continue
             try:
-                self._apply(batch, filters)
+                self._apply(batch)
             except (StoreError, StoreUnavailable, OSError, ValueError) as e:
                 # nothing of this batch is acknowledged: read again from the last commit
                 self.failures += 1
@@ -116,7 +109,7 @@ class UpdateApplier:
         if reader is not None:
             reader.close()
 
-    def _apply(self, batch, filters) -> None:
+    def _apply(self, batch) -> None:
         p = self.params
         for _topic, _offset, u in batch:
             model = self.models.get(u.model)
@@ -126,7 +119,7 @@ class UpdateApplier:
                 model.swap_dense(u.dense, u.non_trainable)
                 self.applied_dense += 1
                 self.dense_steps.append(u.step)
-                self.last_step[f"hps_dense.{u.model}"] = u.step
+                self.last_step[dense_topic(u.model)] = u.step
                 continue
             i = model.table_index(u.table)
             if i is None:
@@ -137,23 +130,15 @@ class UpdateApplier:
                 log.error("update_source: %s rows of size %d, the table has %d; skipped",
                           t.key, u.values.shape[1], t.dim)
                 continue
+            layers = self.dbs.update_layers(t.key)
             for s in range(0, u.keys.size, p.max_batch_size):
                 keys = u.keys[s:s + p.max_batch_size]
                 values = np.ascontiguousarray(u.values[s:s + p.max_batch_size])
-                self._write(t.key, keys, values, filters)
+                for layer in layers:
+                    self.dbs.write_rows(layer, t.key, keys, values)
                 model.refresh_rows(i, keys, values)
             self.applied_rows += int(u.keys.size)
             self.last_step[t.key] = u.step
-
-    def _write(self, table: str, keys, values, filters) -> None:
-        dbs = self.dbs
-        if dbs.persistent is not None and not dbs.persistent_params.read_only and \
-                any(f.search(table) for f in filters["persistent_db"]):
-            dbs.persistent.insert(table, keys, values)
-        if dbs.volatile_configured and any(f.search(table) for f in filters["volatile_db"]):
-            if dbs.volatile is None:
-                raise StoreUnavailable(f"volatile_db down: {dbs.volatile_error}")
-            dbs.volatile.insert(table, keys, values)
 
     def stats(self) -> dict:
         return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,

@@ -38,6 +38,14 @@ from jctr.sharding.plan import device_memory_bytes, plan_embeddings
 from jctr.sharding.sharded_embeddings import ShardedEmbeddings, globalize_segments
 
 
+def dense_bytes(init_state: Callable[[], TrainState]) -> int:
+    """Bytes of the dense parameters plus the dense optimizer state (one copy), from shapes
+    only."""
+    shapes = jax.eval_shape(lambda: (lambda st: (st.params, st.batch_stats, st.opt_state))(
+        init_state()))
+    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
+
+
 class PlacedModel:
     """Where a model's state lives and how arrays get there.
 

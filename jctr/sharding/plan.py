@@ -29,8 +29,6 @@ from jctr.embedding.row_optimizers import init_slots
 from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.errors import UserError
 
-KINDS = ("single", "localized", "distributed", "replicated")
-
 
 class PlanError(UserError, ValueError):
     """The tables do not fit the devices; the message names the table and the shortfall."""

@@ -26,6 +26,7 @@ import time
 
 import numpy as np
 
+from jctr.config.hps import dense_name, table_name
 from jctr.stores.base import StoreError, StoreUnavailable
 from jctr.stores.update_messages import (
     MessageError,
@@ -59,11 +60,20 @@ def _servers(brokers: str) -> str:
 
 
 def rows_topic(model: str, table: str) -> str:
-    return f"hps_et.{model}.{table}"
+    return table_name(model, table)
 
 
 def dense_topic(model: str) -> str:
-    return f"hps_dense.{model}"
+    return dense_name(model)
+
+
+def update_topics(models: list[str]) -> str:
+    """The regex of every update topic of ``models`` (rows of any table, dense weights)."""
+    model = "(" + "|".join(re.escape(m) for m in models) + ")"
+    rows = re.escape(table_name("MODEL", "TABLE")).replace("MODEL", model).replace("TABLE",
+                                                                                   ".+")
+    dense = re.escape(dense_name("MODEL")).replace("MODEL", model)
+    return f"^({rows}|{dense})$"
 
 
 class KafkaMessageSink:

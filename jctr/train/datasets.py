@@ -77,6 +77,19 @@ class RunData:
             self._tests[name] = open_eval_set(self.cfg, dict(self.cfg.data.test_sources)[name])
         return self._tests[name]
 
+    def reads(self, epochs: int | None, start: ReaderPosition | None
+              ) -> Iterator[tuple[Batch, ReaderPosition]]:
+        """The training reads of one fit, (batch, position) from ``start``: ``epochs`` of
+        them, or endless; evaluating after each epoch, epochs end on a (padded) batch of
+        their own. Every process the same count per epoch (:func:`even_epochs`)."""
+        s = self.cfg.solver
+        reader_epochs = epochs or (1 << 40 if s.eval_every_epoch else None)
+        local_batch = s.batchsize // jax.process_count()
+        reads = self.train.batches_with_position(local_batch, epochs=reader_epochs, start=start)
+        if jax.process_count() > 1 and reader_epochs is not None:
+            reads = even_epochs(reads, local_batch, self.train_records, start, self.cfg.data)
+        return reads
+
     def check(self) -> None:
         """Every file's header, before training (raises :class:`jctr.data.records.DataError`)."""
         self.train_records = self.train.check_units()

@@ -12,6 +12,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -27,6 +28,7 @@ from jctr.data.records import DataError
 from jctr.models.ctr import TrainState
 from jctr.sharding.mesh import to_host
 from jctr.sharding.placed_model import PlacedModel
+from jctr.train.datasets import RunData, open_eval_set
 from jctr.train.metrics import auc, log_loss
 from jctr.train.monitors import EarlyStopping, PlateauSchedule
 
@@ -56,6 +58,42 @@ def evaluate(eval_step, placed: PlacedModel, state: TrainState, data: Dataset,
     p = np.concatenate(preds)
     return {metric.name: auc(y, p) if metric.name == "AUC" else log_loss(y, p)
             for metric in solver.eval_metrics}
+
+
+class Evaluator:
+    """Scores the state on the run's data sets: the validation set, a given one, the named
+    test sets (logged with ``record``)."""
+
+    def __init__(self, cfg: ModelConfig, eval_step, placed: PlacedModel, data: RunData, *,
+                 report: Callable[[str], None], record: Callable[..., Any]):
+        self.cfg, self.eval_step, self.placed, self.data = cfg, eval_step, placed, data
+        self.report, self.record = report, record
+
+    def evaluate(self, state: TrainState, num_batches: int | None = None,
+                 data: Dataset | str | None = None, where: str | None = None
+                 ) -> dict[str, float]:
+        """See :meth:`jctr.train.trainer.Trainer.evaluate`."""
+        where = where or "the dataset"
+        if data is None:
+            data, where = self.data.eval, self.cfg.data.eval_source
+        elif not isinstance(data, Dataset):
+            where = os.fspath(data)
+            data = open_eval_set(self.cfg, where)
+        return evaluate(self.eval_step, self.placed, state, data, self.cfg.solver,
+                        num_batches=num_batches or self.cfg.solver.eval_batches, where=where)
+
+    def predict(self, state: TrainState, batch: Batch) -> np.ndarray:
+        """Predictions for every sample of a checked host batch."""
+        return predict_all(self.eval_step, self.placed, state, batch)
+
+    def score_test_sets(self, state: TrainState) -> None:
+        """Every ``test_source`` of the Data layer, reported and logged apart."""
+        step = int(to_host(state.step))
+        for name, source in self.cfg.data.test_sources:
+            result = self.evaluate(state, data=self.data.test(name), where=source)
+            self.report(f"[jctr] test \"{name}\" at iter {step}: "
+                        + "  ".join(f"{k} {v:.5f}" for k, v in result.items()))
+            self.record("test", iter=step, set=name, **result)
 
 
 def _norms(embeddings) -> list[tuple[jax.Array, jax.Array]]:

@@ -55,8 +55,8 @@ class Hook:
 class FitSummary:
     """What one ``fit`` did: iterations trained, the state's iteration at the end, the last
     checked training loss, throughput (``steady_samples_per_s`` leaves the first step out),
-    the last validation metrics (the restored best's, if early stopping restored them) and
-    whether it stopped early (early stopping, AUC threshold)."""
+    the last validation metrics (or those of ``restored_best``, the iteration early stopping
+    went back to) and whether it stopped early (early stopping, AUC threshold)."""
 
     iterations: int
     step: int
@@ -67,6 +67,7 @@ class FitSummary:
     elapsed_s: float
     validation: dict[str, float]
     stopped_early: bool
+    restored_best: int | None = None
     routing_fallback_steps: int = 0
     skipped_nonfinite: int = 0
 
@@ -82,6 +83,9 @@ class PredictionCounts(Hook):
         self._counts = None
 
     def on_step(self, step, state, metrics, note) -> None:
+        if "auc_counts" not in metrics:
+            raise ValueError("PredictionCounts: the train step counts no predictions; give "
+                             "the hook to the Trainer when building it (hooks=[...])")
         counts = metrics["auc_counts"]
         self._counts = counts if self._counts is None else self._counts + counts
 

@@ -120,14 +120,21 @@ class StepMeter:
                             f"{self.progress.compile_s:.1f} s")
         self._window_t, self._window_n = time.perf_counter(), 0
 
-    def window(self) -> tuple[float, float]:
-        """(samples/s, ms per step) since the last call, which starts a new window."""
+    def display(self, done: int, max_iter: int | None, loss: float, skipped: int
+                ) -> tuple[str, float, float]:
+        """The display line of iteration ``done``, with samples/s and ms per step over the
+        window since the last one (which starts a new window); the bar shows them too."""
         now = time.perf_counter()
         steps = max(self._window_n // self.batchsize, 1)
         rate = self._window_n / max(now - self._window_t, 1e-9)
         step_ms = 1e3 * (now - self._window_t) / steps
         self._window_t, self._window_n = now, 0
-        return rate, step_ms
+        self.progress.update(done, loss, rate)
+        line = (f"[jctr] iter {done}" + (f"/{max_iter}" if max_iter else "")
+                + f"  loss {loss:.5f}  {rate:,.0f} samples/s"
+                + (f"  ({skipped} non-finite batches skipped)" if skipped else "")
+                + self.progress.suffix(done))
+        return line, rate, step_ms
 
     def totals(self, trained: int) -> dict[str, float | None]:
         """The run's rates: over all of it, and after the first step (``steady``)."""
@@ -138,3 +145,16 @@ class StepMeter:
                 "steady_samples_per_s": (max(trained - 1, 0) * self.batchsize / steady
                                          if steady > 0 else 0.0),
                 "compile_s": compile_s, "elapsed_s": elapsed}
+
+
+def final_line(summary) -> str:
+    """The line a ``fit`` ends with (of a :class:`jctr.train.hooks.FitSummary`)."""
+    line = (f"[jctr] done: {summary.iterations} iterations in "
+            f"{format_seconds(summary.elapsed_s)}"
+            + (f" (first step {summary.compile_s:.1f} s)" if summary.compile_s is not None
+               else "") + f", {summary.steady_samples_per_s:,.0f} samples/s after it")
+    if not summary.validation:
+        return line
+    label = (f"; restored best (iter {summary.restored_best}): validation "
+             if summary.restored_best is not None else "; validation ")
+    return line + label + ", ".join(f"{k} {v:.5f}" for k, v in summary.validation.items())

@@ -81,6 +81,15 @@ class RunLog:
             self._board.write(entry)
         return entry
 
+    def validation(self, at: int | None = None) -> tuple[int | None, dict[str, float]]:
+        """(iteration, metrics) of the validation at iteration ``at`` if logged, else of the
+        last ((None, {}) without one)."""
+        evals = [h for h in self.history if h["kind"] == "eval"]
+        best = [h for h in evals if h.get("iter") == at]
+        shown = best[-1] if best else (evals[-1] if evals else {})
+        return shown.get("iter"), {k: v for k, v in shown.items()
+                                   if isinstance(v, float) and k not in ("time", "lr")}
+
     def write_report(self) -> None:
         """report.html of the log folder; a failure is reported, never fatal: the model is
         trained and saved by now."""

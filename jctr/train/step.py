@@ -8,12 +8,13 @@ import optax
 
 import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.data.batch import Batch
-from jctr.embedding.engine import LocalEmbeddings
+from jctr.embedding.engine import EmbeddingEngine, LocalEmbeddings
 from jctr.models.ctr import StepConfig, TrainState, forward
 from jctr.train.schedules import learning_rate_schedule
 
 
-def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation, engine=None,
+def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation,
+                    engine: EmbeddingEngine | None = None,
                     auc_buckets: int = 0):
     """``train_step(state, batch) -> (state, metrics)``; jit it with the state donated.
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from jctr.config import ConfigError, ModelConfig
 from jctr.embedding.hash_table import TableFullError
 from jctr.errors import UserError
 from jctr.models.ctr import TrainState
@@ -14,6 +15,19 @@ from jctr.sharding.mesh import to_host
 
 class NonFiniteLoss(UserError, FloatingPointError):
     """The training loss became NaN or infinite (solver.nan_policy "stop")."""
+
+
+def check_iterations(cfg: ModelConfig, done: int, max_iter: int | None) -> None:
+    """A :class:`ConfigError` unless the run has iterations to train: ``max_iter`` (or the
+    solver's) above ``done`` (a resumed run counts those done before), or epochs."""
+    s = cfg.solver
+    if not (max_iter or s.max_iter or s.num_epochs):
+        raise ConfigError("solver", "set max_iter or num_epochs (or --max-iter)", cfg.source)
+    last = max_iter or s.max_iter
+    if last and done >= last:
+        raise ConfigError("solver.max_iter", f"{last}, but the state is at iteration {done} "
+                          "already (resumed from a checkpoint): nothing to train; give a "
+                          f"max_iter above {done} (--max-iter)", cfg.source)
 
 
 def check_overflow(metrics, specs, state: TrainState) -> None:

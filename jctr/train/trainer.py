@@ -19,39 +19,37 @@ from flax import nnx
 
 import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.checkpoint.model_files import load_model_files, save_model_files
-from jctr.config import ConfigError, ModelConfig, load_config, override_optimizer, override_solver
+from jctr.config import ModelConfig, load_config, override_optimizer, override_solver
 from jctr.data.batch import Batch, check_batch
 from jctr.data.dataset import Dataset
 from jctr.data.loader import Prefetcher, ReaderPosition
-from jctr.data.synthetic import generate_for_config
+from jctr.data.tools.synthetic import generate_for_config
 from jctr.errors import UserError
 from jctr.models.ctr import TrainState, build_model, make_eval_step, with_lr_scale
-from jctr.runtime.cpu import has_bf16_matmul
-from jctr.runtime.host_memory import describe_malloc_tuning
+from jctr.runtime.cpu import describe_cpu_setup
 from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding import to_host
 from jctr.sharding.distributed import all_processes
-from jctr.sharding.placed_model import PlacedModel
-from jctr.train.datasets import RunData, even_epochs, open_eval_set
+from jctr.sharding.placed_model import PlacedModel, dense_bytes
+from jctr.train.datasets import RunData
 from jctr.train.dense_optimizer import dense_optimizer
-from jctr.train.evaluation import ValidationJudge, embedding_norms, evaluate, predict_all
+from jctr.train.evaluation import Evaluator, ValidationJudge, embedding_norms
 from jctr.train.hooks import FitSummary, Hook
-from jctr.train.progress import Progress, StepMeter, format_seconds
+from jctr.train.progress import Progress, StepMeter, final_line
 from jctr.train.run_checkpoints import RunCheckpoints
 from jctr.train.run_log import RunLog
 from jctr.train.schedules import learning_rate_schedule
 from jctr.train.step import make_train_step
-from jctr.train.step_checks import NonFiniteLoss, RunTally, check_overflow, nonfinite_error
+from jctr.train.step_checks import (
+    NonFiniteLoss,
+    RunTally,
+    check_iterations,
+    check_overflow,
+    nonfinite_error,
+)
 from jctr.train.step_memory import plan_step_memory
 
 __all__ = ["NonFiniteLoss", "Trainer"]
-
-
-def _dense_bytes(init_state) -> int:
-    """Bytes of the dense parameters plus the dense optimizer state (one copy)."""
-    shapes = jax.eval_shape(lambda: (lambda st: (st.params, st.batch_stats, st.opt_state))(
-        init_state()))
-    return sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(shapes))
 
 
 class Trainer:
@@ -87,14 +85,11 @@ class Trainer:
         self.dense_tx = dense_optimizer(cfg.optimizer)
         init_state = lambda: init_model(self.dense_tx)  # noqa: E731
         self.specs = self.step_config.specs
-        self.placed = PlacedModel(cfg, self.specs, dense_bytes=_dense_bytes(init_state))
+        self.placed = PlacedModel(cfg, self.specs, dense_bytes=dense_bytes(init_state))
         self._print(self.placed.describe())
         if jax.default_backend() == "cpu":
-            self._print(describe_malloc_tuning())
-            if cfg.solver.compute_dtype == "bfloat16" and not has_bf16_matmul():
-                self._print("[jctr] warning: compute_dtype bfloat16 on a CPU without "
-                            "AVX512-BF16 or AMX: XLA emulates bfloat16 here, slower than "
-                            "float32 (docs/performance.md); use float32 on this machine")
+            for line in describe_cpu_setup(cfg.solver.compute_dtype):
+                self._print(line)
         self.hooks: list[Hook] = list(hooks)
         if cfg.solver.kafka_sink is not None:
             from jctr.train.publisher import KafkaPublisher
@@ -111,6 +106,8 @@ class Trainer:
         self.run_log = RunLog(cfg.solver.log_dir, source=cfg.source, report=report)
         self.checkpoints = RunCheckpoints(cfg, self.step_config, self.placed, force=force,
                                           report=report, record=self.run_log.record)
+        self.evaluator = Evaluator(cfg, self.eval_step, self.placed, self.data, report=report,
+                                   record=self.run_log.record)
         self.judge = ValidationJudge(cfg, report=report, record=self.run_log.record)
         self.force = force
         self.reader_position: ReaderPosition | None = None  # after the last consumed batch
@@ -125,7 +122,6 @@ class Trainer:
     # where the state lives (jctr.sharding.placed_model)
     mesh = property(lambda self: self.placed.mesh)
     placements = property(lambda self: self.placed.placements)
-    num_devices = property(lambda self: self.placed.num_devices)
     history = property(lambda self: self.run_log.history, doc="every record logged so far")
 
     @classmethod
@@ -172,21 +168,12 @@ class Trainer:
         training and evaluation file's header, the log folder, and for snapshots the checkpoint
         directory (owned by this run, writable, room for one snapshot). Every process checks;
         if one fails, all stop. ``fit`` calls this first."""
-        s = self.solver
-        if not (max_iter or s.max_iter or s.num_epochs):
-            raise ConfigError("solver", "set max_iter or num_epochs (or --max-iter)",
-                              self.cfg.source)
-        done = int(to_host(self.state.step))
-        last = max_iter or s.max_iter
-        if last and done >= last:  # a resumed run counts the iterations done before
-            raise ConfigError("solver.max_iter", f"{last}, but the state is at iteration "
-                              f"{done} already (resumed from a checkpoint): nothing to train; "
-                              f"give a max_iter above {done} (--max-iter)", self.cfg.source)
+        check_iterations(self.cfg, int(to_host(self.state.step)), max_iter)
 
         def check() -> None:
             self.data.check()
             self.run_log.open(continues=self._continues_log, force=self.force)
-            if s.snapshot:
+            if self.solver.snapshot:
                 self.checkpoints.prepare()
 
         all_processes(check, "pass the checks before training")
@@ -217,14 +204,15 @@ class Trainer:
         s = self.solver
         max_iter = max_iter or s.max_iter
         epochs = None if max_iter else s.num_epochs
-        batches = Prefetcher(self._reads(epochs), transform=self._to_step_input)
+        batches = Prefetcher(self.data.reads(epochs, self.reader_position),
+                             transform=self._to_step_input)
         done = start = int(to_host(self.state.step))
         epoch = (self.reader_position or ReaderPosition()).epoch
         self._print(f"[jctr] training {', '.join(e.name for e in self.cfg.embeddings)} + "
                     f"{len(self.cfg.layers)} dense layers; batch {s.batchsize}; "
                     f"{'max_iter ' + str(max_iter) if max_iter else str(epochs) + ' epoch(s)'}")
         self.run_log.record("start", iter=done, config=self.cfg.raw, batchsize=s.batchsize,
-                            devices=self.num_devices, processes=jax.process_count())
+                            devices=self.placed.num_devices, processes=jax.process_count())
         last = max_iter  # for the ETA; each epoch ends on a (padded) batch of its own
         if epochs:
             last = epochs * -(-self.data.train_records // (s.batchsize // jax.process_count()))
@@ -278,26 +266,19 @@ class Trainer:
             progress.close()
             self._print = printer
         self._restore_best()
-        summary = self._summary(done - start, totals, tally, stop)
+        at, validation = self.run_log.validation(self._restored_best)
+        summary = FitSummary(
+            iterations=done - start, step=int(to_host(self.state.step)), loss=tally.last_loss,
+            validation=validation, stopped_early=stop,
+            restored_best=at if at is not None and at == self._restored_best else None,
+            routing_fallback_steps=tally.fallback_steps, skipped_nonfinite=tally.skipped,
+            **totals)
         for hook in self.hooks:
             hook.on_fit_end(self.state, summary)
-        self._evaluate_test_sets()
-        self._print(self._final_line(summary))
+        self.evaluator.score_test_sets(self.state)
+        self._print(final_line(summary))
         self.run_log.write_report()
         return summary
-
-    def _reads(self, epochs: int | None):
-        """The training reads for this fit: (batch, position) from the reader's position;
-        evaluating after each epoch, epochs end on a (padded) batch of their own."""
-        s = self.solver
-        reader_epochs = epochs or (1 << 40 if s.eval_every_epoch else None)
-        local_batch = s.batchsize // jax.process_count()
-        reads = self.data.train.batches_with_position(local_batch, epochs=reader_epochs,
-                                                      start=self.reader_position)
-        if jax.process_count() > 1 and reader_epochs is not None:
-            reads = even_epochs(reads, local_batch, self.data.train_records,
-                                self.reader_position, self.cfg.data)
-        return reads
 
     def _to_step_input(self, item):
         """A read (batch, position) as the train loop takes it: the batch on the devices, its
@@ -342,12 +323,8 @@ class Trainer:
     def _display(self, done: int, max_iter: int | None, metrics, meter: StepMeter,
                  tally: RunTally) -> None:
         loss = float(to_host(metrics["loss"]))
-        rate, step_ms = meter.window()
-        meter.progress.update(done, loss, rate)
-        self._print(f"[jctr] iter {done}" + (f"/{max_iter}" if max_iter else "")
-                    + f"  loss {loss:.5f}  {rate:,.0f} samples/s"
-                    + (f"  ({tally.skipped} non-finite batches skipped)" if tally.skipped
-                       else "") + meter.progress.suffix(done))
+        line, rate, step_ms = meter.display(done, max_iter, loss, tally.skipped)
+        self._print(line)
         self.run_log.record("train", iter=done, loss=loss, samples_per_s=rate,
                             step_time_ms=step_ms, lr=self._learning_rate(done),
                             **({"skipped": tally.skipped} if tally.skipped else {}))
@@ -403,36 +380,6 @@ class Trainer:
         self.run_log.record("restore_best", iter=best, **{es.metric: es.best})
         self._restored_best = best
         self.checkpoints.keep_best(best, es.metric, es.best, self.save_checkpoint)
-
-    def _summary(self, trained: int, totals: dict, tally: RunTally, stop: bool) -> FitSummary:
-        evals = [h for h in self.history if h["kind"] == "eval"]
-        best = [h for h in evals if h.get("iter") == self._restored_best]
-        shown = best[-1] if best else (evals[-1] if evals else {})
-        return FitSummary(
-            iterations=trained, step=int(to_host(self.state.step)), loss=tally.last_loss,
-            validation={k: v for k, v in shown.items()
-                        if isinstance(v, float) and k not in ("time", "lr")},
-            stopped_early=stop, routing_fallback_steps=tally.fallback_steps,
-            skipped_nonfinite=tally.skipped, **totals)
-
-    def _final_line(self, summary: FitSummary) -> str:
-        line = (f"[jctr] done: {summary.iterations} iterations in "
-                f"{format_seconds(summary.elapsed_s)}"
-                + (f" (first step {summary.compile_s:.1f} s)" if summary.compile_s is not None
-                   else "") + f", {summary.steady_samples_per_s:,.0f} samples/s after it")
-        if not summary.validation:
-            return line
-        label = (f"; restored best (iter {self._restored_best}): validation "
-                 if self._restored_best is not None else "; validation ")
-        return line + label + ", ".join(f"{k} {v:.5f}" for k, v in summary.validation.items())
-
-    def _evaluate_test_sets(self) -> None:
-        step = int(to_host(self.state.step))
-        for name, source in self.cfg.data.test_sources:
-            result = self.evaluate(data=self.data.test(name), where=source)
-            self._print(f"[jctr] test \"{name}\" at iter {step}: "
-                        + "  ".join(f"{k} {v:.5f}" for k, v in result.items()))
-            self.run_log.record("test", iter=step, set=name, **result)
 
     # ---- checkpoints and model files -----------------------------------------------------
 
@@ -491,18 +438,11 @@ class Trainer:
 
             trainer.evaluate(data="data/test/_file_list.txt")   # {"AUC": ..., ...}
         """
-        where = where or "the dataset"
-        if data is None:
-            data, where = self.data.eval, self.cfg.data.eval_source
-        elif not isinstance(data, Dataset):
-            where = os.fspath(data)
-            data = open_eval_set(self.cfg, where)
-        return evaluate(self.eval_step, self.placed, self.state, data, self.solver,
-                        num_batches=num_batches or self.solver.eval_batches, where=where)
+        return self.evaluator.evaluate(self.state, num_batches, data, where)
 
     def predict(self, batch: Batch) -> np.ndarray:
         """Click probabilities of the batch's real samples (padding dropped). A batch that does
         not match the Data layer (key dtype, slot count, dense width) is a
         :class:`jctr.data.batch.BatchError`."""
         batch = check_batch(batch, self.cfg.data)
-        return predict_all(self.eval_step, self.placed, self.state, batch)[batch.mask]
+        return self.evaluator.predict(self.state, batch)[batch.mask]

@@ -8,7 +8,7 @@ import pytest
 
 from jctr.data.norm import write_norm_file
 from jctr.data.records import RecordBlock, write_file_list
-from jctr.data.synthetic import generate_block, write_format
+from jctr.data.tools.synthetic import generate_block, write_format
 from jctr.train.cli import main
 from tests.faults.harness import run_main, small_config, tree_digest, write_config
 
@@ -322,7 +322,7 @@ def test_parquet_generation_into_a_non_empty_folder(tmp_path, capsys):
 
 
 def test_generation_cli_keeps_an_existing_set(tmp_path, capsys):
-    from jctr.data.synthetic import main as synth
+    from jctr.data.tools.synthetic import main as synth
 
     cfg = write_config(tmp_path, small_config(tmp_path))
     assert synth(["--config", cfg]) == 0
@@ -332,7 +332,7 @@ def test_generation_cli_keeps_an_existing_set(tmp_path, capsys):
 
 
 def test_interrupted_generation_leaves_nothing(tmp_path, capsys, monkeypatch):
-    import jctr.data.synthetic as synthetic
+    import jctr.data.tools.synthetic as synthetic
 
     calls = []
     real = synthetic.write_norm_file
@@ -354,9 +354,9 @@ def test_interrupted_generation_leaves_nothing(tmp_path, capsys, monkeypatch):
 
 
 def test_converters_refuse_a_folder_that_holds_files(tmp_path, capsys):
-    from jctr.data.criteo import main as criteo
-    from jctr.data.synthetic import main as synth
-    from jctr.data.transcode import main as transcode
+    from jctr.data.tools.criteo import main as criteo
+    from jctr.data.tools.synthetic import main as synth
+    from jctr.data.tools.transcode import main as transcode
 
     out = tmp_path / "mine"
     out.mkdir()
@@ -373,7 +373,7 @@ def test_converters_refuse_a_folder_that_holds_files(tmp_path, capsys):
 
 
 def test_gen_csv_does_not_overwrite_csv_files(tmp_path, capsys):
-    from jctr.data.gen_csv import main as gen_csv
+    from jctr.data.tools.gen_csv import main as gen_csv
     from tests.test_formats import SPEC
 
     (tmp_path / "feature_spec.yaml").write_text(SPEC)

@@ -7,8 +7,8 @@ that learns the embeddings reaches a measurable AUC.
 
 Command line (writes Norm files and their file lists)::
 
-    python -m jctr.data.synthetic --config configs/dlrm_synthetic.json
-    python -m jctr.data.synthetic --out data/synth --samples 100000 --slots 26 --dense 13
+    python -m jctr.data.tools.synthetic --config configs/dlrm_synthetic.json
+    python -m jctr.data.tools.synthetic --out data/synth --samples 100000 --slots 26 --dense 13
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ class _own_folder:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jctr.data.synthetic", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m jctr.data.tools.synthetic", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="generate the Data layer's `synthetic` sets of this config")
     ap.add_argument("--force", action="store_true",

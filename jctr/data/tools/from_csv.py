@@ -1,5 +1,5 @@
-"""``python -m jctr.data.from_csv``: any CSV of CTR samples to Norm files, vocabularies fitted on
-the training file, and (with ``--model``) a training config ready to run.
+"""``python -m jctr.data.tools.from_csv``: any CSV of CTR samples to Norm files, vocabularies
+fitted on the training file, and (with ``--model``) a training config ready to run.
 
 Columns are the label (``--label``), dense features (``--dense``: ``log1p`` of the value, missing
 and negative values 0), integers to treat as categorical (``--bucketize``: values above 2 become
@@ -19,7 +19,7 @@ vocabulary sizes, out-of-vocabulary shares) goes to stderr.
 
 Example (train on your own CSV in three commands)::
 
-    python -m jctr.data.from_csv --train train.csv --valid valid.csv --test test.csv \\
+    python -m jctr.data.tools.from_csv --train train.csv --valid valid.csv --test test.csv \\
         --label click --drop id --min-count 2 --output data/mine --model deepfm
     python -m jctr.train --config data/mine/deepfm.json
 """
@@ -84,7 +84,7 @@ def read_vocab(path: str) -> tuple[Layout, dict[str, list[str]]]:
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{path}: cannot read the vocabulary file: "
                         f"{getattr(e, 'strerror', None) or e}") from None
-    expected = "expected the vocab.json that python -m jctr.data.from_csv writes"
+    expected = "expected the vocab.json that python -m jctr.data.tools.from_csv writes"
     if not text.strip():
         raise DataError(f"{path}: empty file; {expected}")
     try:
@@ -321,7 +321,7 @@ def convert(train: str, output: str, *, label: str, dense: list[str], bucketize:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jctr.data.from_csv", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m jctr.data.tools.from_csv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--train", required=True, help="training CSV (vocabularies come from it)")
     ap.add_argument("--valid", help="validation CSV (early stopping watches it)")

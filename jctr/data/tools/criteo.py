@@ -1,4 +1,4 @@
-"""``python -m jctr.data.criteo``: raw Criteo data to Norm, Raw, Parquet or split binary.
+"""``python -m jctr.data.tools.criteo``: raw Criteo data to Norm, Raw, Parquet or split binary.
 
 Input: the Criteo TSV (no header: label, I1..I13, C1..C26, tab-separated) or the same columns as
 CSV with a ``label,I1,...`` header; missing values allowed. Integer features: missing and
@@ -13,7 +13,7 @@ log). Categorical features (8 hex digits) become keys in one of three ways:
 The validation split is the last ``--val-fraction`` of the rows (time order, as Criteo's) or a
 seeded random subset with ``--shuffle-split``. The command prints a Data-layer JSON snippet.
 
-    python -m jctr.data.criteo --input day_0.tsv --output data/criteo --format parquet \\
+    python -m jctr.data.tools.criteo --input day_0.tsv --output data/criteo --format parquet \\
         --mode vocab --min-freq 3
 """
 
@@ -233,7 +233,7 @@ def convert(inputs: list[str], output: str, fmt: str, mode: str, *, min_freq: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jctr.data.criteo", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m jctr.data.tools.criteo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", nargs="+", required=True, help="TSV or CSV files, in order")
     ap.add_argument("--output", required=True)

@@ -1,4 +1,5 @@
-"""``python -m jctr.data.transcode --input DIR --output DIR``: CSV + feature spec -> split binary.
+"""``python -m jctr.data.tools.transcode --input DIR --output DIR``: CSV + feature spec -> split
+binary.
 
 Reads ``DIR/feature_spec.yaml`` (or ``--feature_spec``) whose mappings are CSV chunks, and
 writes every mapping as split binary (label bool, numerical float16, one file per categorical
@@ -56,7 +57,7 @@ def transcode(input_dir: str, output_dir: str, spec_name: str = "feature_spec.ya
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jctr.data.transcode", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m jctr.data.tools.transcode", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--input", required=True, help="folder with the CSV files and the YAML")
     ap.add_argument("--output", required=True, help="folder for the split binary dataset")

@@ -1,4 +1,5 @@
-"""``python -m jctr.data.gen_csv --feature_spec_in YAML``: random CSV files for a feature spec.
+"""``python -m jctr.data.tools.gen_csv --feature_spec_in YAML``: random CSV files for a feature
+spec.
 
 Writes every CSV chunk file the YAML names (relative to ``--output``, default the YAML's
 folder): categorical features uniform in ``[0, cardinality)`` (``auto`` counts as 100),
@@ -55,7 +56,7 @@ def generate_csv(spec_path: str, output: str | None = None, size: int = 1000,
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m jctr.data.gen_csv", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m jctr.data.tools.gen_csv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--feature_spec_in", required=True)
     ap.add_argument("--output", help="folder to write into (default: the YAML's folder)")

@@ -30,8 +30,10 @@ def _run(blocks: list[str], tmp_path) -> list[str]:
 def test_readme_and_getting_started_python_snippets_run_as_written(tmp_path):
     readme = _snippets("README.md", "From Python")
     guide = _snippets(os.path.join("docs", "getting-started.md"), "From Python")
-    assert len(readme) == 1 and len(guide) == 3
+    assert len(readme) == 1 and len(guide) == 4
     # the README's snippet is the guide's first one, so one run covers both
     assert readme[0] == guide[0]
     lines = _run(guide, tmp_path)
     assert lines[0].startswith("{'AUC': ") and lines[-1] == "(4,)"
+    auc, keys = lines[1].split()  # the hooks' snippet: pass AUC and keys read
+    assert 0.5 < float(auc) <= 1.0 and int(keys) > 0

@@ -166,15 +166,15 @@ def test_help_answers_without_starting_jax(command):
 
 
 def test_bfloat16_on_a_cpu_without_bf16_warns(tmp_path, monkeypatch):
-    import jctr.train.trainer as trainer_module
+    import jctr.runtime.cpu as cpu
 
-    monkeypatch.setattr(trainer_module, "has_bf16_matmul", lambda: False)
+    monkeypatch.setattr(cpu, "has_bf16_matmul", lambda: False)
     lines: list[str] = []
     Trainer(load_config(tiny_config(tmp_path, "dlrm", compute_dtype="bfloat16")),
             log=lines.append)
     assert any("warning: compute_dtype bfloat16 on a CPU without AVX512-BF16" in x
                for x in lines)
-    monkeypatch.setattr(trainer_module, "has_bf16_matmul", lambda: True)
+    monkeypatch.setattr(cpu, "has_bf16_matmul", lambda: True)
     lines.clear()
     Trainer(load_config(tiny_config(tmp_path, "dlrm", compute_dtype="bfloat16")),
             log=lines.append)

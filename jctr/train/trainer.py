@@ -82,8 +82,8 @@ class Trainer:
             all_processes(lambda: generate_for_config(cfg) if jax.process_index() == 0
                           else None, "generate the synthetic data")
         self.step_config, init_model = build_model(cfg)
-        self.dense_tx = dense_optimizer(cfg.optimizer)
-        init_state = lambda: init_model(self.dense_tx)  # noqa: E731
+        self._dense_tx = dense_optimizer(cfg.optimizer)
+        init_state = lambda: init_model(self._dense_tx)  # noqa: E731
         self.specs = self.step_config.specs
         self.placed = PlacedModel(cfg, self.specs, dense_bytes=dense_bytes(init_state))
         self._print(self.placed.describe())
@@ -109,7 +109,7 @@ class Trainer:
         self.evaluator = Evaluator(cfg, self.eval_step, self.placed, self.data, report=report,
                                    record=self.run_log.record)
         self.judge = ValidationJudge(cfg, report=report, record=self.run_log.record)
-        self.force = force
+        self._force = force
         self.reader_position: ReaderPosition | None = None  # after the last consumed batch
         self._continues_log = False  # restored from a checkpoint: its log goes on
         self._nonfinite_at: int | None = None  # the state went bad at this iteration
@@ -154,7 +154,7 @@ class Trainer:
         if any(h.auc_buckets not in (0, buckets) for h in self.hooks):
             raise ValueError("hooks ask for different auc_buckets; give them one count")
         engines = (None,) if placed.mesh is None else (placed.engine, placed.engine_full)
-        steps = [placed.jit(make_train_step(self.step_config, self.dense_tx, e, buckets),
+        steps = [placed.jit(make_train_step(self.step_config, self._dense_tx, e, buckets),
                             donate_state=True, returns_state=True, compiler_options=opts)
                  for e in engines]
         self.train_step, self.train_step_full = steps[0], steps[-1]
@@ -172,7 +172,7 @@ class Trainer:
 
         def check() -> None:
             self.data.check()
-            self.run_log.open(continues=self._continues_log, force=self.force)
+            self.run_log.open(continues=self._continues_log, force=self._force)
             if self.solver.snapshot:
                 self.checkpoints.prepare()
 
@@ -213,11 +213,10 @@ class Trainer:
                     f"{'max_iter ' + str(max_iter) if max_iter else str(epochs) + ' epoch(s)'}")
         self.run_log.record("start", iter=done, config=self.cfg.raw, batchsize=s.batchsize,
                             devices=self.placed.num_devices, processes=jax.process_count())
-        last = max_iter  # for the ETA; each epoch ends on a (padded) batch of its own
-        if epochs:
-            last = epochs * -(-self.data.train_records // (s.batchsize // jax.process_count()))
-        progress = Progress(last or None, done, self._print,
-                            bar=None if self._default_print else False)
+        # the ETA's end; each epoch ends on a (padded) batch of its own
+        per_epoch = -(-self.data.train_records // (s.batchsize // jax.process_count()))
+        progress = Progress((epochs * per_epoch if epochs else max_iter) or None, done,
+                            self._print, bar=None if self._default_print else False)
         meter, tally, printer = StepMeter(s.batchsize, progress), RunTally(), self._print
         self._print = progress.write  # log lines go above the bar
         prev, stop, evaluated_at = None, False, None

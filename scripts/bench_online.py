@@ -166,7 +166,7 @@ def shrink_and_delta(args, tmp: str) -> dict:
     stats.since_delta[:] = False
     stats.since_delta[rng.permutation(len(stats))[: n // 10]] = True
     t0 = time.perf_counter()
-    delta = stats.delta_keys(0.0, 16)
+    delta = stats.delta_keys(0.0, 0.0, 16)
     export_bundle(t.cfg, t.state, os.path.join(tmp, "delta"), t.placements, keys=[delta],
                   about={"kind": "delta", "day": DAY, "pass": 1})
     delta_s = time.perf_counter() - t0

@@ -69,6 +69,9 @@ def test_waiting_for_done_files_and_sharing_files(tmp_path):
 
 
 def test_score_and_shrink_by_hand():
+    """Paddle's ``CtrCommonAccessor::ShowClickScore`` and ``::Shrink``
+    (paddle/fluid/distributed/ps/table/ctr_accessor.cc): decay first, then delete by score or
+    unseen days; the shrink does not age the keys (``UpdateStatAfterSave`` does, param 3)."""
     stats = FeatureStats()
     # four occurrences: key 1 twice (one click), keys 2 and 3 once each (no click)
     stats.observe(np.array([1, 2, 1, 3]), show=1.0, click=np.array([1, 0, 0, 0]))
@@ -80,6 +83,8 @@ def test_score_and_shrink_by_hand():
     deleted = stats.shrink(ShrinkRule(show_click_decay_rate=0.5, delete_threshold=0.06))
     assert deleted.tolist() == [2, 3] and stats.keys.tolist() == [1]
     np.testing.assert_allclose((stats.show, stats.click), ([1.0], [0.5]))
+    assert stats.unseen_days.tolist() == [0]
+    stats.age()  # the batch model is saved
     assert stats.unseen_days.tolist() == [1]
     # other coefficients
     other = FeatureStats(ScoreRule(nonclk_coeff=0.5, click_coeff=2.0))
@@ -88,31 +93,71 @@ def test_score_and_shrink_by_hand():
 
 
 def test_unseen_keys_are_deleted_after_the_configured_days():
+    """``delete_after_unseen_days: 2``: a key last seen on day 0 survives day 2's shrink and
+    goes at day 3's. Paddle tests ``unseen_days > delete_after_unseen_days`` in
+    ``CtrCommonAccessor::Shrink`` and ages keys afterwards, when the batch model is saved
+    (``UpdateStatAfterSave``, param 3: ``UnseenDays(value)++``)."""
     stats = FeatureStats()
     rule = ShrinkRule(delete_after_unseen_days=2)
-    stats.observe(np.array([1, 4]), show=1.0, click=0.0)  # day 1: keys 1 and 4
-    assert stats.shrink(rule).tolist() == []  # unseen 1 day
-    stats.observe(np.array([4]), show=1.0, click=0.0)  # day 2: key 4 only
-    assert stats.shrink(rule).tolist() == []  # key 1 unseen 2 days: kept (not more than 2)
-    stats.observe(np.array([4]), show=1.0, click=0.0)  # day 3
-    assert stats.shrink(rule).tolist() == [1]  # 3 days > 2
-    assert stats.keys.tolist() == [4] and stats.unseen_days.tolist() == [1]
+    stats.observe(np.array([1, 4]), show=1.0, click=0.0)  # day 0: keys 1 and 4
+    for day in (0, 1, 2):
+        assert stats.shrink(rule).tolist() == [], day  # key 1 unseen 0, 1, 2 days: kept
+        stats.age()
+        stats.observe(np.array([4]), show=1.0, click=0.0)  # days 1, 2, 3: key 4 only
+    stats.flush()
+    assert stats.unseen_days.tolist() == [3, 0]
+    assert stats.shrink(rule).tolist() == [1]  # day 3: unseen 3 days > 2
+    assert stats.keys.tolist() == [4]
 
 
 def test_base_and_delta_filters_by_hand():
+    """Paddle's ``CtrCommonAccessor::Save`` (ctr_accessor.cc): base (param 2) keeps
+    ``score >= base_threshold && unseen_days <= delta_keep_days`` (its delta_threshold is 0);
+    delta (param 1) keeps ``score >= base_threshold && delta_score >= delta_threshold &&
+    unseen_days <= delta_keep_days``; ``delta_score`` grows by the score of every push
+    (``::Update``) and is 0 again for every key a base or delta saved (``::Save`` param 2,
+    ``::UpdateStatAfterSave`` param 1). jctr's delta also needs a push since the key was last
+    saved (unchanged rows are not sent again)."""
     stats = FeatureStats()
     stats.observe(np.array([1, 5, 5, 8]), show=1.0, click=np.array([1, 1, 0, 0]))
-    # scores: key 1 -> 1.0, key 5 -> 1 + 0.1 = 1.1, key 8 -> 0.1
-    assert stats.base_keys(base_threshold=1.0).tolist() == [1, 5]
-    assert stats.delta_keys(delta_threshold=0.0, delta_keep_days=16).tolist() == [1, 5, 8]
-    stats.observe(np.array([5, 8]), show=1.0, click=0.0)  # only 5 and 8 since that delta
-    assert stats.delta_keys(delta_threshold=0.15, delta_keep_days=16).tolist() == [5, 8]
-    assert stats.delta_keys(0.0, 16).tolist() == []  # nothing seen since
-    stats.observe(np.array([8]), show=1.0, click=0.0)
-    stats.shrink(ShrinkRule())
-    stats.shrink(ShrinkRule())  # key 8 seen, then two days pass before the next delta
-    assert stats.delta_keys(0.0, delta_keep_days=1).tolist() == []
-    assert stats.base_keys(0.0).tolist() == [1, 5, 8]
+    # scores: key 1 -> 1.0, key 5 -> 1 + 0.1 = 1.1, key 8 -> 0.1; delta scores the same
+    stats.flush()
+    np.testing.assert_allclose(stats.delta_score, [1.0, 1.1, 0.1])
+    assert stats.delta_keys(base_threshold=0.5, delta_threshold=1.05,
+                            delta_keep_days=16).tolist() == [5]  # 1 below 1.05, 8 below 0.5
+    np.testing.assert_allclose(stats.delta_score, [1.0, 0.0, 0.1])  # 5 was saved
+    stats.observe(np.array([1, 5, 8]), show=1.0, click=0.0)  # each +0.1
+    stats.flush()
+    np.testing.assert_allclose(stats.delta_score, [1.1, 0.1, 0.2])
+    # base_threshold is tested by deltas too: key 8 (score 0.2) stays out of both
+    assert stats.delta_keys(0.5, 0.0, 16).tolist() == [1, 5]
+    assert stats.delta_keys(0.5, 0.0, 16).tolist() == []  # nothing pushed since
+    assert stats.base_keys(base_threshold=0.5, delta_keep_days=16).tolist() == [1, 5]
+    # unseen days: a base leaves out keys unseen for more than delta_keep_days
+    stats.observe(np.array([8]), show=1.0, click=np.array([1.0]))  # key 8: score 1.2
+    for _ in range(2):
+        stats.shrink(ShrinkRule())
+        stats.age()
+    stats.observe(np.array([5]), show=1.0, click=0.0)
+    stats.flush()
+    assert stats.unseen_days.tolist() == [2, 0, 2]
+    assert stats.base_keys(0.5, delta_keep_days=1).tolist() == [5]
+    assert stats.delta_keys(0.5, 0.0, delta_keep_days=1).tolist() == []  # 5 saved by the base
+    assert stats.delta_keys(0.5, 0.0, delta_keep_days=2).tolist() == [8]  # 1: not pushed since
+    # a base resets only the keys it saved: key 8 (below the threshold) keeps its delta score
+    stats.observe(np.array([8, 9]), show=1.0, click=0.0)
+    assert stats.base_keys(1.5, 16).tolist() == []  # (flushes)
+    np.testing.assert_allclose(stats.delta_score[stats.keys == 8], [0.1])
+
+
+def test_statistics_saved_before_delta_scores_load():
+    """A checkpoint's feature_stats.npz from before delta scores: keys pushed since their last
+    delta get their lifetime score as the delta score."""
+    stats = FeatureStats()
+    stats.load_state_dict({"keys": np.array([1, 2]), "show": np.array([2.0, 1.0]),
+                           "click": np.array([1.0, 0.0]), "unseen_days": np.array([0, 3]),
+                           "since_delta": np.array([True, False])})
+    np.testing.assert_allclose(stats.delta_score, [1.1, 0.0])
 
 
 def test_statistics_round_trip_and_bulk_merge():
@@ -276,9 +321,11 @@ def test_online_command_reports_errors_in_one_line(tmp_path, capsys):
 
 def test_weeks_of_new_keys_fit_a_small_table_through_the_daily_shrink(tmp_path):
     """Six days, each with keys never seen before (the day's files have their keys shifted),
-    through a table holding a little over two days of keys: with the shrink (keys unseen for
+    through a table holding a little over three days of keys: with the shrink (keys unseen for
     more than a day deleted, rows freed) every day fits and the table never fills; without it
-    the third day does not fit."""
+    the fourth day does not fit. Paddle's order (``CtrCommonAccessor::Shrink`` tests unseen
+    days before the batch model's save ages them): a key last seen on day d is still there on
+    day d + 2 and goes at that day's end."""
     import json
 
     from jctr.data.norm import read_norm_file, write_norm_file
@@ -287,9 +334,6 @@ def test_weeks_of_new_keys_fit_a_small_table_through_the_daily_shrink(tmp_path):
     from jctr.online.runner import OnlineRun
 
     model = _stream(tmp_path, days=())
-    cfg = json.loads(model.read_text())
-    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 8000
-    model.write_text(json.dumps(cfg))
     train = sorted((tmp_path / "dlrm" / "train").glob("*.data"))
     day_names = [f"201907{20 + d}" for d in range(6)]
     per_day = []
@@ -305,7 +349,11 @@ def test_weeks_of_new_keys_fit_a_small_table_through_the_daily_shrink(tmp_path):
                             np.concatenate([b.nnz for b in blocks]), keys)
         write_norm_file(str(folder / "part-0.data"), block, key_type="I64", check="Sum")
         (folder / "DONE").touch()
-    assert 2 * max(per_day) < 8000 < 3 * min(per_day)  # the premise
+    capacity = (3 * max(per_day) + 4 * min(per_day)) // 2
+    assert 3 * max(per_day) < capacity < 4 * min(per_day)  # the premise
+    cfg = json.loads(model.read_text())
+    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = capacity
+    model.write_text(json.dumps(cfg))
 
     def online(save, unseen_days):
         doc = {"model": str(model), "train_data_dir": str(tmp_path / "stream"),
@@ -324,9 +372,9 @@ def test_weeks_of_new_keys_fit_a_small_table_through_the_daily_shrink(tmp_path):
     assert len(shrinks) == 6
     rows = [int(x.split(", ")[-1].split(" rows")[0].replace(",", "")) for x in shrinks
             if "rows in use" in x]
-    # from day 2 on each shrink deletes the day before's keys: one day's keys stay
-    assert rows == [per_day[0]] * 5
-    assert " 0 key(s) deleted" in shrinks[0]
+    # from day 2 on each shrink deletes the keys of two days before: two days' keys stay
+    assert rows == [2 * per_day[0]] * 4
+    assert " 0 key(s) deleted" in shrinks[0] and " 0 key(s) deleted" in shrinks[1]
     with pytest.raises(TableFullError):
         OnlineRun(online("kept", 30), log=lambda s: None).run()
 
@@ -680,9 +728,10 @@ def test_admission_in_a_streaming_run(tmp_path):
 
 def test_ten_days_of_a_drifting_stream_through_a_small_table(tmp_path):
     """Ten simulated days of power-law keys whose popular keys drift every day (a generated
-    tree): with the shrink the table never holds more than about two days of keys and the
-    pass AUC (each pass's predictions before it learns from them) climbs and holds; the same
-    stream without a shrink fills the table."""
+    tree): with the shrink (keys unseen for more than a day go, Paddle's order: at the end of
+    the second day after they were last seen) the table never holds more than about three days
+    of keys and the pass AUC (each pass's predictions before it learns from them) climbs and
+    holds; the same stream without a shrink fills the table."""
     import json
 
     from jctr.config import parse_config
@@ -694,13 +743,14 @@ def test_ten_days_of_a_drifting_stream_through_a_small_table(tmp_path):
     cfg = tiny_config(tmp_path, "dlrm", display=1000, eval_batches=2, batchsize=256,
                       batchsize_eval=256, eval_interval=10**6)
     cfg["layers"][0]["synthetic"].update(num_samples=512, eval_num_samples=512, num_files=1)
-    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 13000
+    # three days of keys fit (27.7k), ten do not (46.4k): each slot draws from 6,000 keys
+    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 32000
     from jctr.data.tools.synthetic import generate_for_config
 
     generate_for_config(parse_config(cfg))  # the validation set
     days = [f"201907{20 + d}" for d in range(10)]
     write_stream(parse_config(cfg), str(tmp_path / "stream"), days, split_interval=720,
-                 files_per_slice=1, samples_per_file=4096, drift=0.3)
+                 files_per_slice=1, samples_per_file=4096, drift=0.3, vocab=[6000] * 8)
     model = tmp_path / "model.json"
     model.write_text(json.dumps(cfg))
 
@@ -712,7 +762,7 @@ def test_ten_days_of_a_drifting_stream_through_a_small_table(tmp_path):
     assert OnlineRun(online("shrunk", 1), log=lines.append).run() == 20
     rows = [int(x.split(", ")[-1].split(" rows")[0].replace(",", "")) for x in lines
             if "rows in use" in x]
-    assert len(rows) == 9 and max(rows) < 0.7 * 13000
+    assert len(rows) == 8 and max(rows) < 0.7 * 32000, rows
     aucs = [json.loads(x)["pass_auc"] for x in
             (tmp_path / "shrunk" / "passes.jsonl").read_text().splitlines()]
     assert min(aucs[-6:]) > 0.7 and min(aucs[-6:]) > aucs[0] + 0.15, aucs

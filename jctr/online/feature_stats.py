@@ -5,12 +5,20 @@
   weight for impressions that were not clicked. (The seed document prints the difference as
   ``click - show``; PaddlePaddle's accessor computes ``show - click``, which is what the names
   mean, and so does jctr.)
-* shrink (at the end of each day): every key ages a day, show and click decay by
-  ``show_click_decay_rate``; keys whose score is below ``delete_threshold``, or unseen for
-  more than ``delete_after_unseen_days`` days, go;
-* saves: the base model keeps keys whose score is at least ``base_threshold``; a delta model
-  keeps keys seen since the previous delta whose score is at least ``delta_threshold`` and
-  that were seen within ``delta_keep_days`` days.
+* every push (a key's occurrences in a batch) adds its shows and clicks, adds their score to
+  the key's ``delta_score`` and sets ``unseen_days`` to 0 (``CtrCommonAccessor::Update``);
+* shrink (at the end of each day): show and click decay by ``show_click_decay_rate``, then keys
+  whose score is below ``delete_threshold``, or unseen for more than
+  ``delete_after_unseen_days`` days, go (``CtrCommonAccessor::Shrink``); every key ages a day
+  only after that, when the day's batch model is saved (:meth:`FeatureStats.age`; Paddle's
+  ``UpdateStatAfterSave`` with param 3);
+* saves (``CtrCommonAccessor::Save``): the base model keeps keys whose score is at least
+  ``base_threshold`` and that were seen within ``delta_keep_days`` days (param 2); a delta
+  model keeps those whose ``delta_score`` (the score of the shows and clicks since the key was
+  last saved) is also at least ``delta_threshold`` (param 1). Each save sets the saved keys'
+  ``delta_score`` back to 0. jctr's delta also leaves out keys not pushed since they were last
+  saved (Paddle's keeps them when ``delta_threshold`` is 0): their rows did not change, so the
+  serving side holds them already, and a delta of unchanged rows would be as large as a base.
 
 The statistics live on the host, keyed by key (sorted int64 arrays), independent of where a
 key's row sits in a device table; batches are merged in bulk (:meth:`FeatureStats.flush`),
@@ -62,7 +70,8 @@ class ShrinkRule:
 
 
 class FeatureStats:
-    """Show, click, unseen days and "seen since the last delta" per key (sorted keys)."""
+    """Show, click, unseen days, delta score and "pushed since last saved" per key (sorted
+    keys)."""
 
     def __init__(self, score: ScoreRule | None = None):
         self.rule = score or ScoreRule()
@@ -70,7 +79,8 @@ class FeatureStats:
         self.show = np.zeros(0, np.float64)
         self.click = np.zeros(0, np.float64)
         self.unseen_days = np.zeros(0, np.int32)  # whole days since the key was last seen
-        self.since_delta = np.zeros(0, bool)  # seen since the last delta save
+        self.delta_score = np.zeros(0, np.float64)  # score pushed since the key was saved
+        self.since_delta = np.zeros(0, bool)  # pushed since the key was last saved
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
 
     def __len__(self) -> int:
@@ -114,6 +124,7 @@ class FeatureStats:
         p = pos[known]
         self.show[p] += show[known]
         self.click[p] += click[known]
+        self.delta_score[p] += self.rule.score(show[known], click[known])
         self.unseen_days[p] = 0
         self.since_delta[p] = True
         new = ~known
@@ -122,6 +133,8 @@ class FeatureStats:
             self.keys = np.insert(self.keys, at, keys[new])
             self.show = np.insert(self.show, at, show[new])
             self.click = np.insert(self.click, at, click[new])
+            self.delta_score = np.insert(self.delta_score, at,
+                                         self.rule.score(show[new], click[new]))
             self.unseen_days = np.insert(self.unseen_days, at, 0)
             self.since_delta = np.insert(self.since_delta, at, True)
 
@@ -139,47 +152,72 @@ class FeatureStats:
         self.flush()
         return self.rule.score(self.show, self.click)
 
+    _FIELDS = ("keys", "show", "click", "unseen_days", "delta_score", "since_delta")
+
     def shrink(self, rule: ShrinkRule) -> np.ndarray:
-        """The end of a day: every key ages one day (a key seen since is back at 0 with its
-        next occurrence), show and click decay, and the keys the rule removes are deleted;
-        returns them (their table rows are to be freed)."""
+        """The end of a day (Paddle's ``CtrCommonAccessor::Shrink``): show and click decay,
+        and the keys the rule removes (score below ``delete_threshold``, unseen for more than
+        ``delete_after_unseen_days``) are deleted; returns them (their table rows are to be
+        freed). Keys age afterwards, with :meth:`age`."""
         self.flush()
-        self.unseen_days += 1
         self.show *= rule.show_click_decay_rate
         self.click *= rule.show_click_decay_rate
         drop = (self.scores() < rule.delete_threshold) | \
             (self.unseen_days > rule.delete_after_unseen_days)
         deleted = self.keys[drop]
         keep = ~drop
-        for name in ("keys", "show", "click", "unseen_days", "since_delta"):
+        for name in self._FIELDS:
             setattr(self, name, getattr(self, name)[keep])
         return deleted
 
-    def base_keys(self, base_threshold: float) -> np.ndarray:
-        """Keys a base model holds: score >= ``base_threshold``."""
+    def age(self) -> None:
+        """The day's batch model is saved: every key is one day older (a key seen since is
+        back at 0 with its next push); Paddle's ``UpdateStatAfterSave`` with param 3."""
         self.flush()
-        return self.keys[self.scores() >= base_threshold]
+        self.unseen_days += 1
 
-    def delta_keys(self, delta_threshold: float, delta_keep_days: int) -> np.ndarray:
-        """Keys the next delta model holds (seen since the last delta, score >=
-        ``delta_threshold``, unseen for at most ``delta_keep_days`` days); the "seen since"
-        marks start again."""
+    def base_keys(self, base_threshold: float, delta_keep_days: int) -> np.ndarray:
+        """Keys a base model holds (Paddle's ``Save`` with param 2): score >=
+        ``base_threshold`` and unseen for at most ``delta_keep_days`` days. They count as
+        saved: their delta score starts again from 0."""
         self.flush()
-        take = self.since_delta & (self.scores() >= delta_threshold) & \
-            (self.unseen_days <= delta_keep_days)
-        self.since_delta[:] = False
+        take = (self.scores() >= base_threshold) & (self.unseen_days <= delta_keep_days)
+        return self._saved(take)
+
+    def delta_keys(self, base_threshold: float, delta_threshold: float,
+                   delta_keep_days: int) -> np.ndarray:
+        """Keys the next delta model holds (Paddle's ``Save`` with param 1): pushed since
+        they were last saved, score >= ``base_threshold``, delta score >=
+        ``delta_threshold``, unseen for at most ``delta_keep_days`` days. They count as
+        saved."""
+        self.flush()
+        take = self.since_delta & (self.scores() >= base_threshold) & \
+            (self.delta_score >= delta_threshold) & (self.unseen_days <= delta_keep_days)
+        return self._saved(take)
+
+    def _saved(self, take: np.ndarray) -> np.ndarray:
+        self.delta_score[take] = 0.0
+        self.since_delta[take] = False
         return self.keys[take]
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Plain arrays (for a checkpoint; no pickle)."""
         self.flush()
-        return {"keys": self.keys, "show": self.show, "click": self.click,
-                "unseen_days": self.unseen_days, "since_delta": self.since_delta}
+        return {name: getattr(self, name) for name in self._FIELDS}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
+        """What :meth:`state_dict` gave; statistics saved before ``delta_score`` existed get
+        the lifetime score of the keys pushed since their last delta as theirs."""
         n = np.asarray(state["keys"]).size
+        state = dict(state)
+        if "delta_score" not in state:
+            since = np.asarray(state["since_delta"], bool)
+            state["delta_score"] = np.where(since, self.rule.score(
+                np.asarray(state["show"], np.float64), np.asarray(state["click"], np.float64)),
+                0.0)
         for name, dtype in (("keys", np.int64), ("show", np.float64), ("click", np.float64),
-                            ("unseen_days", np.int32), ("since_delta", bool)):
+                            ("unseen_days", np.int32), ("delta_score", np.float64),
+                            ("since_delta", bool)):
             value = np.asarray(state[name], dtype)
             if value.shape != (n,):
                 raise ValueError(f"feature statistics: {name} holds {value.shape}, expected "

@@ -379,14 +379,13 @@ class OnlineRun:
         try:
             with np.load(path, allow_pickle=False) as f:
                 for i, st in enumerate(self.stats):
-                    st.load_state_dict({k: f[f"{i}/{k}"] for k in
-                                        ("keys", "show", "click", "unseen_days",
-                                         "since_delta")})
+                    st.load_state_dict({k.split("/", 1)[1]: f[k] for k in f.files
+                                        if k.startswith(f"{i}/")})
         except (OSError, KeyError, ValueError) as e:
             raise DataError(f"{path}: feature statistics unreadable ({e})") from None
 
     def _shrink_day(self, day: str) -> None:
-        """The end of a day: statistics age and decay; deleted keys leave the tables."""
+        """The end of a day: statistics decay; deleted keys leave the tables."""
         t = self.trainer
         rate = self.cfg.table_parameters.show_click_decay_rate
         for i, (spec, stats) in enumerate(zip(t.specs, self.stats)):
@@ -459,10 +458,13 @@ class OnlineRun:
 
     def _end_day(self, day: str) -> None:
         """Shrink, then the base model and the batch model of the next day (PaddlePaddle
-        names both after the day they start)."""
+        names both after the day they start); keys age a day as the batch model is saved,
+        after the shrink tested their unseen days (Paddle's order)."""
         self._shrink_day(day)
         following = next_day(day)
         self._save_inference("base", following, None)
+        for st in self.stats:
+            st.age()
         self._checkpoint(os.path.join(self.cfg.save_model_path, following, "0"), day,
                          len(self.passes), day_end=True)
 
@@ -480,18 +482,18 @@ class OnlineRun:
         self.log(f"[jctr] {what} day {day} pass {n} -> {path}")
 
     def _save_inference(self, kind: str, day: str, n: int | None) -> str:
-        """A base (``kind`` "base") or delta inference bundle with the keys the filters keep;
-        the "seen since the last delta" marks start again."""
+        """A base (``kind`` "base") or delta inference bundle with the keys the filters keep
+        (:meth:`FeatureStats.base_keys`, :meth:`FeatureStats.delta_keys`); the saved keys'
+        delta scores start again."""
         from jctr.serving.bundle import export_bundle
 
         tp = self.cfg.table_parameters
         if kind == "base":
-            keys = [st.base_keys(tp.base_threshold) for st in self.stats]
-            for st in self.stats:
-                st.delta_keys(tp.delta_threshold, tp.delta_keep_days)  # a delta starts here
+            keys = [st.base_keys(tp.base_threshold, tp.delta_keep_days) for st in self.stats]
             folder = os.path.join(self.cfg.save_model_path, day, "base")
         else:
-            keys = [st.delta_keys(tp.delta_threshold, tp.delta_keep_days) for st in self.stats]
+            keys = [st.delta_keys(tp.base_threshold, tp.delta_threshold, tp.delta_keep_days)
+                    for st in self.stats]
             folder = os.path.join(self.cfg.save_model_path, day, f"delta-{n}")
         t = self.trainer
         tables = None

@@ -51,7 +51,7 @@ class RunData:
         self._train: Dataset | None = None
         self._eval: Dataset | None = None
         self._tests: dict[str, Dataset] = {}
-        self.train_records = 0  # one epoch of this process's training data (known once checked)
+        self.train_records: int | None = 0  # one epoch of this process's training data
 
     @property
     def train(self) -> Dataset:
@@ -89,6 +89,12 @@ class RunData:
         if jax.process_count() > 1 and reader_epochs is not None:
             reads = even_epochs(reads, local_batch, self.train_records, start, self.cfg.data)
         return reads
+
+    def last_iteration(self, epochs: int) -> int | None:
+        """Iterations in ``epochs`` of the training set (each epoch ends on a padded batch of
+        its own), once :meth:`check` counted it; None where the reader cannot tell."""
+        local_batch = self.cfg.solver.batchsize // jax.process_count()
+        return epochs * -(-self.train_records // local_batch) if self.train_records else None
 
     def check(self) -> None:
         """Every file's header, before training (raises :class:`jctr.data.records.DataError`)."""

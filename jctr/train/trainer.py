@@ -213,9 +213,7 @@ class Trainer:
                     f"{'max_iter ' + str(max_iter) if max_iter else str(epochs) + ' epoch(s)'}")
         self.run_log.record("start", iter=done, config=self.cfg.raw, batchsize=s.batchsize,
                             devices=self.placed.num_devices, processes=jax.process_count())
-        # the ETA's end; each epoch ends on a (padded) batch of its own
-        per_epoch = -(-self.data.train_records // (s.batchsize // jax.process_count()))
-        progress = Progress((epochs * per_epoch if epochs else max_iter) or None, done,
+        progress = Progress(self.data.last_iteration(epochs) if epochs else max_iter, done,
                             self._print, bar=None if self._default_print else False)
         meter, tally, printer = StepMeter(s.batchsize, progress), RunTally(), self._print
         self._print = progress.write  # log lines go above the bar

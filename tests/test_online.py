@@ -2,6 +2,7 @@
 per-process shares), the per-key show/click statistics (score, shrink, base and delta
 filters), each against a hand-computed case, and the streaming runner."""
 
+import dataclasses
 import os
 import threading
 import time
@@ -889,3 +890,56 @@ def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypa
         np.testing.assert_array_equal(np.sort(a), np.sort(b))
     with pytest.raises(ConfigError, match="checkpoint_per_pass: 2, but with sparse_store"):
         online("x", 2000, sparse_store={"path": "rows"}, checkpoint_per_pass=2)
+
+
+def test_the_quick_start_runs_as_printed(tmp_path):
+    """docs/streaming.md's quick start, command by command, in a scratch folder beside the
+    shipped configs: the stream and the validation set are generated, and the run trains every
+    pass and writes the day's base model. The reference YAML of every key parses as given."""
+    import re
+    import subprocess
+    import sys
+
+    from jctr.config.online import parse_online_config
+    from tests.conftest import ROOT
+
+    with open(os.path.join(ROOT, "docs", "streaming.md"), encoding="utf-8") as f:
+        page = f.read()
+    start = page.index("## Quick start\n")
+    block = re.findall(r"```bash\n(.*?)```", page[start:], re.S)[0]
+    commands = [line.split() for line in block.splitlines() if line.startswith("python ")]
+    assert len(commands) == 2
+    os.symlink(os.path.join(ROOT, "configs"), tmp_path / "configs")
+    for cmd in commands:
+        out = subprocess.run([sys.executable, *cmd[1:]], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+    passes = (tmp_path / "runs" / "online" / "passes.jsonl").read_text().splitlines()
+    assert len(passes) == 4
+    assert (tmp_path / "runs" / "online" / "20190722" / "base" / "manifest.json").is_file()
+    import yaml
+
+    reference = re.findall(r"```yaml\n(.*?)```", page, re.S)[0]
+    cfg = parse_online_config(yaml.safe_load(reference), str(tmp_path / "online.yaml"))
+    assert cfg.table_parameters.converter in (None, "")
+
+
+def test_missing_inputs_are_errors_at_start_not_a_wait(tmp_path):
+    """A model file or train_data_dir that is not there, or a first day folder that is not,
+    stops the run at once with the path, instead of waiting for a done-file forever."""
+    from jctr.config import ConfigError
+    from jctr.data.records import DataError
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path, days=("20190720",))
+    with pytest.raises(ConfigError, match="nope.json"):
+        OnlineRun(_online(tmp_path, tmp_path / "nope.json", tmp_path / "save"))
+    cfg = _online(tmp_path, model, tmp_path / "save")
+    with pytest.raises(ConfigError, match="train_data_dir: .*streamx: no such folder"):
+        OnlineRun(dataclasses.replace(cfg, train_data_dir=str(tmp_path / "streamx")))
+    late = _online(tmp_path, model, tmp_path / "save", start_day="20190721",
+                   end_day="20190721")
+    t0 = time.monotonic()
+    with pytest.raises(DataError, match="20190721: no such day folder"):
+        OnlineRun(late, log=lambda s: None).run()
+    assert time.monotonic() - t0 < 30

@@ -280,3 +280,52 @@ def test_a_restarted_broker_loses_no_update(tmp_path):
         dbs.close()
     finally:
         subprocess.run(["bash", SCRIPT, "stop", str(d)], timeout=30)
+
+
+def test_poison_updates_are_refused_counted_and_never_block_the_stream(broker, tmp_path):
+    """A dense message of the wrong size is skipped with an error (not retried: the messages
+    after it apply and are committed), rows holding NaN or infinity are refused (the message's
+    other rows apply, and requests for the refused keys keep working), and both are counted in
+    ``/metrics`` (``jctr_updates_refused``)."""
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.server import Metrics
+    from jctr.serving.updates import UpdateApplier, wait_for
+    from jctr.stores.kafka import KafkaMessageSink
+
+    name = "dlrm_poison"
+    t = _trainer(tmp_path, broker, name)
+    export_bundle(t.cfg, t.state, str(tmp_path / "bundle"), t.placements)
+    ps, dbs, model = _hps(tmp_path, name, tmp_path / "bundle", broker)
+    sink = KafkaMessageSink(broker, name)
+    sink.publish_dense(1, b"\0" * 12, "")  # 3 floats: this network has thousands
+    dim = t.specs[0].dim
+    keys = np.array([11, 12, 13], np.int64)
+    values = np.full((3, dim), 0.25, np.float32)
+    values[1, 3] = np.nan
+    sink.publish_rows("sparse_embedding1", 2, keys, values)
+    good = np.full((1, dim), -0.5, np.float32)
+    sink.publish_rows("sparse_embedding1", 3, np.array([14], np.int64), good)
+    assert sink.flush(10) == 0
+    applier = UpdateApplier(ps.update_source, dbs, {name: model}, group="g-poison")
+    applier.start()
+    try:
+        assert wait_for(applier, lambda a: a.last_step.get(
+            f"hps_et.{name}.sparse_embedding1") == 3), applier.stats()
+    finally:
+        applier.close()
+    st = applier.stats()
+    assert st["refused"] == {"dense": 1, "rows_width": 0, "rows_nonfinite": 1}, st
+    assert st["failures"] == 0 and st["applied_rows"] == 3 and st["applied_dense"] == 0
+    table = f"hps_et.{name}.sparse_embedding1"
+    got, found, _ = dbs.lookup(table, np.array([11, 12, 13, 14], np.int64), dim, 0.0)
+    np.testing.assert_allclose(got[[0, 2]], 0.25)
+    np.testing.assert_allclose(got[3], -0.5)
+    assert np.isfinite(got).all()  # key 12 kept what it had (or the default)
+    batch = next(t.data.eval.batches(256, epochs=1))
+    assert np.isfinite(model.predict(batch)).all()
+    text = Metrics({name: model}, applier).render().decode()
+    assert 'jctr_updates_refused_total{reason="dense"} 1.0' in text
+    assert 'jctr_updates_refused_total{reason="rows_nonfinite"} 1.0' in text
+    assert 'jctr_updates_applied_total{kind="rows"} 3.0' in text
+    model.close()
+    dbs.close()

@@ -71,6 +71,15 @@ class OnlineRun:
             self.days = days(cfg.start_day, cfg.end_day)
         except DataError as e:
             raise ConfigError("schedule", str(e), cfg.source) from None
+        # what can be wrong is said now, not after a wait for data that will never come
+        from jctr.config.parser import load_config
+
+        self.model = load_config(cfg.model)
+        if not os.path.isdir(cfg.train_data_dir):
+            raise ConfigError("train_data_dir", f"{cfg.train_data_dir}: no such folder (the "
+                              "stream's <YYYYMMDD>/<HHMM>/ folders live there; "
+                              "`python -m jctr.online.synthetic_stream --config ...` writes an "
+                              "example)", cfg.source)
         self.trainer = None
         self.pass_auc = PredictionCounts()  # the pass AUC's counts, from the train steps
         self.passes_trained = 0
@@ -135,11 +144,14 @@ class OnlineRun:
     def _trainer(self):
         """The model's Trainer for one epoch of each pass's files (one compiled step for the
         whole run), with the streaming settings over the model's config."""
+        import jax
+
         from jctr.config import override_embedding_optimizers, override_solver
-        from jctr.config.parser import load_config
+        from jctr.data.tools.synthetic import generate_for_config
+        from jctr.sharding.distributed import all_processes
         from jctr.train.trainer import Trainer
 
-        model = load_config(self.cfg.model)
+        model = self.model
         tp = self.cfg.table_parameters
         solver = {"max_iter": None, "num_epochs": 1, "snapshot": 0}
         if self.cfg.kafka_sink is not None:  # published after every pass (end of each fit)
@@ -162,6 +174,9 @@ class OnlineRun:
                                       f"\"{e.name}\" has embedding_vec_size "
                                       f"{e.embedding_vec_size}, which makes it {value}",
                                       self.cfg.source)
+        # the validation set, generated as the core trainer does where the model says how
+        all_processes(lambda: generate_for_config(model, sets=("eval_source",))
+                      if jax.process_index() == 0 else None, "generate the validation data")
         return Trainer(model, log=self.log, generate_data=False, hooks=[self.pass_auc])
 
     def run(self) -> int:
@@ -189,6 +204,12 @@ class OnlineRun:
         if not todo:
             self.log(f"[jctr] nothing to train: every pass up to {self.cfg.end_day} is done")
             return 0
+        first = os.path.join(self.cfg.train_data_dir, todo[0][0])
+        if not os.path.isdir(first):  # a wrong day or folder: not a wait that never ends
+            raise DataError(f"{first}: no such day folder, and the run starts with day "
+                            f"{todo[0][0]} pass {todo[0][1]}; only a done-file in an existing "
+                            "day folder is waited for at start (later days' folders are "
+                            "waited for as they come)")
         pool = ThreadPoolExecutor(1, thread_name_prefix="jctr-prefetch") \
             if self.cfg.prefetch else None
         halt = threading.Event()  # ends a prefetch that waits for data when the run ends

@@ -50,3 +50,56 @@ def write_stream(cfg: ModelConfig, out: str, days: list[str], *, split_interval:
                 open(os.path.join(folder, donefile), "w").close()
             folders.append(folder)
     return folders
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m jctr.online.synthetic_stream --config online.yaml``: the streaming config's
+    days as a synthetic stream under its ``train_data_dir`` (done-files included), and the
+    model's validation set where its Data layer generates one."""
+    import argparse
+
+    from jctr.errors import run_command
+
+    ap = argparse.ArgumentParser(prog="python -m jctr.online.synthetic_stream",
+                                 description=main.__doc__)
+    ap.add_argument("--config", required=True, help="streaming config (YAML or JSON)")
+    ap.add_argument("--files-per-slice", type=int, default=1)
+    ap.add_argument("--samples-per-file", type=int, default=4096)
+    ap.add_argument("--drift", type=float, default=0.05,
+                    help="share of each slot's keys the popular ones move per day")
+    ap.add_argument("--force", action="store_true",
+                    help="write into day folders that hold files already")
+    args = ap.parse_args(argv)
+
+    def go() -> None:
+        from jctr.config.online import load_online_config
+        from jctr.config.parser import load_config
+        from jctr.data.records import DataError
+        from jctr.data.tools.synthetic import generate_for_config
+        from jctr.online.schedule import days
+
+        cfg = load_online_config(args.config)
+        model = load_config(cfg.model)
+        todo = days(cfg.start_day, cfg.end_day)
+        for day in todo:
+            folder = os.path.join(cfg.train_data_dir, day)
+            if not args.force and os.path.isdir(folder) and os.listdir(folder):
+                raise DataError(f"{folder}: holds files already; give another train_data_dir "
+                                "or --force to write over them")
+        written = write_stream(model, cfg.train_data_dir, todo,
+                               split_interval=cfg.split_interval,
+                               files_per_slice=args.files_per_slice,
+                               samples_per_file=args.samples_per_file, drift=args.drift,
+                               donefile=cfg.data_donefile or None)
+        generate_for_config(model, sets=("eval_source",))
+        print(f"[jctr] {len(written)} slice folder(s) of {args.files_per_slice} x "
+              f"{args.samples_per_file:,} samples for {len(todo)} day(s) under "
+              f"{cfg.train_data_dir}")
+
+    return run_command(go)
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -97,7 +97,7 @@ def _serve(args) -> None:
     applier = None
     try:
         applier = start_updates(ps, dbs, models)
-        app = build_app(models)
+        app = build_app(models, applier)
         print(f"[jctr] serving {', '.join(models)} on http://{args.host}:{args.port} "
               "(KServe v2: /v2/models/<name>/infer; metrics: /metrics)", flush=True)
         uvicorn.run(app, host=args.host, port=args.port, log_level="warning")

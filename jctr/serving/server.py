@@ -256,7 +256,7 @@ class Metrics:
     """Prometheus metrics of one server: requests, latency, samples, and the models'
     per-layer lookups, cache hit rate and capacity."""
 
-    def __init__(self, models: dict):
+    def __init__(self, models: dict, updates=None):
         from prometheus_client import CollectorRegistry, Counter, Histogram
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -301,6 +301,23 @@ class Metrics:
                 yield cap
                 yield unanswered
                 yield up
+                if updates is not None:
+                    st = updates.stats()
+                    applied = CounterMetricFamily("jctr_updates_applied", "online updates "
+                                                  "applied", labels=["kind"])
+                    applied.add_metric(["rows"], st["applied_rows"])
+                    applied.add_metric(["dense"], st["applied_dense"])
+                    refused = CounterMetricFamily(
+                        "jctr_updates_refused", "online updates that can never apply, "
+                        "skipped (dense: messages; rows: rows)", labels=["reason"])
+                    for reason, n in st["refused"].items():
+                        refused.add_metric([reason], n)
+                    failed = CounterMetricFamily("jctr_updates_failures", "failed writes of "
+                                                 "online updates (retried)")
+                    failed.add_metric([], st["failures"])
+                    yield applied
+                    yield refused
+                    yield failed
 
         self.registry.register(Tables())
 
@@ -322,15 +339,16 @@ def _ready(models: dict) -> bool:
     return all(model.dbs.ready() for model in models.values())
 
 
-def build_app(models: dict):
-    """The Starlette application serving ``models`` ({name: HPSModel})."""
+def build_app(models: dict, updates=None):
+    """The Starlette application serving ``models`` ({name: HPSModel}); ``updates``: their
+    :class:`jctr.serving.updates.UpdateApplier`, whose counts join ``/metrics``."""
     from starlette.applications import Starlette
     from starlette.concurrency import run_in_threadpool
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    metrics = Metrics(models)
+    metrics = Metrics(models, updates)
 
     def error(status: int, message: str) -> JSONResponse:
         return JSONResponse({"error": message}, status_code=status)

@@ -8,6 +8,9 @@ Delivery is at least once and applying is idempotent (a row is set, never added 
 messages come in order), so a restarted consumer that reads some messages again ends in the
 same state. Offsets are committed only after every layer holds what was read; a failed write is
 retried after ``failure_backoff_ms`` from the last committed point, never acknowledged early.
+A message that can never apply is refused, logged and counted, never retried: dense weights of
+the wrong size or with non-finite values, rows of another width, and rows holding NaN or
+infinity (the other rows of that message apply).
 
 Example::
 
@@ -24,6 +27,7 @@ import time
 
 import numpy as np
 
+from jctr.checkpoint.model_files import ModelFileError
 from jctr.config.hps import UpdateSourceParams
 from jctr.serving.hps import Databases
 from jctr.stores.base import StoreError, StoreUnavailable
@@ -49,6 +53,7 @@ class UpdateApplier:
         self.applied_rows = 0
         self.applied_dense = 0
         self.failures = 0
+        self.refused = {"dense": 0, "rows_width": 0, "rows_nonfinite": 0}  # never applied
         self.last_step: dict[str, int] = {}  # table key / dense topic -> step applied
         self.dense_steps: list[int] = []  # the step of each dense message applied
         self.error: str | None = None
@@ -116,7 +121,13 @@ class UpdateApplier:
             if model is None:
                 continue
             if u.kind == "dense":
-                model.swap_dense(u.dense, u.non_trainable)
+                try:
+                    model.swap_dense(u.dense, u.non_trainable)
+                except ModelFileError as e:  # poison: retrying cannot help
+                    self.refused["dense"] += 1
+                    log.error("update_source: dense update of %s at step %d refused: %s",
+                              u.model, u.step, e)
+                    continue
                 self.applied_dense += 1
                 self.dense_steps.append(u.step)
                 self.last_step[dense_topic(u.model)] = u.step
@@ -127,23 +138,32 @@ class UpdateApplier:
                 continue
             t = model.tables[i]
             if u.values.shape[1] != t.dim:
+                self.refused["rows_width"] += int(u.keys.size)
                 log.error("update_source: %s rows of size %d, the table has %d; skipped",
                           t.key, u.values.shape[1], t.dim)
                 continue
+            keys_all, values_all = u.keys, u.values
+            finite = np.isfinite(values_all).all(axis=1)
+            if not finite.all():  # a NaN row would fail every request that reads its key
+                bad = int((~finite).sum())
+                self.refused["rows_nonfinite"] += bad
+                log.error("update_source: %s: %d row(s) with NaN or infinity refused (first "
+                          "key %d)", t.key, bad, int(keys_all[~finite][0]))
+                keys_all, values_all = keys_all[finite], values_all[finite]
             layers = self.dbs.update_layers(t.key)
-            for s in range(0, u.keys.size, p.max_batch_size):
-                keys = u.keys[s:s + p.max_batch_size]
-                values = np.ascontiguousarray(u.values[s:s + p.max_batch_size])
+            for s in range(0, keys_all.size, p.max_batch_size):
+                keys = keys_all[s:s + p.max_batch_size]
+                values = np.ascontiguousarray(values_all[s:s + p.max_batch_size])
                 for layer in layers:
                     self.dbs.write_rows(layer, t.key, keys, values)
                 model.refresh_rows(i, keys, values)
-            self.applied_rows += int(u.keys.size)
+            self.applied_rows += int(keys_all.size)
             self.last_step[t.key] = u.step
 
     def stats(self) -> dict:
         return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,
-                "failures": self.failures, "error": self.error,
-                "last_step": dict(self.last_step)}
+                "failures": self.failures, "refused": dict(self.refused),
+                "error": self.error, "last_step": dict(self.last_step)}
 
 
 def wait_for(applier: UpdateApplier, predicate, timeout_s: float = 30.0) -> bool:

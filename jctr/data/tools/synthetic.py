@@ -173,23 +173,26 @@ def layout_from_config(cfg) -> dict:
                 label_dim=data.label_dim)
 
 
-def generation_targets(cfg, *, force: bool = False) -> list[tuple[str, int, int]]:
+def generation_targets(cfg, *, force: bool = False,
+                       sets: tuple[str, ...] = ("source", "eval_source")
+                       ) -> list[tuple[str, int, int]]:
     """``(path, samples, stream)`` of each set the config's ``synthetic`` clause would write now.
 
     A set is generated only where its path does not exist (``force``: always), and only into a
     folder that is new or empty, so that generation never overwrites files it did not write:
     a typo in a path next to real data is an error, not a silent replacement. The training and
-    evaluation sets need folders of their own (their part files share names). Raises
-    :class:`DataError` naming the path and what to do.
+    evaluation sets need folders of their own (their part files share names). ``sets``: which
+    of the Data layer's ``source`` and ``eval_source`` to consider. Raises :class:`DataError`
+    naming the path and what to do.
     """
     data, syn = cfg.data, cfg.data.synthetic
     if syn is None:
         return []
-    sets = [(data.source, syn.num_samples, 0, "source")]
+    candidates = [(data.source, syn.num_samples, 0, "source")]
     if data.format != "FeatureSpec":  # a feature specification holds both of its mappings
-        sets.append((data.eval_source, syn.eval_num_samples, 1, "eval_source"))
-    todo = [(path, n, stream, field) for path, n, stream, field in sets
-            if force or not os.path.exists(path)]
+        candidates.append((data.eval_source, syn.eval_num_samples, 1, "eval_source"))
+    todo = [(path, n, stream, field) for path, n, stream, field in candidates
+            if field in sets and (force or not os.path.exists(path))]
     folders = [os.path.dirname(os.path.abspath(path)) for path, *_ in todo]
     if len(todo) == 2 and folders[0] == folders[1]:
         raise DataError(f"{folders[0]}: the Data layer's source and eval_source are both to be "
@@ -209,12 +212,13 @@ def generation_targets(cfg, *, force: bool = False) -> list[tuple[str, int, int]
     return [(path, n, stream) for path, n, stream, _ in todo]
 
 
-def generate_for_config(cfg, *, force: bool = False) -> bool:
-    """Write the config's synthetic train and eval sets where their paths are missing, under
-    the rules of :func:`generation_targets`. A generation that fails part-way removes what it
-    wrote. Returns True if anything was written.
+def generate_for_config(cfg, *, force: bool = False,
+                        sets: tuple[str, ...] = ("source", "eval_source")) -> bool:
+    """Write the config's synthetic train and eval sets (``sets``) where their paths are
+    missing, under the rules of :func:`generation_targets`. A generation that fails part-way
+    removes what it wrote. Returns True if anything was written.
     """
-    todo = generation_targets(cfg, force=force)
+    todo = generation_targets(cfg, force=force, sets=sets)
     if not todo:
         return False
     syn, fmt = cfg.data.synthetic, cfg.data.format

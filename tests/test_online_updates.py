@@ -329,3 +329,51 @@ def test_poison_updates_are_refused_counted_and_never_block_the_stream(broker, t
     assert 'jctr_updates_applied_total{kind="rows"} 3.0' in text
     model.close()
     dbs.close()
+
+
+def test_kafka_security_settings_pass_through(broker, tmp_path):
+    """``security`` (update_source and kafka_sink): librdkafka's security.protocol, sasl.* and
+    ssl.* settings reach the clients as given (here PLAINTEXT, what the local broker speaks:
+    an update goes through); any other key, or a nested value, is refused with its JSON
+    path."""
+    from jctr.config import ConfigError, load_config
+    from jctr.config.hps import parse_ps_config
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.updates import UpdateApplier, wait_for
+
+    name = "dlrm_secure"
+    t = _trainer(tmp_path, broker, name, security={"security.protocol": "PLAINTEXT"})
+    assert t.cfg.solver.kafka_sink.security == (("security.protocol", "PLAINTEXT"),)
+    export_bundle(t.cfg, t.state, str(tmp_path / "bundle"), t.placements)
+    ps, dbs, model = _hps(tmp_path, name, tmp_path / "bundle", broker)
+    import dataclasses
+
+    source = dataclasses.replace(ps.update_source, security=(("security.protocol",
+                                                              "plaintext"),))
+    applier = UpdateApplier(source, dbs, {name: model}, group="g-secure")
+    applier.start()
+    try:
+        t.fit()
+        assert _sink(t).flush(10) == 0
+        assert wait_for(applier, lambda a: _applied(a, t, name)), applier.stats()
+    finally:
+        applier.close()
+        model.close()
+        dbs.close()
+    doc = {"models": [{"model": name, "bundle": str(tmp_path / "bundle"),
+                       "max_batch_size": 256}],
+           "update_source": {"type": "kafka_message_queue",
+                             "security": {"sasl.mechanism": "PLAIN",
+                                          "ssl.endpoint.identification.algorithm": "none"}}}
+    got = parse_ps_config(doc, str(tmp_path / "ps.json")).update_source.security
+    assert got == (("sasl.mechanism", "PLAIN"), ("ssl.endpoint.identification.algorithm",
+                                                 "none"))
+    doc["update_source"]["security"] = {"bootstrap.servers": "elsewhere:9092"}
+    with pytest.raises(ConfigError, match=r"update_source\.security\.bootstrap\.servers: "
+                                          "expected one of librdkafka's"):
+        parse_ps_config(doc, str(tmp_path / "ps.json"))
+    cfg = tiny_config(tmp_path, "dlrm")
+    cfg["solver"]["kafka_sink"] = {"model_name": "m", "security": {"sasl.username": ["x"]}}
+    with pytest.raises(ConfigError, match=r"solver\.kafka_sink\.security\.sasl\.username: "
+                                          "expected a string"):
+        load_config(cfg)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,6 +33,28 @@ def table_name(model: str, table: str) -> str:
 def dense_name(model: str) -> str:
     """The Kafka topic of a model's dense weight updates (``hps_dense.<model>``)."""
     return f"hps_dense.{model}"
+
+
+_SECURITY_KEY = re.compile(r"security\.protocol|(sasl|ssl)\.[a-z0-9_.]+")
+
+
+def read_kafka_security(r: ObjectReader, key: str = "security") -> tuple[tuple[str, str], ...]:
+    """A Kafka client's authentication and encryption settings (``security``: an object of
+    librdkafka's ``security.protocol``, ``sasl.*`` and ``ssl.*`` properties, passed through
+    as given), as sorted (name, value) pairs; () when absent."""
+    if not r.has(key):
+        return ()
+    child = r.child(key)
+    out = []
+    for name, value in child.obj.items():
+        if not isinstance(name, str) or not _SECURITY_KEY.fullmatch(name):
+            raise ConfigError(join_path(child.path, name), "expected one of librdkafka's "
+                              "security.protocol, sasl.* or ssl.* settings", r.source)
+        if isinstance(value, (dict, list)) or value is None:
+            raise ConfigError(join_path(child.path, name), f"expected a string, number or "
+                              f"boolean, got {describe(value)}", r.source)
+        out.append((name, str(value).lower() if isinstance(value, bool) else str(value)))
+    return tuple(sorted(out))
 
 
 class DatabaseType_t:  # noqa: N801 - HugeCTR's name
@@ -243,6 +266,9 @@ class UpdateSourceParams:
     """Kafka: the wait before a failed database write is tried again."""
     max_commit_interval: int = 32
     """Kafka: messages applied between two offset commits at most."""
+    security: tuple[tuple[str, str], ...] = ()
+    """Kafka (jctr extension): authentication and encryption, an object of librdkafka's
+    ``security.protocol``, ``sasl.*`` and ``ssl.*`` settings, passed to the client as given."""
 
     def __post_init__(self):
         _check_choice(self, "type", UPDATE_SOURCE_TYPES)
@@ -459,7 +485,9 @@ def _read_fields(r: ObjectReader, cls, renames: dict[str, str] | None = None) ->
         if not r.has(key):
             continue
         kind = types[name].split(" |")[0]
-        if kind == "bool":
+        if name == "security":
+            out[name] = read_kafka_security(r, key)
+        elif kind == "bool":
             out[name] = r.bool(key)
         elif kind == "int":
             out[name] = r.int(key)

@@ -6,6 +6,7 @@ import copy
 import os
 from typing import Any
 
+from jctr.config.hps import read_kafka_security
 from jctr.config.layer_types import LAYER_TYPES, LOSS_TYPES
 from jctr.config.reader import ConfigError, ObjectReader, describe, join_path, json_from_text
 from jctr.config.schema import (
@@ -385,7 +386,8 @@ def parse_kafka_sink(r: ObjectReader) -> KafkaSinkConfig:
     out = KafkaSinkConfig(model_name=name, brokers=brokers,
                           send_buffer_size=r.int("send_buffer_size", 262144, min_value=4096),
                           every_n_steps=r.int("every_n_steps", 0, min_value=0),
-                          max_buffered_mb=r.int("max_buffered_mb", 64, min_value=1))
+                          max_buffered_mb=r.int("max_buffered_mb", 64, min_value=1),
+                          security=read_kafka_security(r))
     r.finish()
     return out
 

@@ -257,6 +257,8 @@ def _default(f: dataclasses.Field, derived: dict[str, str]) -> str:
     if f.name in derived:
         return derived[f.name]
     if f.default is not dataclasses.MISSING:
+        if f.default == () and str(f.type) == "tuple[tuple[str, str], ...]":  # a JSON object
+            return "`{}`"
         return "unset" if f.default is None else f"`{json.dumps(f.default)}`"
     if f.default_factory is not dataclasses.MISSING:
         value = f.default_factory()

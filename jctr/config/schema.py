@@ -141,6 +141,9 @@ class KafkaSinkConfig:
     max_buffered_mb: int = 64
     """Messages wait in a buffer of this size while the broker is slow or away; beyond it
     they are dropped and counted (a training step never waits for the broker)."""
+    security: tuple[tuple[str, str], ...] = ()
+    """Authentication and encryption: an object of librdkafka's ``security.protocol``,
+    ``sasl.*`` and ``ssl.*`` settings, passed to the client as given."""
 
 
 @dataclass(frozen=True)

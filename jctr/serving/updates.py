@@ -78,7 +78,8 @@ class UpdateApplier:
                                           metadata_refresh_interval_ms=
                                           p.metadata_refresh_interval_ms,
                                           receive_buffer_size=p.receive_buffer_size,
-                                          poll_timeout_ms=p.poll_timeout_ms)
+                                          poll_timeout_ms=p.poll_timeout_ms,
+                                          security=p.security)
                 batch = reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
             except (StoreUnavailable, StoreError) as e:
                 self.error = str(e)

@@ -59,6 +59,9 @@ def _servers(brokers: str) -> str:
     return ",".join(b.strip() for b in re.split("[;,]", brokers) if b.strip())
 
 
+FETCH_WAIT_MS = 20  # the longest a broker may hold one fetch
+
+
 def rows_topic(model: str, table: str) -> str:
     return table_name(model, table)
 
@@ -82,7 +85,7 @@ class KafkaMessageSink:
 
     def __init__(self, brokers: str, model: str, *, send_buffer_size: int = 262144,
                  max_buffered_bytes: int = 64 << 20, connect_timeout_s: float = 5.0,
-                 report=print):
+                 report=print, security: tuple[tuple[str, str], ...] = ()):
         kafka = _kafka()
         self._kafka = kafka
         self.model = model
@@ -99,9 +102,10 @@ class KafkaMessageSink:
             "queue.buffering.max.messages": 1 << 20,
             "linger.ms": 5,
             "acks": "all",
+            **dict(security),
         }, logger=_CLIENT_LOG)
-        self._admin = kafka.admin.AdminClient({"bootstrap.servers": self.brokers},
-                                              logger=_CLIENT_LOG)
+        self._admin = kafka.admin.AdminClient({"bootstrap.servers": self.brokers,
+                                               **dict(security)}, logger=_CLIENT_LOG)
         self._topics: set[str] = set()
         self._created: set[str] = set()  # topics created here, with one partition
         self.reachable = self._check(connect_timeout_s)
@@ -220,7 +224,7 @@ class UpdateReader:
 
     def __init__(self, brokers: str, *, group: str, topics: str,
                  metadata_refresh_interval_ms: int = 30000, receive_buffer_size: int = 262144,
-                 poll_timeout_ms: int = 500):
+                 poll_timeout_ms: int = 500, security: tuple[tuple[str, str], ...] = ()):
         kafka = _kafka()
         self._kafka = kafka
         self.pattern = re.compile(topics)
@@ -240,9 +244,11 @@ class UpdateReader:
                 "fetch.max.bytes": fetch,
                 "receive.message.max.bytes": max(fetch + 4096, 1 << 30),
                 "topic.metadata.refresh.interval.ms": metadata_refresh_interval_ms,
-                # a broker may hold a fetch this long when nothing is new (Tansu does): no
-                # longer than a poll may wait
-                "fetch.wait.max.ms": poll_timeout_ms,
+                # a broker may hold a fetch this long even when a message arrives meanwhile
+                # (Tansu does): short, whatever a poll may wait, so that an update is seen
+                # within tens of milliseconds (docs/performance.md, "Online updates")
+                "fetch.wait.max.ms": min(poll_timeout_ms, FETCH_WAIT_MS),
+                **dict(security),
             }, logger=_CLIENT_LOG)
         except kafka.KafkaException as e:
             raise StoreError(f"update_source: cannot create the consumer: {e}") from None

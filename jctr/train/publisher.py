@@ -48,7 +48,7 @@ class KafkaPublisher(Hook):
         self.sink = KafkaMessageSink(ks.brokers, ks.model_name,
                                      send_buffer_size=ks.send_buffer_size,
                                      max_buffered_bytes=ks.max_buffered_mb << 20,
-                                     report=report)
+                                     report=report, security=ks.security)
         self._touched: list[list[np.ndarray]] = [[] for _ in self.specs]
         self._published = [np.zeros(0, np.int64) for _ in self.specs]  # keys ever sent
 

@@ -82,6 +82,8 @@ def main() -> int:
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--updates", type=int, default=100)
     ap.add_argument("--send-buffer-size", type=int, default=262144)
+    ap.add_argument("--poll-timeout-ms", type=int, default=500,
+                    help="update_source.poll_timeout_ms (500: the default)")
     args = ap.parse_args()
     from jctr.config import parse_config
     from jctr.config.hps import parse_ps_config
@@ -109,7 +111,8 @@ def main() -> int:
             "volatile_db": {"type": "hash_map"},
             "persistent_db": {"type": "rocks_db", "path": os.path.join(tmp, "rocks")},
             "update_source": {"type": "kafka_message_queue", "brokers": brokers,
-                              "poll_timeout_ms": 20, "metadata_refresh_interval_ms": 100,
+                              "poll_timeout_ms": args.poll_timeout_ms,
+                              "metadata_refresh_interval_ms": 100,
                               "max_batch_size": 65536},
             "models": [{"model": MODEL, "bundle": os.path.join(tmp, "bundle"),
                         "max_batch_size": 1024, "gpucache": True, "gpucacheper": 0.5}]},
@@ -167,7 +170,8 @@ def main() -> int:
         p99 = lat_ms[min(len(lat_ms) - 1, int(0.99 * len(lat_ms)))]
         print(f"[latency] {len(lat)} updates of 1,024 rows + dense weights ({len(dense):,} "
               f"bytes), publish -> applied to hash map, RocksDB, device cache and dense swap: "
-              f"p50 {statistics.median(lat_ms):.1f} ms, p99 {p99:.1f} ms")
+              f"p50 {statistics.median(lat_ms):.1f} ms, p99 {p99:.1f} ms (poll_timeout_ms "
+              f"{args.poll_timeout_ms})")
         applier.close()
         hps.close()
         dbs.close()

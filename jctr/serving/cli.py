@@ -24,9 +24,11 @@ def open_models(ps: ParameterServerConfig, *, load: bool = True, log=print):
     :meth:`HPSModel.load_databases`); a volatile database that cannot be reached is then
     tolerated when the persistent database holds every row, and tried again meanwhile."""
     from jctr.serving.hps import Databases
-    from jctr.serving.hps_model import HPSModel
+    from jctr.serving.hps_model import HPSModel, check_model_files
     from jctr.stores.base import StoreUnavailable
 
+    for i, params in enumerate(ps.models):  # before a database folder is made
+        check_model_files(params, where=f"models[{i}]", source=ps.source)
     dbs = Databases(ps.volatile_db, ps.persistent_db, volatile_may_be_down=load)
     models = {}
     try:

@@ -64,6 +64,25 @@ class _Table:
         self.unanswered = 0  # batches refused: a layer that did not answer held keys
 
 
+def _model_error(where: str, source: str | None, field: str, message: str) -> ConfigError:
+    """An error about a field of a served model's parameters, named as the file names it."""
+    name = _JSON_NAMES.get(field.split("[")[0], field.split("[")[0]) \
+        if where.startswith("models[") else field.split("[")[0]
+    rest = field[len(field.split("[")[0]):]
+    return ConfigError(f"{where}.{name}{rest}", message, source)
+
+
+def check_model_files(params: InferenceParams, *, where: str = "InferenceParams",
+                      source: str | None = None) -> None:
+    """Every file a served model reads is there: checked before any database is opened, so
+    that a wrong path leaves no database folder behind."""
+    files = [("network_file", params.network_file), ("dense_model_file", params.dense_model_file)]
+    files += [(f"sparse_model_files[{i}]", p) for i, p in enumerate(params.sparse_model_files)]
+    for field, path in files:
+        if not os.path.exists(path):
+            raise _model_error(where, source, field, f"{path}: no such file or folder")
+
+
 class HPSModel:
     """One model of a parameter server (see the module docstring). Thread-safe."""
 
@@ -112,10 +131,7 @@ class HPSModel:
 
     # -- construction -------------------------------------------------------------------------
     def _error(self, field: str, message: str) -> ConfigError:
-        name = _JSON_NAMES.get(field.split("[")[0], field.split("[")[0]) \
-            if self._where.startswith("models[") else field.split("[")[0]
-        rest = field[len(field.split("[")[0]):]
-        return ConfigError(f"{self._where}.{name}{rest}", message, self._source)
+        return _model_error(self._where, self._source, field, message)
 
     def _network(self):
         path = self.params.network_file

@@ -390,3 +390,22 @@ def test_a_layer_down_is_a_503_an_unready_server_and_a_metric(exports):
         if http is not None:
             http.close()
         _close(dbs, models)
+
+
+def test_a_wrong_model_path_leaves_no_database_folder(tmp_path):
+    """A parameter-server file whose model files are not there is refused, naming the field,
+    before any database is opened: the RocksDB folder it names is not created."""
+    from jctr.config import ConfigError
+    from jctr.config.hps import parse_ps_config
+    from jctr.serving.cli import open_models
+
+    ps = parse_ps_config({
+        "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
+        "models": [{"model": "m", "max_batch_size": 64,
+                    "network_file": str(tmp_path / "nope" / "config.json"),
+                    "dense_file": str(tmp_path / "nope" / "dense.model"),
+                    "sparse_files": [str(tmp_path / "nope" / "sparse")]}]},
+        str(tmp_path / "ps.json"))
+    with pytest.raises(ConfigError, match=r"models\[0\]\.network_file: .*config.json: no such"):
+        open_models(ps)
+    assert not (tmp_path / "rocks").exists()

@@ -943,3 +943,36 @@ def test_missing_inputs_are_errors_at_start_not_a_wait(tmp_path):
     with pytest.raises(DataError, match="20190721: no such day folder"):
         OnlineRun(late, log=lambda s: None).run()
     assert time.monotonic() - t0 < 30
+
+
+def test_hourly_folders_and_the_paddle_settings_jctr_refuses(tmp_path):
+    """``is_data_hourly_placed`` (Paddle's ``get_online_pass_interval``: ``%02d`` hour folders
+    instead of ``%02d%02d``) trains from ``<day>/<HH>/``; slices shorter than an hour are
+    refused (they would name one folder several times). ``global_shuffle`` and the dump keys
+    are refused with the reason."""
+    from jctr.config import ConfigError
+    from jctr.config.online import parse_online_config
+    from jctr.online.runner import OnlineRun
+
+    assert pass_folders(360, 2, hourly=True) == [["00", "06"], ["12", "18"]]
+    with pytest.raises(DataError, match="whole hours: use a multiple of 60"):
+        pass_folders(30, 1, hourly=True)
+    model = _stream(tmp_path, days=())
+    from jctr.config import load_config
+    from jctr.online.synthetic_stream import write_stream
+
+    write_stream(load_config(str(model)), str(tmp_path / "stream"), ["20190720"],
+                 split_interval=720, files_per_slice=1, samples_per_file=512, hourly=True)
+    assert sorted(p.name for p in (tmp_path / "stream" / "20190720").iterdir()) == ["00", "12"]
+    cfg = _online(tmp_path, model, tmp_path / "save", end_day="20190720",
+                  is_data_hourly_placed=True)
+    assert OnlineRun(cfg, log=lambda s: None).run() == 2
+    for key, value, why in [("global_shuffle", True, "records do not move between processes"),
+                            ("dump_fields", ["fc_1"], "does not dump intermediate layers"),
+                            ("dump_param", ["emb"], "base and delta models hold")]:
+        doc = {"model": "m.json", "train_data_dir": "s", "split_interval": 60,
+               "split_per_pass": 1, "start_day": "20190720", "end_day": "20190720",
+               "save_model_path": "out"}
+        doc[key] = value
+        with pytest.raises(ConfigError, match=f"{key}: not supported: .*{why}"):
+            parse_online_config(doc, str(tmp_path / "online.yaml"))

@@ -117,6 +117,9 @@ class OnlineConfig:
     save_model_path: str
     """Checkpoints go to ``<save_model_path>/<day>/<pass>/``; ``progress.json`` there names
     the last one (a stopped run resumes at the pass after it)."""
+    is_data_hourly_placed: bool = False
+    """Paddle's hourly layout: data folders are ``<YYYYMMDD>/<HH>/`` (``split_interval`` a
+    multiple of 60) instead of ``<YYYYMMDD>/<HHMM>/``."""
     data_donefile: str = ""
     """A folder is read once this file exists in it (empty: at once)."""
     data_sleep_second: float = 30.0
@@ -172,6 +175,7 @@ def parse_online_config(raw: Any, source: str | None = None) -> OnlineConfig:
         split_per_pass=r.int("split_per_pass", min_value=1),
         start_day=day("start_day"), end_day=day("end_day"),
         save_model_path=path("save_model_path"),
+        is_data_hourly_placed=r.bool("is_data_hourly_placed", False),
         data_donefile=r.str("data_donefile", ""),
         data_sleep_second=r.float("data_sleep_second", 30.0, min_value=0.0),
         prefetch=r.bool("prefetch", True),
@@ -180,12 +184,28 @@ def parse_online_config(raw: Any, source: str | None = None) -> OnlineConfig:
         kafka_sink=_kafka_sink(r),
         sparse_store=_sparse_store(r, base),
         table_parameters=_table_parameters(r), source=source)
+    for key, why in _NOT_BUILT.items():
+        if r.has(key):
+            raise r.error(key, why)
     if cfg.sparse_store and cfg.checkpoint_per_pass != 1:
         raise r.error("checkpoint_per_pass", f"{cfg.checkpoint_per_pass}, but with "
                       "sparse_store every pass is checkpointed (the database is written after "
                       "each pass, and a run resumes from the checkpoint it matches): use 1")
     r.finish()
     return cfg
+
+
+# PaddlePaddle streaming settings jctr refuses, with the reason (not silently ignored)
+_NOT_BUILT = {
+    "global_shuffle": "not supported: each process reads a disjoint share of a pass's files "
+                      "and shuffles it (the model's Data layer \"shuffle\"); records do not "
+                      "move between processes, as Paddle's dataset.global_shuffle moves them",
+    "dump_fields": "not supported: jctr does not dump intermediate layers per sample; score a "
+                   "pass's files with Trainer.predict, or export the model and serve it",
+    "dump_fields_path": "not supported (see dump_fields)",
+    "dump_param": "not supported: the base and delta models hold every saved parameter "
+                  "(jctr.serving.bundle), and checkpoints the whole state",
+}
 
 
 def _kafka_sink(r: ObjectReader) -> dict | None:

@@ -67,7 +67,8 @@ class OnlineRun:
         self.log = log or _print
         self.stop = stop or threading.Event()
         try:
-            self.passes = pass_folders(cfg.split_interval, cfg.split_per_pass)
+            self.passes = pass_folders(cfg.split_interval, cfg.split_per_pass,
+                                       hourly=cfg.is_data_hourly_placed)
             self.days = days(cfg.start_day, cfg.end_day)
         except DataError as e:
             raise ConfigError("schedule", str(e), cfg.source) from None

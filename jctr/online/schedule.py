@@ -24,18 +24,25 @@ from jctr.data.records import DataError
 MINUTES_PER_DAY = 24 * 60
 
 
-def pass_folders(split_interval: int, split_per_pass: int) -> list[list[str]]:
-    """The folders (``HHMM``) of each pass of a day, in order: the day cut into slices of
-    ``split_interval`` minutes, ``split_per_pass`` consecutive slices per pass (a last
-    incomplete group is left out, as PaddlePaddle's ``get_online_pass_interval`` does)."""
+def pass_folders(split_interval: int, split_per_pass: int, *, hourly: bool = False
+                 ) -> list[list[str]]:
+    """The folders (``HHMM``; ``hourly``: ``HH``, Paddle's ``is_data_hourly_placed``) of each
+    pass of a day, in order: the day cut into slices of ``split_interval`` minutes,
+    ``split_per_pass`` consecutive slices per pass (a last incomplete group is left out, as
+    PaddlePaddle's ``get_online_pass_interval`` does). Hourly folders need slices of whole
+    hours: Paddle would name several slices of one hour by the same folder and read it as
+    often."""
     for name, v in (("split_interval", split_interval), ("split_per_pass", split_per_pass)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise DataError(f"{name}: expected a positive integer, got {v!r}")
     if split_interval > MINUTES_PER_DAY or MINUTES_PER_DAY % split_interval:
         raise DataError(f"split_interval: {split_interval} minutes do not divide a day "
                         f"({MINUTES_PER_DAY} minutes) into equal slices")
+    if hourly and split_interval % 60:
+        raise DataError(f"split_interval: {split_interval} minutes, but hourly folders "
+                        "(is_data_hourly_placed) hold whole hours: use a multiple of 60")
     starts = range(0, MINUTES_PER_DAY, split_interval)
-    names = [f"{m // 60:02d}{m % 60:02d}" for m in starts]
+    names = [f"{m // 60:02d}" if hourly else f"{m // 60:02d}{m % 60:02d}" for m in starts]
     passes = len(names) // split_per_pass
     if passes == 0:
         raise DataError(f"split_per_pass: {split_per_pass} slices of {split_interval} minutes "

@@ -21,7 +21,7 @@ from jctr.online.schedule import pass_folders
 def write_stream(cfg: ModelConfig, out: str, days: list[str], *, split_interval: int,
                  files_per_slice: int, samples_per_file: int, drift: float = 0.05,
                  donefile: str = "DONE", alpha: float = 1.2, seed: int = 0,
-                 vocab: list[int] | None = None) -> list[str]:
+                 vocab: list[int] | None = None, hourly: bool = False) -> list[str]:
     """Write every slice of ``days`` (one folder per ``split_interval`` minutes) with the
     config's slot layout (``vocab``: keys per slot, default the config's); day ``d``'s popular
     keys are those of day 0 moved ``d * drift`` of each slot's vocabulary down the ranks.
@@ -34,7 +34,8 @@ def write_stream(cfg: ModelConfig, out: str, days: list[str], *, split_interval:
     syn = cfg.data.synthetic
     signal = syn.signal if syn else 1.0
     folders = []
-    slices = [name for group in pass_folders(split_interval, 1) for name in group]
+    slices = [name for group in pass_folders(split_interval, 1, hourly=hourly)
+              for name in group]
     for d, day in enumerate(days):
         for s, hhmm in enumerate(slices):
             folder = os.path.join(out, day, hhmm)
@@ -90,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
                                split_interval=cfg.split_interval,
                                files_per_slice=args.files_per_slice,
                                samples_per_file=args.samples_per_file, drift=args.drift,
-                               donefile=cfg.data_donefile or None)
+                               donefile=cfg.data_donefile or None,
+                               hourly=cfg.is_data_hourly_placed)
         generate_for_config(model, sets=("eval_source",))
         print(f"[jctr] {len(written)} slice folder(s) of {args.files_per_slice} x "
               f"{args.samples_per_file:,} samples for {len(todo)} day(s) under "

@@ -976,3 +976,29 @@ def test_hourly_folders_and_the_paddle_settings_jctr_refuses(tmp_path):
         doc[key] = value
         with pytest.raises(ConfigError, match=f"{key}: not supported: .*{why}"):
             parse_online_config(doc, str(tmp_path / "online.yaml"))
+
+
+def test_a_show_column_reaches_the_sparse_rule(tmp_path):
+    """show_click_entry with a show column: every table's SparseAdaGradSGDRule divides by
+    the pushed shows (its ``show``), whether the streaming config gives the rule
+    (embed_sgd_param) or the model's own clause does."""
+    import json
+
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path, days=("20190720",))
+    entry = {"show_click_entry": {"show": "dense[0]", "click": "label[0]"}}
+    run = OnlineRun(_online(tmp_path, model, tmp_path / "a", end_day="20190720",
+                            table_parameters={**entry, "embed_sgd_param": {}}),
+                    log=lambda s: None)
+    cfg = run._trainer().cfg
+    assert all(cfg.embedding_optimizer(e).show == "dense[0]" for e in cfg.embeddings)
+    raw = json.loads(model.read_text())
+    for layer in raw["layers"]:
+        if "sparse_embedding_hparam" in layer:
+            layer["optimizer"] = {"type": "SparseAdaGradSGDRule"}
+    model.write_text(json.dumps(raw))
+    run = OnlineRun(_online(tmp_path, model, tmp_path / "b", end_day="20190720",
+                            table_parameters=entry), log=lambda s: None)
+    cfg = run._trainer().cfg
+    assert all(cfg.embedding_optimizer(e).show == "dense[0]" for e in cfg.embeddings)

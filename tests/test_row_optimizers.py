@@ -5,7 +5,7 @@ import numpy as np
 import optax
 import pytest
 
-from jctr.config.schema import OptimizerConfig
+from jctr.config.schema import OptimizerConfig, SparseSGDRule
 from jctr.embedding import row_optimizers as row_opt
 from jctr.embedding.sparse_embedding import (
     EmbeddingSpec,
@@ -255,6 +255,51 @@ def test_sparse_adagrad_sgd_rule_against_a_hand_computed_row():
     with pytest.raises(ConfigError, match="embed_sgd_param.weight_bounds.*low < high"):
         parse_config({"solver": {}, "optimizer": {"type": "Adam"},
                       "layers": layers[:1] + bad + layers[2:]})
+
+
+def test_sparse_adagrad_divides_by_the_pushed_shows_of_a_show_column():
+    """Paddle's ``CtrCommonAccessor::Update`` (ctr_accessor.cc) passes ``push_show`` (the sum
+    of the key's shows in the push) to ``SparseAdaGradSGDRule::UpdateValue``
+    (sparse_sgd_rule.cc), which divides the summed gradient by it: with the optimizer's
+    ``show`` column (streaming's ``show_click_entry``), key 7 in two samples of shows 2.0 and
+    3.0 is divided by 5, not by its 2 occurrences; a key pushed with 0 shows is not divided.
+    The whole train step does the same on one device and sharded over 8 (same rows)."""
+    import dataclasses
+
+    from jctr.embedding.engine import segment_shows
+
+    opt = OptimizerConfig("SparseAdaGradSGDRule", learning_rate=1.0, show="dense[1]")
+    spec = EmbeddingSpec("e", capacity=CAP, dim=DIM, slot_num=2, max_features=2, one_hot=True,
+                         input_index=0, optimizer=opt, seed=5)
+    keys = jnp.asarray([7, 9, 7, 11], jnp.int64)  # key 7 in samples 0 and 1
+    segs = jnp.asarray([0, 1, 2, 3], jnp.int32)
+    dense = jnp.asarray([[0.0, 2.0], [0.0, 3.0]], jnp.float32)  # shows: 2 and 3
+    label = jnp.zeros((2, 1), jnp.float32)
+    dense0 = dense.at[1, 1].set(0.0)  # sample 1 shown 0 times
+    for d, shows_of in ((dense, {7: 5.0, 9: 2.0, 11: 3.0}), (dense0, {7: 2.0, 9: 2.0,
+                                                                       11: 1.0})):
+        state, lk = lookup_rows(spec, init_embedding(spec), keys, segs, 2, train=True)
+        rows = {k: int(lk.rows[i]) for i, k in enumerate([7, 9, 7, 11]) if i != 2}
+        w0 = np.asarray(state.values)
+        grad = jnp.asarray(np.random.default_rng(1).normal(size=(2, 2, DIM)), jnp.float32)
+        shows = segment_shows(label, d, spec)[segs]
+        new = apply_gradients(spec, state, lk, segs, grad, jnp.float32(1.0), jnp.int32(1),
+                              shows=shows)
+        g = {7: np.asarray(grad[0, 0] + grad[1, 0]), 9: np.asarray(grad[0, 1]),
+             11: np.asarray(grad[1, 1])}
+        for k, r in rows.items():
+            want, _ = _paddle_sparse_adagrad(w0[r], np.zeros(2), g[k], shows_of[k],
+                                             opt.embed_sgd_param or SparseSGDRule(),
+                                             opt.embedx_sgd_param or SparseSGDRule())
+            np.testing.assert_allclose(np.asarray(new.values)[r], want, rtol=1e-5, atol=1e-7)
+    # without the column: occurrences, as before
+    plain = dataclasses.replace(spec, optimizer=dataclasses.replace(opt, show=None))
+    state, lk = lookup_rows(plain, init_embedding(plain), keys, segs, 2, train=True)
+    r7 = int(lk.rows[0])
+    new = apply_gradients(plain, state, lk, segs, grad, jnp.float32(1.0), jnp.int32(1))
+    want, _ = _paddle_sparse_adagrad(np.asarray(state.values)[r7], np.zeros(2), g[7], 2,
+                                     SparseSGDRule(), SparseSGDRule())
+    np.testing.assert_allclose(np.asarray(new.values)[r7], want, rtol=1e-5, atol=1e-7)
 
 
 def test_admission_gives_embedx_once_the_score_reaches_the_threshold():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 from typing import Any
 
 from jctr.config.hps import read_kafka_security
@@ -111,9 +112,12 @@ def override_optimizer(cfg: ModelConfig, changes: dict[str, Any],
     return _reparse(cfg, raw, hparam, f"optimizer.{hkey}", changes, names)
 
 
-def override_embedding_optimizers(cfg: ModelConfig, clause: dict[str, Any]) -> ModelConfig:
+def override_embedding_optimizers(cfg: ModelConfig, clause: dict[str, Any], *,
+                                  merge_into: str | None = None) -> ModelConfig:
     """``cfg`` with every embedding layer's ``optimizer`` set to ``clause`` (a JSON object,
-    e.g. streaming training's ``SparseAdaGradSGDRule``), validated like the file.
+    e.g. streaming training's ``SparseAdaGradSGDRule``), validated like the file;
+    ``merge_into``: only layers whose own optimizer has that type, their clause updated with
+    ``clause``'s keys.
 
     Example::
 
@@ -122,8 +126,13 @@ def override_embedding_optimizers(cfg: ModelConfig, clause: dict[str, Any]) -> M
     raw = _raw_copy(cfg)
     names = {e.name for e in cfg.embeddings}
     for layer in raw.get("layers", []):
-        if isinstance(layer, dict) and layer.get("name") in names:
+        if not isinstance(layer, dict) or layer.get("name") not in names:
+            continue
+        own = layer.get("optimizer")
+        if merge_into is None:
             layer["optimizer"] = _to_json(clause)
+        elif isinstance(own, dict) and own.get("type") == merge_into:
+            own.update(_to_json(clause))
     return parse_config(raw, source=cfg.source, require_solver=False)
 
 
@@ -156,6 +165,8 @@ def _reparse(cfg: ModelConfig, raw: dict, clause: dict, path: str, changes: dict
 def _to_json(value: Any) -> Any:
     if isinstance(value, (tuple, list)):
         return [_to_json(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_json(v) for k, v in value.items()}
     return value
 
 
@@ -420,10 +431,14 @@ def parse_optimizer(r: ObjectReader) -> OptimizerConfig:
         admission = {"embedx_threshold": r.float("embedx_threshold", 0.0, min_value=0.0),
                      "click_coeff": r.float("click_coeff", 1.0),
                      "nonclk_coeff": r.float("nonclk_coeff", 0.1)}
+        show = r.str("show", "") or None
+        if show is not None and not re.fullmatch(r"(label|dense)\[\d+\]", show):
+            raise r.error("show", f'expected "dense[i]" or "label[i]", got {show!r}')
         r.finish()
         # each part has its own rate; the schedule's rate (1.0 here) only scales them, so
         # the plateau factor and a skipped step's zero rate reach these rows too
-        return OptimizerConfig(type=opt_type, learning_rate=1.0, **rules, **admission)
+        return OptimizerConfig(type=opt_type, learning_rate=1.0, **rules, **admission,
+                               show=show)
     # Older HugeCTR configs carry a boolean "learning_rate" flag here; it has no effect.
     r.bool("learning_rate", True)
     r.bool("global_update", False)
@@ -771,6 +786,13 @@ def validate_config(cfg: ModelConfig) -> None:
         if emb.top in available:
             raise ConfigError(f"{path}.top", f"\"{emb.top}\" is already defined", src)
         sp = cfg.data.sparse_input(emb.bottom)
+        show = emb.optimizer.show if emb.optimizer is not None else None
+        if show is not None:
+            kind, index = show[:-1].split("[")
+            width = cfg.data.label_dim if kind == "label" else cfg.data.dense_dim
+            if int(index) >= width:
+                raise ConfigError(f"{path}.optimizer.show", f'"{show}", but the Data layer has '
+                                  f"{width} {kind} column(s)", src)
         if emb.slot_size_array and len(emb.slot_size_array) != sp.slot_num:
             raise ConfigError(f"{path}.sparse_embedding_hparam.slot_size_array",
                               f"has {len(emb.slot_size_array)} entries but input \"{sp.top}\" "

@@ -104,6 +104,11 @@ class OptimizerConfig:
     """SparseAdaGradSGDRule admission: the score's weight of a click."""
     nonclk_coeff: float = 0.1
     """SparseAdaGradSGDRule admission: the score's weight of a show without a click."""
+    show: str | None = None
+    """SparseAdaGradSGDRule (jctr extension, set by streaming training's
+    ``show_click_entry``): ``"dense[i]"`` or ``"label[i]"``, the column holding each sample's
+    show; a row's gradient is divided by the shows its key was pushed with, as PaddlePaddle's
+    accessor divides by ``push_show``. Unset: one show per occurrence."""
 
 
 @dataclass(frozen=True)

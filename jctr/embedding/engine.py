@@ -62,8 +62,11 @@ class LocalEmbeddings:
             if admits(spec.optimizer):  # per key: its sample's click
                 keys = batch.keys[spec.input_index]
                 clicks = segment_clicks(batch.label, spec.slot_num)[segs]
+            shows = None
+            if spec.optimizer.show is not None:  # per key: its sample's show
+                shows = segment_shows(batch.label, batch.dense, spec)[segs]
             out.append(apply_gradients(spec, es, lk, segs, g.astype(jnp.float32), lr, count,
-                                       keys, clicks))
+                                       keys, clicks, shows))
         return tuple(out)
 
 
@@ -72,3 +75,15 @@ def segment_clicks(label, slot_num: int):
     column), and 0 for the padding segment id."""
     click = (label.reshape(label.shape[0], -1)[:, 0] > 0.5).astype(jnp.float32)
     return jnp.append(jnp.repeat(click, slot_num), 0.0)
+
+
+def segment_shows(label, dense, spec: EmbeddingSpec):
+    """[batch * slot_num + 1] float32: each (sample, slot) segment's show from the column
+    ``spec.optimizer.show`` names (a label column counts 1 where above 0.5, as streaming
+    training's statistics count it), and 0 for the padding segment id."""
+    kind, index = spec.optimizer.show[:-1].split("[")
+    source = label if kind == "label" else dense
+    col = source.reshape(source.shape[0], -1)[:, int(index)].astype(jnp.float32)
+    if kind == "label":
+        col = (col > 0.5).astype(jnp.float32)
+    return jnp.append(jnp.repeat(col, spec.slot_num), 0.0)

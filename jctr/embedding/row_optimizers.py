@@ -136,7 +136,9 @@ def apply_rows(opt: OptimizerConfig, values: jax.Array, slots: dict, rows: jax.A
     Returns (values, slots). ``count`` is the 1-based global step (Adam's bias correction).
     ``l2`` / ``l1`` regularize the updated rows lazily: ``l2 * w + l1 * sign(w)`` joins each
     row's gradient (rows no batch touches are not regularized, whatever the update type).
-    ``occurrences`` (SparseAdaGradSGDRule): how often each row's key came in the batch.
+    ``occurrences`` (SparseAdaGradSGDRule): the shows each row's key was pushed with (one per
+    occurrence, or a show column's sum); its gradient is divided by them (Paddle's
+    ``push_show``), a row with none is not divided.
     """
     capacity = values.shape[0]
     regularized = bool(l2 or l1)
@@ -166,7 +168,7 @@ def apply_rows(opt: OptimizerConfig, values: jax.Array, slots: dict, rows: jax.A
             grads = penalized(grads, w)
         if opt.type == "SparseAdaGradSGDRule":
             g = (grads if occurrences is None
-                 else grads / jnp.maximum(occurrences, 1.0)[:, None])
+                 else grads / jnp.where(occurrences > 0, occurrences, 1.0)[:, None])
             g2 = slots["g2sum"].at[rows].get(mode="fill", fill_value=0.0)
             w, g2 = _sparse_adagrad(opt, w, g, g2, lr)
             return (values.at[rows].set(w, mode="drop"),

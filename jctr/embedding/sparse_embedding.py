@@ -163,10 +163,12 @@ def pool(spec: EmbeddingSpec, values: jax.Array, rows: jax.Array, segments: jax.
 def apply_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
                     segments: jax.Array, grad_pooled: jax.Array, lr: jax.Array,
                     count: jax.Array, keys: jax.Array | None = None,
-                    clicks: jax.Array | None = None) -> EmbeddingState:
+                    clicks: jax.Array | None = None,
+                    shows: jax.Array | None = None) -> EmbeddingState:
     """Sparse update from the gradient w.r.t. the pooled embeddings [batch, slots, dim].
     ``keys`` and ``clicks`` (per looked-up key, 0 / 1) feed admission (see
-    :func:`jctr.embedding.row_optimizers.admits`)."""
+    :func:`jctr.embedding.row_optimizers.admits`); ``shows`` (per looked-up key) replace one
+    show per occurrence where SparseAdaGradSGDRule divides a row's gradient by its shows."""
     b = grad_pooled.shape[0]
     flat = grad_pooled.reshape(b * spec.slot_num, spec.dim)
     if spec.sums_rows:
@@ -174,30 +176,34 @@ def apply_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
                                    one_hot=spec.one_hot)
     else:  # SGD's scatter-add sums duplicate rows itself: no per-row summation pass needed
         g = key_gradients(flat, segments, b * spec.slot_num, spec.combiner)
-    return _apply_rows(spec, state, lk, g, lr, count, keys, clicks)
+    return _apply_rows(spec, state, lk, g, lr, count, keys, clicks, shows)
 
 
 def apply_key_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
                         g_keys: jax.Array, lr: jax.Array, count: jax.Array,
                         keys: jax.Array | None = None,
-                        clicks: jax.Array | None = None) -> EmbeddingState:
+                        clicks: jax.Array | None = None,
+                        shows: jax.Array | None = None) -> EmbeddingState:
     """Sparse update from one gradient per looked-up key [n, dim] (duplicates are summed);
-    ``keys`` and ``clicks`` as in :func:`apply_gradients`."""
+    ``keys``, ``clicks`` and ``shows`` as in :func:`apply_gradients`."""
     if spec.sums_rows:
         g_keys = sum_at_representatives(g_keys, lk.rep)
-    return _apply_rows(spec, state, lk, g_keys, lr, count, keys, clicks)
+    return _apply_rows(spec, state, lk, g_keys, lr, count, keys, clicks, shows)
 
 
-def _apply_rows(spec, state, lk, g, lr, count, keys=None, clicks=None) -> EmbeddingState:
+def _apply_rows(spec, state, lk, g, lr, count, keys=None, clicks=None,
+                shows=None) -> EmbeddingState:
     capacity = state.values.shape[0]
     rows = _safe_rows(lk.rows, capacity)
     if spec.sums_rows:  # one update per distinct row, at its representative position
         ar = jnp.arange(rows.shape[0], dtype=jnp.int32)
         rows = jnp.where(lk.rep == ar, rows, capacity)
     occurrences = None
-    if spec.optimizer.type == "SparseAdaGradSGDRule":  # its gradient is per occurrence
-        occurrences = sum_at_representatives(
-            (lk.rep >= 0).astype(jnp.float32)[:, None], lk.rep)[:, 0]
+    if spec.optimizer.type == "SparseAdaGradSGDRule":  # its gradient is per pushed show
+        per_key = (lk.rep >= 0).astype(jnp.float32)
+        if shows is not None:  # a show column (Paddle's push_show); 0 shows: no division
+            per_key = per_key * shows.astype(jnp.float32)
+        occurrences = sum_at_representatives(per_key[:, None], lk.rep)[:, 0]
     admitted = None
     if row_opt.admits(spec.optimizer):
         if keys is None or clicks is None:

@@ -158,13 +158,19 @@ class OnlineRun:
         if self.cfg.kafka_sink is not None:  # published after every pass (end of each fit)
             solver["kafka_sink"] = self.cfg.kafka_sink
         model = override_solver(model, solver)
+        # a show column: SparseAdaGradSGDRule divides by the pushed shows, as Paddle's
+        show = ({"show": tp.show_click_entry.show}
+                if isinstance(tp.show_click_entry.show, str) else {})
         if tp.embed_sgd_param is not None:  # every table trains with SparseAdaGradSGDRule
             model = override_embedding_optimizers(model, {
                 "type": "SparseAdaGradSGDRule",
                 "embed_sgd_param": _rule_json(tp.embed_sgd_param),
                 "embedx_sgd_param": _rule_json(tp.embedx_sgd_param),
                 "embedx_threshold": tp.embedx_threshold,
-                "click_coeff": tp.click_coeff, "nonclk_coeff": tp.nonclk_coeff})
+                "click_coeff": tp.click_coeff, "nonclk_coeff": tp.nonclk_coeff, **show})
+        elif show:
+            model = override_embedding_optimizers(model, show,
+                                                  merge_into="SparseAdaGradSGDRule")
         for e in model.embeddings:  # Paddle's derived sizes, where the file gives them
             want = {"embedx_dim": e.embedding_vec_size - 1,
                     "fea_dim": e.embedding_vec_size + 2}

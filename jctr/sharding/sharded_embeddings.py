@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jctr.embedding.engine import segment_clicks
+from jctr.embedding.engine import segment_clicks, segment_shows
 from jctr.embedding.hash_table import Lookup
 from jctr.embedding.row_optimizers import admits
 from jctr.embedding.sparse_embedding import (
@@ -225,7 +225,7 @@ class ShardedEmbeddings:
         b = batch.label.shape[0] // self.num_devices
         _, segs = self._inputs(batch)
 
-        def local(embs, residuals, segs, grads, lrs, count, label):
+        def local(embs, residuals, segs, grads, lrs, count, label, dense):
             dev = jax.lax.axis_index(AXIS)
             out = []
             for spec, pl, es, res, sg, g, lr in zip(self.specs, self.placements, embs,
@@ -239,12 +239,15 @@ class ShardedEmbeddings:
                     rows, rep, keys = res
                     g_keys = key_gradients(flat, sg, nseg, spec.combiner)
                     g_all = jax.lax.all_gather(g_keys, AXIS, tiled=True)
-                    clicks = None
+                    clicks = shows = None
                     if admission:  # every key's click, gathered like its gradient
                         clicks = jax.lax.all_gather(
                             segment_clicks(label, spec.slot_num)[sg], AXIS, tiled=True)
+                    if spec.optimizer.show is not None:  # and its show, the same way
+                        shows = jax.lax.all_gather(
+                            segment_shows(label, dense, spec)[sg], AXIS, tiled=True)
                     es = apply_key_gradients(spec, es, _lookup(rows, rep), g_all, lr, count,
-                                             keys, clicks)
+                                             keys, clicks, shows)
                 else:
                     target, rows, rep, keys = res
                     if spec.combiner == "mean":
@@ -253,22 +256,27 @@ class ShardedEmbeddings:
                     # it served picks its segment's
                     g_all = jax.lax.all_gather(flat, AXIS, tiled=True)  # [D * nseg, dim]
                     g_keys = g_all.at[target].get(mode="fill", fill_value=0.0)
-                    clicks = None
+                    clicks = shows = None
                     if admission:  # the click of each served key's segment, the same way
                         all_clicks = jax.lax.all_gather(
                             segment_clicks(label, spec.slot_num)[:nseg], AXIS, tiled=True)
                         clicks = all_clicks.at[target].get(mode="fill", fill_value=0.0)
+                    if spec.optimizer.show is not None:  # and its show
+                        all_shows = jax.lax.all_gather(
+                            segment_shows(label, dense, spec)[:nseg], AXIS, tiled=True)
+                        shows = all_shows.at[target].get(mode="fill", fill_value=0.0)
                     es = _expand(apply_key_gradients(spec, _squeeze(es), _lookup(rows, rep),
                                                      g_keys, lr, count,
-                                                     keys, clicks))
+                                                     keys, clicks, shows))
                 out.append(es)
             return tuple(out)
 
         fn = jax.shard_map(local, mesh=self.mesh,
                            in_specs=(self.state_specs, P(AXIS), P(AXIS), P(AXIS), P(), P(),
-                                     P(AXIS)),
+                                     P(AXIS), P(AXIS)),
                            out_specs=self.state_specs, check_vma=False)
-        return fn(embs, residuals, segs, tuple(grads), tuple(lrs), count, batch.label)
+        return fn(embs, residuals, segs, tuple(grads), tuple(lrs), count, batch.label,
+                  batch.dense)
 
 
 def _lookup(rows, rep) -> Lookup:

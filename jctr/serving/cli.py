@@ -44,6 +44,10 @@ def open_models(ps: ParameterServerConfig, *, load: bool = True, log=print):
                             f"db ({ps.volatile_db.type})")
                     else:
                         log(f"[jctr] {name}: {table}: the databases hold this export")
+                step = model.restore_dense()
+                if step is not None:
+                    log(f"[jctr] {name}: dense weights of step {step} from the update stream "
+                        "(kept in the databases)")
             if dbs.volatile is None and dbs.volatile_configured:
                 if dbs.persistent is None:
                     raise StoreUnavailable(dbs.volatile_error or "volatile_db: down")

@@ -67,6 +67,8 @@ def open_persistent(params: PersistentDatabaseParams) -> KeyValueStore | None:
     return RocksDBStore(params)
 
 
+_DENSE_ROW = 1024  # floats per stored row of dense weights
+
 class Databases:
     """The volatile and persistent databases of one parameter server, looked up in order.
     ``volatile_may_be_down``: a volatile database that cannot be reached is tried again in the
@@ -321,6 +323,72 @@ class Databases:
             if layer == "volatile_db":
                 self._volatile_skip.discard(table)
         return int(keys.size)
+
+    # -- what online updates leave behind ------------------------------------------------------
+    @property
+    def in_process_volatile(self) -> bool:
+        """The volatile layer lives in this process (a hash map): it starts empty."""
+        return self.volatile_params.type in ("hash_map", "parallel_hash_map")
+
+    def _lasting(self):
+        """The layer whose contents outlive this process (the persistent database unless it is
+        read-only, else a volatile database in another process), or None."""
+        if self.persistent is not None and not self.persistent_params.read_only:
+            return self.persistent
+        if self.volatile_configured and not self.in_process_volatile:
+            return self.volatile
+        return None
+
+    def updates_last(self, table: str) -> bool:
+        """Whether online updates of ``table`` outlive this process (a lasting layer takes
+        them); if not, a restarted server must read the update stream from its start."""
+        lasting = self._lasting()
+        if lasting is None:
+            return False
+        layer = "persistent_db" if lasting is self.persistent else "volatile_db"
+        return layer in self.update_layers(table)
+
+    def save_dense(self, name: str, dense: bytes, record: dict) -> bool:
+        """Keep a model's dense weights applied from the update stream (``name``: its dense
+        topic) in the lasting layer, ``record`` (step, BatchNorm JSON, which base) as its
+        meta, written last; False where no layer lasts."""
+        store = self._lasting()
+        if store is None:
+            return False
+        pad = (-len(dense)) % (4 * _DENSE_ROW)
+        rows = np.frombuffer(dense + b"\0" * pad, "<f4").reshape(-1, _DENSE_ROW)
+        store.set_meta(name, None)
+        store.drop_table(name)
+        store.insert(name, np.arange(rows.shape[0], dtype=np.int64), rows)
+        store.set_meta(name, {**record, "bytes": len(dense)})
+        return True
+
+    def forget_dense(self, name: str) -> None:
+        """The kept dense weights no longer match the tables (they were loaded again)."""
+        store = self._lasting()
+        if store is not None and store.get_meta(name) is not None:
+            store.set_meta(name, None)
+            store.drop_table(name)
+
+    def load_dense(self, name: str) -> tuple[dict, bytes] | None:
+        """What :meth:`save_dense` kept, complete, or None."""
+        store = self._lasting()
+        meta = store.get_meta(name) if store is not None else None
+        if not meta or "bytes" not in meta:
+            return None
+        n = -(-int(meta["bytes"]) // (4 * _DENSE_ROW))
+        rows, found = store.lookup(name, np.arange(n, dtype=np.int64), _DENSE_ROW)
+        if not found.all():
+            return None
+        return meta, np.ascontiguousarray(rows, "<f4").tobytes()[:int(meta["bytes"])]
+
+    def persistent_rows(self, table: str) -> tuple[np.ndarray, np.ndarray]:
+        """Every row the persistent database holds of ``table`` (keys, values)."""
+        parts = list(self.persistent.items(table))
+        if not parts:
+            return np.zeros(0, np.int64), np.zeros((0, 0), np.float32)
+        return (np.concatenate([k for k, _ in parts]),
+                np.concatenate([v for _, v in parts]))
 
     def close(self) -> None:
         self._closed.set()

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import threading
@@ -37,7 +38,7 @@ from jctr.checkpoint.model_files import (
     read_sparse_model,
 )
 from jctr.config import ConfigError
-from jctr.config.hps import MODEL_JSON_KEYS, InferenceParams
+from jctr.config.hps import MODEL_JSON_KEYS, InferenceParams, dense_name
 from jctr.config.parser import load_config
 from jctr.data.batch import Batch, batch_from_features, check_batch
 from jctr.embedding.sparse_embedding import pool
@@ -225,7 +226,17 @@ class HPSModel:
                                       in_process and layer == "volatile_db")
                     for layer in ("persistent_db", "volatile_db")}
             written = {"volatile_db": 0, "persistent_db": 0}
+            if (in_process and plan["persistent_db"] is None and self.dbs.persistent is not None
+                    and self.dbs.updates_last(t.key)):
+                # the persistent database holds this export with the updates applied since:
+                # the hash map starts from its rows, not the files' older ones
+                keys, values = self.dbs.persistent_rows(t.key)
+                written["volatile_db"] = self.dbs.load(
+                    t.key, keys, values, manifest, into_persistent=False)["volatile_db"]
+                plan["volatile_db"] = None
             full = [layer for layer, step in plan.items() if step == 0]
+            if "persistent_db" in full or (self.dbs.persistent is None and full):
+                self.dbs.forget_dense(dense_name(self.name))  # rows from the files again
             if full:
                 keys, values = self._rows(i, 0)
                 written.update({k: v for k, v in self.dbs.load(
@@ -237,6 +248,33 @@ class HPSModel:
                     written[layer] = self.dbs.write_rows(layer, t.key, keys, values, manifest)
             out[t.key] = written
         return out
+
+    def base_link(self) -> str:
+        """The base export this model serves (the first link of table 0's chain)."""
+        return self.table_manifest(0)["links"][0]
+
+    def served_step(self) -> int:
+        """The training step of the dense weights read from the files (-1: unknown)."""
+        path = os.path.join(os.path.dirname(self.params.dense_model_file), "manifest.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                return int(json.load(f).get("step", -1))
+        except (OSError, ValueError, TypeError, AttributeError):
+            return -1
+
+    def restore_dense(self) -> int | None:
+        """Serve the dense weights the update stream delivered before a restart, kept by
+        :meth:`Databases.save_dense`, when they came for this base after the files' step;
+        returns their step, or None."""
+        kept = self.dbs.load_dense(dense_name(self.name))
+        if kept is None:
+            return None
+        meta, dense = kept
+        if meta.get("base") != self.base_link() or int(meta.get("step", -1)) <= \
+                self.served_step():
+            return None
+        self.swap_dense(dense, meta.get("non_trainable", ""))
+        return int(meta["step"])
 
     def _plan(self, layer: str, table: str, manifest: dict, replace: bool,
               always: bool) -> int | None:

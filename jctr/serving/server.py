@@ -2,7 +2,8 @@
 so ``tritonclient.http`` and any KServe v2 client work), with Prometheus metrics.
 
 Endpoints: ``GET /v2/health/live``, ``GET /v2/health/ready`` (503 while a database layer is down
-that some keys can only come from; the body lists each layer), ``GET /v2``,
+that some keys can only come from, or while the online updates waiting at start are not
+applied yet; the body lists each layer), ``GET /v2``,
 ``GET /v2/models/<name>[/versions/<v>]``, ``GET /v2/models/<name>/ready``,
 ``GET /v2/models/<name>/config`` (the model configuration, in Triton's JSON form),
 ``POST /v2/models/<name>[/versions/<v>]/infer`` (JSON, or the binary tensor extension with the
@@ -365,10 +366,15 @@ def build_app(models: dict, updates=None):
     async def live(request):
         return JSONResponse({"live": True})
 
+    def caught_up() -> bool:  # the online updates waiting at start are applied
+        return updates is None or updates.caught_up
+
     async def ready(request):
-        ok = _ready(models)
-        return JSONResponse({"ready": ok, "layers": _health(models)},
-                            status_code=200 if ok else 503)
+        ok = _ready(models) and caught_up()
+        body = {"ready": ok, "layers": _health(models)}
+        if updates is not None:
+            body["updates_caught_up"] = updates.caught_up
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     async def server_meta(request):
         return JSONResponse({"name": "jctr", "version": __version__,
@@ -382,7 +388,7 @@ def build_app(models: dict, updates=None):
         model, err = find(request)
         if err:
             return err
-        ok = model.dbs.ready()
+        ok = model.dbs.ready() and caught_up()
         return JSONResponse({"name": model.name, "ready": ok, "layers": model.dbs.health()},
                             status_code=200 if ok else 503)
 

@@ -57,6 +57,11 @@ class UpdateApplier:
         self.last_step: dict[str, int] = {}  # table key / dense topic -> step applied
         self.dense_steps: list[int] = []  # the step of each dense message applied
         self.error: str | None = None
+        # a layer that starts empty in a restarted server loses what was applied: read every
+        # topic from its start then, whatever the group committed
+        self.from_start = not all(dbs.updates_last(t.key) for m in models.values()
+                                  for t in m.tables)
+        self.caught_up = False  # what the topics held at start is applied (readiness)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="hps-updates", daemon=True)
@@ -79,7 +84,7 @@ class UpdateApplier:
                                           p.metadata_refresh_interval_ms,
                                           receive_buffer_size=p.receive_buffer_size,
                                           poll_timeout_ms=p.poll_timeout_ms,
-                                          security=p.security)
+                                          security=p.security, from_start=self.from_start)
                 batch = reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
             except (StoreUnavailable, StoreError) as e:
                 self.error = str(e)
@@ -94,6 +99,7 @@ class UpdateApplier:
                 self._stop.wait(max(backoff, 1.0))
                 continue
             if not batch:
+                self.caught_up = self.caught_up or reader.caught_up()
                 continue
             try:
                 self._apply(batch)
@@ -107,6 +113,7 @@ class UpdateApplier:
                 continue
             for topic, offset, _ in batch:
                 reader.mark_applied(topic, offset)
+            self.caught_up = self.caught_up or reader.caught_up()
             try:
                 reader.commit()
                 self.error = None
@@ -117,11 +124,14 @@ class UpdateApplier:
 
     def _apply(self, batch) -> None:
         p = self.params
-        for _topic, _offset, u in batch:
+        newest_dense = {u.model: i for i, (_, _, u) in enumerate(batch) if u.kind == "dense"}
+        for i, (_topic, _offset, u) in enumerate(batch):
             model = self.models.get(u.model)
             if model is None:
                 continue
             if u.kind == "dense":
+                if newest_dense[u.model] != i:  # a newer one in this batch replaces it
+                    continue
                 try:
                     model.swap_dense(u.dense, u.non_trainable)
                 except ModelFileError as e:  # poison: retrying cannot help
@@ -129,6 +139,10 @@ class UpdateApplier:
                     log.error("update_source: dense update of %s at step %d refused: %s",
                               u.model, u.step, e)
                     continue
+                # kept where it outlives the process: a restart serves it, not the files'
+                self.dbs.save_dense(dense_topic(u.model), u.dense,
+                                    {"step": u.step, "non_trainable": u.non_trainable,
+                                     "base": model.base_link()})
                 self.applied_dense += 1
                 self.dense_steps.append(u.step)
                 self.last_step[dense_topic(u.model)] = u.step

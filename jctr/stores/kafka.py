@@ -224,7 +224,8 @@ class UpdateReader:
 
     def __init__(self, brokers: str, *, group: str, topics: str,
                  metadata_refresh_interval_ms: int = 30000, receive_buffer_size: int = 262144,
-                 poll_timeout_ms: int = 500, security: tuple[tuple[str, str], ...] = ()):
+                 poll_timeout_ms: int = 500, security: tuple[tuple[str, str], ...] = (),
+                 from_start: bool = False):
         kafka = _kafka()
         self._kafka = kafka
         self.pattern = re.compile(topics)
@@ -257,6 +258,11 @@ class UpdateReader:
         self._parts: dict[tuple[str, int], list[Update]] = {}  # dense parts read so far
         self._reconnected = False  # the connection was lost: offsets to be fetched again
         self._looked = 0.0
+        # from_start: every topic from its earliest retained message, whatever the group
+        # committed (a server whose layers start empty reads everything again)
+        self.from_start = from_start
+        self.targets: dict[tuple[str, int], int] = {}  # the end of each topic when first seen
+        self._listed = False  # the topics were listed once
 
     def _refresh(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -280,15 +286,25 @@ class UpdateReader:
         known = {t for t, _ in self.assigned}
         new = [self._kafka.TopicPartition(t, p) for t, meta in topics.items()
                if self.pattern.search(t) and t not in known for p in meta.partitions]
+        self._listed = True
         if not new:
             if gone:
                 self._assign(self.assigned)
             return
         for tp in self.consumer.committed(new, timeout=5.0):
-            start = tp.offset if tp.offset >= 0 else 0
-            self.assigned[(tp.topic, tp.partition)] = start
-            self.applied[(tp.topic, tp.partition)] = start
+            where = (tp.topic, tp.partition)
+            low, high = self.consumer.get_watermark_offsets(tp, timeout=5.0)
+            start = low if self.from_start or tp.offset < 0 else max(tp.offset, low)
+            self.assigned[where] = start
+            self.applied[where] = start
+            self.targets.setdefault(where, high)
         self._assign(self.assigned)
+
+    def caught_up(self) -> bool:
+        """Every topic's messages up to where it ended when first seen are read (ask after
+        applying what :meth:`poll` returned; a failed apply rewinds)."""
+        return self._listed and all(self.assigned.get(w, 0) >= end
+                                    for w, end in self.targets.items())
 
     def _assign(self, offsets: dict[tuple[str, int], int]) -> None:
         self.consumer.assign([self._kafka.TopicPartition(t, p, o)

@@ -355,6 +355,31 @@ def test_device_cache_hits_lru_within_a_set_and_refresh():
 
 # -- the lookup order ------------------------------------------------------------------------
 
+def test_a_failed_write_back_leaves_the_volatile_layer_up(tmp_path, monkeypatch):
+    """cache_missed_embeddings: when caching rows the persistent database found fails (a Redis
+    master of the cluster is down, say), the failure is counted and the volatile layer stays
+    up: the next lookups are still answered by it (before, every such failure marked the whole
+    layer down for the backoff, and nearly every lookup went to the persistent database)."""
+    from jctr.stores import StoreUnavailable
+
+    dbs = Databases(VolatileDatabaseParams(type="hash_map", cache_missed_embeddings=True),
+                    PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db")),
+                    backoff_s=60.0)
+    dbs.volatile.insert("t", np.array([1, 2]), _vectors([1, 2]))
+    dbs.persistent.insert("t", np.arange(1, 10), _vectors(list(range(1, 10))) + 100)
+
+    def dead_master(table, keys, values):
+        raise StoreUnavailable("redis_cluster: master 127.0.0.1:7001 does not answer")
+
+    monkeypatch.setattr(dbs.volatile, "insert", dead_master)
+    for _ in range(3):
+        _, found, counts = dbs.lookup("t", np.array([1, 2, 5]), 4, default=0.0)
+        assert found.all() and counts == {"volatile_db": 2, "persistent_db": 1}
+    assert dbs.write_back_failures == 3 and dbs.volatile_failures == 0
+    assert dbs.health() == {"volatile_db": "up", "persistent_db": "up"}
+    dbs.close()
+
+
 def test_lookup_order_fallbacks_and_defaults(tmp_path):
     dbs = Databases(VolatileDatabaseParams(type="hash_map", cache_missed_embeddings=True),
                     PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db")))

@@ -88,6 +88,7 @@ class Databases:
         self._down_until = 0.0
         self._warned_until = 0.0
         self.volatile_failures = 0
+        self.write_back_failures = 0  # missed rows not cached (cache_missed_embeddings)
         self.volatile_error: str | None = None  # why the volatile database is down now
         self.expected: dict[str, dict] = {}  # table -> manifest the served model needs
         self._volatile_skip: set[str] = set()  # tables the volatile db holds for another export
@@ -116,6 +117,16 @@ class Databases:
     # -- the volatile layer may be down -------------------------------------------------------
     def _volatile_up(self) -> bool:
         return self.volatile is not None and time.monotonic() >= self._down_until
+
+    def _write_back_failed(self, e: StoreUnavailable) -> None:
+        """A missed row could not be cached in the volatile layer (one Redis master down,
+        say): counted and logged, the layer stays up for the keys it can answer."""
+        with self._lock:
+            self.write_back_failures += 1
+            now = time.monotonic()
+            if now >= self._warned_until:
+                log.warning("volatile_db: caching missed rows failed (%s); lookups go on", e)
+                self._warned_until = now + self.backoff_s
 
     def _volatile_failed(self, e: StoreUnavailable) -> None:
         with self._lock:
@@ -227,8 +238,8 @@ class Databases:
                     and self._volatile_up() and table not in self._volatile_skip):
                 try:
                     self.volatile.insert(table, keys[hit], v[f])
-                except StoreUnavailable as e:
-                    self._volatile_failed(e)
+                except StoreUnavailable as e:  # lookups decide whether the layer is down
+                    self._write_back_failed(e)
         if unanswered.any():
             raise LayerUnavailable(
                 "volatile_db", f"{int(unanswered.sum())} of {n} keys of {table} are held only "

@@ -297,11 +297,17 @@ class Metrics:
                         unanswered.add_metric([name, table], s["unanswered"])
                 for layer, state in _health(models).items():
                     up.add_metric([layer], 1.0 if state == "up" else 0.0)
+                write_back = CounterMetricFamily(
+                    "jctr_write_back_failures", "rows the persistent database found that could "
+                    "not be cached in the volatile one (cache_missed_embeddings)")
+                write_back.add_metric([], sum({id(m.dbs): m.dbs.write_back_failures
+                                               for m in models.values()}.values()))
                 yield lookups
                 yield hit
                 yield cap
                 yield unanswered
                 yield up
+                yield write_back
                 if updates is not None:
                     st = updates.stats()
                     applied = CounterMetricFamily("jctr_updates_applied", "online updates "

@@ -4,6 +4,7 @@ KServe v2 client (tritonclient.http)."""
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -209,6 +210,59 @@ def test_lookups_survive_a_killed_redis_master(cluster, bundle, tmp_path):
         model.close()
         dbs.close()
     assert not errors, errors[:3]
+
+
+def test_a_redis_master_that_comes_back_empty_is_no_source_of_defaults(cluster, bundle,
+                                                                         tmp_path):
+    """Redis alone (no persistent database below): a master restarted without its data would
+    make every key it held answer the default vector. Its partitions' markers are gone, so the
+    table is down: lookups are a 503 naming the table and `serve load`, readiness says so; a
+    load fills it and answers are right again."""
+    from jctr.serving.cli import main as serve_main
+    from jctr.serving.cli import open_models
+
+    tmp, reference = bundle
+    doc = {"volatile_db": {"type": "redis_cluster", "address": cluster["address"],
+                           "password": PASSWORD, "num_partitions": 6},
+           "persistent_db": {"type": "disabled"},
+           "models": [{"model": "wdl_empty", "bundle": str(tmp / "bundle"),
+                       "max_batch_size": 512, "gpucache": False}]}
+    (tmp_path / "ps.json").write_text(json.dumps(doc))
+    assert serve_main(["load", "--config", str(tmp_path / "ps.json")]) == 0
+    dbs, models = open_models(load_ps_config(tmp_path / "ps.json"), log=lambda s: None)
+    model = models["wdl_empty"]
+    try:
+        batch, expected = reference[0]
+        np.testing.assert_allclose(model.predict(batch), expected, **TOL)
+        assert dbs.ready()
+        port = cluster["ports"][2]
+        pid = int(open(os.path.join(cluster["dir"], str(port), "redis.pid")).read())
+        os.kill(pid, signal.SIGKILL)
+        out = subprocess.run(["bash", SCRIPT, "node", cluster["dir"], str(port)],
+                             env=cluster["env"], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        deadline, why = time.monotonic() + 30, ""
+        while time.monotonic() < deadline:  # until the restarted master answers again
+            try:
+                model.predict(batch)
+            except LayerUnavailable as e:
+                why = str(e)
+                if "lost rows since it was loaded" in why:
+                    break
+                time.sleep(0.5)  # the master is still coming back: a 503 too
+            else:
+                raise AssertionError("answered from a table that lost rows (defaults)")
+        assert re.search(r"hps_et.wdl_empty.sparse_embedding\d lost rows since it was loaded "
+                         r"\((partition|its metadata)", why), why
+        assert not dbs.ready()
+        assert "run `python -m jctr.serve load`" in dbs.health()["volatile_db"]
+        assert serve_main(["load", "--config", str(tmp_path / "ps.json")]) == 0
+        time.sleep(dbs.backoff_s + 0.1)
+        np.testing.assert_allclose(model.predict(batch), expected, **TOL)
+        assert dbs.ready()
+    finally:
+        model.close()
+        dbs.close()
 
 
 def _serve(ps_path, port, cwd):

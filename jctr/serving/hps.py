@@ -89,6 +89,8 @@ class Databases:
         self._warned_until = 0.0
         self.volatile_failures = 0
         self.write_back_failures = 0  # missed rows not cached (cache_missed_embeddings)
+        self._lost: dict[str, str] = {}  # table -> why the volatile layer lost its rows
+        self._lost_checked = 0.0
         self.volatile_error: str | None = None  # why the volatile database is down now
         self.expected: dict[str, dict] = {}  # table -> manifest the served model needs
         self._volatile_skip: set[str] = set()  # tables the volatile db holds for another export
@@ -178,14 +180,39 @@ class Databases:
                 log.error("volatile_db table %s %s; reading the persistent database for it",
                           table, why)
 
+    def _check_lost(self, every_s: float | None = None) -> None:
+        """Without a persistent database below it, a volatile table that lost rows since it
+        was loaded (a Redis master came back empty) would answer defaults for them: such a
+        table is down until ``python -m jctr.serve load`` fills it again (checked once per
+        backoff period, or ``every_s``)."""
+        now = time.monotonic()
+        every_s = self.backoff_s if every_s is None else every_s
+        if (self.persistent is not None or not hasattr(self.volatile, "lost")
+                or now < self._lost_checked + every_s or not self._volatile_up()):
+            return
+        self._lost_checked = now
+        try:
+            lost = {t: why for t in self.expected if (why := self.volatile.lost(t))}
+        except StoreUnavailable:
+            return  # a master down: the lookups say so
+        for table, why in lost.items():
+            if table not in self._lost:
+                log.error("volatile_db table %s lost rows: %s; it is down until `python -m "
+                          "jctr.serve load` fills it again", table, why)
+        self._lost = lost
+
     def health(self) -> dict[str, str]:
         """Per configured layer: "up", or "down: <why>"."""
         out = {}
         if self.volatile_configured:
+            self._check_lost()
             down = self.volatile is None or time.monotonic() < self._down_until
             nodes = getattr(self.volatile, "down_nodes", lambda: [])()
+            lost = "; ".join(f"table {t} lost rows ({why}): run `python -m jctr.serve load`"
+                             for t, why in sorted(self._lost.items()))
             out["volatile_db"] = (f"down: {self.volatile_error}" if down else
-                                  f"down: masters {', '.join(nodes)}" if nodes else "up")
+                                  f"down: masters {', '.join(nodes)}" if nodes else
+                                  f"down: {lost}" if lost else "up")
         if self.persistent is not None:
             out["persistent_db"] = "up"
         return out
@@ -205,8 +232,10 @@ class Databases:
         found = np.zeros(n, bool)
         unanswered = np.zeros(n, bool)  # keys a volatile layer that failed may hold
         counts = {"volatile_db": 0, "persistent_db": 0}
+        self._check_lost()
         if self.volatile_configured:
-            if self._volatile_up() and table not in self._volatile_skip:
+            if self._volatile_up() and table not in self._volatile_skip \
+                    and table not in self._lost:
                 try:
                     v, f = self.volatile.lookup(table, keys, dim)
                 except PartialUnavailable as e:
@@ -240,6 +269,14 @@ class Databases:
                     self.volatile.insert(table, keys[hit], v[f])
                 except StoreUnavailable as e:  # lookups decide whether the layer is down
                     self._write_back_failed(e)
+        if self.persistent is None and not found.all() and table not in self._lost:
+            self._check_lost(every_s=0.05)  # keys missing: rows lost, or keys never trained?
+            if table in self._lost:
+                unanswered |= ~found
+        if unanswered.any() and table in self._lost:
+            raise LayerUnavailable(
+                "volatile_db", f"{table} lost rows since it was loaded ({self._lost[table]}): "
+                "run `python -m jctr.serve load` to fill it again")
         if unanswered.any():
             raise LayerUnavailable(
                 "volatile_db", f"{int(unanswered.sum())} of {n} keys of {table} are held only "

@@ -388,12 +388,38 @@ class RedisClusterStore:
         return meta if isinstance(meta, dict) else None
 
     def set_meta(self, table: str, meta: dict | None) -> None:
+        """The table's manifest (None: remove it). Each partition gets a marker key on its own
+        master with it, so that a master that comes back empty is noticed (:meth:`lost`)."""
         key = f"hps_meta.{table}"
         if meta is None:
-            self._run("writing table metadata", self.client.hdel, key, "manifest")
-        else:
-            self._run("writing table metadata", self.client.hset, key, "manifest",
-                      json.dumps(meta, sort_keys=True))
+            self._run("writing table metadata", self.client.hdel, key, "manifest", "markers")
+            return
+
+        def run():
+            pipe = self.client.pipeline(transaction=False)
+            for part in range(self.num_partitions):
+                pipe.set(self._hkey(table, part) + "m", b"1")
+            pipe.execute()
+            self.client.hset(key, mapping={"manifest": json.dumps(meta, sort_keys=True),
+                                           "markers": str(self.num_partitions)})
+        self._run("writing table metadata", run)
+
+    def lost(self, table: str) -> str | None:
+        """Why ``table`` lost rows since it was loaded (its metadata, or partitions whose
+        master came back empty), or None. Tables loaded before markers existed: None."""
+        def run():
+            meta = self.client.hmget(f"hps_meta.{table}", "manifest", "markers")
+            if meta[0] is None:
+                return "its metadata is gone (a master came back empty)"
+            if meta[1] is None:
+                return None
+            pipe = self.client.pipeline(transaction=False)
+            for part in range(self.num_partitions):
+                pipe.exists(self._hkey(table, part) + "m")
+            gone = [p for p, ok in enumerate(pipe.execute()) if not ok]
+            return (f"partition(s) {', '.join(map(str, gone))} are empty (a master came back "
+                    "without its data)") if gone else None
+        return self._run("checking the table", run)
 
     def drop_table(self, table: str) -> None:
         """Delete every partition of ``table`` and its metadata (``load`` replaces a table)."""
@@ -404,6 +430,7 @@ class RedisClusterStore:
                 # UNLINK frees big hashes in the background: the server keeps answering
                 self.client.unlink(name)
                 self.client.unlink(name + "t")
+                self.client.unlink(name + "m")
             self.client.srem(TABLES_KEY, table)
         self._run("drop table", run)
         self._dims.pop(table, None)

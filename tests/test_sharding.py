@@ -449,3 +449,27 @@ def test_pushed_shows_divide_alike_on_eight_devices(data_dir, etype):
     np.testing.assert_array_equal(one["keys"], eight["keys"])
     np.testing.assert_allclose(one["values"], eight["values"], rtol=2e-4, atol=2e-6)
     np.testing.assert_allclose(one["g2sum"], eight["g2sum"], rtol=2e-4, atol=1e-7)
+
+
+@pytest.mark.parametrize("etype", TYPES)
+def test_exporting_some_keys_of_a_sharded_table_copies_only_their_rows(data_dir, etype,
+                                                                       monkeypatch):
+    """export_keys on 8 devices looks the keys up on the devices that own them: the same rows
+    as the whole table filtered, and the whole table never reaches the host."""
+    import jctr.sharding.rows as rows_mod
+
+    t = Trainer(load_config(_config(data_dir, "dlrm", list(range(8)), etype)),
+                log=lambda s: None)
+    t.fit(3)
+    es, pl = t.state.embeddings[0], t.placements[0]
+    whole = rows_mod.export_placed(es, pl)
+    rng = np.random.default_rng(0)
+    want = np.concatenate([rng.choice(whole["keys"], 300, replace=False),
+                           np.array([-5, 1 << 50], np.int64)])  # two keys it lacks
+    monkeypatch.setattr(rows_mod, "export_placed", lambda *a, **k: pytest.fail("whole table"))
+    got = rows_mod.export_keys(es, want, pl)
+    keep = np.isin(whole["keys"], want)
+    order_got, order_want = np.argsort(got["keys"]), np.argsort(whole["keys"][keep])
+    assert set(got) == set(whole) and got["keys"].size == 300
+    for name in whole:
+        np.testing.assert_array_equal(got[name][order_got], whole[name][keep][order_want])

@@ -53,13 +53,28 @@ _find = jax.jit(lambda table, keys, valid, capacity: lookup(table, keys, valid, 
 
 def export_keys(state: EmbeddingState, keys: np.ndarray, placement=None
                 ) -> dict[str, np.ndarray]:
-    """:func:`export_placed` of only ``keys`` (those the table holds, in ``keys``' order):
-    on one device the keys are looked up, not the whole table copied."""
+    """:func:`export_placed` of only ``keys`` (those the table holds; in ``keys``' order on
+    one device, grouped by device when sharded): the keys are looked up where they live and
+    only their rows reach the host, never a whole table (a delta save needs a part of it)."""
     keys = np.asarray(keys, np.int64)
-    if (placement is not None and placement.sharded) or jax.process_count() > 1:
+    if jax.process_count() > 1:  # other processes' shards are not addressable here
         stored = export_placed(state, placement)
         keep = np.isin(stored["keys"], keys)
         return {name: arr[keep] for name, arr in stored.items()}
+    if placement is not None and placement.sharded:
+        if placement.kind == "localized":  # a key's device follows its slot: ask each
+            owner = None
+        else:
+            owner = owner_shards_host(keys, placement.num_shards)
+        parts = [_lookup_rows(jax.tree.map(lambda x, j=j: x[j], state),
+                              keys if owner is None else keys[owner == j])
+                 for j in range(placement.num_shards)]
+        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
+    return _lookup_rows(state, keys)
+
+
+def _lookup_rows(state: EmbeddingState, keys: np.ndarray) -> dict[str, np.ndarray]:
+    """The stored rows of those of ``keys`` a one-device table holds, in ``keys``' order."""
     capacity = state.values.shape[0]
     rows = np.empty(keys.size, np.int32)
     for start in range(0, keys.size, _INSERT_CHUNK):

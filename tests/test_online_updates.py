@@ -425,3 +425,51 @@ def test_a_restarted_server_serves_what_it_was_sent(broker, tmp_path, layers):
             applier.close()
             model.close()
             dbs.close()
+
+
+def test_two_training_processes_publish_into_one_server(broker, tmp_path):
+    """A jax.distributed run of two processes (4 devices, the table sharded over them) with a
+    Kafka sink: every process sends the rows its devices hold of the keys any process trained,
+    process 0 the dense weights; a server that started from the untrained model ends equal to
+    the model the two processes saved."""
+    import sys
+
+    from jctr.config import load_config
+    from jctr.serving import InferenceModel, export_checkpoint
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.updates import UpdateApplier, wait_for
+    from jctr.train.trainer import Trainer
+
+    name = "dlrm_two"
+    cfg = tiny_config(tmp_path, "dlrm", max_iter=8, display=100, eval_interval=10_000,
+                      eval_batches=1, batchsize=256, snapshot=8,
+                      snapshot_prefix=str(tmp_path / "ck") + "/")
+    for layer in cfg["layers"]:
+        if "SparseEmbedding" in layer.get("type", ""):
+            layer["type"] = "DistributedSlotSparseEmbeddingHash"
+    fresh = Trainer(load_config(cfg), log=lambda s: None)  # also writes the data
+    export_bundle(fresh.cfg, fresh.state, str(tmp_path / "bundle"), fresh.placements)
+    cfg["solver"].update(gpu=[[0, 1], [0, 1]],
+                         kafka_sink={"model_name": name, "brokers": broker})
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+           "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2",
+                           str(path)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mesh: 4 devices on 2 process(es)" in proc.stderr
+    ps, dbs, model = _hps(tmp_path, name, tmp_path / "bundle", broker)
+    applier = UpdateApplier(ps.update_source, dbs, {name: model}, group="g-two")
+    applier.start()
+    try:
+        assert wait_for(applier, lambda a: a.last_step.get(f"hps_dense.{name}") == 8
+                        and a.caught_up, 60), applier.stats()
+    finally:
+        applier.close()
+    trained = InferenceModel.load(export_checkpoint(str(tmp_path / "ck" / "checkpoints"),
+                                                    str(tmp_path / "b2"), step=8))
+    batch = next(fresh.data.eval.batches(256, epochs=1))
+    np.testing.assert_allclose(model.predict(batch), trained.predict(batch), **TOL)
+    model.close()
+    dbs.close()

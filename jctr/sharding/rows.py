@@ -61,16 +61,45 @@ def export_keys(state: EmbeddingState, keys: np.ndarray, placement=None
         stored = export_placed(state, placement)
         keep = np.isin(stored["keys"], keys)
         return {name: arr[keep] for name, arr in stored.items()}
-    if placement is not None and placement.sharded:
-        if placement.kind == "localized":  # a key's device follows its slot: ask each
-            owner = None
-        else:
-            owner = owner_shards_host(keys, placement.num_shards)
-        parts = [_lookup_rows(jax.tree.map(lambda x, j=j: x[j], state),
-                              keys if owner is None else keys[owner == j])
-                 for j in range(placement.num_shards)]
-        return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
-    return _lookup_rows(state, keys)
+    if placement is None or not placement.sharded:
+        return _lookup_rows(state, keys)
+    return _shards_rows(state, keys, placement, range(placement.num_shards))
+
+
+def export_own_keys(state: EmbeddingState, keys: np.ndarray, placement=None
+                    ) -> dict[str, np.ndarray]:
+    """The rows of ``keys`` this process holds: of a sharded table, those in the shards on
+    its devices (every process exports its own: together each row once); of a table every
+    device holds whole, process 0's. A multi-process run's Kafka publisher sends these."""
+    keys = np.asarray(keys, np.int64)
+    if placement is None or not placement.sharded:
+        mine = keys if jax.process_index() == 0 else keys[:0]
+        return _lookup_rows(jax.tree.map(_first_local, state), mine)
+    shards = sorted({s.index[0].start or 0 for s in state.values.addressable_shards})
+    return _shards_rows(state, keys, placement, shards)
+
+
+def _first_local(x: jax.Array) -> jax.Array:
+    """An array every device holds whole, from this process's first device."""
+    return x if jax.process_count() == 1 else x.addressable_shards[0].data
+
+
+def _shard(x: jax.Array, j: int) -> jax.Array:
+    """Shard ``j`` (axis 0: a sharded table's devices) of ``x``, from this process."""
+    if jax.process_count() == 1:
+        return x[j]
+    return next(s.data for s in x.addressable_shards if (s.index[0].start or 0) == j)[0]
+
+
+def _shards_rows(state: EmbeddingState, keys: np.ndarray, placement, shards
+                 ) -> dict[str, np.ndarray]:
+    """``keys``' rows from ``shards`` of a sharded table, each key looked up on the device
+    that owns it (slot-wise tables: on each, a key's device follows its slot)."""
+    owner = (None if placement.kind == "localized"
+             else owner_shards_host(keys, placement.num_shards))
+    parts = [_lookup_rows(jax.tree.map(lambda x, j=j: _shard(x, j), state),
+                          keys if owner is None else keys[owner == j]) for j in shards]
+    return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
 
 def _lookup_rows(state: EmbeddingState, keys: np.ndarray) -> dict[str, np.ndarray]:

@@ -3,6 +3,10 @@ notes the keys each step trains and every ``every_n_steps`` steps, and at the en
 ``fit``, sends their rows and the dense weights to Kafka, where serving's update applier reads
 them. The one module of the training side that talks to a store; the Trainer attaches it.
 
+In a multi-process run every process publishes: the keys every process trained are gathered,
+and each process sends the rows its devices hold (each row once, by its owner); process 0 sends
+the dense weights.
+
 Example::
 
     publisher = KafkaPublisher(cfg, step_config, placements, report=print)
@@ -18,11 +22,12 @@ import jax
 import numpy as np
 
 from jctr.checkpoint.model_files import dense_weights, host_network, non_trainable
-from jctr.config import ConfigError, ModelConfig
+from jctr.config import ModelConfig
 from jctr.data.batch import Batch
 from jctr.models.ctr import StepConfig, TrainState
+from jctr.sharding.distributed import gather_rows
 from jctr.sharding.mesh import to_host
-from jctr.sharding.rows import export_keys
+from jctr.sharding.rows import export_keys, export_own_keys
 from jctr.train.hooks import FitSummary, Hook
 
 
@@ -34,9 +39,6 @@ class KafkaPublisher(Hook):
     def __init__(self, cfg: ModelConfig, step_config: StepConfig, placements, *,
                  report: Callable[[str], None]):
         ks = cfg.solver.kafka_sink
-        if jax.process_count() > 1:
-            raise ConfigError("solver.kafka_sink", "publishing updates from a multi-process "
-                              "run is not supported in this version", cfg.source)
         from jctr.stores.kafka import KafkaMessageSink
 
         self.every = ks.every_n_steps
@@ -81,15 +83,21 @@ class KafkaPublisher(Hook):
             keys = (np.unique(np.concatenate(self._touched[i])) if self._touched[i]
                     else np.zeros(0, np.int64))
             self._touched[i] = []
+            if jax.process_count() > 1:  # every process's keys: each sends the rows it holds
+                keys = np.unique(np.concatenate([p["keys"] for p in gather_rows(
+                    {"keys": keys})]))
             self._published[i] = np.union1d(self._published[i], keys)
             if resend:
                 keys = self._published[i]
             if not keys.size:
                 continue
-            stored = export_keys(state.embeddings[i], keys, self.placements[i])
-            self.sink.publish_rows(spec.name, step, stored["keys"], stored["values"])
+            stored = (export_own_keys if jax.process_count() > 1 else export_keys)(
+                state.embeddings[i], keys, self.placements[i])
+            if stored["keys"].size:
+                self.sink.publish_rows(spec.name, step, stored["keys"], stored["values"])
             rows += int(stored["keys"].size)
         net = host_network(self.step_config, state)
-        self.sink.publish_dense(step, dense_weights(net).astype("<f4").tobytes(),
-                                json.dumps(non_trainable(net)))
+        if jax.process_index() == 0:
+            self.sink.publish_dense(step, dense_weights(net).astype("<f4").tobytes(),
+                                    json.dumps(non_trainable(net)))
         return rows

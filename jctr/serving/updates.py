@@ -124,13 +124,13 @@ class UpdateApplier:
 
     def _apply(self, batch) -> None:
         p = self.params
-        newest_dense = {u.model: i for i, (_, _, u) in enumerate(batch) if u.kind == "dense"}
-        for i, (_topic, _offset, u) in enumerate(batch):
+        newest_dense = {u.model: n for n, (_, _, u) in enumerate(batch) if u.kind == "dense"}
+        for n, (_topic, _offset, u) in enumerate(batch):
             model = self.models.get(u.model)
             if model is None:
                 continue
             if u.kind == "dense":
-                if newest_dense[u.model] != i:  # a newer one in this batch replaces it
+                if newest_dense[u.model] != n:  # a newer one in this batch replaces it
                     continue
                 try:
                     model.swap_dense(u.dense, u.non_trainable)

@@ -129,6 +129,10 @@ TRAINING_CLAUSES = (
            'jctr: Keras\' ReduceLROnPlateau, with `"lr_policy": "plateau"`.',
            defaults={"metric": '"AUC" if listed, else the first of `eval_metrics`',
                      "mode": '"max" for AUC, else "min"'}),
+    Clause("solver.kafka_sink", "solver.kafka_sink", schema.KafkaSinkConfig,
+           "jctr (HugeCTR's KafkaMessageSink): publish what training changes for serving to "
+           "follow (docs/serving.md, \"Online updates\"); the streaming config's `kafka_sink` "
+           "takes the same object.", types={"security": "object"}),
     Clause("optimizer", "optimizer", schema.OptimizerConfig,
            "The dense network's optimizer and every embedding's without its own. `type` and "
            "`update_type` sit in the object itself, the numbers in the hparam object of the "

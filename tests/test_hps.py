@@ -688,3 +688,26 @@ def test_update_messages_round_trip_and_refuse_garbage():
     with pytest.raises(MessageError, match="rows of 4 need"):
         decode(data[:-1])
     assert rows_per_message(16, 262144) * (8 + 64) < 262144
+
+
+def test_dense_weights_kept_from_the_update_stream(tmp_path):
+    """Databases.save_dense keeps a model's applied dense weights in the layer that outlives
+    the process (meta written last), load_dense gives them back byte for byte, forget_dense
+    drops them (a table loaded again from the files); with only an in-process hash map
+    nothing lasts, and updates_last says so (the applier then reads the topics from their
+    start)."""
+    dbs = Databases(VolatileDatabaseParams(type="hash_map"),
+                    PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db")))
+    dense = np.random.default_rng(0).normal(size=5000).astype("<f4").tobytes() + b"\1\2"
+    record = {"step": 7, "non_trainable": '{"layers": []}', "base": "abc"}
+    assert dbs.save_dense("hps_dense.m", dense, record)
+    meta, got = dbs.load_dense("hps_dense.m")
+    assert got == dense and meta["step"] == 7 and meta["base"] == "abc"
+    assert dbs.updates_last("hps_et.m.t")
+    dbs.forget_dense("hps_dense.m")
+    assert dbs.load_dense("hps_dense.m") is None
+    dbs.close()
+    alone = Databases(VolatileDatabaseParams(type="hash_map"), PersistentDatabaseParams())
+    assert not alone.save_dense("hps_dense.m", dense, record)
+    assert alone.load_dense("hps_dense.m") is None and not alone.updates_last("hps_et.m.t")
+    alone.close()

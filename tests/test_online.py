@@ -853,11 +853,11 @@ def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypa
     real = OnlineRun._checkpoint
     stopped = []
 
-    def fail_once(self, folder, day, n, *, day_end):
+    def fail_once(self, folder, day, n, *, day_end, **kw):
         if (day, n, day_end) == ("20190721", 1, False) and not stopped:
             stopped.append(1)
             raise KeyboardInterrupt
-        return real(self, folder, day, n, day_end=day_end)
+        return real(self, folder, day, n, day_end=day_end, **kw)
 
     monkeypatch.setattr(OnlineRun, "_checkpoint", fail_once)
     store_cfg = online("disk", 2000, sparse_store={"path": "rows"})
@@ -1002,3 +1002,35 @@ def test_a_show_column_reaches_the_sparse_rule(tmp_path):
                             table_parameters=entry), log=lambda s: None)
     cfg = run._trainer().cfg
     assert all(cfg.embedding_optimizer(e).show == "dense[0]" for e in cfg.embeddings)
+
+
+def fail_on_base(path, kind, day, pass_id):  # the converter hook of the test below
+    if kind == "base":
+        raise RuntimeError("the KV store refused the base model")
+
+
+def test_a_failed_base_model_leaves_no_batch_model_behind(tmp_path):
+    """At a day's end the batch model's snapshot is written while the base model is (they
+    overlap); a base model that fails (here its converter) takes the snapshot with it, so the
+    day end is done again, whole, when the run is started again."""
+    import json
+
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path, days=("20190720",))
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    cfg = _online(tmp_path, model, tmp_path / "save", end_day="20190720",
+                  table_parameters={"converter": "tests.test_online:fail_on_base"})
+    with pytest.raises(RuntimeError, match="refused the base model"):
+        OnlineRun(cfg, log=lambda s: None).run()
+    batch_model = tmp_path / "save" / "20190721" / "0"
+    assert not batch_model.exists() or not [p for p in batch_model.iterdir()
+                                            if p.name.isdigit()]
+    progress = json.loads((tmp_path / "save" / "progress.json").read_text())
+    assert (progress["pass"], progress["day_end"]) == (2, False)
+    again = OnlineRun(dataclasses.replace(cfg, table_parameters=dataclasses.replace(
+        cfg.table_parameters, converter="")), log=lambda s: None)
+    assert again.run() == 0  # nothing left to train: the day end is done again
+    progress = json.loads((tmp_path / "save" / "progress.json").read_text())
+    assert progress["day_end"] and (batch_model / str(progress["step"])).is_dir()

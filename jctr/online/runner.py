@@ -490,16 +490,21 @@ class OnlineRun:
         after the shrink tested their unseen days (Paddle's order)."""
         self._shrink_day(day)
         following = next_day(day)
-        self._save_inference("base", following, None)
-        for st in self.stats:
-            st.age()
-        self._checkpoint(os.path.join(self.cfg.save_model_path, following, "0"), day,
-                         len(self.passes), day_end=True)
 
-    def _checkpoint(self, folder: str, day: str, n: int, *, day_end: bool) -> None:
+        def base_model() -> None:  # written while the batch model's snapshot is
+            self._save_inference("base", following, None)
+            for st in self.stats:
+                st.age()
+
+        self._checkpoint(os.path.join(self.cfg.save_model_path, following, "0"), day,
+                         len(self.passes), day_end=True, meanwhile=base_model)
+
+    def _checkpoint(self, folder: str, day: str, n: int, *, day_end: bool,
+                    meanwhile=None) -> None:
         import jax
 
-        path = os.path.join(folder, str(self.trainer.save_checkpoint(folder)))
+        path = os.path.join(folder, str(self.trainer.save_checkpoint(folder,
+                                                                     meanwhile=meanwhile)))
         if jax.process_index() == 0:
             self._save_statistics(folder)
             self._write_progress(day, n, int(os.path.basename(path)), path, day_end)

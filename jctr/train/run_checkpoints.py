@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Callable
 from typing import Any
 
@@ -100,9 +101,12 @@ class RunCheckpoints:
                              self.placed.placements, readers=readers,
                              devices=self.placed.num_devices, monitors=monitors)
 
-    def save_to(self, directory: str, state: TrainState, monitors: dict[str, Any]) -> str:
+    def save_to(self, directory: str, state: TrainState, monitors: dict[str, Any], *,
+                meanwhile: Callable[[], Any] | None = None) -> str:
         """A snapshot in a directory of its own, complete on return (no reader position: the
-        caller knows where its data stands); returns the step's folder."""
+        caller knows where its data stands); returns the step's folder. ``meanwhile`` runs
+        while the snapshot is written (streaming training's base model at a day's end); if
+        it fails, the snapshot is removed again."""
         ckpt = Checkpointer(directory, keep=1)
         if jax.process_index() == 0:
             ckpt.acquire(report=self.report)
@@ -111,6 +115,15 @@ class RunCheckpoints:
                                  self.placed.placements,
                                  readers=[vars(ReaderPosition())] * jax.process_count(),
                                  devices=self.placed.num_devices, monitors=monitors)
+            try:
+                if meanwhile is not None:
+                    meanwhile()
+            except BaseException:
+                with contextlib.suppress(BaseException):
+                    ckpt.wait()
+                if jax.process_index() == 0:  # this run's: the two go together or not at all
+                    shutil.rmtree(ckpt.step_dir(step), ignore_errors=True)
+                raise
             ckpt.wait()
         finally:
             ckpt.finish(report=self.report)

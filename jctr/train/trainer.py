@@ -380,17 +380,19 @@ class Trainer:
 
     # ---- checkpoints and model files -----------------------------------------------------
 
-    def save_checkpoint(self, directory: str | None = None) -> int:
+    def save_checkpoint(self, directory: str | None = None, *,
+                        meanwhile: Callable[[], object] | None = None) -> int:
         """Snapshot the whole state plus the BatchNorm JSON beside it: into the solver's
         checkpoint directory (asynchronously; reported once complete on disk), or into
         ``directory`` of its own (streaming training's ``<day>/<pass>/``; complete on return,
-        no reader position). Returns the step. Refuses a state that went non-finite."""
+        no reader position; ``meanwhile`` runs while it is written). Returns the step.
+        Refuses a state that went non-finite."""
         if self._nonfinite_at is not None:
             raise NonFiniteLoss(f"not saving: the state went non-finite at iter "
                                 f"{self._nonfinite_at}")
         monitors = self.judge.state_dict()
         if directory is not None:
-            self.checkpoints.save_to(directory, self.state, monitors)
+            self.checkpoints.save_to(directory, self.state, monitors, meanwhile=meanwhile)
             return int(to_host(self.state.step))
         return self.checkpoints.save(self.state, self.reader_position, monitors)
 

@@ -26,13 +26,12 @@ Relative paths are taken from the config file's folder.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
 from jctr.config.parser import parse_sparse_sgd_rule
 from jctr.config.reader import ConfigError, ObjectReader, json_from_text
-from jctr.config.schema import SparseSGDRule
+from jctr.config.schema import SparseSGDRule, column_ref
 
 
 @dataclass(frozen=True)
@@ -277,7 +276,7 @@ def _entry_source(r: ObjectReader, key: str, default: float | str) -> float | st
     value = r.raw(key, default)
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0:
         return float(value)
-    if isinstance(value, str) and re.fullmatch(r"(label|dense)\[\d+\]", value):
+    if column_ref(value) is not None:
         return value
     raise r.error(key, f'expected a number >= 0, "label[i]" or "dense[i]", got {value!r}')
 

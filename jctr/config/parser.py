@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import os
-import re
 from typing import Any
 
 from jctr.config.hps import read_kafka_security
@@ -34,6 +33,7 @@ from jctr.config.schema import (
     SparseInputConfig,
     SparseSGDRule,
     SyntheticConfig,
+    column_ref,
     default_mode,
 )
 from jctr.config.slots import localized_slot_owners, rows_per_device
@@ -432,7 +432,7 @@ def parse_optimizer(r: ObjectReader) -> OptimizerConfig:
                      "click_coeff": r.float("click_coeff", 1.0),
                      "nonclk_coeff": r.float("nonclk_coeff", 0.1)}
         show = r.str("show", "") or None
-        if show is not None and not re.fullmatch(r"(label|dense)\[\d+\]", show):
+        if show is not None and column_ref(show) is None:
             raise r.error("show", f'expected "dense[i]" or "label[i]", got {show!r}')
         r.finish()
         # each part has its own rate; the schedule's rate (1.0 here) only scales them, so
@@ -788,9 +788,9 @@ def validate_config(cfg: ModelConfig) -> None:
         sp = cfg.data.sparse_input(emb.bottom)
         show = emb.optimizer.show if emb.optimizer is not None else None
         if show is not None:
-            kind, index = show[:-1].split("[")
+            kind, index = column_ref(show)
             width = cfg.data.label_dim if kind == "label" else cfg.data.dense_dim
-            if int(index) >= width:
+            if index >= width:
                 raise ConfigError(f"{path}.optimizer.show", f'"{show}", but the Data layer has '
                                   f"{width} {kind} column(s)", src)
         if emb.slot_size_array and len(emb.slot_size_array) != sp.slot_num:

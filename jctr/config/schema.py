@@ -6,9 +6,19 @@ Parse with :func:`jctr.config.load_config`; nothing downstream reads raw JSON.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from jctr.config.layer_types import LOSS_TYPES, NoParam
+
+_COLUMN = re.compile(r"(label|dense)\[(\d+)\]")
+
+
+def column_ref(text: object) -> tuple[str, int] | None:
+    """``("label" | "dense", index)`` of a sample column named like ``"dense[0]"`` (streaming
+    training's show and click sources); None for anything else."""
+    m = _COLUMN.fullmatch(text) if isinstance(text, str) else None
+    return (m.group(1), int(m.group(2))) if m else None
 
 OPTIMIZER_TYPES = ("Adam", "MomentumSGD", "Nesterov", "SGD", "AdaGrad", "SparseAdaGradSGDRule")
 # row-only optimizers: an embedding's own optimizer clause, never the dense network's

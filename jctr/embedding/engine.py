@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import jax.numpy as jnp
 
+from jctr.config.schema import column_ref
 from jctr.embedding.row_optimizers import admits
 from jctr.embedding.sparse_embedding import (
     EmbeddingSpec,
@@ -70,20 +71,23 @@ class LocalEmbeddings:
         return tuple(out)
 
 
+def _segment_column(label, dense, column: tuple[str, int], slot_num: int):
+    """[batch * slot_num + 1] float32: each (sample, slot) segment's value of a sample column
+    (a label column counts 1 where above 0.5), and 0 for the padding segment id."""
+    kind, index = column
+    source = label if kind == "label" else dense
+    col = source.reshape(source.shape[0], -1)[:, index].astype(jnp.float32)
+    if kind == "label":
+        col = (col > 0.5).astype(jnp.float32)
+    return jnp.append(jnp.repeat(col, slot_num), 0.0)
+
+
 def segment_clicks(label, slot_num: int):
-    """[batch * slot_num + 1] float32: each (sample, slot) segment's click (the first label
-    column), and 0 for the padding segment id."""
-    click = (label.reshape(label.shape[0], -1)[:, 0] > 0.5).astype(jnp.float32)
-    return jnp.append(jnp.repeat(click, slot_num), 0.0)
+    """Each segment's click: the first label column (see :func:`_segment_column`)."""
+    return _segment_column(label, None, ("label", 0), slot_num)
 
 
 def segment_shows(label, dense, spec: EmbeddingSpec):
-    """[batch * slot_num + 1] float32: each (sample, slot) segment's show from the column
-    ``spec.optimizer.show`` names (a label column counts 1 where above 0.5, as streaming
-    training's statistics count it), and 0 for the padding segment id."""
-    kind, index = spec.optimizer.show[:-1].split("[")
-    source = label if kind == "label" else dense
-    col = source.reshape(source.shape[0], -1)[:, int(index)].astype(jnp.float32)
-    if kind == "label":
-        col = (col > 0.5).astype(jnp.float32)
-    return jnp.append(jnp.repeat(col, spec.slot_num), 0.0)
+    """Each segment's show, from the column ``spec.optimizer.show`` names, as streaming
+    training's statistics count it (see :func:`_segment_column`)."""
+    return _segment_column(label, dense, column_ref(spec.optimizer.show), spec.slot_num)

@@ -46,6 +46,7 @@ import numpy as np
 
 from jctr.config.online import OnlineConfig, ShowClickEntry
 from jctr.config.reader import ConfigError
+from jctr.config.schema import column_ref
 from jctr.data.records import DataError, write_file_list
 from jctr.online.feature_stats import FeatureStats, ScoreRule, ShrinkRule
 from jctr.online.schedule import data_files, days, next_day, pass_folders, wait_ready
@@ -562,8 +563,7 @@ def _entry_column(source: float | str, data, name: str, where: str | None):
     label or dense column (a label column counts as 1 where it is above 0.5)."""
     if isinstance(source, float):
         return lambda batch: np.full(batch.label.shape[0], source)
-    kind, index = source[:-1].split("[")
-    index = int(index)
+    kind, index = column_ref(source)
     width = data.label_dim if kind == "label" else data.dense_dim
     if index >= width:
         raise ConfigError(f"table_parameters.show_click_entry.{name}",

@@ -218,7 +218,7 @@ class HPSModel:
         layer holding the first links of this model's base + delta chain gets only the
         deltas it lacks. Returns rows written per table and layer."""
         out = {}
-        in_process = self.dbs.volatile_params.type in ("hash_map", "parallel_hash_map")
+        in_process = self.dbs.in_process_volatile
         for i, t in enumerate(self.tables):
             manifest = self.table_manifest(i)
             self.dbs.expected[t.key] = manifest

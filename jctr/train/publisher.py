@@ -27,7 +27,7 @@ from jctr.data.batch import Batch
 from jctr.models.ctr import StepConfig, TrainState
 from jctr.sharding.distributed import gather_rows
 from jctr.sharding.mesh import to_host
-from jctr.sharding.rows import export_keys, export_own_keys
+from jctr.sharding.rows import export_own_keys
 from jctr.train.hooks import FitSummary, Hook
 
 
@@ -91,8 +91,7 @@ class KafkaPublisher(Hook):
                 keys = self._published[i]
             if not keys.size:
                 continue
-            stored = (export_own_keys if jax.process_count() > 1 else export_keys)(
-                state.embeddings[i], keys, self.placements[i])
+            stored = export_own_keys(state.embeddings[i], keys, self.placements[i])
             if stored["keys"].size:
                 self.sink.publish_rows(spec.name, step, stored["keys"], stored["values"])
             rows += int(stored["keys"].size)

@@ -90,6 +90,8 @@ def main() -> int:
 
         k = jax.jit(lambda v, r, sg: pallas_bag.bag_forward(v, r, sg, num_segments=nseg))
         report("bag forward (gather + reduce)", "pallas", timeit(k, values, rows, segs), moved)
+        k = jax.jit(lambda g, sg, r: pallas_bag.bag_backward(g, sg, r, num_segments=nseg))
+        report("bag backward (per-row sums)", "pallas", timeit(k, grad, segs, rep), moved)
     table_slots = 1 << int(2 * args.rows - 1).bit_length()
     keys = jnp.asarray(rng.integers(0, 2**62, args.rows), jnp.int64)
     slot_keys, _ = jax.jit(lambda t, k: hashing.find_slots(t, k, jnp.ones(k.shape, bool),

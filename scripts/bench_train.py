@@ -3,8 +3,11 @@
 Model (the Criteo Kaggle shape): 13 dense features, 26 slots with the Kaggle cardinalities capped
 at 1,000,000 rows, embedding dim 16, bottom MLP 512-256-64-16, top MLP 512-256-1, plain SGD.
 The baseline is the classic DLRM reference: one nn.EmbeddingBag(sparse=True) per slot, dense
-MLPs, dot interaction, torch.optim.SGD. Both train on the same power-law batches held in memory
-(the data pipeline is measured separately).
+MLPs, dot interaction, torch.optim.SGD. Both train on the same batches, made before the timing and
+held in memory (the data pipeline is measured separately); every step takes a batch no earlier
+step saw (``--keys power-law`` or ``uniform``), so new keys keep arriving and jctr's table
+inserts as it would on real data. On a machine whose JAX runs on a GPU the PyTorch reference runs
+on CUDA too (``--torch-device``).
 
 Precision: float32 on both sides is the like-for-like comparison. ``bfloat16`` runs jctr with
 ``compute_dtype: bfloat16`` (bf16 matmuls, float32 weights, embeddings and optimizer) and the
@@ -14,7 +17,7 @@ of them alike; figures are medians over all timed steps, and each ratio also com
 (its lowest and highest value printed: how far the machine's drift moved it).
 
     python scripts/bench_train.py                 # one-hot and 10-hot, float32 and bfloat16
-    python scripts/bench_train.py --hot 1 --steps 20 --dtype float32
+    python scripts/bench_train.py --hot 1 --steps 20 --dtype float32 --keys uniform
 """
 
 from __future__ import annotations
@@ -40,13 +43,20 @@ DENSE, DIM = 13, 16
 BOTTOM, TOP = (512, 256, 64, 16), (512, 256, 1)
 
 
-def make_batches(n: int, batch: int, hot: int, seed: int = 0):
-    """``n`` batches: per slot ``hot`` keys per sample (ranks, per-slot power law)."""
+def make_batches(n: int, batch: int, hot: int, seed: int = 0, keys: str = "power-law"):
+    """``n`` distinct batches: per slot ``hot`` keys per sample (ranks drawn per slot from a
+    power law, alpha 1.2, or uniformly over the slot's cardinality)."""
     rng = np.random.default_rng(seed)
     out = []
+
+    def draw(c):
+        if keys == "uniform":
+            return rng.integers(0, c, batch * hot)
+        return power_law_ranks(rng, batch * hot, c, 1.2)
+
     for _ in range(n):
-        ranks = np.stack([power_law_ranks(rng, batch * hot, c, 1.2).reshape(batch, hot)
-                          for c in KAGGLE_CAPPED], axis=1)  # [B, 26, hot]
+        ranks = np.stack([draw(c).reshape(batch, hot) for c in KAGGLE_CAPPED],
+                         axis=1)  # [B, 26, hot]
         dense = np.log1p(rng.exponential(1.0, (batch, DENSE))).astype(np.float32)
         label = (rng.random((batch, 1)) < 0.25).astype(np.float32)
         out.append((ranks, dense, label))
@@ -113,7 +123,7 @@ def jctr_runner(batches, dtype: str):
     return run
 
 
-def torch_runner(batches, dtype: str):
+def torch_runner(batches, dtype: str, device: str = "cpu"):
     """A function running one step of the PyTorch reference (autocast for bfloat16)."""
     import torch
     from torch import nn
@@ -143,30 +153,35 @@ def torch_runner(batches, dtype: str):
             e = [m(i, o) for m, i, o in zip(self.emb, idx, offs)]
             t = torch.stack([x, *e], dim=1)
             z = torch.bmm(t, t.transpose(1, 2))[:, self.li, self.lj]
-            pad = torch.zeros(x.shape[0], 1)
+            pad = torch.zeros(x.shape[0], 1, device=x.device, dtype=x.dtype)
             return self.top(torch.cat([x, z, pad], dim=1))
 
-    model = DLRMRef()
+    model = DLRMRef().to(device)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_fn = nn.BCEWithLogitsLoss()
     prepared = []
     for ranks, dense, label in batches:
         b, s, hot = ranks.shape
-        idx = [torch.from_numpy(np.ascontiguousarray(ranks[:, j]).reshape(-1)) for j in range(s)]
-        offs = [torch.arange(0, b * hot, hot) for _ in range(s)]
-        prepared.append((torch.from_numpy(dense), idx, offs, torch.from_numpy(label)))
+        idx = [torch.from_numpy(np.ascontiguousarray(ranks[:, j]).reshape(-1)).to(device)
+               for j in range(s)]
+        offs = [torch.arange(0, b * hot, hot, device=device) for _ in range(s)]
+        prepared.append((torch.from_numpy(dense).to(device), idx, offs,
+                         torch.from_numpy(label).to(device)))
     autocast = dtype == "bfloat16"
     box = {"i": 0}
+    kind = "cuda" if device.startswith("cuda") else "cpu"
 
     def run():
         dense, idx, offs, label = prepared[box["i"] % len(prepared)]
         box["i"] += 1
         opt.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with torch.autocast(kind, dtype=torch.bfloat16, enabled=autocast):
             out = model(dense, idx, offs)
         loss = loss_fn(out.float(), label)
         loss.backward()
         opt.step()
+        if kind == "cuda":
+            torch.cuda.synchronize()
 
     return run
 
@@ -210,28 +225,39 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--block", type=int, default=5, help="steps per variant and round")
+    ap.add_argument("--keys", nargs="+", default=["power-law", "uniform"],
+                    choices=["power-law", "uniform"], help="key distributions, each measured")
+    ap.add_argument("--torch-device", default=None,
+                    help="the PyTorch reference's device (default: cuda where JAX runs on a GPU)")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
     # the same host memory setting as `python -m jctr.train` (JCTR_HOST_MEMORY_TUNING=0: off)
     reexec_with_malloc_tuning([os.path.abspath(__file__), *sys.argv[1:]])
     print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}", flush=True)
+    import jax
+
+    torch_device = args.torch_device or ("cuda" if jax.default_backend() == "gpu" else "cpu")
+    print(f"jax on {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+          f"pytorch on {torch_device}", flush=True)
     results = []
-    for hot in args.hot:
-        batches = make_batches(4, args.batch, hot)
+    for hot, keys in [(h, k) for h in args.hot for k in args.keys]:
+        # one fresh batch per step of each runner (warm-up included), made before the timing
+        batches = make_batches(args.warmup + args.steps, args.batch, hot, keys=keys)
         runners = {}
         for dtype in args.dtype:
             runners["jctr", dtype] = jctr_runner(batches, dtype)
-            runners["torch", dtype] = torch_runner(batches, dtype)
+            runners["torch", dtype] = torch_runner(batches, dtype, torch_device)
         times = interleaved(runners, args.steps, args.warmup, args.block)
         rate = {k: args.batch / statistics.median(t) for k, t in times.items()}
         for dtype in args.dtype:
             j, t = rate["jctr", dtype], rate["torch", dtype]
             per_round = round_ratios(times["jctr", dtype], times["torch", dtype], args.block)
-            row = {"hot": hot, "batch": args.batch, "dtype": dtype,
+            row = {"hot": hot, "keys": keys, "batch": args.batch, "dtype": dtype,
+                   "device": jax.devices()[0].device_kind, "torch_device": torch_device,
                    "jctr_samples_per_s": round(j), "torch_samples_per_s": round(t),
                    "ratio": round(j / t, 3),
                    "round_ratios": [round(r, 3) for r in per_round]}
-            line = (f"{hot:>2}-hot batch {args.batch} {dtype:<8}: jctr {j:,.0f} samples/s   "
+            line = (f"{hot:>2}-hot {keys:<9} batch {args.batch} {dtype:<8}: jctr {j:,.0f} samples/s   "
                     f"pytorch{' (autocast)' if dtype == 'bfloat16' else ''} {t:,.0f} samples/s"
                     f"   ratio {j / t:.2f}x (rounds {min(per_round):.2f}-{max(per_round):.2f})")
             if dtype != "float32" and ("torch", "float32") in rate:

@@ -24,6 +24,11 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 
 import jctr._x64  # noqa: E402,F401  (64-bit keys on before tests touch JAX)
 
+if jctr._x64.jax.default_backend() == "gpu":  # scripts/gpu_check.sh
+    # float32 references with float32 tolerances: no TF32 (HugeCTR's enable_tf32_compute is
+    # off by default, and the trainer's steps follow it)
+    jctr._x64.jax.config.update("jax_default_matmul_precision", "float32")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 

@@ -105,7 +105,6 @@ def test_unseen_keys_are_deleted_after_the_configured_days():
         assert stats.shrink(rule).tolist() == [], day  # key 1 unseen 0, 1, 2 days: kept
         stats.age()
         stats.observe(np.array([4]), show=1.0, click=0.0)  # days 1, 2, 3: key 4 only
-    stats.flush()
     assert stats.unseen_days.tolist() == [3, 0]
     assert stats.shrink(rule).tolist() == [1]  # day 3: unseen 3 days > 2
     assert stats.keys.tolist() == [4]
@@ -122,13 +121,12 @@ def test_base_and_delta_filters_by_hand():
     stats = FeatureStats()
     stats.observe(np.array([1, 5, 5, 8]), show=1.0, click=np.array([1, 1, 0, 0]))
     # scores: key 1 -> 1.0, key 5 -> 1 + 0.1 = 1.1, key 8 -> 0.1; delta scores the same
-    stats.flush()
+    # (columns in storage order: the order keys came, here 1, 5, 8)
     np.testing.assert_allclose(stats.delta_score, [1.0, 1.1, 0.1])
     assert stats.delta_keys(base_threshold=0.5, delta_threshold=1.05,
                             delta_keep_days=16).tolist() == [5]  # 1 below 1.05, 8 below 0.5
     np.testing.assert_allclose(stats.delta_score, [1.0, 0.0, 0.1])  # 5 was saved
     stats.observe(np.array([1, 5, 8]), show=1.0, click=0.0)  # each +0.1
-    stats.flush()
     np.testing.assert_allclose(stats.delta_score, [1.1, 0.1, 0.2])
     # base_threshold is tested by deltas too: key 8 (score 0.2) stays out of both
     assert stats.delta_keys(0.5, 0.0, 16).tolist() == [1, 5]
@@ -140,7 +138,6 @@ def test_base_and_delta_filters_by_hand():
         stats.shrink(ShrinkRule())
         stats.age()
     stats.observe(np.array([5]), show=1.0, click=0.0)
-    stats.flush()
     assert stats.unseen_days.tolist() == [2, 0, 2]
     assert stats.base_keys(0.5, delta_keep_days=1).tolist() == [5]
     assert stats.delta_keys(0.5, 0.0, delta_keep_days=1).tolist() == []  # 5 saved by the base
@@ -170,15 +167,39 @@ def test_statistics_round_trip_and_bulk_merge():
         stats.observe(keys[part], show=1.0, click=clicks[part])
     uniq, counts = np.unique(keys, return_counts=True)
     assert len(stats) == uniq.size
-    np.testing.assert_array_equal(stats.keys, uniq)
-    np.testing.assert_array_equal(stats.show, counts)
-    np.testing.assert_array_equal(stats.click, np.bincount(np.searchsorted(uniq, keys),
-                                                           clicks, uniq.size))
+    state = stats.state_dict()  # key order
+    np.testing.assert_array_equal(state["keys"], uniq)
+    np.testing.assert_array_equal(state["show"], counts)
+    np.testing.assert_array_equal(state["click"], np.bincount(np.searchsorted(uniq, keys),
+                                                              clicks, uniq.size))
+    # storage order: the order keys first came
+    _, first = np.unique(keys, return_index=True)
+    np.testing.assert_array_equal(stats.keys, keys[np.sort(first)])
+    found, score = stats.lookup(np.concatenate([uniq[::1000], [-5, 0]]))
+    assert found.tolist() == [True] * uniq[::1000].size + [False, False]
+    np.testing.assert_allclose(score[:-2], 0.9 * state["click"][::1000]
+                               + 0.1 * state["show"][::1000], rtol=1e-12)
+    # the multi-process mode: pending until taken, then the same statistics
+    gathered = FeatureStats(gather=True)
+    for part in np.array_split(np.arange(keys.size), 3):
+        gathered.observe(keys[part], show=1.0, click=clicks[part])
+    taken = gathered.take_pending()
+    assert len(gathered) == 0 and taken[0].tolist() == uniq.tolist()
+    gathered.merge(*taken)
+    for name, value in gathered.state_dict().items():
+        np.testing.assert_allclose(value, state[name], rtol=1e-12)
     copy = FeatureStats()
     copy.load_state_dict(stats.state_dict())
     for name, value in stats.state_dict().items():
         np.testing.assert_array_equal(getattr(copy, name), value)
-    bad = dict(stats.state_dict(), keys=stats.keys[::-1].copy())
+    # a shrink keeps the storage order and the index finds every kept key
+    deleted = copy.shrink(ShrinkRule(delete_threshold=1.5))
+    kept = state["keys"][0.9 * state["click"] + 0.1 * state["show"] >= 1.5]
+    assert deleted.size + kept.size == uniq.size and len(copy) == kept.size
+    assert copy.lookup(kept)[0].all() and not copy.lookup(deleted)[0].any()
+    copy.observe(deleted[:10], show=1.0, click=0.0)  # deleted keys come back as new rows
+    assert copy.keys[-10:].tolist() == deleted[:10].tolist()
+    bad = dict(stats.state_dict(), keys=state["keys"][::-1].copy())
     with pytest.raises(ValueError, match="keys are not sorted and distinct"):
         copy.load_state_dict(bad)
 
@@ -281,7 +302,7 @@ def test_streaming_runs_pass_by_pass_waits_for_data_and_resumes_exactly(tmp_path
     assert any("resuming after day 20190720 pass 2 (iter 4" in x for x in lines)
     assert int(again.trainer.state.step) == 8
     for name, value in whole.stats[0].state_dict().items():  # statistics resumed too
-        np.testing.assert_array_equal(getattr(again.stats[0], name), value)
+        np.testing.assert_array_equal(again.stats[0].state_dict()[name], value)
     a = jax.tree.map(np.asarray, whole.trainer.state.params)
     b = jax.tree.map(np.asarray, again.trainer.state.params)
     assert leaves_equal(a, b)
@@ -712,9 +733,10 @@ def test_admission_in_a_streaming_run(tmp_path):
     run2.run()
     t2 = run2.trainer
     table2 = export_placed(t2.state.embeddings[0], t2.placements[0])
-    at = np.searchsorted(run2.stats[0].keys, table2["keys"])
-    np.testing.assert_allclose(table2["accessor"][:, 0], run2.stats[0].show[at])
-    np.testing.assert_allclose(table2["accessor"][:, 1], run2.stats[0].click[at])
+    stats2 = run2.stats[0].state_dict()  # key order
+    at = np.searchsorted(stats2["keys"], table2["keys"])
+    np.testing.assert_allclose(table2["accessor"][:, 0], stats2["show"][at])
+    np.testing.assert_allclose(table2["accessor"][:, 1], stats2["click"][at])
     assert run2.stats[0].show.sum() == 0.5 * run.stats[0].show.sum()
     base = tmp_path / "save" / "20190721" / "base" / "sparse" / "sparse_embedding1.model"
     keys = np.fromfile(base / "key", "<i8")
@@ -795,10 +817,10 @@ def test_show_and_click_from_named_inputs(tmp_path):
     uniq, inverse = np.unique(keys, return_inverse=True)
     show = np.bincount(inverse, per_key(lambda b: b.dense[:, 0].astype(np.float64)), uniq.size)
     click = np.bincount(inverse, per_key(lambda b: b.label[:, 0] > 0.5), uniq.size)
-    stats = run.stats[0]
-    np.testing.assert_array_equal(stats.keys, uniq)
-    np.testing.assert_allclose(stats.show, show, rtol=1e-6)
-    np.testing.assert_array_equal(stats.click, click)
+    stats = run.stats[0].state_dict()  # key order
+    np.testing.assert_array_equal(stats["keys"], uniq)
+    np.testing.assert_allclose(stats["show"], show, rtol=1e-6)
+    np.testing.assert_array_equal(stats["click"], click)
     with pytest.raises(ConfigError, match=r'show_click_entry.show: "dense\[13\]", but the '
                                           r"model has 13 dense column"):
         OnlineRun(_online(tmp_path, model, tmp_path / "bad", end_day="20190720",
@@ -883,7 +905,7 @@ def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypa
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
     store.close()
     for name, value in memory.stats[0].state_dict().items():
-        np.testing.assert_array_equal(getattr(disk.stats[0], name), value)
+        np.testing.assert_array_equal(disk.stats[0].state_dict()[name], value)
     for folder in ("20190723/delta-2", "20190724/base"):
         a, b = (np.fromfile(tmp_path / run / folder / "sparse" / "sparse_embedding1.model"
                             / "key", "<i8") for run in ("memory", "disk"))

@@ -16,6 +16,12 @@ from jctr.ops.bag import (
 )
 from jctr.ops.pallas_bag import bag_backward, bag_forward
 
+# On a GPU (scripts/gpu_check.sh) the Pallas kernels run compiled by Triton; on CPU in
+# interpret mode. The native CPU kernels are tested on CPU only.
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+cpu_only = pytest.mark.skipif(ON_GPU, reason="native CPU kernel (jctr.ops.cpu_ffi)")
+
 
 def _case(rng, n, cap, dim, num_segments, kind):
     if kind == "duplicates":
@@ -44,11 +50,11 @@ def test_bag_kernels_match_reference(dim, kind, combiner):
     rng = np.random.default_rng(dim * 7 + len(kind))
     n, cap, s = 37, 11, 9
     values, rows, segs, rep = _case(rng, n, cap, dim, s, kind)
-    got = bag_forward(values, rows, segs, num_segments=s, combiner=combiner, interpret=True)
+    got = bag_forward(values, rows, segs, num_segments=s, combiner=combiner, interpret=INTERPRET)
     want = embedding_bag_forward_reference(values, rows, segs, s, combiner)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
     grad = jnp.asarray(rng.normal(size=(s, dim)), jnp.float32)
-    got = bag_backward(grad, segs, rep, num_segments=s, combiner=combiner, interpret=True)
+    got = bag_backward(grad, segs, rep, num_segments=s, combiner=combiner, interpret=INTERPRET)
     want = embedding_bag_backward_reference(grad, segs, rep, s, combiner)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)
 
@@ -76,24 +82,31 @@ def _lowered_for_cuda(fn, *args) -> str:
 def test_bag_kernels_lower_to_triton_for_cuda():
     rng = np.random.default_rng(0)
     values, rows, segs, rep = _case(rng, 64, 16, 16, 8, "random")
-    text = _lowered_for_cuda(lambda v, r, s: embedding_bag_forward(v, r, s, 8), values, rows,
+    text = _lowered_for_cuda(lambda v, r, s: bag_forward(v, r, s, num_segments=8), values, rows,
                              segs)
     assert "__gpu$xla.gpu.triton" in text and "jctr_bag_forward" in text
     grad = jnp.ones((8, 16), jnp.float32)
-    text = _lowered_for_cuda(lambda g, s, p: embedding_bag_backward(g, s, p, 8), grad, segs, rep)
+    text = _lowered_for_cuda(lambda g, s, p: bag_backward(g, s, p, num_segments=8), grad, segs,
+                             rep)
     assert "__gpu$xla.gpu.triton" in text and "jctr_bag_backward" in text
 
 
-def test_cpu_dispatch_uses_the_reference():
-    """The CPU lowering holds no kernel call, while the same traced function lowered for CUDA
-    is one (so a kernel leaking into the CPU branch would show)."""
+def test_dispatch_keeps_kernels_to_their_platform():
+    """The dispatched bag is XLA's on both platforms (measured faster on CPU and on an H200);
+    the hash lookup is a Triton kernel in the CUDA lowering and none in the CPU lowering of the
+    same traced function (so a kernel leaking into the CPU branch would show)."""
+    from jctr.ops import find_slots
+    from jctr.ops.hashing import EMPTY_KEY
+
     rng = np.random.default_rng(1)
     values, rows, segs, rep = _case(rng, 64, 16, 16, 8, "random")
     traced = jax.jit(lambda v, r, s: embedding_bag_forward(v, r, s, 8)).trace(values, rows, segs)
-    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
-    cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert "custom_call" not in cpu
-    assert "custom_call" in cuda and "jctr_bag_forward" in cuda
+    for platform in ("cpu", "cuda"):
+        assert "custom_call" not in traced.lower(lowering_platforms=(platform,)).as_text()
+    traced = jax.jit(lambda t, k, v: find_slots(t, k, v, insert=False)[1]).trace(
+        jnp.full((64,), EMPTY_KEY), jnp.arange(10, dtype=jnp.int64), jnp.ones(10, bool))
+    assert "jctr_hash_lookup" not in traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "jctr_hash_lookup" in traced.lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
@@ -107,7 +120,7 @@ def test_interaction_kernels_match_reference(dtype, slots, dim):
     dense = jnp.asarray(rng.normal(size=(b, dim)), dtype)
     sparse = jnp.asarray(rng.normal(size=(b, slots, dim)), dtype)
     feats = jnp.concatenate([dense[:, None], sparse], axis=1)
-    pair_dots = make_pair_dots(interpret=True)
+    pair_dots = make_pair_dots(interpret=INTERPRET)
     want = dot_interaction_reference(dense.astype(jnp.float32), sparse.astype(jnp.float32))
     want = np.asarray(want[:, dim:-1])
     np.testing.assert_allclose(np.asarray(pair_dots(feats)), want, rtol=1e-5, atol=1e-4)
@@ -135,6 +148,14 @@ def test_interaction_kernels_lower_to_triton_for_cuda():
     bwd = _lowered_for_cuda(jax.grad(lambda d, s: jnp.sum(dot_interaction(d, s) * w),
                                      argnums=(0, 1)), dense, sparse)
     assert "jctr_interaction_bwd" in bwd
+    # the step's precision reaches the Triton dots (Pallas' own default would be TF32 whatever
+    # jax.default_matmul_precision says; jctr runs float32 in full unless the config sets
+    # HugeCTR's enable_tf32_compute). The numerics are checked on a GPU (gpu_check.sh).
+    texts = {}
+    for precision in ("float32", "tensorfloat32"):
+        with jax.default_matmul_precision(precision):
+            texts[precision] = _lowered_for_cuda(dot_interaction, dense, sparse)
+    assert texts["float32"] != texts["tensorfloat32"]
 
 
 def _cpu_lookup(table, keys, valid, parts=2):
@@ -147,15 +168,16 @@ def _lookup_impl(impl):
     from jctr.ops.pallas_hash import lookup_slots_kernel
 
     if impl == "pallas":
-        return lambda t, k, v: lookup_slots_kernel(t, k, v, interpret=True)
-    if impl == "cpu_dispatch":  # what a CPU step runs (jctr.ops.find_slots)
+        return lambda t, k, v: lookup_slots_kernel(t, k, v, interpret=INTERPRET)
+    if impl == "dispatch":  # what a step runs (jctr.ops.find_slots)
         from jctr.ops import find_slots
 
         return jax.jit(lambda t, k, v: find_slots(t, k, v, insert=False)[1])
     return lambda t, k, v: _cpu_lookup(t, k, v, parts=int(impl[-1]))
 
 
-@pytest.mark.parametrize("impl", ["pallas", "cpu_dispatch", "cpu_parts1", "cpu_parts3"])
+@pytest.mark.parametrize("impl", ["pallas", "dispatch", pytest.param("cpu_parts1", marks=cpu_only),
+                                  pytest.param("cpu_parts3", marks=cpu_only)])
 @pytest.mark.parametrize("case", ["random", "all_colliding", "nearly_full", "full"])
 def test_hash_lookup_kernel_matches_reference(case, impl):
     from jctr.ops.hashing import EMPTY_KEY, find_slots, home_slots
@@ -201,19 +223,19 @@ def test_hash_lookup_lowers_to_triton_for_cuda():
     assert "jctr_hash_lookup" in text
 
 
-@pytest.mark.parametrize("impl", ["pallas", "cpu_dispatch"])
+@pytest.mark.parametrize("impl", ["pallas", "dispatch"])
 @pytest.mark.parametrize("case", ["random", "duplicates", "all_colliding", "overfull",
                                   "existing"])
 def test_hash_insert_kernel_builds_a_valid_table(case, impl):
     """Find-or-insert: every valid key ends in a slot holding it, one slot per distinct key,
     keys already stored are found where they are, a full table refuses the rest (-1).
-    ``cpu_dispatch``: the native lookup of present keys, then XLA's insert of the others."""
+    ``dispatch`` on CPU: the native lookup of present keys, then XLA's insert of the others."""
     from jctr.ops import find_slots as dispatched_find_slots
     from jctr.ops.hashing import EMPTY_KEY, find_slots, home_slots
     from jctr.ops.pallas_hash import insert_slots_kernel
 
     if impl == "pallas":
-        insert = functools.partial(insert_slots_kernel, interpret=True)
+        insert = functools.partial(insert_slots_kernel, interpret=INTERPRET)
     else:
         insert = jax.jit(functools.partial(dispatched_find_slots, insert=True))
 
@@ -267,6 +289,7 @@ def test_hash_insert_lowers_to_triton_for_cuda():
     assert "__gpu$xla.gpu.triton" in text and "jctr_hash_insert" in text
 
 
+@pytest.mark.skipif(ON_GPU, reason="CPU compiler options")
 def test_step_compiler_options_on_cpu(monkeypatch):
     from jctr.runtime.xla_options import step_compiler_options
 

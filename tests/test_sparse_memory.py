@@ -37,22 +37,28 @@ def _compiled_step(update_type: str, opt_type: str = "Adam"):
                   (jax.ShapeDtypeStruct((b * slots,), jnp.int32),),
                   jax.ShapeDtypeStruct((b,), jnp.bool_))
     step = jax.jit(make_train_step(step_config, tx), donate_argnums=0)
-    return step.lower(state, batch).compile()
+    return step.lower(state, batch).compile(), state
 
 
 @pytest.mark.parametrize("opt_type", ["Adam", "SGD"])
 def test_local_update_temporaries_are_far_below_the_table(opt_type):
-    mem = _compiled_step("Local", opt_type).memory_analysis()
+    compiled, state = _compiled_step("Local", opt_type)
+    mem = compiled.memory_analysis()
     assert mem is not None, "XLA-CPU reports memory analysis for compiled programs"
     # state (values + 2 Adam slots + hash arrays) is aliased in place: the step needs only
-    # batch-sized scratch, not a [capacity, dim] gradient.
-    assert mem.temp_size_in_bytes < TABLE_BYTES / 50, mem
+    # batch-sized scratch, not a [capacity, dim] gradient. On a GPU the insert kernel also
+    # takes one int32 claim counter per hash slot (jctr.ops.pallas_hash: Pallas' Triton
+    # compare-and-swap takes no index), a quarter of the table's values here.
+    claims = 0
+    if jax.default_backend() == "gpu":
+        claims = 4 * state.embeddings[0].table.slot_keys.shape[0]
+    assert mem.temp_size_in_bytes < TABLE_BYTES / 50 + claims, mem
     assert mem.output_size_in_bytes - mem.alias_size_in_bytes < TABLE_BYTES / 50, mem
 
 
 def test_global_update_does_pay_for_a_dense_gradient():
     # the same measurement sees the whole-table temporaries of update_type Global, so the
     # bound above is a real check
-    mem = _compiled_step("Global").memory_analysis()
+    mem = _compiled_step("Global")[0].memory_analysis()
     assert mem is not None
     assert mem.temp_size_in_bytes >= TABLE_BYTES, mem

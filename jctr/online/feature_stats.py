@@ -20,24 +20,27 @@
   saved (Paddle's keeps them when ``delta_threshold`` is 0): their rows did not change, so the
   serving side holds them already, and a delta of unchanged rows would be as large as a base.
 
-The statistics live on the host, keyed by key (sorted int64 arrays), independent of where a
-key's row sits in a device table; batches are merged in bulk (:meth:`FeatureStats.flush`),
-vectorized, never a Python loop per key. (Admission, ``embedx_threshold``, is decided by the
+The statistics live on the host, keyed by key (column arrays and a hashed index of their
+keys), independent of where a key's row sits in a device table; a batch is added where it is
+read, by a compiled loop over its occurrences (:mod:`jctr.online.key_index`), never a Python
+loop per key. (Admission, ``embedx_threshold``, is decided by the
 table itself as it trains: :func:`jctr.embedding.row_optimizers.admits`.)
 
 Example::
 
     stats = FeatureStats()
     stats.observe(keys, show=np.ones(n), click=labels)   # per key occurrence
-    stats.flush()
     deleted = stats.shrink(ShrinkRule())                  # the end of a day
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
+
+from jctr.online import key_index
 
 
 @dataclass(frozen=True)
@@ -70,22 +73,43 @@ class ShrinkRule:
 
 
 class FeatureStats:
-    """Show, click, unseen days, delta score and "pushed since last saved" per key (sorted
-    keys)."""
+    """Show, click, unseen days, delta score and "pushed since last saved" per key.
 
-    def __init__(self, score: ScoreRule | None = None):
+    The columns (``keys``, ``show``, ``click``, ``unseen_days``, ``delta_score``,
+    ``since_delta``) are arrays in storage order (the order keys first came; a shrink keeps
+    it), writable views; :meth:`state_dict` gives them in key order. A hashed index
+    (:mod:`jctr.online.key_index`) finds a key's row, so adding a batch costs its occurrences,
+    whatever the table's size. With ``gather=True`` (a multi-process run) new occurrences wait
+    in :meth:`take_pending` until every process has them (:meth:`merge`)."""
+
+    _FIELDS = ("keys", "show", "click", "unseen_days", "delta_score", "since_delta")
+    _DTYPES = (np.int64, np.float64, np.float64, np.int32, np.float64, bool)
+
+    def __init__(self, score: ScoreRule | None = None, *, gather: bool = False):
         self.rule = score or ScoreRule()
-        self.keys = np.zeros(0, np.int64)
-        self.show = np.zeros(0, np.float64)
-        self.click = np.zeros(0, np.float64)
-        self.unseen_days = np.zeros(0, np.int32)  # whole days since the key was last seen
-        self.delta_score = np.zeros(0, np.float64)  # score pushed since the key was saved
-        self.since_delta = np.zeros(0, bool)  # pushed since the key was last saved
+        self.gather = gather
+        self._n = 0
+        self._cols = {name: np.zeros(0, dtype) for name, dtype in zip(self._FIELDS,
+                                                                       self._DTYPES)}
+        self._index = np.full(key_index.index_size(0), -1, np.int64)
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        # observe() runs on the reader thread, the decisions on the main thread
+        self._lock = threading.Lock()
+
+    keys = property(lambda self: self._column("keys"))
+    show = property(lambda self: self._column("show"))
+    click = property(lambda self: self._column("click"))
+    unseen_days = property(lambda self: self._column("unseen_days"))
+    delta_score = property(lambda self: self._column("delta_score"))
+    since_delta = property(lambda self: self._column("since_delta"))
+
+    def _column(self, name: str) -> np.ndarray:
+        self.flush()
+        return self._cols[name][: self._n]
 
     def __len__(self) -> int:
         self.flush()
-        return int(self.keys.size)
+        return self._n
 
     def observe(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray) -> None:
         """Add one occurrence per entry: ``keys[i]`` was shown ``show[i]`` times and clicked
@@ -93,17 +117,23 @@ class FeatureStats:
         keys = np.asarray(keys, np.int64).reshape(-1)
         show = np.broadcast_to(np.asarray(show, np.float64).reshape(-1), keys.shape)
         click = np.broadcast_to(np.asarray(click, np.float64).reshape(-1), keys.shape)
-        if keys.size:
+        if not keys.size:
+            return
+        if self.gather:
             self._pending.append((keys, show, click))
+        else:
+            self.merge(keys, show, click)
 
     def flush(self) -> None:
-        """Merge what :meth:`observe` collected (one sort of the new keys, one merge)."""
-        self.merge(*self.take_pending())
+        """Merge what :meth:`observe` kept pending (``gather`` only)."""
+        if self._pending:
+            self.merge(*self.take_pending())
 
     def take_pending(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """What :meth:`observe` collected since, summed per key: ``(keys, show, click)``
-        (sorted keys), no longer pending. A multi-process run gathers every process's and
-        :meth:`merge` s them all, so that every process holds the same statistics."""
+        """What :meth:`observe` kept pending (``gather=True``) since, summed per key:
+        ``(keys, show, click)`` (sorted keys), no longer pending. A multi-process run gathers
+        every process's and :meth:`merge` s them all, so that every process holds the same
+        statistics."""
         if not self._pending:
             return np.zeros(0, np.int64), np.zeros(0), np.zeros(0)
         keys = np.concatenate([p[0] for p in self._pending])
@@ -115,72 +145,76 @@ class FeatureStats:
                                                                          uniq.size)
 
     def merge(self, keys: np.ndarray, show: np.ndarray, click: np.ndarray) -> None:
-        """Add shows and clicks of distinct ``keys`` (seen now: unseen days back to 0)."""
+        """Add shows and clicks of ``keys`` (seen now: unseen days back to 0)."""
+        keys = np.ascontiguousarray(keys, np.int64)
         if not keys.size:
             return
-        pos = np.searchsorted(self.keys, keys)
-        known = pos < self.keys.size
-        known[known] = self.keys[pos[known]] == keys[known]
-        p = pos[known]
-        self.show[p] += show[known]
-        self.click[p] += click[known]
-        self.delta_score[p] += self.rule.score(show[known], click[known])
-        self.unseen_days[p] = 0
-        self.since_delta[p] = True
-        new = ~known
-        if new.any():
-            at = pos[new]
-            self.keys = np.insert(self.keys, at, keys[new])
-            self.show = np.insert(self.show, at, show[new])
-            self.click = np.insert(self.click, at, click[new])
-            self.delta_score = np.insert(self.delta_score, at,
-                                         self.rule.score(show[new], click[new]))
-            self.unseen_days = np.insert(self.unseen_days, at, 0)
-            self.since_delta = np.insert(self.since_delta, at, True)
+        with self._lock:
+            self._reserve(self._n + keys.size)
+            c = self._cols
+            self._n = int(key_index.accumulate(
+                self._index, c["keys"], c["show"], c["click"], c["delta_score"],
+                c["unseen_days"], c["since_delta"], self._n, keys,
+                np.ascontiguousarray(show, np.float64), np.ascontiguousarray(click, np.float64),
+                float(self.rule.nonclk_coeff), float(self.rule.click_coeff)))
+
+    def _reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows in the columns and the index (doubling: amortized O(1))."""
+        cap = self._cols["keys"].size
+        if rows > cap:
+            cap = max(rows, 2 * cap, 1024)
+            for name in self._FIELDS:
+                col = np.zeros(cap, self._cols[name].dtype)
+                col[: self._n] = self._cols[name][: self._n]
+                self._cols[name] = col
+        if 2 * rows > self._index.size:
+            self._index = np.empty(key_index.index_size(max(rows, self._index.size)), np.int64)
+            key_index.rebuild(self._index, self._cols["keys"], self._n)
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(found, score)`` per key (score 0 where unknown)."""
         self.flush()
-        keys = np.asarray(keys, np.int64).reshape(-1)
-        if not self.keys.size:
-            return np.zeros(keys.size, bool), np.zeros(keys.size)
-        pos = np.minimum(np.searchsorted(self.keys, keys), self.keys.size - 1)
-        found = self.keys[pos] == keys
-        return found, np.where(found, self.scores()[pos], 0.0)
+        keys = np.ascontiguousarray(keys, np.int64).reshape(-1)
+        rows = key_index.find(self._index, self._cols["keys"], keys)
+        found = rows >= 0
+        return found, np.where(found, self.scores()[np.maximum(rows, 0)] if self._n else 0.0,
+                               0.0)
 
     def scores(self) -> np.ndarray:
-        self.flush()
+        """Every key's score, in storage order."""
         return self.rule.score(self.show, self.click)
-
-    _FIELDS = ("keys", "show", "click", "unseen_days", "delta_score", "since_delta")
 
     def shrink(self, rule: ShrinkRule) -> np.ndarray:
         """The end of a day (Paddle's ``CtrCommonAccessor::Shrink``): show and click decay,
         and the keys the rule removes (score below ``delete_threshold``, unseen for more than
-        ``delete_after_unseen_days``) are deleted; returns them (their table rows are to be
-        freed). Keys age afterwards, with :meth:`age`."""
+        ``delete_after_unseen_days``) are deleted; returns them sorted (their table rows are to
+        be freed). Keys age afterwards, with :meth:`age`."""
         self.flush()
-        self.show *= rule.show_click_decay_rate
-        self.click *= rule.show_click_decay_rate
-        drop = (self.scores() < rule.delete_threshold) | \
-            (self.unseen_days > rule.delete_after_unseen_days)
-        deleted = self.keys[drop]
-        keep = ~drop
-        for name in self._FIELDS:
-            setattr(self, name, getattr(self, name)[keep])
+        with self._lock:
+            n = self._n
+            self.show[:] *= rule.show_click_decay_rate
+            self.click[:] *= rule.show_click_decay_rate
+            drop = (self.scores() < rule.delete_threshold) | \
+                (self.unseen_days > rule.delete_after_unseen_days)
+            deleted = np.sort(self.keys[drop])
+            if deleted.size:
+                keep = ~drop
+                for name in self._FIELDS:
+                    self._cols[name] = self._cols[name][:n][keep]
+                self._n = int(keep.sum())
+                self._index = np.empty(key_index.index_size(self._n), np.int64)
+                key_index.rebuild(self._index, self._cols["keys"], self._n)
         return deleted
 
     def age(self) -> None:
         """The day's batch model is saved: every key is one day older (a key seen since is
         back at 0 with its next push); Paddle's ``UpdateStatAfterSave`` with param 3."""
-        self.flush()
-        self.unseen_days += 1
+        self.unseen_days[:] += 1
 
     def base_keys(self, base_threshold: float, delta_keep_days: int) -> np.ndarray:
         """Keys a base model holds (Paddle's ``Save`` with param 2): score >=
         ``base_threshold`` and unseen for at most ``delta_keep_days`` days. They count as
-        saved: their delta score starts again from 0."""
-        self.flush()
+        saved: their delta score starts again from 0. Sorted."""
         take = (self.scores() >= base_threshold) & (self.unseen_days <= delta_keep_days)
         return self._saved(take)
 
@@ -189,8 +223,7 @@ class FeatureStats:
         """Keys the next delta model holds (Paddle's ``Save`` with param 1): pushed since
         they were last saved, score >= ``base_threshold``, delta score >=
         ``delta_threshold``, unseen for at most ``delta_keep_days`` days. They count as
-        saved."""
-        self.flush()
+        saved. Sorted."""
         take = self.since_delta & (self.scores() >= base_threshold) & \
             (self.delta_score >= delta_threshold) & (self.unseen_days <= delta_keep_days)
         return self._saved(take)
@@ -198,12 +231,13 @@ class FeatureStats:
     def _saved(self, take: np.ndarray) -> np.ndarray:
         self.delta_score[take] = 0.0
         self.since_delta[take] = False
-        return self.keys[take]
+        return np.sort(self.keys[take])
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Plain arrays (for a checkpoint; no pickle)."""
+        """Plain arrays in key order (for a checkpoint; no pickle)."""
         self.flush()
-        return {name: getattr(self, name) for name in self._FIELDS}
+        order = np.argsort(self.keys, kind="stable")
+        return {name: self._cols[name][: self._n][order] for name in self._FIELDS}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """What :meth:`state_dict` gave; statistics saved before ``delta_score`` existed get
@@ -215,14 +249,16 @@ class FeatureStats:
             state["delta_score"] = np.where(since, self.rule.score(
                 np.asarray(state["show"], np.float64), np.asarray(state["click"], np.float64)),
                 0.0)
-        for name, dtype in (("keys", np.int64), ("show", np.float64), ("click", np.float64),
-                            ("unseen_days", np.int32), ("delta_score", np.float64),
-                            ("since_delta", bool)):
+        cols = {}
+        for name, dtype in zip(self._FIELDS, self._DTYPES):
             value = np.asarray(state[name], dtype)
             if value.shape != (n,):
                 raise ValueError(f"feature statistics: {name} holds {value.shape}, expected "
                                  f"({n},)")
-            setattr(self, name, value.copy())
-        if n > 1 and not (np.diff(self.keys) > 0).all():
+            cols[name] = value.copy()
+        if n > 1 and not (np.diff(cols["keys"]) > 0).all():
             raise ValueError("feature statistics: keys are not sorted and distinct")
-        self._pending = []
+        with self._lock:
+            self._cols, self._n, self._pending = cols, n, []
+            self._index = np.empty(key_index.index_size(n), np.int64)
+            key_index.rebuild(self._index, cols["keys"], n)

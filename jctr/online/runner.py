@@ -367,10 +367,13 @@ class OnlineRun:
 
     # -- feature statistics and the daily shrink -------------------------------------------
     def _start_statistics(self) -> None:
+        import jax
+
         from jctr.embedding.row_optimizers import admits
 
         t = self.trainer
-        self.stats = [FeatureStats(self._score) for _ in t.specs]
+        self.stats = [FeatureStats(self._score, gather=jax.process_count() > 1)
+                      for _ in t.specs]
         entry = self.cfg.table_parameters.show_click_entry
         show_of = _entry_column(entry.show, t.cfg.data, "show", self.cfg.source)
         click_of = _entry_column(entry.click, t.cfg.data, "click", self.cfg.source)
@@ -388,6 +391,8 @@ class OnlineRun:
         from jctr.sharding.distributed import gather_rows
 
         for st in self.stats:
+            if not st.gather:  # one process: observe() added them already
+                continue
             keys, show, click = st.take_pending()
             for part in gather_rows({"keys": keys, "show": show, "click": click}):
                 st.merge(part["keys"], part["show"], part["click"])

@@ -1,9 +1,9 @@
 """The one place that picks an implementation per platform.
 
 ``jax.lax.platform_dependent`` selects at lowering time, so one jitted function carries the
-Pallas/Triton kernel for ``cuda`` and the XLA formulation for ``cpu`` (measured faster there:
-``scripts/bench_ops.py``), except the CPU hash lookup and the dot interaction, native kernels
-(:mod:`jctr.ops.cpu_ffi`). ``JCTR_KERNELS=reference`` forces the jnp references everywhere
+Pallas/Triton kernel for ``cuda`` (hash lookup and insert, dot interaction) and the XLA
+formulation or a native kernel (:mod:`jctr.ops.cpu_ffi`: hash lookup, dot interaction) for
+``cpu``; the embedding bag is XLA's on both (measured faster: ``scripts/bench_ops.py``). ``JCTR_KERNELS=reference`` forces the jnp references everywhere
 (debugging); ``auto`` (the default) is the choice above.
 """
 
@@ -19,7 +19,6 @@ from jctr.ops import (
     cpu_ffi,
     hashing,
     interaction,
-    pallas_bag,
     pallas_hash,
     pallas_interaction,
 )
@@ -34,44 +33,24 @@ def _mode() -> str:
     return mode
 
 
+# The embedding bag: XLA's gather + segment sum on every platform. The Pallas/Triton bag kernels
+# (jctr.ops.pallas_bag) lost to it on the first GPU measured (H200, scripts/bench_ops.py in
+# scripts/gpu_check.sh, 212,992 keys of dim 16: forward 342 vs 1,027 M rows/s, backward 831 vs
+# 2,629 M rows/s; docs/performance.md "GPU check"); they stay tested and measured there.
+
+
 def embedding_bag_forward(values, rows, segments, num_segments: int, combiner: str = "sum",
                           *, one_hot: bool = False):
     """[num_segments, dim] pooled rows (see :mod:`jctr.ops.bag`)."""
     if one_hot:  # one key per segment: a plain gather is already optimal on every platform
         return ref.gather_rows(values, rows)
-
-    def reference(values, rows, segments):
-        return ref.embedding_bag_forward_reference(values, rows, segments, num_segments,
-                                                   combiner)
-
-    if _mode() == "reference":
-        return reference(values, rows, segments)
-
-    def kernel(values, rows, segments):
-        return pallas_bag.bag_forward(values, rows, segments, num_segments=num_segments,
-                                      combiner=combiner)
-
-    return jax.lax.platform_dependent(values, rows, segments, cpu=reference, cuda=kernel,
-                                      default=reference)
+    return ref.embedding_bag_forward_reference(values, rows, segments, num_segments, combiner)
 
 
 def embedding_bag_backward(grad_out, segments, rep, num_segments: int, combiner: str = "sum",
                            *, one_hot: bool = False):
     """[n, dim] row gradients summed at each row's representative position."""
-
-    def reference(grad_out, segments, rep):
-        return ref.embedding_bag_backward_reference(grad_out, segments, rep, num_segments,
-                                                    combiner)
-
-    if _mode() == "reference":
-        return reference(grad_out, segments, rep)
-
-    def kernel(grad_out, segments, rep):
-        return pallas_bag.bag_backward(grad_out, segments, rep, num_segments=num_segments,
-                                       combiner=combiner)
-
-    return jax.lax.platform_dependent(grad_out, segments, rep, cpu=reference, cuda=kernel,
-                                      default=reference)
+    return ref.embedding_bag_backward_reference(grad_out, segments, rep, num_segments, combiner)
 
 
 def _cpu_pair_dots(feats):

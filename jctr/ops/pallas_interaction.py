@@ -28,45 +28,57 @@ def _dims(f: int, d: int) -> tuple[int, int]:
     return max(16, _pow2(f)), max(16, _pow2(d))
 
 
-def _gram_kernel(t_ref, out_ref, *, f, d, fp, dp):
+def full_float32() -> bool:
+    """Whether the dots run in full float32 (IEEE): the step's ``jax.default_matmul_precision``
+    says so ("float32" unless the config sets HugeCTR's ``enable_tf32_compute``). Pallas' Triton
+    dot takes TF32 for float32 unless told otherwise, whatever that setting."""
+    return jax.config.jax_default_matmul_precision in ("float32", "highest", "F32_F32_F32")
+
+
+def _precision(ieee: bool):
+    return jax.lax.Precision.HIGHEST if ieee else jax.lax.Precision.DEFAULT
+
+
+def _gram_kernel(t_ref, out_ref, *, f, d, fp, dp, ieee):
     b = pl.program_id(0)
     rows = jnp.arange(fp, dtype=jnp.int32)[:, None]
     cols = jnp.arange(dp, dtype=jnp.int32)[None, :]
     t = plt.load(t_ref.at[b, pl.ds(_ZERO, fp), pl.ds(_ZERO, dp)],
                  mask=(rows < f) & (cols < d), other=0.0)
-    g = plt.dot(t, t, trans_b=True).astype(jnp.float32)
+    g = plt.dot(t, t, trans_b=True, precision=_precision(ieee)).astype(jnp.float32)
     plt.store(out_ref.at[b, pl.ds(_ZERO, fp), pl.ds(_ZERO, fp)], g)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def gram(feats: jax.Array, *, interpret: bool = False) -> jax.Array:
-    """[b, f, d] -> float32 [b, fp, fp] (zero beyond f)."""
+@functools.partial(jax.jit, static_argnames=("interpret", "ieee"))
+def gram(feats: jax.Array, *, interpret: bool = False, ieee: bool = True) -> jax.Array:
+    """[b, f, d] -> float32 [b, fp, fp] (zero beyond f); ``ieee=False``: TF32 dots."""
     b, f, d = feats.shape
     fp, dp = _dims(f, d)
-    kernel = functools.partial(_gram_kernel, f=f, d=d, fp=fp, dp=dp)
+    kernel = functools.partial(_gram_kernel, f=f, d=d, fp=fp, dp=dp, ieee=ieee)
     return pl.pallas_call(kernel, grid=(b,),
                           out_shape=jax.ShapeDtypeStruct((b, fp, fp), jnp.float32),
                           interpret=interpret, compiler_params=None if interpret else _params(),
                           name="jctr_interaction_fwd")(feats)
 
 
-def _gram_bwd_kernel(t_ref, g_ref, out_ref, *, f, d, fp, dp):
+def _gram_bwd_kernel(t_ref, g_ref, out_ref, *, f, d, fp, dp, ieee):
     b = pl.program_id(0)
     rows = jnp.arange(fp, dtype=jnp.int32)[:, None]
     cols = jnp.arange(dp, dtype=jnp.int32)[None, :]
     t = plt.load(t_ref.at[b, pl.ds(_ZERO, fp), pl.ds(_ZERO, dp)],
                  mask=(rows < f) & (cols < d), other=0.0).astype(jnp.float32)
     g = plt.load(g_ref.at[b, pl.ds(_ZERO, fp), pl.ds(_ZERO, fp)])
-    dt = plt.dot(g + g.T, t)
+    dt = plt.dot(g + g.T, t, precision=_precision(ieee))
     plt.store(out_ref.at[b, pl.ds(_ZERO, fp), pl.ds(_ZERO, dp)], dt)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def gram_backward(feats: jax.Array, grad_gram: jax.Array, *, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("interpret", "ieee"))
+def gram_backward(feats: jax.Array, grad_gram: jax.Array, *, interpret: bool = False,
+                  ieee: bool = True):
     """d(feats) [b, f, d] for the gradient [b, fp, fp] of :func:`gram`'s output."""
     b, f, d = feats.shape
     fp, dp = _dims(f, d)
-    kernel = functools.partial(_gram_bwd_kernel, f=f, d=d, fp=fp, dp=dp)
+    kernel = functools.partial(_gram_bwd_kernel, f=f, d=d, fp=fp, dp=dp, ieee=ieee)
     out = pl.pallas_call(kernel, grid=(b,),
                          out_shape=jax.ShapeDtypeStruct((b, fp, dp), jnp.float32),
                          interpret=interpret, compiler_params=None if interpret else _params(),
@@ -82,7 +94,7 @@ def make_pair_dots(interpret: bool = False):
         f = feats.shape[1]
         fp = _dims(f, feats.shape[2])[0]
         li, lj = np.tril_indices(f, k=-1)
-        return gram(feats, interpret=interpret).reshape(feats.shape[0], fp * fp)[:, li * fp + lj]
+        return gram(feats, interpret=interpret, ieee=full_float32()).reshape(feats.shape[0], fp * fp)[:, li * fp + lj]
 
     def fwd(feats):
         return pair_dots(feats), feats
@@ -93,7 +105,8 @@ def make_pair_dots(interpret: bool = False):
         li, lj = np.tril_indices(f, k=-1)
         full = jnp.zeros((b, fp * fp), jnp.float32).at[:, li * fp + lj].set(
             g.astype(jnp.float32))
-        return (gram_backward(feats, full.reshape(b, fp, fp), interpret=interpret),)
+        return (gram_backward(feats, full.reshape(b, fp, fp), interpret=interpret,
+                              ieee=full_float32()),)
 
     pair_dots.defvjp(fwd, bwd)
     return pair_dots

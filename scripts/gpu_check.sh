@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# The one command a GPU machine runs: kernels and tables on the cuda platform (Pallas/Triton
+# compiled, not interpret mode), the synthetic training jobs, then scripts/bench_ops.py and
+# scripts/bench_train.py on the GPU. Figures and logs go to OUT (default ./gpu_check_out) and,
+# as a dated section with the GPU's name, to the end of docs/performance.md.
+#
+#   bash scripts/gpu_check.sh [OUT]                # everything (about 6 minutes on an H100)
+#   GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh    # tests and training jobs only
+#
+# JAX with its CUDA plugin is used as found (a GPU image carries a newer JAX than the CPU
+# build); where JAX sees no GPU, the `gpu` extra is installed first (needs the package index).
+set -uo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$ROOT"
+OUT="${1:-${OUT:-$ROOT/gpu_check_out}}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+[ -x "$ROOT/.venv/bin/python" ] && [ -z "${PYTHON:-}" ] && PY="$ROOT/.venv/bin/python"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# the device's memory is XLA's to take as it needs (tests start several processes)
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
+
+has_gpu() { "$PY" -c 'import jax, sys; sys.exit(jax.default_backend() != "gpu")' 2>/dev/null; }
+if ! has_gpu; then
+  echo "[gpu_check] JAX sees no GPU with $PY: installing the gpu extra"
+  "$PY" -m pip install -q -e ".[gpu]" || { echo "[gpu_check] pip install failed"; exit 2; }
+  has_gpu || { echo "[gpu_check] still no GPU for JAX: nothing to check"; exit 2; }
+fi
+
+status=0
+step() {  # step NAME SECONDS COMMAND...: run (at most SECONDS), log to OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "[gpu_check] $name: $*"
+  local t0=$SECONDS
+  timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  local rc=${PIPESTATUS[0]}
+  echo "[gpu_check] $name: exit $rc after $((SECONDS - t0)) s"
+  [ "$rc" = 0 ] || status=1  # 124: ran past its limit
+  echo "| $name | $rc | $((SECONDS - t0)) s |" >> "$OUT/steps.md"
+}
+
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+  "$PY" -c 'import jax, jaxlib; print("jax", jax.__version__, "jaxlib", jaxlib.__version__,
+jax.devices())'; } | tee "$OUT/machine.txt"
+echo "| step | exit | time |" > "$OUT/steps.md"; echo "| --- | --- | --- |" >> "$OUT/steps.md"
+
+# kernel and table tests on the GPU: conftest's 8 forced host devices stay on the CPU backend,
+# the default backend (what the tests use) is the GPU
+step tests 240 "$PY" -m pytest -q -ra -p no:cacheprovider --timeout 300 \
+  tests/test_pallas_kernels.py tests/test_hash_table.py tests/test_row_optimizers.py \
+  tests/test_sparse_memory.py tests/test_layers.py
+RUNS="$(mktemp -d)"
+for model in dlrm deepfm; do
+  step "train_$model" 150 "$PY" - "$model" "$RUNS" <<'EOF'
+import json, os, subprocess, sys
+model, runs = sys.argv[1], sys.argv[2]
+cfg = json.load(open(f"configs/{model}_synthetic.json"))
+data = cfg["layers"][0]
+for key in ("source", "eval_source"):
+    data[key] = data[key].replace("./data", os.path.join(runs, "data"))
+cfg["solver"]["snapshot_prefix"] = os.path.join(runs, model) + "/"
+cfg["solver"]["log_dir"] = os.path.join(runs, model + "_log")
+path = os.path.join(runs, f"{model}.json")
+json.dump(cfg, open(path, "w"))
+sys.exit(subprocess.call([sys.executable, "-m", "jctr.train", "--config", path]))
+EOF
+done
+rm -rf "$RUNS"
+
+if [ -z "${GPU_CHECK_QUICK:-}" ]; then
+  step bench_ops 90 "$PY" scripts/bench_ops.py
+  step bench_train 240 "$PY" scripts/bench_train.py --steps 20 --warmup 3 \
+    --json "$OUT/bench_train.json"
+fi
+
+{ echo
+  echo "## GPU check, $(date -u +%Y-%m-%d) ($(head -1 "$OUT/machine.txt"))"
+  echo
+  echo "\`bash scripts/gpu_check.sh\`; $(sed -n 2p "$OUT/machine.txt" | cut -c1-120)"
+  echo
+  cat "$OUT/steps.md"
+  echo
+  grep -h -E "passed|failed|error" "$OUT/tests.log" | tail -1 | sed 's/^/Tests: /'
+  for f in bench_ops bench_train; do
+    [ -f "$OUT/$f.log" ] || continue
+    echo; echo "\`$f\`:"; echo; echo '```'; grep -v -E "^\[gpu_check\]|WARNING" "$OUT/$f.log" | tail -40; echo '```'
+  done
+} > "$OUT/gpu_check.md"
+cat "$OUT/gpu_check.md" >> docs/performance.md
+cp docs/performance.md "$OUT/performance.md"
+echo "[gpu_check] done: exit $status; section appended to docs/performance.md"
+exit $status

@@ -8,8 +8,9 @@ hides, measured in one run.
    core :class:`Trainer` over all the files as one source (one epoch) and once by the streaming
    runner pass by pass (feature statistics, prefetch, a validation score after each pass, the
    shrink and the base model at the day's end). Ratio: the streaming passes' training
-   samples/s over the core trainer's (steady state: compile excluded on both); the
-   end-to-end time of each is printed too.
+   samples/s over the core trainer's (steady state: compile excluded on both), and the
+   end-to-end ratio (the core trainer's wall time over the streaming run's: samples per
+   second of each, the streaming run's statistics, validations and day end included).
 2. Overlap: per pass after the first, the time the prefetch spent reading it and the time the
    runner then still waited for it; hidden = 1 - waited / read.
 3. Shrink and delta save on a table of ``--keys`` keys (10M by default; dim 16,
@@ -19,6 +20,7 @@ hides, measured in one run.
 
     python scripts/bench_online.py
     python scripts/bench_online.py --samples-per-file 32768 --keys 2000000
+    python scripts/bench_online.py --skip-table --repeat 3   # part 1 in 3 alternating rounds
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -77,38 +80,44 @@ def throughput(args, alpha: float, tmp: str) -> dict:
              if name.endswith(".data")]
     samples = len(files) * args.samples_per_file
 
-    # the core trainer: every file as one source, one epoch
     whole = os.path.join(tmp, "all.txt")
     write_file_list(whole, files)
     raw_core = json.loads(json.dumps(raw))
     raw_core["layers"][0]["source"] = whole
-    t0 = time.perf_counter()
-    core = Trainer(parse_config(raw_core), log=lambda s: None, generate_data=False)
-    core_rate = core.fit().steady_samples_per_s
-    core_wall = time.perf_counter() - t0
-    del core
-
     model = os.path.join(tmp, "model.json")
     with open(model, "w") as f:
         json.dump(raw, f)
-    online = parse_online_config({
-        "model": model, "train_data_dir": os.path.join(tmp, "stream"),
-        "split_interval": interval, "split_per_pass": 1, "start_day": DAY, "end_day": DAY,
-        "save_model_path": os.path.join(tmp, "save"), "data_donefile": "DONE",
-        "checkpoint_per_pass": 10**6}, os.path.join(tmp, "online.json"))
-    t0 = time.perf_counter()
-    run = OnlineRun(online, log=lambda s: None)
-    run.run()
-    online_wall = time.perf_counter() - t0
-    records = [json.loads(x) for x in open(os.path.join(tmp, "save", "passes.jsonl"))]
-    per_pass = samples / len(records)
-    online_rate = samples / sum(per_pass / r["samples_per_s"] for r in records)
-    later = [r for r in records if r["read_ahead_s"] is not None]
-    read = sum(r["read_ahead_s"] for r in later)
-    waited = sum(r["read_wait_s"] for r in later)
-    return {"samples": samples, "core_rate": core_rate, "online_rate": online_rate,
-            "core_wall": core_wall, "online_wall": online_wall, "read_s": read,
-            "wait_s": waited, "passes": len(records)}
+    rounds = []
+    for i in range(args.repeat):  # core and streaming alternate: the machine's drift hits both
+        # the core trainer: every file as one source, one epoch
+        t0 = time.perf_counter()
+        core = Trainer(parse_config(raw_core), log=lambda s: None, generate_data=False)
+        core_rate = core.fit().steady_samples_per_s
+        core_wall = time.perf_counter() - t0
+        del core
+
+        save = os.path.join(tmp, f"save{i}")
+        online = parse_online_config({
+            "model": model, "train_data_dir": os.path.join(tmp, "stream"),
+            "split_interval": interval, "split_per_pass": 1, "start_day": DAY, "end_day": DAY,
+            "save_model_path": save, "data_donefile": "DONE",
+            "checkpoint_per_pass": 10**6}, os.path.join(tmp, "online.json"))
+        t0 = time.perf_counter()
+        run = OnlineRun(online, log=lambda s: None)
+        run.run()
+        online_wall = time.perf_counter() - t0
+        del run
+        records = [json.loads(x) for x in open(os.path.join(save, "passes.jsonl"))]
+        shutil.rmtree(save, ignore_errors=True)
+        per_pass = samples / len(records)
+        online_rate = samples / sum(per_pass / r["samples_per_s"] for r in records)
+        later = [r for r in records if r["read_ahead_s"] is not None]
+        read = sum(r["read_ahead_s"] for r in later)
+        waited = sum(r["read_wait_s"] for r in later)
+        rounds.append({"samples": samples, "core_rate": core_rate, "online_rate": online_rate,
+                       "core_wall": core_wall, "online_wall": online_wall, "read_s": read,
+                       "wait_s": waited, "passes": len(records)})
+    return rounds
 
 
 def shrink_and_delta(args, tmp: str) -> dict:
@@ -186,19 +195,29 @@ def main() -> int:
     ap.add_argument("--samples-per-file", type=int, default=65536)
     ap.add_argument("--keys", type=int, default=10_000_000, help="table size for part 3")
     ap.add_argument("--skip-table", action="store_true", help="parts 1 and 2 only")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of part 1 (core and streaming alternate); medians printed")
     args = ap.parse_args()
     print(f"CPU: {cpu_name()}")
     for name, alpha in (("uniform", 0.0), ("power-law 1.2", 1.2)):
         tmp = tempfile.mkdtemp(prefix="jctr-bench-online-")
         try:
-            r = throughput(args, alpha, tmp)
+            rounds = throughput(args, alpha, tmp)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
-        print(f"[{name}] {r['samples']:,} samples in {r['passes']} passes: streaming "
-              f"{r['online_rate']:,.0f} samples/s, core trainer {r['core_rate']:,.0f} "
-              f"samples/s: ratio {r['online_rate'] / r['core_rate']:.3f}; end to end "
-              f"{r['online_wall']:.1f} s streaming (statistics, per-pass validation, day end) "
-              f"vs {r['core_wall']:.1f} s core")
+        for r in rounds:
+            print(f"[{name}] {r['samples']:,} samples in {r['passes']} passes: streaming "
+                  f"{r['online_rate']:,.0f} samples/s, core trainer {r['core_rate']:,.0f} "
+                  f"samples/s: ratio {r['online_rate'] / r['core_rate']:.3f}; end to end "
+                  f"{r['online_wall']:.1f} s streaming (statistics, per-pass validation, day "
+                  f"end) vs {r['core_wall']:.1f} s core: {r['core_wall'] / r['online_wall']:.3f}")
+        if len(rounds) > 1:
+            steady = [r["online_rate"] / r["core_rate"] for r in rounds]
+            whole = [r["core_wall"] / r["online_wall"] for r in rounds]
+            print(f"[{name}] median of {len(rounds)} rounds: steady ratio "
+                  f"{statistics.median(steady):.3f}, end to end {statistics.median(whole):.3f} "
+                  f"(rounds {min(whole):.3f}-{max(whole):.3f})")
+        r = rounds[-1]
         hidden = 1.0 - r["wait_s"] / r["read_s"] if r["read_s"] else float("nan")
         print(f"[{name}] prefetch: {r['read_s']:.2f} s of reading for passes 2..{r['passes']}, "
               f"{r['wait_s']:.2f} s of it waited for: {100 * hidden:.0f}% hidden behind "

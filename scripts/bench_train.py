@@ -257,7 +257,8 @@ def main() -> int:
                    "jctr_samples_per_s": round(j), "torch_samples_per_s": round(t),
                    "ratio": round(j / t, 3),
                    "round_ratios": [round(r, 3) for r in per_round]}
-            line = (f"{hot:>2}-hot {keys:<9} batch {args.batch} {dtype:<8}: jctr {j:,.0f} samples/s   "
+            line = (f"{hot:>2}-hot {keys:<9} batch {args.batch} {dtype:<8}: "
+                    f"jctr {j:,.0f} samples/s   "
                     f"pytorch{' (autocast)' if dtype == 'bfloat16' else ''} {t:,.0f} samples/s"
                     f"   ratio {j / t:.2f}x (rounds {min(per_round):.2f}-{max(per_round):.2f})")
             if dtype != "float32" and ("torch", "float32") in rate:

@@ -22,13 +22,11 @@ from __future__ import annotations
 import atexit
 import contextlib
 import json
+import logging
 import os
 import shutil
-import socket
 import threading
-import time
 import uuid
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -36,9 +34,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from jctr.checkpoint.integrity import check_files, file_digests
 from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.errors import UserError
 from jctr.models.ctr import TrainState
+from jctr.runtime.folder_lock import FolderLock
 from jctr.sharding.mesh import to_host
 from jctr.sharding.plan import format_bytes
 from jctr.sharding.rows import export_placed, import_placed
@@ -59,6 +59,39 @@ class CheckpointError(UserError, RuntimeError):
 def _dense_tree(state: TrainState) -> dict[str, Any]:
     return {"step": state.step, "rng": state.rng, "params": state.params,
             "batch_stats": state.batch_stats, "opt_state": state.opt_state}
+
+
+def export_tables(state: TrainState, specs: tuple[EmbeddingSpec, ...], placements=None
+                  ) -> dict[str, dict[str, np.ndarray]]:
+    """Every table's used rows on the host, by name (what a checkpoint stores)."""
+    placements = placements or (None,) * len(specs)
+    return {s.name: export_placed(e, p) for s, e, p in zip(specs, state.embeddings, placements)}
+
+
+_HOST_HANDLER = []
+
+
+def _no_host_copies() -> None:
+    """Orbax copies every numpy array before an asynchronous save, against changes meanwhile;
+    a checkpoint's host arrays are fresh exports nobody changes, and the copy of a table of
+    millions of rows took most of a second. Registered once, for numpy arrays."""
+    if _HOST_HANDLER:
+        return
+    from orbax.checkpoint import type_handlers
+
+    try:
+        handler = type_handlers.NumpyHandler(deepcopy_host_arrays=False)
+    except TypeError:  # an Orbax without the switch: keep its copies
+        handler = None
+    if handler is not None:
+        absl = logging.getLogger("absl")
+        level = absl.level
+        absl.setLevel(logging.ERROR)  # its note that a handler is replaced is not for users
+        try:
+            type_handlers.register_type_handler(np.ndarray, handler, override=True)
+        finally:
+            absl.setLevel(level)
+    _HOST_HANDLER.append(handler)
 
 
 class Checkpointer:
@@ -89,7 +122,8 @@ class Checkpointer:
         self._beside: dict[str, bytes] = {}
         self._sealer: threading.Thread | None = None
         self._seal_error: BaseException | None = None
-        self._locked = False
+        self._lock = FolderLock(self.directory, run_id=self.run_id, error=CheckpointError,
+                                hint="choose another snapshot_prefix")
         self._replace: set[int] = set()  # another run's steps this run may delete (--force)
         self.sealed: set[int] = set()  # steps this run wrote
         self._overwrite: set[int] = set()  # steps after the one this run resumed from
@@ -144,64 +178,28 @@ class Checkpointer:
 
     @property
     def lock_path(self) -> str:
-        return os.path.join(self.directory, LOCK)
+        return self._lock.path
 
     def lock_owner(self) -> dict | None:
         """The LOCK file's record, or None when the directory is not locked."""
-        try:
-            with open(self.lock_path, encoding="utf-8") as f:
-                return json.load(f)
-        except FileNotFoundError:
-            return None
-        except (OSError, json.JSONDecodeError):
-            return {"pid": None, "host": None, "started": None}
+        return self._lock.owner()
 
     def check_not_in_use(self) -> None:
         """Raise if another live run holds the directory (a stale lock does not count)."""
-        owner = self.lock_owner()
-        if owner is None or owner.get("run") == self.run_id or _is_stale(owner):
-            return
-        raise CheckpointError(
-            f"{self.directory}: in use by another run ({_describe_owner(owner)}); wait for it "
-            "to end, choose another snapshot_prefix, or remove "
-            f"{self.lock_path} if that run is gone")
+        self._lock.check_free()
 
     def acquire(self, report: Callable[[str], None] = print) -> None:
         """Own the directory for this run: create it, take ``LOCK`` (a stale lock of a process
         that is gone is reported and taken over) and remove what an earlier run left in flight.
         """
-        if self._locked:
+        if self._lock.held:
             return
         try:
             os.makedirs(os.path.join(self.directory, PENDING), exist_ok=True)
         except OSError as e:
             raise CheckpointError(f"{self.directory}: cannot create the checkpoint directory: "
                                   f"{e.strerror}") from e
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time(),
-              "run": self.run_id}
-        for _ in range(3):
-            try:
-                fd = os.open(self.lock_path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-            except FileExistsError:
-                owner = self.lock_owner()
-                if owner is None:
-                    continue
-                if not _is_stale(owner):
-                    self.check_not_in_use()
-                report(f"[jctr] {self.directory}: the run that locked it "
-                       f"({_describe_owner(owner)}) is gone; taking over its lock")
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(self.lock_path)
-                continue
-            except OSError as e:
-                raise CheckpointError(f"{self.lock_path}: cannot write: {e.strerror}") from e
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(me, f)
-            break
-        else:
-            raise CheckpointError(f"{self.lock_path}: could not take the lock (another run "
-                                  "keeps taking it)")
-        self._locked = True
+        self._lock.acquire(report)
         atexit.register(self.finish)  # a save started from a notebook still completes
         pending = os.path.join(self.directory, PENDING)
         for name in sorted(os.listdir(pending)):
@@ -211,13 +209,7 @@ class Checkpointer:
 
     def release(self) -> None:
         """Give the directory up (the lock file is removed if it is still ours)."""
-        if not self._locked:
-            return
-        self._locked = False
-        owner = self.lock_owner()
-        if owner is not None and owner.get("run") == self.run_id:
-            with contextlib.suppress(OSError):
-                os.remove(self.lock_path)
+        self._lock.release()
 
     def replace_at_first_save(self, steps: list[int]) -> None:
         """``--force``: another run's checkpoints, deleted once this run's first is sealed."""
@@ -249,15 +241,17 @@ class Checkpointer:
 
     def save(self, state: TrainState, specs: tuple[EmbeddingSpec, ...],
              meta: dict[str, Any] | None = None, placements=None,
-             beside: dict[str, bytes] | None = None) -> int:
+             beside: dict[str, bytes] | None = None,
+             tables: dict[str, dict[str, np.ndarray]] | None = None) -> int:
         """Start saving (asynchronously where Orbax allows) into ``.pending/<step>``; the
         snapshot is sealed and reported once complete. ``placements`` (from the sharding plan)
         says how tables are laid out; ``beside`` names small files written next to the
-        checkpoint when it is sealed (``non_trainable_<step>.json``). Returns the step."""
+        checkpoint when it is sealed (``non_trainable_<step>.json``); ``tables``: the state's
+        tables exported already (:func:`export_tables`; they must not change until the save
+        is finished). Returns the step."""
         step = int(to_host(state.step))
-        placements = placements or (None,) * len(specs)
-        tables = {s.name: export_placed(e, p)
-                  for s, e, p in zip(specs, state.embeddings, placements)}
+        if tables is None:
+            tables = export_tables(state, specs, placements)
         info = {"format": FORMAT, "version": VERSION, "step": step,
                 "tables": {s.name: {"rows": int(tables[s.name]["keys"].shape[0]), "dim": s.dim,
                                     "capacity": s.capacity} for s in specs},
@@ -267,6 +261,7 @@ class Checkpointer:
         # meta's "rows" (0) says to drop it on restore
         tables = {name: {k: v if v.shape[0] else np.zeros((1, *v.shape[1:]), v.dtype)
                          for k, v in t.items()} for name, t in tables.items()}
+        _no_host_copies()
         self.wait()  # one save in flight at a time
         if step in self.steps() and step not in self._replace | self._overwrite:
             raise CheckpointError(f"{self.step_dir(step)}: a checkpoint of iter {step} exists "
@@ -300,7 +295,7 @@ class Checkpointer:
         """Integrity record into the finished pending folder, then rename it into place."""
         step = self._in_flight
         pending, final = self._pending_dir(step), self.step_dir(step)
-        _atomic_json(os.path.join(pending, INTEGRITY), _file_digests(pending))
+        _atomic_json(os.path.join(pending, INTEGRITY), file_digests(pending))
         if os.path.isdir(final) and step in self._replace | self._overwrite:
             self._remove_step(step)
         # ours before it is visible: the main thread's next save may list the steps while this
@@ -409,15 +404,7 @@ class Checkpointer:
                 raise CheckpointError(f"{root}/{INTEGRITY}: missing; the checkpoint cannot be "
                                       "checked for damage")
             return  # version 1, sealed late: Orbax's own checks only
-        for rel, (size, crc) in expected.items():
-            full = os.path.join(root, rel)
-            if not os.path.isfile(full):
-                raise CheckpointError(f"{full}: missing from the checkpoint")
-            if os.path.getsize(full) != size:
-                raise CheckpointError(f"{full}: damaged checkpoint file (size "
-                                      f"{os.path.getsize(full)}, expected {size})")
-            if _crc32(full) != crc:
-                raise CheckpointError(f"{full}: damaged checkpoint file (checksum mismatch)")
+        check_files(root, expected, CheckpointError, "checkpoint")
 
     def _version(self, step: int) -> int:
         try:
@@ -515,27 +502,6 @@ class Checkpointer:
         self.finish()
 
 
-def _is_stale(owner: dict) -> bool:
-    """A lock whose process is gone (same host only: another host's processes are unknown)."""
-    pid = owner.get("pid")
-    if owner.get("host") != socket.gethostname() or not isinstance(pid, int):
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:
-        return False
-    return False
-
-
-def _describe_owner(owner: dict) -> str:
-    started = owner.get("started")
-    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started))
-            if isinstance(started, (int, float)) else "an unknown time")
-    return f"pid {owner.get('pid')} on host {owner.get('host')}, since {when}"
-
-
 def _not_written(pending: str, step: int, cause: BaseException) -> CheckpointError:
     text = str(cause)
     if isinstance(cause, OSError) and cause.strerror:
@@ -547,23 +513,6 @@ def _not_written(pending: str, step: int, cause: BaseException) -> CheckpointErr
     where = getattr(cause, "filename", None) or os.path.dirname(os.path.dirname(pending))
     return CheckpointError(f"{where}: snapshot of iter {step} not written ({what}); the earlier "
                            "checkpoints are kept")
-
-
-def _crc32(path: str) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
-
-
-def _file_digests(root: str) -> dict[str, list[int]]:
-    out = {}
-    for base, _, files in os.walk(root):
-        for name in files:
-            full = os.path.join(base, name)
-            out[os.path.relpath(full, root)] = [os.path.getsize(full), _crc32(full)]
-    return out
 
 
 def _atomic_json(path: str, obj) -> None:

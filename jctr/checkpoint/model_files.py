@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jctr.checkpoint.integrity import check_files
 from jctr.errors import UserError
 from jctr.models import layers as L
 from jctr.sharding.mesh import to_host
@@ -64,6 +65,7 @@ def write_dense_model(path: str, net) -> None:
 
 def load_dense_model(path: str, net) -> None:
     """Set ``net``'s trainable weights from a dense model file (in place)."""
+    _check_in_bundle(path)
     try:
         with open(path, "rb") as f:
             data = f.read()
@@ -119,10 +121,10 @@ def write_sparse_model(path: str, keys: np.ndarray, vectors: np.ndarray,
     """Write one embedding's ``key`` and ``emb_vector`` files into the folder ``path``, and
     with ``slots`` a ``slot_id`` file (int64 per key, as HugeCTR's LocalizedSlot models)."""
     os.makedirs(path, exist_ok=True)
-    _atomic_write(os.path.join(path, "key"), np.asarray(keys, "<i8").tobytes())
-    _atomic_write(os.path.join(path, "emb_vector"), np.asarray(vectors, "<f4").tobytes())
+    _atomic_write(os.path.join(path, "key"), _le_bytes(keys, "<i8"))
+    _atomic_write(os.path.join(path, "emb_vector"), _le_bytes(vectors, "<f4"))
     if slots is not None:
-        _atomic_write(os.path.join(path, "slot_id"), np.asarray(slots, "<i8").tobytes())
+        _atomic_write(os.path.join(path, "slot_id"), _le_bytes(slots, "<i8"))
 
 
 def read_slot_ids(path: str, num_keys: int) -> np.ndarray | None:
@@ -137,12 +139,14 @@ def read_slot_ids(path: str, num_keys: int) -> np.ndarray | None:
 
 
 def read_sparse_model(path: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
-    """(keys [n], vectors [n, dim]) of a sparse model folder, checked against each other."""
+    """(keys [n], vectors [n, dim]) of a sparse model folder, checked against each other, and
+    against the checksums of the jctr bundle that holds it, if one does."""
     kp, vp = os.path.join(path, "key"), os.path.join(path, "emb_vector")
     for p in (kp, vp):
         if not os.path.isfile(p):
             raise ModelFileError(f"{p}: missing (a sparse model is a folder with `key` and "
                                  "`emb_vector` files)")
+    _check_in_bundle(path)
     if os.path.getsize(kp) % 8:
         raise ModelFileError(f"{kp}: size {os.path.getsize(kp)} is not a multiple of 8 "
                              "(int64 keys)")
@@ -307,7 +311,35 @@ def load_model_files(step_config: StepConfig, state: TrainState, dense: str | No
     return state
 
 
-def _atomic_write(path: str, data: bytes) -> None:
+def _check_in_bundle(path: str) -> None:
+    """A model file or sparse model folder inside a jctr bundle (``<bundle>/dense.model``,
+    ``<bundle>/sparse/<name>.model``; a streaming base or delta model among them) is checked
+    against the sizes and checksums its manifest recorded; other layouts (HugeCTR's) are read
+    as they are."""
+    path = os.path.abspath(path)
+    for root in (os.path.dirname(path), os.path.dirname(os.path.dirname(path))):
+        try:
+            with open(os.path.join(root, "manifest.json"), encoding="utf-8") as f:
+                files = json.load(f).get("files")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if not isinstance(files, dict):
+            return
+        rel = os.path.relpath(path, root)
+        if rel in files:
+            check_files(root, {rel: files[rel]}, ModelFileError, "model")
+        else:
+            check_files(root, files, ModelFileError, "model", only=rel)
+        return
+
+
+def _le_bytes(array, dtype: str) -> np.ndarray:
+    """The array's bytes in ``dtype`` (little-endian), as a flat uint8 view: no copy where it
+    is one already (a table's rows: hundreds of MB)."""
+    return np.ascontiguousarray(array, dtype).reshape(-1).view(np.uint8)
+
+
+def _atomic_write(path: str, data: bytes | np.ndarray) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     with open(tmp, "wb") as f:
         f.write(data)

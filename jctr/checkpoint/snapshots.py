@@ -27,10 +27,12 @@ from jctr.sharding.mesh import to_host
 
 def save_snapshot(ckpt: Checkpointer, cfg: ModelConfig, step_config: StepConfig,
                   state: TrainState, placements=None, *, readers: list[dict[str, int]],
-                  devices: int = 1, monitors: dict[str, Any] | None = None) -> int:
+                  devices: int = 1, monitors: dict[str, Any] | None = None,
+                  tables: dict | None = None) -> int:
     """Start saving ``state`` with the config and the reader positions (one per process, in
     process order); ``non_trainable_<step>.json`` goes beside it. ``monitors`` is the host-side
-    state of early stopping and the plateau schedule (JSON). Every process calls this.
+    state of early stopping and the plateau schedule (JSON); ``tables`` the state's tables
+    exported already (:func:`jctr.checkpoint.manager.export_tables`). Every process calls this.
     Returns the step."""
     from jctr.version import __version__
 
@@ -42,7 +44,8 @@ def save_snapshot(ckpt: Checkpointer, cfg: ModelConfig, step_config: StepConfig,
     meta = {"reader": readers[0], "readers": readers, "config": cfg.raw,
             "jctr_version": __version__, "devices": devices, "processes": len(readers),
             "lr_scale": float(to_host(state.lr_scale)), "monitors": monitors or {}}
-    return ckpt.save(state, step_config.specs, meta=meta, placements=placements, beside=beside)
+    return ckpt.save(state, step_config.specs, meta=meta, placements=placements, beside=beside,
+                     tables=tables)
 
 
 def check_same_model(where: str, meta: dict[str, Any], cfg: ModelConfig) -> list[str]:

@@ -105,5 +105,10 @@ def export_items(table: HashTable) -> tuple[np.ndarray, np.ndarray]:
     rows = np.asarray(table.slot_rows)
     used = rows >= 0
     keys, rows = keys[used], rows[used]
+    n = rows.size
+    if n and int(rows.max()) < n:  # rows 0 .. n-1, each once: placed by a scatter, O(n)
+        by_row = np.empty(n, keys.dtype)
+        by_row[rows] = keys
+        return by_row, np.arange(n, dtype=rows.dtype)
     order = np.argsort(rows, kind="stable")
     return keys[order], rows[order]

@@ -18,6 +18,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jctr.online", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="streaming config (YAML or JSON)")
+    ap.add_argument("--force", action="store_true",
+                    help="take over a sparse_store another run owns (its rows are erased)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks with errors")
     args = ap.parse_args(argv)
 
@@ -36,6 +38,6 @@ def main(argv: list[str] | None = None) -> int:
             import sys
 
             print(note, file=sys.stderr, flush=True)
-        OnlineRun(cfg).run()
+        OnlineRun(cfg, force=args.force).run()
 
     return run_command(go, debug=args.debug)

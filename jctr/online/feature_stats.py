@@ -77,7 +77,7 @@ class FeatureStats:
 
     The columns (``keys``, ``show``, ``click``, ``unseen_days``, ``delta_score``,
     ``since_delta``) are arrays in storage order (the order keys first came; a shrink keeps
-    it), writable views; :meth:`state_dict` gives them in key order. A hashed index
+    it), writable views. A hashed index
     (:mod:`jctr.online.key_index`) finds a key's row, so adding a batch costs its occurrences,
     whatever the table's size. With ``gather=True`` (a multi-process run) new occurrences wait
     in :meth:`take_pending` until every process has them (:meth:`merge`)."""
@@ -89,9 +89,8 @@ class FeatureStats:
         self.rule = score or ScoreRule()
         self.gather = gather
         self._n = 0
-        self._cols = {name: np.zeros(0, dtype) for name, dtype in zip(self._FIELDS,
-                                                                       self._DTYPES)}
-        self._index = np.full(key_index.index_size(0), -1, np.int64)
+        self._cols = self._empty_columns(0)
+        self._index = np.full(key_index.index_size(0), -1, np.int32)
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         # observe() runs on the reader thread, the decisions on the main thread
         self._lock = threading.Lock()
@@ -106,6 +105,11 @@ class FeatureStats:
     def _column(self, name: str) -> np.ndarray:
         self.flush()
         return self._cols[name][: self._n]
+
+    def _empty_columns(self, rows: int) -> dict[str, np.ndarray]:
+        # one array per column (not one array of rows: measured no faster to add to, and the
+        # whole-column decisions at a day's end then run on contiguous arrays)
+        return {name: np.zeros(rows, dtype) for name, dtype in zip(self._FIELDS, self._DTYPES)}
 
     def __len__(self) -> int:
         self.flush()
@@ -162,23 +166,27 @@ class FeatureStats:
         """Room for ``rows`` rows in the columns and the index (doubling: amortized O(1))."""
         cap = self._cols["keys"].size
         if rows > cap:
-            cap = max(rows, 2 * cap, 1024)
-            for name in self._FIELDS:
-                col = np.zeros(cap, self._cols[name].dtype)
+            grown = self._empty_columns(max(rows, 2 * cap, 1024))
+            for name, col in grown.items():
                 col[: self._n] = self._cols[name][: self._n]
-                self._cols[name] = col
+            self._cols = grown
         if 2 * rows > self._index.size:
-            self._index = np.empty(key_index.index_size(max(rows, self._index.size)), np.int64)
+            self._index = np.empty(key_index.index_size(max(rows, self._index.size)), np.int32)
             key_index.rebuild(self._index, self._cols["keys"], self._n)
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(found, score)`` per key (score 0 where unknown)."""
         self.flush()
-        keys = np.ascontiguousarray(keys, np.int64).reshape(-1)
-        rows = key_index.find(self._index, self._cols["keys"], keys)
+        rows = self.rows_of(keys)
         found = rows >= 0
         return found, np.where(found, self.scores()[np.maximum(rows, 0)] if self._n else 0.0,
                                0.0)
+
+    def rows_of(self, keys: np.ndarray) -> np.ndarray:
+        """The storage row of each key, -1 where it has none."""
+        self.flush()
+        return key_index.find(self._index, self._cols["keys"],
+                              np.ascontiguousarray(keys, np.int64).reshape(-1))
 
     def scores(self) -> np.ndarray:
         """Every key's score, in storage order."""
@@ -199,10 +207,9 @@ class FeatureStats:
             deleted = np.sort(self.keys[drop])
             if deleted.size:
                 keep = ~drop
-                for name in self._FIELDS:
-                    self._cols[name] = self._cols[name][:n][keep]
+                self._cols = {name: col[:n][keep] for name, col in self._cols.items()}
                 self._n = int(keep.sum())
-                self._index = np.empty(key_index.index_size(self._n), np.int64)
+                self._index = np.empty(key_index.index_size(self._n), np.int32)
                 key_index.rebuild(self._index, self._cols["keys"], self._n)
         return deleted
 
@@ -234,10 +241,9 @@ class FeatureStats:
         return np.sort(self.keys[take])
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Plain arrays in key order (for a checkpoint; no pickle)."""
+        """Plain arrays in storage order (for a checkpoint; no pickle)."""
         self.flush()
-        order = np.argsort(self.keys, kind="stable")
-        return {name: self._cols[name][: self._n][order] for name in self._FIELDS}
+        return {name: self._cols[name][: self._n] for name in self._FIELDS}
 
     def load_state_dict(self, state: dict[str, np.ndarray]) -> None:
         """What :meth:`state_dict` gave; statistics saved before ``delta_score`` existed get
@@ -256,9 +262,9 @@ class FeatureStats:
                 raise ValueError(f"feature statistics: {name} holds {value.shape}, expected "
                                  f"({n},)")
             cols[name] = value.copy()
-        if n > 1 and not (np.diff(cols["keys"]) > 0).all():
-            raise ValueError("feature statistics: keys are not sorted and distinct")
+        index = np.empty(key_index.index_size(n), np.int32)
+        again = key_index.rebuild(index, cols["keys"], n)
+        if again >= 0:
+            raise ValueError(f"feature statistics: key {cols['keys'][again]} is there twice")
         with self._lock:
-            self._cols, self._n, self._pending = cols, n, []
-            self._index = np.empty(key_index.index_size(n), np.int64)
-            key_index.rebuild(self._index, cols["keys"], n)
+            self._cols, self._n, self._pending, self._index = cols, n, [], index

@@ -2,8 +2,8 @@
 to row numbers of column arrays, and the per-occurrence accumulation of shows and clicks
 (numba, ``nogil``: the reader thread runs them beside the training step).
 
-The index holds row numbers (-1: empty slot) and compares keys through the key column, so any
-int64 is a key; it is kept at most half full (linear probing from a splitmix64 home slot).
+The index holds int32 row numbers (-1: empty slot) and compares keys through the key column, so
+any int64 is a key; it is kept at most half full (linear probing from a splitmix64 home slot).
 Rows are handed out in insertion order; deleting rows means compacting the columns and
 rebuilding the index (:func:`rebuild`, once a day at the shrink).
 """
@@ -86,14 +86,19 @@ def find(index, keys, queries):
 
 @_njit
 def rebuild(index, keys, n):
-    """The index of rows ``0 .. n-1`` (distinct keys), from an empty one."""
+    """The index of rows ``0 .. n-1``, from an empty one. Returns the first row whose key an
+    earlier row holds already (the index is then incomplete), -1 when all are distinct."""
     index[:] = -1
     mask = index.size - 1
     for r in range(n):
-        s = _home(keys[r], mask)
+        k = keys[r]
+        s = _home(k, mask)
         while index[s] >= 0:
+            if keys[index[s]] == k:
+                return r
             s = (s + 1) & mask
         index[s] = r
+    return -1
 
 
 def index_size(rows: int) -> int:

@@ -90,6 +90,22 @@ class RowStore:
             rows[:, at:at + f.size] *= f
             self.db.insert(self.names[table], keys, rows)
 
+    OWNER = "online.owner"  # a meta entry: the run whose rows these are
+
+    def owner(self) -> dict | None:
+        """The run that owns the rows (``{"run", "save_model_path"}``), None if unrecorded."""
+        return self.db.get_meta(self.OWNER)
+
+    def set_owner(self, run: str, save_model_path: str) -> None:
+        self.db.set_meta(self.OWNER, {"run": run,
+                                      "save_model_path": os.path.abspath(save_model_path)})
+
+    def clear(self) -> None:
+        """Every table's rows and records gone (a store taken over with ``--force``)."""
+        for name in self.names:
+            self.db.drop_table(name)
+        self.db.set_meta(self.OWNER, None)
+
     def size(self, table: int) -> int:
         return self.db.size(self.names[table])
 

@@ -63,8 +63,9 @@ class OnlineRun:
     """One streaming-training run (see the module docstring)."""
 
     def __init__(self, cfg: OnlineConfig, *, log: Callable[[str], None] | None = None,
-                 stop: threading.Event | None = None):
+                 stop: threading.Event | None = None, force: bool = False):
         self.cfg = cfg
+        self.force = force  # take over a sparse_store another run owns (its rows are erased)
         self.log = log or _print
         self.stop = stop or threading.Event()
         try:
@@ -105,8 +106,11 @@ class OnlineRun:
         try:
             with open(path, encoding="utf-8") as f:
                 record = json.load(f)
+            # relative to the run folder (a moved folder resumes where it is); older records
+            # hold absolute paths
+            checkpoint = os.path.join(self.cfg.save_model_path, str(record["checkpoint"]))
             return {"day": str(record["day"]), "pass": int(record["pass"]),
-                    "step": int(record["step"]), "checkpoint": str(record["checkpoint"]),
+                    "step": int(record["step"]), "checkpoint": checkpoint,
                     "day_end": bool(record.get("day_end", False))}
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"{path}: unreadable progress record ({e}); move it away to start "
@@ -117,7 +121,8 @@ class OnlineRun:
         path = os.path.join(self.cfg.save_model_path, PROGRESS)
         tmp = path + ".tmp"
         with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"day": day, "pass": n, "step": step, "checkpoint": checkpoint,
+            json.dump({"day": day, "pass": n, "step": step,
+                       "checkpoint": os.path.relpath(checkpoint, self.cfg.save_model_path),
                        "day_end": day_end}, f)
         os.replace(tmp, path)
 
@@ -188,13 +193,23 @@ class OnlineRun:
         return Trainer(model, log=self.log, generate_data=False, hooks=[self.pass_auc])
 
     def run(self) -> int:
-        """Train every pass still to do; returns the number trained now."""
+        """Train every pass still to do; returns the number trained now. The run owns
+        ``save_model_path`` meanwhile (its ``LOCK``: another run of it is refused)."""
+        import jax
+
+        from jctr.runtime.folder_lock import FolderLock
+
+        lock = FolderLock(self.cfg.save_model_path, hint="or give this one another "
+                          "save_model_path")
         try:
+            if jax.process_index() == 0:  # one lock for the run's processes
+                lock.acquire(report=self.log)
             return self._run()
         finally:
             if self.store is not None:
                 self.store.close()
                 self.store = None
+            lock.release()
 
     def _run(self) -> int:
         os.makedirs(self.cfg.save_model_path, exist_ok=True)
@@ -303,6 +318,7 @@ class OnlineRun:
         shapes = [{name: tuple(arr.shape[1:]) for name, arr in es.slots.items()}
                   for es in t.state.embeddings]
         self.store = RowStore(self.cfg.sparse_store, t.specs, shapes)
+        self._own_store(done)
         undo_dir = self._undo_dir()
         os.makedirs(undo_dir, exist_ok=True)
         last = (done["day"], done["pass"]) if done is not None else ("", 0)
@@ -314,6 +330,50 @@ class OnlineRun:
                          "after the last checkpoint")
             os.remove(path)
         self._eval_keys = self._working_keys(t.data.eval)
+
+    def _own_store(self, done: dict | None) -> None:
+        """The row database belongs to one run (``run.json`` in its save_model_path names it):
+        another run's store is refused, or taken over and emptied with ``force``; a store
+        without an owner is this run's when the run resumes, else refused if it holds rows."""
+        store, owner = self.store, self.store.owner()
+        me = self._run_id()
+        if owner is not None and owner.get("run") == me:
+            return
+        held = sum(store.size(i) for i in range(len(store.names)))
+        if owner is None and (held == 0 or done is not None):
+            store.set_owner(me, self.cfg.save_model_path)
+            return
+        whose = (f"the streaming run at {owner.get('save_model_path')}" if owner is not None
+                 else "rows of a run that did not record itself")
+        if not self.force:
+            raise ConfigError("sparse_store", f"{self.cfg.sparse_store} holds {whose} "
+                              f"({held:,} rows); a store belongs to one run, and this one "
+                              f"({self.cfg.save_model_path}) would train from its rows: give "
+                              "it another sparse_store path, or pass --force to empty it and "
+                              "take it over", self.cfg.source)
+        self.log(f"[jctr] sparse_store: {self.cfg.sparse_store} held {whose}; --force: "
+                 f"emptied ({held:,} rows) and taken over")
+        store.clear()
+        store.set_owner(me, self.cfg.save_model_path)
+
+    def _run_id(self) -> str:
+        """This run's id (``<save_model_path>/run.json``, written on first use)."""
+        import uuid
+
+        path = os.path.join(self.cfg.save_model_path, "run.json")
+        try:
+            with open(path, encoding="utf-8") as f:
+                return str(json.load(f)["run"])
+        except FileNotFoundError:
+            pass
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{path}: unreadable run record ({e})") from None
+        run = uuid.uuid4().hex
+        tmp = path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump({"run": run}, f)
+        os.replace(tmp, path)
+        return run
 
     def _undo_dir(self) -> str:
         return os.path.join(self.cfg.save_model_path, "_store_undo")
@@ -497,8 +557,8 @@ class OnlineRun:
         self._shrink_day(day)
         following = next_day(day)
 
-        def base_model() -> None:  # written while the batch model's snapshot is
-            self._save_inference("base", following, None)
+        def base_model(exported) -> None:  # written while the batch model's snapshot is
+            self._save_inference("base", following, None, exported)
             for st in self.stats:
                 st.age()
 
@@ -520,22 +580,27 @@ class OnlineRun:
         what = "batch model after" if day_end else "checkpoint of"
         self.log(f"[jctr] {what} day {day} pass {n} -> {path}")
 
-    def _save_inference(self, kind: str, day: str, n: int | None) -> str:
+    def _save_inference(self, kind: str, day: str, n: int | None,
+                        exported: dict | None = None) -> str:
         """A base (``kind`` "base") or delta inference bundle with the keys the filters keep
         (:meth:`FeatureStats.base_keys`, :meth:`FeatureStats.delta_keys`); the saved keys'
-        delta scores start again."""
+        delta scores start again. ``exported``: every table's rows on the host already (the
+        day end's snapshot), the base model's taken from them."""
         from jctr.serving.bundle import export_bundle
 
         tp = self.cfg.table_parameters
+        t = self.trainer
+        tables = None
         if kind == "base":
             keys = [st.base_keys(tp.base_threshold, tp.delta_keep_days) for st in self.stats]
             folder = os.path.join(self.cfg.save_model_path, day, "base")
+            if exported is not None and self.store is None:
+                tables = [_rows_with(exported[spec.name], st, k)
+                          for spec, st, k in zip(t.specs, self.stats, keys)]
         else:
             keys = [st.delta_keys(tp.base_threshold, tp.delta_threshold, tp.delta_keep_days)
                     for st in self.stats]
             folder = os.path.join(self.cfg.save_model_path, day, f"delta-{n}")
-        t = self.trainer
-        tables = None
         if self.store is not None:  # every row is in the database
             tables = [self.store.pull(i, k) for i, k in enumerate(keys)]
         path = export_bundle(t.cfg, t.state, folder, t.placements, keys=keys,
@@ -548,6 +613,19 @@ class OnlineRun:
         if self._converter is not None and jax.process_index() == 0:
             self._converter(path, kind, day, n)
         return path
+
+
+def _rows_with(table: dict[str, np.ndarray], stats: FeatureStats, keys: np.ndarray
+               ) -> dict[str, np.ndarray]:
+    """The rows of an exported table whose keys are among ``keys`` (a set the statistics
+    chose, so found through their index: no sort of the whole table)."""
+    chosen = np.zeros(len(stats) + 1, bool)  # the last entry: keys without statistics
+    chosen[stats.rows_of(keys)] = True
+    chosen[-1] = False
+    keep = chosen[stats.rows_of(table["keys"])]
+    if keep.all():  # a base model often holds every row: no copy
+        return table
+    return {name: arr[keep] for name, arr in table.items()}
 
 
 class _ObserveShowClick(Hook):

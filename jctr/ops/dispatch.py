@@ -3,8 +3,9 @@
 ``jax.lax.platform_dependent`` selects at lowering time, so one jitted function carries the
 Pallas/Triton kernel for ``cuda`` (hash lookup and insert, dot interaction) and the XLA
 formulation or a native kernel (:mod:`jctr.ops.cpu_ffi`: hash lookup, dot interaction) for
-``cpu``; the embedding bag is XLA's on both (measured faster: ``scripts/bench_ops.py``). ``JCTR_KERNELS=reference`` forces the jnp references everywhere
-(debugging); ``auto`` (the default) is the choice above.
+``cpu``; the embedding bag is XLA's on both (measured faster: ``scripts/bench_ops.py``).
+``JCTR_KERNELS=reference`` forces the jnp references everywhere (debugging); ``auto`` (the
+default) is the choice above.
 """
 
 from __future__ import annotations

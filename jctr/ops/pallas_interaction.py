@@ -94,7 +94,8 @@ def make_pair_dots(interpret: bool = False):
         f = feats.shape[1]
         fp = _dims(f, feats.shape[2])[0]
         li, lj = np.tril_indices(f, k=-1)
-        return gram(feats, interpret=interpret, ieee=full_float32()).reshape(feats.shape[0], fp * fp)[:, li * fp + lj]
+        grams = gram(feats, interpret=interpret, ieee=full_float32())
+        return grams.reshape(feats.shape[0], fp * fp)[:, li * fp + lj]
 
     def fwd(feats):
         return pair_dots(feats), feats

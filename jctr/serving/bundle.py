@@ -22,6 +22,7 @@ import jax
 import numpy as np
 
 import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
+from jctr.checkpoint.integrity import check_files, file_digests
 from jctr.checkpoint.model_files import ModelFileError, load_model_files, write_model_files
 from jctr.config import ConfigError, ModelConfig, parse_config
 from jctr.data.batch import Batch, check_batch
@@ -148,13 +149,16 @@ def _write_bundle(cfg, state, placements, tmp: str, version: str, keys, about: d
         raise ModelFileError("the model's config was not parsed from JSON (jctr.config."
                              "parse_config / load_config): a bundle carries that JSON")
     dense_count = int(sum(np.prod(np.shape(x)) for x in jax.tree.leaves(state.params)))
+    with open(os.path.join(tmp, "config.json"), "w", encoding="utf-8") as f:
+        json.dump(cfg.raw, f, indent=1)
     manifest = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "jctr_version": version,
                 "jax_version": jax.__version__, "step": int(to_host(state.step)),
                 "embeddings": tables, "dense_weights": dense_count,
-                "inputs": bundle_inputs(cfg), **about}
-    for name, obj in (("config.json", cfg.raw), ("manifest.json", manifest)):
-        with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
-            json.dump(obj, f, indent=1)
+                "inputs": bundle_inputs(cfg), **about,
+                # every other file's size and checksum, checked before it is read back
+                "files": file_digests(tmp, skip={"manifest.json"})}
+    with open(os.path.join(tmp, "manifest.json"), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
 
 
 class InferenceModel:
@@ -185,6 +189,7 @@ class InferenceModel:
                                  f"{manifest.get('version')}; this jctr reads version "
                                  f"{BUNDLE_VERSION}: export the checkpoint again "
                                  "(python -m jctr.export)")
+        check_files(path, manifest.get("files") or {}, ModelFileError, "bundle")
         config_path = os.path.join(path, "config.json")
         try:
             cfg = parse_config(_read_json(config_path), source=config_path,

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jctr.checkpoint.manager import Checkpointer, CheckpointError
+from jctr.checkpoint.manager import Checkpointer, CheckpointError, export_tables
 from jctr.checkpoint.snapshots import restore_snapshot, save_snapshot
 from jctr.config import ModelConfig
 from jctr.data.loader import ReaderPosition
@@ -102,22 +102,25 @@ class RunCheckpoints:
                              devices=self.placed.num_devices, monitors=monitors)
 
     def save_to(self, directory: str, state: TrainState, monitors: dict[str, Any], *,
-                meanwhile: Callable[[], Any] | None = None) -> str:
+                meanwhile: Callable[[dict | None], Any] | None = None) -> str:
         """A snapshot in a directory of its own, complete on return (no reader position: the
         caller knows where its data stands); returns the step's folder. ``meanwhile`` runs
-        while the snapshot is written (streaming training's base model at a day's end); if
-        it fails, the snapshot is removed again."""
+        while the snapshot is written (streaming training's base model at a day's end), given
+        the tables' rows the snapshot exported (by table name; None with several processes,
+        which each export their own); if it fails, the snapshot is removed again."""
         ckpt = Checkpointer(directory, keep=1)
         if jax.process_index() == 0:
             ckpt.acquire(report=self.report)
         try:
+            tables = export_tables(state, self.step_config.specs, self.placed.placements)
             step = save_snapshot(ckpt, self.cfg, self.step_config, state,
                                  self.placed.placements,
                                  readers=[vars(ReaderPosition())] * jax.process_count(),
-                                 devices=self.placed.num_devices, monitors=monitors)
+                                 devices=self.placed.num_devices, monitors=monitors,
+                                 tables=tables)
             try:
                 if meanwhile is not None:
-                    meanwhile()
+                    meanwhile(tables if jax.process_count() == 1 else None)
             except BaseException:
                 with contextlib.suppress(BaseException):
                     ckpt.wait()

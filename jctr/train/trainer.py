@@ -381,11 +381,12 @@ class Trainer:
     # ---- checkpoints and model files -----------------------------------------------------
 
     def save_checkpoint(self, directory: str | None = None, *,
-                        meanwhile: Callable[[], object] | None = None) -> int:
+                        meanwhile: Callable[[dict | None], object] | None = None) -> int:
         """Snapshot the whole state plus the BatchNorm JSON beside it: into the solver's
         checkpoint directory (asynchronously; reported once complete on disk), or into
         ``directory`` of its own (streaming training's ``<day>/<pass>/``; complete on return,
-        no reader position; ``meanwhile`` runs while it is written). Returns the step.
+        no reader position; ``meanwhile(tables)`` runs while it is written, given the rows
+        it exported). Returns the step.
         Refuses a state that went non-finite."""
         if self._nonfinite_at is not None:
             raise NonFiniteLoss(f"not saving: the state went non-finite at iter "

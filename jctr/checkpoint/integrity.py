@@ -1,0 +1,54 @@
+"""Sizes and CRC-32 checksums of the files a save wrote, recorded when it is complete and
+checked before anything is read back: a damaged byte is refused with the file's name instead of
+being trained from or served. Checkpoints keep the record in ``jctr_integrity.json``, inference
+bundles (streaming training's base and delta models too) in their ``manifest.json`` ("files").
+
+Example::
+
+    record = file_digests("bundles/dlrm", skip={"manifest.json"})
+    check_files("bundles/dlrm", record, ModelFileError, "bundle")
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+
+
+def crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def file_digests(root: str, skip: set[str] | frozenset[str] = frozenset()
+                 ) -> dict[str, list[int]]:
+    """``{relative path: [size, crc32]}`` of every file under ``root`` (``skip``: relative
+    paths left out)."""
+    out = {}
+    for base, _, files in os.walk(root):
+        for name in files:
+            full = os.path.join(base, name)
+            rel = os.path.relpath(full, root)
+            if rel not in skip:
+                out[rel] = [os.path.getsize(full), crc32(full)]
+    return out
+
+
+def check_files(root: str, expected: dict, error: type[Exception], what: str,
+                only: str | None = None) -> None:
+    """Raise ``error`` naming the first file of ``expected`` (under ``root``; those under the
+    relative folder ``only`` if given) that is missing or differs in size or checksum."""
+    for rel, (size, crc) in expected.items():
+        if only is not None and not rel.startswith(only.rstrip("/") + "/"):
+            continue
+        full = os.path.join(root, rel)
+        if not os.path.isfile(full):
+            raise error(f"{full}: missing from the {what}")
+        if os.path.getsize(full) != size:
+            raise error(f"{full}: damaged {what} file (size {os.path.getsize(full)}, "
+                        f"expected {size})")
+        if crc32(full) != crc:
+            raise error(f"{full}: damaged {what} file (checksum mismatch)")

@@ -1,0 +1,164 @@
+"""Streaming training's folders and stores know whose they are (issue 35): a run folder is
+locked while a run uses it, a row database belongs to one run, a run folder can move."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jctr.config import ConfigError
+from jctr.runtime.folder_lock import FolderInUse
+from tests.test_online import _online, _stream
+
+
+def _base_rows(save) -> tuple[np.ndarray, np.ndarray]:
+    folder = next(save.glob("*/base/sparse/sparse_embedding1.model"))
+    keys = np.fromfile(folder / "key", "<i8")
+    vectors = np.fromfile(folder / "emb_vector", "<f4").reshape(keys.size, -1)
+    order = np.argsort(keys)
+    return keys[order], vectors[order]
+
+
+def test_a_row_store_belongs_to_one_run(tmp_path):
+    """A second run (another save_model_path) with the first run's sparse_store was trained
+    from the first run's final rows without a word; now it is refused naming both, and
+    ``--force`` empties the store and takes it over: the model equals a fresh run's."""
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path, days=("20190720",))
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    store = str(tmp_path / "rows")
+
+    def run(name, path, **kw):
+        cfg = _online(tmp_path, model, tmp_path / name, end_day="20190720",
+                      sparse_store={"path": path})
+        return OnlineRun(cfg, log=lambda s: None, **kw)
+
+    assert run("first", store).run() == 2
+    with pytest.raises(ConfigError, match=r"sparse_store: .*rows holds the streaming run at "
+                                          r".*first \([\d,]+ rows\); a store belongs to one "
+                                          r"run.*--force"):
+        run("second", store).run()
+    assert not (tmp_path / "second" / "20190720").exists()  # nothing trained
+    assert run("second", store, force=True).run() == 2
+    assert run("fresh", str(tmp_path / "fresh_rows")).run() == 2
+    keys, vectors = _base_rows(tmp_path / "second")
+    want_keys, want_vectors = _base_rows(tmp_path / "fresh")
+    np.testing.assert_array_equal(keys, want_keys)
+    np.testing.assert_array_equal(vectors, want_vectors)
+    from jctr.online.row_store import RowStore
+
+    rows = RowStore(store, [], [])
+    owner = rows.owner()  # the second run's now
+    rows.close()
+    assert owner["save_model_path"] == str(tmp_path / "second")
+
+
+def test_a_run_folder_is_locked_while_a_run_uses_it(tmp_path):
+    """Two runs of one config: the second used to rewrite the first's models and append to its
+    passes.jsonl; now it is refused naming the owner, as the core trainer's snapshot folder.
+    A lock left by a process that is gone is reported and taken over."""
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path, days=("20190720",))
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    save = tmp_path / "save"
+    save.mkdir()
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        import socket
+
+        (save / "LOCK").write_text(json.dumps({"pid": live.pid, "host": socket.gethostname(),
+                                               "started": 0, "run": "other"}))
+        with pytest.raises(FolderInUse, match=rf"save: in use by another run \(pid {live.pid} "
+                                              r"on host .*\); wait for it to end, or give this "
+                                              r"one another save_model_path"):
+            OnlineRun(_online(tmp_path, model, save, end_day="20190720"),
+                      log=lambda s: None).run()
+        assert sorted(os.listdir(save)) == ["LOCK"]  # nothing written
+    finally:
+        live.kill()
+        live.wait()
+    lines = []
+    assert OnlineRun(_online(tmp_path, model, save, end_day="20190720"),
+                     log=lines.append).run() == 2
+    assert any(f"(pid {live.pid} on host" in x and "is gone; taking over its lock" in x
+               for x in lines)
+    assert not (save / "LOCK").exists()  # given back at the end
+
+
+def test_a_run_folder_can_move(tmp_path):
+    """progress.json held absolute paths: a moved run folder resumed from (or failed on) the
+    old place. Paths inside it are relative now; a record with an absolute path (older runs)
+    still resumes."""
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path)
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    old = tmp_path / "old"
+    assert OnlineRun(_online(tmp_path, model, old, end_day="20190720"),
+                     log=lambda s: None).run() == 2
+    record = json.loads((old / "progress.json").read_text())
+    assert not os.path.isabs(record["checkpoint"])
+    new = tmp_path / "moved" / "run"
+    new.parent.mkdir()
+    shutil.move(str(old), str(new))
+    lines = []
+    again = OnlineRun(_online(tmp_path, model, new), log=lines.append)
+    assert again.run() == 2  # the second day only
+    assert any("resuming after day 20190720 pass 2" in x and str(new) in x for x in lines)
+    assert not old.exists()
+    # an absolute path (as older versions wrote) is taken as it is
+    record = json.loads((new / "progress.json").read_text())
+    record["checkpoint"] = str(new / record["checkpoint"])
+    (new / "progress.json").write_text(json.dumps(record))
+    assert OnlineRun(_online(tmp_path, model, new), log=lambda s: None).progress()[
+        "checkpoint"] == record["checkpoint"]
+
+
+def test_damaged_base_and_delta_models_are_refused_by_name(tmp_path, capsys):
+    """Base and delta models carried no checksum: flipped bytes in a delta's emb_vector loaded
+    and served. Their manifests now record every file's size and CRC-32; ``serve load`` and
+    ``InferenceModel.load`` refuse a damaged file by name, and nothing is written."""
+    from jctr.config.hps import parse_ps_config
+    from jctr.online.runner import OnlineRun
+    from jctr.serving.bundle import InferenceModel
+    from jctr.serving.cli import main as serve_main
+    from tests.faults.harness import run_main
+
+    model = _stream(tmp_path)
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    save = tmp_path / "save"
+    assert OnlineRun(_online(tmp_path, model, save, save_delta_frequency=1),
+                     log=lambda s: None).run() == 4
+    day = save / "20190721"
+    manifest = json.loads((day / "delta-1" / "manifest.json").read_text())
+    assert "sparse/sparse_embedding1.model/emb_vector" in manifest["files"]
+    doc = {"supportlonglong": True, "volatile_db": {"type": "hash_map"},
+           "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
+           "models": [{"model": "m", "max_batch_size": 256, "bundle": str(day / "base"),
+                       "deltas": [str(day / "delta-1")]}]}
+    (tmp_path / "ps.json").write_text(json.dumps(doc))
+    parse_ps_config(doc, str(tmp_path / "ps.json"))
+    vector = day / "delta-1" / "sparse" / "sparse_embedding1.model" / "emb_vector"
+    good = vector.read_bytes()
+    data = bytearray(good)
+    data[100:104] = bytes(4 - i for i in range(4))  # a few flipped bytes, same size
+    vector.write_bytes(bytes(data))
+    run_main(serve_main, ["load", "--config", str(tmp_path / "ps.json")], capsys,
+             pattern=rf"{vector}: damaged model file \(checksum mismatch\)",
+             roots=(save,))
+    vector.write_bytes(good)  # the file put right: the load completes
+    assert serve_main(["load", "--config", str(tmp_path / "ps.json")]) == 0
+    dense = save / "20190722" / "base" / "dense.model"
+    dense.write_bytes(dense.read_bytes()[:-4])
+    with pytest.raises(Exception, match=rf"{dense}: damaged bundle file \(size \d+, expected"):
+        InferenceModel.load(str(save / "20190722" / "base"))

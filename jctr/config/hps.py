@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from jctr.config.reader import ConfigError, ObjectReader, describe, join_path
+from jctr.config.reader import ConfigError, ObjectReader, describe, join_path, json_from_text
 
 
 def table_name(model: str, table: str) -> str:
@@ -651,11 +651,8 @@ def load_ps_config(path: str | os.PathLike | dict) -> ParameterServerConfig:
     source = os.fspath(path)
     try:
         with open(source, encoding="utf-8") as f:
-            raw = json.load(f)
+            text = f.read()
     except OSError as e:
         raise ConfigError("<file>", f"cannot read parameter-server config: {e.strerror}",
                           source) from e
-    except json.JSONDecodeError as e:
-        raise ConfigError(f"line {e.lineno} column {e.colno}", f"invalid JSON: {e.msg}",
-                          source) from e
-    return parse_ps_config(raw, source)
+    return parse_ps_config(json_from_text(text, source), source)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from jctr.config.parser import parse_sparse_sgd_rule
-from jctr.config.reader import ConfigError, ObjectReader, json_from_text
+from jctr.config.reader import ConfigError, ObjectReader, json_from_text, yaml_from_text
 from jctr.config.schema import SparseSGDRule, column_ref
 
 
@@ -254,7 +254,10 @@ def _table_parameters(r: ObjectReader) -> TableParameters:
         e.finish()
     out = TableParameters(
         show_click_entry=entry,
-        click_coeff=t.float("click_coeff", 1.0), nonclk_coeff=t.float("nonclk_coeff", 0.1),
+        # negative weights would make clicked keys score below unclicked ones (and the
+        # shrink delete them)
+        click_coeff=t.float("click_coeff", 1.0, min_value=0.0),
+        nonclk_coeff=t.float("nonclk_coeff", 0.1, min_value=0.0),
         show_click_decay_rate=t.float("show_click_decay_rate", 1.0, min_value=0.0),
         delete_threshold=t.float("delete_threshold", 0.0),
         delete_after_unseen_days=t.int("delete_after_unseen_days", 30, min_value=1),
@@ -293,10 +296,5 @@ def load_online_config(path: str | os.PathLike) -> OnlineConfig:
     if source.endswith(".json"):
         raw = json_from_text(text, source)
     else:
-        import yaml
-
-        try:
-            raw = yaml.safe_load(text)
-        except yaml.YAMLError as e:
-            raise ConfigError("<file>", f"invalid YAML: {e}", source) from None
+        raw = yaml_from_text(text, source)
     return parse_online_config(raw, source)

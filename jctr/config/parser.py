@@ -429,8 +429,8 @@ def parse_optimizer(r: ObjectReader) -> OptimizerConfig:
         rules = {key: parse_sparse_sgd_rule(r.child(key)) if r.has(key) else SparseSGDRule()
                  for key in ("embed_sgd_param", "embedx_sgd_param")}
         admission = {"embedx_threshold": r.float("embedx_threshold", 0.0, min_value=0.0),
-                     "click_coeff": r.float("click_coeff", 1.0),
-                     "nonclk_coeff": r.float("nonclk_coeff", 0.1)}
+                     "click_coeff": r.float("click_coeff", 1.0, min_value=0.0),
+                     "nonclk_coeff": r.float("nonclk_coeff", 0.1, min_value=0.0)}
         show = r.str("show", "") or None
         if show is not None and column_ref(show) is None:
             raise r.error("show", f'expected "dense[i]" or "label[i]", got {show!r}')

@@ -31,15 +31,69 @@ class ConfigError(UserError, ValueError):
         super().__init__(f"{where}{path}: {message}")
 
 
+class _Object(dict):
+    """A parsed JSON/YAML object that remembers keys it met more than once."""
+
+    twice: tuple[str, ...] = ()
+
+
+def _object_of(pairs: list[tuple[str, Any]]) -> _Object:
+    out = _Object(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        out.twice = tuple(k for k, _ in pairs if k in seen or seen.add(k))
+    return out
+
+
+def refuse_repeated_keys(raw: Any, source: str | None, path: str = "") -> None:
+    """A key given twice in one object is an error naming its JSON path (json and PyYAML keep
+    the last one silently, so a setting the user wrote would be ignored)."""
+    if isinstance(raw, dict):
+        for key in getattr(raw, "twice", ()):
+            raise ConfigError(join_path(path, key), "given twice in the same object (only "
+                              "one would count); keep one", source)
+        for key, value in raw.items():
+            refuse_repeated_keys(value, source, join_path(path, key))
+    elif isinstance(raw, list):
+        for i, value in enumerate(raw):
+            refuse_repeated_keys(value, source, join_path(path, i))
+
+
 def json_from_text(text: str, source: str | None) -> Any:
-    """A config file's JSON; a syntax error names the file, line and column."""
+    """A config file's JSON; a syntax error names the file, line and column, a key given twice
+    its JSON path."""
     import json
 
     try:
-        return json.loads(text)
+        raw = json.loads(text, object_pairs_hook=_object_of)
     except json.JSONDecodeError as e:
         raise ConfigError(f"line {e.lineno} column {e.colno}", f"invalid JSON: {e.msg}",
                           source) from e
+    refuse_repeated_keys(raw, source)
+    return raw
+
+
+def yaml_from_text(text: str, source: str | None) -> Any:
+    """A config file's YAML (safe: plain data only), with the checks of
+    :func:`json_from_text`."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        loader.flatten_mapping(node)
+        pairs = [(loader.construct_object(k, deep=deep), loader.construct_object(v, deep=deep))
+                 for k, v in node.value]
+        return _object_of(pairs)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    try:
+        raw = yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise ConfigError("<file>", f"invalid YAML: {e}", source) from None
+    refuse_repeated_keys(raw, source)
+    return raw
 
 
 def describe(value: Any) -> str:

@@ -25,7 +25,7 @@ import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.checkpoint.integrity import check_files, file_digests
 from jctr.checkpoint.model_files import ModelFileError, load_model_files, write_model_files
 from jctr.config import ConfigError, ModelConfig, parse_config
-from jctr.data.batch import Batch, check_batch
+from jctr.data.batch import Batch, BatchError, check_batch
 from jctr.data.outputs import describe_contents
 from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding.mesh import to_host
@@ -218,8 +218,22 @@ class InferenceModel:
 
     def predict(self, batch: Batch) -> np.ndarray:
         """Probabilities of the batch's real samples (padding dropped). A batch that does not
-        match the bundle's inputs is a :class:`jctr.data.batch.BatchError`."""
+        match the bundle's inputs is a :class:`jctr.data.batch.BatchError`, as are what the
+        HTTP endpoint refuses too: 64-bit keys narrowed to 32 bits (they would be other
+        keys) and non-finite dense features."""
+        if self.cfg.solver.input_key_type == "I64":
+            for i, keys in enumerate(getattr(batch, "keys", ())):
+                if np.asarray(keys).dtype.kind in "iu" and np.asarray(keys).dtype.itemsize < 8:
+                    raise BatchError(f"Batch.keys[{i}]: {np.asarray(keys).dtype} keys, but the "
+                                     "model's keys are 64-bit (input_key_type I64); narrowed "
+                                     "keys are other keys: pass int64")
         batch = check_batch(batch, self.cfg.data)
+        bad = np.argwhere(~np.isfinite(batch.dense))
+        if bad.size:
+            r, c = (int(x) for x in bad[0])
+            raise BatchError(f"Batch.dense: {bad.shape[0]} non-finite value(s) (NaN or "
+                             f"infinity), the first at sample {r}, feature {c}; dense features "
+                             "must be finite")
         _, pred = self._eval(self.state, jax.device_put(batch))
         return np.asarray(pred)[batch.mask]
 

@@ -167,3 +167,48 @@ def test_python_overrides_are_validated_like_the_file(tmp_path, overrides, patte
     with pytest.raises(ConfigError, match=pattern):
         Trainer.from_config(small_config(tmp_path), **overrides)
     assert not (tmp_path / "data").exists()  # refused before anything was generated
+
+
+def test_a_key_given_twice_is_refused_with_its_path(tmp_path, capsys):
+    """json (and PyYAML) keep the last of two equal keys silently: a setting the user wrote
+    was ignored. Every config reader refuses it with its JSON path (issue 35)."""
+    from jctr.config.hps import load_ps_config
+    from jctr.config.online import load_online_config
+
+    cfg = tmp_path / "twice.json"
+    cfg.write_text('{"solver": {"max_iter": 3, "batchsize": 64, "max_iter": 5},'
+                   ' "optimizer": {"type": "SGD"}, "layers": []}')
+    run_main(main, ["--config", str(cfg)], capsys,
+             pattern=r"twice\.json: solver\.max_iter: given twice in the same object",
+             roots=(tmp_path,))
+    ps = tmp_path / "ps.json"
+    ps.write_text('{"models": [{"model": "m", "model": "n"}]}')
+    with pytest.raises(ConfigError, match=r"ps\.json: models\[0\]\.model: given twice"):
+        load_ps_config(str(ps))
+    online = tmp_path / "online.yaml"
+    online.write_text("model: a.json\ntable_parameters:\n  click_coeff: 1\n"
+                      "  click_coeff: 2\n")
+    with pytest.raises(ConfigError, match=r"online\.yaml: table_parameters\.click_coeff: "
+                                          "given twice"):
+        load_online_config(str(online))
+
+
+@pytest.mark.parametrize("key", ["click_coeff", "nonclk_coeff"])
+def test_negative_score_weights_are_refused(tmp_path, key):
+    """A negative click_coeff made clicked keys score below unclicked ones: the first shrink
+    deleted 63% of the keys. Refused in the streaming config and in SparseAdaGradSGDRule's."""
+    from jctr.config import parse_config
+    from jctr.config.online import parse_online_config
+    from tests.faults.harness import small_config
+
+    with pytest.raises(ConfigError, match=rf"table_parameters\.{key}: expected a finite "
+                                          r"number >= 0\.0, got -0\.5"):
+        parse_online_config({"model": "m.json", "train_data_dir": "d", "start_day": "20190720",
+                             "end_day": "20190720", "split_interval": 720,
+                             "split_per_pass": 1, "save_model_path": "s",
+                             "table_parameters": {key: -0.5}}, str(tmp_path / "o.yaml"))
+    raw = small_config(tmp_path)
+    raw["layers"][1]["optimizer"] = {"type": "SparseAdaGradSGDRule", key: -0.5}
+    with pytest.raises(ConfigError, match=rf"optimizer\.{key}: expected a finite number >= "
+                                          r"0\.0, got -0\.5"):
+        parse_config(raw)

@@ -382,3 +382,26 @@ def test_gen_csv_does_not_overwrite_csv_files(tmp_path, capsys):
     run_main(gen_csv, spec, capsys, pattern=r"\.csv: exists \(\d+ of the \d+ files to write "
                                              r"do\); --force overwrites them", roots=(tmp_path,))
     run_main(gen_csv, [*spec, "--force"], capsys, status=0)
+
+
+def test_csv_conversion_refuses_what_would_train_a_wrong_model(tmp_path, capsys):
+    """A header-only CSV made a 0-record dataset that trained; labels 2 or 0.5 were written as
+    they were; a byte-order mark hid the first column's name (issue 35). Each is refused with
+    the file, row and column, and nothing is written."""
+    from jctr.data.tools.from_csv import main as from_csv
+
+    out = tmp_path / "out"
+    header = tmp_path / "header.csv"
+    header.write_text("y,site,n\n")
+    run_main(from_csv, ["--train", str(header), "--label", "y", "--output", str(out)], capsys,
+             pattern=r"header\.csv: no data rows after the header line", roots=(tmp_path,))
+    for value in ("2", "0.5"):
+        bad = tmp_path / f"label_{value}.csv"
+        bad.write_text(f"y,site\n1,a\n0,b\n{value},c\n")
+        run_main(from_csv, ["--train", str(bad), "--label", "y", "--output", str(out)], capsys,
+                 pattern=rf"label_{value}\.csv: row 3: column \"y\" \(the label\) is "
+                         rf"{value}; expected 0 or 1", roots=(tmp_path,))
+    assert not out.exists()
+    bom = tmp_path / "bom.csv"
+    bom.write_bytes("\ufeffy,site\n1,a\n0,b\n".encode())
+    assert from_csv(["--train", str(bom), "--label", "y", "--output", str(out)]) == 0

@@ -222,6 +222,14 @@ def test_serve_starts_without_redis_when_rocksdb_holds_every_row(exports, tmp_pa
         _serve_open(no_p / "ps.json")
 
 
+def _without_checksums(bundle) -> None:
+    """As a bundle of an older jctr (or files put together by hand): no checksums to check,
+    so the checks of the values themselves are what stands."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    del manifest["files"]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+
+
 def test_non_finite_weights_are_refused_at_load(exports, tmp_path):
     import shutil
 
@@ -233,6 +241,10 @@ def test_non_finite_weights_are_refused_at_load(exports, tmp_path):
     dense.tofile(bundle / "dense.model")
     from jctr.serving.bundle import InferenceModel
 
+    with pytest.raises(ModelFileError, match=r"dense.model: damaged bundle file \(checksum"):
+        InferenceModel.load(str(bundle))
+    _without_checksums(bundle)
+
     with pytest.raises(ModelFileError, match=r"dense.model: 1 non-finite weight\(s\)"):
         InferenceModel.load(str(bundle))
     shutil.rmtree(bundle)
@@ -241,6 +253,7 @@ def test_non_finite_weights_are_refused_at_load(exports, tmp_path):
     vec = np.fromfile(emb, "<f4")
     vec[3] = np.inf
     vec.tofile(emb)
+    _without_checksums(bundle)
     doc = {"volatile_db": {"type": "hash_map"},
            "models": [{"model": "wdl", "bundle": str(bundle), "max_batch_size": 256}]}
     (tmp_path / "ps.json").write_text(json.dumps(doc))
@@ -409,3 +422,25 @@ def test_a_wrong_model_path_leaves_no_database_folder(tmp_path):
     with pytest.raises(ConfigError, match=r"models\[0\]\.network_file: .*config.json: no such"):
         open_models(ps)
     assert not (tmp_path / "rocks").exists()
+
+
+def test_inference_model_refuses_what_the_endpoint_refuses(exports):
+    """InferenceModel.predict took 64-bit keys narrowed to int32 (other keys: silently wrong
+    predictions) and NaN dense features, which the HTTP endpoint refuses (issue 35)."""
+    from jctr.data.batch import Batch, BatchError
+    from jctr.serving.bundle import InferenceModel
+
+    tmp, (batch, want), _ = exports
+    model = InferenceModel.load(str(tmp / "first"))
+    np.testing.assert_allclose(model.predict(batch), want, rtol=1e-5, atol=1e-6)
+    narrowed = Batch(batch.label, batch.dense, tuple(np.asarray(k).astype(np.int32)
+                                                     for k in batch.keys),
+                     batch.segments, batch.mask)
+    with pytest.raises(BatchError, match=r"Batch\.keys\[0\]: int32 keys, but the model's "
+                                         r"keys are 64-bit \(input_key_type I64\)"):
+        model.predict(narrowed)
+    dense = np.array(batch.dense, copy=True)
+    dense[3, 2] = np.nan
+    with pytest.raises(BatchError, match=r"Batch\.dense: 1 non-finite value\(s\) \(NaN or "
+                                         r"infinity\), the first at sample 3, feature 2"):
+        model.predict(Batch(batch.label, dense, batch.keys, batch.segments, batch.mask))

@@ -112,14 +112,15 @@ def read_csv(path: str, *, sep: str | None, columns: list[str] | None) -> pa.Tab
     """The whole file as strings (types are decided per role, not guessed)."""
     try:
         with open(path, "rb") as f:
-            first = f.readline().decode("utf-8", "replace")
+            # utf-8-sig: a byte-order mark (spreadsheet exports) is not part of the first name
+            first = f.readline().decode("utf-8-sig", "replace")
     except OSError as e:
         raise DataError(f"{path}: cannot read: {e.strerror}") from e
     if sep is None:
         sep = "\t" if "\t" in first else ","
     names = columns or [c.strip() for c in first.rstrip("\r\n").split(sep)]
     try:
-        return pacsv.read_csv(
+        table = pacsv.read_csv(
             path,
             read_options=pacsv.ReadOptions(column_names=names, skip_rows=0 if columns else 1,
                                            block_size=1 << 26),
@@ -128,6 +129,9 @@ def read_csv(path: str, *, sep: str | None, columns: list[str] | None) -> pa.Tab
                                                  strings_can_be_null=False))
     except pa.ArrowInvalid as e:
         raise DataError(f"{path}: {e}") from e
+    if table.num_rows == 0:
+        raise DataError(f"{path}: no data rows" + ("" if columns else " after the header line"))
+    return table
 
 
 def _column(table: pa.Table, name: str, path: str) -> pa.Array:
@@ -183,6 +187,11 @@ def encode(table: pa.Table, layout: Layout, vocab: dict[str, list[str]], path: s
     if bad.any():
         raise DataError(f"{path}: row {int(np.argmax(bad)) + 1}: column \"{layout.label}\" "
                         "(the label) is missing or not a number")
+    bad = (label != 0.0) & (label != 1.0)
+    if bad.any():  # a click label; a rating or a probability would train a wrong model
+        row = int(np.argmax(bad))
+        raise DataError(f"{path}: row {row + 1}: column \"{layout.label}\" (the label) is "
+                        f"{label[row]:g}; expected 0 or 1 (a click or none)")
     dense, keys = encode_features(table, layout, vocab, path)
     return RecordBlock(label.astype(np.float32)[:, None], dense,
                        np.ones(keys.shape, np.int32), keys.ravel())

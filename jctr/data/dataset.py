@@ -206,12 +206,23 @@ class Dataset(abc.ABC):
         pending_n = 0
         order = self.unit_order(pos.epoch)
         n_units = len(order)
+        if start is not None and pos.file_index >= max(n_units, 1):
+            raise DataError(f"resuming at file {pos.file_index + 1} (record {pos.record}) of "
+                            f"epoch {pos.epoch + 1}, where the checkpoint's reader stopped, but "
+                            f"the data source now has {n_units} file(s) for this process: "
+                            "resume with the file list the checkpoint was trained on, or "
+                            "train from the start")
         records_this_epoch = 0
         while epochs is None or pos.epoch < epochs:
             unit = order[pos.file_index]
             block = self._records(unit, pos.epoch)
             name = self.unit_name(unit)
             start_rec = pos.record
+            if start_rec > len(block):
+                raise DataError(f"{name}: resuming at record {start_rec}, where the "
+                                f"checkpoint's reader stopped, but the file holds "
+                                f"{len(block)} record(s) now: resume with the data the "
+                                "checkpoint was trained on, or train from the start")
             records_this_epoch += len(block)
             while start_rec < len(block):
                 take = min(batch_size - pending_n, len(block) - start_rec)

@@ -611,7 +611,13 @@ class OnlineRun:
         import jax
 
         if self._converter is not None and jax.process_index() == 0:
-            self._converter(path, kind, day, n)
+            try:
+                self._converter(path, kind, day, n)
+            except Exception as e:  # the user's code: its failure is theirs to read, not ours
+                hook = self.cfg.table_parameters.converter
+                raise ConfigError("table_parameters.converter", f"{hook} failed on the {kind} "
+                                  f"model {path}: {type(e).__name__}: {e}",
+                                  self.cfg.source) from e
         return path
 
 

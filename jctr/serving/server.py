@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 import time
 from typing import Any
 
@@ -100,6 +101,9 @@ def model_config(model) -> dict:
                                model.params.embedding_table_names)}}}
 
 
+MAX_ELEMENTS = 1 << 31  # per input tensor: far beyond any batch, within every index type
+
+
 def parse_infer_request(body: bytes, header_length: int | None
                         ) -> tuple[dict, dict[str, np.ndarray]]:
     """The request JSON and its input tensors (JSON ``data`` or binary extension)."""
@@ -113,6 +117,10 @@ def parse_infer_request(body: bytes, header_length: int | None
     try:
         req = json.loads(head)
     except (ValueError, UnicodeDecodeError) as e:
+        if header_length is not None:  # the JSON part is cut where the header says
+            raise RequestError(f"the first {header_length} bytes of the body ({HEADER}) are "
+                               f"not a JSON request header ({e}): is {HEADER} the length of "
+                               "the JSON part, in bytes?") from None
         raise RequestError(f"request body is not JSON: {e}") from None
     if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
         raise RequestError('request: expected an object with an "inputs" list')
@@ -130,7 +138,10 @@ def parse_infer_request(body: bytes, header_length: int | None
         if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0
                                                    for d in shape)):
             raise RequestError(f"input {name}: shape must be a list of non-negative integers")
-        count = int(np.prod(shape)) if shape else 1
+        count = math.prod(shape)  # Python integers: a huge shape must not wrap around
+        if count > MAX_ELEMENTS:
+            raise RequestError(f"input {name}: shape {shape} holds {count:,} values; at most "
+                               f"{MAX_ELEMENTS:,} per input")
         size = (inp.get("parameters") or {}).get("binary_data_size")
         if size is not None:
             if not isinstance(size, int) or offset + size > len(rest):

@@ -25,6 +25,7 @@ from jax.sharding import Sharding, SingleDeviceSharding
 from jctr.config import ConfigError, ModelConfig
 from jctr.data.batch import Batch
 from jctr.embedding.sparse_embedding import EmbeddingSpec
+from jctr.errors import UserError
 from jctr.models.ctr import TrainState
 from jctr.sharding.mesh import (
     build_mesh,
@@ -34,7 +35,7 @@ from jctr.sharding.mesh import (
     replicated,
     sharded,
 )
-from jctr.sharding.plan import device_memory_bytes, plan_embeddings
+from jctr.sharding.plan import device_memory_bytes, format_bytes, plan_embeddings
 from jctr.sharding.sharded_embeddings import ShardedEmbeddings, globalize_segments
 
 
@@ -133,14 +134,29 @@ class PlacedModel:
 
     def create(self, init_state: Callable[[], TrainState]) -> TrainState:
         """The initial state on the device(s): tables in the engine's layout, everything else
-        replicated."""
-        if self.mesh is None:
-            return jax.device_put(init_state(), self.device)
+        replicated. A device (or process) that cannot hold them is an error naming each
+        table's share, not the allocator's internal message."""
+        try:
+            if self.mesh is None:
+                return jax.device_put(init_state(), self.device)
 
-        def init_sharded():
-            return init_state()._replace(embeddings=self.engine.init())
+            def init_sharded():
+                return init_state()._replace(embeddings=self.engine.init())
 
-        return jax.jit(init_sharded, out_shardings=self.state_shardings)()
+            return jax.jit(init_sharded, out_shardings=self.state_shardings)()
+        except (MemoryError, RuntimeError) as e:
+            text = str(e)
+            if not isinstance(e, MemoryError) and "RESOURCE_EXHAUSTED" not in text \
+                    and "out of memory" not in text.lower():
+                raise
+            tables = "; ".join(f"{t.name} {format_bytes(max(t.bytes_per_device))}"
+                               for t in self.plan.tables)
+            raise UserError(
+                f"the model's state does not fit: allocating it failed "
+                f"({_first_line(text) or type(e).__name__}); per device: {tables}; dense "
+                f"{format_bytes(self.plan.dense_bytes)}. Lower max_vocabulary_size_per_gpu "
+                "(or use more devices), or give the process more memory (ulimit -v, the "
+                "container's limit)") from None
 
     def put_replicated(self, tree: Any) -> Any:
         """Dense arrays (parameters, statistics) where the dense part of the state lives."""
@@ -222,3 +238,7 @@ class HostCopy:
     def to_device(self) -> jax.Array:
         return jax.make_array_from_callback(self.shape, self.sharding,
                                             lambda index: self.shards[_index_key(index)])
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0][:200] if text.strip() else ""

@@ -253,6 +253,7 @@ class MemoryPlan:
     platform: str
     device_limit: int | None = None  # accelerators: each device's own memory
     available: int | None = None  # CPU: the host's available memory before the tables
+    bound: str = "the machine"  # what ``available`` is: the machine's, or ulimit -v's
     heap_reserve: bool = False  # CPU: freed temporaries stay in a never-trimmed heap
 
     @property
@@ -301,7 +302,8 @@ class MemoryPlan:
                     f"{format_bytes(self.per_device)}{limit}; host: reader queue "
                     f"{format_bytes(self.reader)} + process {format_bytes(self.process)}; "
                     f"{format_bytes(self.per_device)} in all per device")
-        avail = (f" (host memory available {format_bytes(self.available + self.process)})"
+        where = "host memory" if self.bound == "the machine" else "ulimit -v leaves"
+        avail = (f" ({where} available {format_bytes(self.available + self.process)})"
                  if self.available is not None else "")
         return (f"[jctr] memory plan: per device {parts} = {format_bytes(self.per_device)}; "
                 f"x {self.devices} device(s) + "
@@ -324,7 +326,7 @@ class MemoryPlan:
                             f"{format_bytes(self.total)} in all ({self.devices} device(s) x "
                             f"{format_bytes(self.per_device)}: {self._parts()}; reader queue "
                             f"{format_bytes(self.reader)}; this process "
-                            f"{format_bytes(self.process)}) but the machine has "
+                            f"{format_bytes(self.process)}) but {self.bound} has "
                             f"{format_bytes(self.available + self.process)} available, of "
                             f"which {format_bytes(self.headroom)} stay free for the system"
                             + advice)
@@ -356,7 +358,28 @@ def memory_plan(steps: list, state_bytes: int, devices: int, reader_bytes: int,
                    + max(0, int(m.output_size_in_bytes) - int(m.alias_size_in_bytes)))
         batch = max(batch, int(m.argument_size_in_bytes) - state_bytes)
     _, available = _host_memory() if platform == "cpu" else (None, None)
+    bound = "the machine"
+    left = address_space_left()
+    if platform == "cpu" and left is not None and (available is None or left < available):
+        available, bound = left, "this process's address-space limit (ulimit -v)"
     return MemoryPlan(devices=devices, state=state_bytes, batch=max(batch, 0), temp=temp,
                       reader=reader_bytes, process=process_resident_bytes(), platform=platform,
                       device_limit=device_memory if platform != "cpu" else None,
-                      available=available, heap_reserve=heap_reserve)
+                      available=available, heap_reserve=heap_reserve, bound=bound)
+
+
+def address_space_left() -> int | None:
+    """Bytes this process may still map under its address-space limit (``ulimit -v``,
+    RLIMIT_AS), None when unlimited: allocations past it fail wherever they happen (a thread
+    that cannot start, a table half made)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/statm", encoding="ascii") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (ImportError, OSError, ValueError, IndexError):
+        return None
+    return max(0, soft - mapped)

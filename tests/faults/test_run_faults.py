@@ -507,3 +507,34 @@ def test_a_check_failing_on_one_process_stops_every_process(tmp_path):
     assert "[p1] error: process(es) [0] could not pass the checks before training; see their " \
            "messages" in out.stderr
     assert (tmp_path / "afile").read_text() == "keep me"
+
+
+def test_resume_with_fewer_files_than_the_checkpoint_read(tmp_path, capsys):
+    """``--resume`` after the file list lost files the checkpoint had reached was an internal
+    IndexError ("please report it"); now the position and the file count are named (issue
+    35), and nothing is written."""
+    _train(tmp_path, capsys, snapshot=6, max_iter=6)  # 4 batches a file: stopped in file 2
+    file_list = tmp_path / "data" / "train" / "_file_list.txt"
+    lines = file_list.read_text().split()
+    file_list.write_text(f"1\n{lines[1]}\n")
+    before = tree_digest(tmp_path / "runs")
+    err = _train(tmp_path, capsys, "--resume", status=2, snapshot=6, max_iter=8)
+    error_line(err, r"resuming at file 2 \(record 512\) of epoch 1, where the checkpoint's "
+                    r"reader stopped, but the data source now has 1 file\(s\)")
+    assert tree_digest(tmp_path / "runs") == before
+
+
+def test_a_table_beyond_the_address_space_limit_is_refused_with_the_figures(tmp_path):
+    """Under ``ulimit -v`` a table that cannot be mapped failed anywhere: an internal
+    MemoryError, a thread that could not start, even a NaN loss from a half-made state (issue
+    35). The memory plan now counts the address-space limit and refuses with the figures."""
+    cfg = small_config(tmp_path)
+    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 100_000_000
+    path = write_config(tmp_path, cfg)
+    out = subprocess.run(["bash", "-c", f"ulimit -v 6000000; exec {PY} -m jctr.train "
+                          f"--config {path}"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 2, out.stderr[-3000:]
+    error_line(out.stderr, r"the training step does not fit: it needs [\d.]+ GiB in all .*"
+                           r"but this process's address-space limit \(ulimit -v\) has")
+    assert "sparse_embedding1: single (device 0); rows/device 100,000,000" in out.stderr

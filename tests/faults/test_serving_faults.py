@@ -444,3 +444,27 @@ def test_inference_model_refuses_what_the_endpoint_refuses(exports):
     with pytest.raises(BatchError, match=r"Batch\.dense: 1 non-finite value\(s\) \(NaN or "
                                          r"infinity\), the first at sample 3, feature 2"):
         model.predict(Batch(batch.label, dense, batch.keys, batch.segments, batch.mask))
+
+
+def test_malformed_binary_requests_are_400s_that_say_what_is_off():
+    """A tensor header of shape [2^32, 2^32] with binary_data_size 0 wrapped to 0 values and
+    became an HTTP 500 (ValueError); a binary request whose JSON header length was off was
+    reported as "not JSON" (issue 35). Both are request errors (400) naming the cause."""
+    from jctr.serving.server import HEADER, RequestError, parse_infer_request
+
+    huge = {"inputs": [{"name": "DES", "datatype": "FP32", "shape": [2**32, 2**32],
+                        "parameters": {"binary_data_size": 0}}]}
+    head = json.dumps(huge).encode()
+    with pytest.raises(RequestError, match=r"input DES: shape \[4294967296, 4294967296\] "
+                                           r"holds 18,446,744,073,709,551,616 values; at most"):
+        parse_infer_request(head, len(head))
+    ok = {"inputs": [{"name": "DES", "datatype": "FP32", "shape": [1, 2],
+                      "parameters": {"binary_data_size": 8}}]}
+    head = json.dumps(ok).encode()
+    body = head + np.zeros(2, np.float32).tobytes()
+    _, tensors = parse_infer_request(body, len(head))
+    assert tensors["DES"].shape == (1, 2)
+    with pytest.raises(RequestError, match=rf"the first {len(head) + 3} bytes of the body "
+                                           rf"\({HEADER}\) are not a JSON request header .*is "
+                                           rf"{HEADER} the length of the JSON part"):
+        parse_infer_request(body, len(head) + 3)

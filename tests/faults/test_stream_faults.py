@@ -162,3 +162,34 @@ def test_damaged_base_and_delta_models_are_refused_by_name(tmp_path, capsys):
     dense.write_bytes(dense.read_bytes()[:-4])
     with pytest.raises(Exception, match=rf"{dense}: damaged bundle file \(size \d+, expected"):
         InferenceModel.load(str(save / "20190722" / "base"))
+
+
+def failing_converter(path, kind, day, n):  # table_parameters.converter of the test below
+    raise RuntimeError(f"upload of {kind} failed: bucket not found")
+
+
+def test_a_failing_converter_names_itself(tmp_path, capsys):
+    """A user's converter that raised was "internal error ... please report it"; now the error
+    names table_parameters.converter, the model and the converter's own message (issue 35)."""
+    import yaml
+
+    from jctr.online.cli import main as online_main
+    from tests.faults.harness import error_line
+
+    model = _stream(tmp_path, days=("20190720",))
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    doc = {"model": str(model), "train_data_dir": str(tmp_path / "stream"),
+           "split_interval": 720, "split_per_pass": 1, "start_day": "20190720",
+           "end_day": "20190720", "save_model_path": str(tmp_path / "save"),
+           "data_donefile": "DONE", "save_delta_frequency": 1,
+           "table_parameters": {"converter": "tests.faults.test_stream_faults:"
+                                             "failing_converter"}}
+    config = tmp_path / "online.yaml"
+    config.write_text(yaml.safe_dump(doc))
+    capsys.readouterr()
+    assert online_main(["--config", str(config)]) == 2
+    error_line(capsys.readouterr().err,
+               r"online\.yaml: table_parameters\.converter: tests\.faults\.test_stream_faults:"
+               r"failing_converter failed on the delta model .*delta-1: RuntimeError: upload "
+               r"of delta failed: bucket not found")

@@ -93,6 +93,14 @@ def write_norm_file(path: str, block: RecordBlock, *, key_type: str = "I64",
 # ---- reading --------------------------------------------------------------------------------
 
 
+def key_width_hint(key_bytes: int) -> str:
+    """What most often makes key counts garbage: keys of the other width than the config's."""
+    mine, other = ("I64", "I32") if key_bytes == 8 else ("I32", "I64")
+    return (f"; keys are read as {8 * key_bytes}-bit (solver.input_key_type {mine}): a file "
+            f"written with {other} keys is misread from its first key on, so check "
+            "input_key_type")
+
+
 def _gather_i32(buf: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return _gather(buf, pos, "<i4", 4)
 
@@ -192,7 +200,7 @@ def read_norm_file(path: str, *, label_dim: int, dense_dim: int, slot_num: int,
         if bad.size:
             r = int(bad[0])
             raise DataError(f"{path}: record {r}: slot {s}: nnz {int(nnz[r, s])} runs past the "
-                            "end of the record")
+                            "end of the record" + key_width_hint(kw))
         pos = end
     short = np.nonzero(pos != limit)[0]
     if short.size and not wrap:
@@ -253,9 +261,10 @@ def _diagnose_nnz(path: str, words: np.ndarray, starts: np.ndarray, fixed_words:
     nnz = int(words[at])
     if nnz < 0:
         raise DataError(f"{path}: record {r}: slot {slot}: nnz is {nnz} (a key count cannot be "
-                        "negative)")
+                        "negative)" + key_width_hint(4 * key_words))
     raise DataError(f"{path}: record {r}: slot {slot}: nnz {nnz} runs past the end of the file "
-                    "(the file is truncated or the count is corrupt)")
+                    "(the file is truncated or the count is corrupt)"
+                    + key_width_hint(4 * key_words))
 
 
 def _record_starts(path, body, n_records, fixed, slot_num, kw, wrap) -> np.ndarray:

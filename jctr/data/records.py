@@ -110,7 +110,8 @@ def read_file_list(path: str) -> list[str]:
     base = os.path.dirname(os.path.abspath(path))
     out = []
     for i, name in enumerate(files):
-        cand = name if os.path.isabs(name) else os.path.join(base, name)
+        # normalized: errors name runs/../data/x.data as data/x.data
+        cand = name if os.path.isabs(name) else os.path.normpath(os.path.join(base, name))
         if not os.path.exists(cand) and os.path.exists(name):
             cand = name
         if not os.path.exists(cand):

@@ -33,7 +33,8 @@ class RowStore:
     ``(width,)``)."""
 
     def __init__(self, path: str, specs, slot_shapes: list[dict[str, tuple[int, ...]]]):
-        self.db = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path))
+        self.db = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path),
+                               label="sparse_store.path")
         self.path = path
         self.names = [f"online.{spec.name}" for spec in specs]
         # one float32 row per key: vector, then each slot (sorted by name), then the slot id

@@ -74,23 +74,25 @@ class RocksDBStore:
 
     name = "rocks_db"
 
-    def __init__(self, params: PersistentDatabaseParams):
+    def __init__(self, params: PersistentDatabaseParams, *,
+                 label: str = "persistent_db.path"):
         import rocksdict
 
         self._rd = rocksdict
         self.params = params
+        self.label = label  # the setting that named the folder, for errors
         self.path = os.path.abspath(params.path)
         self._lock = threading.Lock()
         self._dims: dict[str, int] = {}
         self._shadow: str | None = None
         exists = os.path.isdir(self.path) and bool(os.listdir(self.path))
         if os.path.exists(self.path) and not os.path.isdir(self.path):
-            raise StoreError(f"persistent_db.path {self.path}: is a file, not a RocksDB folder")
+            raise StoreError(f"{self.label} {self.path}: is a file, not a RocksDB folder")
         if exists and not os.path.exists(os.path.join(self.path, "CURRENT")):
-            raise StoreError(f"persistent_db.path {self.path}: holds files that are not a "
+            raise StoreError(f"{self.label} {self.path}: holds files that are not a "
                              "RocksDB database; give an empty folder or a jctr HPS database")
         if not exists and params.read_only:
-            raise StoreError(f"persistent_db.path {self.path}: no database there to open "
+            raise StoreError(f"{self.label} {self.path}: no database there to open "
                              "read-only; load one first (python -m jctr.serve load)")
         opts = self._options()
         opts.create_if_missing(not exists)
@@ -109,11 +111,11 @@ class RocksDBStore:
                 probe.close()
             except Exception as e:  # rocksdict raises plain Exception
                 self._drop_shadow()
-                raise StoreError(f"persistent_db.path {self.path}: cannot open as RocksDB: "
+                raise StoreError(f"{self.label} {self.path}: cannot open as RocksDB: "
                                  f"{e}") from None
             if marker != MARKER:
                 self._drop_shadow()
-                raise StoreError(f"persistent_db.path {self.path}: holds another RocksDB "
+                raise StoreError(f"{self.label} {self.path}: holds another RocksDB "
                                  "database (no jctr HPS marker); jctr does not write into it: "
                                  "give an empty folder")
             if not params.read_only:
@@ -125,7 +127,7 @@ class RocksDBStore:
                                       column_families=families or None, access_type=access)
         except Exception as e:
             self._drop_shadow()
-            raise StoreError(f"persistent_db.path {self.path}: cannot open RocksDB: {e}") \
+            raise StoreError(f"{self.label} {self.path}: cannot open RocksDB: {e}") \
                 from None
         if not exists:
             self.db.put(MARKER_KEY, MARKER)

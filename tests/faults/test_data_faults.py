@@ -153,6 +153,10 @@ def _two_keys(block):
     return RecordBlock(block.label, block.dense, nnz, np.arange(int(nnz.sum()), dtype=np.int64))
 
 
+def _small_keys(block):
+    return RecordBlock(block.label, block.dense, block.nnz, block.keys % 100_000)
+
+
 def _set_nnz(path, record, slot, value):
     data = bytearray(open(path, "rb").read())
     at = 64 + record * REC + 4 * (1 + DENSE) + slot * 12
@@ -167,6 +171,11 @@ RECORD_CASES = {
                           r"part0\.data: record 7: slot 2: nnz 1000000 runs past the end"),
     "file cut inside a record": (lambda p: _truncate(p, -7),
                                  r"part0\.data: .*truncated"),
+    # I32 keys read as I64: the counts after the first key are key bytes (issue 35)
+    "I32 keys read as I64": (
+        lambda p: write_norm_file(str(p), _small_keys(_block()), key_type="I32"),
+        r"part0\.data: record \d+: slot \d+: nnz .*keys are read as 64-bit "
+        r"\(solver\.input_key_type I64\): a file written with I32 keys is misread"),
     "two keys in a one-hot slot": (
         lambda p: write_norm_file(str(p), _two_keys(_block()), key_type="I64"),
         r"part0\.data: record 7: slot 2 has 2 keys but sparse input \"data1\" is one-hot"),

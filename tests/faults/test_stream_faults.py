@@ -193,3 +193,29 @@ def test_a_failing_converter_names_itself(tmp_path, capsys):
                r"online\.yaml: table_parameters\.converter: tests\.faults\.test_stream_faults:"
                r"failing_converter failed on the delta model .*delta-1: RuntimeError: upload "
                r"of delta failed: bucket not found")
+
+
+def test_errors_name_the_settings_and_paths_the_user_wrote(tmp_path):
+    """A sparse_store folder that is no database was reported as persistent_db.path (a key
+    the streaming config does not have), and a damaged pass file as
+    runs/X/_passes/../../../stream/...; now sparse_store.path, and the file's plain path."""
+    from jctr.data.records import DataError
+    from jctr.online.runner import OnlineRun
+    from jctr.stores.base import StoreError
+
+    model = _stream(tmp_path, days=("20190720",))
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    (tmp_path / "notadb").mkdir()
+    (tmp_path / "notadb" / "notes.txt").write_text("mine")
+    cfg = _online(tmp_path, model, tmp_path / "a", end_day="20190720",
+                  sparse_store={"path": str(tmp_path / "notadb")})
+    with pytest.raises(StoreError, match=r"^sparse_store\.path .*notadb: holds files that are "
+                                         r"not a RocksDB database"):
+        OnlineRun(cfg, log=lambda s: None).run()
+    damaged = tmp_path / "stream" / "20190720" / "1200" / "part-0.data"
+    damaged.write_bytes(damaged.read_bytes()[:100])
+    with pytest.raises(DataError) as e:
+        OnlineRun(_online(tmp_path, model, tmp_path / "b", end_day="20190720"),
+                  log=lambda s: None).run()
+    assert str(damaged) in str(e.value) and ".." not in str(e.value)

@@ -200,6 +200,15 @@ def test_a_sink_without_a_broker_says_so_and_never_blocks_training(tmp_path):
     assert stats["dropped"] > 0 and stats["sent"] > 0
     assert any("send buffer is full" in x for x in lines)
     json.dumps(stats)
+    # the run's end says what was lost, as an error (the command exits non-zero; it used to
+    # end with status 0 and a warning)
+    from jctr.errors import UserError
+    from jctr.train.hooks import end_run
+
+    with pytest.raises(UserError, match=r"kafka_sink: \d+ update message\(s\) never reached "
+                                        r"127\.0\.0\.1:\d+ \(\d+ undelivered, \d+ dropped from a "
+                                        r"full buffer\): servers reading them miss these updates"):
+        end_run(t.hooks)
 
 
 def test_streaming_training_publishes_every_pass(broker, tmp_path):

@@ -140,6 +140,38 @@ class OnlineRun:
         with open(os.path.join(self.cfg.save_model_path, PASS_LOG), "a", encoding="utf-8") as f:
             f.write(json.dumps(clean(record), allow_nan=False) + "\n")
 
+    def _supersede_records(self, done: dict) -> None:
+        """Records of passes after the checkpoint resumed from (trained by a run that stopped
+        before their checkpoint) get ``"superseded": true``: the pass is trained again and
+        its new record is the one that counts."""
+        import jax
+
+        path = os.path.join(self.cfg.save_model_path, PASS_LOG)
+        if jax.process_index() != 0 or not os.path.isfile(path):
+            return
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+        out, changed = [], 0
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:  # a line cut by a crash: kept as it is, readers skip it
+                out.append(line)
+                continue
+            key = (str(record.get("day")), int(record.get("pass", 0)))
+            if key > (done["day"], done["pass"]) and not record.get("superseded"):
+                record["superseded"] = True
+                changed += 1
+                line = json.dumps(record)
+            out.append(line)
+        if changed:
+            tmp = path + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                f.write("\n".join(out) + "\n")
+            os.replace(tmp, path)
+            self.log(f"[jctr] {PASS_LOG}: {changed} record(s) of passes after the checkpoint "
+                     "marked superseded (they are trained again)")
+
     def _todo(self, done: dict | None) -> list[tuple[str, int]]:
         """(day, pass number) still to train, in order."""
         todo = [(d, n) for d in self.days for n in range(1, len(self.passes) + 1)]
@@ -204,7 +236,12 @@ class OnlineRun:
         try:
             if jax.process_index() == 0:  # one lock for the run's processes
                 lock.acquire(report=self.log)
-            return self._run()
+            trained = self._run()
+            if self.trainer is not None:
+                from jctr.train.hooks import end_run
+
+                end_run(self.trainer.hooks)  # e.g. the Kafka sink's last delivery
+            return trained
         finally:
             if self.store is not None:
                 self.store.close()
@@ -220,6 +257,7 @@ class OnlineRun:
         if done is not None:
             self.log(f"[jctr] resuming after day {done['day']} pass {done['pass']} (iter "
                      f"{done['step']}, {done['checkpoint']})")
+            self._supersede_records(done)
             if done["pass"] == len(self.passes) and not done["day_end"]:
                 # stopped between the day's last checkpoint and its shrink and saves
                 self._start(done)

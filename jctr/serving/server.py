@@ -391,6 +391,7 @@ def build_app(models: dict, updates=None):
         body = {"ready": ok, "layers": _health(models)}
         if updates is not None:
             body["updates_caught_up"] = updates.caught_up
+            body["update_source"] = "ok" if updates.error is None else updates.error
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def server_meta(request):

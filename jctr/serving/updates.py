@@ -53,7 +53,10 @@ class UpdateApplier:
         self.applied_rows = 0
         self.applied_dense = 0
         self.failures = 0
-        self.refused = {"dense": 0, "rows_width": 0, "rows_nonfinite": 0}  # never applied
+        self.refused = {"dense": 0, "rows_width": 0, "rows_nonfinite": 0,
+                        "other_model": 0}  # never applied
+        self._strangers: set[str] = set()  # model names of messages not for us, said once
+        self._said: str | None = None  # the source's failure last said
         self.last_step: dict[str, int] = {}  # table key / dense topic -> step applied
         self.dense_steps: list[int] = []  # the step of each dense message applied
         self.error: str | None = None
@@ -87,17 +90,19 @@ class UpdateApplier:
                                           security=p.security, from_start=self.from_start)
                 batch = reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
             except (StoreUnavailable, StoreError) as e:
-                self.error = str(e)
+                self._down(str(e))
                 self._stop.wait(backoff)
                 continue
             except Exception as e:  # noqa: BLE001 - the client's errors: try again later
-                self.error = f"update_source: {e}"
-                log.warning("%s", self.error)
+                self._down(f"update_source: {e}")
                 if reader is not None:
                     reader.close()
                 reader = None
                 self._stop.wait(max(backoff, 1.0))
                 continue
+            if self.error is not None and self._said is not None:
+                log.warning("update_source: the broker answers again")
+                self._said = None
             if not batch:
                 self.caught_up = self.caught_up or reader.caught_up()
                 continue
@@ -122,12 +127,26 @@ class UpdateApplier:
         if reader is not None:
             reader.close()
 
+    def _down(self, error: str) -> None:
+        """The source failed: said once (not at every retry), kept for readiness."""
+        self.error = error
+        if self._said != error.split(" (")[0]:
+            self._said = error.split(" (")[0]
+            log.warning("%s; retrying every %.1f s (readiness says so meanwhile)", error,
+                        max(self.params.failure_backoff_ms / 1000.0, 1.0))
+
     def _apply(self, batch) -> None:
         p = self.params
         newest_dense = {u.model: n for n, (_, _, u) in enumerate(batch) if u.kind == "dense"}
         for n, (_topic, _offset, u) in enumerate(batch):
             model = self.models.get(u.model)
-            if model is None:
+            if model is None:  # a topic of ours whose message names another model
+                self.refused["other_model"] += 1
+                if u.model not in self._strangers:
+                    self._strangers.add(u.model)
+                    log.error("update_source: a message for model %r, which this server does "
+                              "not serve (%s), skipped (counted in jctr_updates_refused)",
+                              u.model, ", ".join(sorted(self.models)))
                 continue
             if u.kind == "dense":
                 if newest_dense[u.model] != n:  # a newer one in this batch replaces it

@@ -44,6 +44,28 @@ log = logging.getLogger("jctr.updates")
 _CLIENT_LOG = logging.getLogger("jctr.kafka.client")
 
 
+class _OncePerMinute(logging.Filter):
+    """A client line again within a minute (numbers aside) is dropped: a dead broker makes
+    librdkafka repeat its connection failure many times a second."""
+
+    def __init__(self):
+        super().__init__()
+        self._last: dict[str, float] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        key = re.sub(r"\d+", "#", record.getMessage())
+        now = time.monotonic()
+        if now - self._last.get(key, -1e9) < 60.0:
+            return False
+        if len(self._last) > 1000:
+            self._last.clear()
+        self._last[key] = now
+        return True
+
+
+_CLIENT_LOG.addFilter(_OncePerMinute())
+
+
 def _kafka():
     try:
         import confluent_kafka

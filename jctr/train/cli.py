@@ -117,12 +117,14 @@ def _train(args: argparse.Namespace) -> None:
 
     if note and jax.default_backend() == "cpu" and jax.process_index() == 0:
         print(note, file=sys.stderr, flush=True)
+    from jctr.train.hooks import end_run
     from jctr.train.trainer import Trainer
 
     trainer = Trainer(cfg, generate_data=not args.no_generate, force=args.force)
     if args.resume:
         trainer.restore_checkpoint()
     trainer.fit()
+    end_run(trainer.hooks)  # e.g. the Kafka sink's last delivery
 
 
 def console_main(argv: list[str] | None = None) -> int:

@@ -50,6 +50,23 @@ class Hook:
     def on_fit_end(self, state: TrainState, summary: FitSummary) -> None:
         """After ``fit`` trained and evaluated (before the test sets are scored)."""
 
+    def on_run_end(self) -> None:
+        """The run's last ``fit`` is over (a command's end, :func:`end_run`): work still in
+        flight is finished, or what is lost is raised as an error."""
+
+
+def end_run(hooks) -> None:
+    """Every hook's :meth:`Hook.on_run_end`, all of them even when one raises (the first
+    error is raised after)."""
+    first = None
+    for hook in hooks:
+        try:
+            hook.on_run_end()
+        except Exception as e:  # noqa: BLE001 - the others still finish
+            first = first or e
+    if first is not None:
+        raise first
+
 
 @dataclasses.dataclass(frozen=True)
 class FitSummary:

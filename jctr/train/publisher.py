@@ -24,6 +24,7 @@ import numpy as np
 from jctr.checkpoint.model_files import dense_weights, host_network, non_trainable
 from jctr.config import ModelConfig
 from jctr.data.batch import Batch
+from jctr.errors import UserError
 from jctr.models.ctr import StepConfig, TrainState
 from jctr.sharding.distributed import gather_rows
 from jctr.sharding.mesh import to_host
@@ -72,6 +73,20 @@ class KafkaPublisher(Hook):
         if left:
             self.report(f"[jctr] warning: kafka_sink: {left} update message(s) not delivered "
                         f"yet ({self.sink.stats()['dropped']} dropped)")
+
+    def on_run_end(self) -> None:
+        """The last wait for delivery; messages still undelivered (or dropped from a full
+        buffer) are an error that says so: the served model misses them."""
+        left = self.sink.flush(10.0 if self.sink.reachable else 2.0)
+        dropped = self.sink.stats()["dropped"]
+        if left or dropped:
+            raise UserError(
+                f"kafka_sink: {left + dropped} update message(s) never reached "
+                f"{self.sink.brokers} ({left} undelivered, {dropped} dropped from a full "
+                "buffer): servers reading "
+                "them miss these updates. The run's checkpoints and model files hold the "
+                "trained model: load those into serving (python -m jctr.serve load), or "
+                "publish again once a broker answers")
 
     def publish(self, state: TrainState) -> int:
         """Send the rows of every key trained since the last call, and the dense weights;

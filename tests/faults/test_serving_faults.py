@@ -468,3 +468,51 @@ def test_malformed_binary_requests_are_400s_that_say_what_is_off():
                                            rf"\({HEADER}\) are not a JSON request header .*is "
                                            rf"{HEADER} the length of the JSON part"):
         parse_infer_request(body, len(head) + 3)
+
+
+def test_a_dead_update_source_is_said_once_and_named_by_readiness(exports, tmp_path, caplog):
+    """Serving with update_source at a dead broker printed ~40 raw client lines a second and
+    reported ready (issue 35). The failure is said once, the client's repeats are dropped,
+    the server stays unready (the updates waiting at start cannot be known applied) and the
+    readiness body names the update source's state."""
+    import logging
+    import socket
+    import time
+
+    from jctr.config.hps import load_ps_config
+    from jctr.serving.server import build_app
+    from jctr.serving.updates import UpdateApplier
+
+    pytest.importorskip("confluent_kafka")
+    tmp, _, _ = exports
+    _use(tmp, "first")
+    path = _ps_file(tmp_path, tmp, {"type": "hash_map"})
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    doc = json.loads(path.read_text())
+    doc["update_source"] = {"type": "kafka_message_queue", "brokers": f"127.0.0.1:{port}"}
+    path.write_text(json.dumps(doc))
+    ps = load_ps_config(path)
+    dbs, models = _serve_open(path)
+    caplog.set_level(logging.DEBUG)
+    applier = UpdateApplier(ps.update_source, dbs, models)
+    try:
+        applier.start()
+        time.sleep(5)
+        assert applier.error is not None and "no broker answers" in applier.error
+        assert not applier.caught_up
+        said = [r for r in caplog.records if r.name == "jctr.serving"]
+        assert len(said) == 1 and "retrying every" in said[0].getMessage()
+        client = [r for r in caplog.records if r.name == "jctr.kafka.client"]
+        assert len(client) <= 10, [r.getMessage() for r in client]
+        app = build_app(models, applier)
+        ready = next(r for r in app.routes if r.path == "/v2/health/ready").endpoint
+        import asyncio
+
+        response = asyncio.run(ready(None))
+        body = json.loads(response.body)
+        assert response.status_code == 503 and "no broker answers" in body["update_source"]
+    finally:
+        applier.close()
+        _close(dbs, models)

@@ -219,3 +219,34 @@ def test_errors_name_the_settings_and_paths_the_user_wrote(tmp_path):
         OnlineRun(_online(tmp_path, model, tmp_path / "b", end_day="20190720"),
                   log=lambda s: None).run()
     assert str(damaged) in str(e.value) and ".." not in str(e.value)
+
+
+def test_a_pass_trained_again_leaves_one_record_that_counts(tmp_path, monkeypatch):
+    """A crash between a pass's record and its checkpoint left two records of the pass in
+    passes.jsonl, nothing saying which counts (issue 35): the first is marked superseded."""
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path, days=("20190720",))
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    real = OnlineRun._checkpoint
+    stopped = []
+
+    def fail_once(self, folder, day, n, *, day_end, **kw):
+        if n == 2 and not day_end and not stopped:
+            stopped.append(1)
+            raise KeyboardInterrupt
+        return real(self, folder, day, n, day_end=day_end, **kw)
+
+    monkeypatch.setattr(OnlineRun, "_checkpoint", fail_once)
+    cfg = _online(tmp_path, model, tmp_path / "save", end_day="20190720")
+    with pytest.raises(KeyboardInterrupt):
+        OnlineRun(cfg, log=lambda s: None).run()
+    lines = []
+    assert OnlineRun(cfg, log=lines.append).run() == 1
+    records = [json.loads(x) for x in (tmp_path / "save" / "passes.jsonl").read_text()
+               .splitlines()]
+    assert [(r["pass"], r.get("superseded", False)) for r in records] == [
+        (1, False), (2, True), (2, False)]
+    assert any("1 record(s) of passes after the checkpoint marked superseded" in x
+               for x in lines)

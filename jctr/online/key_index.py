@@ -30,6 +30,17 @@ def _home(key, mask):
     return np.int64(x & np.uint64(mask))
 
 
+@numba.njit(inline="always")
+def _slot_of(index, keys, k, mask):
+    """The index slot holding key ``k``, or the empty slot where its probe ends."""
+    s = _home(k, mask)
+    while True:
+        r = index[s]
+        if r < 0 or keys[r] == k:
+            return s
+        s = (s + 1) & mask
+
+
 @_njit
 def accumulate(index, keys, show, click, delta, unseen, since, n, in_keys, in_show, in_click,
                nonclk_coeff, click_coeff):
@@ -41,21 +52,16 @@ def accumulate(index, keys, show, click, delta, unseen, since, n, in_keys, in_sh
     mask = index.size - 1
     for i in range(in_keys.size):
         k = in_keys[i]
-        s = _home(k, mask)
-        while True:
-            r = index[s]
-            if r < 0:
-                r = n
-                index[s] = r
-                keys[r] = k
-                show[r] = 0.0
-                click[r] = 0.0
-                delta[r] = 0.0
-                n += 1
-                break
-            if keys[r] == k:
-                break
-            s = (s + 1) & mask
+        s = _slot_of(index, keys, k, mask)
+        r = index[s]
+        if r < 0:
+            r = n
+            index[s] = r
+            keys[r] = k
+            show[r] = 0.0
+            click[r] = 0.0
+            delta[r] = 0.0
+            n += 1
         sh, cl = in_show[i], in_click[i]
         show[r] += sh
         click[r] += cl
@@ -69,18 +75,9 @@ def accumulate(index, keys, show, click, delta, unseen, since, n, in_keys, in_sh
 def find(index, keys, queries):
     """Row of each query key, -1 where absent."""
     mask = index.size - 1
-    out = np.full(queries.size, -1, np.int64)
+    out = np.empty(queries.size, np.int64)
     for i in range(queries.size):
-        k = queries[i]
-        s = _home(k, mask)
-        while True:
-            r = index[s]
-            if r < 0:
-                break
-            if keys[r] == k:
-                out[i] = r
-                break
-            s = (s + 1) & mask
+        out[i] = index[_slot_of(index, keys, queries[i], mask)]
     return out
 
 
@@ -91,12 +88,9 @@ def rebuild(index, keys, n):
     index[:] = -1
     mask = index.size - 1
     for r in range(n):
-        k = keys[r]
-        s = _home(k, mask)
-        while index[s] >= 0:
-            if keys[index[s]] == k:
-                return r
-            s = (s + 1) & mask
+        s = _slot_of(index, keys, keys[r], mask)
+        if index[s] >= 0:
+            return r
         index[s] = r
     return -1
 

@@ -9,6 +9,10 @@ step saw (``--keys power-law`` or ``uniform``), so new keys keep arriving and jc
 inserts as it would on real data. On a machine whose JAX runs on a GPU the PyTorch reference runs
 on CUDA too (``--torch-device``).
 
+The sparse part of jctr's step is reported as the step time minus that of the same step on
+pooled embeddings given up front (no lookup, insertion, pooling or row update; measured in the
+same rounds).
+
 Precision: float32 on both sides is the like-for-like comparison. ``bfloat16`` runs jctr with
 ``compute_dtype: bfloat16`` (bf16 matmuls, float32 weights, embeddings and optimizer) and the
 baseline under ``torch.autocast("cpu", torch.bfloat16)`` (the same split). Every variant's
@@ -114,6 +118,52 @@ def jctr_runner(batches, dtype: str):
                    compiler_options=step_compiler_options(dtype))
     dev = [jax.device_put(jctr_batch(*x)) for x in batches]
     box = {"state": init_state(), "i": 0}
+
+    def run():
+        box["state"], m = step(box["state"], dev[box["i"] % len(dev)])
+        box["i"] += 1
+        jax.block_until_ready(m["loss"])
+
+    return run
+
+
+def dense_only_runner(batches, dtype: str):
+    """jctr's step with the embedding lookups replaced by pooled vectors given up front (no
+    table lookup, insertion, pooling or row update; the dense part's backward into the
+    embeddings stays): ``step - this`` is the sparse part of the step."""
+    import jax
+    import jax.numpy as jnp
+
+    from jctr.config import parse_config
+    from jctr.embedding.engine import EmbeddingEngine
+    from jctr.models.ctr import build_model
+    from jctr.runtime.xla_options import step_compiler_options
+    from jctr.train.dense_optimizer import dense_optimizer
+    from jctr.train.step import make_train_step
+
+    b, slots, hot = batches[0][0].shape
+    config = jctr_config(b, hot)
+    config["solver"]["compute_dtype"] = dtype
+    cfg = parse_config(config)
+    step_config, init_model = build_model(cfg)
+    tx = dense_optimizer(cfg.optimizer)
+    pooled = jax.random.normal(jax.random.PRNGKey(0), (b, slots, DIM), jnp.float32) * 0.01
+
+    class Pregathered(EmbeddingEngine):
+        def lookup(self, embs, batch, *, train):
+            return embs, None, (pooled,)
+
+        def apply(self, embs, lookups, batch, grads, lrs, count):
+            # keep the gradient into the embeddings alive (one cheap reduction)
+            table = embs[0].table
+            touched = table._replace(overflow=table.overflow
+                                     + (jnp.sum(grads[0]) * 0).astype(table.overflow.dtype))
+            return (embs[0]._replace(table=touched),)
+
+    step = jax.jit(make_train_step(step_config, tx, Pregathered()), donate_argnums=0,
+                   compiler_options=step_compiler_options(dtype))
+    dev = [jax.device_put(jctr_batch(*x)) for x in batches]
+    box = {"state": init_model(tx), "i": 0}
 
     def run():
         box["state"], m = step(box["state"], dev[box["i"] % len(dev)])
@@ -246,6 +296,7 @@ def main() -> int:
         runners = {}
         for dtype in args.dtype:
             runners["jctr", dtype] = jctr_runner(batches, dtype)
+            runners["dense", dtype] = dense_only_runner(batches, dtype)
             runners["torch", dtype] = torch_runner(batches, dtype, torch_device)
         times = interleaved(runners, args.steps, args.warmup, args.block)
         rate = {k: args.batch / statistics.median(t) for k, t in times.items()}
@@ -261,6 +312,9 @@ def main() -> int:
                     f"jctr {j:,.0f} samples/s   "
                     f"pytorch{' (autocast)' if dtype == 'bfloat16' else ''} {t:,.0f} samples/s"
                     f"   ratio {j / t:.2f}x (rounds {min(per_round):.2f}-{max(per_round):.2f})")
+            sparse = 1.0 - rate["jctr", dtype] / rate["dense", dtype]
+            row["sparse_share"] = round(sparse, 3)
+            line += f"   sparse part {100 * sparse:.0f}% of the step"
             if dtype != "float32" and ("torch", "float32") in rate:
                 row["ratio_to_torch_float32"] = round(j / rate["torch", "float32"], 3)
                 cross = round_ratios(times["jctr", dtype], times["torch", "float32"], args.block)

@@ -1055,7 +1055,10 @@ def test_a_failed_base_model_leaves_no_batch_model_behind(tmp_path):
         (folder / "DONE").touch()
     cfg = _online(tmp_path, model, tmp_path / "save", end_day="20190720",
                   table_parameters={"converter": "tests.test_online:fail_on_base"})
-    with pytest.raises(RuntimeError, match="refused the base model"):
+    from jctr.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"table_parameters\.converter: .*fail_on_base failed "
+                                          r"on the base model .*refused the base model"):
         OnlineRun(cfg, log=lambda s: None).run()
     batch_model = tmp_path / "save" / "20190721" / "0"
     assert not batch_model.exists() or not [p for p in batch_model.iterdir()

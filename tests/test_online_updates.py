@@ -324,7 +324,8 @@ def test_poison_updates_are_refused_counted_and_never_block_the_stream(broker, t
     finally:
         applier.close()
     st = applier.stats()
-    assert st["refused"] == {"dense": 1, "rows_width": 0, "rows_nonfinite": 1}, st
+    assert st["refused"] == {"dense": 1, "rows_width": 0, "rows_nonfinite": 1,
+                             "other_model": 0}, st
     assert st["failures"] == 0 and st["applied_rows"] == 3 and st["applied_dense"] == 0
     table = f"hps_et.{name}.sparse_embedding1"
     got, found, _ = dbs.lookup(table, np.array([11, 12, 13, 14], np.int64), dim, 0.0)

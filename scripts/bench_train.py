@@ -97,8 +97,9 @@ def jctr_config(batch: int, hot: int) -> dict:
         ]}
 
 
-def jctr_runner(batches, dtype: str):
-    """A function running one jctr training step on the next batch (compiled here)."""
+def jctr_runner(batches, dtype: str, engine=None):
+    """A function running one jctr training step on the next batch (compiled here);
+    ``engine``: the step's embedding engine (default: the tables on one device)."""
     import jax
 
     from jctr.config import parse_config
@@ -114,7 +115,7 @@ def jctr_runner(batches, dtype: str):
     step_config, init_model = build_model(cfg)
     tx = dense_optimizer(cfg.optimizer)
     init_state = lambda: init_model(tx)  # noqa: E731
-    step = jax.jit(make_train_step(step_config, tx), donate_argnums=0,
+    step = jax.jit(make_train_step(step_config, tx, engine), donate_argnums=0,
                    compiler_options=step_compiler_options(dtype))
     dev = [jax.device_put(jctr_batch(*x)) for x in batches]
     box = {"state": init_state(), "i": 0}
@@ -134,19 +135,9 @@ def dense_only_runner(batches, dtype: str):
     import jax
     import jax.numpy as jnp
 
-    from jctr.config import parse_config
     from jctr.embedding.engine import EmbeddingEngine
-    from jctr.models.ctr import build_model
-    from jctr.runtime.xla_options import step_compiler_options
-    from jctr.train.dense_optimizer import dense_optimizer
-    from jctr.train.step import make_train_step
 
-    b, slots, hot = batches[0][0].shape
-    config = jctr_config(b, hot)
-    config["solver"]["compute_dtype"] = dtype
-    cfg = parse_config(config)
-    step_config, init_model = build_model(cfg)
-    tx = dense_optimizer(cfg.optimizer)
+    b, slots, _ = batches[0][0].shape
     pooled = jax.random.normal(jax.random.PRNGKey(0), (b, slots, DIM), jnp.float32) * 0.01
 
     class Pregathered(EmbeddingEngine):
@@ -160,17 +151,7 @@ def dense_only_runner(batches, dtype: str):
                                      + (jnp.sum(grads[0]) * 0).astype(table.overflow.dtype))
             return (embs[0]._replace(table=touched),)
 
-    step = jax.jit(make_train_step(step_config, tx, Pregathered()), donate_argnums=0,
-                   compiler_options=step_compiler_options(dtype))
-    dev = [jax.device_put(jctr_batch(*x)) for x in batches]
-    box = {"state": init_model(tx), "i": 0}
-
-    def run():
-        box["state"], m = step(box["state"], dev[box["i"] % len(dev)])
-        box["i"] += 1
-        jax.block_until_ready(m["loss"])
-
-    return run
+    return jctr_runner(batches, dtype, Pregathered())
 
 
 def torch_runner(batches, dtype: str, device: str = "cpu"):

@@ -104,3 +104,144 @@ def test_find_slots_remainder_path():
     slots = np.asarray(slots)
     assert len(set(slots.tolist())) == 32
     assert np.array_equal(np.asarray(sk)[slots], np.asarray(keys))
+
+
+def test_erase_and_insert_follow_a_dictionary_model():
+    """Long random sequences of inserts and erases (issue 36): after every operation the table
+    finds exactly the keys a dictionary holds, each at its own row below the capacity; erased
+    rows are reused before new ones (the high-water mark never passes the most keys held at
+    once); a full table takes as many new keys as it has rows left, and counts the others."""
+    from jctr.embedding.hash_table import erase, occupied_slots
+
+    rng = np.random.default_rng(7)
+    capacity, universe = 48, 200
+    ins = jax.jit(lambda t, k, v: lookup(t, k, v, capacity, insert=True))
+    find = jax.jit(lambda t, k, v: lookup(t, k, v, capacity, insert=False)[1].rows)
+    era = jax.jit(erase)
+    table, held, most, refused = create_table(capacity), set(), 0, 0
+    everything = jnp.arange(universe, dtype=jnp.int64) * 7919 + 3
+    for step in range(300):
+        n = 16
+        keys = np.asarray(everything)[rng.integers(0, universe, n)]
+        valid = rng.random(n) < 0.9
+        if rng.random() < 0.55:
+            table, lk = ins(table, jnp.asarray(keys), jnp.asarray(valid))
+            new = set(keys[valid].tolist()) - held
+            # which of the new keys a full table takes is its own choice; how many is not
+            rows = np.asarray(find(table, everything, jnp.ones(universe, bool)))
+            got = {int(k) for k, r in zip(np.asarray(everything), rows) if r >= 0} - held
+            assert got <= new and len(got) == min(len(new), capacity - len(held)), step
+            held |= got
+            refused += len(new) - len(got)
+        else:
+            keys = np.unique(keys)
+            valid = rng.random(keys.size) < 0.9
+            table, rows = era(table, jnp.asarray(keys), jnp.asarray(valid))
+            gone = {k for k, v in zip(keys.tolist(), valid) if v and k in held}
+            assert int((np.asarray(rows) >= 0).sum()) == len(gone), step
+            held -= gone
+        most = max(most, len(held))
+        if int(occupied_slots(table)) > 0.6 * table.num_slots:
+            # tombstones (and refused keys) crowd the slots: built again, as the shrink does
+            kept, _ = export_items(table)
+            fresh, _ = ins(create_table(capacity), jnp.asarray(kept), jnp.ones(kept.size, bool))
+            table = fresh._replace(overflow=table.overflow)
+            most = len(held)
+        rows = np.asarray(find(table, everything, jnp.ones(universe, bool)))
+        present = {int(k) for k, r in zip(np.asarray(everything), rows) if r >= 0}
+        assert present == held, step
+        used = rows[rows >= 0]
+        assert used.size == np.unique(used).size and (used < capacity).all(), step
+        assert int(table.size) - int(table.free_count) == len(held), step
+        assert int(table.size) <= most, step
+        assert int(table.overflow) == refused, step
+    assert int(occupied_slots(table)) >= len(held)  # tombstones count as occupied
+
+
+def test_an_erased_row_starts_as_new_for_the_next_key():
+    """A row freed by erase holds what an unused row holds (zero vector, no slot, the
+    optimizer's initial state); the key that takes it gets its initial vector."""
+    from jctr.config import parse_config
+    from jctr.embedding.sparse_embedding import (
+        EmbeddingSpec,
+        erase_keys,
+        init_embedding,
+        initial_vectors,
+        lookup_keys,
+    )
+    from tests.conftest import load_json
+
+    raw = load_json("dlrm_synthetic.json")
+    raw["layers"][1]["optimizer"] = {"type": "Adam", "update_type": "Local"}
+    raw["layers"][0].pop("synthetic")
+    cfg = parse_config(raw)
+    spec = EmbeddingSpec.from_config(cfg, cfg.embeddings[0])
+    state = init_embedding(spec)
+    keys = jnp.arange(10, dtype=jnp.int64) + 100
+    ones = jnp.ones(10, bool)
+    state, lk = lookup_keys(spec, state, keys, ones, jnp.zeros(10, jnp.int32), train=True)
+    state = state._replace(slots={k: v + 1.0 for k, v in state.slots.items()})  # "trained"
+    state, n = erase_keys(spec, state, keys[:4], jnp.ones(4, bool))
+    assert int(n) == 4
+    freed = np.asarray(lk.rows)[:4]
+    assert (np.asarray(state.row_slot)[freed] == -1).all()
+    for arr in state.slots.values():
+        np.testing.assert_array_equal(np.asarray(arr)[freed], 0.0)
+    new = jnp.arange(3, dtype=jnp.int64) + 500
+    state, lk2 = lookup_keys(spec, state, new, jnp.ones(3, bool), jnp.zeros(3, jnp.int32),
+                             train=True)
+    rows = np.asarray(lk2.rows)
+    assert set(rows.tolist()) <= set(freed.tolist())  # reused, not new rows
+    np.testing.assert_allclose(np.asarray(state.values)[rows],
+                               np.asarray(initial_vectors(spec, new)), rtol=1e-6)
+
+
+def test_the_shrink_by_erase_equals_the_rebuild(monkeypatch):
+    """drop_keys (streaming training's shrink) erases on a one-device table; the table holds
+    the same keys with the same vectors, optimizer rows and slots as the rebuild it replaced
+    (the other path, still used when tombstones would crowd the slots), and keys inserted
+    afterwards start alike."""
+    from jctr.config import parse_config
+    from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding, lookup_keys
+    from jctr.sharding import rows as rows_mod
+    from tests.conftest import load_json
+
+    raw = load_json("dlrm_synthetic.json")
+    raw["layers"][1]["optimizer"] = {"type": "Adam", "update_type": "Local"}
+    raw["layers"][0].pop("synthetic")
+    cfg = parse_config(raw)
+    spec = EmbeddingSpec.from_config(cfg, cfg.embeddings[0])
+    rng = np.random.default_rng(0)
+    n = 3000
+    keys = rng.choice(10**9, n, replace=False).astype(np.int64)
+    stored = {"keys": keys, "values": rng.normal(size=(n, spec.dim)).astype(np.float32),
+              "slot": rng.integers(0, spec.slot_num, n).astype(np.int32)}
+    base = init_embedding(spec)
+    for name, arr in base.slots.items():
+        stored[name] = rng.normal(size=(n, *arr.shape[1:])).astype(np.float32)
+    full = rows_mod.put_rows(spec, base, None, stored, replace=True)
+    deleted = keys[rng.random(n) < 0.3]
+
+    def by_key(state):
+        out = rows_mod.export_placed(state)
+        order = np.argsort(out["keys"])
+        return {k: v[order] for k, v in out.items()}
+
+    erased, in_use = rows_mod.drop_keys(spec, jax.tree.map(jnp.copy, full), None, deleted)
+    assert in_use == n - deleted.size
+    assert int(erased.table.free_count) == deleted.size  # erased, not rebuilt
+    monkeypatch.setattr(rows_mod, "_MAX_OCCUPIED", 0.0)
+    rebuilt, in_use2 = rows_mod.drop_keys(spec, full, None, deleted)
+    assert in_use2 == in_use and int(rebuilt.table.free_count) == 0
+    a, b = by_key(erased), by_key(rebuilt)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    new = jnp.asarray(rng.choice(10**9, 500, replace=False).astype(np.int64) + 10**9)
+    slots = jnp.asarray(rng.integers(0, spec.slot_num, 500), jnp.int32)
+    ones = jnp.ones(500, bool)
+    erased, _ = lookup_keys(spec, erased, new, ones, slots, train=True)
+    rebuilt, _ = lookup_keys(spec, rebuilt, new, ones, slots, train=True)
+    a, b = by_key(erased), by_key(rebuilt)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from jctr.config.schema import EmbeddingConfig, ModelConfig, OptimizerConfig
 from jctr.embedding import row_optimizers as row_opt
-from jctr.embedding.hash_table import HashTable, Lookup, create_table, lookup
+from jctr.embedding.hash_table import HashTable, Lookup, create_table, erase, lookup
 from jctr.ops import (
     embedding_bag_backward,
     embedding_bag_forward,
@@ -112,6 +112,24 @@ def lookup_keys(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array, val
     if train:
         state = initialize_fresh_rows(spec, state, keys, lk, key_slots)
     return state, lk
+
+
+def erase_keys(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array,
+               valid: jax.Array) -> tuple[EmbeddingState, jax.Array]:
+    """``state`` without ``keys`` (distinct): their slots freed
+    (:func:`jctr.embedding.hash_table.erase`) and their rows back to what an unused row holds
+    (zero vector, no slot, the optimizer's initial state), so a key that takes such a row later
+    starts as in a new table. Returns the state and the number of keys erased."""
+    table, rows = erase(state.table, keys, valid)
+    capacity = state.values.shape[0]
+    at = jnp.where(rows >= 0, rows, capacity)
+    fresh = row_opt.init_slots(spec.optimizer, 1, spec.dim)
+    slots = {name: arr.at[at].set(jnp.broadcast_to(fresh[name][0], (at.shape[0],)
+                                                   + arr.shape[1:]), mode="drop")
+             for name, arr in state.slots.items()}
+    state = EmbeddingState(table, state.values.at[at].set(0.0, mode="drop"), slots,
+                           state.row_slot.at[at].set(-1, mode="drop"))
+    return state, jnp.sum(rows >= 0, dtype=jnp.int32)
 
 
 def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array,

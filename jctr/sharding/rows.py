@@ -16,8 +16,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jctr.embedding.hash_table import export_items, lookup
-from jctr.embedding.sparse_embedding import EmbeddingSpec, EmbeddingState, init_embedding
+from jctr.embedding.hash_table import export_items, lookup, occupied_slots
+from jctr.embedding.sparse_embedding import (
+    EmbeddingSpec,
+    EmbeddingState,
+    erase_keys,
+    init_embedding,
+)
 from jctr.ops import owner_shards_host
 from jctr.sharding.mesh import to_host
 
@@ -241,13 +246,36 @@ def put_rows(spec: EmbeddingSpec, state: EmbeddingState, placement,
 
 def drop_keys(spec: EmbeddingSpec, state: EmbeddingState, placement, keys: np.ndarray
               ) -> tuple[EmbeddingState, int]:
-    """``state`` without ``keys``, their rows freed (streaming training's shrink): the kept
-    keys, values and optimizer rows go into a fresh table. Returns it and its rows in use."""
+    """``state`` without ``keys``, their rows freed (streaming training's shrink). A table on
+    one device erases them where they are (a cost proportional to the keys:
+    :func:`jctr.embedding.sparse_embedding.erase_keys`); when the tombstones they leave would
+    crowd the slots, or for a sharded table, the kept keys, values and optimizer rows go into a
+    fresh table instead. Returns the table and its rows in use; ``state`` itself is consumed
+    (its buffers are reused in place: an erase never copies a whole table)."""
+    keys = np.unique(np.asarray(keys, np.int64))
+    if placement is None or not placement.sharded:
+        occupied = int(to_host(occupied_slots(state.table)))
+        if occupied + keys.size <= _MAX_OCCUPIED * state.table.num_slots:
+            for start in range(0, keys.size, _INSERT_CHUNK):
+                chunk = keys[start:start + _INSERT_CHUNK]
+                pad = np.zeros(_INSERT_CHUNK, np.int64)
+                pad[:chunk.size] = chunk
+                valid = np.arange(_INSERT_CHUNK) < chunk.size
+                state, _ = _erase(spec, state, jnp.asarray(pad), jnp.asarray(valid))
+            table = state.table
+            in_use = int(to_host(table.size)) - int(to_host(table.free_count))
+            return state, in_use
     stored = export_placed(state, placement)
-    keep = ~np.isin(stored["keys"], np.asarray(keys, np.int64))
+    keep = ~np.isin(stored["keys"], keys)
     kept = put_rows(spec, state, placement, {k: v[keep] for k, v in stored.items()},
                     replace=True)
     return kept, int(keep.sum())
+
+
+# tombstones and keys together in at most this share of the slots, or the table is built again
+# (probes stay short: the slots are sized for half of them full)
+_MAX_OCCUPIED = 0.625
+_erase = jax.jit(erase_keys, static_argnums=0, donate_argnums=1)
 
 
 def scale_slot(state: EmbeddingState, name: str, factors: tuple[float, ...]) -> EmbeddingState:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -68,30 +69,24 @@ def export_tables(state: TrainState, specs: tuple[EmbeddingSpec, ...], placement
     return {s.name: export_placed(e, p) for s, e, p in zip(specs, state.embeddings, placements)}
 
 
-_HOST_HANDLER = []
-
-
+@functools.cache
 def _no_host_copies() -> None:
     """Orbax copies every numpy array before an asynchronous save, against changes meanwhile;
     a checkpoint's host arrays are fresh exports nobody changes, and the copy of a table of
     millions of rows took most of a second. Registered once, for numpy arrays."""
-    if _HOST_HANDLER:
-        return
     from orbax.checkpoint import type_handlers
 
     try:
         handler = type_handlers.NumpyHandler(deepcopy_host_arrays=False)
     except TypeError:  # an Orbax without the switch: keep its copies
-        handler = None
-    if handler is not None:
-        absl = logging.getLogger("absl")
-        level = absl.level
-        absl.setLevel(logging.ERROR)  # its note that a handler is replaced is not for users
-        try:
-            type_handlers.register_type_handler(np.ndarray, handler, override=True)
-        finally:
-            absl.setLevel(level)
-    _HOST_HANDLER.append(handler)
+        return
+    absl = logging.getLogger("absl")
+    level = absl.level
+    absl.setLevel(logging.ERROR)  # its note that a handler is replaced is not for users
+    try:
+        type_handlers.register_type_handler(np.ndarray, handler, override=True)
+    finally:
+        absl.setLevel(level)
 
 
 class Checkpointer:

@@ -327,9 +327,9 @@ def _check_in_bundle(path: str) -> None:
             return
         rel = os.path.relpath(path, root)
         if rel in files:
-            check_files(root, {rel: files[rel]}, ModelFileError, "model")
+            check_files(root, {rel: files[rel]}, ModelFileError, "bundle")
         else:
-            check_files(root, files, ModelFileError, "model", only=rel)
+            check_files(root, files, ModelFileError, "bundle", only=rel)
         return
 
 

@@ -62,6 +62,17 @@ class BatchError(UserError, ValueError):
     """A batch handed to ``predict`` (or a step) that does not match the config's inputs."""
 
 
+def nonfinite_dense(dense: np.ndarray) -> str | None:
+    """What is wrong with [n, dense_dim] features holding NaN or infinity (None if nothing):
+    served models refuse them, whichever way they come."""
+    bad = np.argwhere(~np.isfinite(dense))
+    if not bad.size:
+        return None
+    r, c = (int(x) for x in bad[0])
+    return (f"{bad.shape[0]} non-finite value(s) (NaN or infinity), the first at sample {r}, "
+            f"feature {c} ({dense[r, c]}); dense features must be finite")
+
+
 def check_batch(batch: Batch, data: DataConfig) -> Batch:
     """``batch`` checked against the Data layer and cast to the step's dtypes; raises
     :class:`BatchError` naming the field and the shape or dtype expected.

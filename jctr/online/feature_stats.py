@@ -35,7 +35,6 @@ Example::
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -80,7 +79,9 @@ class FeatureStats:
     it), writable views. A hashed index
     (:mod:`jctr.online.key_index`) finds a key's row, so adding a batch costs its occurrences,
     whatever the table's size. With ``gather=True`` (a multi-process run) new occurrences wait
-    in :meth:`take_pending` until every process has them (:meth:`merge`)."""
+    in :meth:`take_pending` until every process has them (:meth:`merge`). :meth:`observe` runs
+    on the reader thread while a pass trains; everything else runs between passes, after the
+    reader is done, so nothing here locks."""
 
     _FIELDS = ("keys", "show", "click", "unseen_days", "delta_score", "since_delta")
     _DTYPES = (np.int64, np.float64, np.float64, np.int32, np.float64, bool)
@@ -92,8 +93,6 @@ class FeatureStats:
         self._cols = self._empty_columns(0)
         self._index = np.full(key_index.index_size(0), -1, np.int32)
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        # observe() runs on the reader thread, the decisions on the main thread
-        self._lock = threading.Lock()
 
     keys = property(lambda self: self._column("keys"))
     show = property(lambda self: self._column("show"))
@@ -153,14 +152,13 @@ class FeatureStats:
         keys = np.ascontiguousarray(keys, np.int64)
         if not keys.size:
             return
-        with self._lock:
-            self._reserve(self._n + keys.size)
-            c = self._cols
-            self._n = int(key_index.accumulate(
-                self._index, c["keys"], c["show"], c["click"], c["delta_score"],
-                c["unseen_days"], c["since_delta"], self._n, keys,
-                np.ascontiguousarray(show, np.float64), np.ascontiguousarray(click, np.float64),
-                float(self.rule.nonclk_coeff), float(self.rule.click_coeff)))
+        self._reserve(self._n + keys.size)
+        c = self._cols
+        self._n = int(key_index.accumulate(
+            self._index, c["keys"], c["show"], c["click"], c["delta_score"],
+            c["unseen_days"], c["since_delta"], self._n, keys,
+            np.ascontiguousarray(show, np.float64), np.ascontiguousarray(click, np.float64),
+            float(self.rule.nonclk_coeff), float(self.rule.click_coeff)))
 
     def _reserve(self, rows: int) -> None:
         """Room for ``rows`` rows in the columns and the index (doubling: amortized O(1))."""
@@ -179,8 +177,9 @@ class FeatureStats:
         self.flush()
         rows = self.rows_of(keys)
         found = rows >= 0
-        return found, np.where(found, self.scores()[np.maximum(rows, 0)] if self._n else 0.0,
-                               0.0)
+        score = np.zeros(rows.size)
+        score[found] = self.scores()[rows[found]]
+        return found, score
 
     def rows_of(self, keys: np.ndarray) -> np.ndarray:
         """The storage row of each key, -1 where it has none."""
@@ -198,19 +197,18 @@ class FeatureStats:
         ``delete_after_unseen_days``) are deleted; returns them sorted (their table rows are to
         be freed). Keys age afterwards, with :meth:`age`."""
         self.flush()
-        with self._lock:
-            n = self._n
-            self.show[:] *= rule.show_click_decay_rate
-            self.click[:] *= rule.show_click_decay_rate
-            drop = (self.scores() < rule.delete_threshold) | \
-                (self.unseen_days > rule.delete_after_unseen_days)
-            deleted = np.sort(self.keys[drop])
-            if deleted.size:
-                keep = ~drop
-                self._cols = {name: col[:n][keep] for name, col in self._cols.items()}
-                self._n = int(keep.sum())
-                self._index = np.empty(key_index.index_size(self._n), np.int32)
-                key_index.rebuild(self._index, self._cols["keys"], self._n)
+        n = self._n
+        self.show[:] *= rule.show_click_decay_rate
+        self.click[:] *= rule.show_click_decay_rate
+        drop = (self.scores() < rule.delete_threshold) | \
+            (self.unseen_days > rule.delete_after_unseen_days)
+        deleted = np.sort(self.keys[drop])
+        if deleted.size:
+            keep = ~drop
+            self._cols = {name: col[:n][keep] for name, col in self._cols.items()}
+            self._n = int(keep.sum())
+            self._index = np.empty(key_index.index_size(self._n), np.int32)
+            key_index.rebuild(self._index, self._cols["keys"], self._n)
         return deleted
 
     def age(self) -> None:
@@ -266,5 +264,4 @@ class FeatureStats:
         again = key_index.rebuild(index, cols["keys"], n)
         if again >= 0:
             raise ValueError(f"feature statistics: key {cols['keys'][again]} is there twice")
-        with self._lock:
-            self._cols, self._n, self._pending, self._index = cols, n, [], index
+        self._cols, self._n, self._pending, self._index = cols, n, [], index

@@ -25,7 +25,7 @@ import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.checkpoint.integrity import check_files, file_digests
 from jctr.checkpoint.model_files import ModelFileError, load_model_files, write_model_files
 from jctr.config import ConfigError, ModelConfig, parse_config
-from jctr.data.batch import Batch, BatchError, check_batch
+from jctr.data.batch import Batch, BatchError, check_batch, nonfinite_dense
 from jctr.data.outputs import describe_contents
 from jctr.runtime.xla_options import step_compiler_options
 from jctr.sharding.mesh import to_host
@@ -189,7 +189,10 @@ class InferenceModel:
                                  f"{manifest.get('version')}; this jctr reads version "
                                  f"{BUNDLE_VERSION}: export the checkpoint again "
                                  "(python -m jctr.export)")
-        check_files(path, manifest.get("files") or {}, ModelFileError, "bundle")
+        # dense.model and the sparse folders are checked by their readers (load_model_files)
+        check_files(path, {rel: v for rel, v in (manifest.get("files") or {}).items()
+                           if rel != "dense.model" and not rel.startswith("sparse/")},
+                    ModelFileError, "bundle")
         config_path = os.path.join(path, "config.json")
         try:
             cfg = parse_config(_read_json(config_path), source=config_path,
@@ -223,17 +226,15 @@ class InferenceModel:
         keys) and non-finite dense features."""
         if self.cfg.solver.input_key_type == "I64":
             for i, keys in enumerate(getattr(batch, "keys", ())):
-                if np.asarray(keys).dtype.kind in "iu" and np.asarray(keys).dtype.itemsize < 8:
-                    raise BatchError(f"Batch.keys[{i}]: {np.asarray(keys).dtype} keys, but the "
-                                     "model's keys are 64-bit (input_key_type I64); narrowed "
-                                     "keys are other keys: pass int64")
+                dtype = np.asarray(keys).dtype
+                if dtype.kind in "iu" and dtype.itemsize < 8:
+                    raise BatchError(f"Batch.keys[{i}]: {dtype} keys, but the model's keys are "
+                                     "64-bit (input_key_type I64); narrowed keys are other "
+                                     "keys: pass int64")
         batch = check_batch(batch, self.cfg.data)
-        bad = np.argwhere(~np.isfinite(batch.dense))
-        if bad.size:
-            r, c = (int(x) for x in bad[0])
-            raise BatchError(f"Batch.dense: {bad.shape[0]} non-finite value(s) (NaN or "
-                             f"infinity), the first at sample {r}, feature {c}; dense features "
-                             "must be finite")
+        bad = nonfinite_dense(batch.dense)
+        if bad:
+            raise BatchError(f"Batch.dense: {bad}")
         _, pred = self._eval(self.state, jax.device_put(batch))
         return np.asarray(pred)[batch.mask]
 

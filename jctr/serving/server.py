@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from jctr.data.batch import BatchError
+from jctr.data.batch import BatchError, nonfinite_dense
 from jctr.serving.hps import LAYERS
 from jctr.stores.base import StoreUnavailable, first_beyond_int32
 from jctr.version import __version__
@@ -190,12 +190,9 @@ def request_features(model, tensors: dict[str, np.ndarray]) -> tuple[np.ndarray,
             raise RequestError(f"input DES: expected shape [n, {data.dense_dim}], got "
                                f"{list(des.shape)}")
         n = des.shape[0]
-        bad = np.argwhere(~np.isfinite(des)) if des.dtype.kind == "f" else np.zeros((0, 2))
-        if bad.size:
-            r, c = (int(x) for x in bad[0])
-            raise RequestError(f"input DES: {bad.shape[0]} non-finite value(s) (NaN or "
-                               f"infinity), the first at sample {r}, feature {c} "
-                               f"({des[r, c]}); dense features must be finite")
+        bad = nonfinite_dense(des) if des.dtype.kind == "f" else None
+        if bad:
+            raise RequestError(f"input DES: {bad}")
     sparse = []
     for sp in data.sparse:
         suffix = f"_{sp.top}" if several else ""

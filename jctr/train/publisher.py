@@ -83,8 +83,8 @@ class KafkaPublisher(Hook):
             raise UserError(
                 f"kafka_sink: {left + dropped} update message(s) never reached "
                 f"{self.sink.brokers} ({left} undelivered, {dropped} dropped from a full "
-                "buffer): servers reading "
-                "them miss these updates. The run's checkpoints and model files hold the "
+                "buffer): servers reading them miss these updates. The run's checkpoints and "
+                "model files hold the "
                 "trained model: load those into serving (python -m jctr.serve load), or "
                 "publish again once a broker answers")
 

@@ -154,7 +154,7 @@ def test_damaged_base_and_delta_models_are_refused_by_name(tmp_path, capsys):
     data[100:104] = bytes(4 - i for i in range(4))  # a few flipped bytes, same size
     vector.write_bytes(bytes(data))
     run_main(serve_main, ["load", "--config", str(tmp_path / "ps.json")], capsys,
-             pattern=rf"{vector}: damaged model file \(checksum mismatch\)",
+             pattern=rf"{vector}: damaged bundle file \(checksum mismatch\)",
              roots=(save,))
     vector.write_bytes(good)  # the file put right: the load completes
     assert serve_main(["load", "--config", str(tmp_path / "ps.json")]) == 0

@@ -620,20 +620,12 @@ def test_a_run_stopped_before_the_day_end_saves_does_them_on_resume(tmp_path):
     assert json.loads((save / "progress.json").read_text())["day_end"]
 
 
-def test_two_processes_count_and_score_as_one(tmp_path):
-    """``python -m jctr.online`` in two jax.distributed processes (each reading its share of
-    a pass's files; the second pass's three files give one process twice the other's data)
-    against one process on the same tree, with a learning rate of almost 0 so that both
-    predict alike: every key's show and click, the base model's keys and each pass AUC
-    (bucketed counts summed over the processes) are the single process's."""
+def _two_pass_stream(tmp_path) -> dict:
+    """A one-day stream of two passes (the second's three files give one of two processes
+    twice the other's data) and a model config with a learning rate of almost 0 (processes
+    that split the data differently then predict alike)."""
     import json
     import shutil
-    import subprocess
-    import sys
-
-    import yaml
-
-    from tests.conftest import ROOT
 
     model = _stream(tmp_path, days=())
     cfg = json.loads(model.read_text())
@@ -647,34 +639,55 @@ def test_two_processes_count_and_score_as_one(tmp_path):
         for i, k in enumerate(picks):
             shutil.copy(train[k], folder / f"part-{i}.data")
         (folder / "DONE").touch()
+    return cfg
 
-    def run(name, processes):
-        cfg["solver"]["gpu"] = [[0]] * processes if processes > 1 else [0]
-        (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
-        doc = {"model": f"{name}.json", "train_data_dir": "stream", "split_interval": 720,
-               "split_per_pass": 1, "start_day": "20190720", "end_day": "20190720",
-               "save_model_path": name, "data_donefile": "DONE", "data_sleep_second": 0.05}
-        path = tmp_path / f"{name}.yaml"
-        path.write_text(yaml.safe_dump(doc))
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
-               "PYTHON": sys.executable, "JCTR_LAUNCH_MODULE": "jctr.online"}
-        cmd = (["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), str(processes),
-                str(path)] if processes > 1 else [sys.executable, "-m", "jctr.online",
-                                                   "--config", str(path)])
-        out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                             timeout=300)
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-        save = tmp_path / name
-        records = [json.loads(x) for x in (save / "passes.jsonl").read_text().splitlines()]
-        with np.load(next((save / "20190721" / "0").glob("feature_stats.npz"))) as f:
-            order = np.argsort(f["0/keys"])  # kept in the order keys came: compared by key
-            stats = {k: f[k][order] for k in f.files}
-        base = np.fromfile(save / "20190721" / "base" / "sparse" / "sparse_embedding1.model"
-                           / "key", "<i8")
-        return records, stats, np.sort(base), out.stdout
 
-    one = run("one", 1)
-    two = run("two", 2)
+def _run_processes(tmp_path, cfg: dict, name: str, processes: int, **online):
+    """``python -m jctr.online`` on :func:`_two_pass_stream`'s stream in ``processes``
+    jax.distributed processes; returns its pass records, feature statistics (by key), base
+    model keys (sorted) and stdout."""
+    import json
+    import subprocess
+    import sys
+
+    import yaml
+
+    from tests.conftest import ROOT
+
+    cfg["solver"]["gpu"] = [[0]] * processes if processes > 1 else [0]
+    (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
+    doc = {"model": f"{name}.json", "train_data_dir": "stream", "split_interval": 720,
+           "split_per_pass": 1, "start_day": "20190720", "end_day": "20190720",
+           "save_model_path": name, "data_donefile": "DONE", "data_sleep_second": 0.05,
+           **online}
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+           "PYTHON": sys.executable, "JCTR_LAUNCH_MODULE": "jctr.online"}
+    cmd = (["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), str(processes),
+            str(path)] if processes > 1 else [sys.executable, "-m", "jctr.online",
+                                               "--config", str(path)])
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    save = tmp_path / name
+    records = [json.loads(x) for x in (save / "passes.jsonl").read_text().splitlines()]
+    with np.load(next((save / "20190721" / "0").glob("feature_stats.npz"))) as f:
+        order = np.argsort(f["0/keys"])  # kept in the order keys came: compared by key
+        stats = {k: f[k][order] for k in f.files}
+    base = np.fromfile(save / "20190721" / "base" / "sparse" / "sparse_embedding1.model"
+                       / "key", "<i8")
+    return records, stats, np.sort(base), out.stdout
+
+
+def test_two_processes_count_and_score_as_one(tmp_path):
+    """``python -m jctr.online`` in two jax.distributed processes (each reading its share of
+    a pass's files; the second pass's three files give one process twice the other's data)
+    against one process on the same tree, with a learning rate of almost 0 so that both
+    predict alike: every key's show and click, the base model's keys and each pass AUC
+    (bucketed counts summed over the processes) are the single process's."""
+    cfg = _two_pass_stream(tmp_path)
+    one = _run_processes(tmp_path, cfg, "one", 1)
+    two = _run_processes(tmp_path, cfg, "two", 2)
     assert "[p0] [jctr] day 20190720 pass 2/2" in two[3]
     assert "[p1] [jctr] day" not in two[3]  # one process reports for all
     assert [r["iterations"] for r in one[0]] == [4, 6]
@@ -686,6 +699,49 @@ def test_two_processes_count_and_score_as_one(tmp_path):
         np.testing.assert_array_equal(one[1][name], two[1][name], err_msg=name)
     np.testing.assert_array_equal(one[2], two[2])
     assert one[1]["0/show"].sum() == 2560 * 8  # every sample's 8 keys, counted once
+
+
+def test_two_processes_keep_their_rows_in_one_sparse_store(tmp_path):
+    """Issue 34 point 13: ``sparse_store`` with two jax.distributed processes. Each keeps the
+    rows of its part of the keys (by key hash) in its own database under the store's path;
+    a pass pulls every process's rows of the pass's keys (from both processes' data), trains,
+    and each writes its part back. Against one process on the same stream (learning rate
+    almost 0, so the data's split between processes does not matter): the two databases
+    together hold exactly the one-process database's keys and rows, each only its own part,
+    and the base models have the same keys. The store is refused by a run with another number
+    of processes, naming why."""
+    from jctr.config.hps import PersistentDatabaseParams
+    from jctr.ops import owner_shards_host
+    from jctr.stores.rocksdb import RocksDBStore
+
+    def rows(path):
+        db = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=str(path)))
+        parts = list(db.items("online.sparse_embedding1"))
+        db.close()
+        keys = np.concatenate([k for k, _ in parts])
+        order = np.argsort(keys)
+        return keys[order], np.concatenate([r for _, r in parts])[order]
+
+    cfg = _two_pass_stream(tmp_path)
+    one = _run_processes(tmp_path, cfg, "one", 1, sparse_store={"path": "rows1"})
+    two = _run_processes(tmp_path, cfg, "two", 2, sparse_store={"path": "rows2"})
+    np.testing.assert_array_equal(one[2], two[2])
+    for name in one[1]:
+        np.testing.assert_array_equal(one[1][name], two[1][name], err_msg=name)
+    assert [r["iterations"] for r in two[0]] == [4, 8]
+    want_keys, want_rows = rows(tmp_path / "rows1")
+    got = [rows(tmp_path / "rows2" / f"process-{p}-of-2") for p in (0, 1)]
+    for p, (keys, _) in enumerate(got):
+        assert keys.size and (owner_shards_host(keys, 2) == p).all()
+    keys = np.concatenate([k for k, _ in got])
+    order = np.argsort(keys)
+    np.testing.assert_array_equal(keys[order], want_keys)
+    np.testing.assert_allclose(np.concatenate([r for _, r in got])[order], want_rows,
+                               rtol=1e-6, atol=1e-7)
+
+    with pytest.raises(AssertionError, match="written by a run of another number of "
+                                             "processes than this one's 1"):
+        _run_processes(tmp_path, cfg, "again", 1, sparse_store={"path": "rows2"})
 
 
 def test_prefetch_trains_the_same_model_and_a_stop_ends_its_wait(tmp_path):

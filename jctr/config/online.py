@@ -142,7 +142,8 @@ class OnlineConfig:
     ``sparse_store: {type: rocks_db, path: ...}``): tables larger than memory. Each pass pulls
     the rows of its keys (and the validation set's) into the device table, trains, and writes
     them back; ``max_vocabulary_size_per_gpu`` then only needs to hold one pass's keys.
-    Needs ``checkpoint_per_pass: 1`` and one process."""
+    Needs ``checkpoint_per_pass: 1``; with several processes each keeps its part of the keys
+    in ``<path>/process-<i>-of-<n>``."""
     table_parameters: TableParameters = field(default_factory=TableParameters)
     """Feature statistics and the daily shrink, for every embedding table (object below)."""
     source: str | None = None

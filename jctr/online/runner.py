@@ -344,18 +344,51 @@ class OnlineRun:
 
     # -- tables larger than memory (sparse_store) ------------------------------------------
     def _open_store(self, done: dict | None) -> None:
-        """The row database; a write-back that its checkpoint never followed is undone."""
+        """The row database; a write-back that its checkpoint never followed is undone. With
+        several processes each holds its part of the keys (by key hash) in its own database,
+        ``<path>/process-<i>-of-<n>``: every process opens, checks and owns its part, and all
+        stop together when one cannot."""
         import jax
 
+        from jctr.sharding.distributed import all_processes
+
+        if jax.process_count() > 1:  # process 0 records the run; the others then read it
+            all_processes(lambda: self._run_id() if jax.process_index() == 0 else None,
+                          "record the run")
+        all_processes(lambda: self._open_own_store(done), "open their part of the "
+                      "sparse_store")
+        self._eval_keys = self._working_keys(self.trainer.data.eval)
+
+    def _store_path(self) -> str:
+        """This process's database: the path itself for one process, else its part's folder
+        under it; a store written with another number of processes is refused (its keys are
+        split another way)."""
+        import glob
+
+        import jax
+
+        path, count = self.cfg.sparse_store, jax.process_count()
+        parts = sorted(glob.glob(os.path.join(glob.escape(path), "process-*-of-*")))
+        other = [p for p in parts if not p.endswith(f"-of-{count}")] if count > 1 else parts
+        whole = os.path.exists(os.path.join(path, "CURRENT")) and count > 1
+        if other or whole:
+            found = os.path.basename(other[0]) if other else "one process's database"
+            raise ConfigError("sparse_store", f"{path} holds {found}, written by a run of "
+                              f"another number of processes than this one's {count}: its "
+                              "keys are split another way; run with as many processes as "
+                              "wrote it, or give this run another sparse_store path",
+                              self.cfg.source)
+        if count == 1:
+            return path
+        return os.path.join(path, f"process-{jax.process_index()}-of-{count}")
+
+    def _open_own_store(self, done: dict | None) -> None:
         from jctr.online.row_store import RowStore
 
-        if jax.process_count() > 1:
-            raise ConfigError("sparse_store", "the row database serves one process in this "
-                              "version", self.cfg.source)
         t = self.trainer
         shapes = [{name: tuple(arr.shape[1:]) for name, arr in es.slots.items()}
                   for es in t.state.embeddings]
-        self.store = RowStore(self.cfg.sparse_store, t.specs, shapes)
+        self.store = RowStore(self._store_path(), t.specs, shapes)
         self._own_store(done)
         undo_dir = self._undo_dir()
         os.makedirs(undo_dir, exist_ok=True)
@@ -367,7 +400,6 @@ class OnlineRun:
                 self.log(f"[jctr] sparse_store: put back the rows day {day} pass {n} wrote "
                          "after the last checkpoint")
             os.remove(path)
-        self._eval_keys = self._working_keys(t.data.eval)
 
     def _own_store(self, done: dict | None) -> None:
         """The row database belongs to one run (``run.json`` in its save_model_path names it):
@@ -414,7 +446,36 @@ class OnlineRun:
         return run
 
     def _undo_dir(self) -> str:
-        return os.path.join(self.cfg.save_model_path, "_store_undo")
+        import jax
+
+        mine = f".p{jax.process_index()}" if jax.process_count() > 1 else ""
+        return os.path.join(self.cfg.save_model_path, "_store_undo" + mine)
+
+    @staticmethod
+    def _mine(keys: np.ndarray) -> np.ndarray:
+        """The keys whose rows this process's database holds (all of them for one process)."""
+        from jctr.sharding.distributed import process_owns
+
+        owns = process_owns(keys)
+        return keys if owns is None else keys[owns]
+
+    @staticmethod
+    def _everyones(stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every process's part of some stored rows, ordered by key (so that a table takes
+        them in the order one process would: the same rows for the same keys)."""
+        from jctr.sharding.distributed import gather_rows
+
+        parts = gather_rows(stored)
+        if len(parts) == 1:
+            return stored
+        whole = {name: np.concatenate([p[name] for p in parts]) for name in stored}
+        order = np.argsort(whole["keys"], kind="stable")
+        return {name: arr[order] for name, arr in whole.items()}
+
+    def _store_rows(self, i: int, keys: np.ndarray) -> dict[str, np.ndarray]:
+        """The stored rows of those of ``keys`` the database holds, from every process's
+        part."""
+        return self._everyones(self.store.pull(i, self._mine(np.asarray(keys, np.int64))))
 
     def _working_keys(self, dataset) -> list[np.ndarray]:
         """Distinct keys per table of a dataset (this process's share)."""
@@ -428,25 +489,35 @@ class OnlineRun:
 
     def _pull(self, keys: list[np.ndarray]) -> None:
         """The rows of the pass's (and the validation set's) keys into the empty tables."""
+        import jax
+
         t = self.trainer
         self._pulled = []
         for i, spec in enumerate(t.specs):
             want = np.union1d(keys[i], self._eval_keys[i])
+            if jax.process_count() > 1:  # every process's keys: the tables are global
+                want = np.unique(self._everyones({"keys": want})["keys"])
             if want.size > spec.capacity:
                 raise DataError(f"sparse_store: a pass's working set of {want.size:,} keys "
                                 f"(with the validation set's) does not fit embedding "
                                 f'"{spec.name}" ({spec.capacity:,} rows): raise '
                                 "max_vocabulary_size_per_gpu or make passes smaller")
-            stored = self.store.pull(i, want)
-            self._pulled.append(stored)
-            self._set_table(i, put_rows(spec, t.state.embeddings[i], t.placements[i], stored,
-                                        replace=True))
+            own = self.store.pull(i, self._mine(want))
+            self._pulled.append(own)
+            self._set_table(i, put_rows(spec, t.state.embeddings[i], t.placements[i],
+                                        self._everyones(own), replace=True))
 
     def _push(self, day: str, n: int) -> None:
         """The working set back into the database (undoable until the pass's checkpoint);
         the tables are empty again."""
+        from jctr.sharding.distributed import process_owns
+
         t = self.trainer
         tables = [export_placed(es, pl) for es, pl in zip(t.state.embeddings, t.placements)]
+        for j, tb in enumerate(tables):  # each process writes its part
+            owns = process_owns(tb["keys"])
+            if owns is not None:
+                tables[j] = {name: arr[owns] for name, arr in tb.items()}
         added = [np.setdiff1d(tb["keys"], old["keys"]) for tb, old in zip(tables, self._pulled)]
         self.store.save_undo(os.path.join(self._undo_dir(), f"{day}_{n:04d}.npz"),
                              self._pulled, added, {"day": day, "pass": n})
@@ -640,7 +711,7 @@ class OnlineRun:
                     for st in self.stats]
             folder = os.path.join(self.cfg.save_model_path, day, f"delta-{n}")
         if self.store is not None:  # every row is in the database
-            tables = [self.store.pull(i, k) for i, k in enumerate(keys)]
+            tables = [self._store_rows(i, k) for i, k in enumerate(keys)]
         path = export_bundle(t.cfg, t.state, folder, t.placements, keys=keys,
                              about={"kind": kind, "day": day, "pass": n}, tables=tables)
         self.log(f"[jctr] {kind} model -> {path} ("

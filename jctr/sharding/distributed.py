@@ -151,8 +151,9 @@ def all_processes(action, what: str):
 
 
 def gather_rows(arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
-    """Every process's ``arrays`` (1-D, equal length within a process, any length across
-    processes), in process order; single-process: ``[arrays]``.
+    """Every process's ``arrays`` (equal length along axis 0 within a process, any length
+    across processes, the same trailing shape), in process order; single-process:
+    ``[arrays]``.
 
     Example::
 
@@ -167,9 +168,21 @@ def gather_rows(arrays: dict[str, np.ndarray]) -> list[dict[str, np.ndarray]]:
     width = max(int(sizes.max()), 1)
     out: list[dict[str, np.ndarray]] = [{} for _ in sizes]
     for name, a in arrays.items():
-        padded = np.zeros(width, a.dtype)
+        padded = np.zeros((width, *a.shape[1:]), a.dtype)
         padded[:n] = a
-        every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(sizes), width)
+        every = np.asarray(multihost_utils.process_allgather(padded)).reshape(
+            len(sizes), width, *a.shape[1:])
         for p, size in enumerate(sizes):
             out[p][name] = every[p, :int(size)]
     return out
+
+
+def process_owns(keys: np.ndarray) -> np.ndarray | None:
+    """Which of ``keys`` this process keeps when every process keeps a part of some keyed
+    data (a row database): by key hash, each key in exactly one process. None for one process
+    (it keeps every key)."""
+    if jax.process_count() == 1:
+        return None
+    from jctr.ops import owner_shards_host
+
+    return owner_shards_host(keys, jax.process_count()) == jax.process_index()

@@ -241,6 +241,8 @@ def put_rows(spec: EmbeddingSpec, state: EmbeddingState, placement,
             base = jax.tree.map(lambda x: jnp.broadcast_to(x, (placement.num_shards,)
                                                            + x.shape), base)
     filled = import_placed(spec, base, stored, placement, source=f"rows of {spec.name}")
+    if jax.process_count() > 1:  # every process holds the same rows: each places its part
+        return _like(filled, state)
     return jax.device_put(filled, jax.tree.map(lambda x: x.sharding, state))
 
 

@@ -1,14 +1,14 @@
 """The CPU memory database: ``hash_map`` and ``parallel_hash_map``.
 
-Each table is one open-addressing hash table in numpy arrays (slots at most half full, linear
-probing, vectorized probe rounds: a lookup of 10,000 keys is a handful of numpy passes, not a
-Python loop). Rows are grown ``allocation_rate`` bytes at a time. Partitions are HugeCTR's unit
-of overflow handling: every key belongs to one of ``num_partitions`` (by its hash), and a
-partition that grows past ``overflow_margin`` keys is cut to ``overflow_margin *
-overflow_resolution_target`` by the ``overflow_policy``: ``evict_oldest`` drops the keys
-written (or, with ``refresh_time_after_fetch``, read) longest ago, ``evict_random`` random
-ones. ``parallel_hash_map`` splits large lookups and inserts over a thread pool of
-``num_partitions`` threads (numpy releases the GIL in its gathers).
+Each table is columns of rows (keys, values, stamps, partitions) and an open-addressing index
+over them (slots at most half full, linear probing; compiled kernels of
+:mod:`jctr.ops.host_index` that release the GIL). Rows are grown ``allocation_rate`` bytes at a
+time. Partitions are HugeCTR's unit of overflow handling: every key belongs to one of
+``num_partitions`` (by its hash), and a partition that grows past ``overflow_margin`` keys is
+cut to ``overflow_margin * overflow_resolution_target`` by the ``overflow_policy``:
+``evict_oldest`` drops the keys written (or, with ``refresh_time_after_fetch``, read) longest
+ago, ``evict_random`` random ones. ``parallel_hash_map`` splits large lookups and inserts over
+a thread pool of ``num_partitions`` threads (the kernels and numpy's gathers release the GIL).
 
 Example::
 
@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from jctr.config.hps import VolatileDatabaseParams
-from jctr.ops.hashing import mix64
+from jctr.ops import host_index
 from jctr.stores.base import (
     as_keys,
     as_values,
@@ -36,8 +36,6 @@ from jctr.stores.base import (
     partition_of,
 )
 
-_WINDOW = 8
-_STEPS = np.arange(_WINDOW)
 _PARALLEL_MIN = 32768  # keys per thread below which splitting a lookup costs more than it gains
 
 
@@ -53,96 +51,43 @@ class HostTable:
         self.values = np.empty((0, dim), np.float32)
         self.stamps = np.empty(0, np.int64)
         self.parts = np.empty(0, np.int32)
+        self._sizes = np.zeros(num_partitions, np.int64)
         self._alloc_slots(16)
 
     def _alloc_slots(self, n: int) -> None:
-        self.slot_keys = np.zeros(n, np.int64)
-        self.slot_rows = np.full(n, -1, np.int64)
-        self.mask = np.uint64(n - 1)
+        self.index = np.full(n, -1, np.int64)
 
-    # -- probing ------------------------------------------------------------------------------
+    # -- probing (compiled: jctr.ops.host_index) ------------------------------------------------
     def find(self, keys: np.ndarray) -> np.ndarray:
-        """Row of each key, -1 where absent. One probe for every key, then the few keys whose
-        home slot held another key scan windows of ``_WINDOW`` slots (one gather each) until
-        their key or an empty slot."""
-        slot_keys, slot_rows, mask = self.slot_keys, self.slot_rows, int(self.mask)
-        pos = (mix64(keys.view(np.uint64)) & self.mask).view(np.int64)
-        sr = np.take(slot_rows, pos)
-        occupied = sr >= 0
-        hit = occupied & (np.take(slot_keys, pos) == keys)
-        rows = np.where(hit, sr, -1)
-        todo = np.flatnonzero(occupied & ~hit)
-        start = pos[todo] + 1
-        while todo.size:
-            win = (start[:, None] + _STEPS) & mask
-            sr = np.take(slot_rows, win)
-            occupied = sr >= 0
-            hit = occupied & (np.take(slot_keys, win) == keys[todo][:, None])
-            stop = hit | ~occupied  # the chain ends at the key or at a free slot
-            first = stop.argmax(1)
-            ar = np.arange(todo.size)
-            found = hit[ar, first]
-            rows[todo[found]] = sr[ar[found], first[found]]
-            more = ~stop[ar, first]
-            todo, start = todo[more], start[more] + _WINDOW
-        return rows
+        """Row of each key, -1 where absent."""
+        return host_index.find(self.index, self.keys, keys)
 
-    def _place(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Put keys that are not in the table into free slots (claims resolved by unique)."""
-        pos = (mix64(keys.view(np.uint64)) & self.mask).astype(np.int64)
-        pending = np.arange(keys.size)
-        mask = int(self.mask)
-        while pending.size:
-            free = self.slot_rows[pos] < 0
-            cand = np.flatnonzero(free)
-            won = np.zeros(pending.size, bool)
-            if cand.size:
-                slots, first = np.unique(pos[cand], return_index=True)
-                winners = cand[first]
-                self.slot_keys[slots] = keys[pending[winners]]
-                self.slot_rows[slots] = rows[pending[winners]]
-                won[winners] = True
-            rest = ~won
-            pending, pos = pending[rest], (pos[rest] + 1) & mask
-
-    def _rebuild_slots(self, min_slots: int) -> None:
-        n = 16
-        while n < 2 * min_slots:
-            n *= 2
-        self._alloc_slots(n)
-        self._place(self.keys[:self.size], np.arange(self.size, dtype=np.int64))
+    def _rebuild_slots(self, min_rows: int) -> None:
+        self.index = np.empty(host_index.index_size(min_rows), np.int64)
+        host_index.rebuild(self.index, self.keys, self.size)
 
     # -- updates ------------------------------------------------------------------------------
     def upsert(self, keys: np.ndarray, values: np.ndarray, now: int) -> None:
         keep = last_occurrences(keys)
         if keep.size != keys.size:
             keys, values = keys[keep], values[keep]
-        rows = self.find(keys)
-        old = rows >= 0
-        self.values[rows[old]] = values[old]
-        self.stamps[rows[old]] = now
-        new = ~old
-        n_new = int(new.sum())
-        if not n_new:
-            return
-        need = self.size + n_new
+        need = self.size + keys.size  # room for every key to be new
         if need > self.keys.size:
             cap = max(need, self.keys.size + min(max(self.keys.size, 1024), self.grow_rows))
             self.keys = _grown(self.keys, cap)
             self.values = _grown(self.values, cap)
             self.stamps = _grown(self.stamps, cap)
             self.parts = _grown(self.parts, cap)
-        new_rows = np.arange(self.size, need, dtype=np.int64)
-        nk = keys[new]
-        self.keys[new_rows] = nk
-        self.values[new_rows] = values[new]
-        self.stamps[new_rows] = now
-        self.parts[new_rows] = partition_of(nk, self.num_partitions)
-        self.size = need
-        if 2 * need > self.slot_rows.size:
+        if 2 * need > self.index.size:
             self._rebuild_slots(need)
-        else:
-            self._place(nk, new_rows)
+        rows = np.empty(keys.size, np.int64)
+        old = self.size
+        self.size = int(host_index.upsert(self.index, self.keys, old, keys, rows))
+        self.values[rows] = values
+        self.stamps[rows] = now
+        new_parts = partition_of(self.keys[old:self.size], self.num_partitions)
+        self.parts[old:self.size] = new_parts
+        self._sizes += np.bincount(new_parts, minlength=self.num_partitions)
 
     def remove_rows(self, drop: np.ndarray) -> None:
         """Remove the rows where ``drop`` (bool [size]) and compact the rest."""
@@ -152,10 +97,12 @@ class HostTable:
             arr = getattr(self, name)
             arr[:n] = arr[:self.size][keep]
         self.size = n
+        self._sizes = np.bincount(self.parts[:n], minlength=self.num_partitions)
         self._rebuild_slots(max(n, 8))
 
     def partition_sizes(self) -> np.ndarray:
-        return np.bincount(self.parts[:self.size], minlength=self.num_partitions)
+        """Keys per partition (kept as rows come and go: an insert does not count them all)."""
+        return self._sizes
 
 
 def _grown(arr: np.ndarray, rows: int) -> np.ndarray:

@@ -1,0 +1,98 @@
+"""Compiled host kernels of an open-addressing index from int64 keys to row numbers of column
+arrays (numba, ``nogil``: threads run them beside each other and beside a training step). The
+streaming statistics (:mod:`jctr.online.key_index`) and the CPU memory database
+(:mod:`jctr.stores.hash_map`) keep their keys with it.
+
+The index holds row numbers (-1: empty slot) and compares keys through the key column, so any
+int64 is a key; it is kept at most half full (linear probing from a splitmix64 home slot). Rows
+are handed out in insertion order; deleting rows means compacting the columns and rebuilding
+the index (:func:`rebuild`).
+
+Example::
+
+    index = np.full(index_size(1000), -1, np.int64)
+    keys = np.empty(1000, np.int64)
+    rows = np.empty(3, np.int64)
+    n = upsert(index, keys, 0, np.array([7, 9, 7]), rows)   # n == 2, rows == [0, 1, 0]
+    find(index, keys, np.array([9, 8]))                      # [1, -1]
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+
+def host_kernel(fn):
+    try:  # compiled once, then loaded from numba's on-disk cache
+        return numba.njit(nogil=True, cache=True)(fn)
+    except RuntimeError:  # no writable cache location (read-only install and home): no cache
+        return numba.njit(nogil=True)(fn)
+
+
+@numba.njit(inline="always")
+def home(key, mask):
+    x = np.uint64(key)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    x = x ^ (x >> np.uint64(31))
+    return np.int64(x & np.uint64(mask))
+
+
+@numba.njit(inline="always")
+def slot_of(index, keys, k, mask):
+    """The index slot holding key ``k``, or the empty slot where its probe ends."""
+    s = home(k, mask)
+    while True:
+        r = index[s]
+        if r < 0 or keys[r] == k:
+            return s
+        s = (s + 1) & mask
+
+
+@host_kernel
+def find(index, keys, queries):
+    """Row of each query key, -1 where absent."""
+    mask = index.size - 1
+    out = np.empty(queries.size, np.int64)
+    for i in range(queries.size):
+        out[i] = index[slot_of(index, keys, queries[i], mask)]
+    return out
+
+
+@host_kernel
+def rebuild(index, keys, n):
+    """The index of rows ``0 .. n-1``, from an empty one. Returns the first row whose key an
+    earlier row holds already (the index is then incomplete), -1 when all are distinct."""
+    index[:] = -1
+    mask = index.size - 1
+    for r in range(n):
+        s = slot_of(index, keys, keys[r], mask)
+        if index[s] >= 0:
+            return r
+        index[s] = r
+    return -1
+
+
+def index_size(rows: int) -> int:
+    """Slots for ``rows`` rows: a power of two at least twice as many (at least 1,024)."""
+    return 1 << max(10, int(2 * max(rows, 1) - 1).bit_length())
+
+
+@host_kernel
+def upsert(index, keys, n, queries, out):
+    """Row of each query key into ``out``; a key not there yet gets a new row (``n``,
+    ``n + 1``, ...; its key written into ``keys``). The key column must have room for
+    ``n + queries.size`` rows and the index twice that many slots. Returns the new row count."""
+    mask = index.size - 1
+    for i in range(queries.size):
+        k = queries[i]
+        s = slot_of(index, keys, k, mask)
+        r = index[s]
+        if r < 0:
+            r = n
+            index[s] = r
+            keys[r] = k
+            n += 1
+        out[i] = r
+    return n

@@ -13,6 +13,7 @@ from jctr.config.schema import (
     COMPUTE_DTYPES,
     DATA_FORMATS,
     EMBEDDING_TYPES,
+    EVICTION_POLICIES,
     METRIC_MODES,
     MIXED_PRECISION_SCALERS,
     NAN_POLICIES,
@@ -23,6 +24,7 @@ from jctr.config.schema import (
     DataConfig,
     EarlyStoppingConfig,
     EmbeddingConfig,
+    EvictionConfig,
     KafkaSinkConfig,
     LayerConfig,
     Metric,
@@ -722,12 +724,30 @@ def parse_embedding(r: ObjectReader, etype: str, devices: int = 1) -> EmbeddingC
     l1_lambda = h.float("l1_lambda", 0.0, min_value=0.0)
     h.finish()
     optimizer = parse_optimizer(r.child("optimizer")) if r.has("optimizer") else None
+    eviction = _parse_eviction(r.child("eviction")) if r.has("eviction") else None
     r.finish()
     return EmbeddingConfig(name=name, type=etype, bottom=bottom, top=top,
                            max_vocabulary_size_per_gpu=vocab, embedding_vec_size=vec,
                            combiner=combiner, optimizer=optimizer, plan_file=plan_file,
                            init_range=init_range, replicated=replicated,
-                           l2_lambda=l2_lambda, l1_lambda=l1_lambda, slot_size_array=sizes)
+                           l2_lambda=l2_lambda, l1_lambda=l1_lambda, slot_size_array=sizes,
+                           eviction=eviction)
+
+
+def _parse_eviction(r: ObjectReader) -> EvictionConfig:
+    """An embedding layer's ``eviction`` object."""
+    if r.raw("policy", None) == "score":
+        raise r.error("policy", '"score" (caller-given scores) is not built; give "lru", '
+                      '"lfu", "epoch_lru" or "epoch_lfu"')
+    policy = r.choice("policy", EVICTION_POLICIES)
+    epoch_steps = r.int("epoch_steps", 1000, min_value=1)
+    if r.has("epoch_steps") and not policy.startswith("epoch_"):
+        raise r.error("epoch_steps", f'only the epoch_* policies have epochs, not "{policy}"')
+    samples = r.int("samples", 8, min_value=1)
+    if samples > 64:
+        raise r.error("samples", f"expected at most 64 rows sampled per new key, got {samples}")
+    r.finish()
+    return EvictionConfig(policy, epoch_steps, samples)
 
 
 def _parse_plan_file(r: ObjectReader) -> str | None:

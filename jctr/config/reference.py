@@ -189,7 +189,7 @@ TRAINING_CLAUSES = (
                "max_vocabulary_size_per_gpu", "embedding_vec_size", "combiner", "init_range",
                "replicated", "l2_lambda", "l1_lambda", "slot_size_array")},
            types={"combiner": '0, 1, "sum" or "mean"', "optimizer": "object",
-                  "slot_size_array": "list of integers"},
+                  "slot_size_array": "list of integers", "eviction": "object"},
            defaults={"init_range": "1/sqrt(`embedding_vec_size`)",
                      "replicated": "the planner decides",
                      "max_vocabulary_size_per_gpu": "required unless "
@@ -199,6 +199,11 @@ TRAINING_CLAUSES = (
                   (f"{_EMB_HPARAM}.workspace_size_per_gpu_in_mb", "integer", "unset",
                    "HugeCTR 3.x, instead of `max_vocabulary_size_per_gpu`: MB of float "
                    "vectors per device, rows = MB x 2^20 / (4 x `embedding_vec_size`)."))),
+    Clause("Eviction", "layers[1..k].eviction", schema.EvictionConfig,
+           "jctr: what a full table does instead of stopping with `TableFullError`: each new "
+           "key of a step that finds no free row takes the row of a key the policy ranks "
+           "lowest (its vector and optimizer rows start again); evictions are counted in the "
+           "evaluation log line, `metrics.jsonl` and TensorBoard (`tables/<name>/evicted`)."),
     Clause("Dense layers", "layers[k+1..]", schema.LayerConfig,
            "The network after the embeddings; `bottom` names tops of earlier layers or of the "
            "Data layer. The last layer is the loss, whose second bottom is the label.",

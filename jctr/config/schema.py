@@ -419,6 +419,33 @@ class DataConfig:
         raise KeyError(top)
 
 
+EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")
+
+
+@dataclass(frozen=True)
+class EvictionConfig:
+    """An embedding layer's ``eviction`` object (jctr; NVIDIA HierarchicalKV's policies): a
+    full table gives a new key the row of a key it ranks lowest instead of refusing it. The
+    ranking uses the table's own clock (one tick per training step): ``lru`` the step a row
+    was last touched, ``lfu`` how often it was touched (ties: least recently), ``epoch_lru``
+    and ``epoch_lfu`` first the epoch (``epoch_steps`` steps) of its last touch, then its
+    last step or its touches within that epoch. Rows the step touches are never taken."""
+
+    policy: str
+    """``"lru"``, ``"lfu"``, ``"epoch_lru"`` or ``"epoch_lfu"``."""
+    epoch_steps: int = 1000
+    """Steps per epoch of the ``epoch_*`` policies."""
+    samples: int = 8
+    """Rows a new key ranks to choose its victim (sampled by its hash, as Redis's
+    approximated LRU; each of four rounds samples again for keys whose choice another new key
+    of the same step took)."""
+
+    @property
+    def score_columns(self) -> int:
+        """int32 columns kept per row: the last step touched, and touches for ``*lfu``."""
+        return 2 if self.policy.endswith("lfu") else 1
+
+
 @dataclass(frozen=True)
 class EmbeddingConfig:
     """A sparse embedding layer (one hash table over the slots of one sparse input)."""
@@ -466,6 +493,9 @@ class EmbeddingConfig:
     (one entry per slot). The table is sized from it (``max_vocabulary_size_per_gpu`` then
     unneeded, as in HugeCTR's DLRM samples) and its slots are balanced over the devices by
     size."""
+    eviction: EvictionConfig | None = None
+    """The layer's ``eviction`` object (jctr, object below): a full table evicts instead of
+    stopping with ``TableFullError`` (HugeCTR's behaviour, the default)."""
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jctr.config.schema import EvictionConfig
 from jctr.errors import UserError
-from jctr.ops import EMPTY_KEY, find_slots, representatives
+from jctr.ops import EMPTY_KEY, find_slots, hash_keys, representatives
 
 # an erased key's slot: neither empty (probes go on past it) nor any real key (keys equal to
 # the two smallest int64 values are reserved)
@@ -40,6 +41,12 @@ class HashTable(NamedTuple):
     overflow: jax.Array  # int32 [], keys refused because the table was full (sticky)
     free_rows: jax.Array  # int32 [capacity], a stack of rows freed by erase
     free_count: jax.Array  # int32 [], rows on that stack
+    # eviction (empty [0] arrays for a table without it):
+    row_slots: jax.Array  # int32 [capacity], each row's slot (an evicted key's slot is found)
+    row_score: jax.Array  # int32 [capacity, columns], last step touched (and touches: *lfu)
+    clock: jax.Array  # int32 [], training lookups so far (the steps the scores count in)
+    evicted: jax.Array  # int32 [], keys evicted so far
+    tombstones: jax.Array  # int32 [], erased or evicted keys' slots since the last rehash
 
     @property
     def num_slots(self) -> int:
@@ -51,16 +58,27 @@ def num_slots_for(capacity: int) -> int:
     return max(16, 1 << int(2 * capacity - 1).bit_length())
 
 
-def create_table(capacity: int) -> HashTable:
+def create_table(capacity: int, eviction: EvictionConfig | None = None) -> HashTable:
+    """An empty table; with ``eviction`` it keeps what its policy ranks rows by."""
     n = num_slots_for(capacity)
+    tracked = capacity if eviction is not None else 0
+    columns = eviction.score_columns if eviction is not None else 1
+    def zero():  # a buffer each: a donated state must not hold one array twice
+        return jnp.zeros((), jnp.int32)
+
     return HashTable(
         slot_keys=jnp.full((n,), EMPTY_KEY, jnp.int64),
         slot_rows=jnp.full((n,), -1, jnp.int32),
         scratch=jnp.zeros((n,), jnp.int32),
-        size=jnp.zeros((), jnp.int32),
-        overflow=jnp.zeros((), jnp.int32),
+        size=zero(),
+        overflow=zero(),
         free_rows=jnp.zeros((capacity,), jnp.int32),
-        free_count=jnp.zeros((), jnp.int32),
+        free_count=zero(),
+        row_slots=jnp.full((tracked,), -1, jnp.int32),
+        row_score=jnp.zeros((tracked, columns), jnp.int32),
+        clock=zero(),
+        evicted=zero(),
+        tombstones=zero(),
     )
 
 
@@ -73,7 +91,8 @@ class Lookup(NamedTuple):
 
 
 def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *,
-           insert: bool, dedupe: bool = True) -> tuple[HashTable, Lookup]:
+           insert: bool, dedupe: bool = True, eviction: EvictionConfig | None = None
+           ) -> tuple[HashTable, Lookup]:
     """Rows of ``keys``; with ``insert`` unseen keys get fresh rows (training).
 
     ``dedupe`` computes ``rep`` for every key (optimizers that sum a row's gradients need it);
@@ -83,7 +102,13 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
 
     A key that finds the table full gets row -1 (its embedding reads as the default, zeros)
     and is counted in ``table.overflow``; the trainer turns that into a :class:`TableFullError`.
+    With ``eviction`` (training) it takes the row of a key the policy ranks lowest instead
+    (:func:`_evict`); such rows are ``fresh`` too.
     """
+    evicting = insert and eviction is not None
+    if evicting:
+        table = _rehash_if_crowded(table, capacity)
+        table = table._replace(clock=table.clock + 1)
     slot_keys, slots = find_slots(table.slot_keys, keys, valid, insert=insert)
     slot_rows = table.slot_rows
     rows = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
@@ -113,11 +138,174 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
         taken = jnp.minimum(n_new, free_count)
         size = size + n_granted - taken
         free_count = free_count - taken
+        row_slots = table.row_slots
+        if row_slots.shape[0]:  # tracked (eviction): each granted row's slot
+            row_slots = row_slots.at[jnp.where(granted, new_rows, capacity)].set(
+                slots, mode="drop")
+        table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, scratch=scratch,
+                               size=size, free_rows=free_rows, free_count=free_count,
+                               row_slots=row_slots)
+        if evicting:
+            # *lfu counts start again for rows new to their key, and (epoch_lfu) for found
+            # rows last touched in an earlier epoch (read before this step stamps them)
+            restart = granted
+            if eviction.policy == "epoch_lfu":
+                last = table.row_score.at[jnp.where(rows >= 0, rows, capacity), 0].get(
+                    mode="fill", fill_value=0)
+                restart = restart | ((rows >= 0) & (last // eviction.epoch_steps
+                                                    != table.clock // eviction.epoch_steps))
+            table, placed = _evict(table, keys, slots, rows, granted, new & ~granted, eviction,
+                                   capacity)
+            granted = granted | placed
+            n_granted = jnp.sum(granted, dtype=jnp.int32)
+            # a key left without a row gives its slot back (a tombstone: probes of keys
+            # placed after it go on), or refused keys would fill the slots step by step
+            left = new & ~granted
+            table = table._replace(
+                slot_keys=table.slot_keys.at[jnp.where(left, slots, table.num_slots)].set(
+                    TOMBSTONE, mode="drop"),
+                tombstones=table.tombstones + (n_new - n_granted))
+        slot_keys, slot_rows, scratch = table.slot_keys, table.slot_rows, table.scratch
         overflow = overflow + (n_new - n_granted)
         rows = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
+        if evicting:
+            table = table._replace(row_score=_count_touches(
+                table, rows, restart | placed, eviction, capacity))
     rep = jnp.where(rows >= 0, rep, -1) if dedupe else jnp.full(slots.shape, -1, jnp.int32)
-    table = HashTable(slot_keys, slot_rows, scratch, size, overflow, free_rows, free_count)
+    table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, scratch=scratch,
+                           size=size, overflow=overflow, free_rows=free_rows,
+                           free_count=free_count)
     return table, Lookup(rows=rows, rep=rep, fresh=granted)
+
+
+# -- eviction ----------------------------------------------------------------------------------
+_ROUNDS = 4  # sampling rounds per new key: a key whose choice another took samples again
+_NEVER = np.int64(np.iinfo(np.int64).max)
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _rank(score: jax.Array, clock: jax.Array, eviction: EvictionConfig) -> jax.Array:
+    """int64 rank of rows by their ``score`` columns (lowest goes first); rows touched at
+    ``clock`` (this step) rank ``_NEVER``."""
+    last = score[..., 0].astype(jnp.int64)
+    policy = eviction.policy
+    if policy == "lru":
+        rank = last
+    elif policy == "lfu":
+        rank = (score[..., 1].astype(jnp.int64) << 32) | last
+    elif policy == "epoch_lru":
+        rank = ((last // eviction.epoch_steps) << 32) | last
+    else:  # epoch_lfu: the epoch of the last touch, then the touches within it
+        rank = ((last // eviction.epoch_steps) << 32) | score[..., 1].astype(jnp.int64)
+    return jnp.where(last == clock, _NEVER, rank)
+
+
+def _evict(table: HashTable, keys, slots, rows, granted, needy, eviction: EvictionConfig,
+           capacity: int) -> tuple[HashTable, jax.Array]:
+    """Rows for the ``needy`` positions (new keys that found no free row): each samples
+    ``eviction.samples`` rows by its hash and takes the lowest-ranked one; of new keys that
+    chose the same row the first position wins and the others sample again (``_ROUNDS``
+    rounds; a key left without a row is refused, counted as overflow). The taken row's old
+    key leaves (its slot becomes a tombstone). Rows this step touches (found keys, granted
+    rows, rows taken already) are never chosen. Compacted chunks: the cost follows the
+    needy keys, not the batch. Returns the table and which positions got a row."""
+    n = keys.shape[0]
+    n_slots = table.slot_keys.shape[0]
+    clock = table.clock
+    # found keys' rows and granted rows are this step's: stamped first, so none is chosen
+    touched = jnp.where(rows >= 0, rows, jnp.where(
+        granted, table.slot_rows.at[slots].get(mode="fill", fill_value=-1), -1))
+    score = table.row_score.at[jnp.where(touched >= 0, touched, capacity), 0].set(
+        clock, mode="drop")
+    chunk = min(n, max(64, n // 8))
+    samples = eviction.samples
+    ar = jnp.arange(chunk, dtype=jnp.int32)
+
+    def body(c):
+        slot_keys, slot_rows, row_slots, score, scratch, todo, placed = c
+        idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
+        sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
+        sub_slots = slots.at[idx].get(mode="fill", fill_value=-1)
+        pending = idx < n
+        h = hash_keys(sub_keys)
+        got = jnp.zeros((chunk,), bool)
+        for rnd in range(_ROUNDS):
+            salt = (jnp.arange(samples, dtype=jnp.uint64) + np.uint64(rnd * samples + 1)) \
+                * _GOLDEN
+            cand = (hash_keys((h[:, None] ^ salt[None, :]).astype(jnp.int64))
+                    % np.uint64(capacity)).astype(jnp.int32)  # [chunk, samples]
+            rank = _rank(score.at[cand].get(mode="clip"), clock, eviction)
+            best = jnp.argmin(rank, axis=1)
+            victim = jnp.take_along_axis(cand, best[:, None], axis=1)[:, 0]
+            ok = pending & (jnp.min(rank, axis=1) < _NEVER)
+            at = jnp.where(ok, victim, n_slots)  # claims: the first position wins
+            scratch = scratch.at[at].set(chunk, mode="drop").at[at].min(ar, mode="drop")
+            win = ok & (scratch.at[at].get(mode="fill", fill_value=-1) == ar)
+            vr = jnp.where(win, victim, capacity)
+            old = jnp.where(win, row_slots.at[vr].get(mode="fill", fill_value=-1), -1)
+            old = jnp.where(old >= 0, old, n_slots)
+            slot_keys = slot_keys.at[old].set(TOMBSTONE, mode="drop")
+            slot_rows = slot_rows.at[old].set(-1, mode="drop")
+            slot_rows = slot_rows.at[jnp.where(win, sub_slots, n_slots)].set(victim,
+                                                                             mode="drop")
+            row_slots = row_slots.at[vr].set(sub_slots, mode="drop")
+            score = score.at[vr, 0].set(clock, mode="drop")  # taken: no later key takes it
+            got = got | win
+            pending = pending & ~win
+        todo = todo.at[idx].set(False, mode="drop")
+        placed = placed.at[idx].set(got, mode="drop")
+        return slot_keys, slot_rows, row_slots, score, scratch, todo, placed
+
+    slot_keys, slot_rows, row_slots, score, scratch, _, placed = jax.lax.while_loop(
+        lambda c: jnp.any(c[5]), body,
+        (table.slot_keys, table.slot_rows, table.row_slots, score, table.scratch, needy,
+         jnp.zeros((n,), bool)))
+    n_placed = jnp.sum(placed, dtype=jnp.int32)
+    table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, row_slots=row_slots,
+                           row_score=score, scratch=scratch, evicted=table.evicted + n_placed,
+                           tombstones=table.tombstones + n_placed)
+    return table, placed
+
+
+def _count_touches(table: HashTable, rows, restart, eviction: EvictionConfig, capacity: int):
+    """The step's touches in the score columns: the last step of every row in ``rows``
+    (every occurrence, -1 ignored), and for ``*lfu`` one touch per occurrence, counted from
+    0 for the rows of the ``restart`` positions."""
+    score, clock = table.row_score, table.clock
+    at = jnp.where(rows >= 0, rows, capacity)
+    if eviction.score_columns > 1:
+        score = score.at[jnp.where(restart, at, capacity), 1].set(0, mode="drop")
+        score = score.at[at, 1].add(1, mode="drop")
+    return score.at[at, 0].set(clock, mode="drop")
+
+
+def _rehash_if_crowded(table: HashTable, capacity: int) -> HashTable:
+    """The slots built again from the rows in use when keys and tombstones together fill
+    more than ``MAX_OCCUPIED`` of them (evictions leave a tombstone each): probes stay short.
+    Rows, values and scores do not move; the cost is the table's keys, once in a while."""
+    n_slots = table.slot_keys.shape[0]
+    in_use = table.size - table.free_count
+    crowded = (in_use + table.tombstones).astype(jnp.float32) > MAX_OCCUPIED * n_slots
+
+    def rehash(t: HashTable) -> HashTable:
+        r = jnp.arange(capacity, dtype=jnp.int32)
+        s = t.row_slots
+        live = (r < t.size) & (t.slot_rows.at[s].get(mode="fill", fill_value=-1) == r)
+        keys = t.slot_keys.at[s].get(mode="fill", fill_value=0)
+        slot_keys, slots = find_slots(jnp.full((n_slots,), EMPTY_KEY, jnp.int64), keys, live,
+                                      insert=True)
+        slot_rows = jnp.full((n_slots,), -1, jnp.int32).at[
+            jnp.where(live, slots, n_slots)].set(r, mode="drop")
+        return t._replace(slot_keys=slot_keys, slot_rows=slot_rows,
+                          row_slots=jnp.where(live, slots, -1),
+                          tombstones=jnp.zeros((), jnp.int32))
+
+    return jax.lax.cond(crowded, rehash, lambda t: t, table)
+
+
+# keys and tombstones together in at most this share of the slots (they are sized for half of
+# them full), or the slots are built again
+MAX_OCCUPIED = 0.625
 
 
 def erase(table: HashTable, keys: jax.Array, valid: jax.Array) -> tuple[HashTable, jax.Array]:
@@ -134,9 +322,10 @@ def erase(table: HashTable, keys: jax.Array, valid: jax.Array) -> tuple[HashTabl
     k = jnp.cumsum(hit, dtype=jnp.int32) - 1
     free_rows = table.free_rows.at[jnp.where(hit, table.free_count + k,
                                              table.free_rows.shape[0])].set(rows, mode="drop")
-    free_count = table.free_count + jnp.sum(hit, dtype=jnp.int32)
+    erased = jnp.sum(hit, dtype=jnp.int32)
     return table._replace(slot_keys=slot_keys, slot_rows=slot_rows, free_rows=free_rows,
-                          free_count=free_count), rows
+                          free_count=table.free_count + erased,
+                          tombstones=table.tombstones + erased), rows
 
 
 def occupied_slots(table: HashTable) -> jax.Array:

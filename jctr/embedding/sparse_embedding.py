@@ -9,7 +9,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jctr.config.schema import EmbeddingConfig, ModelConfig, OptimizerConfig
+from jctr.config.schema import EmbeddingConfig, EvictionConfig, ModelConfig, OptimizerConfig
 from jctr.embedding import row_optimizers as row_opt
 from jctr.embedding.hash_table import HashTable, Lookup, create_table, erase, lookup
 from jctr.ops import (
@@ -44,6 +44,7 @@ class EmbeddingSpec:
     seed: int = 0  # with the key, determines a new row's initial vector
     l2: float = 0.0  # regularization of touched rows (EmbeddingConfig.l2_lambda)
     l1: float = 0.0
+    eviction: EvictionConfig | None = None  # a full table evicts (EmbeddingConfig.eviction)
 
     @property
     def sums_rows(self) -> bool:
@@ -69,7 +70,8 @@ class EmbeddingSpec:
                    max_features=sp.slot_num if sp.one_hot else sp.max_feature_num_per_sample,
                    one_hot=sp.one_hot, input_index=idx, optimizer=cfg.embedding_optimizer(emb),
                    combiner=emb.combiner, init_range=emb.init_range,
-                   seed=cfg.solver.seed * 1000 + number, l2=emb.l2_lambda, l1=emb.l1_lambda)
+                   seed=cfg.solver.seed * 1000 + number, l2=emb.l2_lambda, l1=emb.l1_lambda,
+                   eviction=emb.eviction)
 
 
 class EmbeddingState(NamedTuple):
@@ -84,7 +86,8 @@ def init_embedding(spec: EmbeddingSpec) -> EmbeddingState:
     (:func:`jctr.ops.hashing.key_uniform` of the key), so the model does not depend on the
     order keys arrive in or on how tables are placed on devices."""
     capacity = spec.capacity
-    return EmbeddingState(create_table(capacity), jnp.zeros((capacity, spec.dim), jnp.float32),
+    return EmbeddingState(create_table(capacity, spec.eviction),
+                          jnp.zeros((capacity, spec.dim), jnp.float32),
                           row_opt.init_slots(spec.optimizer, capacity, spec.dim),
                           jnp.full((capacity,), -1, jnp.int32))
 
@@ -107,7 +110,8 @@ def lookup_keys(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array, val
     """:func:`lookup_rows` for keys that are not laid out as a batch (e.g. routed to a shard)."""
     capacity = state.values.shape[0]
     dedupe = train and spec.sums_rows
-    table, lk = lookup(state.table, keys, valid, capacity, insert=train, dedupe=dedupe)
+    table, lk = lookup(state.table, keys, valid, capacity, insert=train, dedupe=dedupe,
+                       eviction=spec.eviction if train else None)
     state = state._replace(table=table)
     if train:
         state = initialize_fresh_rows(spec, state, keys, lk, key_slots)
@@ -142,12 +146,15 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
     n = keys.shape[0]
     capacity = state.values.shape[0]
     chunk = min(n, max(64, n // 16))
+    # an evicted key's row held another key's optimizer state: it starts again too
+    reset = spec.eviction is not None and bool(state.slots)
+    initial = row_opt.init_slots(spec.optimizer, 1, spec.dim) if reset else {}
 
     def cond(c):
         return jnp.any(c[0])
 
     def body(c):
-        todo, values, row_slot = c
+        todo, values, row_slot, slots = c
         idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
         sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
         rows = lk.rows.at[idx].get(mode="fill", fill_value=-1)
@@ -158,10 +165,14 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
         values = values.at[rows].set(fresh, mode="drop")
         row_slot = row_slot.at[rows].set(key_slots.at[idx].get(mode="fill", fill_value=-1),
                                          mode="drop")
-        return todo.at[idx].set(False, mode="drop"), values, row_slot
+        slots = {name: arr.at[rows].set(jnp.broadcast_to(initial[name][0], (chunk,)
+                                                         + arr.shape[1:]), mode="drop")
+                 for name, arr in slots.items()} if reset else slots
+        return todo.at[idx].set(False, mode="drop"), values, row_slot, slots
 
-    _, values, row_slot = jax.lax.while_loop(cond, body, (lk.fresh, state.values, state.row_slot))
-    return state._replace(values=values, row_slot=row_slot)
+    _, values, row_slot, slots = jax.lax.while_loop(
+        cond, body, (lk.fresh, state.values, state.row_slot, state.slots))
+    return state._replace(values=values, row_slot=row_slot, slots=slots)
 
 
 def initial_vectors(spec: EmbeddingSpec, keys: jax.Array) -> jax.Array:

@@ -43,7 +43,13 @@ def _rows_of(state: EmbeddingState, keys: np.ndarray, rows: np.ndarray
            "slot": np.asarray(jnp.take(state.row_slot, idx, axis=0))}
     for name, arr in state.slots.items():
         out[name] = np.asarray(jnp.take(arr, idx, axis=0))
+    if state.table.row_score.shape[0]:  # eviction's ranking goes with the rows
+        out[EVICTION_SCORE] = np.asarray(jnp.take(state.table.row_score, idx, axis=0))
     return out
+
+
+# the stored name of a table's eviction scores (int32 [n, columns]: last step, touches)
+EVICTION_SCORE = "eviction_score"
 
 
 _insert = jax.jit(lambda table, keys, valid, capacity: lookup(table, keys, valid, capacity,
@@ -167,6 +173,15 @@ def import_table(spec: EmbeddingSpec, state: EmbeddingState,
     row_slot = state.row_slot
     if "slot" in stored:
         row_slot = row_slot.at[r].set(jnp.asarray(np.asarray(stored["slot"], np.int32)))
+    if table.row_score.shape[0] and EVICTION_SCORE in stored:
+        score = np.asarray(stored[EVICTION_SCORE], np.int32)
+        if score.shape != (n, table.row_score.shape[1]):
+            raise ValueError(f"{source}: embedding \"{spec.name}\" eviction scores have shape "
+                             f"{score.shape}, expected {(n, table.row_score.shape[1])}")
+        # the clock goes on from the newest step the rows were touched in (the saved step)
+        clock = jnp.maximum(table.clock, int(score[:, 0].max()) if n else 0)
+        table = table._replace(row_score=table.row_score.at[r].set(jnp.asarray(score)),
+                               clock=clock.astype(jnp.int32))
     return EmbeddingState(table, new_values, new_slots, row_slot)
 
 

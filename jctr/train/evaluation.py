@@ -112,13 +112,17 @@ _norms_jit = jax.jit(_norms)
 
 def embedding_norms(specs, state: TrainState) -> dict[str, dict[str, float]]:
     """Per table: rows in use, their share of the table's capacity (``fill``) and their mean
-    L2 norm (logged with every evaluation)."""
+    L2 norm (logged with every evaluation); for a table that evicts, the keys it evicted and
+    refused so far."""
     out = {}
     for spec, es, (rows, total) in zip(specs, state.embeddings, _norms_jit(state.embeddings)):
         rows = int(to_host(rows))
         capacity = int(np.prod(es.row_slot.shape))  # every shard's rows
         out[spec.name] = {"rows": rows, "fill": rows / max(capacity, 1),
                           "mean_norm": float(to_host(total)) / max(rows, 1)}
+        if spec.eviction is not None:  # keys evicted, and refused (no row found), so far
+            out[spec.name]["evicted"] = int(np.sum(to_host(es.table.evicted)))
+            out[spec.name]["refused"] = int(np.sum(to_host(es.table.overflow)))
     return out
 
 

@@ -70,7 +70,10 @@ def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation,
                 lrs = tuple(jnp.where(finite, lr, 0.0) for lr in lrs)
             new_embs = engine.apply(embs, lookups, batch, tuple(unscale(g) for g in g_pooled),
                                     lrs, count)
-            overflow = sum(jnp.sum(es.table.overflow) for es in new_embs)
+            # a table that evicts refuses a key only when its sampling rounds found no row:
+            # counted (embedding_norms), never a reason to stop
+            overflow = sum(jnp.sum(es.table.overflow) for es, spec in zip(new_embs, sc.specs)
+                           if spec.eviction is None)
             new_state = TrainState(count, state.rng, params, new_stats, opt_state,
                                    tuple(new_embs), state.lr_scale)
             skipped = ~finite if sc.skip_nonfinite else jnp.array(False)

@@ -34,11 +34,12 @@ def check_overflow(metrics, specs, state: TrainState) -> None:
     """A :class:`TableFullError` naming the tables that met more keys than they hold."""
     if int(to_host(metrics["overflow"])):
         full = [s for s, e in zip(specs, state.embeddings)
-                if int(np.sum(to_host(e.table.overflow)))]
+                if s.eviction is None and int(np.sum(to_host(e.table.overflow)))]
         names = ", ".join(f"\"{s.name}\" ({s.capacity} rows)" for s in full)
         raise TableFullError(
             f"embedding table full: more distinct keys than max_vocabulary_size_per_gpu "
-            f"allows in {names}; raise sparse_embedding_hparam.max_vocabulary_size_per_gpu")
+            f"allows in {names}; raise sparse_embedding_hparam.max_vocabulary_size_per_gpu, or "
+            "give the layer an eviction object to replace the lowest-ranked rows")
 
 
 def nonfinite_error(loss: float, step: int, last_checkpoint: int | None) -> NonFiniteLoss:

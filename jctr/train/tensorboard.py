@@ -3,7 +3,8 @@
 Every record the trainer logs becomes scalars under ``<log_dir>/tensorboard``:
 ``train/loss``, ``train/samples_per_s``, ``train/step_time_ms``, ``train/lr``,
 ``train/epoch_loss``, ``validation/<metric>`` (AUC, LogLoss, ...), ``test/<set>/<metric>``,
-``tables/<name>/rows``, ``tables/<name>/fill`` (rows / capacity) and ``tables/<name>/mean_norm``.
+``tables/<name>/rows``, ``tables/<name>/fill`` (rows / capacity) and ``tables/<name>/mean_norm``
+(and ``evicted``, ``refused`` for a table that evicts).
 ``tensorboard --logdir <log_dir>`` shows them.
 
 Example::
@@ -45,7 +46,7 @@ class TensorBoardLog:
                     self._scalar(f"{prefix}/{key}", value, step)
             self._scalar("train/lr", entry.get("lr"), step)
             for name, t in (entry.get("embedding_norms") or {}).items():
-                for key in ("rows", "fill", "mean_norm"):
+                for key in ("rows", "fill", "mean_norm", "evicted", "refused"):
                     self._scalar(f"tables/{name}/{key}", t.get(key), step)
         elif kind == "lr":
             self._scalar("train/lr", entry.get("lr"), step)

@@ -346,6 +346,8 @@ class Trainer:
         self._print(f"[jctr] eval at iter {step}" + (f" (epoch {epoch})" if epoch else "")
                     + ": " + "  ".join(f"{k} {v:.5f}" for k, v in result.items()) + "  |  "
                     + "  ".join(f"{name}: {n['rows']:,} rows, mean |row| {n['mean_norm']:.4f}"
+                                + (f", {n['evicted']:,} evicted" if "evicted" in n else "")
+                                + (f", {n['refused']:,} refused" if n.get("refused") else "")
                                 for name, n in norms.items()))
         self.run_log.record("eval", iter=step, set="validation", **result,
                             **({"epoch": epoch} if epoch else {}), lr=lr, embedding_norms=norms)

@@ -1,0 +1,162 @@
+"""Embedding tables that live: lookup+insert of fresh keys against a plain gather of the same
+rows, and eviction under a stream of new keys against the same table with room to spare,
+measured in one run (issue 36).
+
+Every timed step gets a batch it has not seen (made before the timing): keys drawn uniformly
+or by a power law (alpha 1.2) over ``--vocab`` keys, so new keys keep arriving as in real
+data. A step is the training lookup of :func:`jctr.embedding.sparse_embedding.lookup_keys`
+(find, insert, initial vectors of new rows; with eviction the choice of victims, the reset of
+their optimizer rows and the scores) plus the gather of the rows' vectors.
+
+1. Lookup+insert: a table of ``--capacity`` rows filled to 50% and to 85% of its rows
+   (its slots are at most half full by design: 25% and 43% of them), against
+   ``np.take`` of as many random rows of a values array of the same size (the memory's
+   limit for the same bytes).
+2. Eviction: the table full, policy ``lru`` (``--policy``), against the same stream
+   through a table with room for every key of the run. Ratio: steps/s evicting over steps/s
+   with room (goal >= 0.8x).
+
+    python scripts/bench_tables.py
+    python scripts/bench_tables.py --capacity 4000000 --batch 212992 --steps 20
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import jctr._x64  # noqa: E402,F401  (64-bit keys)
+from scripts.bench_hps import cpu_name  # noqa: E402
+
+
+def batches(kind: str, steps: int, n: int, vocab: int, seed: int) -> list[np.ndarray]:
+    """``steps`` fresh key batches (int64 [n])."""
+    from jctr.data.tools.synthetic import power_law_ranks
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for _ in range(steps):
+        ranks = (rng.integers(0, vocab, n) if kind == "uniform"
+                 else power_law_ranks(rng, n, vocab, 1.2))
+        out.append((ranks.astype(np.int64) * 2654435761 + 17) % (1 << 62))  # spread keys
+    return out
+
+
+def make_step(spec):
+    from jctr.embedding.sparse_embedding import lookup_keys
+
+    def step(state, keys):
+        valid = jnp.ones(keys.shape, bool)
+        state, lk = lookup_keys(spec, state, keys, valid, jnp.zeros(keys.shape, jnp.int32),
+                                train=True)
+        rows = jnp.where(lk.rows >= 0, lk.rows, 0)
+        return state, jnp.sum(jnp.take(state.values, rows, axis=0))
+
+    return jax.jit(step, donate_argnums=0)
+
+
+def spec_of(capacity: int, dim: int, eviction):
+    from jctr.config.schema import OptimizerConfig
+    from jctr.embedding.sparse_embedding import EmbeddingSpec
+
+    return EmbeddingSpec("t", capacity=capacity, dim=dim, slot_num=1, max_features=1,
+                         one_hot=True, input_index=0,
+                         optimizer=OptimizerConfig("Adam", update_type="Local"),
+                         eviction=eviction)
+
+
+def fill(step, state, capacity: int, rows: int, batch: int):
+    """Insert ``rows`` distinct keys (outside the benchmark's key range)."""
+    keys = -np.arange(1, rows + 1, dtype=np.int64)
+    for s in range(0, rows, batch):
+        part = np.full(batch, keys[s], np.int64)
+        part[:min(batch, rows - s)] = keys[s:s + batch]
+        state, _ = step(state, jnp.asarray(part))
+    return state
+
+
+def timed(step, state, feed: list[np.ndarray]) -> tuple[float, object]:
+    """Mean seconds per step over ``feed`` (the first step, the compile, not counted; the
+    mean, not the median: a step that builds the slots again is part of the cost)."""
+    state, out = step(state, jnp.asarray(feed[0]))
+    jax.block_until_ready(out)
+    ts = []
+    for keys in feed[1:]:
+        dev = jnp.asarray(keys)
+        jax.block_until_ready(dev)
+        t = time.perf_counter()
+        state, out = step(state, dev)
+        jax.block_until_ready(out)
+        ts.append(time.perf_counter() - t)
+    if os.environ.get('BENCH_TABLES_STEPS'):
+        print(' '.join(f'{t * 1e3:.0f}' for t in ts))
+    return float(np.mean(ts)), state
+
+
+def main() -> int:
+    from jctr.config.schema import EvictionConfig
+    from jctr.embedding.sparse_embedding import init_embedding
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--capacity", type=int, default=2_000_000)
+    ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=106_496, help="keys per step (4096 x 26)")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=100_000_000)
+    ap.add_argument("--policy", default="lru")
+    args = ap.parse_args()
+    print(f"CPU: {cpu_name()}; jax {jax.__version__} on {jax.default_backend()}")
+    cap, n = args.capacity, args.batch
+    rng = np.random.default_rng(0)
+    values = rng.random((cap, args.dim), dtype=np.float32)
+
+    def np_gather():
+        idx = rng.integers(0, cap, n)
+        t = time.perf_counter()
+        np.take(values, idx, axis=0).sum()
+        return time.perf_counter() - t
+
+    gather = float(np.median([np_gather() for _ in range(9)]))
+    for kind in ("uniform", "power-law"):
+        feed = batches(kind, args.steps, n, args.vocab, seed=1)
+        plain = make_step(spec_of(cap, args.dim, None))
+        for share in (0.5, 0.85):
+            state = fill(plain, init_embedding(spec_of(cap, args.dim, None)), cap,
+                         int(share * cap) - n * args.steps, n)
+            s, state = timed(plain, state, feed)
+            print(f"[{kind}] lookup+insert, table {share:.0%} full, {n:,} keys/step: "
+                  f"{s * 1e3:.1f} ms; np.take of as many rows {gather * 1e3:.1f} ms: "
+                  f"ratio {gather / s:.2f}")
+            del state
+        ev = EvictionConfig(args.policy)
+        evicting = make_step(spec_of(cap, args.dim, ev))
+        state = fill(evicting, init_embedding(spec_of(cap, args.dim, ev)), cap, cap, n)
+        s_full, state = timed(evicting, state, feed)
+        evicted = int(state.table.evicted)
+        refused = int(state.table.overflow)
+        del state
+        room = cap + n * args.steps
+        roomy = make_step(spec_of(room, args.dim, ev))
+        state = fill(roomy, init_embedding(spec_of(room, args.dim, ev)), room, cap, n)
+        s_room, state = timed(roomy, state, feed)
+        del state
+        print(f"[{kind}] eviction ({args.policy}), table of {cap:,} rows full: "
+              f"{s_full * 1e3:.1f} ms/step ({evicted:,} evicted, {refused:,} refused in "
+              f"{args.steps - 1} steps); with room: {s_room * 1e3:.1f} ms/step: "
+              f"ratio {s_room / s_full:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

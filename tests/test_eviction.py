@@ -1,0 +1,239 @@
+"""Eviction (issue 36 point 2): a full table gives new keys the rows of the keys its policy
+ranks lowest, inside the training step.
+
+The reference is a dictionary model of the same rule, written from its description in
+jctr/embedding/hash_table.py (``_evict``): each new key samples rows by its hash, takes the
+lowest-ranked one not touched in the step, the first position wins a contested row and the
+others sample again (four rounds). NVIDIA HierarchicalKV's policies (``lru``, ``lfu``,
+``epoch_lru``, ``epoch_lfu``) define the ranks; HugeCTR refuses a full table
+(``TableFullError``), which stays the default.
+"""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jctr._x64  # noqa: F401
+from jctr.config.schema import EvictionConfig
+from jctr.embedding.hash_table import create_table, erase, export_items, lookup
+from jctr.ops.hashing import mix64
+
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+class Model:
+    """The table as a dictionary: key -> row, and each row's (last step, touches)."""
+
+    def __init__(self, capacity: int, ev: EvictionConfig):
+        self.c, self.ev = capacity, ev
+        self.rows: dict[int, int] = {}
+        self.last = np.zeros(capacity, np.int64)
+        self.count = np.zeros(capacity, np.int64)
+        self.free: list[int] = []
+        self.size = self.clock = self.evicted = self.overflow = 0
+
+    def rank(self, r: int) -> int:
+        last, ev = int(self.last[r]), self.ev
+        if last == self.clock:
+            return np.iinfo(np.int64).max
+        epoch = last // ev.epoch_steps
+        return {"lru": last, "lfu": (int(self.count[r]) << 32) | last,
+                "epoch_lru": (epoch << 32) | last,
+                "epoch_lfu": (epoch << 32) | int(self.count[r])}[ev.policy]
+
+    def step(self, keys: list[int]) -> None:
+        """One training lookup of distinct ``keys``."""
+        self.clock += 1
+        restart = set()
+        for k in keys:  # found keys: epoch_lfu counts again in a new epoch
+            r = self.rows.get(k)
+            if r is not None and self.ev.policy == "epoch_lfu" and (
+                    self.last[r] // self.ev.epoch_steps != self.clock // self.ev.epoch_steps):
+                restart.add(r)
+        new = [k for k in keys if k not in self.rows]
+        needy = []
+        for k in new:  # free rows first (the top of the stack), then rows never handed out
+            if self.free:
+                r = self.free.pop()
+            elif self.size < self.c:
+                r, self.size = self.size, self.size + 1
+            else:
+                needy.append(k)
+                continue
+            self.rows[k] = r
+            restart.add(r)
+        for k in keys:
+            if k in self.rows:
+                self.last[self.rows[k]] = self.clock
+        by_row = {r: k for k, r in self.rows.items()}
+        s = self.ev.samples
+        for rnd in range(4):
+            choice = {}
+            for j, k in enumerate(needy):
+                h = mix64(np.array([k], np.int64).view(np.uint64))[0]
+                salts = (np.arange(s, dtype=np.uint64) + np.uint64(rnd * s + 1)) * GOLDEN
+                cand = (mix64(h ^ salts) % np.uint64(self.c)).astype(np.int64)
+                ranks = [self.rank(int(r)) for r in cand]
+                best = int(np.argmin(ranks))
+                if ranks[best] < np.iinfo(np.int64).max:
+                    choice.setdefault(int(cand[best]), j)  # the first position wins
+            won = set()
+            for r, j in choice.items():
+                k = needy[j]
+                del self.rows[by_row[r]]
+                self.rows[k] = by_row[r] = r
+                self.last[r] = self.clock
+                restart.add(r)
+                won.add(j)
+                self.evicted += 1
+            needy = [k for j, k in enumerate(needy) if j not in won]
+        self.overflow += len(needy)
+        for r in restart:
+            self.count[r] = 0
+        for k in keys:
+            if k in self.rows:
+                self.count[self.rows[k]] += 1
+
+
+@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu"])
+def test_eviction_equals_a_dictionary_model(policy):
+    """80 steps of 12 distinct keys (a hot set of 10 keys and a stream of cold ones) through
+    a table of 24 rows: every step the table's key -> row map, its eviction and overflow
+    counts and every row's scores equal the model's; under lru and lfu most hot keys stay.
+    An erase midway frees rows that new keys take before any eviction."""
+    capacity = 24
+    ev = EvictionConfig(policy, epoch_steps=5, samples=4)
+    model = Model(capacity, ev)
+    table = create_table(capacity, ev)
+    step = jax.jit(lambda t, k: lookup(t, k, jnp.ones(k.shape, bool), capacity, insert=True,
+                                       eviction=ev))
+    drop = jax.jit(lambda t, k: erase(t, k, jnp.ones(k.shape, bool)))
+    rng = np.random.default_rng(1)
+    for i in range(80):
+        hot = rng.choice(10, 4, replace=False)
+        cold = rng.choice(np.arange(10, 400), 8, replace=False)
+        keys = np.concatenate([hot, cold]).astype(np.int64)
+        rng.shuffle(keys)
+        table, lk = step(table, jnp.asarray(keys))
+        model.step(keys.tolist())
+        got_keys, got_rows = export_items(table)
+        assert dict(zip(got_keys.tolist(), got_rows.tolist())) == model.rows, i
+        rows = np.asarray(lk.rows)
+        for k, r in zip(keys.tolist(), rows.tolist()):
+            assert model.rows.get(k, -1) == r
+        assert int(table.evicted) == model.evicted and int(table.overflow) == model.overflow
+        score = np.asarray(table.row_score)
+        np.testing.assert_array_equal(score[:, 0], model.last, err_msg=f"step {i}")
+        if ev.score_columns > 1:
+            np.testing.assert_array_equal(score[:, 1], model.count, err_msg=f"step {i}")
+        if i == 40:  # erase three held keys: their rows go first to the next new keys
+            gone = np.array(sorted(model.rows)[:3], np.int64)
+            table, freed = drop(table, jnp.asarray(gone))
+            for k in gone.tolist():
+                model.free.append(model.rows.pop(k))
+            assert sorted(np.asarray(freed).tolist()) == sorted(model.free)
+    assert model.evicted > 200 and model.overflow == 0
+    if policy in ("lru", "lfu"):  # the hot keys stay far more than the cold ones
+        held_hot = sum(k in model.rows for k in range(10)) / 10
+        assert held_hot >= 0.6 > 4 * (len(model.rows) - 10 * held_hot) / 390
+
+
+def test_a_table_without_eviction_keeps_refusing_when_full():
+    """No eviction object: HugeCTR's behaviour, unchanged (overflow counted, row -1)."""
+    table = create_table(4)
+    assert table.row_slots.shape == (0,) and table.row_score.shape == (0, 1)
+    keys = jnp.arange(6, dtype=jnp.int64)
+    table, lk = lookup(table, keys, jnp.ones(6, bool), 4, insert=True)
+    assert np.asarray(lk.rows).tolist()[4:] == [-1, -1] and int(table.overflow) == 2
+
+
+def _evicting(tmp_path, policy="lru", capacity=60, **solver):
+    from tests.conftest import tiny_config
+
+    base = dict(max_iter=30, display=1, eval_interval=10, eval_batches=2,
+                snapshot_prefix=str(tmp_path / "run_"))
+    base.update(solver)
+    cfg = tiny_config(tmp_path, "dlrm", **base)
+    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = capacity
+    cfg["layers"][1]["optimizer"] = {"type": "Adam", "update_type": "Local",
+                                     "adam_hparam": {"learning_rate": 0.01}}
+    cfg["layers"][1]["eviction"] = {"policy": policy}
+    return cfg
+
+
+def test_a_full_table_trains_on_by_evicting_and_resumes_exactly(tmp_path):
+    """A DLRM whose table holds 60 rows of a few hundred keys (Adam rows: state that an
+    evicted key's successor must not inherit): training goes on where it would stop with
+    TableFullError; evictions are logged with each evaluation and in TensorBoard's tables;
+    a checkpoint at iteration 13 resumes to the same losses as the run that went through
+    (the scores and the table's clock come back with the rows)."""
+    from jctr.config import parse_config
+    from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding
+    from jctr.train.trainer import Trainer
+
+    lines = []
+    full = Trainer(parse_config(_evicting(tmp_path)), log=lines.append)
+    full.fit()
+    evals = [x for x in lines if x.startswith("[jctr] eval at iter")]
+    assert evals and " evicted" in evals[-1]
+    evicted = int(np.asarray(full.state.embeddings[0].table.evicted))
+    assert evicted > 100
+    reference = {h["iter"]: h["loss"] for h in full.history if h["kind"] == "train"}
+    norms = [h for h in full.history if h["kind"] == "eval"][-1]["embedding_norms"]
+    assert norms["sparse_embedding1"]["evicted"] == evicted
+    assert norms["sparse_embedding1"]["rows"] == 60
+
+    Trainer(parse_config(_evicting(tmp_path, max_iter=13, snapshot=13)),
+            log=lambda s: None).fit()
+    resumed = Trainer(parse_config(_evicting(tmp_path)), log=lambda s: None)
+    assert resumed.restore_checkpoint() == 13
+    table = resumed.state.embeddings[0].table
+    assert int(table.clock) == 13
+    resumed.fit()
+    got = {h["iter"]: h["loss"] for h in resumed.history if h["kind"] == "train"}
+    assert sorted(got) == list(range(14, 31))
+    for it, loss in got.items():
+        assert loss == reference[it], (it, loss, reference[it])
+
+    # an evicted key's row starts as in a new table: its vector and Adam's moments
+    cfg = parse_config(_evicting(tmp_path))
+    spec = EmbeddingSpec.from_config(cfg, cfg.embeddings[0])
+    assert spec.eviction.policy == "lru" and int(init_embedding(spec).table.clock) == 0
+
+
+def test_eviction_on_eight_devices(tmp_path):
+    """The table spread over 8 forced host devices by key hash (each device's part evicts
+    on its own): training goes on past the capacity, each part full."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    script = f"""
+import json, sys
+sys.path.insert(0, {ROOT!r})
+import numpy as np
+from jctr.train.trainer import Trainer
+from tests.test_eviction import _evicting
+import pathlib
+cfg = _evicting(pathlib.Path({str(tmp_path)!r}), capacity=16, max_iter=12, eval_interval=100)
+cfg["solver"]["gpu"] = list(range(8))
+cfg["layers"][1]["sparse_embedding_hparam"]["replicated"] = False
+from jctr.config import parse_config
+t = Trainer(parse_config(cfg), log=lambda s: None)
+t.fit()
+table = t.state.embeddings[0].table
+print(json.dumps({{"evicted": np.asarray(table.evicted).tolist(),
+                   "size": np.asarray(table.size).tolist()}}))
+"""
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["size"] == [16] * 8
+    assert all(e > 0 for e in got["evicted"])

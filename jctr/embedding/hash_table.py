@@ -53,14 +53,16 @@ class HashTable(NamedTuple):
         return self.slot_keys.shape[0]
 
 
-def num_slots_for(capacity: int) -> int:
-    """Slots for a capacity: a power of two at least twice the capacity (load <= 1/2)."""
-    return max(16, 1 << int(2 * capacity - 1).bit_length())
+def num_slots_for(capacity: int, eviction: EvictionConfig | None = None) -> int:
+    """Slots for a capacity: a power of two at least twice the capacity (load <= 1/2); four
+    times for a table that evicts, whose evicted keys leave tombstones until the slots are
+    built again (room for 1.5x its rows of them between two builds, instead of 0.25x)."""
+    return max(16, 1 << int((4 if eviction is not None else 2) * capacity - 1).bit_length())
 
 
 def create_table(capacity: int, eviction: EvictionConfig | None = None) -> HashTable:
     """An empty table; with ``eviction`` it keeps what its policy ranks rows by."""
-    n = num_slots_for(capacity)
+    n = num_slots_for(capacity, eviction)
     tracked = capacity if eviction is not None else 0
     columns = eviction.score_columns if eviction is not None else 1
     def zero():  # a buffer each: a donated state must not hold one array twice
@@ -226,12 +228,14 @@ def _evict(table: HashTable, keys, slots, rows, granted, needy, eviction: Evicti
         idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
         sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
         sub_slots = slots.at[idx].get(mode="fill", fill_value=-1)
-        pending = idx < n
         h = hash_keys(sub_keys)
-        got = jnp.zeros((chunk,), bool)
-        for rnd in range(_ROUNDS):
-            salt = (jnp.arange(samples, dtype=jnp.uint64) + np.uint64(rnd * samples + 1)) \
-                * _GOLDEN
+
+        def round_(rc):
+            # a round samples again only for keys whose choice another key took: most
+            # chunks need one round, so the rounds stop when every key has its row
+            rnd, slot_keys, slot_rows, row_slots, score, scratch, pending, got = rc
+            salt = (jnp.arange(samples, dtype=jnp.uint64)
+                    + (rnd * samples + 1).astype(jnp.uint64)) * _GOLDEN
             cand = (hash_keys((h[:, None] ^ salt[None, :]).astype(jnp.int64))
                     % np.uint64(capacity)).astype(jnp.int32)  # [chunk, samples]
             rank = _rank(score.at[cand].get(mode="clip"), clock, eviction)
@@ -250,8 +254,13 @@ def _evict(table: HashTable, keys, slots, rows, granted, needy, eviction: Evicti
                                                                              mode="drop")
             row_slots = row_slots.at[vr].set(sub_slots, mode="drop")
             score = score.at[vr, 0].set(clock, mode="drop")  # taken: no later key takes it
-            got = got | win
-            pending = pending & ~win
+            return (rnd + 1, slot_keys, slot_rows, row_slots, score, scratch, pending & ~win,
+                    got | win)
+
+        _, slot_keys, slot_rows, row_slots, score, scratch, _, got = jax.lax.while_loop(
+            lambda rc: (rc[0] < _ROUNDS) & jnp.any(rc[6]), round_,
+            (jnp.int32(0), slot_keys, slot_rows, row_slots, score, scratch, idx < n,
+             jnp.zeros((chunk,), bool)))
         todo = todo.at[idx].set(False, mode="drop")
         placed = placed.at[idx].set(got, mode="drop")
         return slot_keys, slot_rows, row_slots, score, scratch, todo, placed

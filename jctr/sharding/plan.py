@@ -120,7 +120,7 @@ def table_bytes(spec: EmbeddingSpec, capacity: int) -> int:
                                  for a in slots.values()) + 4 + 4
     if spec.eviction is not None:
         per_row += 4 + 4 * spec.eviction.score_columns
-    return capacity * per_row + num_slots_for(capacity) * 16
+    return capacity * per_row + num_slots_for(capacity, spec.eviction) * 16
 
 
 def device_memory_bytes(device) -> int | None:

@@ -87,6 +87,26 @@ def test_early_stopping_by_hand():
     assert low.should_stop and low.best == 0.4
 
 
+def test_relative_min_delta_and_warm_up_epochs_by_hand():
+    """Issue 37: ``min_delta_mode: relative`` compares with a share of the best's magnitude;
+    ``start_from_epoch`` leaves the warm-up's evaluations unwatched (Keras' EarlyStopping,
+    ``keras/src/callbacks/early_stopping.py`` ``on_epoch_end``: nothing is recorded while
+    ``epoch < start_from_epoch``)."""
+    rel = EarlyStopping(EarlyStoppingConfig(patience=1, min_delta=0.01,
+                                            min_delta_mode="relative"))
+    # 0.80 -> 0.807 is +0.875%: not more than 1% of 0.80; 0.81 is +1.25%
+    assert [rel.update(v, i) for i, v in enumerate([0.80, 0.807, 0.81])] == [True, False, True]
+    loss = EarlyStopping(EarlyStoppingConfig(metric="LogLoss", mode="min", patience=3,
+                                             min_delta=0.1, min_delta_mode="relative"))
+    assert [loss.update(v, i) for i, v in enumerate([0.5, 0.46, 0.44])] == [True, False, True]
+    warm = EarlyStopping(EarlyStoppingConfig(patience=1, start_from_epoch=3))
+    # the first three epochs (0-based 0..2): a high AUC that falls would stop a run
+    seen = [warm.update(v, it, epoch=it - 1) for it, v in
+            [(1, 0.95), (2, 0.80), (3, 0.96), (4, 0.90), (5, 0.92), (6, 0.91)]]
+    assert seen == [False, False, False, True, True, False]
+    assert (warm.best, warm.best_iter, warm.should_stop) == (0.92, 5, True)
+
+
 def test_plateau_schedule_by_hand():
     p = PlateauSchedule(PlateauConfig(factor=0.1, patience=2, min_lr=2e-5), base_lr=1e-3)
     lowered = [p.update(v, i) for i, v in enumerate([0.70, 0.69, 0.68, 0.71, 0.70, 0.70,
@@ -171,6 +191,32 @@ def test_plateau_lowers_the_rate_without_compiling_again(tiny, tmp_path):
     assert [round(h["lr"], 6) for h in history if h["kind"] == "lr"] == [0.25, 0.125, 0.1]
     assert float(t.state.lr_scale) == pytest.approx(0.2)
     assert t.train_step._cache_size() == 1
+
+
+def test_warm_up_epochs_and_a_patience_of_its_own_after_each_rate_drop(tiny, tmp_path):
+    """In the loop: the evaluations at the end of the first two epochs (0.85, then a noisy
+    dip) are not watched; with ``restart_after_lr_drop`` each plateau rate drop gives the
+    lower rate ``patience`` evaluations of its own (FuxiCTR reduces the rate on a plateau and
+    stops only when the lowered rates keep missing), so the run goes on to its last epoch
+    where it would stop at the fifth."""
+    aucs = [0.85, 0.70, 0.82, 0.81, 0.81, 0.81, 0.81, 0.81]
+
+    def run(**es):
+        cfg = epoch_config(tiny, tmp_path, num_epochs=len(aucs), lr_policy="plateau",
+                           lr_plateau={"factor": 0.5, "patience": 1},
+                           early_stopping={"patience": 2, "start_from_epoch": 2,
+                                           "restore_best_weights": False, **es})
+        t = Trainer.from_config(cfg)
+        scripted(t, aucs)
+        t.fit()
+        return [h for h in t.history if h["kind"] == "early_stop"]
+
+    plain = run()
+    assert [(h["iter"], h["best_iter"]) for h in plain] == [
+        (5 * STEPS_PER_EPOCH, 3 * STEPS_PER_EPOCH)]
+    patient = run(restart_after_lr_drop=True)
+    # drops at epochs 4, 5, 6, 7 (patience 1 each) keep restarting the count: no early stop
+    assert patient == []
 
 
 def test_the_rate_factor_scales_dense_and_table_updates(tiny, tmp_path):

@@ -317,8 +317,11 @@ def _parse_watch(r: ObjectReader, kind: type, metrics: tuple[Metric, ...]):
     mode = r.choice("mode", METRIC_MODES, default_mode(metric))
     patience = r.int("patience", kind().patience, min_value=1)
     min_delta = r.float("min_delta", 0.0, min_value=0.0)
+    min_delta_mode = r.choice("min_delta_mode", ("absolute", "relative"), "absolute")
     if kind is EarlyStoppingConfig:
-        extra = {"restore_best_weights": r.bool("restore_best_weights", True)}
+        extra = {"restore_best_weights": r.bool("restore_best_weights", True),
+                 "start_from_epoch": r.int("start_from_epoch", 0, min_value=0),
+                 "restart_after_lr_drop": r.bool("restart_after_lr_drop", False)}
     else:
         factor = r.float("factor", 0.1, min_value=0.0)
         if not 0.0 < factor < 1.0:
@@ -326,7 +329,8 @@ def _parse_watch(r: ObjectReader, kind: type, metrics: tuple[Metric, ...]):
                           f"{describe(factor)}")
         extra = {"factor": factor, "min_lr": r.float("min_lr", 0.0, min_value=0.0)}
     r.finish()
-    return kind(metric=metric, mode=mode, patience=patience, min_delta=min_delta, **extra)
+    return kind(metric=metric, mode=mode, patience=patience, min_delta=min_delta,
+                min_delta_mode=min_delta_mode, **extra)
 
 
 def _parse_gpu(r: ObjectReader) -> tuple[tuple[int, ...], ...]:

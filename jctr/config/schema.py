@@ -186,6 +186,17 @@ class EarlyStoppingConfig:
     """The smallest change that counts as an improvement."""
     restore_best_weights: bool = True
     """Go back to the best evaluation's weights, tables and optimizer state at the end."""
+    min_delta_mode: str = "absolute"
+    """``absolute``: an improvement beats the best by more than ``min_delta``; ``relative``:
+    by more than ``min_delta`` times the best's magnitude (0.001: a 0.1% better value)."""
+    start_from_epoch: int = 0
+    """Epochs of warm-up: evaluations in (or at the end of) the first this many epochs neither
+    count against ``patience`` nor become the best (Keras' ``start_from_epoch``): the first
+    epochs' noisy validation cannot stop a run."""
+    restart_after_lr_drop: bool = False
+    """With ``lr_policy: "plateau"``: an evaluation that lowered the learning rate starts the
+    patience count again, so the lower rate gets ``patience`` evaluations of its own
+    (FuxiCTR's reduce-then-stop)."""
 
 
 @dataclass(frozen=True)
@@ -213,6 +224,9 @@ class PlateauConfig:
     """Evaluations without improvement before the rates drop."""
     min_delta: float = 0.0
     """The smallest change that counts as an improvement."""
+    min_delta_mode: str = "absolute"
+    """``absolute`` or ``relative`` (``min_delta`` times the best's magnitude), as for early
+    stopping."""
     min_lr: float = 0.0
     """The solver optimizer's rate never drops below this."""
 

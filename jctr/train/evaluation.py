@@ -150,7 +150,10 @@ class ValidationJudge:
         self.report = report
         self.record = record
 
-    def judge(self, result: dict[str, float], step: int, lr: float) -> Verdict:
+    def judge(self, result: dict[str, float], step: int, lr: float,
+              epoch: int | None = None) -> Verdict:
+        """What the validation ``result`` at iteration ``step`` (in 0-based ``epoch``)
+        decides."""
         if self.threshold is not None and result.get("AUC", 0.0) >= self.threshold:
             self.report(f"[jctr] AUC {result['AUC']:.5f} reached the threshold "
                         f"{self.threshold}; stopping")
@@ -166,8 +169,11 @@ class ValidationJudge:
         es = self.early_stopping
         if es is None:
             return Verdict(lr_scale=scale)
-        if es.update(result[es.metric], step):
+        if es.update(result[es.metric], step, epoch):
             return Verdict(lr_scale=scale, best=es.cfg.restore_best_weights)
+        if scale is not None and es.cfg.restart_after_lr_drop and es.wait:
+            es.wait = 0  # the lowered rate gets a patience of its own
+            self.report("[jctr] early stopping: patience starts again at the lower rate")
         if es.should_stop:
             self.report(f"[jctr] early stopping at iter {step}: validation {es.metric} has not "
                         f"improved on {es.best:.5f} (iter {es.best_iter}) for {es.wait} "

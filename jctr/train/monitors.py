@@ -15,7 +15,8 @@ class MetricWatch:
     """The best value of one metric so far and how many evaluations in a row missed it.
 
     A value improves on the best when it is better by more than ``min_delta`` (larger in mode
-    ``max``, smaller in mode ``min``); NaN never improves.
+    ``max``, smaller in mode ``min``; with ``relative``, by more than ``min_delta`` times the
+    best's magnitude); NaN never improves.
 
     Example::
 
@@ -23,8 +24,9 @@ class MetricWatch:
         w.update(0.70, 100), w.update(0.69, 200)   # (True, False); w.wait == 1
     """
 
-    def __init__(self, metric: str, mode: str, min_delta: float):
+    def __init__(self, metric: str, mode: str, min_delta: float, relative: bool = False):
         self.metric, self.mode, self.min_delta = metric, mode, min_delta
+        self.relative = relative  # min_delta is a share of the best's magnitude
         self.best: float | None = None
         self.best_iter: int | None = None
         self.wait = 0
@@ -34,9 +36,10 @@ class MetricWatch:
             return False
         if self.best is None:
             return True
+        delta = self.min_delta * abs(self.best) if self.relative else self.min_delta
         if self.mode == "max":
-            return value > self.best + self.min_delta
-        return value < self.best - self.min_delta
+            return value > self.best + delta
+        return value < self.best - delta
 
     def update(self, value: float, iteration: int) -> bool:
         """Record an evaluation; True if it is the new best."""
@@ -65,8 +68,17 @@ class EarlyStopping(MetricWatch):
     """
 
     def __init__(self, cfg: EarlyStoppingConfig):
-        super().__init__(cfg.metric, cfg.mode, cfg.min_delta)
+        super().__init__(cfg.metric, cfg.mode, cfg.min_delta, cfg.min_delta_mode == "relative")
         self.cfg = cfg
+
+    def update(self, value: float, iteration: int, epoch: int | None = None
+               ) -> bool:  # type: ignore[override]
+        """Record an evaluation in 0-based ``epoch`` (at its end, or within it); one in the
+        warm-up (``epoch < start_from_epoch``) is not watched at all. True if it is the new
+        best."""
+        if epoch is not None and epoch < self.cfg.start_from_epoch:
+            return False
+        return super().update(value, iteration)
 
     @property
     def should_stop(self) -> bool:
@@ -85,7 +97,7 @@ class PlateauSchedule(MetricWatch):
     """
 
     def __init__(self, cfg: PlateauConfig, base_lr: float):
-        super().__init__(cfg.metric, cfg.mode, cfg.min_delta)
+        super().__init__(cfg.metric, cfg.mode, cfg.min_delta, cfg.min_delta_mode == "relative")
         self.cfg = cfg
         self.base_lr = float(base_lr)
         self.scale = 1.0

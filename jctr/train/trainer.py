@@ -351,12 +351,19 @@ class Trainer:
                                 for name, n in norms.items()))
         self.run_log.record("eval", iter=step, set="validation", **result,
                             **({"epoch": epoch} if epoch else {}), lr=lr, embedding_norms=norms)
-        verdict = self.judge.judge(result, step, lr)
+        verdict = self.judge.judge(result, step, lr, self._epoch_of_evaluation())
         if verdict.lr_scale is not None:
             self.state = with_lr_scale(self.state, verdict.lr_scale)
         if verdict.best:
             self._best_copy = (step, self.placed.copy_to_host(self.state))
         return verdict.stop
+
+    def _epoch_of_evaluation(self) -> int:
+        """The 0-based epoch the last trained batch belongs to (an evaluation at an epoch's
+        end belongs to the epoch that ended, as Keras counts for ``start_from_epoch``)."""
+        p = self.reader_position or ReaderPosition()
+        at_start = p.epoch > 0 and p.file_index == 0 and p.record == 0
+        return p.epoch - 1 if at_start else p.epoch
 
     def _restore_best(self) -> None:
         """Early stopping with restore_best_weights: go back to the best evaluation's state

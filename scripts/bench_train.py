@@ -97,9 +97,10 @@ def jctr_config(batch: int, hot: int) -> dict:
         ]}
 
 
-def jctr_runner(batches, dtype: str, engine=None):
+def jctr_runner(batches, dtype: str, engine=None, l2_rows: str | None = None):
     """A function running one jctr training step on the next batch (compiled here);
-    ``engine``: the step's embedding engine (default: the tables on one device)."""
+    ``engine``: the step's embedding engine (default: the tables on one device); ``l2_rows``:
+    the table regularized (``l2_lambda`` 1e-5) on the touched rows or on all of them."""
     import jax
 
     from jctr.config import parse_config
@@ -111,6 +112,8 @@ def jctr_runner(batches, dtype: str, engine=None):
     b, _, hot = batches[0][0].shape
     config = jctr_config(b, hot)
     config["solver"]["compute_dtype"] = dtype
+    if l2_rows is not None:
+        config["layers"][1]["sparse_embedding_hparam"].update(l2_lambda=1e-5, l2_rows=l2_rows)
     cfg = parse_config(config)
     step_config, init_model = build_model(cfg)
     tx = dense_optimizer(cfg.optimizer)
@@ -261,6 +264,9 @@ def main() -> int:
     ap.add_argument("--torch-device", default=None,
                     help="the PyTorch reference's device (default: cuda where JAX runs on a GPU)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--l2", action="store_true",
+                    help="also time the table regularized on its touched rows and on all rows "
+                    "(l2_rows), against the plain step")
     args = ap.parse_args()
     # the same host memory setting as `python -m jctr.train` (JCTR_HOST_MEMORY_TUNING=0: off)
     reexec_with_malloc_tuning([os.path.abspath(__file__), *sys.argv[1:]])
@@ -279,6 +285,9 @@ def main() -> int:
             runners["jctr", dtype] = jctr_runner(batches, dtype)
             runners["dense", dtype] = dense_only_runner(batches, dtype)
             runners["torch", dtype] = torch_runner(batches, dtype, torch_device)
+            if args.l2:
+                for rows in ("touched", "all"):
+                    runners[f"l2 {rows}", dtype] = jctr_runner(batches, dtype, l2_rows=rows)
         times = interleaved(runners, args.steps, args.warmup, args.block)
         rate = {k: args.batch / statistics.median(t) for k, t in times.items()}
         for dtype in args.dtype:
@@ -303,6 +312,11 @@ def main() -> int:
                 line += (f"   (jctr {dtype} / pytorch float32: "
                          f"{row['ratio_to_torch_float32']:.2f}x, rounds "
                          f"{min(cross):.2f}-{max(cross):.2f})")
+            if args.l2:
+                for rows in ("touched", "all"):
+                    row[f"l2_{rows}_ratio"] = round(rate[f"l2 {rows}", dtype] / j, 3)
+                line += ("   l2 on touched rows {:.2f}x, on all rows {:.2f}x the plain step"
+                         .format(row["l2_touched_ratio"], row["l2_all_ratio"]))
             results.append(row)
             print(line, flush=True)
     if args.json:

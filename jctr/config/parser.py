@@ -726,6 +726,10 @@ def parse_embedding(r: ObjectReader, etype: str, devices: int = 1) -> EmbeddingC
     replicated = h.bool("replicated", None)
     l2_lambda = h.float("l2_lambda", 0.0, min_value=0.0)
     l1_lambda = h.float("l1_lambda", 0.0, min_value=0.0)
+    l2_rows = h.choice("l2_rows", ("touched", "all"), "touched")
+    if l2_rows == "all" and not l2_lambda:
+        raise h.error("l2_rows", '"all" regularizes with l2_lambda, which is 0 here: give '
+                      "l2_lambda too")
     h.finish()
     optimizer = parse_optimizer(r.child("optimizer")) if r.has("optimizer") else None
     eviction = _parse_eviction(r.child("eviction")) if r.has("eviction") else None
@@ -735,7 +739,7 @@ def parse_embedding(r: ObjectReader, etype: str, devices: int = 1) -> EmbeddingC
                            combiner=combiner, optimizer=optimizer, plan_file=plan_file,
                            init_range=init_range, replicated=replicated,
                            l2_lambda=l2_lambda, l1_lambda=l1_lambda, slot_size_array=sizes,
-                           eviction=eviction)
+                           eviction=eviction, l2_rows=l2_rows)
 
 
 def _parse_eviction(r: ObjectReader) -> EvictionConfig:

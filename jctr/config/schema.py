@@ -498,7 +498,16 @@ class EmbeddingConfig:
     unset lets the planner decide by ``solver.replicate_table_bytes``."""
     l2_lambda: float = 0.0
     """``sparse_embedding_hparam`` (jctr): every row a batch touches gets ``l2_lambda * w``
-    added to its gradient, once per step."""
+    added to its gradient, once per step (``l2_rows`` ``all``: every row of the table
+    decays instead)."""
+    l2_rows: str = "touched"
+    """``sparse_embedding_hparam`` (jctr): which rows ``l2_lambda`` regularizes. ``touched``:
+    the rows a batch touches (a weak regularizer: a row decays only when seen). ``all``:
+    every row of the table, every step, as a penalty ``l2_lambda / 2 * ||E||^2`` in the loss
+    does (FuxiCTR's ``embedding_regularizer``): the whole table is scaled by ``1 - lr *
+    l2_lambda`` in place before the step's sparse update (exact for SGD; with Adam and the
+    other adaptive rules it is decoupled weight decay, AdamW's form, since the penalty's
+    gradient does not enter their moments). Costs one pass over the table per step."""
     l1_lambda: float = 0.0
     """``sparse_embedding_hparam`` (jctr): every row a batch touches gets ``l1_lambda *
     sign(w)`` added to its gradient, once per step."""

@@ -45,13 +45,14 @@ class EmbeddingSpec:
     l2: float = 0.0  # regularization of touched rows (EmbeddingConfig.l2_lambda)
     l1: float = 0.0
     eviction: EvictionConfig | None = None  # a full table evicts (EmbeddingConfig.eviction)
+    l2_all: bool = False  # l2 decays every row every step (EmbeddingConfig.l2_rows "all")
 
     @property
     def sums_rows(self) -> bool:
         """Whether updates need one summed gradient per distinct row: every optimizer but
         plain SGD (whose scatter-add sums duplicates itself), and any regularized table (a
         row is regularized once per step)."""
-        return self.optimizer.type != "SGD" or bool(self.l2 or self.l1)
+        return self.optimizer.type != "SGD" or bool((self.l2 and not self.l2_all) or self.l1)
 
     @property
     def init_bound(self) -> float:
@@ -71,7 +72,7 @@ class EmbeddingSpec:
                    one_hot=sp.one_hot, input_index=idx, optimizer=cfg.embedding_optimizer(emb),
                    combiner=emb.combiner, init_range=emb.init_range,
                    seed=cfg.solver.seed * 1000 + number, l2=emb.l2_lambda, l1=emb.l1_lambda,
-                   eviction=emb.eviction)
+                   eviction=emb.eviction, l2_all=emb.l2_rows == "all")
 
 
 class EmbeddingState(NamedTuple):
@@ -240,8 +241,11 @@ def _apply_rows(spec, state, lk, g, lr, count, keys=None, clicks=None,
                              "of the batch")
         admitted = state.slots["accessor"].at[rows, 2].get(mode="fill", fill_value=0.0)
         g = g.at[:, 1:].multiply(admitted[:, None])  # embedx trains once admitted
-    values, slots = row_opt.apply_rows(spec.optimizer, state.values, state.slots, rows, g, lr,
-                                       count, l2=spec.l2, l1=spec.l1, occurrences=occurrences)
+    values, l2 = state.values, spec.l2
+    if spec.l2_all:  # every row decays, as the penalty's gradient l2 * w moves it (in place)
+        values, l2 = values * (1.0 - lr * spec.l2).astype(values.dtype), 0.0
+    values, slots = row_opt.apply_rows(spec.optimizer, values, state.slots, rows, g, lr,
+                                       count, l2=l2, l1=spec.l1, occurrences=occurrences)
     if admitted is not None:
         values, slots = _admit(spec, values, slots, rows, admitted, occurrences, keys,
                                sum_at_representatives(clicks.astype(jnp.float32)[:, None],

@@ -42,6 +42,22 @@ def prepare(name: str, samples: str, data_root: str, model: str = "deepfm") -> s
     return os.path.join(output, f"{model}.json")
 
 
+def rebased(cfg: dict, here: str, there: str) -> dict:
+    """A config written in folder ``here`` (paths relative to it) for folder ``there``."""
+    def move(path: str) -> str:
+        moved = os.path.relpath(os.path.join(here, path), there)
+        return moved + "/" if path.endswith("/") else moved
+
+    data = cfg["layers"][0]
+    for key in ("source", "eval_source"):
+        data[key] = move(data[key])
+    if "test_source" in data:
+        data["test_source"] = {k: move(v) for k, v in data["test_source"].items()}
+    for key in ("snapshot_prefix", "log_dir"):
+        cfg["solver"][key] = move(cfg["solver"][key])
+    return cfg
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,7 +67,7 @@ def main() -> None:
     for name in SAMPLES:
         path = prepare(name, args.samples, args.data)
         with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
+            cfg = rebased(json.load(f), os.path.dirname(path), os.path.join(ROOT, "configs"))
         with open(os.path.join(ROOT, "configs", f"{name}.json"), "w", encoding="utf-8") as f:
             json.dump(cfg, f, indent=2)
             f.write("\n")

@@ -106,6 +106,37 @@ def test_real_samples_from_raw_file_to_a_test_auc(tmp_path, name):
     assert [h for h in history if h["kind"] == "eval"]
 
 
+def test_one_call_writes_a_config_per_model_that_runs_from_any_folder(tmp_path, monkeypatch):
+    """Issue 37 point 3: ``--model deepfm dlrm`` writes both configs, each with its own
+    checkpoint and log folders, paths taken from the config's folder (they train from
+    another working directory), the data shuffled each epoch and DLRM's top MLP with the
+    recipe's dropout."""
+    from jctr.config.parser import load_config
+
+    rng = np.random.default_rng(1)
+    lines = [f"{rng.integers(2)},{'abcz'[rng.integers(4)]},{rng.integers(9)},"
+             f"{rng.uniform(0, 9):.2f}" for i in range(200)]
+    train = write(tmp_path / "train.csv", "y,site,n,price\n" + "\n".join(lines) + "\n")
+    assert main(["--train", train, "--label", "y", "--dense", "price", "--output",
+                 str(tmp_path / "out"), "--model", "deepfm", "dlrm"]) == 0
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    cfgs = {m: load_config(str(tmp_path / "out" / f"{m}.json")) for m in ("deepfm", "dlrm")}
+    for model, cfg in cfgs.items():
+        assert cfg.solver.snapshot_prefix == str(tmp_path / "out" / model) + "/"
+        assert cfg.solver.log_dir == str(tmp_path / "out" / model / "logs")
+        assert cfg.data.source == str(tmp_path / "out" / "train" / "_file_list.txt")
+        assert cfg.data.shuffle
+    assert [x.params.rate for x in cfgs["dlrm"].layers if x.type == "Dropout"] == [0.2] * 3
+    raw = json.loads((tmp_path / "out" / "dlrm.json").read_text())
+    assert raw["layers"][0]["source"] == os.path.join("train", "_file_list.txt")
+    t = Trainer.from_config(str(tmp_path / "out" / "dlrm.json"), num_epochs=1)
+    t.fit()
+    assert (tmp_path / "out" / "dlrm" / "logs" / "metrics.jsonl").exists()
+    assert not (elsewhere / "dlrm").exists()
+
+
 def test_raw_rows_become_requests_as_the_training_data_was_encoded(tmp_path, capsys):
     from types import SimpleNamespace
 

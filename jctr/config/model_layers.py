@@ -103,7 +103,8 @@ def deepfm_layers(dense_dim=13, num_slots=26, embedding_dim=10, hidden=(400, 400
 
 
 def dlrm_layers(dense_dim=13, num_slots=26, embedding_dim=16, bottom_mlp=(512, 256, 64, 16),
-                top_mlp=(512, 256, 1)) -> list[dict]:
+                top_mlp=(512, 256, 1), dropout: float = 0.0) -> list[dict]:
+    """DLRM (HugeCTR's samples); ``dropout`` after each hidden layer of the top MLP."""
     if bottom_mlp[-1] != embedding_dim:
         raise ValueError(f"the bottom MLP must end at embedding_dim {embedding_dim}, "
                          f"got {bottom_mlp[-1]}")
@@ -120,5 +121,8 @@ def dlrm_layers(dense_dim=13, num_slots=26, embedding_dim=16, bottom_mlp=(512, 2
     for i, n in enumerate(top_mlp, 1):
         layers.append(_fc(f"top_fc{i}", bottom, n, fused=i < len(top_mlp)))
         bottom = f"top_fc{i}"
+        if dropout and i < len(top_mlp):
+            layers.append(_simple(f"top_dropout{i}", "Dropout", bottom, rate=dropout))
+            bottom = f"top_dropout{i}"
     layers.append(_loss(bottom))
     return layers

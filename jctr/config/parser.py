@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 from typing import Any
 
@@ -193,10 +194,33 @@ def parse_config(raw: Any, *, source: str | None = None,
     devices = sum(len(host) for host in solver.gpu)
     data, embeddings, layers = parse_layers(layers_raw, source, devices,
                                             network_only=not require_solver)
+    if solver.paths_relative_to == "config" and source is not None:
+        solver, data = _from_config_folder(solver, data, os.path.dirname(os.path.abspath(source)))
     cfg = ModelConfig(solver=solver, optimizer=optimizer, data=data, embeddings=embeddings,
                       layers=layers, source=source, raw=raw)
     validate_config(cfg)
     return cfg
+
+
+def _from_config_folder(solver: SolverConfig, data: DataConfig | None, base: str):
+    """``solver.paths_relative_to: "config"``: the relative data, model-file, snapshot and log
+    paths resolved against the config file's folder (a config written beside its data runs
+    from any working directory)."""
+    def at(path):
+        return path if path is None or os.path.isabs(path) else os.path.join(base, path)
+
+    solver = dataclasses.replace(
+        solver, snapshot_prefix=at(solver.snapshot_prefix), log_dir=at(solver.log_dir),
+        dense_model_file=at(solver.dense_model_file),
+        sparse_model_file=tuple(at(p) for p in solver.sparse_model_file))
+    def each(paths):  # a Data layer's list of sources is kept comma-joined
+        return ",".join(at(p) if p else p for p in paths.split(","))
+
+    if data is not None:
+        data = dataclasses.replace(
+            data, source=each(data.source), eval_source=each(data.eval_source),
+            test_sources=tuple((name, at(path)) for name, path in data.test_sources))
+    return solver, data
 
 
 # ---- solver -------------------------------------------------------------------------------
@@ -268,9 +292,11 @@ def parse_solver(r: ObjectReader) -> SolverConfig:
             raise r.error("auc_threshold", f"expected a number in (0, 1], got {threshold}")
         if not any(m.name == "AUC" and m.threshold is not None for m in metrics):
             metrics = tuple(m for m in metrics if m.name != "AUC") + (Metric("AUC", threshold),)
+    paths_relative_to = r.choice("paths_relative_to", ("working_dir", "config"), "working_dir")
     r.finish()
     return SolverConfig(
-        lr_policy=lr_policy, display=display, max_iter=max_iter, num_epochs=num_epochs, gpu=gpu,
+        paths_relative_to=paths_relative_to, lr_policy=lr_policy, display=display,
+        max_iter=max_iter, num_epochs=num_epochs, gpu=gpu,
         batchsize=batchsize, batchsize_eval=batchsize_eval, snapshot=snapshot,
         snapshot_prefix=snapshot_prefix, eval_interval=eval_interval, eval_batches=eval_batches,
         dense_model_file=dense_model_file, sparse_model_file=sparse_model_file,

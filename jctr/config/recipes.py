@@ -1,7 +1,8 @@
-"""Training configs for a converted dataset, with the hyper-parameters users of FuxiCTR and
-Keras CTR libraries publish: Adam 1e-3, an MLP of 400x3 with dropout 0.2, embeddings of 16, L2 on
-embedding rows, evaluation each epoch, early stopping on validation AUC (patience 2, best weights
-kept) and the learning rate x0.1 on plateau.
+"""Training configs for a converted dataset, with the hyper-parameters users of FuxiCTR and Keras
+CTR libraries publish: Adam 1e-3, an MLP of 400x3 with dropout 0.2 (DLRM: its top MLP),
+embeddings of 16, L2 on embedding rows, the training data shuffled every epoch, evaluation each
+epoch, early stopping on validation AUC (patience 2, best weights kept) and the learning rate
+x0.1 on plateau.
 
 Example::
 
@@ -40,7 +41,9 @@ def tabular_config(model: str, data_layer: dict, *, train_rows: int, run_dir: st
                    seed: int = 0) -> dict:
     """A whole JSON config (solver, optimizer, layers) for ``model`` on a Data layer whose
     ``sparse`` input ``data1`` holds one key per field (``slot_size_array`` gives the sizes).
-    Checkpoints and logs go under ``run_dir``."""
+    Checkpoints and logs go under ``run_dir``; the training data is shuffled every epoch
+    (FuxiCTR's data loader does). Relative paths (the Data layer's, ``run_dir``) are taken
+    from the config file's folder (``solver.paths_relative_to: "config"``)."""
     if model not in MODELS:
         raise ValueError(f"model: expected one of {', '.join(MODELS)}, got {model!r}")
     slots = data_layer["sparse"][0]["slot_num"]
@@ -54,7 +57,7 @@ def tabular_config(model: str, data_layer: dict, *, train_rows: int, run_dir: st
     elif model == "dcn":
         layers = dcn_layers(dense_dim, slots, dim, 3, hidden, dropout)
     elif model == "dlrm":
-        layers = dlrm_layers(dense_dim, slots, dim, (256, 64, dim), (*hidden, 1))
+        layers = dlrm_layers(dense_dim, slots, dim, (256, 64, dim), (*hidden, 1), dropout)
     else:
         embeddings.insert(0, _embedding("sparse_embedding2", 1, capacity, l2_lambda))
         layers = wdl_layers(dense_dim, slots, dim, slots, hidden, dropout)
@@ -66,10 +69,10 @@ def tabular_config(model: str, data_layer: dict, *, train_rows: int, run_dir: st
         "eval_metrics": ["AUC", "LogLoss"], "input_key_type": "I64", "seed": seed,
         "early_stopping": {"metric": "AUC", "patience": 2},
         "lr_policy": "plateau", "lr_plateau": {"factor": 0.1, "patience": 1, "min_lr": 1e-6},
-        "snapshot_prefix": run, "log_dir": run + "logs",
+        "snapshot_prefix": run, "log_dir": run + "logs", "paths_relative_to": "config",
     }
     optimizer = {"type": "Adam", "update_type": "Local",
                  "adam_hparam": {"learning_rate": 0.001, "beta1": 0.9, "beta2": 0.999,
                                  "epsilon": 1e-8}}
     return {"solver": solver, "optimizer": optimizer,
-            "layers": [data_layer, *embeddings, *layers]}
+            "layers": [{**data_layer, "shuffle": True}, *embeddings, *layers]}

@@ -283,6 +283,10 @@ class SolverConfig:
     """jctr: seeds initialization, dropout, shuffling and new embedding rows."""
     log_dir: str | None = None
     """jctr: folder for ``metrics.jsonl``, TensorBoard event files and ``report.html``."""
+    paths_relative_to: str = "working_dir"
+    """jctr: what relative data, model-file, snapshot and log paths start from:
+    ``working_dir`` (HugeCTR's way) or ``config``, the config file's folder (the configs
+    ``from_csv`` writes: they run from any folder)."""
     snapshot_keep: int = 3
     """jctr: checkpoints kept (the oldest are deleted first)."""
     replicate_table_bytes: int = 0

@@ -329,6 +329,17 @@ def convert(train: str, output: str, *, label: str, dense: list[str], bucketize:
     return layer, rows
 
 
+def relative_sources(layer: dict, folder: str) -> dict:
+    """The Data layer with its file lists relative to ``folder`` (where its config goes)."""
+    def rel(path: str) -> str:
+        return os.path.relpath(path, folder)
+
+    out = {**layer, "source": rel(layer["source"]), "eval_source": rel(layer["eval_source"])}
+    if "test_source" in layer:
+        out["test_source"] = {k: rel(v) for k, v in layer["test_source"].items()}
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m jctr.data.tools.from_csv", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -347,9 +358,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--columns", help="column names of files without a header line")
     ap.add_argument("--vocab", help="apply this vocab.json instead of fitting one")
     ap.add_argument("--output", required=True, help="a new or empty folder")
-    ap.add_argument("--model", choices=("deepfm", "dcn", "dlrm", "wdl"),
-                    help="also write <output>/<model>.json, a training config with early "
-                         "stopping on the validation set")
+    ap.add_argument("--model", nargs="+", choices=("deepfm", "dcn", "dlrm", "wdl"),
+                    help="also write <output>/<model>.json for each, a training config with "
+                         "early stopping on the validation set (checkpoints and logs in "
+                         "<output>/<model>/; its paths are taken from its own folder)")
     ap.add_argument("--force", action="store_true", help="write into a non-empty --output")
     args = ap.parse_args(argv)
 
@@ -375,11 +387,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.model:
             from jctr.config.recipes import tabular_config
 
-            path = os.path.join(args.output, f"{args.model}.json")
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(tabular_config(args.model, layer, train_rows=rows["train"],
-                                         run_dir=args.output), f, indent=1)
-            print(f"wrote {path}; train with: python -m jctr.train --config {path}")
+            # the config sits in --output: its data paths are relative to that folder
+            local = relative_sources(layer, args.output)
+            for model in dict.fromkeys(args.model):
+                path = os.path.join(args.output, f"{model}.json")
+                with open(path, "w", encoding="utf-8") as f:
+                    json.dump(tabular_config(model, local, train_rows=rows["train"],
+                                             run_dir=model), f, indent=1)
+                print(f"wrote {path}; train with: python -m jctr.train --config {path}")
         else:
             print(json.dumps(layer, indent=1))
 

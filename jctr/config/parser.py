@@ -753,6 +753,10 @@ def parse_embedding(r: ObjectReader, etype: str, devices: int = 1) -> EmbeddingC
     l2_lambda = h.float("l2_lambda", 0.0, min_value=0.0)
     l1_lambda = h.float("l1_lambda", 0.0, min_value=0.0)
     l2_rows = h.choice("l2_rows", ("touched", "all"), "touched")
+    growable = h.bool("growable", False)
+    if growable and sizes and not spread:
+        raise h.error("growable", "a LocalizedSlot table sized by slot_size_array holds every "
+                      "key of its slots already: it has nothing to grow for")
     if l2_rows == "all" and not l2_lambda:
         raise h.error("l2_rows", '"all" regularizes with l2_lambda, which is 0 here: give '
                       "l2_lambda too")
@@ -765,7 +769,7 @@ def parse_embedding(r: ObjectReader, etype: str, devices: int = 1) -> EmbeddingC
                            combiner=combiner, optimizer=optimizer, plan_file=plan_file,
                            init_range=init_range, replicated=replicated,
                            l2_lambda=l2_lambda, l1_lambda=l1_lambda, slot_size_array=sizes,
-                           eviction=eviction, l2_rows=l2_rows)
+                           eviction=eviction, l2_rows=l2_rows, growable=growable)
 
 
 def _parse_eviction(r: ObjectReader) -> EvictionConfig:

@@ -187,7 +187,7 @@ TRAINING_CLAUSES = (
            "64-bit keys. Embedding layers follow the Data layer and precede the dense layers.",
            keys={name: f"{_EMB_HPARAM}.{name}" for name in (
                "max_vocabulary_size_per_gpu", "embedding_vec_size", "combiner", "init_range",
-               "replicated", "l2_lambda", "l1_lambda", "l2_rows", "slot_size_array")},
+               "replicated", "l2_lambda", "l1_lambda", "l2_rows", "growable", "slot_size_array")},
            types={"combiner": '0, 1, "sum" or "mean"', "optimizer": "object",
                   "slot_size_array": "list of integers", "eviction": "object"},
            defaults={"init_range": "1/sqrt(`embedding_vec_size`)",

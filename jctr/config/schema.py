@@ -520,6 +520,11 @@ class EmbeddingConfig:
     (one entry per slot). The table is sized from it (``max_vocabulary_size_per_gpu`` then
     unneeded, as in HugeCTR's DLRM samples) and its slots are balanced over the devices by
     size."""
+    growable: bool = False
+    """``sparse_embedding_hparam`` (jctr): the table doubles its rows between steps when
+    the rows in use and two batches' keys would not fit (the steps are compiled again, a
+    line printed each time), as long as the memory plan of the grown step fits the machine;
+    past that, a full table stops (or evicts, with ``eviction``)."""
     eviction: EvictionConfig | None = None
     """The layer's ``eviction`` object (jctr, object below): a full table evicts instead of
     stopping with ``TableFullError`` (HugeCTR's behaviour, the default)."""

@@ -50,6 +50,10 @@ class Hook:
     def on_fit_end(self, state: TrainState, summary: FitSummary) -> None:
         """After ``fit`` trained and evaluated (before the test sets are scored)."""
 
+    def on_model_rebuilt(self, step_config, placements) -> None:
+        """The model's steps and placement were built again (a table grew: other
+        capacities, the same keys): a hook that keeps them takes the new ones."""
+
     def on_run_end(self) -> None:
         """The run's last ``fit`` is over (a command's end, :func:`end_run`): work still in
         flight is finished, or what is lost is raised as an error."""

@@ -55,6 +55,11 @@ class KafkaPublisher(Hook):
         self._touched: list[list[np.ndarray]] = [[] for _ in self.specs]
         self._published = [np.zeros(0, np.int64) for _ in self.specs]  # keys ever sent
 
+    def on_model_rebuilt(self, step_config: StepConfig, placements) -> None:
+        """A table grew: its rows are exported from the new placement."""
+        self.step_config, self.specs, self.placements = (step_config, step_config.specs,
+                                                         placements)
+
     def on_batch(self, batch: Batch) -> list[np.ndarray]:
         """The keys this batch's step updates, per table."""
         return [np.unique(batch.valid_keys(s.input_index, s.slot_num)) for s in self.specs]

@@ -149,6 +149,19 @@ class RunCheckpoints:
                     f"{self.placed.num_devices})")
         return state, ReaderPosition(**reader), meta
 
+    def stored_rows(self, step: int | None = None, directory: str | None = None
+                    ) -> dict[str, int]:
+        """Each table's stored rows in a snapshot (as :meth:`restore` would pick it), from
+        its metadata; empty when it cannot be read (the restore then says why)."""
+        ckpt = (Checkpointer(directory, keep=self.cfg.solver.snapshot_keep) if directory
+                else self.checkpointer)
+        try:
+            tables = ckpt.read_meta(step).get("tables", {})
+        except UserError:
+            return {}
+        return {name: int(t["rows"]) for name, t in tables.items()
+                if isinstance(t, dict) and isinstance(t.get("rows"), int)}
+
     def restore_step(self, fresh: TrainState, step: int) -> TrainState:
         """The solver directory's snapshot of ``step`` (positions dropped); a
         :class:`jctr.errors.UserError` if it is not there."""

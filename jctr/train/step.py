@@ -77,7 +77,11 @@ def make_train_step(sc: StepConfig, dense_tx: optax.GradientTransformation,
             new_state = TrainState(count, state.rng, params, new_stats, opt_state,
                                    tuple(new_embs), state.lr_scale)
             skipped = ~finite if sc.skip_nonfinite else jnp.array(False)
+            # per table, the fullest device part's rows in use (growable tables grow by it)
+            in_use = jnp.stack([jnp.max(es.table.size - es.table.free_count)
+                                for es in new_embs]) if new_embs else jnp.zeros(0, jnp.int32)
             metrics = {"loss": scaled / sc.loss_scale, "overflow": overflow,
+                       "rows_in_use": in_use,
                        "grads_finite": finite, "skipped": skipped}
             if auc_buckets:
                 metrics["auc_counts"] = prediction_counts(pred, batch, auc_buckets)

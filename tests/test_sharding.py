@@ -473,3 +473,61 @@ def test_exporting_some_keys_of_a_sharded_table_copies_only_their_rows(data_dir,
     assert set(got) == set(whole) and got["keys"].size == 300
     for name in whole:
         np.testing.assert_array_equal(got[name][order_got], whole[name][keep][order_want])
+
+
+@pytest.mark.parametrize("kind", ["DistributedSlotSparseEmbeddingHash",
+                                  "LocalizedSlotSparseEmbeddingHash"])
+def test_the_shrink_erases_on_every_device_part(tmp_path, kind):
+    """Issue 36 point 1 on 8 devices: drop_keys erases the deleted keys in every part of a
+    table spread by key hash or by slot (a part skips keys it does not hold); the table then
+    holds the same keys, vectors and optimizer rows as the rebuild, and its rows stay where
+    the steps expect them."""
+    import jax.numpy as jnp
+
+    from jctr.config import parse_config
+    from jctr.sharding import rows as rows_mod
+    from jctr.train.trainer import Trainer
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, "dlrm", max_iter=1, display=1000)
+    cfg["solver"]["gpu"] = list(range(8))
+    emb = cfg["layers"][1]
+    emb["type"] = kind
+    emb["sparse_embedding_hparam"].update(replicated=False, max_vocabulary_size_per_gpu=4000)
+    emb["optimizer"] = {"type": "Adam", "update_type": "Local"}
+    t = Trainer(parse_config(cfg), log=lambda s: None)
+    spec, es, pl = t.specs[0], t.state.embeddings[0], t.placements[0]
+    assert pl.sharded
+    rng = np.random.default_rng(3)
+    n = 2000
+    keys = rng.choice(10**9, n, replace=False).astype(np.int64)
+    stored = {"keys": keys, "values": rng.normal(size=(n, spec.dim)).astype(np.float32),
+              "slot": rng.integers(0, spec.slot_num, n).astype(np.int32)}
+    stored.update({name: rng.normal(size=(n, *arr.shape[2:])).astype(np.float32)
+                   for name, arr in es.slots.items()})  # [parts, rows, ...] on a mesh
+    full = rows_mod.put_rows(spec, es, pl, stored, replace=True)
+    shardings = jax.tree.map(lambda x: x.sharding, full)
+    deleted = keys[rng.random(n) < 0.3]
+
+    def by_key(state):
+        out = rows_mod.export_placed(state, pl)
+        order = np.argsort(out["keys"])
+        return {k: v[order] for k, v in out.items()}
+
+    copy = jax.tree.map(lambda x: jax.device_put(jnp.copy(x), x.sharding), full)
+    erased, in_use = rows_mod.drop_keys(spec, copy, pl, deleted)
+    assert in_use == n - deleted.size
+    assert int(np.sum(np.asarray(erased.table.free_count))) == deleted.size  # not rebuilt
+    for a, b in zip(jax.tree.leaves(jax.tree.map(lambda x: x.sharding, erased)),
+                    jax.tree.leaves(shardings)):
+        assert a.is_equivalent_to(b, 2), (a, b)
+    rows_mod._MAX_OCCUPIED, saved = 0.0, rows_mod._MAX_OCCUPIED
+    try:
+        rebuilt, in_use2 = rows_mod.drop_keys(spec, full, pl, deleted)
+    finally:
+        rows_mod._MAX_OCCUPIED = saved
+    assert in_use2 == in_use
+    a, b = by_key(erased), by_key(rebuilt)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)

@@ -12,18 +12,20 @@ A stored table is a dict of host arrays ordered by row: ``keys`` int64 [n], ``va
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jctr.embedding.hash_table import export_items, lookup, occupied_slots
+from jctr.embedding.hash_table import export_items, lookup
 from jctr.embedding.sparse_embedding import (
     EmbeddingSpec,
     EmbeddingState,
     erase_keys,
     init_embedding,
 )
-from jctr.ops import owner_shards_host
+from jctr.ops import EMPTY_KEY, owner_shards_host
 from jctr.sharding.mesh import to_host
 
 _INSERT_CHUNK = 1 << 18
@@ -263,25 +265,30 @@ def put_rows(spec: EmbeddingSpec, state: EmbeddingState, placement,
 
 def drop_keys(spec: EmbeddingSpec, state: EmbeddingState, placement, keys: np.ndarray
               ) -> tuple[EmbeddingState, int]:
-    """``state`` without ``keys``, their rows freed (streaming training's shrink). A table on
-    one device erases them where they are (a cost proportional to the keys:
-    :func:`jctr.embedding.sparse_embedding.erase_keys`); when the tombstones they leave would
-    crowd the slots, or for a sharded table, the kept keys, values and optimizer rows go into a
-    fresh table instead. Returns the table and its rows in use; ``state`` itself is consumed
-    (its buffers are reused in place: an erase never copies a whole table)."""
+    """``state`` without ``keys``, their rows freed (streaming training's shrink). The keys
+    are erased where they are (a cost proportional to them:
+    :func:`jctr.embedding.sparse_embedding.erase_keys`); a sharded table's every device part
+    erases them all (a part skips the keys it does not hold, so neither the key hash nor a
+    slot-wise placement needs routing). When the tombstones they leave would crowd a part's
+    slots, the kept keys, values and optimizer rows go into a fresh table instead. Returns
+    the table and its rows in use; ``state`` itself is consumed (its buffers are reused in
+    place: an erase never copies a whole table)."""
     keys = np.unique(np.asarray(keys, np.int64))
-    if placement is None or not placement.sharded:
-        occupied = int(to_host(occupied_slots(state.table)))
-        if occupied + keys.size <= _MAX_OCCUPIED * state.table.num_slots:
-            for start in range(0, keys.size, _INSERT_CHUNK):
-                chunk = keys[start:start + _INSERT_CHUNK]
-                pad = np.zeros(_INSERT_CHUNK, np.int64)
-                pad[:chunk.size] = chunk
-                valid = np.arange(_INSERT_CHUNK) < chunk.size
-                state, _ = _erase(spec, state, jnp.asarray(pad), jnp.asarray(valid))
-            table = state.table
-            in_use = int(to_host(table.size)) - int(to_host(table.free_count))
-            return state, in_use
+    sharded = placement is not None and placement.sharded
+    occupied = int(np.max(to_host(_occupied(state.table))))
+    if occupied + keys.size <= _MAX_OCCUPIED * state.table.slot_keys.shape[-1]:
+        erase = _erase_parts if sharded else _erase
+        placed = jax.tree.map(lambda x: x.sharding, state)
+        for start in range(0, keys.size, _INSERT_CHUNK):
+            chunk = keys[start:start + _INSERT_CHUNK]
+            pad = np.zeros(_INSERT_CHUNK, np.int64)
+            pad[:chunk.size] = chunk
+            valid = np.arange(_INSERT_CHUNK) < chunk.size
+            state, _ = erase(spec, state, jnp.asarray(pad), jnp.asarray(valid))
+        state = jax.device_put(state, placed)  # where it was (a no-op when XLA kept it)
+        table = state.table
+        in_use = int(np.sum(to_host(table.size) - to_host(table.free_count)))
+        return state, in_use
     stored = export_placed(state, placement)
     keep = ~np.isin(stored["keys"], keys)
     kept = put_rows(spec, state, placement, {k: v[keep] for k, v in stored.items()},
@@ -293,6 +300,29 @@ def drop_keys(spec: EmbeddingSpec, state: EmbeddingState, placement, keys: np.nd
 # (probes stay short: the slots are sized for half of them full)
 _MAX_OCCUPIED = 0.625
 _erase = jax.jit(erase_keys, static_argnums=0, donate_argnums=1)
+
+
+def _erase_parts(spec: EmbeddingSpec, state: EmbeddingState, keys, valid):
+    """:func:`erase_keys` of the same keys in every part of a sharded table (the leading
+    axis), each device on its own part."""
+    sharding = state.values.sharding
+    return _erase_on(spec, sharding.mesh, sharding.spec[0])(state, keys, valid)
+
+
+@functools.cache
+def _erase_on(spec: EmbeddingSpec, mesh, axis):
+    from jax.sharding import PartitionSpec as P
+
+    def local(part, keys, valid):
+        part, erased = erase_keys(spec, jax.tree.map(lambda x: x[0], part), keys, valid)
+        return jax.tree.map(lambda x: x[None], part), erased[None]
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(axis), P(), P()),
+                                 out_specs=(P(axis), P(axis)), check_vma=False),
+                   donate_argnums=0)
+# occupied slots of a table, or of each part of a sharded one
+_occupied = jax.jit(lambda table: jnp.sum(table.slot_keys != EMPTY_KEY, axis=-1,
+                                          dtype=jnp.int32))
 
 
 def scale_slot(state: EmbeddingState, name: str, factors: tuple[float, ...]) -> EmbeddingState:

@@ -704,7 +704,7 @@ class OnlineRun:
             keys = [st.base_keys(tp.base_threshold, tp.delta_keep_days) for st in self.stats]
             folder = os.path.join(self.cfg.save_model_path, day, "base")
             if exported is not None and self.store is None:
-                tables = [_rows_with(exported[spec.name], st, k)
+                tables = [_rows_with(exported[spec.name], st, k, spec.eviction is not None)
                           for spec, st, k in zip(t.specs, self.stats, keys)]
         else:
             keys = [st.delta_keys(tp.base_threshold, tp.delta_threshold, tp.delta_keep_days)
@@ -730,10 +730,14 @@ class OnlineRun:
         return path
 
 
-def _rows_with(table: dict[str, np.ndarray], stats: FeatureStats, keys: np.ndarray
-               ) -> dict[str, np.ndarray]:
+def _rows_with(table: dict[str, np.ndarray], stats: FeatureStats, keys: np.ndarray,
+               evicts: bool = False) -> dict[str, np.ndarray]:
     """The rows of an exported table whose keys are among ``keys`` (a set the statistics
     chose, so found through their index: no sort of the whole table)."""
+    if not evicts and keys.size == len(stats) == table["keys"].size:
+        # every key with statistics is chosen; each of them was trained, so is in a table
+        # that never evicts: as many table keys are the same set, every row is kept
+        return table
     chosen = np.zeros(len(stats) + 1, bool)  # the last entry: keys without statistics
     chosen[stats.rows_of(keys)] = True
     chosen[-1] = False

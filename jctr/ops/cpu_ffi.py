@@ -12,6 +12,10 @@ Kernels here:
   loop of :func:`jctr.ops.hashing.find_slots` for keys that exist, with the home slot of a later
   key prefetched). XLA's formulation needs a full pass over the batch per probe round plus
   compaction.
+* ``jctr_cpu_hash_insert``: find-or-insert of the keys a lookup did not find, one after the
+  other in batch order (a key takes the first empty slot of its probe; a later occurrence of
+  it finds that slot), in place in the table (its buffer aliased to the result). XLA's
+  formulation claims slots by scatter rounds over compacted chunks.
 * ``jctr_cpu_pair_dots`` / ``jctr_cpu_pair_dots_grad``: the DLRM dot interaction (strictly
   lower triangle of each sample's Gram matrix) and its gradient, float32, for a feature width
   that is a multiple of 16. Each Gram row, and each gradient row, is a sum of 16-lane rows
@@ -156,6 +160,51 @@ if AVAILABLE:
                     break
                 pos = (pos + 1) & mask
 
+    @numba.njit(inline="always")
+    def _insert_all(slot_keys, slot_keys_address, keys, valid, out, shift):
+        n, num_slots = keys.shape[0], slot_keys.shape[0]
+        mask = num_slots - 1
+        for i in range(n):
+            ahead = i + _AHEAD
+            if ahead < n and valid[ahead]:
+                _prefetch(slot_keys_address + 8 * _home(keys[ahead], shift))
+            out[i] = -1
+            if not valid[i]:
+                continue
+            key = keys[i]
+            pos = _home(key, shift)
+            for _ in range(num_slots):  # a full sweep: the table is full, the key refused
+                cur = slot_keys[pos]
+                if cur == key:
+                    out[i] = pos
+                    break
+                if cur == EMPTY_KEY:  # tombstones are passed over, as by the lookup
+                    slot_keys[pos] = key
+                    out[i] = pos
+                    break
+                pos = (pos + 1) & mask
+
+    def _hash_insert(frame_pointer):
+        frame = _address(frame_pointer)
+        if _answer_metadata(frame):
+            return _pointer(0)
+        table_in, table_dims = _buffer(frame, _FRAME_ARGS, 0)
+        key_data, key_dims = _buffer(frame, _FRAME_ARGS, 1)
+        valid_data, _ = _buffer(frame, _FRAME_ARGS, 2)
+        table, _ = _buffer(frame, _FRAME_RETS, 0)
+        out_data, _ = _buffer(frame, _FRAME_RETS, 1)
+        num_slots, n = _word(table_dims), _word(key_dims)
+        slot_keys = carray(_pointer(table), (num_slots,), np.int64)
+        if table != table_in:  # not aliased after all: start from the input table
+            slot_keys[:] = carray(_pointer(table_in), (num_slots,), np.int64)
+        bits = 0
+        while (1 << bits) < num_slots:
+            bits += 1
+        _insert_all(slot_keys, table, carray(_pointer(key_data), (n,), np.int64),
+                    carray(_pointer(valid_data), (n,), np.bool_),
+                    carray(_pointer(out_data), (n,), np.int32), 64 - bits)
+        return _pointer(0)
+
     def _hash_lookup(frame_pointer):
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
@@ -287,6 +336,7 @@ if AVAILABLE:
 
     try:
         _hash_lookup_handler = _cfunc(_hash_lookup)
+        _hash_insert_handler = _cfunc(_hash_insert)
         _pair_dots_handler = _cfunc(_pair_dots)
         _pair_dots_grad_handler = _cfunc(_pair_dots_grad)
     except Exception as error:  # a numba/LLVM that cannot build them: XLA's formulations run
@@ -301,6 +351,7 @@ def _register() -> None:
     new_capsule.restype = ctypes.py_object
     new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
     for name, handler in (("jctr_cpu_hash_lookup", _hash_lookup_handler),
+                          ("jctr_cpu_hash_insert", _hash_insert_handler),
                           ("jctr_cpu_pair_dots", _pair_dots_handler),
                           ("jctr_cpu_pair_dots_grad", _pair_dots_grad_handler)):
         capsule = new_capsule(handler.address, b"xla._CUSTOM_CALL_TARGET", None)
@@ -322,6 +373,25 @@ def lookup_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array,
         return jnp.zeros((0,), jnp.int32)
     return _call_in_parts("jctr_cpu_hash_lookup", keys.shape[0], parts, (), jnp.int32,
                           slot_keys, keys, valid)
+
+
+def insert_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array
+                 ) -> tuple[jax.Array, jax.Array]:
+    """(table, int32 slots [n]): find-or-insert of every valid key, one after the other (a key
+    takes the first empty slot of its probe; -1: invalid, or the table is full). The table is
+    updated in place when its buffer can be donated. The same contract as
+    ``jctr.ops.hashing.find_slots(..., insert=True)`` (which slot a new key gets may differ
+    from the XLA formulation's, never which keys are placed). CPU only."""
+    _register()
+    slot_keys, keys, valid = (slot_keys.astype(jnp.int64), keys.astype(jnp.int64),
+                              valid.astype(jnp.bool_))
+    if keys.shape[0] == 0:
+        return slot_keys, jnp.zeros((0,), jnp.int32)
+    return jax.ffi.ffi_call(
+        "jctr_cpu_hash_insert",
+        (jax.ShapeDtypeStruct(slot_keys.shape, jnp.int64),
+         jax.ShapeDtypeStruct(keys.shape, jnp.int32)),
+        input_output_aliases={0: 0})(slot_keys, keys, valid)
 
 
 def _call_in_parts(target: str, n: int, parts: int, row_shape: tuple[int, ...], dtype,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 
 from jctr.errors import UserError
 from jctr.ops import bag as ref
@@ -104,15 +105,16 @@ def linear(x, kernel, bias, *, relu: bool = False):
 
 
 def _find_slots_cpu(slot_keys, keys, valid, *, insert: bool):
-    # keys already in the table: one native pass (jctr.ops.cpu_ffi); new keys (few in steady
-    # state) are inserted by the XLA formulation, probing from their home slot
+    # keys already in the table: one native pass over the batch in two parts (XLA may run
+    # them on its two threads); new keys then go in by the native insert, which skips the
+    # found ones (jctr.ops.cpu_ffi)
     if not cpu_ffi.AVAILABLE:
         return hashing.find_slots(slot_keys, keys, valid, insert=insert)
     slots = cpu_ffi.lookup_slots(slot_keys, keys, valid)
     if not insert:
         return slot_keys, slots
-    return hashing.probe_remaining(slot_keys, keys, None, slots, valid & (slots < 0),
-                                   insert=True)
+    slot_keys, placed = cpu_ffi.insert_slots(slot_keys, keys, valid & (slots < 0))
+    return slot_keys, jnp.where(slots >= 0, slots, placed)
 
 
 def find_slots(slot_keys, keys, valid, *, insert: bool):

@@ -4,7 +4,7 @@ thread runs them beside the training step)."""
 
 from __future__ import annotations
 
-from jctr.ops.host_index import find, host_kernel, index_size, rebuild, slot_of
+from jctr.ops.host_index import find, host_kernel, index_size, rebuild, row_or_new
 
 __all__ = ["accumulate", "find", "index_size", "rebuild"]
 
@@ -19,17 +19,12 @@ def accumulate(index, keys, show, click, delta, unseen, since, n, in_keys, in_sh
     Returns the new row count."""
     mask = index.size - 1
     for i in range(in_keys.size):
-        k = in_keys[i]
-        s = slot_of(index, keys, k, mask)
-        r = index[s]
-        if r < 0:
-            r = n
-            index[s] = r
-            keys[r] = k
+        r, grown = row_or_new(index, keys, in_keys[i], mask, n)
+        if grown != n:  # a new row: its counts start at 0
             show[r] = 0.0
             click[r] = 0.0
             delta[r] = 0.0
-            n += 1
+            n = grown
         sh, cl = in_show[i], in_click[i]
         show[r] += sh
         click[r] += cl

@@ -139,7 +139,17 @@ if AVAILABLE:
         return np.int64(z >> np.uint64(shift))
 
     @numba.njit(inline="always")
-    def _probe_all(slot_keys, slot_keys_address, keys, valid, out, shift):
+    def _shift(num_slots):
+        """The shift that leaves a hash's top log2(num_slots) bits: the home slot."""
+        bits = 0
+        while (1 << bits) < num_slots:
+            bits += 1
+        return 64 - bits
+
+    @numba.njit(inline="always")
+    def _probe_all(slot_keys, slot_keys_address, keys, valid, out, shift, insert=False):
+        """The slot of each valid key (-1: absent); with ``insert`` an absent key takes the
+        empty slot its probe ends at (keys one after the other, in batch order)."""
         n, num_slots = keys.shape[0], slot_keys.shape[0]
         mask = num_slots - 1
         for i in range(n):
@@ -156,31 +166,10 @@ if AVAILABLE:
                 if cur == key:
                     out[i] = pos
                     break
-                if cur == EMPTY_KEY:
-                    break
-                pos = (pos + 1) & mask
-
-    @numba.njit(inline="always")
-    def _insert_all(slot_keys, slot_keys_address, keys, valid, out, shift):
-        n, num_slots = keys.shape[0], slot_keys.shape[0]
-        mask = num_slots - 1
-        for i in range(n):
-            ahead = i + _AHEAD
-            if ahead < n and valid[ahead]:
-                _prefetch(slot_keys_address + 8 * _home(keys[ahead], shift))
-            out[i] = -1
-            if not valid[i]:
-                continue
-            key = keys[i]
-            pos = _home(key, shift)
-            for _ in range(num_slots):  # a full sweep: the table is full, the key refused
-                cur = slot_keys[pos]
-                if cur == key:
-                    out[i] = pos
-                    break
-                if cur == EMPTY_KEY:  # tombstones are passed over, as by the lookup
-                    slot_keys[pos] = key
-                    out[i] = pos
+                if cur == EMPTY_KEY:  # tombstones are passed over
+                    if insert:
+                        slot_keys[pos] = key
+                        out[i] = pos
                     break
                 pos = (pos + 1) & mask
 
@@ -197,12 +186,9 @@ if AVAILABLE:
         slot_keys = carray(_pointer(table), (num_slots,), np.int64)
         if table != table_in:  # not aliased after all: start from the input table
             slot_keys[:] = carray(_pointer(table_in), (num_slots,), np.int64)
-        bits = 0
-        while (1 << bits) < num_slots:
-            bits += 1
-        _insert_all(slot_keys, table, carray(_pointer(key_data), (n,), np.int64),
-                    carray(_pointer(valid_data), (n,), np.bool_),
-                    carray(_pointer(out_data), (n,), np.int32), 64 - bits)
+        _probe_all(slot_keys, table, carray(_pointer(key_data), (n,), np.int64),
+                   carray(_pointer(valid_data), (n,), np.bool_),
+                   carray(_pointer(out_data), (n,), np.int32), _shift(num_slots), True)
         return _pointer(0)
 
     def _hash_lookup(frame_pointer):
@@ -216,13 +202,10 @@ if AVAILABLE:
         out_data, _ = _buffer(frame, _FRAME_RETS, 0)
         num_slots = _word(table_dims)
         lo, hi = _span(span)
-        bits = 0
-        while (1 << bits) < num_slots:
-            bits += 1
         _probe_all(carray(_pointer(table), (num_slots,), np.int64), table,
                    carray(_pointer(key_data + 8 * lo), (hi - lo,), np.int64),
                    carray(_pointer(valid_data + lo), (hi - lo,), np.bool_),
-                   carray(_pointer(out_data), (hi - lo,), np.int32), 64 - bits)
+                   carray(_pointer(out_data), (hi - lo,), np.int32), _shift(num_slots))
         return _pointer(0)
 
     _LANES = 16  # floats per vector in the interaction kernels

@@ -79,6 +79,20 @@ def index_size(rows: int) -> int:
     return 1 << max(10, int(2 * max(rows, 1) - 1).bit_length())
 
 
+@numba.njit(inline="always")
+def row_or_new(index, keys, k, mask, n):
+    """(row of key ``k``, row count): a key not there yet gets row ``n`` (its key written
+    into ``keys``) and the count grows by one."""
+    s = slot_of(index, keys, k, mask)
+    r = index[s]
+    if r < 0:
+        r = n
+        index[s] = r
+        keys[r] = k
+        n += 1
+    return r, n
+
+
 @host_kernel
 def upsert(index, keys, n, queries, out):
     """Row of each query key into ``out``; a key not there yet gets a new row (``n``,
@@ -86,13 +100,5 @@ def upsert(index, keys, n, queries, out):
     ``n + queries.size`` rows and the index twice that many slots. Returns the new row count."""
     mask = index.size - 1
     for i in range(queries.size):
-        k = queries[i]
-        s = slot_of(index, keys, k, mask)
-        r = index[s]
-        if r < 0:
-            r = n
-            index[s] = r
-            keys[r] = k
-            n += 1
-        out[i] = r
+        out[i], n = row_or_new(index, keys, queries[i], mask, n)
     return n

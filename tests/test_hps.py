@@ -714,3 +714,42 @@ def test_dense_weights_kept_from_the_update_stream(tmp_path):
     assert not alone.save_dense("hps_dense.m", dense, record)
     assert alone.load_dense("hps_dense.m") is None and not alone.updates_last("hps_et.m.t")
     alone.close()
+
+
+def test_rocksdb_scan_answers_as_point_reads(tmp_path):
+    """lookup_by_scan (one pass over a table, what a pull of many keys takes) gives lookup's
+    answer: the same rows and found flags for present, absent and repeated keys; the row
+    store switches to it for a large share of the stored rows."""
+    from jctr.online.row_store import RowStore
+    from jctr.stores.rocksdb import RocksDBStore
+
+    store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db")))
+    rng = np.random.default_rng(0)
+    keys = rng.choice(10**12, 5000, replace=False).astype(np.int64)
+    store.insert("t", keys, rng.random((5000, 4)).astype(np.float32))
+    store.erase("t", keys[:100])
+    q = np.concatenate([keys[50:3000], keys[:10], keys[2000:2010], [-1, 7]]).astype(np.int64)
+    want = store.lookup("t", q, 4)
+    got = store.lookup_by_scan("t", q, 4)
+    np.testing.assert_array_equal(got[1], want[1])
+    np.testing.assert_array_equal(got[0], want[0])
+    assert 0 < want[1].sum() < q.size
+    assert store.lookup_by_scan("absent", q, 4)[1].sum() == 0
+    store.close()
+
+    # the row store reads a large share of its rows by the scan, a few keys by point reads
+    from types import SimpleNamespace
+
+    rows = RowStore(str(tmp_path / "rows"), [SimpleNamespace(name="t", dim=3)], [{}])
+    stored = {"keys": keys, "values": rng.random((5000, 3)).astype(np.float32),
+              "slot": np.zeros(5000, np.int32)}
+    rows.push(0, stored)
+    scans = []
+    real = rows.db.lookup_by_scan
+    rows.db.lookup_by_scan = lambda *a: scans.append(1) or real(*a)
+    few, many = rows.pull(0, keys[200:220]), rows.pull(0, keys[100:4000])
+    assert scans == [1]
+    np.testing.assert_array_equal(few["values"], stored["values"][200:220])
+    np.testing.assert_array_equal(many["keys"], keys[100:4000])
+    np.testing.assert_array_equal(many["values"], stored["values"][100:4000])
+    rows.close()

@@ -63,10 +63,18 @@ class RowStore:
             at += w
         return out
 
+    # keys of at least this share of the stored rows are read by one pass over the table
+    SCAN_SHARE = 0.2
+
     def pull(self, table: int, keys: np.ndarray) -> dict[str, np.ndarray]:
-        """The stored rows of those of ``keys`` the database holds (a stored-table dict)."""
+        """The stored rows of those of ``keys`` the database holds (a stored-table dict).
+        Many keys (a day's base model, a pass of mostly new keys) are read by scanning the
+        table instead of point reads."""
         keys = np.asarray(keys, np.int64)
-        rows, found = self.db.lookup(self.names[table], keys, self.width(table))
+        name = self.names[table]
+        many = keys.size >= self.SCAN_SHARE * self.db.estimated_rows(name) > 0
+        read = self.db.lookup_by_scan if many else self.db.lookup
+        rows, found = read(name, keys, self.width(table))
         return self._unpack(table, keys[found], rows[found])
 
     def push(self, table: int, stored: dict[str, np.ndarray]) -> None:

@@ -478,23 +478,30 @@ class OnlineRun:
         return self._everyones(self.store.pull(i, self._mine(np.asarray(keys, np.int64))))
 
     def _working_keys(self, dataset) -> list[np.ndarray]:
-        """Distinct keys per table of a dataset (this process's share)."""
+        """Distinct keys per table of a dataset (this process's share), in the order they
+        come (a hashed set: no sort of millions of keys)."""
+        from jctr.ops.host_index import KeySet
+
         t = self.trainer
-        found: list[list[np.ndarray]] = [[] for _ in t.specs]
-        size = t.solver.batchsize
-        for batch in dataset.batches(size, epochs=1):
-            for i, spec in enumerate(t.specs):
-                found[i].append(np.unique(batch.valid_keys(spec.input_index, spec.slot_num)))
-        return [np.unique(np.concatenate(k)) if k else np.zeros(0, np.int64) for k in found]
+        found = [KeySet() for _ in t.specs]
+        for batch in dataset.batches(t.solver.batchsize, epochs=1):
+            for seen, spec in zip(found, t.specs):
+                seen.add(batch.valid_keys(spec.input_index, spec.slot_num))
+        return [seen.keys() for seen in found]
 
     def _pull(self, keys: list[np.ndarray]) -> None:
         """The rows of the pass's (and the validation set's) keys into the empty tables."""
         import jax
 
+        from jctr.ops.host_index import KeySet
+
         t = self.trainer
         self._pulled = []
         for i, spec in enumerate(t.specs):
-            want = np.union1d(keys[i], self._eval_keys[i])
+            union = KeySet(keys[i].size + self._eval_keys[i].size)
+            union.add(keys[i])
+            union.add(self._eval_keys[i])
+            want = union.keys()
             if jax.process_count() > 1:  # every process's keys: the tables are global
                 want = np.unique(self._everyones({"keys": want})["keys"])
             if want.size > spec.capacity:
@@ -510,6 +517,7 @@ class OnlineRun:
     def _push(self, day: str, n: int) -> None:
         """The working set back into the database (undoable until the pass's checkpoint);
         the tables are empty again."""
+        from jctr.ops.host_index import KeySet
         from jctr.sharding.distributed import process_owns
 
         t = self.trainer
@@ -518,7 +526,11 @@ class OnlineRun:
             owns = process_owns(tb["keys"])
             if owns is not None:
                 tables[j] = {name: arr[owns] for name, arr in tb.items()}
-        added = [np.setdiff1d(tb["keys"], old["keys"]) for tb, old in zip(tables, self._pulled)]
+        added = []  # keys the pass brought (the database did not hold them)
+        for tb, old in zip(tables, self._pulled):
+            pulled = KeySet(old["keys"].size)
+            pulled.add(old["keys"])
+            added.append(tb["keys"][~pulled.contains(tb["keys"])])
         self.store.save_undo(os.path.join(self._undo_dir(), f"{day}_{n:04d}.npz"),
                              self._pulled, added, {"day": day, "pass": n})
         for i, tb in enumerate(tables):

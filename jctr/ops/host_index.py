@@ -102,3 +102,45 @@ def upsert(index, keys, n, queries, out):
     for i in range(queries.size):
         out[i], n = row_or_new(index, keys, queries[i], mask, n)
     return n
+
+
+class KeySet:
+    """Distinct int64 keys gathered batch by batch, through the compiled index: a set of
+    millions of keys without sorting them (``np.unique`` of their concatenation sorts).
+
+    Example::
+
+        seen = KeySet()
+        seen.add(np.array([5, 3, 5])); seen.add(np.array([9, 3]))
+        seen.keys()                          # [5, 3, 9]: each once, in the order they came
+        seen.contains(np.array([3, 4]))      # [True, False]
+    """
+
+    def __init__(self, capacity: int = 1 << 16):
+        self._keys = np.empty(capacity, np.int64)
+        self._index = np.full(index_size(capacity), -1, np.int64)
+        self._n = 0
+        self._rows = np.empty(0, np.int64)
+
+    def add(self, keys: np.ndarray) -> None:
+        keys = np.ascontiguousarray(keys, np.int64)
+        need = self._n + keys.size
+        if need > self._keys.size:  # room for every key to be new, the index half full
+            grown = np.empty(max(need, 2 * self._keys.size), np.int64)
+            grown[:self._n] = self._keys[:self._n]
+            self._keys = grown
+            self._index = np.empty(index_size(grown.size), np.int64)
+            rebuild(self._index, self._keys, self._n)
+        if self._rows.size < keys.size:
+            self._rows = np.empty(keys.size, np.int64)
+        self._n = int(upsert(self._index, self._keys, self._n, keys, self._rows[:keys.size]))
+
+    def keys(self) -> np.ndarray:
+        """Each key once, in the order they were first added."""
+        return self._keys[:self._n].copy()
+
+    def contains(self, keys: np.ndarray) -> np.ndarray:
+        return find(self._index, self._keys, np.ascontiguousarray(keys, np.int64)) >= 0
+
+    def __len__(self) -> int:
+        return self._n

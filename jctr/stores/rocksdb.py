@@ -31,6 +31,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from jctr.config.hps import PersistentDatabaseParams
+from jctr.ops import host_index
 from jctr.stores.base import (
     StoreError,
     as_keys,
@@ -242,6 +243,32 @@ class RocksDBStore:
 
     def size(self, table: str) -> int:
         return sum(k.size for k, _ in self.items(table))
+
+    def estimated_rows(self, table: str) -> int:
+        """RocksDB's estimate of a table's keys (no pass over it)."""
+        cf = self._families.get(table)
+        return 0 if cf is None else int(cf.property_int_value("rocksdb.estimate-num-keys") or 0)
+
+    def lookup_by_scan(self, table: str, keys, dim: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`lookup`'s answer from one sequential pass over the table: cheaper than point
+        reads when the keys are a large share of it (a read costs several times a scanned
+        row; ``docs/performance.md``)."""
+        keys, values, found = no_rows(keys, dim)
+        if self._families.get(table) is None or not keys.size:
+            return values, found
+        self._check_dim(table, dim)
+        index = np.full(host_index.index_size(keys.size), -1, np.int64)
+        distinct = np.empty(keys.size, np.int64)
+        at = np.empty(keys.size, np.int64)  # each key's place among the distinct ones
+        n = host_index.upsert(index, distinct, 0, keys, at)
+        rows = np.zeros((n, dim), np.float32)
+        held = np.zeros(n, bool)
+        for stored, vectors in self.items(table):
+            r = host_index.find(index, distinct, stored)
+            hit = r >= 0
+            rows[r[hit]] = vectors[hit]
+            held[r[hit]] = True
+        return rows[at], held[at]
 
     def dim(self, table: str) -> int | None:
         return self._dims.get(table)

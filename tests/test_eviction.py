@@ -216,3 +216,29 @@ def test_eviction_on_eight_devices(tmp_path):
     table = t.state.embeddings[0].table
     assert np.asarray(table.size).tolist() == [16] * 8
     assert all(e > 0 for e in np.asarray(table.evicted).tolist())
+
+
+def test_a_checkpoint_resumes_with_eviction_switched_on_or_off(tmp_path):
+    """Eviction is a table option a resumed run may change: a checkpoint without scores
+    restores into an evicting table (its clock starts again from 0) and one with scores into
+    a table that does not evict (the scores are left out), and both train on."""
+    from jctr.config import parse_config
+    from jctr.train.trainer import Trainer
+
+    def cfg(evicts, **solver):
+        c = _evicting(tmp_path, capacity=100_000, max_iter=8, eval_interval=100, snapshot=4,
+                      **solver)
+        if not evicts:
+            c["layers"][1].pop("eviction")
+        return c
+
+    Trainer(parse_config(cfg(False)), log=lambda s: None).fit()
+    on = Trainer(parse_config(cfg(True)), log=lambda s: None)
+    assert on.restore_checkpoint(4) == 4
+    assert int(on.state.embeddings[0].table.clock) == 0  # no scores stored: from 0
+    on.fit()  # to iteration 8, whose snapshot holds scores
+    assert int(on.state.embeddings[0].table.clock) == 4
+    off = Trainer(parse_config(cfg(False)), log=lambda s: None)
+    assert off.restore_checkpoint(8) == 8
+    assert off.state.embeddings[0].table.row_score.shape[0] == 0
+    off.fit(max_iter=10)

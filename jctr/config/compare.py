@@ -23,7 +23,7 @@ _FREE_OPTIMIZER = {"learning_rate", "beta1", "beta2", "epsilon", "momentum_facto
                    "initial_accu_value", "warmup_steps", "decay_start", "decay_steps",
                    "decay_power", "end_lr"}
 _FREE_EMBEDDING = {"max_vocabulary_size_per_gpu", "plan_file", "init_range", "replicated",
-                   "l2_lambda", "l1_lambda", "l2_rows", "growable"}
+                   "l2_lambda", "l1_lambda", "l2_rows", "growable", "eviction"}
 _FREE_DATA = {"name", "source", "eval_source", "check", "num_samples", "eval_num_samples",
               "cache_eval_data", "synthetic", "shuffle", "format", "slot_size_array",
               "float_label_dense", "test_sources"}

@@ -103,3 +103,22 @@ def test_growth_on_eight_devices(tmp_path):
         out[name] = (_losses(t), t.specs[0].capacity)
     assert out["g"][1] > 16
     assert out["g"][0] == out["big"][0]
+
+
+def test_the_best_weights_kept_before_a_growth_come_back_grown(tmp_path):
+    """Early stopping keeps a host copy of the best evaluation's state; when the table grows
+    after it, the copy's rows move to the grown table too, so restoring the best at the end
+    gives a state the grown steps take (and evaluate)."""
+    from tests.test_epochs import scripted
+
+    cfg = _cfg(tmp_path, 64, max_iter=24, eval_interval=4)
+    cfg["solver"]["early_stopping"] = {"metric": "AUC", "patience": 3}
+    lines = []
+    t = Trainer(parse_config(cfg), log=lines.append)
+    scripted(t, [0.9, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5])
+    t.fit()
+    assert int(t.state.step) == 4  # the best evaluation's state
+    assert any(" grew from " in x for x in lines)
+    rows = int(np.asarray(t.state.embeddings[0].table.size))
+    assert 0 < rows <= t.specs[0].capacity
+    assert np.isfinite(Trainer.evaluate(t, num_batches=1)["AUC"])  # a real evaluation

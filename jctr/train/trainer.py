@@ -418,14 +418,21 @@ class Trainer:
             (self.cfg, self.step_config, self.specs, self.placed, self.train_step,
              self.train_step_full, self.eval_step) = kept
             raise
-        old, old_placements = self.state, kept[3].placements
-        fresh = placed.create(init_state)
-        tables = tuple(
-            put_rows(spec, es, pl, export_placed(old_es, old_pl), replace=True)
-            for spec, es, pl, old_es, old_pl in zip(step_config.specs, fresh.embeddings,
-                                                    placed.placements, old.embeddings,
-                                                    old_placements))
-        self.state = old._replace(embeddings=tables)
+        old_placements = kept[3].placements
+
+        def moved(state: TrainState) -> TrainState:  # the same rows in the grown tables
+            fresh = placed.create(init_state).embeddings
+            return state._replace(embeddings=tuple(
+                put_rows(spec, es, pl, export_placed(old_es, old_pl), replace=True)
+                for spec, es, pl, old_es, old_pl in zip(step_config.specs, fresh,
+                                                        placed.placements, state.embeddings,
+                                                        old_placements)))
+
+        self.state = moved(self.state)
+        if self._best_copy is not None:  # early stopping's best, kept for the run's end
+            best_step, host = self._best_copy
+            self._best_copy = (best_step, placed.copy_to_host(
+                moved(placed.copy_to_devices(host))))
         self.evaluator.eval_step, self.evaluator.placed = self.eval_step, placed
         self.checkpoints.cfg, self.checkpoints.step_config = cfg, step_config
         self.checkpoints.placed = placed

@@ -34,7 +34,7 @@ class RowStore:
 
     def __init__(self, path: str, specs, slot_shapes: list[dict[str, tuple[int, ...]]]):
         self.db = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path),
-                               label="sparse_store.path")
+                               label="sparse_store.path", bulk=True)
         self.path = path
         self.names = [f"online.{spec.name}" for spec in specs]
         # one float32 row per key: vector, then each slot (sorted by name), then the slot id
@@ -81,9 +81,11 @@ class RowStore:
         """Write (overwrite) the rows of a stored-table dict."""
         if stored["keys"].size:
             self.db.insert(self.names[table], stored["keys"], self._pack(table, stored))
+            self.db.flush()
 
     def erase(self, table: int, keys: np.ndarray) -> None:
         self.db.erase(self.names[table], np.asarray(keys, np.int64))
+        self.db.flush()
 
     def scale(self, table: int, slot: str, factors: tuple[float, ...]) -> None:
         """Multiply a slot's columns in every stored row (the daily decay of admission counts;
@@ -98,6 +100,7 @@ class RowStore:
             rows = rows.copy()
             rows[:, at:at + f.size] *= f
             self.db.insert(self.names[table], keys, rows)
+        self.db.flush()
 
     OWNER = "online.owner"  # a meta entry: the run whose rows these are
 
@@ -108,12 +111,14 @@ class RowStore:
     def set_owner(self, run: str, save_model_path: str) -> None:
         self.db.set_meta(self.OWNER, {"run": run,
                                       "save_model_path": os.path.abspath(save_model_path)})
+        self.db.flush()
 
     def clear(self) -> None:
         """Every table's rows and records gone (a store taken over with ``--force``)."""
         for name in self.names:
             self.db.drop_table(name)
         self.db.set_meta(self.OWNER, None)
+        self.db.flush()
 
     def size(self, table: int) -> int:
         return self.db.size(self.names[table])
@@ -140,6 +145,7 @@ class RowStore:
                 self.db.erase(self.names[i], f[f"{i}/added"])
                 if f[f"{i}/keys"].size:
                     self.db.insert(self.names[i], f[f"{i}/keys"], f[f"{i}/rows"])
+            self.db.flush()
             return str(f["day"]), int(f["pass"])
 
     @staticmethod

@@ -20,6 +20,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 
 from jctr.data.tools.from_csv import main as from_csv  # noqa: E402
+from jctr.data.tools.from_csv import relative_sources  # noqa: E402
 
 SAMPLES = {
     # name: (file, converter arguments)
@@ -48,11 +49,7 @@ def rebased(cfg: dict, here: str, there: str) -> dict:
         moved = os.path.relpath(os.path.join(here, path), there)
         return moved + "/" if path.endswith("/") else moved
 
-    data = cfg["layers"][0]
-    for key in ("source", "eval_source"):
-        data[key] = move(data[key])
-    if "test_source" in data:
-        data["test_source"] = {k: move(v) for k, v in data["test_source"].items()}
+    cfg["layers"][0] = relative_sources(cfg["layers"][0], there, base=here)
     for key in ("snapshot_prefix", "log_dir"):
         cfg["solver"][key] = move(cfg["solver"][key])
     return cfg

@@ -73,7 +73,7 @@ def test_growth_stops_at_the_memory_ceiling(tmp_path, monkeypatch):
     def refuse(*a, **k):
         raise PlanError("the step needs 9.9 TiB, the machine has 23 GiB")
 
-    monkeypatch.setattr("jctr.train.trainer.plan_step_memory", refuse)
+    monkeypatch.setattr("jctr.train.step_memory.plan_step_memory", refuse)
     with pytest.raises(TableFullError, match="sparse_embedding1"):
         t.fit()
     assert any("cannot grow to" in x and "9.9 TiB" in x for x in lines)

@@ -101,6 +101,13 @@ class ReaderPosition:
     file_index: int = 0
     record: int = 0  # records of that file already consumed
 
+    @property
+    def last_epoch(self) -> int:
+        """The 0-based epoch of the last batch read (a position at an epoch's start follows
+        the last batch of the epoch before: Keras counts an epoch-end evaluation so)."""
+        at_start = self.epoch > 0 and self.file_index == 0 and self.record == 0
+        return self.epoch - 1 if at_start else self.epoch
+
 
 class Dataset(abc.ABC):
     """Fixed-shape batches from a sequence of *units* (files, or record ranges of one file).

@@ -156,17 +156,23 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
                     mode="fill", fill_value=0)
                 restart = restart | ((rows >= 0) & (last // eviction.epoch_steps
                                                     != table.clock // eviction.epoch_steps))
-            table, placed = _evict(table, keys, slots, rows, granted, new & ~granted, eviction,
-                                   capacity)
+            needy = new & ~granted
+
+            def evict(t: HashTable):
+                t, placed = _evict(t, keys, slots, rows, granted, needy, eviction, capacity)
+                # a key left without a row gives its slot back (a tombstone: probes of keys
+                # placed after it go on), or refused keys would fill the slots step by step
+                left = needy & ~placed
+                return t._replace(
+                    slot_keys=t.slot_keys.at[jnp.where(left, slots, t.num_slots)].set(
+                        TOMBSTONE, mode="drop"),
+                    tombstones=t.tombstones + jnp.sum(left, dtype=jnp.int32)), placed
+
+            # a step whose new keys all found free rows (a table not yet full) skips it all
+            table, placed = jax.lax.cond(jnp.any(needy), evict,
+                                         lambda t: (t, jnp.zeros_like(needy)), table)
             granted = granted | placed
             n_granted = jnp.sum(granted, dtype=jnp.int32)
-            # a key left without a row gives its slot back (a tombstone: probes of keys
-            # placed after it go on), or refused keys would fill the slots step by step
-            left = new & ~granted
-            table = table._replace(
-                slot_keys=table.slot_keys.at[jnp.where(left, slots, table.num_slots)].set(
-                    TOMBSTONE, mode="drop"),
-                tombstones=table.tombstones + (n_new - n_granted))
         slot_keys, slot_rows, scratch = table.slot_keys, table.slot_rows, table.scratch
         overflow = overflow + (n_new - n_granted)
         rows = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
@@ -338,9 +344,10 @@ def erase(table: HashTable, keys: jax.Array, valid: jax.Array) -> tuple[HashTabl
 
 
 def occupied_slots(table: HashTable) -> jax.Array:
-    """Slots that are not empty (keys and tombstones): probes stay short while this is at
-    most about half of the slots; past that the table should be built again."""
-    return jnp.sum(table.slot_keys != EMPTY_KEY, dtype=jnp.int32)
+    """Slots that are not empty (keys and tombstones), per device part of a sharded table
+    (its leading axis): probes stay short while this is at most about half of the slots;
+    past that the table should be built again."""
+    return jnp.sum(table.slot_keys != EMPTY_KEY, axis=-1, dtype=jnp.int32)
 
 
 def export_items(table: HashTable) -> tuple[np.ndarray, np.ndarray]:

@@ -81,11 +81,9 @@ class RowStore:
         """Write (overwrite) the rows of a stored-table dict."""
         if stored["keys"].size:
             self.db.insert(self.names[table], stored["keys"], self._pack(table, stored))
-            self.db.flush()
 
     def erase(self, table: int, keys: np.ndarray) -> None:
         self.db.erase(self.names[table], np.asarray(keys, np.int64))
-        self.db.flush()
 
     def scale(self, table: int, slot: str, factors: tuple[float, ...]) -> None:
         """Multiply a slot's columns in every stored row (the daily decay of admission counts;
@@ -100,7 +98,6 @@ class RowStore:
             rows = rows.copy()
             rows[:, at:at + f.size] *= f
             self.db.insert(self.names[table], keys, rows)
-        self.db.flush()
 
     OWNER = "online.owner"  # a meta entry: the run whose rows these are
 
@@ -111,14 +108,12 @@ class RowStore:
     def set_owner(self, run: str, save_model_path: str) -> None:
         self.db.set_meta(self.OWNER, {"run": run,
                                       "save_model_path": os.path.abspath(save_model_path)})
-        self.db.flush()
 
     def clear(self) -> None:
         """Every table's rows and records gone (a store taken over with ``--force``)."""
         for name in self.names:
             self.db.drop_table(name)
         self.db.set_meta(self.OWNER, None)
-        self.db.flush()
 
     def size(self, table: int) -> int:
         return self.db.size(self.names[table])
@@ -145,7 +140,6 @@ class RowStore:
                 self.db.erase(self.names[i], f[f"{i}/added"])
                 if f[f"{i}/keys"].size:
                     self.db.insert(self.names[i], f[f"{i}/keys"], f[f"{i}/rows"])
-            self.db.flush()
             return str(f["day"]), int(f["pass"])
 
     @staticmethod

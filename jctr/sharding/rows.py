@@ -18,14 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jctr.embedding.hash_table import export_items, lookup
+from jctr.embedding.hash_table import export_items, lookup, occupied_slots
 from jctr.embedding.sparse_embedding import (
     EmbeddingSpec,
     EmbeddingState,
     erase_keys,
     init_embedding,
 )
-from jctr.ops import EMPTY_KEY, owner_shards_host
+from jctr.ops import owner_shards_host
 from jctr.sharding.mesh import to_host
 
 _INSERT_CHUNK = 1 << 18
@@ -320,9 +320,7 @@ def _erase_on(spec: EmbeddingSpec, mesh, axis):
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(axis), P(), P()),
                                  out_specs=(P(axis), P(axis)), check_vma=False),
                    donate_argnums=0)
-# occupied slots of a table, or of each part of a sharded one
-_occupied = jax.jit(lambda table: jnp.sum(table.slot_keys != EMPTY_KEY, axis=-1,
-                                          dtype=jnp.int32))
+_occupied = jax.jit(occupied_slots)
 
 
 def scale_slot(state: EmbeddingState, name: str, factors: tuple[float, ...]) -> EmbeddingState:

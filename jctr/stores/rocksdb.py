@@ -89,7 +89,7 @@ class RocksDBStore:
         self._rd = rocksdict
         # bulk: whole tables written, then read (streaming's row store): writes go into a
         # vector memtable (no ordered insert per key) and every write is flushed at once
-        # (:meth:`flush`), since a read of an unflushed vector memtable sorts it
+        # (:meth:`_settle`), since a read of an unflushed vector memtable sorts it
         self._bulk = bulk
         self.params = params
         self.label = label  # the setting that named the folder, for errors
@@ -219,6 +219,7 @@ class RocksDBStore:
                 # the batch is filled by map in C: no Python frame per key
                 deque(map(wb.put, kb[start:start + step], vb[start:start + step]), maxlen=0)
                 self.db.write(wb)
+        self._settle()
 
     def erase(self, table: str, keys) -> None:
         keys = as_keys(keys)
@@ -231,6 +232,7 @@ class RocksDBStore:
             wb.set_default_column_family(handle)
             deque(map(wb.delete, _key_bytes(keys)), maxlen=0)
             self.db.write(wb)
+        self._settle()
 
     def items(self, table: str, chunk: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         cf = self._families.get(table)
@@ -251,12 +253,14 @@ class RocksDBStore:
     def size(self, table: str) -> int:
         return sum(k.size for k, _ in self.items(table))
 
-    def flush(self) -> None:
-        """Every table's memtable to disk (a bulk store's writes end with it)."""
-        with self._lock:
-            self.db.flush()
-            for cf in self._families.values():
-                cf.flush()
+    def _settle(self) -> None:
+        """A bulk store's write ends with every memtable on disk: a read of an unflushed
+        vector memtable would sort it."""
+        if self._bulk:
+            with self._lock:
+                self.db.flush()
+                for cf in self._families.values():
+                    cf.flush()
 
     def estimated_rows(self, table: str) -> int:
         """RocksDB's estimate of a table's keys (no pass over it)."""
@@ -310,6 +314,7 @@ class RocksDBStore:
                 # after the rows in the write-ahead log: a load killed before this line
                 # leaves no manifest, whatever it had written
                 self.db.put(_meta_key(table), json.dumps(meta, sort_keys=True).encode())
+        self._settle()
 
     def drop_table(self, table: str) -> None:
         if self.params.read_only:
@@ -321,6 +326,7 @@ class RocksDBStore:
                 del self._families[table]
             self.db.delete(_dim_key(table))
             self._dims.pop(table, None)
+        self._settle()
 
     def close(self) -> None:
         self._families.clear()

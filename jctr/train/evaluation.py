@@ -126,6 +126,14 @@ def embedding_norms(specs, state: TrainState) -> dict[str, dict[str, float]]:
     return out
 
 
+def describe_norms(norms: dict[str, dict]) -> str:
+    """:func:`embedding_norms` as the evaluation line shows them."""
+    return "  ".join(f"{name}: {n['rows']:,} rows, mean |row| {n['mean_norm']:.4f}"
+                     + (f", {n['evicted']:,} evicted" if "evicted" in n else "")
+                     + (f", {n['refused']:,} refused" if n.get("refused") else "")
+                     for name, n in norms.items())
+
+
 @dataclasses.dataclass(frozen=True)
 class Verdict:
     """What a validation result decides: stop training; a new learning-rate factor (None:

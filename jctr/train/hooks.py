@@ -31,11 +31,14 @@ from jctr.sharding.mesh import to_host
 
 
 class Hook:
-    """The loop's three calls; override those you need. ``auc_buckets`` > 0 asks the train
+    """The loop's calls; override those you need. ``auc_buckets`` > 0 asks the train
     step to count its predictions in that many buckets per label (``metrics["auc_counts"]``,
     ``[2, buckets]``, summed over every process; fixed when the Trainer is built)."""
 
     auc_buckets: int = 0
+
+    def on_fit_start(self) -> None:
+        """A ``fit`` is about to take its first step."""
 
     def on_batch(self, batch: Batch) -> Any:
         """A host batch as read, before it goes to the devices (the reader's thread: keep it
@@ -50,6 +53,10 @@ class Hook:
     def on_fit_end(self, state: TrainState, summary: FitSummary) -> None:
         """After ``fit`` trained and evaluated (before the test sets are scored)."""
 
+    def before_restore(self, step: int | None, directory: str | None) -> None:
+        """A checkpoint (``Trainer.restore_checkpoint``'s arguments) is about to be
+        restored into the state."""
+
     def on_model_rebuilt(self, step_config, placements) -> None:
         """The model's steps and placement were built again (a table grew: other
         capacities, the same keys): a hook that keeps them takes the new ones."""
@@ -57,6 +64,23 @@ class Hook:
     def on_run_end(self) -> None:
         """The run's last ``fit`` is over (a command's end, :func:`end_run`): work still in
         flight is finished, or what is lost is raised as an error."""
+
+
+def config_hooks(trainer, report) -> list[Hook]:
+    """The hooks a trainer's config asks for: growable tables grow
+    (:class:`jctr.train.table_growth.TableGrowth`), a Kafka sink publishes
+    (:class:`jctr.train.publisher.KafkaPublisher`)."""
+    cfg, out = trainer.cfg, []
+    if any(e.growable for e in cfg.embeddings):
+        from jctr.train.table_growth import TableGrowth
+
+        out.append(TableGrowth(trainer))
+    if cfg.solver.kafka_sink is not None:
+        from jctr.train.publisher import KafkaPublisher
+
+        out.append(KafkaPublisher(cfg, trainer.step_config, trainer.placed.placements,
+                                  report=report))
+    return out
 
 
 def end_run(hooks) -> None:

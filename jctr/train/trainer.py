@@ -33,8 +33,8 @@ from jctr.sharding.distributed import all_processes
 from jctr.sharding.placed_model import PlacedModel, dense_bytes
 from jctr.train.datasets import RunData
 from jctr.train.dense_optimizer import dense_optimizer
-from jctr.train.evaluation import Evaluator, ValidationJudge, embedding_norms
-from jctr.train.hooks import FitSummary, Hook
+from jctr.train.evaluation import Evaluator, ValidationJudge, describe_norms, embedding_norms
+from jctr.train.hooks import FitSummary, Hook, config_hooks
 from jctr.train.progress import Progress, StepMeter, final_line
 from jctr.train.run_checkpoints import RunCheckpoints
 from jctr.train.run_log import RunLog
@@ -48,7 +48,6 @@ from jctr.train.step_checks import (
     nonfinite_error,
 )
 from jctr.train.step_memory import plan_step_memory
-from jctr.train.table_growth import capacities_to_grow, rows_in_use
 
 __all__ = ["NonFiniteLoss", "Trainer"]
 
@@ -91,12 +90,7 @@ class Trainer:
         if jax.default_backend() == "cpu":
             for line in describe_cpu_setup(cfg.solver.compute_dtype):
                 self._print(line)
-        self.hooks: list[Hook] = list(hooks)
-        if cfg.solver.kafka_sink is not None:
-            from jctr.train.publisher import KafkaPublisher
-
-            self.hooks.append(KafkaPublisher(cfg, self.step_config, self.placed.placements,
-                                             report=report))
+        self.hooks: list[Hook] = [*hooks, *config_hooks(self, report)]
         self._jit_steps()
         # the steps are compiled (and the first call reuses them) before any table exists,
         # so that a step that will not fit is refused with XLA's figures, not killed
@@ -117,7 +111,6 @@ class Trainer:
         self._best_copy = None  # host copy of the state at early stopping's best evaluation
         self._restored_best: int | None = None  # the iteration restore_best_weights went to
         self._lr_at = jax.jit(learning_rate_schedule(cfg.optimizer))
-        self._grow_stuck: set[str] = set()  # growable tables at the memory ceiling
         if cfg.solver.dense_model_file or cfg.solver.sparse_model_file:
             self.load_model_files(cfg.solver.dense_model_file, cfg.solver.sparse_model_file)
 
@@ -204,9 +197,8 @@ class Trainer:
 
     def _fit(self, max_iter: int | None) -> FitSummary:
         s = self.solver
-        if any(e.growable for e in self.cfg.embeddings):  # room for the first two steps
-            self._grow(capacities_to_grow(self.cfg, self.specs, rows_in_use(self.state),
-                                          self._grow_stuck))
+        for hook in self.hooks:
+            hook.on_fit_start()
         max_iter = max_iter or s.max_iter
         epochs = None if max_iter else s.num_epochs
         batches = Prefetcher(self.data.reads(epochs, self.reader_position),
@@ -313,9 +305,6 @@ class Trainer:
         saved; its loss goes to ``tally`` (None: skipped, policy ``skip``)."""
         metrics, step, weight = prev
         check_overflow(metrics, self.specs, self.state)
-        if any(e.growable for e in self.cfg.embeddings):
-            self._grow(capacities_to_grow(self.cfg, self.specs,
-                                          to_host(metrics["rows_in_use"]), self._grow_stuck))
         if self.step_config.skip_nonfinite and bool(to_host(metrics["skipped"])):
             tally.add(None, weight)
             return
@@ -353,98 +342,16 @@ class Trainer:
         lr = self._learning_rate(step)
         self._print(f"[jctr] eval at iter {step}" + (f" (epoch {epoch})" if epoch else "")
                     + ": " + "  ".join(f"{k} {v:.5f}" for k, v in result.items()) + "  |  "
-                    + "  ".join(f"{name}: {n['rows']:,} rows, mean |row| {n['mean_norm']:.4f}"
-                                + (f", {n['evicted']:,} evicted" if "evicted" in n else "")
-                                + (f", {n['refused']:,} refused" if n.get("refused") else "")
-                                for name, n in norms.items()))
+                    + describe_norms(norms))
         self.run_log.record("eval", iter=step, set="validation", **result,
                             **({"epoch": epoch} if epoch else {}), lr=lr, embedding_norms=norms)
-        verdict = self.judge.judge(result, step, lr, self._epoch_of_evaluation())
+        verdict = self.judge.judge(result, step, lr,
+                                   (self.reader_position or ReaderPosition()).last_epoch)
         if verdict.lr_scale is not None:
             self.state = with_lr_scale(self.state, verdict.lr_scale)
         if verdict.best:
             self._best_copy = (step, self.placed.copy_to_host(self.state))
         return verdict.stop
-
-    # ---- tables that grow (jctr.train.table_growth) -------------------------------------
-
-    def _grow(self, capacities: dict[str, int], *, required: bool = False) -> None:
-        """Grow the named tables to the given capacities: the placement and steps are built
-        for the grown config and the state moves over. A growth whose memory plan does not
-        fit leaves the tables as they are (they stop growing; ``required``: raise)."""
-        if not capacities:
-            return
-        import time
-
-        from jctr.sharding.plan import PlanError
-        from jctr.train.table_growth import grown_config
-
-        t0 = time.perf_counter()
-        before = {s.name: s.capacity for s in self.specs}
-        try:
-            self._rebuild_for(grown_config(self.cfg, capacities))
-        except PlanError as e:
-            if required:
-                raise
-            self._grow_stuck.update(capacities)
-            self._print(f"[jctr] {', '.join(capacities)} cannot grow to "
-                        f"{', '.join(f'{n:,}' for n in capacities.values())} rows: {e}; "
-                        "they keep their rows (a full table stops, or evicts with eviction)")
-            return
-        for name, rows in capacities.items():
-            self._print(f"[jctr] table {name} grew from {before[name]:,} to {rows:,} rows "
-                        f"per device part (steps compiled again; "
-                        f"{time.perf_counter() - t0:.1f} s)")
-            self.run_log.record("table_growth", iter=int(to_host(self.state.step)),
-                                table=name, rows=rows, previous=before[name])
-
-    def _rebuild_for(self, cfg: ModelConfig) -> None:
-        """Placement, steps and memory plan for ``cfg`` (this model with other table
-        capacities), the state moved into it; on a :class:`PlanError` nothing changes."""
-        from jctr.sharding.rows import export_placed, put_rows
-
-        step_config, init_model = build_model(cfg)
-        init_state = lambda: init_model(self._dense_tx)  # noqa: E731
-        placed = PlacedModel(cfg, step_config.specs, dense_bytes=dense_bytes(init_state))
-        kept = (self.cfg, self.step_config, self.specs, self.placed, self.train_step,
-                self.train_step_full, self.eval_step)
-        self.cfg, self.step_config, self.specs, self.placed = (cfg, step_config,
-                                                               step_config.specs, placed)
-        try:
-            self._jit_steps()
-            self.memory_plan = plan_step_memory(placed, cfg, self.train_step, self.eval_step,
-                                                init_state, self._print)
-        except BaseException:
-            (self.cfg, self.step_config, self.specs, self.placed, self.train_step,
-             self.train_step_full, self.eval_step) = kept
-            raise
-        old_placements = kept[3].placements
-
-        def moved(state: TrainState) -> TrainState:  # the same rows in the grown tables
-            fresh = placed.create(init_state).embeddings
-            return state._replace(embeddings=tuple(
-                put_rows(spec, es, pl, export_placed(old_es, old_pl), replace=True)
-                for spec, es, pl, old_es, old_pl in zip(step_config.specs, fresh,
-                                                        placed.placements, state.embeddings,
-                                                        old_placements)))
-
-        self.state = moved(self.state)
-        if self._best_copy is not None:  # early stopping's best, kept for the run's end
-            best_step, host = self._best_copy
-            self._best_copy = (best_step, placed.copy_to_host(
-                moved(placed.copy_to_devices(host))))
-        self.evaluator.eval_step, self.evaluator.placed = self.eval_step, placed
-        self.checkpoints.cfg, self.checkpoints.step_config = cfg, step_config
-        self.checkpoints.placed = placed
-        for hook in self.hooks:
-            hook.on_model_rebuilt(step_config, placed.placements)
-
-    def _epoch_of_evaluation(self) -> int:
-        """The 0-based epoch the last trained batch belongs to (an evaluation at an epoch's
-        end belongs to the epoch that ended, as Keras counts for ``start_from_epoch``)."""
-        p = self.reader_position or ReaderPosition()
-        at_start = p.epoch > 0 and p.file_index == 0 and p.record == 0
-        return p.epoch - 1 if at_start else p.epoch
 
     def _restore_best(self) -> None:
         """Early stopping with restore_best_weights: go back to the best evaluation's state
@@ -491,12 +398,8 @@ class Trainer:
         """Continue from a checkpoint (default: the latest under the solver's directory):
         state, RNG, schedule position and the training reader's position. A checkpoint of a
         config with another model structure is refused, naming the fields that differ."""
-        from jctr.train.table_growth import capacities_for_rows
-
-        # growable tables that grew in the saved run grow before their rows come back
-        self._grow(capacities_for_rows(self.cfg, self.specs,
-                                       self.checkpoints.stored_rows(step, directory)),
-                   required=True)
+        for hook in self.hooks:  # e.g. tables that grew in the saved run grow first
+            hook.before_restore(step, directory)
         self.state, self.reader_position, meta = self.checkpoints.restore(self.state, step,
                                                                           directory)
         self.judge.load_state_dict(meta.get("monitors", {}))

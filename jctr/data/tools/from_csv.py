@@ -329,10 +329,11 @@ def convert(train: str, output: str, *, label: str, dense: list[str], bucketize:
     return layer, rows
 
 
-def relative_sources(layer: dict, folder: str) -> dict:
-    """The Data layer with its file lists relative to ``folder`` (where its config goes)."""
+def relative_sources(layer: dict, folder: str, base: str = "") -> dict:
+    """The Data layer with its file lists (relative to ``base``) relative to ``folder``
+    (where its config goes)."""
     def rel(path: str) -> str:
-        return os.path.relpath(path, folder)
+        return os.path.relpath(os.path.join(base, path), folder)
 
     out = {**layer, "source": rel(layer["source"]), "eval_source": rel(layer["eval_source"])}
     if "test_source" in layer:

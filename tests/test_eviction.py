@@ -178,7 +178,9 @@ def test_a_full_table_trains_on_by_evicting_and_resumes_exactly(tmp_path):
     evals = [x for x in lines if x.startswith("[jctr] eval at iter")]
     assert evals and " evicted" in evals[-1]
     evicted = int(np.asarray(full.state.embeddings[0].table.evicted))
-    assert evicted > 100
+    # new keys take rows in order of first occurrence, so hot keys (early in a batch) hold
+    # rows and are evicted less than when the last occurrence ranked them
+    assert evicted > 40
     reference = {h["iter"]: h["loss"] for h in full.history if h["kind"] == "train"}
     norms = [h for h in full.history if h["kind"] == "eval"][-1]["embedding_norms"]
     assert norms["sparse_embedding1"]["evicted"] == evicted

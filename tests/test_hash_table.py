@@ -89,10 +89,18 @@ def test_full_table_raises_in_training(tmp_path):
         Trainer.from_config(cfg).fit()
 
 
-def test_num_slots_keeps_load_at_most_half():
-    for cap in (1, 7, 8, 1000, 1 << 20):
+def test_num_slots_are_whole_buckets_at_most_85_percent_full():
+    """Issue 36 point 4: about 1.18 slots per row (was a power of two >= 2x), in whole
+    buckets; an evicting table keeps two slots a row (room for new keys and tombstones)."""
+    from jctr.config.schema import EvictionConfig
+    from jctr.ops.hashing import BUCKET
+
+    for cap in (1, 7, 8, 1000, 1 << 20, 3_000_000):
         n = num_slots_for(cap)
-        assert n >= 2 * cap and n & (n - 1) == 0
+        assert n % BUCKET == 0 and cap <= 0.85 * n and (n < 32 or n < 1.2 * cap), (cap, n)
+        e = num_slots_for(cap, EvictionConfig("lru"))
+        assert e % BUCKET == 0 and e >= 2 * cap
+    assert num_slots_for(1 << 20) * 16 <= 0.6 * (1 << 21) * 16  # slot bytes vs the old layout
 
 
 def test_find_slots_remainder_path():
@@ -230,7 +238,7 @@ def test_the_shrink_by_erase_equals_the_rebuild(monkeypatch):
     erased, in_use = rows_mod.drop_keys(spec, jax.tree.map(jnp.copy, full), None, deleted)
     assert in_use == n - deleted.size
     assert int(erased.table.free_count) == deleted.size  # erased, not rebuilt
-    monkeypatch.setattr(rows_mod, "_MAX_OCCUPIED", 0.0)
+    monkeypatch.setattr(rows_mod, "MAX_OCCUPIED", 0.0)
     rebuilt, in_use2 = rows_mod.drop_keys(spec, full, None, deleted)
     assert in_use2 == in_use and int(rebuilt.table.free_count) == 0
     a, b = by_key(erased), by_key(rebuilt)
@@ -245,3 +253,47 @@ def test_the_shrink_by_erase_equals_the_rebuild(monkeypatch):
     a, b = by_key(erased), by_key(rebuilt)
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_a_full_table_at_85_percent_of_its_slots_erases_rebuilds_and_refills():
+    """Issue 36 point 4: a table whose every row is in use fills 85% of its slots (bucketed
+    probing); erasing a third of its keys leaves tombstones, ``rebuild_slots`` clears them
+    (the shrink calls it when a refill would crowd the slots) without moving a row, and new
+    keys then take exactly the freed rows; every kept key is found at its row throughout,
+    by the native kernels and by the jnp reference alike."""
+    import os
+
+    from jctr.embedding.hash_table import erase, occupied_slots, rebuild_slots
+
+    capacity = 4000
+    rng = np.random.default_rng(3)
+    keys = rng.choice(2**62, capacity, replace=False).astype(np.int64)
+    ones = jnp.ones(capacity, bool)
+    for mode in ("auto", "reference"):
+        os.environ["JCTR_KERNELS"] = mode
+        try:
+            ins = jax.jit(lambda t, k, v: lookup(t, k, v, capacity, insert=True))
+            find = jax.jit(lambda t, k: lookup(t, k, jnp.ones(k.shape, bool), capacity,
+                                               insert=False)[1].rows)
+            table, lk = ins(create_table(capacity), jnp.asarray(keys), ones)
+            rows = np.asarray(lk.rows)
+            assert sorted(rows.tolist()) == list(range(capacity))
+            assert int(occupied_slots(table)) == capacity >= 0.84 * table.num_slots
+            gone = rng.random(capacity) < 0.33
+            table, freed = jax.jit(erase)(table, jnp.asarray(keys[gone]),
+                                          jnp.ones(int(gone.sum()), bool))
+            assert int(table.tombstones) == gone.sum() == int((np.asarray(freed) >= 0).sum())
+            table = jax.jit(rebuild_slots, static_argnums=1)(table, capacity)
+            assert int(table.tombstones) == 0
+            assert int(occupied_slots(table)) == capacity - gone.sum()
+            got = np.asarray(find(table, jnp.asarray(keys)))
+            np.testing.assert_array_equal(got[~gone], rows[~gone])
+            assert (got[gone] == -1).all()
+            new = rng.choice(2**62, int(gone.sum()), replace=False).astype(np.int64) | 1
+            table, lk = ins(table, jnp.asarray(new), jnp.ones(new.size, bool))
+            assert sorted(np.asarray(lk.rows).tolist()) == sorted(rows[gone].tolist())
+            assert int(table.overflow) == 0
+            np.testing.assert_array_equal(np.asarray(find(table, jnp.asarray(keys[~gone]))),
+                                          rows[~gone])
+        finally:
+            os.environ.pop("JCTR_KERNELS", None)

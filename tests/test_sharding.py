@@ -521,11 +521,11 @@ def test_the_shrink_erases_on_every_device_part(tmp_path, kind):
     for a, b in zip(jax.tree.leaves(jax.tree.map(lambda x: x.sharding, erased)),
                     jax.tree.leaves(shardings)):
         assert a.is_equivalent_to(b, 2), (a, b)
-    rows_mod._MAX_OCCUPIED, saved = 0.0, rows_mod._MAX_OCCUPIED
+    rows_mod.MAX_OCCUPIED, saved = 0.0, rows_mod.MAX_OCCUPIED
     try:
         rebuilt, in_use2 = rows_mod.drop_keys(spec, full, pl, deleted)
     finally:
-        rows_mod._MAX_OCCUPIED = saved
+        rows_mod.MAX_OCCUPIED = saved
     assert in_use2 == in_use
     a, b = by_key(erased), by_key(rebuilt)
     assert a.keys() == b.keys()

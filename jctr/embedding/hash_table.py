@@ -1,13 +1,14 @@
 """A fixed-capacity hash table from 64-bit keys to embedding rows (functional, jittable).
 
 ``capacity`` rows (``max_vocabulary_size_per_gpu``) live in a dense value array; keys map to rows
-through an open-addressing slot array at most half full, so probe chains stay short. Rows are
-handed out in insertion order; training inserts unseen keys, evaluation never does.
+through an open-addressing slot array in buckets of eight (:mod:`jctr.ops.hashing`), at most
+85% full, so a probe mostly reads one cache line. Rows are handed out in insertion order;
+training inserts unseen keys, evaluation never does.
 
 :func:`erase` deletes keys at a cost proportional to them: a deleted key's slot becomes a
 tombstone (``TOMBSTONE``: probes pass over it, inserts never take it) and its row goes on a free
-list that later inserts take first. Tombstones only leave when the table is built again (the
-caller does that when they crowd the slots: :func:`occupied_slots`).
+list that later inserts take first. Tombstones leave when the slots are built again, which a
+training lookup does when keys and tombstones pass ``MAX_OCCUPIED`` of the slots.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import numpy as np
 
 from jctr.config.schema import EvictionConfig
 from jctr.errors import UserError
-from jctr.ops import EMPTY_KEY, find_slots, hash_keys, representatives
+from jctr.ops import EMPTY_KEY, assign_rows, find_slots, hash_keys, representatives
+from jctr.ops.hashing import BUCKET, MAX_LOAD
 
 # an erased key's slot: neither empty (probes go on past it) nor any real key (keys equal to
 # the two smallest int64 values are reserved)
@@ -54,10 +56,13 @@ class HashTable(NamedTuple):
 
 
 def num_slots_for(capacity: int, eviction: EvictionConfig | None = None) -> int:
-    """Slots for a capacity: a power of two at least twice the capacity (load <= 1/2); four
-    times for a table that evicts, whose evicted keys leave tombstones until the slots are
-    built again (room for 1.5x its rows of them between two builds, instead of 0.25x)."""
-    return max(16, 1 << int((4 if eviction is not None else 2) * capacity - 1).bit_length())
+    """Slots for a capacity, in whole buckets: keys fill at most ``MAX_LOAD`` (85%) of them
+    (bucketed probing stays short there: :mod:`jctr.ops.hashing`); a table that evicts gets
+    twice its rows: a full table's new keys need free slots to compete for rows (a step
+    places at most as many as there are free slots: its rows' worth after the slots are built
+    again), and its evicted keys leave tombstones until then."""
+    need = 2 * capacity if eviction is not None else -(-capacity * 100 // int(MAX_LOAD * 100))
+    return max(2 * BUCKET, -(-need // BUCKET) * BUCKET)
 
 
 def create_table(capacity: int, eviction: EvictionConfig | None = None) -> HashTable:
@@ -108,81 +113,63 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
     (:func:`_evict`); such rows are ``fresh`` too.
     """
     evicting = insert and eviction is not None
-    if evicting:
-        table = _rehash_if_crowded(table, capacity)
+    if evicting:  # a plain table's tombstones come from erase, whose caller rebuilds
+        table = _rehash_if_crowded(table, capacity, jnp.sum(valid, dtype=jnp.int32))
         table = table._replace(clock=table.clock + 1)
     slot_keys, slots = find_slots(table.slot_keys, keys, valid, insert=insert)
-    slot_rows = table.slot_rows
-    rows = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
-    if dedupe:
+    if not insert:
+        rows = jnp.where(slots >= 0,
+                         table.slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
+        if not dedupe:
+            return table, Lookup(rows=rows, rep=jnp.full(slots.shape, -1, jnp.int32),
+                                 fresh=jnp.zeros(keys.shape, bool))
         scratch, rep = representatives(table.scratch, slots)
-    elif insert:
-        scratch, rep = representatives(table.scratch, jnp.where(rows < 0, slots, -1))
-    else:
-        scratch, rep = table.scratch, jnp.full(slots.shape, -1, jnp.int32)
-    size, overflow = table.size, table.overflow
-    free_rows, free_count = table.free_rows, table.free_count
-    granted = jnp.zeros(keys.shape, bool)
-    if insert:
-        ar = jnp.arange(keys.shape[0], dtype=jnp.int32)
-        new = (slots >= 0) & (rows < 0) & (rep == ar)
-        k = jnp.cumsum(new, dtype=jnp.int32) - 1  # rank among the new keys
-        # freed rows first (the top of the stack), then rows never handed out
-        reused = k < free_count
-        new_rows = jnp.where(
-            reused, free_rows.at[jnp.maximum(free_count - 1 - k, 0)].get(mode="clip"),
-            size + k - free_count)
-        granted = new & (reused | (new_rows < capacity))
-        slot_rows = slot_rows.at[jnp.where(granted, slots, slot_rows.shape[0])].set(
-            new_rows, mode="drop")
-        n_new = jnp.sum(new, dtype=jnp.int32)
-        n_granted = jnp.sum(granted, dtype=jnp.int32)
-        taken = jnp.minimum(n_new, free_count)
-        size = size + n_granted - taken
-        free_count = free_count - taken
-        row_slots = table.row_slots
-        if row_slots.shape[0]:  # tracked (eviction): each granted row's slot
-            row_slots = row_slots.at[jnp.where(granted, new_rows, capacity)].set(
-                slots, mode="drop")
-        table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, scratch=scratch,
-                               size=size, free_rows=free_rows, free_count=free_count,
-                               row_slots=row_slots)
-        if evicting:
-            # *lfu counts start again for rows new to their key, and (epoch_lfu) for found
-            # rows last touched in an earlier epoch (read before this step stamps them)
-            restart = granted
-            if eviction.policy == "epoch_lfu":
-                last = table.row_score.at[jnp.where(rows >= 0, rows, capacity), 0].get(
-                    mode="fill", fill_value=0)
-                restart = restart | ((rows >= 0) & (last // eviction.epoch_steps
-                                                    != table.clock // eviction.epoch_steps))
-            needy = new & ~granted
-
-            def evict(t: HashTable):
-                t, placed = _evict(t, keys, slots, rows, granted, needy, eviction, capacity)
-                # a key left without a row gives its slot back (a tombstone: probes of keys
-                # placed after it go on), or refused keys would fill the slots step by step
-                left = needy & ~placed
-                return t._replace(
-                    slot_keys=t.slot_keys.at[jnp.where(left, slots, t.num_slots)].set(
-                        TOMBSTONE, mode="drop"),
-                    tombstones=t.tombstones + jnp.sum(left, dtype=jnp.int32)), placed
-
-            # a step whose new keys all found free rows (a table not yet full) skips it all
-            table, placed = jax.lax.cond(jnp.any(needy), evict,
-                                         lambda t: (t, jnp.zeros_like(needy)), table)
-            granted = granted | placed
-            n_granted = jnp.sum(granted, dtype=jnp.int32)
-        slot_keys, slot_rows, scratch = table.slot_keys, table.slot_rows, table.scratch
-        overflow = overflow + (n_new - n_granted)
-        rows = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
-        if evicting:
-            table = table._replace(row_score=_count_touches(
-                table, rows, restart | placed, eviction, capacity))
-    rep = jnp.where(rows >= 0, rep, -1) if dedupe else jnp.full(slots.shape, -1, jnp.int32)
+        return table._replace(scratch=scratch), Lookup(
+            rows=rows, rep=jnp.where(rows >= 0, rep, -1), fresh=jnp.zeros(keys.shape, bool))
+    slot_rows, scratch, rows, rep, new, granted, size, free_count = assign_rows(
+        table.slot_rows, table.scratch, table.free_rows, table.size, table.free_count, slots,
+        capacity, dedupe=dedupe)
+    n_new = jnp.sum(new, dtype=jnp.int32)
+    row_slots = table.row_slots
+    if row_slots.shape[0]:  # tracked (eviction): each granted row's slot
+        row_slots = row_slots.at[jnp.where(granted, rows, capacity)].set(slots, mode="drop")
     table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, scratch=scratch,
-                           size=size, overflow=overflow, free_rows=free_rows,
-                           free_count=free_count)
+                           size=size, free_count=free_count, row_slots=row_slots)
+    if evicting:
+        # *lfu counts start again for rows new to their key, and (epoch_lfu) for found rows
+        # last touched in an earlier epoch (read before this step stamps them)
+        restart = granted
+        if eviction.policy == "epoch_lfu":
+            last = table.row_score.at[jnp.where(rows >= 0, rows, capacity), 0].get(
+                mode="fill", fill_value=0)
+            restart = restart | ((rows >= 0) & (last // eviction.epoch_steps
+                                                != table.clock // eviction.epoch_steps))
+        needy = new & ~granted
+
+        def evict(t: HashTable):
+            t, placed = _evict(t, keys, slots, rows, needy, eviction, capacity)
+            # a key left without a row gives its slot back (a tombstone: probes of keys
+            # placed after it go on), or refused keys would fill the slots step by step
+            left = needy & ~placed
+            return t._replace(
+                slot_keys=t.slot_keys.at[jnp.where(left, slots, t.num_slots)].set(
+                    TOMBSTONE, mode="drop"),
+                tombstones=t.tombstones + jnp.sum(left, dtype=jnp.int32)), placed
+
+        # a step whose new keys all found free rows (a table not yet full) skips it all
+        table, placed = jax.lax.cond(jnp.any(needy), evict,
+                                     lambda t: (t, jnp.zeros_like(needy)), table)
+        granted = granted | placed
+        rows = jnp.where(slots >= 0,
+                         table.slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
+        table = table._replace(row_score=_count_touches(table, rows, restart | placed,
+                                                        eviction, capacity))
+    # refused: new keys left without a row, and keys that found no free slot at all (the
+    # slots full of refused keys: each occurrence counts)
+    refused = n_new - jnp.sum(granted, dtype=jnp.int32) + jnp.sum(valid & (slots < 0),
+                                                                   dtype=jnp.int32)
+    table = table._replace(overflow=table.overflow + refused)
+    rep = jnp.where(rows >= 0, rep, -1) if dedupe else jnp.full(slots.shape, -1, jnp.int32)
     return table, Lookup(rows=rows, rep=rep, fresh=granted)
 
 
@@ -208,7 +195,7 @@ def _rank(score: jax.Array, clock: jax.Array, eviction: EvictionConfig) -> jax.A
     return jnp.where(last == clock, _NEVER, rank)
 
 
-def _evict(table: HashTable, keys, slots, rows, granted, needy, eviction: EvictionConfig,
+def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig,
            capacity: int) -> tuple[HashTable, jax.Array]:
     """Rows for the ``needy`` positions (new keys that found no free row): each samples
     ``eviction.samples`` rows by its hash and takes the lowest-ranked one; of new keys that
@@ -221,10 +208,8 @@ def _evict(table: HashTable, keys, slots, rows, granted, needy, eviction: Evicti
     n_slots = table.slot_keys.shape[0]
     clock = table.clock
     # found keys' rows and granted rows are this step's: stamped first, so none is chosen
-    touched = jnp.where(rows >= 0, rows, jnp.where(
-        granted, table.slot_rows.at[slots].get(mode="fill", fill_value=-1), -1))
-    score = table.row_score.at[jnp.where(touched >= 0, touched, capacity), 0].set(
-        clock, mode="drop")
+    score = table.row_score.at[jnp.where(rows >= 0, rows, capacity), 0].set(clock,
+                                                                           mode="drop")
     chunk = min(n, max(64, n // 8))
     samples = eviction.samples
     ar = jnp.arange(chunk, dtype=jnp.int32)
@@ -294,33 +279,39 @@ def _count_touches(table: HashTable, rows, restart, eviction: EvictionConfig, ca
     return score.at[at, 0].set(clock, mode="drop")
 
 
-def _rehash_if_crowded(table: HashTable, capacity: int) -> HashTable:
-    """The slots built again from the rows in use when keys and tombstones together fill
-    more than ``MAX_OCCUPIED`` of them (evictions leave a tombstone each): probes stay short.
-    Rows, values and scores do not move; the cost is the table's keys, once in a while."""
+def _rehash_if_crowded(table: HashTable, capacity: int, arriving: jax.Array) -> HashTable:
+    """The slots built again from the keys that hold a row when keys, tombstones and the
+    ``arriving`` keys (at most that many new ones) would fill more than ``MAX_OCCUPIED`` of
+    them (erased and evicted keys leave a tombstone each): probes stay short and new keys
+    find free slots. Rows, values and scores do not move; the cost is one pass over the
+    slots, once in a while, and a step that does not need it skips it."""
     n_slots = table.slot_keys.shape[0]
     in_use = table.size - table.free_count
-    crowded = (in_use + table.tombstones).astype(jnp.float32) > MAX_OCCUPIED * n_slots
+    crowded = (table.tombstones > 0) & (
+        (in_use + table.tombstones + arriving).astype(jnp.float32) > MAX_OCCUPIED * n_slots)
+    return jax.lax.cond(crowded, lambda t: rebuild_slots(t, capacity), lambda t: t, table)
 
-    def rehash(t: HashTable) -> HashTable:
-        r = jnp.arange(capacity, dtype=jnp.int32)
-        s = t.row_slots
-        live = (r < t.size) & (t.slot_rows.at[s].get(mode="fill", fill_value=-1) == r)
-        keys = t.slot_keys.at[s].get(mode="fill", fill_value=0)
-        slot_keys, slots = find_slots(jnp.full((n_slots,), EMPTY_KEY, jnp.int64), keys, live,
-                                      insert=True)
-        slot_rows = jnp.full((n_slots,), -1, jnp.int32).at[
-            jnp.where(live, slots, n_slots)].set(r, mode="drop")
-        return t._replace(slot_keys=slot_keys, slot_rows=slot_rows,
-                          row_slots=jnp.where(live, slots, -1),
+
+def rebuild_slots(table: HashTable, capacity: int) -> HashTable:
+    """The slots built again from the keys that hold a row: tombstones (and keys refused a
+    row) leave; rows, values and scores do not move. One pass over the slots."""
+    n_slots = table.slot_keys.shape[0]
+    live = table.slot_rows >= 0
+    slot_keys, slots = find_slots(jnp.full((n_slots,), EMPTY_KEY, jnp.int64), table.slot_keys,
+                                  live, insert=True)
+    slot_rows = jnp.full((n_slots,), -1, jnp.int32).at[
+        jnp.where(live, slots, n_slots)].set(table.slot_rows, mode="drop")
+    row_slots = table.row_slots
+    if row_slots.shape[0]:  # tracked (eviction): each row's new slot
+        row_slots = jnp.full_like(row_slots, -1).at[
+            jnp.where(live, table.slot_rows, capacity)].set(slots, mode="drop")
+    return table._replace(slot_keys=slot_keys, slot_rows=slot_rows, row_slots=row_slots,
                           tombstones=jnp.zeros((), jnp.int32))
 
-    return jax.lax.cond(crowded, rehash, lambda t: t, table)
 
-
-# keys and tombstones together in at most this share of the slots (they are sized for half of
-# them full), or the slots are built again
-MAX_OCCUPIED = 0.625
+# keys and tombstones together in at most this share of the slots, or the slots are built
+# again (a plain table's keys fill at most MAX_LOAD of them; an evicting table's half)
+MAX_OCCUPIED = 0.92
 
 
 def erase(table: HashTable, keys: jax.Array, valid: jax.Array) -> tuple[HashTable, jax.Array]:

@@ -142,7 +142,9 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
     """Write the initial vector (and slot) of the rows this lookup created.
 
     New keys are few in steady state, so they are handled in compacted chunks: the cost per
-    step is one pass over the batch plus the new keys, not a random vector per key.
+    step is one pass over the batch plus the new keys, not a random vector per key. A batch
+    whose keys are mostly new (a young table, uniform keys) is written in one dense pass
+    instead (the chunks' compactions would cost more than the vectors).
     """
     n = keys.shape[0]
     capacity = state.values.shape[0]
@@ -151,28 +153,42 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
     reset = spec.eviction is not None and bool(state.slots)
     initial = row_opt.init_slots(spec.optimizer, 1, spec.dim) if reset else {}
 
-    def cond(c):
-        return jnp.any(c[0])
-
-    def body(c):
-        todo, values, row_slot, slots = c
-        idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
-        sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
-        rows = lk.rows.at[idx].get(mode="fill", fill_value=-1)
+    def write(values, row_slot, slots, sub_keys, rows, sub_key_slots):
+        m = rows.shape[0]
         rows = jnp.where(rows >= 0, rows, capacity)
         fresh = initial_vectors(spec, sub_keys)
         if row_opt.admits(spec.optimizer):  # the first dimension only, until admitted
             fresh = fresh.at[:, 1:].set(0.0)
         values = values.at[rows].set(fresh, mode="drop")
-        row_slot = row_slot.at[rows].set(key_slots.at[idx].get(mode="fill", fill_value=-1),
-                                         mode="drop")
-        slots = {name: arr.at[rows].set(jnp.broadcast_to(initial[name][0], (chunk,)
+        row_slot = row_slot.at[rows].set(sub_key_slots, mode="drop")
+        slots = {name: arr.at[rows].set(jnp.broadcast_to(initial[name][0], (m,)
                                                          + arr.shape[1:]), mode="drop")
                  for name, arr in slots.items()} if reset else slots
-        return todo.at[idx].set(False, mode="drop"), values, row_slot, slots
+        return values, row_slot, slots
 
-    _, values, row_slot, slots = jax.lax.while_loop(
-        cond, body, (lk.fresh, state.values, state.row_slot, state.slots))
+    def dense(c):
+        _, values, row_slot, slots = c
+        return (lk.fresh,) + write(values, row_slot, slots, keys,
+                                   jnp.where(lk.fresh, lk.rows, -1), key_slots)
+
+    def compacted(c):
+        def body(c):
+            todo, values, row_slot, slots = c
+            idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
+            values, row_slot, slots = write(
+                values, row_slot, slots, keys.at[idx].get(mode="fill", fill_value=0),
+                lk.rows.at[idx].get(mode="fill", fill_value=-1),
+                key_slots.at[idx].get(mode="fill", fill_value=-1))
+            return todo.at[idx].set(False, mode="drop"), values, row_slot, slots
+
+        return jax.lax.while_loop(lambda c: jnp.any(c[0]), body, c)
+
+    start = (lk.fresh, state.values, state.row_slot, state.slots)
+    if chunk < n:
+        many = jnp.sum(lk.fresh, dtype=jnp.int32) > 2 * chunk
+        _, values, row_slot, slots = jax.lax.cond(many, dense, compacted, start)
+    else:
+        _, values, row_slot, slots = compacted(start)
     return state._replace(values=values, row_slot=row_slot, slots=slots)
 
 

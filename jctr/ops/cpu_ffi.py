@@ -16,6 +16,9 @@ Kernels here:
   other in batch order (a key takes the first empty slot of its probe; a later occurrence of
   it finds that slot), in place in the table (its buffer aliased to the result). XLA's
   formulation claims slots by scatter rounds over compacted chunks.
+* ``jctr_cpu_assign_rows``: rows for the slots a find-or-insert gave: the representative
+  position of each slot, a row for each new key (freed rows first), in one pass with the
+  slots' rows prefetched (XLA's formulation: a scatter and gathers over the slots, a cumsum).
 * ``jctr_cpu_pair_dots`` / ``jctr_cpu_pair_dots_grad``: the DLRM dot interaction (strictly
   lower triangle of each sample's Gram matrix) and its gradient, float32, for a feature width
   that is a multiple of 16. Each Gram row, and each gradient row, is a sum of 16-lane rows
@@ -46,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jctr.ops.hashing import _M1, _M2, EMPTY_KEY
+from jctr.ops.hashing import _M1, _M2, BUCKET, EMPTY_KEY
 
 try:  # optional: without numba the XLA formulations run (numba is a declared dependency)
     import numba
@@ -127,40 +130,38 @@ if AVAILABLE:
         span = carray(_pointer(address), (2,), np.int32)
         return np.int64(span[0]), np.int64(span[1])
 
+    _BUCKET = BUCKET
     _AHEAD = 24  # keys between a home slot's prefetch and its probe (covers memory latency)
 
     @numba.njit(inline="always")
-    def _home(key, shift):
-        # the splitmix64 finaliser of jctr.ops.hashing.hash_keys, top bits
+    def _home(key, buckets, width):
+        """The first slot of the key's bucket: :func:`jctr.ops.hashing.home_slots`."""
         z = np.uint64(key)
         z = (z ^ (z >> np.uint64(30))) * _M1
         z = (z ^ (z >> np.uint64(27))) * _M2
         z = z ^ (z >> np.uint64(31))
-        return np.int64(z >> np.uint64(shift))
+        return np.int64(((z >> np.uint64(32)) * np.uint64(buckets)) >> np.uint64(32)) * width
 
     @numba.njit(inline="always")
-    def _shift(num_slots):
-        """The shift that leaves a hash's top log2(num_slots) bits: the home slot."""
-        bits = 0
-        while (1 << bits) < num_slots:
-            bits += 1
-        return 64 - bits
+    def _width(num_slots):
+        return _BUCKET if num_slots % _BUCKET == 0 else 1
 
     @numba.njit(inline="always")
-    def _probe_all(slot_keys, slot_keys_address, keys, valid, out, shift, insert=False):
+    def _probe_all(slot_keys, slot_keys_address, keys, valid, out, insert=False):
         """The slot of each valid key (-1: absent); with ``insert`` an absent key takes the
         empty slot its probe ends at (keys one after the other, in batch order)."""
         n, num_slots = keys.shape[0], slot_keys.shape[0]
-        mask = num_slots - 1
+        width = _width(num_slots)
+        buckets = num_slots // width
         for i in range(n):
             ahead = i + _AHEAD
             if ahead < n and valid[ahead]:
-                _prefetch(slot_keys_address + 8 * _home(keys[ahead], shift))
+                _prefetch(slot_keys_address + 8 * _home(keys[ahead], buckets, width))
             out[i] = -1
             if not valid[i]:
                 continue
             key = keys[i]
-            pos = _home(key, shift)
+            pos = _home(key, buckets, width)
             for _ in range(num_slots):  # a full sweep bounds a full table
                 cur = slot_keys[pos]
                 if cur == key:
@@ -171,7 +172,9 @@ if AVAILABLE:
                         slot_keys[pos] = key
                         out[i] = pos
                     break
-                pos = (pos + 1) & mask
+                pos += 1
+                if pos == num_slots:
+                    pos = 0
 
     def _hash_insert(frame_pointer):
         frame = _address(frame_pointer)
@@ -188,7 +191,7 @@ if AVAILABLE:
             slot_keys[:] = carray(_pointer(table_in), (num_slots,), np.int64)
         _probe_all(slot_keys, table, carray(_pointer(key_data), (n,), np.int64),
                    carray(_pointer(valid_data), (n,), np.bool_),
-                   carray(_pointer(out_data), (n,), np.int32), _shift(num_slots), True)
+                   carray(_pointer(out_data), (n,), np.int32), True)
         return _pointer(0)
 
     def _hash_lookup(frame_pointer):
@@ -205,7 +208,82 @@ if AVAILABLE:
         _probe_all(carray(_pointer(table), (num_slots,), np.int64), table,
                    carray(_pointer(key_data + 8 * lo), (hi - lo,), np.int64),
                    carray(_pointer(valid_data + lo), (hi - lo,), np.bool_),
-                   carray(_pointer(out_data), (hi - lo,), np.int32), _shift(num_slots))
+                   carray(_pointer(out_data), (hi - lo,), np.int32))
+        return _pointer(0)
+
+    @numba.njit(inline="always")
+    def _assign(slots, slot_rows, scratch, free_rows, counters, rows, rep, new, granted,
+                counters_out, slot_rows_address, scratch_address):
+        """Rows for a batch's slots, one position after the other: an earlier position of
+        the same slot (``scratch[slot]``, checked against ``slots``: stale entries never
+        match) is the representative; a first position whose slot has no row takes the top
+        of the free stack, else the next row never handed out, while there is one."""
+        n = slots.shape[0]
+        size0, free0, capacity = counters[0], counters[1], counters[2]
+        n_new = 0
+        n_granted = 0
+        for i in range(n):
+            ahead = i + _AHEAD
+            if ahead < n and slots[ahead] >= 0:
+                _prefetch(slot_rows_address + 4 * slots[ahead])
+                _prefetch(scratch_address + 4 * slots[ahead])
+            s = slots[i]
+            new[i] = False
+            granted[i] = False
+            if s < 0:
+                rows[i] = -1
+                rep[i] = -1
+                continue
+            p = scratch[s]
+            if p >= 0 and p < i and slots[p] == s:
+                rep[i] = p
+            else:
+                scratch[s] = i
+                rep[i] = i
+                if slot_rows[s] < 0:
+                    new[i] = True
+                    k = n_new
+                    n_new += 1
+                    if k < free0:
+                        slot_rows[s] = free_rows[free0 - 1 - k]
+                        granted[i] = True
+                    elif size0 + k - free0 < capacity:
+                        slot_rows[s] = size0 + k - free0
+                        granted[i] = True
+                    if granted[i]:
+                        n_granted += 1
+            rows[i] = slot_rows[s]
+        taken = min(n_new, free0)
+        counters_out[0] = size0 + n_granted - taken
+        counters_out[1] = free0 - taken
+
+    def _assign_rows(frame_pointer):
+        frame = _address(frame_pointer)
+        if _answer_metadata(frame):
+            return _pointer(0)
+        slot_data, slot_dims = _buffer(frame, _FRAME_ARGS, 0)
+        rows_in, table_dims = _buffer(frame, _FRAME_ARGS, 1)
+        scratch_in, _ = _buffer(frame, _FRAME_ARGS, 2)
+        free_data, free_dims = _buffer(frame, _FRAME_ARGS, 3)
+        counter_data, _ = _buffer(frame, _FRAME_ARGS, 4)
+        slot_rows_at, _ = _buffer(frame, _FRAME_RETS, 0)
+        scratch_at, _ = _buffer(frame, _FRAME_RETS, 1)
+        n, num_slots = _word(slot_dims), _word(table_dims)
+        slot_rows = carray(_pointer(slot_rows_at), (num_slots,), np.int32)
+        scratch = carray(_pointer(scratch_at), (num_slots,), np.int32)
+        if slot_rows_at != rows_in:  # not aliased after all: start from the inputs
+            slot_rows[:] = carray(_pointer(rows_in), (num_slots,), np.int32)
+        if scratch_at != scratch_in:
+            scratch[:] = carray(_pointer(scratch_in), (num_slots,), np.int32)
+        _assign(carray(_pointer(slot_data), (n,), np.int32), slot_rows, scratch,
+                carray(_pointer(free_data), (_word(free_dims),), np.int32),
+                carray(_pointer(counter_data), (3,), np.int32),
+                carray(_pointer(_buffer(frame, _FRAME_RETS, 2)[0]), (n,), np.int32),
+                carray(_pointer(_buffer(frame, _FRAME_RETS, 3)[0]), (n,), np.int32),
+                carray(_pointer(_buffer(frame, _FRAME_RETS, 4)[0]), (n,), np.bool_),
+                carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (n,), np.bool_),
+                carray(_pointer(_buffer(frame, _FRAME_RETS, 6)[0]), (2,), np.int32),
+                slot_rows_at, scratch_at)
         return _pointer(0)
 
     _LANES = 16  # floats per vector in the interaction kernels
@@ -320,6 +398,7 @@ if AVAILABLE:
     try:
         _hash_lookup_handler = _cfunc(_hash_lookup)
         _hash_insert_handler = _cfunc(_hash_insert)
+        _assign_rows_handler = _cfunc(_assign_rows)
         _pair_dots_handler = _cfunc(_pair_dots)
         _pair_dots_grad_handler = _cfunc(_pair_dots_grad)
     except Exception as error:  # a numba/LLVM that cannot build them: XLA's formulations run
@@ -335,6 +414,7 @@ def _register() -> None:
     new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
     for name, handler in (("jctr_cpu_hash_lookup", _hash_lookup_handler),
                           ("jctr_cpu_hash_insert", _hash_insert_handler),
+                          ("jctr_cpu_assign_rows", _assign_rows_handler),
                           ("jctr_cpu_pair_dots", _pair_dots_handler),
                           ("jctr_cpu_pair_dots_grad", _pair_dots_grad_handler)):
         capsule = new_capsule(handler.address, b"xla._CUSTOM_CALL_TARGET", None)
@@ -375,6 +455,26 @@ def insert_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array
         (jax.ShapeDtypeStruct(slot_keys.shape, jnp.int64),
          jax.ShapeDtypeStruct(keys.shape, jnp.int32)),
         input_output_aliases={0: 0})(slot_keys, keys, valid)
+
+
+def assign_rows(slot_rows: jax.Array, scratch: jax.Array, free_rows: jax.Array,
+                size: jax.Array, free_count: jax.Array, slots: jax.Array, capacity: int):
+    """:func:`jctr.ops.hashing.assign_rows` in one native pass over the batch (the
+    representative of a slot is its first position; the buffers of ``slot_rows`` and
+    ``scratch`` are updated in place when they can be donated). CPU only."""
+    _register()
+    n = slots.shape[0]
+    counters = jnp.stack([size, free_count, jnp.int32(capacity)]).astype(jnp.int32)
+    flags = jax.ShapeDtypeStruct((n,), jnp.bool_)
+    positions = jax.ShapeDtypeStruct((n,), jnp.int32)
+    slot_rows, scratch, rows, rep, new, granted, counts = jax.ffi.ffi_call(
+        "jctr_cpu_assign_rows",
+        (jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
+         jax.ShapeDtypeStruct(scratch.shape, jnp.int32), positions, positions, flags, flags,
+         jax.ShapeDtypeStruct((2,), jnp.int32)),
+        input_output_aliases={1: 0, 2: 1})(
+            slots.astype(jnp.int32), slot_rows, scratch, free_rows, counters)
+    return slot_rows, scratch, rows, rep, new, granted, counts[0], counts[1]
 
 
 def _call_in_parts(target: str, n: int, parts: int, row_shape: tuple[int, ...], dtype,

@@ -144,3 +144,21 @@ def find_slots(slot_keys, keys, valid, *, insert: bool):
                                        cuda=pallas_hash.lookup_slots_kernel,
                                        default=lookup_reference)
     return slot_keys, slots
+
+
+def assign_rows(slot_rows, scratch, free_rows, size, free_count, slots, capacity: int, *,
+                dedupe: bool = True):
+    """Rows for the slots of a batch's keys (:func:`jctr.ops.hashing.assign_rows`): on CPU
+    one native pass (:func:`jctr.ops.cpu_ffi.assign_rows`, which always finds every
+    representative), elsewhere the XLA formulation."""
+    def reference(*args):
+        return hashing.assign_rows(*args, capacity, dedupe=dedupe)
+
+    if _mode() == "reference" or not cpu_ffi.AVAILABLE:
+        return reference(slot_rows, scratch, free_rows, size, free_count, slots)
+
+    def cpu(*args):
+        return cpu_ffi.assign_rows(*args, capacity)
+
+    return jax.lax.platform_dependent(slot_rows, scratch, free_rows, size, free_count, slots,
+                                      cpu=cpu, default=reference)

@@ -1,7 +1,12 @@
 """Open-addressing hash probing of 64-bit keys (jnp reference implementation).
 
-The table is an int64 array of slots whose length is a power of two; ``EMPTY_KEY`` (the smallest
-int64) marks a free slot and is therefore the one key value users cannot store. Linear probing.
+The table is an int64 array of slots in buckets of ``BUCKET`` (8 keys: one 64-byte cache line);
+``EMPTY_KEY`` (the smallest int64) marks a free slot and is therefore the one key value users
+cannot store. A key's probe starts at the first slot of its bucket (picked by a multiply-shift
+of the hash, so any number of buckets works) and goes on slot by slot, into the next buckets,
+wrapping at the end: bucketed linear probing. A bucket is read in one memory access and holds
+most of its keys' probes even with 85% of the slots taken (``MAX_LOAD``), so a table needs
+about 1.18 slots per key instead of a power of two at least twice its keys.
 
 Find-or-insert resolves the whole batch in a few dense probe rounds, then finishes the rare long
 chains on a compacted remainder, so the cost stays linear in the batch.
@@ -16,6 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 
 EMPTY_KEY = np.int64(np.iinfo(np.int64).min)
+BUCKET = 8  # slots per bucket: eight int64 keys fill a 64-byte cache line
+MAX_LOAD = 0.85  # keys in at most this share of the slots (jctr.embedding.hash_table sizes)
 _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
@@ -73,12 +80,26 @@ def key_uniform(keys: jax.Array, dim: int, seed: int, bound: float) -> jax.Array
     return (2.0 * u - 1.0) * np.float32(bound)
 
 
+def bucket_width(num_slots: int) -> int:
+    """Slots per bucket of a slot array: ``BUCKET``, or 1 for an array that is not a whole
+    number of buckets (plain linear probing)."""
+    return BUCKET if num_slots % BUCKET == 0 else 1
+
+
 def home_slots(keys: jax.Array, num_slots: int) -> jax.Array:
-    """First probe position of every key (top bits of the mixed hash)."""
-    bits = int(num_slots).bit_length() - 1
-    if bits == 0:
-        return jnp.zeros(keys.shape, jnp.int32)
-    return (hash_keys(keys) >> np.uint64(64 - bits)).astype(jnp.int32)
+    """First probe position of every key: the first slot of its bucket. The bucket is the top
+    32 bits of the mixed hash scaled to the number of buckets (multiply-shift: no power of two
+    needed; the low bits stay free for :func:`owner_shards`)."""
+    width = bucket_width(num_slots)
+    buckets = np.uint64(num_slots // width)
+    top = hash_keys(keys) >> np.uint64(32)
+    return (((top * buckets) >> np.uint64(32)) * np.uint64(width)).astype(jnp.int32)
+
+
+def next_slot(pos: jax.Array, num_slots: int) -> jax.Array:
+    """The probe's next position (wrapping at the end of the slots)."""
+    nxt = pos + 1
+    return jnp.where(nxt == num_slots, 0, nxt)
 
 
 def _probe_round(slot_keys, keys, pos, active, insert: bool):
@@ -99,7 +120,7 @@ def _probe_round(slot_keys, keys, pos, active, insert: bool):
     else:
         missing = free
     moving = active & ~found & ~missing
-    pos = jnp.where(moving, (pos + 1) & (num_slots - 1), pos)
+    pos = jnp.where(moving, next_slot(pos, num_slots), pos)
     return slot_keys, pos, found, missing
 
 
@@ -108,7 +129,7 @@ def find_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array, *, inser
     """Find (and with ``insert`` claim) the slot of every valid key.
 
     Args:
-      slot_keys: int64 [num_slots] (power of two), ``EMPTY_KEY`` where free.
+      slot_keys: int64 [num_slots] (whole buckets), ``EMPTY_KEY`` where free.
       keys: int64 [n]; valid: bool [n] (invalid entries are ignored).
       insert: claim a free slot for keys not present (training); lookups never insert.
       dense_rounds: probe rounds over the whole batch before compacting the remainder.
@@ -207,3 +228,39 @@ def representatives(scratch: jax.Array, slots: jax.Array):
     scratch = scratch.at[target].set(ar, mode="drop")
     rep = jnp.where(slots >= 0, scratch.at[target].get(mode="fill", fill_value=-1), -1)
     return scratch, rep
+
+
+def assign_rows(slot_rows: jax.Array, scratch: jax.Array, free_rows: jax.Array,
+                size: jax.Array, free_count: jax.Array, slots: jax.Array, capacity: int, *,
+                dedupe: bool = True):
+    """Rows for the slots a find-or-insert gave a batch (jnp reference).
+
+    ``slot_rows`` int32 [num_slots] holds each slot's row (-1: none yet); one position per
+    distinct slot is its representative (:func:`representatives`); the representatives whose
+    slot has no row are the new keys, which take rows in position order: the top of the
+    ``free_rows`` stack (``free_count`` entries) first, then rows ``size, size + 1, ...``
+    below ``capacity``; a new key left without one is refused (row -1).
+
+    Returns (slot_rows, scratch, rows, rep, new, granted, size, free_count): every position's
+    row after the assignment, its representative (without ``dedupe`` only the positions
+    whose slot had no row get one: fewer scatters; others -1), which positions are new keys
+    and which of those got a row, and the counters after.
+    """
+    n = slots.shape[0]
+    before = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
+    scratch, rep = representatives(scratch, slots if dedupe else jnp.where(before < 0, slots,
+                                                                           -1))
+    ar = jnp.arange(n, dtype=jnp.int32)
+    new = (slots >= 0) & (before < 0) & (rep == ar)
+    k = jnp.cumsum(new, dtype=jnp.int32) - 1  # rank among the new keys
+    reused = k < free_count
+    new_rows = jnp.where(reused,
+                         free_rows.at[jnp.maximum(free_count - 1 - k, 0)].get(mode="clip"),
+                         size + k - free_count)
+    granted = new & (reused | (new_rows < capacity))
+    slot_rows = slot_rows.at[jnp.where(granted, slots, slot_rows.shape[0])].set(new_rows,
+                                                                               mode="drop")
+    taken = jnp.minimum(jnp.sum(new, dtype=jnp.int32), free_count)
+    size = size + jnp.sum(granted, dtype=jnp.int32) - taken
+    rows = jnp.where(slots >= 0, slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
+    return slot_rows, scratch, rows, rep, new, granted, size, free_count - taken

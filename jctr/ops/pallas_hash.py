@@ -1,5 +1,5 @@
 """Pallas kernels for hash tables of 64-bit keys (Triton on GPU; ``interpret=True`` on CPU):
-one program per key walks its linear-probing chain.
+one program per key walks its bucketed linear-probing chain (:mod:`jctr.ops.hashing`).
 
 * lookup: until the key or a free slot;
 * find-or-insert: a free slot is claimed atomically. Pallas' Triton ``atomic_cas`` (jax 0.10)
@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jctr.ops.hashing import EMPTY_KEY, home_slots
+from jctr.ops.hashing import EMPTY_KEY, home_slots, next_slot
 from jctr.ops.pallas_bag import _params
 
 
@@ -35,7 +35,7 @@ def _probe_chain(home_ref, valid_ref, slots_ref, num_slots, probe):
         pos, _, _, steps = c
         found, stop = probe(pos)
         slot = jnp.where(found, pos, jnp.int32(-1))
-        nxt = jnp.where(stop, pos, (pos + 1) & (num_slots - 1))
+        nxt = jnp.where(stop, pos, next_slot(pos, num_slots))
         return nxt, stop, slot, steps + 1
 
     start = (home_ref[i], ~valid_ref[i], jnp.int32(-1), jnp.int32(0))

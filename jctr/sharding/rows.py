@@ -18,7 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jctr.embedding.hash_table import export_items, lookup, occupied_slots
+from jctr.embedding.hash_table import (
+    MAX_OCCUPIED,
+    export_items,
+    lookup,
+    occupied_slots,
+    rebuild_slots,
+)
 from jctr.embedding.sparse_embedding import (
     EmbeddingSpec,
     EmbeddingState,
@@ -269,14 +275,17 @@ def drop_keys(spec: EmbeddingSpec, state: EmbeddingState, placement, keys: np.nd
     are erased where they are (a cost proportional to them:
     :func:`jctr.embedding.sparse_embedding.erase_keys`); a sharded table's every device part
     erases them all (a part skips the keys it does not hold, so neither the key hash nor a
-    slot-wise placement needs routing). When the tombstones they leave would crowd a part's
-    slots, the kept keys, values and optimizer rows go into a fresh table instead. Returns
+    slot-wise placement needs routing). When a part's slots are crowded already (keys and
+    tombstones past ``MAX_OCCUPIED``), the kept keys, values and optimizer rows go into a
+    fresh table instead. Returns
     the table and its rows in use; ``state`` itself is consumed (its buffers are reused in
     place: an erase never copies a whole table)."""
     keys = np.unique(np.asarray(keys, np.int64))
     sharded = placement is not None and placement.sharded
     occupied = int(np.max(to_host(_occupied(state.table))))
-    if occupied + keys.size <= _MAX_OCCUPIED * state.table.slot_keys.shape[-1]:
+    # an erase turns keys into tombstones (the occupied slots stay as many); a training step
+    # builds the slots again when refilled rows crowd them
+    if occupied <= MAX_OCCUPIED * state.table.slot_keys.shape[-1]:
         erase = _erase_parts if sharded else _erase
         placed = jax.tree.map(lambda x: x.sharding, state)
         for start in range(0, keys.size, _INSERT_CHUNK):
@@ -285,6 +294,13 @@ def drop_keys(spec: EmbeddingSpec, state: EmbeddingState, placement, keys: np.nd
             pad[:chunk.size] = chunk
             valid = np.arange(_INSERT_CHUNK) < chunk.size
             state, _ = erase(spec, state, jnp.asarray(pad), jnp.asarray(valid))
+        # the freed rows will take new keys, each in a free slot: when the tombstones leave
+        # too few, the slots are built again now (on the device; rows do not move)
+        if (int(np.max(to_host(state.table.tombstones))) + state.values.shape[-2]
+                > MAX_OCCUPIED * state.table.slot_keys.shape[-1]):
+            sharding = state.values.sharding
+            state = (_rebuild_on(sharding.mesh, sharding.spec[0]) if sharded
+                     else _rebuild)(state)
         state = jax.device_put(state, placed)  # where it was (a no-op when XLA kept it)
         table = state.table
         in_use = int(np.sum(to_host(table.size) - to_host(table.free_count)))
@@ -296,10 +312,26 @@ def drop_keys(spec: EmbeddingSpec, state: EmbeddingState, placement, keys: np.nd
     return kept, int(keep.sum())
 
 
-# tombstones and keys together in at most this share of the slots, or the table is built again
-# (probes stay short: the slots are sized for half of them full)
-_MAX_OCCUPIED = 0.625
 _erase = jax.jit(erase_keys, static_argnums=0, donate_argnums=1)
+
+
+def _rebuilt(state: EmbeddingState) -> EmbeddingState:
+    return state._replace(table=rebuild_slots(state.table, state.values.shape[0]))
+
+
+_rebuild = jax.jit(_rebuilt, donate_argnums=0)
+
+
+@functools.cache
+def _rebuild_on(mesh, axis):
+    """:func:`_rebuild` of every part of a sharded table, each device on its own part."""
+    from jax.sharding import PartitionSpec as P
+
+    def local(part):
+        return jax.tree.map(lambda x: x[None], _rebuilt(jax.tree.map(lambda x: x[0], part)))
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(axis),), out_specs=P(axis),
+                                 check_vma=False), donate_argnums=0)
 
 
 def _erase_parts(spec: EmbeddingSpec, state: EmbeddingState, keys, valid):

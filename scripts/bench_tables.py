@@ -134,13 +134,14 @@ def main() -> int:
         feed = batches(kind, args.steps, n, args.vocab, seed=1)
         plain = make_step(spec_of(cap, args.dim, None))
         slots = num_slots_for(cap)
+        arriving = np.unique(np.concatenate(feed)).size  # keys the timed steps insert
         for load in (0.5, 0.85):  # of the slots, at the end of the timed steps
             keys_at_end = min(cap, int(load * slots))
             state = fill(plain, init_embedding(spec_of(cap, args.dim, None)), cap,
-                         keys_at_end - n * args.steps, n)
+                         keys_at_end - arriving, n)
             s, state = timed(plain, state, feed)
             held = int(state.table.size)
-            print(f"[{kind}] lookup+insert, slots {load:.0%} full at the end "
+            print(f"[{kind}] lookup+insert, slots {held / slots:.0%} full at the end "
                   f"({held:,} keys in {slots:,} slots; {slots * 16 / cap:.1f} slot bytes a "
                   f"row), {n:,} keys/step: {s * 1e3:.1f} ms; np.take of as many rows "
                   f"{gather * 1e3:.1f} ms: ratio {gather / s:.2f}")

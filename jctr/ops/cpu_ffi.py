@@ -85,18 +85,7 @@ if AVAILABLE:
             return builder.ptrtoint(args[0], ir.IntType(64))
         return types.int64(types.voidptr), codegen
 
-    @intrinsic
-    def _prefetch(typingctx, address):
-        def codegen(context, builder, signature, args):
-            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-            fn = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                "llvm.prefetch.p0i8")
-            # read, high locality, data cache
-            builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0),
-                              ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            return context.get_dummy_value()
-        return types.void(types.int64), codegen
+    from jctr.ops.host_index import prefetch as _prefetch
 
     @numba.njit(inline="always")
     def _word(address):

@@ -21,6 +21,10 @@ from __future__ import annotations
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 
 def host_kernel(fn):
@@ -28,6 +32,22 @@ def host_kernel(fn):
         return numba.njit(nogil=True, cache=True)(fn)
     except RuntimeError:  # no writable cache location (read-only install and home): no cache
         return numba.njit(nogil=True)(fn)
+
+
+@intrinsic
+def prefetch(typingctx, address):
+    """Ask the CPU to bring the cache line at ``address`` (an int64) in: probes of keys a few
+    places ahead overlap their memory latency with the work on the current key."""
+    def codegen(context, builder, signature, args):
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+            "llvm.prefetch.p0i8")
+        # read, high locality, data cache
+        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0),
+                          ir.Constant(i32, 3), ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return types.void(types.int64), codegen
 
 
 @numba.njit(inline="always")

@@ -244,3 +244,56 @@ def test_a_checkpoint_resumes_with_eviction_switched_on_or_off(tmp_path):
     assert off.restore_checkpoint(8) == 8
     assert off.state.embeddings[0].table.row_score.shape[0] == 0
     off.fit(max_iter=10)
+
+
+def test_a_spilling_table_trains_the_model_of_a_table_with_room(tmp_path):
+    """Issue 36 point 2's spill: a 5,000-row table of 10,590 keys (every batch's keys fit;
+    10k evictions in 30 steps) with
+    ``"eviction": {"policy": "lru", "spill": <folder>}`` writes every evicted row (vector, Adam's
+    moments, slot) to RocksDB and a returning key takes it back, so it trains the model a
+    table with room for every key trains: the same loss at every iteration and the same
+    evaluations (the evaluation reads spilled keys' vectors from the database). A checkpoint
+    holds the spilled rows too: a run resumed from iteration 13 (its database rewritten from
+    the checkpoint) goes on to the same losses. A table on several devices is refused."""
+    from jctr.config import parse_config
+    from jctr.sharding.plan import PlanError
+    from jctr.train.trainer import Trainer
+
+    def run(cfg, **kw):
+        t = Trainer(parse_config(cfg), log=lambda s: None, **kw)
+        t.fit()
+        return t
+
+    def losses(t, kind="train"):
+        key = "loss" if kind == "train" else "metrics"
+        return {h["iter"]: h.get(key) for h in t.history if h["kind"] == kind}
+
+    roomy = _evicting(tmp_path, capacity=100_000, snapshot_prefix=str(tmp_path / "roomy_"))
+    roomy["layers"][1].pop("eviction")
+    room = run(roomy)
+
+    def spilling(**solver):
+        cfg = _evicting(tmp_path, capacity=5000, **solver)
+        cfg["layers"][1]["eviction"]["spill"] = str(tmp_path / "spill")
+        return cfg
+
+    small = run(spilling())
+    table = small.state.embeddings[0].table
+    assert int(np.asarray(table.evicted)) > 5000 and int(np.asarray(table.overflow)) == 0
+    assert losses(small) == losses(room)
+    evals = losses(small, "eval")
+    assert evals and evals == losses(room, "eval")
+
+    run(spilling(max_iter=13, snapshot=13))
+    resumed = Trainer(parse_config(spilling()), log=lambda s: None)
+    assert resumed.restore_checkpoint() == 13
+    resumed.fit()
+    got = losses(resumed)
+    assert sorted(got) == list(range(14, 31))
+    want = losses(room)
+    assert [got[i] for i in got] == [want[i] for i in got]
+
+    eight = spilling()
+    eight["solver"]["gpu"] = list(range(8))
+    with pytest.raises(PlanError, match="eviction.spill.*one device"):
+        Trainer(parse_config(eight), log=lambda s: None)

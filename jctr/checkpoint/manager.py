@@ -66,7 +66,13 @@ def export_tables(state: TrainState, specs: tuple[EmbeddingSpec, ...], placement
                   ) -> dict[str, dict[str, np.ndarray]]:
     """Every table's used rows on the host, by name (what a checkpoint stores)."""
     placements = placements or (None,) * len(specs)
-    return {s.name: export_placed(e, p) for s, e, p in zip(specs, state.embeddings, placements)}
+    out = {s.name: export_placed(e, p) for s, e, p in zip(specs, state.embeddings, placements)}
+    for s, e in zip(specs, state.embeddings):
+        if s.eviction is not None and s.eviction.spill:  # and the rows in the database
+            from jctr.embedding import spill
+
+            out[s.name] = spill.with_spilled(s, out[s.name], e.slots)
+    return out
 
 
 @functools.cache
@@ -466,6 +472,10 @@ class Checkpointer:
                                       f"{sorted(tables)}")
             rows = meta.get("tables", {}).get(spec.name, {}).get("rows")
             stored = {k: np.asarray(v)[:rows] for k, v in tables[spec.name].items()}
+            if spec.eviction is not None and spec.eviction.spill:  # spilled rows to the database
+                from jctr.embedding import spill
+
+                stored = spill.restore_spilled(spec, stored, es.slots)
             try:
                 embeddings.append(import_placed(spec, es, stored, placement,
                                                 source=f"{where}/tables"))

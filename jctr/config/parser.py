@@ -195,17 +195,18 @@ def parse_config(raw: Any, *, source: str | None = None,
     data, embeddings, layers = parse_layers(layers_raw, source, devices,
                                             network_only=not require_solver)
     if solver.paths_relative_to == "config" and source is not None:
-        solver, data = _from_config_folder(solver, data, os.path.dirname(os.path.abspath(source)))
+        solver, data, embeddings = _from_config_folder(
+            solver, data, embeddings, os.path.dirname(os.path.abspath(source)))
     cfg = ModelConfig(solver=solver, optimizer=optimizer, data=data, embeddings=embeddings,
                       layers=layers, source=source, raw=raw)
     validate_config(cfg)
     return cfg
 
 
-def _from_config_folder(solver: SolverConfig, data: DataConfig | None, base: str):
-    """``solver.paths_relative_to: "config"``: the relative data, model-file, snapshot and log
-    paths resolved against the config file's folder (a config written beside its data runs
-    from any working directory)."""
+def _from_config_folder(solver: SolverConfig, data: DataConfig | None, embeddings, base: str):
+    """``solver.paths_relative_to: "config"``: the relative data, model-file, snapshot, log
+    and spill paths resolved against the config file's folder (a config written beside its
+    data runs from any working directory)."""
     def at(path):
         return path if path is None or os.path.isabs(path) else os.path.join(base, path)
 
@@ -220,7 +221,10 @@ def _from_config_folder(solver: SolverConfig, data: DataConfig | None, base: str
         data = dataclasses.replace(
             data, source=each(data.source), eval_source=each(data.eval_source),
             test_sources=tuple((name, at(path)) for name, path in data.test_sources))
-    return solver, data
+    embeddings = tuple(
+        dataclasses.replace(e, eviction=dataclasses.replace(e.eviction, spill=at(e.eviction.spill)))
+        if e.eviction is not None and e.eviction.spill else e for e in embeddings)
+    return solver, data, embeddings
 
 
 # ---- solver -------------------------------------------------------------------------------
@@ -784,8 +788,11 @@ def _parse_eviction(r: ObjectReader) -> EvictionConfig:
     samples = r.int("samples", 8, min_value=1)
     if samples > 64:
         raise r.error("samples", f"expected at most 64 rows sampled per new key, got {samples}")
+    spill = r.str("spill", None)
+    if spill is not None and not spill.strip():
+        raise r.error("spill", "expected a folder for the RocksDB database of evicted rows")
     r.finish()
-    return EvictionConfig(policy, epoch_steps, samples)
+    return EvictionConfig(policy, epoch_steps, samples, spill)
 
 
 def _parse_plan_file(r: ObjectReader) -> str | None:

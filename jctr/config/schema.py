@@ -457,6 +457,11 @@ class EvictionConfig:
     """Rows a new key ranks to choose its victim (sampled by its hash, as Redis's
     approximated LRU; each of four rounds samples again for keys whose choice another new key
     of the same step took)."""
+    spill: str | None = None
+    """A RocksDB folder (jctr): every evicted row -- vector, optimizer state and slot -- is
+    written there, and a key seen again takes its row back, so the table trains as if it had
+    room for every key (``jctr.embedding.spill``). Checkpoints hold the spilled rows too.
+    One device, one process."""
 
     @property
     def score_columns(self) -> int:

@@ -49,10 +49,13 @@ class LocalEmbeddings:
         new_embs, lookups, pooled = [], [], []
         for spec, es in zip(self.specs, embs):
             segs = batch.segments[spec.input_index]
-            es, lk = lookup_rows(spec, es, batch.keys[spec.input_index], segs, b, train=train)
+            keys = batch.keys[spec.input_index]
+            es, lk = lookup_rows(spec, es, keys, segs, b, train=train)
             new_embs.append(es)
             lookups.append(lk)
             pooled.append(pool(spec, es.values, lk.rows, segs, b))
+            if not train and spec.eviction is not None and spec.eviction.spill:
+                pooled[-1] = pooled[-1] + _spilled_pool(spec, es, keys, lk, segs, b)
         return (tuple(new_embs) if train else embs), tuple(lookups), tuple(pooled)
 
     def apply(self, embs, lookups, batch: Batch, grads, lrs, count):
@@ -69,6 +72,17 @@ class LocalEmbeddings:
             out.append(apply_gradients(spec, es, lk, segs, g.astype(jnp.float32), lr, count,
                                        keys, clicks, shows))
         return tuple(out)
+
+
+def _spilled_pool(spec, es, keys, lk, segs, b):
+    """The pooled vectors of the keys an evaluation did not find in the table but the spill
+    database holds (the mean combiner counts every key of a segment either way)."""
+    from jctr.embedding import spill
+
+    missing = (lk.rows < 0) & (segs < b * spec.slot_num)
+    found, cols = spill.fetch_rows(spec, es.slots, keys, missing)
+    at = jnp.where(found, jnp.arange(keys.shape[0], dtype=jnp.int32), -1)
+    return pool(spec, cols["values"], at, segs, b)
 
 
 def _segment_column(label, dense, column: tuple[str, int], slot_num: int):

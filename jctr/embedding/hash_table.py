@@ -95,6 +95,9 @@ class Lookup(NamedTuple):
     rows: jax.Array  # int32 [n], -1 for padding and unknown keys
     rep: jax.Array  # int32 [n], position of one occurrence of the same row (-1 if none)
     fresh: jax.Array  # bool [n], the position that was just given a new row (one per new key)
+    # int64 [n] (an evicting training lookup): the key whose row the position's new key took
+    # (EMPTY_KEY elsewhere); the row is ``rows`` there
+    evicted: jax.Array | None = None
 
 
 def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *,
@@ -147,18 +150,19 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
         needy = new & ~granted
 
         def evict(t: HashTable):
-            t, placed = _evict(t, keys, slots, rows, needy, eviction, capacity)
+            t, placed, gone = _evict(t, keys, slots, rows, needy, eviction, capacity)
             # a key left without a row gives its slot back (a tombstone: probes of keys
             # placed after it go on), or refused keys would fill the slots step by step
             left = needy & ~placed
             return t._replace(
                 slot_keys=t.slot_keys.at[jnp.where(left, slots, t.num_slots)].set(
                     TOMBSTONE, mode="drop"),
-                tombstones=t.tombstones + jnp.sum(left, dtype=jnp.int32)), placed
+                tombstones=t.tombstones + jnp.sum(left, dtype=jnp.int32)), placed, gone
 
         # a step whose new keys all found free rows (a table not yet full) skips it all
-        table, placed = jax.lax.cond(jnp.any(needy), evict,
-                                     lambda t: (t, jnp.zeros_like(needy)), table)
+        table, placed, evicted = jax.lax.cond(
+            jnp.any(needy), evict,
+            lambda t: (t, jnp.zeros_like(needy), jnp.full(keys.shape, EMPTY_KEY)), table)
         granted = granted | placed
         rows = jnp.where(slots >= 0,
                          table.slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
@@ -170,7 +174,8 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
                                                                    dtype=jnp.int32)
     table = table._replace(overflow=table.overflow + refused)
     rep = jnp.where(rows >= 0, rep, -1) if dedupe else jnp.full(slots.shape, -1, jnp.int32)
-    return table, Lookup(rows=rows, rep=rep, fresh=granted)
+    return table, Lookup(rows=rows, rep=rep, fresh=granted,
+                         evicted=evicted if evicting else None)
 
 
 # -- eviction ----------------------------------------------------------------------------------
@@ -196,14 +201,15 @@ def _rank(score: jax.Array, clock: jax.Array, eviction: EvictionConfig) -> jax.A
 
 
 def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig,
-           capacity: int) -> tuple[HashTable, jax.Array]:
+           capacity: int) -> tuple[HashTable, jax.Array, jax.Array]:
     """Rows for the ``needy`` positions (new keys that found no free row): each samples
     ``eviction.samples`` rows by its hash and takes the lowest-ranked one; of new keys that
     chose the same row the first position wins and the others sample again (``_ROUNDS``
     rounds; a key left without a row is refused, counted as overflow). The taken row's old
     key leaves (its slot becomes a tombstone). Rows this step touches (found keys, granted
     rows, rows taken already) are never chosen. Compacted chunks: the cost follows the
-    needy keys, not the batch. Returns the table and which positions got a row."""
+    needy keys, not the batch. Returns the table, which positions got a row and the key each
+    of them evicted (``EMPTY_KEY`` elsewhere)."""
     n = keys.shape[0]
     n_slots = table.slot_keys.shape[0]
     clock = table.clock
@@ -215,7 +221,7 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig,
     ar = jnp.arange(chunk, dtype=jnp.int32)
 
     def body(c):
-        slot_keys, slot_rows, row_slots, score, scratch, todo, placed = c
+        slot_keys, slot_rows, row_slots, score, scratch, todo, placed, gone_keys = c
         idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
         sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
         sub_slots = slots.at[idx].get(mode="fill", fill_value=-1)
@@ -224,7 +230,7 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig,
         def round_(rc):
             # a round samples again only for keys whose choice another key took: most
             # chunks need one round, so the rounds stop when every key has its row
-            rnd, slot_keys, slot_rows, row_slots, score, scratch, pending, got = rc
+            rnd, slot_keys, slot_rows, row_slots, score, scratch, pending, got, gone = rc
             salt = (jnp.arange(samples, dtype=jnp.uint64)
                     + (rnd * samples + 1).astype(jnp.uint64)) * _GOLDEN
             cand = (hash_keys((h[:, None] ^ salt[None, :]).astype(jnp.int64))
@@ -239,6 +245,8 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig,
             vr = jnp.where(win, victim, capacity)
             old = jnp.where(win, row_slots.at[vr].get(mode="fill", fill_value=-1), -1)
             old = jnp.where(old >= 0, old, n_slots)
+            gone = jnp.where(win, slot_keys.at[old].get(mode="fill", fill_value=EMPTY_KEY),
+                             gone)  # the evicted key (its row is the winner's now)
             slot_keys = slot_keys.at[old].set(TOMBSTONE, mode="drop")
             slot_rows = slot_rows.at[old].set(-1, mode="drop")
             slot_rows = slot_rows.at[jnp.where(win, sub_slots, n_slots)].set(victim,
@@ -246,25 +254,26 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig,
             row_slots = row_slots.at[vr].set(sub_slots, mode="drop")
             score = score.at[vr, 0].set(clock, mode="drop")  # taken: no later key takes it
             return (rnd + 1, slot_keys, slot_rows, row_slots, score, scratch, pending & ~win,
-                    got | win)
+                    got | win, gone)
 
-        _, slot_keys, slot_rows, row_slots, score, scratch, _, got = jax.lax.while_loop(
+        _, slot_keys, slot_rows, row_slots, score, scratch, _, got, gone = jax.lax.while_loop(
             lambda rc: (rc[0] < _ROUNDS) & jnp.any(rc[6]), round_,
             (jnp.int32(0), slot_keys, slot_rows, row_slots, score, scratch, idx < n,
-             jnp.zeros((chunk,), bool)))
+             jnp.zeros((chunk,), bool), jnp.full((chunk,), EMPTY_KEY, jnp.int64)))
         todo = todo.at[idx].set(False, mode="drop")
         placed = placed.at[idx].set(got, mode="drop")
-        return slot_keys, slot_rows, row_slots, score, scratch, todo, placed
+        gone_keys = gone_keys.at[idx].set(gone, mode="drop")
+        return slot_keys, slot_rows, row_slots, score, scratch, todo, placed, gone_keys
 
-    slot_keys, slot_rows, row_slots, score, scratch, _, placed = jax.lax.while_loop(
+    slot_keys, slot_rows, row_slots, score, scratch, _, placed, gone_keys = jax.lax.while_loop(
         lambda c: jnp.any(c[5]), body,
         (table.slot_keys, table.slot_rows, table.row_slots, score, table.scratch, needy,
-         jnp.zeros((n,), bool)))
+         jnp.zeros((n,), bool), jnp.full((n,), EMPTY_KEY, jnp.int64)))
     n_placed = jnp.sum(placed, dtype=jnp.int32)
     table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, row_slots=row_slots,
                            row_score=score, scratch=scratch, evicted=table.evicted + n_placed,
                            tombstones=table.tombstones + n_placed)
-    return table, placed
+    return table, placed, gone_keys
 
 
 def _count_touches(table: HashTable, rows, restart, eviction: EvictionConfig, capacity: int):

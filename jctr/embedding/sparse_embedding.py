@@ -115,7 +115,14 @@ def lookup_keys(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array, val
                        eviction=spec.eviction if train else None)
     state = state._replace(table=table)
     if train:
+        spills = spec.eviction is not None and spec.eviction.spill is not None
+        if spills:  # evicted rows leave before the new keys' rows overwrite them
+            from jctr.embedding import spill
+
+            written = spill.spill_rows(spec, state, lk)
         state = initialize_fresh_rows(spec, state, keys, lk, key_slots)
+        if spills:  # new keys the database holds take their rows back
+            state = spill.take_back(spec, state, keys, lk, written)
     return state, lk
 
 

@@ -142,6 +142,11 @@ class KeySet:
         self._n = 0
         self._rows = np.empty(0, np.int64)
 
+    def clear(self) -> None:
+        """No keys (the memory kept)."""
+        self._index[:] = -1
+        self._n = 0
+
     def add(self, keys: np.ndarray) -> None:
         keys = np.ascontiguousarray(keys, np.int64)
         need = self._n + keys.size

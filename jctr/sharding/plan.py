@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
 from jctr.config.schema import ModelConfig
@@ -164,6 +165,13 @@ def plan_embeddings(cfg: ModelConfig, specs: tuple[EmbeddingSpec, ...], num_devi
     """
     tables = []
     for spec, emb in zip(specs, cfg.embeddings):
+        if spec.eviction is not None and spec.eviction.spill and (
+                num_devices > 1 or jax.process_count() > 1):
+            raise PlanError(
+                f"embedding \"{spec.name}\": eviction.spill keeps evicted rows for a table on "
+                f"one device of one process; this run has {num_devices} device(s) in "
+                f"{jax.process_count()} process(es) (spilling a table spread over devices is "
+                "not built): train it on one device (solver.gpu [0]) or drop \"spill\"")
         cap = spec.capacity
         one = table_bytes(spec, cap)
         if num_devices == 1:

@@ -69,8 +69,14 @@ class Hook:
 def config_hooks(trainer, report) -> list[Hook]:
     """The hooks a trainer's config asks for: growable tables grow
     (:class:`jctr.train.table_growth.TableGrowth`), a Kafka sink publishes
-    (:class:`jctr.train.publisher.KafkaPublisher`)."""
+    (:class:`jctr.train.publisher.KafkaPublisher`). Spilling tables start with no spilled
+    rows (:func:`jctr.embedding.spill.forget`)."""
     cfg, out = trainer.cfg, []
+    spilling = [s for s in trainer.specs if s.eviction is not None and s.eviction.spill]
+    if spilling:  # a new run reads back only rows it spilled (or a checkpoint restores)
+        from jctr.embedding.spill import forget
+
+        forget(spilling)
     if any(e.growable for e in cfg.embeddings):
         from jctr.train.table_growth import TableGrowth
 

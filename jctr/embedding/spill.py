@@ -1,0 +1,218 @@
+"""Evicted rows written to a RocksDB database and taken back when their key returns (an
+embedding layer's ``"eviction": {..., "spill": "<folder>"}``; issue 36).
+
+A table that evicts (:func:`jctr.embedding.hash_table.lookup`) gives a new key the row of a
+key its policy ranks lowest. With a spill folder, the step hands every evicted key's row --
+its vector, optimizer state and slot -- to the host before the new key's row overwrites it
+(:func:`spill_rows`, an ``io_callback``), and a new key the database holds takes its stored
+row instead of an initial vector (:func:`fetch_rows`). A row is the same whether it stayed in
+the table or went through the database, so a small table trains the model a table with room
+for every key trains. Evaluation reads the stored vector of a key that is not in the table.
+
+The database holds every key evicted so far, each as of its last eviction (a key that came
+back keeps its stale stored row until it is evicted again; only keys outside the table are
+ever read, and those were stored at their last eviction). Which keys it holds is kept in
+memory (:class:`jctr.ops.host_index.KeySet`), so rows a database holds from before this
+process are never read: a checkpoint restores the spilled rows it saved
+(:func:`with_spilled` / :func:`restore_spilled`).
+
+One device and one process (a sharded or multi-process table is refused by the plan).
+
+Example (a layer's JSON)::
+
+    "eviction": {"policy": "lru", "spill": "runs/spill"}
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import io_callback
+
+from jctr.config.hps import PersistentDatabaseParams
+from jctr.ops.host_index import KeySet
+
+_LOCK = threading.Lock()
+_DATABASES: dict[str, object] = {}  # folder -> RocksDBStore (tables are column families)
+_HELD: dict[tuple[str, str], KeySet] = {}  # (folder, table) -> keys stored by this process
+
+
+def _database(folder: str):
+    from jctr.stores.rocksdb import RocksDBStore
+
+    folder = os.path.abspath(folder)
+    with _LOCK:
+        if folder not in _DATABASES:
+            _DATABASES[folder] = RocksDBStore(
+                PersistentDatabaseParams(type="rocks_db", path=folder),
+                label="eviction.spill", bulk=True)
+        return _DATABASES[folder]
+
+
+def _held(folder: str, table: str) -> KeySet:
+    with _LOCK:
+        return _HELD.setdefault((os.path.abspath(folder), table), KeySet())
+
+
+def _family(spec) -> str:
+    return f"spill.{spec.name}"
+
+
+def _layout(spec, slots: dict) -> list[tuple[str, tuple[int, ...]]]:
+    """The columns of a stored row: vector, each optimizer slot (by name), the input slot."""
+    return ([("values", (spec.dim,))] + [(name, tuple(slots[name].shape[1:]))
+                                          for name in sorted(slots)] + [("row_slot", ())])
+
+
+def _width(layout) -> int:
+    return sum(int(np.prod(shape)) for _, shape in layout)
+
+
+def _put(spec, layout, keys: np.ndarray, columns: dict[str, np.ndarray]) -> None:
+    if not keys.size:
+        return
+    n = keys.size
+    packed = np.concatenate([np.asarray(columns[name], np.float32).reshape(n, -1)
+                             for name, _ in layout], axis=1)
+    _database(spec.eviction.spill).insert(_family(spec), keys, packed)
+    _held(spec.eviction.spill, spec.name).add(keys)
+
+
+def _get(spec, layout, keys: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """(found [n], columns of the found keys' rows, zeros elsewhere)."""
+    n = keys.size
+    found = np.zeros(n, bool)
+    packed = np.zeros((n, _width(layout)), np.float32)
+    if n:
+        held = _held(spec.eviction.spill, spec.name).contains(keys)
+        if held.any():
+            rows, ok = _database(spec.eviction.spill).lookup(_family(spec), keys[held],
+                                                              _width(layout))
+            at = np.flatnonzero(held)
+            found[at] = ok
+            packed[at[ok]] = rows[ok]
+    out, col = {}, 0
+    for name, shape in layout:
+        w = int(np.prod(shape))
+        out[name] = packed[:, col:col + w].reshape((n, *shape))
+        col += w
+    return found, out
+
+
+def spill_rows(spec, state, lk):
+    """Hand the rows this step's new keys evicted (``lk.evicted``) to the database, read
+    before the new keys' rows overwrite them. Returns a token the fetch waits on."""
+    capacity = state.values.shape[0]
+    gone = lk.evicted != jnp.int64(np.iinfo(np.int64).min)
+    at = jnp.where(gone, lk.rows, capacity)
+
+    def take(arr):
+        return arr.at[at].get(mode="fill", fill_value=0).astype(jnp.float32)
+
+    layout = _layout(spec, state.slots)
+    columns = {"values": take(state.values), "row_slot": take(state.row_slot),
+               **{name: take(arr) for name, arr in state.slots.items()}}
+
+    def write(keys, gone, *cols):
+        gone = np.asarray(gone)
+        _put(spec, layout, np.asarray(keys)[gone],
+             {name: np.asarray(c)[gone] for (name, _), c in zip(layout, cols)})
+        return np.int32(0)
+
+    return io_callback(
+        write, jax.ShapeDtypeStruct((), jnp.int32), lk.evicted, gone,
+        *[columns[name] for name, _ in layout])
+
+
+def fetch_rows(spec, slots: dict, keys, wanted, after=None):
+    """(found [n], stored columns [n, ...] by name) for the ``wanted`` positions' keys the
+    database holds; ``after`` (a token of :func:`spill_rows`) orders the read after the
+    step's writes."""
+    layout = _layout(spec, slots)
+    n = keys.shape[0]
+    shapes = (jax.ShapeDtypeStruct((n,), jnp.bool_),) + tuple(
+        jax.ShapeDtypeStruct((n, *shape), jnp.float32) for _, shape in layout)
+
+    def read(keys, wanted, _after):
+        keys, wanted = np.asarray(keys), np.asarray(wanted)
+        found, cols = _get(spec, layout, np.where(wanted, keys, 0))
+        found &= wanted
+        return (found,) + tuple(np.where(found.reshape((n,) + (1,) * (cols[name].ndim - 1)),
+                                         cols[name], 0).astype(np.float32)
+                                for name, _ in layout)
+
+    out = io_callback(read, shapes, keys, wanted,
+                                       jnp.int32(0) if after is None else after)
+    return out[0], {name: col for (name, _), col in zip(layout, out[1:])}
+
+
+def take_back(spec, state, keys, lk, after):
+    """``state`` with the rows of this step's new keys that the database holds put back
+    (vector, optimizer state, slot), over the initial rows they were given."""
+    capacity = state.values.shape[0]
+    found, cols = fetch_rows(spec, state.slots, keys, lk.fresh, after)
+    at = jnp.where(found, lk.rows, capacity)
+    return state._replace(
+        values=state.values.at[at].set(cols["values"], mode="drop"),
+        row_slot=state.row_slot.at[at].set(cols["row_slot"].astype(jnp.int32), mode="drop"),
+        slots={name: arr.at[at].set(cols[name].astype(arr.dtype), mode="drop")
+               for name, arr in state.slots.items()})
+
+
+def forget(specs) -> None:
+    """Start these tables with no spilled rows in this process (a new run: rows a database
+    holds from before are never read; a restored checkpoint puts its own back)."""
+    for spec in specs:
+        _held(spec.eviction.spill, spec.name).clear()
+
+
+# -- checkpoints -------------------------------------------------------------------------------
+SPILLED = "spilled"  # a stored-table column: 1 for a row that lives in the database
+
+
+def with_spilled(spec, stored: dict[str, np.ndarray], slots: dict) -> dict[str, np.ndarray]:
+    """An exported table (``jctr.sharding.rows`` stored-table dict) with the database's rows
+    of keys outside the table appended, marked in a ``spilled`` column (a checkpoint then
+    holds the whole model)."""
+    held = _held(spec.eviction.spill, spec.name).keys()
+    table_keys = KeySet(max(1, stored["keys"].size))
+    table_keys.add(stored["keys"])
+    held = held[~table_keys.contains(held)] if held.size else held
+    layout = _layout(spec, slots)
+    found, cols = _get(spec, layout, held)
+    held = held[found]
+    n = stored["keys"].size
+    out = {"keys": np.concatenate([stored["keys"], held])}
+    for name, arr in stored.items():
+        if name == "keys":
+            continue
+        if name == "slot":
+            extra = cols["row_slot"][found].astype(arr.dtype)
+        elif name in cols:
+            extra = cols[name][found].astype(arr.dtype)
+        else:  # eviction scores: a key that comes back starts as new
+            extra = np.zeros((held.size, *arr.shape[1:]), arr.dtype)
+        out[name] = np.concatenate([arr, extra])
+    out[SPILLED] = np.concatenate([np.zeros(n, np.uint8), np.ones(held.size, np.uint8)])
+    return out
+
+
+def restore_spilled(spec, stored: dict[str, np.ndarray], slots: dict
+                    ) -> dict[str, np.ndarray]:
+    """The table's part of a checkpoint's stored table; the ``spilled`` rows go into the
+    database (which from now on holds exactly them for this process)."""
+    if SPILLED not in stored:
+        _held(spec.eviction.spill, spec.name).clear()
+        return stored
+    mark = np.asarray(stored[SPILLED]).astype(bool)
+    out = {name: arr[~mark] for name, arr in stored.items() if name != SPILLED}
+    _held(spec.eviction.spill, spec.name).clear()  # forget what this process wrote
+    keys = stored["keys"][mark]
+    columns = {name: stored[name][mark] for name in stored if name in slots or name == "values"}
+    columns["row_slot"] = stored["slot"][mark] if "slot" in stored else np.full(keys.size, -1)
+    _put(spec, _layout(spec, slots), keys, columns)
+    return out

@@ -206,9 +206,9 @@ def test_an_erased_row_starts_as_new_for_the_next_key():
 
 def test_the_shrink_by_erase_equals_the_rebuild(monkeypatch):
     """drop_keys (streaming training's shrink) erases on a one-device table; the table holds
-    the same keys with the same vectors, optimizer rows and slots as the rebuild it replaced
-    (the other path, still used when tombstones would crowd the slots), and keys inserted
-    afterwards start alike."""
+    the same keys with the same vectors, optimizer rows and slots whether its slots are built
+    again after the erase (when the tombstones would crowd a refill: forced here) or not, and
+    keys inserted afterwards start alike. Keys given twice are erased once."""
     from jctr.config import parse_config
     from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding, lookup_keys
     from jctr.sharding import rows as rows_mod
@@ -235,12 +235,14 @@ def test_the_shrink_by_erase_equals_the_rebuild(monkeypatch):
         order = np.argsort(out["keys"])
         return {k: v[order] for k, v in out.items()}
 
-    erased, in_use = rows_mod.drop_keys(spec, jax.tree.map(jnp.copy, full), None, deleted)
+    twice = np.concatenate([deleted, deleted[:50]])
+    erased, in_use = rows_mod.drop_keys(spec, jax.tree.map(jnp.copy, full), None, twice)
     assert in_use == n - deleted.size
-    assert int(erased.table.free_count) == deleted.size  # erased, not rebuilt
-    monkeypatch.setattr(rows_mod, "MAX_OCCUPIED", 0.0)
+    assert int(erased.table.free_count) == int(erased.table.tombstones) == deleted.size
+    monkeypatch.setattr(rows_mod, "MAX_FILL", 0.0)
     rebuilt, in_use2 = rows_mod.drop_keys(spec, full, None, deleted)
-    assert in_use2 == in_use and int(rebuilt.table.free_count) == 0
+    assert in_use2 == in_use and int(rebuilt.table.free_count) == deleted.size
+    assert int(rebuilt.table.tombstones) == 0  # the slots were built again
     a, b = by_key(erased), by_key(rebuilt)
     assert a.keys() == b.keys()
     for name in a:

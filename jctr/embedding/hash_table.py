@@ -324,11 +324,14 @@ MAX_OCCUPIED = 0.92
 
 
 def erase(table: HashTable, keys: jax.Array, valid: jax.Array) -> tuple[HashTable, jax.Array]:
-    """``table`` without ``keys`` (distinct; invalid or absent ones are skipped): their slots
-    become tombstones and their rows go on the free list. Returns the table and each key's
-    freed row (-1 where nothing was erased). Costs the keys' probes, not the table's size."""
+    """``table`` without ``keys`` (invalid or absent ones are skipped; a key given twice is
+    erased once): their slots become tombstones and their rows go on the free list. Returns
+    the table and each key's freed row (-1 where nothing was erased: one position of a key
+    given twice). Costs the keys' probes, not the table's size."""
     _, slots = find_slots(table.slot_keys, keys, valid, insert=False)
     n_slots = table.slot_keys.shape[0]
+    scratch, rep = representatives(table.scratch, slots)  # one position per key
+    slots = jnp.where(rep == jnp.arange(keys.shape[0], dtype=jnp.int32), slots, -1)
     rows = jnp.where(slots >= 0, table.slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
     hit = rows >= 0
     at = jnp.where(hit, slots, n_slots)
@@ -339,7 +342,7 @@ def erase(table: HashTable, keys: jax.Array, valid: jax.Array) -> tuple[HashTabl
                                              table.free_rows.shape[0])].set(rows, mode="drop")
     erased = jnp.sum(hit, dtype=jnp.int32)
     return table._replace(slot_keys=slot_keys, slot_rows=slot_rows, free_rows=free_rows,
-                          free_count=table.free_count + erased,
+                          free_count=table.free_count + erased, scratch=scratch,
                           tombstones=table.tombstones + erased), rows
 
 

@@ -87,6 +87,8 @@ def rebuild(index, keys, n):
     index[:] = -1
     mask = index.size - 1
     for r in range(n):
+        if r + 16 < n:  # the home slot of a key further on, fetched while this one probes
+            prefetch(index.ctypes.data + index.itemsize * home(keys[r + 16], mask))
         s = slot_of(index, keys, keys[r], mask)
         if index[s] >= 0:
             return r

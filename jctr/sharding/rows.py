@@ -19,10 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jctr.embedding.hash_table import (
-    MAX_OCCUPIED,
     export_items,
     lookup,
-    occupied_slots,
     rebuild_slots,
 )
 from jctr.embedding.sparse_embedding import (
@@ -273,46 +271,37 @@ def drop_keys(spec: EmbeddingSpec, state: EmbeddingState, placement, keys: np.nd
               ) -> tuple[EmbeddingState, int]:
     """``state`` without ``keys``, their rows freed (streaming training's shrink). The keys
     are erased where they are (a cost proportional to them:
-    :func:`jctr.embedding.sparse_embedding.erase_keys`); a sharded table's every device part
-    erases them all (a part skips the keys it does not hold, so neither the key hash nor a
-    slot-wise placement needs routing). When a part's slots are crowded already (keys and
-    tombstones past ``MAX_OCCUPIED``), the kept keys, values and optimizer rows go into a
-    fresh table instead. Returns
-    the table and its rows in use; ``state`` itself is consumed (its buffers are reused in
-    place: an erase never copies a whole table)."""
-    keys = np.unique(np.asarray(keys, np.int64))
+    :func:`jctr.embedding.sparse_embedding.erase_keys`; a key given twice is erased once); a
+    sharded table's every device part erases them all (a part skips the keys it does not
+    hold, so neither the key hash nor a slot-wise placement needs routing). When the
+    tombstones they leave would crowd the slots once the freed rows take new keys (past
+    ``MAX_FILL`` of them), each part's slots are built again on its device (rows do not
+    move). Returns the table and its rows in use; ``state`` itself is consumed (its buffers
+    are reused in place: an erase never copies a whole table)."""
+    keys = np.asarray(keys, np.int64)
     sharded = placement is not None and placement.sharded
-    occupied = int(np.max(to_host(_occupied(state.table))))
-    # an erase turns keys into tombstones (the occupied slots stay as many); a training step
-    # builds the slots again when refilled rows crowd them
-    if occupied <= MAX_OCCUPIED * state.table.slot_keys.shape[-1]:
-        erase = _erase_parts if sharded else _erase
-        placed = jax.tree.map(lambda x: x.sharding, state)
-        for start in range(0, keys.size, _INSERT_CHUNK):
-            chunk = keys[start:start + _INSERT_CHUNK]
-            pad = np.zeros(_INSERT_CHUNK, np.int64)
-            pad[:chunk.size] = chunk
-            valid = np.arange(_INSERT_CHUNK) < chunk.size
-            state, _ = erase(spec, state, jnp.asarray(pad), jnp.asarray(valid))
-        # the freed rows will take new keys, each in a free slot: when the tombstones leave
-        # too few, the slots are built again now (on the device; rows do not move)
-        if (int(np.max(to_host(state.table.tombstones))) + state.values.shape[-2]
-                > MAX_OCCUPIED * state.table.slot_keys.shape[-1]):
-            sharding = state.values.sharding
-            state = (_rebuild_on(sharding.mesh, sharding.spec[0]) if sharded
-                     else _rebuild)(state)
-        state = jax.device_put(state, placed)  # where it was (a no-op when XLA kept it)
-        table = state.table
-        in_use = int(np.sum(to_host(table.size) - to_host(table.free_count)))
-        return state, in_use
-    stored = export_placed(state, placement)
-    keep = ~np.isin(stored["keys"], keys)
-    kept = put_rows(spec, state, placement, {k: v[keep] for k, v in stored.items()},
-                    replace=True)
-    return kept, int(keep.sum())
+    erase = _erase_parts if sharded else _erase
+    placed = jax.tree.map(lambda x: x.sharding, state)
+    for start in range(0, keys.size, _INSERT_CHUNK):
+        chunk = keys[start:start + _INSERT_CHUNK]
+        pad = np.zeros(_INSERT_CHUNK, np.int64)
+        pad[:chunk.size] = chunk
+        valid = np.arange(_INSERT_CHUNK) < chunk.size
+        state, _ = erase(spec, state, jnp.asarray(pad), jnp.asarray(valid))
+    # a shrink of a few percent leaves its tombstones to a later one
+    if (int(np.max(to_host(state.table.tombstones))) + state.values.shape[-2]
+            > MAX_FILL * state.table.slot_keys.shape[-1]):
+        sharding = state.values.sharding
+        state = (_rebuild_on(sharding.mesh, sharding.spec[0]) if sharded else _rebuild)(state)
+    state = jax.device_put(state, placed)  # where it was (a no-op when XLA kept it)
+    table = state.table
+    return state, int(np.sum(to_host(table.size) - to_host(table.free_count)))
 
 
 _erase = jax.jit(erase_keys, static_argnums=0, donate_argnums=1)
+# keys and tombstones in at most this share of a table's slots once its free rows are
+# refilled (bucketed probes of new keys stay within a few cache lines)
+MAX_FILL = 0.95
 
 
 def _rebuilt(state: EmbeddingState) -> EmbeddingState:
@@ -352,7 +341,6 @@ def _erase_on(spec: EmbeddingSpec, mesh, axis):
     return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(axis), P(), P()),
                                  out_specs=(P(axis), P(axis)), check_vma=False),
                    donate_argnums=0)
-_occupied = jax.jit(occupied_slots)
 
 
 def scale_slot(state: EmbeddingState, name: str, factors: tuple[float, ...]) -> EmbeddingState:

@@ -157,3 +157,60 @@ def test_interaction_without_numba_runs_xla(monkeypatch):
     # shapes no other test traces: jax caches the traced branch per function and shapes
     dense, sparse = jnp.ones((5, 16), jnp.float32), jnp.ones((5, 6, 16), jnp.float32)
     assert "jctr_cpu_pair_dots" not in jax.jit(dot_interaction).lower(dense, sparse).as_text()
+
+
+@pytest.mark.parametrize("free", [0, 5])
+def test_find_assign_equals_a_first_occurrence_model(free):
+    """``jctr_cpu_find_assign`` (a training lookup in one native pass) against a dictionary
+    model of its contract, over batches with repeats, invalid positions and more new keys
+    than rows: a key keeps its slot and row; a slot's first position is its representative;
+    new keys take rows in order of first occurrence, the free stack's top first, then rows
+    never handed out below the capacity; the others are refused (row -1); the counters move
+    as the reference formulation (:func:`jctr.ops.hashing.assign_rows`) moves them."""
+    from jctr.ops import hashing
+
+    capacity, num_slots = 60, 96
+    rng = np.random.default_rng(free)
+    slot_keys = jnp.full((num_slots,), EMPTY_KEY)
+    slot_rows = jnp.full((num_slots,), -1, jnp.int32)
+    scratch = jnp.zeros((num_slots,), jnp.int32)
+    free_rows = jnp.zeros((capacity,), jnp.int32).at[:free].set(
+        jnp.arange(free, dtype=jnp.int32) * 3)  # rows 0, 3, 6, ... freed earlier
+    size, free_count = jnp.int32(40 if free else 0), jnp.int32(free)
+    model, next_free, next_new = {}, free - 1, int(size)
+    fused = jax.jit(cpu_ffi.find_assign, static_argnums=8)
+    for step in range(4):
+        keys = rng.integers(0, 45, 30).astype(np.int64) * 7919
+        valid = rng.random(30) < 0.9
+        (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size2,
+         free2) = fused(slot_keys, slot_rows, scratch, free_rows, size, free_count,
+                        jnp.asarray(keys), jnp.asarray(valid), capacity)
+        slots, rows, rep = np.asarray(slots), np.asarray(rows), np.asarray(rep)
+        first = {}
+        for i, (k, v) in enumerate(zip(keys.tolist(), valid)):
+            if not v:
+                assert slots[i] == rows[i] == rep[i] == -1
+                continue
+            assert np.asarray(slot_keys)[slots[i]] == k
+            first.setdefault(k, i)
+            assert rep[i] == first[k]
+            if k not in model and first[k] == i:  # a new key, in order of first occurrence
+                if next_free >= 0:
+                    model[k] = int(free_rows[next_free])
+                    next_free -= 1
+                elif next_new < capacity:
+                    model[k] = next_new
+                    next_new += 1
+                else:
+                    model[k] = -1
+            assert rows[i] == model[k], (step, i)
+        assert np.asarray(granted).sum() == sum(
+            1 for i, k in enumerate(keys.tolist()) if valid[i] and first.get(k) == i
+            and np.asarray(new)[i] and model[k] >= 0)
+        # the counters as the reference formulation moves them
+        ref = hashing.assign_rows(jnp.full((num_slots,), -1, jnp.int32), scratch, free_rows,
+                                  size, free_count, jnp.asarray(np.where(np.asarray(new), slots,
+                                                                         -1)), capacity)
+        assert (int(size2), int(free2)) == (int(ref[6]), int(ref[7]))
+        model = {k: r for k, r in model.items() if r >= 0}  # refused keys try again later
+        size, free_count = size2, free2

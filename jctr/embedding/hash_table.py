@@ -21,7 +21,7 @@ import numpy as np
 
 from jctr.config.schema import EvictionConfig
 from jctr.errors import UserError
-from jctr.ops import EMPTY_KEY, assign_rows, find_slots, hash_keys, representatives
+from jctr.ops import EMPTY_KEY, find_and_assign, find_slots, hash_keys, representatives
 from jctr.ops.hashing import BUCKET, MAX_LOAD
 
 # an erased key's slot: neither empty (probes go on past it) nor any real key (keys equal to
@@ -119,8 +119,8 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
     if evicting:  # a plain table's tombstones come from erase, whose caller rebuilds
         table = _rehash_if_crowded(table, capacity, jnp.sum(valid, dtype=jnp.int32))
         table = table._replace(clock=table.clock + 1)
-    slot_keys, slots = find_slots(table.slot_keys, keys, valid, insert=insert)
     if not insert:
+        _, slots = find_slots(table.slot_keys, keys, valid, insert=False)
         rows = jnp.where(slots >= 0,
                          table.slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
         if not dedupe:
@@ -129,9 +129,9 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
         scratch, rep = representatives(table.scratch, slots)
         return table._replace(scratch=scratch), Lookup(
             rows=rows, rep=jnp.where(rows >= 0, rep, -1), fresh=jnp.zeros(keys.shape, bool))
-    slot_rows, scratch, rows, rep, new, granted, size, free_count = assign_rows(
-        table.slot_rows, table.scratch, table.free_rows, table.size, table.free_count, slots,
-        capacity, dedupe=dedupe)
+    slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size, free_count = \
+        find_and_assign(table.slot_keys, table.slot_rows, table.scratch, table.free_rows,
+                        table.size, table.free_count, keys, valid, capacity, dedupe=dedupe)
     n_new = jnp.sum(new, dtype=jnp.int32)
     row_slots = table.row_slots
     if row_slots.shape[0]:  # tracked (eviction): each granted row's slot

@@ -5,10 +5,10 @@ kernels for the hash lookup and the dot interaction on CPU)."""
 import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.ops.bag import embedding_bag, gather_rows, key_gradients, sum_at_representatives
 from jctr.ops.dispatch import (
-    assign_rows,
     dot_interaction,
     embedding_bag_backward,
     embedding_bag_forward,
+    find_and_assign,
     find_slots,
     linear,
 )
@@ -25,8 +25,9 @@ from jctr.ops.hashing import (
 from jctr.ops.interaction import dot_interaction_reference, interaction_output_dim
 
 __all__ = [
-    "EMPTY_KEY", "assign_rows", "dot_interaction", "dot_interaction_reference", "embedding_bag",
-    "embedding_bag_backward", "embedding_bag_forward", "find_slots", "gather_rows",
-    "hash_keys", "home_slots", "interaction_output_dim", "key_gradients", "key_uniform", "linear",
-    "mix64", "owner_shards", "owner_shards_host", "representatives", "sum_at_representatives",
+    "EMPTY_KEY", "dot_interaction", "dot_interaction_reference", "embedding_bag",
+    "embedding_bag_backward", "embedding_bag_forward", "find_and_assign", "find_slots",
+    "gather_rows", "hash_keys", "home_slots", "interaction_output_dim", "key_gradients",
+    "key_uniform", "linear", "mix64", "owner_shards", "owner_shards_host", "representatives",
+    "sum_at_representatives",
 ]

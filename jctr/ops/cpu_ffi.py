@@ -16,9 +16,10 @@ Kernels here:
   other in batch order (a key takes the first empty slot of its probe; a later occurrence of
   it finds that slot), in place in the table (its buffer aliased to the result). XLA's
   formulation claims slots by scatter rounds over compacted chunks.
-* ``jctr_cpu_assign_rows``: rows for the slots a find-or-insert gave: the representative
-  position of each slot, a row for each new key (freed rows first), in one pass with the
-  slots' rows prefetched (XLA's formulation: a scatter and gathers over the slots, a cumsum).
+* ``jctr_cpu_find_assign``: a training lookup in one pass over the batch: find-or-insert of
+  each key, then its row (the representative position of each slot, a row for each new key:
+  freed rows first), each key's bucket and the slots' rows at it fetched ahead. XLA's
+  formulation: probe rounds, then a scatter and gathers over the slots and a cumsum.
 * ``jctr_cpu_pair_dots`` / ``jctr_cpu_pair_dots_grad``: the DLRM dot interaction (strictly
   lower triangle of each sample's Gram matrix) and its gradient, float32, for a feature width
   that is a multiple of 16. Each Gram row, and each gradient row, is a sum of 16-lane rows
@@ -136,6 +137,24 @@ if AVAILABLE:
         return _BUCKET if num_slots % _BUCKET == 0 else 1
 
     @numba.njit(inline="always")
+    def _probe(slot_keys, key, pos, num_slots, insert):
+        """The slot of ``key`` probing from ``pos`` (its home), -1 when absent; with
+        ``insert`` an absent key takes the empty slot its probe ends at."""
+        for _ in range(num_slots):  # a full sweep bounds a full table
+            cur = slot_keys[pos]
+            if cur == key:
+                return pos
+            if cur == EMPTY_KEY:  # tombstones are passed over
+                if insert:
+                    slot_keys[pos] = key
+                    return pos
+                return -1
+            pos += 1
+            if pos == num_slots:
+                pos = 0
+        return -1
+
+    @numba.njit(inline="always")
     def _probe_all(slot_keys, slot_keys_address, keys, valid, out, insert=False):
         """The slot of each valid key (-1: absent); with ``insert`` an absent key takes the
         empty slot its probe ends at (keys one after the other, in batch order)."""
@@ -147,23 +166,9 @@ if AVAILABLE:
             if ahead < n and valid[ahead]:
                 _prefetch(slot_keys_address + 8 * _home(keys[ahead], buckets, width))
             out[i] = -1
-            if not valid[i]:
-                continue
-            key = keys[i]
-            pos = _home(key, buckets, width)
-            for _ in range(num_slots):  # a full sweep bounds a full table
-                cur = slot_keys[pos]
-                if cur == key:
-                    out[i] = pos
-                    break
-                if cur == EMPTY_KEY:  # tombstones are passed over
-                    if insert:
-                        slot_keys[pos] = key
-                        out[i] = pos
-                    break
-                pos += 1
-                if pos == num_slots:
-                    pos = 0
+            if valid[i]:
+                out[i] = _probe(slot_keys, keys[i], _home(keys[i], buckets, width), num_slots,
+                                insert)
 
     def _hash_insert(frame_pointer):
         frame = _address(frame_pointer)
@@ -201,78 +206,107 @@ if AVAILABLE:
         return _pointer(0)
 
     @numba.njit(inline="always")
-    def _assign(slots, slot_rows, scratch, free_rows, counters, rows, rep, new, granted,
-                counters_out, slot_rows_address, scratch_address):
-        """Rows for a batch's slots, one position after the other: an earlier position of
-        the same slot (``scratch[slot]``, checked against ``slots``: stale entries never
-        match) is the representative; a first position whose slot has no row takes the top
-        of the free stack, else the next row never handed out, while there is one."""
-        n = slots.shape[0]
+    def _take_row(i, s, slots, slot_rows, scratch, free_rows, size0, free0, capacity, n_new,
+                  n_granted, rows, rep, new, granted):
+        """Position ``i``'s row for its slot ``s``: an earlier position of the same slot
+        (``scratch[s]``, checked against ``slots``: stale entries never match) is its
+        representative; a first position whose slot has no row takes the top of the free
+        stack, else the next row never handed out, while there is one. Returns the counts
+        of new keys and of rows given so far."""
+        new[i] = False
+        granted[i] = False
+        if s < 0:
+            rows[i] = -1
+            rep[i] = -1
+            return n_new, n_granted
+        p = scratch[s]
+        if p >= 0 and p < i and slots[p] == s:
+            rep[i] = p
+        else:
+            scratch[s] = i
+            rep[i] = i
+            if slot_rows[s] < 0:
+                new[i] = True
+                k = n_new
+                n_new += 1
+                if k < free0:
+                    slot_rows[s] = free_rows[free0 - 1 - k]
+                    granted[i] = True
+                elif size0 + k - free0 < capacity:
+                    slot_rows[s] = size0 + k - free0
+                    granted[i] = True
+                if granted[i]:
+                    n_granted += 1
+        rows[i] = slot_rows[s]
+        return n_new, n_granted
+
+    @numba.njit(inline="always")
+    def _find_assign(slot_keys, slot_rows, scratch, free_rows, counters, keys, valid, slots,
+                     rows, rep, new, granted, counters_out):
+        """Find-or-insert and rows in one pass, one key after the other: each key's bucket
+        (keys, and the slots' rows and scratch at it) is fetched ahead."""
+        n, num_slots = keys.shape[0], slot_keys.shape[0]
+        width = _width(num_slots)
+        buckets = num_slots // width
         size0, free0, capacity = counters[0], counters[1], counters[2]
+        keys_at = slot_keys.ctypes.data
+        rows_at = slot_rows.ctypes.data
+        scratch_at = scratch.ctypes.data
         n_new = 0
         n_granted = 0
         for i in range(n):
             ahead = i + _AHEAD
-            if ahead < n and slots[ahead] >= 0:
-                _prefetch(slot_rows_address + 4 * slots[ahead])
-                _prefetch(scratch_address + 4 * slots[ahead])
-            s = slots[i]
-            new[i] = False
-            granted[i] = False
-            if s < 0:
-                rows[i] = -1
-                rep[i] = -1
-                continue
-            p = scratch[s]
-            if p >= 0 and p < i and slots[p] == s:
-                rep[i] = p
-            else:
-                scratch[s] = i
-                rep[i] = i
-                if slot_rows[s] < 0:
-                    new[i] = True
-                    k = n_new
-                    n_new += 1
-                    if k < free0:
-                        slot_rows[s] = free_rows[free0 - 1 - k]
-                        granted[i] = True
-                    elif size0 + k - free0 < capacity:
-                        slot_rows[s] = size0 + k - free0
-                        granted[i] = True
-                    if granted[i]:
-                        n_granted += 1
-            rows[i] = slot_rows[s]
+            if ahead < n and valid[ahead]:
+                h = _home(keys[ahead], buckets, width)
+                _prefetch(keys_at + 8 * h)
+                _prefetch(rows_at + 4 * h)
+                _prefetch(scratch_at + 4 * h)
+            s = -1
+            if valid[i]:
+                s = _probe(slot_keys, keys[i], _home(keys[i], buckets, width), num_slots, True)
+            slots[i] = s
+            n_new, n_granted = _take_row(i, s, slots, slot_rows, scratch, free_rows, size0,
+                                         free0, capacity, n_new, n_granted, rows, rep, new,
+                                         granted)
         taken = min(n_new, free0)
         counters_out[0] = size0 + n_granted - taken
         counters_out[1] = free0 - taken
 
-    def _assign_rows(frame_pointer):
+    def _find_assign_rows(frame_pointer):
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
-        slot_data, slot_dims = _buffer(frame, _FRAME_ARGS, 0)
-        rows_in, table_dims = _buffer(frame, _FRAME_ARGS, 1)
+        keys_in, table_dims = _buffer(frame, _FRAME_ARGS, 0)
+        rows_in, _ = _buffer(frame, _FRAME_ARGS, 1)
         scratch_in, _ = _buffer(frame, _FRAME_ARGS, 2)
         free_data, free_dims = _buffer(frame, _FRAME_ARGS, 3)
         counter_data, _ = _buffer(frame, _FRAME_ARGS, 4)
-        slot_rows_at, _ = _buffer(frame, _FRAME_RETS, 0)
-        scratch_at, _ = _buffer(frame, _FRAME_RETS, 1)
-        n, num_slots = _word(slot_dims), _word(table_dims)
-        slot_rows = carray(_pointer(slot_rows_at), (num_slots,), np.int32)
+        key_data, key_dims = _buffer(frame, _FRAME_ARGS, 5)
+        valid_data, _ = _buffer(frame, _FRAME_ARGS, 6)
+        n, num_slots = _word(key_dims), _word(table_dims)
+        keys_at = _buffer(frame, _FRAME_RETS, 0)[0]
+        rows_at = _buffer(frame, _FRAME_RETS, 1)[0]
+        scratch_at = _buffer(frame, _FRAME_RETS, 2)[0]
+        slot_keys = carray(_pointer(keys_at), (num_slots,), np.int64)
+        slot_rows = carray(_pointer(rows_at), (num_slots,), np.int32)
         scratch = carray(_pointer(scratch_at), (num_slots,), np.int32)
-        if slot_rows_at != rows_in:  # not aliased after all: start from the inputs
+        if keys_at != keys_in:  # not aliased after all: start from the inputs
+            slot_keys[:] = carray(_pointer(keys_in), (num_slots,), np.int64)
+        if rows_at != rows_in:
             slot_rows[:] = carray(_pointer(rows_in), (num_slots,), np.int32)
         if scratch_at != scratch_in:
             scratch[:] = carray(_pointer(scratch_in), (num_slots,), np.int32)
-        _assign(carray(_pointer(slot_data), (n,), np.int32), slot_rows, scratch,
-                carray(_pointer(free_data), (_word(free_dims),), np.int32),
-                carray(_pointer(counter_data), (3,), np.int32),
-                carray(_pointer(_buffer(frame, _FRAME_RETS, 2)[0]), (n,), np.int32),
-                carray(_pointer(_buffer(frame, _FRAME_RETS, 3)[0]), (n,), np.int32),
-                carray(_pointer(_buffer(frame, _FRAME_RETS, 4)[0]), (n,), np.bool_),
-                carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (n,), np.bool_),
-                carray(_pointer(_buffer(frame, _FRAME_RETS, 6)[0]), (2,), np.int32),
-                slot_rows_at, scratch_at)
+        _find_assign(slot_keys, slot_rows, scratch,
+                     carray(_pointer(free_data), (_word(free_dims),), np.int32),
+                     carray(_pointer(counter_data), (3,), np.int32),
+                     carray(_pointer(key_data), (n,), np.int64),
+                     carray(_pointer(valid_data), (n,), np.bool_),
+                     carray(_pointer(_buffer(frame, _FRAME_RETS, 3)[0]), (n,), np.int32),
+                     carray(_pointer(_buffer(frame, _FRAME_RETS, 4)[0]), (n,), np.int32),
+                     carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (n,), np.int32),
+                     carray(_pointer(_buffer(frame, _FRAME_RETS, 6)[0]), (n,), np.bool_),
+                     carray(_pointer(_buffer(frame, _FRAME_RETS, 7)[0]), (n,), np.bool_),
+                     carray(_pointer(_buffer(frame, _FRAME_RETS, 8)[0]), (2,), np.int32))
         return _pointer(0)
 
     _LANES = 16  # floats per vector in the interaction kernels
@@ -387,7 +421,7 @@ if AVAILABLE:
     try:
         _hash_lookup_handler = _cfunc(_hash_lookup)
         _hash_insert_handler = _cfunc(_hash_insert)
-        _assign_rows_handler = _cfunc(_assign_rows)
+        _find_assign_handler = _cfunc(_find_assign_rows)
         _pair_dots_handler = _cfunc(_pair_dots)
         _pair_dots_grad_handler = _cfunc(_pair_dots_grad)
     except Exception as error:  # a numba/LLVM that cannot build them: XLA's formulations run
@@ -403,7 +437,7 @@ def _register() -> None:
     new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
     for name, handler in (("jctr_cpu_hash_lookup", _hash_lookup_handler),
                           ("jctr_cpu_hash_insert", _hash_insert_handler),
-                          ("jctr_cpu_assign_rows", _assign_rows_handler),
+                          ("jctr_cpu_find_assign", _find_assign_handler),
                           ("jctr_cpu_pair_dots", _pair_dots_handler),
                           ("jctr_cpu_pair_dots_grad", _pair_dots_grad_handler)):
         capsule = new_capsule(handler.address, b"xla._CUSTOM_CALL_TARGET", None)
@@ -446,24 +480,29 @@ def insert_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array
         input_output_aliases={0: 0})(slot_keys, keys, valid)
 
 
-def assign_rows(slot_rows: jax.Array, scratch: jax.Array, free_rows: jax.Array,
-                size: jax.Array, free_count: jax.Array, slots: jax.Array, capacity: int):
-    """:func:`jctr.ops.hashing.assign_rows` in one native pass over the batch (the
-    representative of a slot is its first position; the buffers of ``slot_rows`` and
-    ``scratch`` are updated in place when they can be donated). CPU only."""
+def find_assign(slot_keys: jax.Array, slot_rows: jax.Array, scratch: jax.Array,
+                free_rows: jax.Array, size: jax.Array, free_count: jax.Array, keys: jax.Array,
+                valid: jax.Array, capacity: int):
+    """Find-or-insert of every valid key and its row (:func:`jctr.ops.hashing.assign_rows`;
+    a slot's first position is its representative), in one native pass: keys one after the
+    other, in batch order. Returns (slot_keys, slots, slot_rows, scratch, rows, rep, new,
+    granted, size, free_count). CPU only."""
     _register()
-    n = slots.shape[0]
+    n = keys.shape[0]
     counters = jnp.stack([size, free_count, jnp.int32(capacity)]).astype(jnp.int32)
     flags = jax.ShapeDtypeStruct((n,), jnp.bool_)
     positions = jax.ShapeDtypeStruct((n,), jnp.int32)
-    slot_rows, scratch, rows, rep, new, granted, counts = jax.ffi.ffi_call(
-        "jctr_cpu_assign_rows",
-        (jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
-         jax.ShapeDtypeStruct(scratch.shape, jnp.int32), positions, positions, flags, flags,
-         jax.ShapeDtypeStruct((2,), jnp.int32)),
-        input_output_aliases={1: 0, 2: 1})(
-            slots.astype(jnp.int32), slot_rows, scratch, free_rows, counters)
-    return slot_rows, scratch, rows, rep, new, granted, counts[0], counts[1]
+    slot_keys, slot_rows, scratch, slots, rows, rep, new, granted, counts = jax.ffi.ffi_call(
+        "jctr_cpu_find_assign",
+        (jax.ShapeDtypeStruct(slot_keys.shape, jnp.int64),
+         jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
+         jax.ShapeDtypeStruct(scratch.shape, jnp.int32), positions, positions, positions,
+         flags, flags, jax.ShapeDtypeStruct((2,), jnp.int32)),
+        input_output_aliases={0: 0, 1: 1, 2: 2})(
+            slot_keys.astype(jnp.int64), slot_rows, scratch, free_rows, counters,
+            keys.astype(jnp.int64), valid.astype(jnp.bool_))
+    return (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, counts[0],
+            counts[1])
 
 
 def _call_in_parts(target: str, n: int, parts: int, row_shape: tuple[int, ...], dtype,

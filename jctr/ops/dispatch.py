@@ -146,19 +146,23 @@ def find_slots(slot_keys, keys, valid, *, insert: bool):
     return slot_keys, slots
 
 
-def assign_rows(slot_rows, scratch, free_rows, size, free_count, slots, capacity: int, *,
-                dedupe: bool = True):
-    """Rows for the slots of a batch's keys (:func:`jctr.ops.hashing.assign_rows`): on CPU
-    one native pass (:func:`jctr.ops.cpu_ffi.assign_rows`, which always finds every
-    representative), elsewhere the XLA formulation."""
-    def reference(*args):
-        return hashing.assign_rows(*args, capacity, dedupe=dedupe)
+def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid,
+                    capacity: int, *, dedupe: bool = True):
+    """A training lookup's slots and rows: :func:`find_slots` with ``insert`` then
+    :func:`assign_rows`. On CPU one native pass (:func:`jctr.ops.cpu_ffi.find_assign`).
+    Returns (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size,
+    free_count)."""
+    def reference(slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid):
+        slot_keys, slots = find_slots(slot_keys, keys, valid, insert=True)
+        return (slot_keys, slots) + hashing.assign_rows(slot_rows, scratch, free_rows, size,
+                                                        free_count, slots, capacity,
+                                                        dedupe=dedupe)
 
+    args = (slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid)
     if _mode() == "reference" or not cpu_ffi.AVAILABLE:
-        return reference(slot_rows, scratch, free_rows, size, free_count, slots)
+        return reference(*args)
 
     def cpu(*args):
-        return cpu_ffi.assign_rows(*args, capacity)
+        return cpu_ffi.find_assign(*args, capacity)
 
-    return jax.lax.platform_dependent(slot_rows, scratch, free_rows, size, free_count, slots,
-                                      cpu=cpu, default=reference)
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)

@@ -159,10 +159,11 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
                     TOMBSTONE, mode="drop"),
                 tombstones=t.tombstones + jnp.sum(left, dtype=jnp.int32)), placed, gone
 
-        # a step whose new keys all found free rows (a table not yet full) skips it all
-        table, placed, evicted = jax.lax.cond(
-            jnp.any(needy), evict,
-            lambda t: (t, jnp.zeros_like(needy), jnp.full(keys.shape, EMPTY_KEY)), table)
+        # a step whose new keys all found free rows (a table not yet full) skips it all (a
+        # loop run at most once: a cond would copy the table in its untaken branch)
+        _, table, placed, evicted = jax.lax.while_loop(
+            lambda c: c[0], lambda c: (False, *evict(c[1])),
+            (jnp.any(needy), table, jnp.zeros_like(needy), jnp.full(keys.shape, EMPTY_KEY)))
         granted = granted | placed
         rows = jnp.where(slots >= 0,
                          table.slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
@@ -298,7 +299,10 @@ def _rehash_if_crowded(table: HashTable, capacity: int, arriving: jax.Array) -> 
     in_use = table.size - table.free_count
     crowded = (table.tombstones > 0) & (
         (in_use + table.tombstones + arriving).astype(jnp.float32) > MAX_OCCUPIED * n_slots)
-    return jax.lax.cond(crowded, lambda t: rebuild_slots(t, capacity), lambda t: t, table)
+    # a loop run at most once, not a cond: a cond's untaken branch copies the whole table
+    # (~10 ms a step at 2M rows), a loop's state stays in place
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (False, rebuild_slots(c[1], capacity)),
+                              (crowded, table))[1]
 
 
 def rebuild_slots(table: HashTable, capacity: int) -> HashTable:

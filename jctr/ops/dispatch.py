@@ -149,7 +149,8 @@ def find_slots(slot_keys, keys, valid, *, insert: bool):
 def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid,
                     capacity: int, *, dedupe: bool = True):
     """A training lookup's slots and rows: :func:`find_slots` with ``insert`` then
-    :func:`assign_rows`. On CPU one native pass (:func:`jctr.ops.cpu_ffi.find_assign`).
+    :func:`jctr.ops.hashing.assign_rows`. On CPU one native pass
+    (:func:`jctr.ops.cpu_ffi.find_assign`).
     Returns (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size,
     free_count)."""
     def reference(slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid):

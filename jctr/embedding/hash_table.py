@@ -22,6 +22,7 @@ import numpy as np
 from jctr.config.schema import EvictionConfig
 from jctr.errors import UserError
 from jctr.ops import EMPTY_KEY, find_and_assign, find_slots, hash_keys, representatives
+from jctr.ops.dispatch import evict as evict_rows
 from jctr.ops.hashing import BUCKET, MAX_LOAD
 
 # an erased key's slot: neither empty (probes go on past it) nor any real key (keys equal to
@@ -209,7 +210,8 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig,
     rounds; a key left without a row is refused, counted as overflow). The taken row's old
     key leaves (its slot becomes a tombstone). Rows this step touches (found keys, granted
     rows, rows taken already) are never chosen. Compacted chunks: the cost follows the
-    needy keys, not the batch. Returns the table, which positions got a row and the key each
+    needy keys, not the batch. On CPU a native kernel makes the same choices
+    (:func:`jctr.ops.cpu_ffi.evict`). Returns the table, which positions got a row and the key each
     of them evicted (``EMPTY_KEY`` elsewhere)."""
     n = keys.shape[0]
     n_slots = table.slot_keys.shape[0]
@@ -221,58 +223,65 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig,
     samples = eviction.samples
     ar = jnp.arange(chunk, dtype=jnp.int32)
 
-    def body(c):
-        slot_keys, slot_rows, row_slots, score, scratch, todo, placed, gone_keys = c
-        idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
-        sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
-        sub_slots = slots.at[idx].get(mode="fill", fill_value=-1)
-        h = hash_keys(sub_keys)
+    def reference(slot_keys, slot_rows, row_slots, score, keys, slots, needy, clock):
+        def body(c):
+            slot_keys, slot_rows, row_slots, score, todo, placed, gone_keys = c
+            idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
+            sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
+            sub_slots = slots.at[idx].get(mode="fill", fill_value=-1)
+            h = hash_keys(sub_keys)
 
-        def round_(rc):
-            # a round samples again only for keys whose choice another key took: most
-            # chunks need one round, so the rounds stop when every key has its row
-            rnd, slot_keys, slot_rows, row_slots, score, scratch, pending, got, gone = rc
-            salt = (jnp.arange(samples, dtype=jnp.uint64)
-                    + (rnd * samples + 1).astype(jnp.uint64)) * _GOLDEN
-            cand = (hash_keys((h[:, None] ^ salt[None, :]).astype(jnp.int64))
-                    % np.uint64(capacity)).astype(jnp.int32)  # [chunk, samples]
-            rank = _rank(score.at[cand].get(mode="clip"), clock, eviction)
-            best = jnp.argmin(rank, axis=1)
-            victim = jnp.take_along_axis(cand, best[:, None], axis=1)[:, 0]
-            ok = pending & (jnp.min(rank, axis=1) < _NEVER)
-            at = jnp.where(ok, victim, n_slots)  # claims: the first position wins
-            scratch = scratch.at[at].set(chunk, mode="drop").at[at].min(ar, mode="drop")
-            win = ok & (scratch.at[at].get(mode="fill", fill_value=-1) == ar)
-            vr = jnp.where(win, victim, capacity)
-            old = jnp.where(win, row_slots.at[vr].get(mode="fill", fill_value=-1), -1)
-            old = jnp.where(old >= 0, old, n_slots)
-            gone = jnp.where(win, slot_keys.at[old].get(mode="fill", fill_value=EMPTY_KEY),
-                             gone)  # the evicted key (its row is the winner's now)
-            slot_keys = slot_keys.at[old].set(TOMBSTONE, mode="drop")
-            slot_rows = slot_rows.at[old].set(-1, mode="drop")
-            slot_rows = slot_rows.at[jnp.where(win, sub_slots, n_slots)].set(victim,
-                                                                             mode="drop")
-            row_slots = row_slots.at[vr].set(sub_slots, mode="drop")
-            score = score.at[vr, 0].set(clock, mode="drop")  # taken: no later key takes it
-            return (rnd + 1, slot_keys, slot_rows, row_slots, score, scratch, pending & ~win,
-                    got | win, gone)
+            def round_(rc):
+                # a round samples again only for keys whose choice another key took: most
+                # chunks need one round, so the rounds stop when every key has its row
+                rnd, slot_keys, slot_rows, row_slots, score, pending, got, gone = rc
+                salt = (jnp.arange(samples, dtype=jnp.uint64)
+                        + (rnd * samples + 1).astype(jnp.uint64)) * _GOLDEN
+                cand = (hash_keys((h[:, None] ^ salt[None, :]).astype(jnp.int64))
+                        % np.uint64(capacity)).astype(jnp.int32)  # [chunk, samples]
+                rank = _rank(score.at[cand].get(mode="clip"), clock, eviction)
+                best = jnp.argmin(rank, axis=1)
+                victim = jnp.take_along_axis(cand, best[:, None], axis=1)[:, 0]
+                ok = pending & (jnp.min(rank, axis=1) < _NEVER)
+                at = jnp.where(ok, victim, capacity)  # claims: the first position wins
+                claims = jnp.full((capacity,), chunk, jnp.int32).at[at].min(ar, mode="drop")
+                win = ok & (claims.at[at].get(mode="fill", fill_value=-1) == ar)
+                vr = jnp.where(win, victim, capacity)
+                old = jnp.where(win, row_slots.at[vr].get(mode="fill", fill_value=-1), -1)
+                old = jnp.where(old >= 0, old, n_slots)
+                gone = jnp.where(win, slot_keys.at[old].get(mode="fill", fill_value=EMPTY_KEY),
+                                 gone)  # the evicted key (its row is the winner's now)
+                slot_keys = slot_keys.at[old].set(TOMBSTONE, mode="drop")
+                slot_rows = slot_rows.at[old].set(-1, mode="drop")
+                slot_rows = slot_rows.at[jnp.where(win, sub_slots, n_slots)].set(victim,
+                                                                                 mode="drop")
+                row_slots = row_slots.at[vr].set(sub_slots, mode="drop")
+                score = score.at[vr, 0].set(clock, mode="drop")  # taken: no later key takes it
+                return (rnd + 1, slot_keys, slot_rows, row_slots, score, pending & ~win,
+                        got | win, gone)
 
-        _, slot_keys, slot_rows, row_slots, score, scratch, _, got, gone = jax.lax.while_loop(
-            lambda rc: (rc[0] < _ROUNDS) & jnp.any(rc[6]), round_,
-            (jnp.int32(0), slot_keys, slot_rows, row_slots, score, scratch, idx < n,
-             jnp.zeros((chunk,), bool), jnp.full((chunk,), EMPTY_KEY, jnp.int64)))
-        todo = todo.at[idx].set(False, mode="drop")
-        placed = placed.at[idx].set(got, mode="drop")
-        gone_keys = gone_keys.at[idx].set(gone, mode="drop")
-        return slot_keys, slot_rows, row_slots, score, scratch, todo, placed, gone_keys
+            _, slot_keys, slot_rows, row_slots, score, _, got, gone = jax.lax.while_loop(
+                lambda rc: (rc[0] < _ROUNDS) & jnp.any(rc[5]), round_,
+                (jnp.int32(0), slot_keys, slot_rows, row_slots, score, idx < n,
+                 jnp.zeros((chunk,), bool), jnp.full((chunk,), EMPTY_KEY, jnp.int64)))
+            todo = todo.at[idx].set(False, mode="drop")
+            placed = placed.at[idx].set(got, mode="drop")
+            gone_keys = gone_keys.at[idx].set(gone, mode="drop")
+            return slot_keys, slot_rows, row_slots, score, todo, placed, gone_keys
 
-    slot_keys, slot_rows, row_slots, score, scratch, _, placed, gone_keys = jax.lax.while_loop(
-        lambda c: jnp.any(c[5]), body,
-        (table.slot_keys, table.slot_rows, table.row_slots, score, table.scratch, needy,
-         jnp.zeros((n,), bool), jnp.full((n,), EMPTY_KEY, jnp.int64)))
+        slot_keys, slot_rows, row_slots, score, _, placed, gone_keys = jax.lax.while_loop(
+            lambda c: jnp.any(c[4]), body,
+            (slot_keys, slot_rows, row_slots, score, needy, jnp.zeros((n,), bool),
+             jnp.full((n,), EMPTY_KEY, jnp.int64)))
+        return slot_keys, slot_rows, row_slots, score, placed, gone_keys
+
+    slot_keys, slot_rows, row_slots, score, placed, gone_keys = evict_rows(
+        reference, table.slot_keys, table.slot_rows, table.row_slots, score, keys, slots, needy,
+        clock, policy=eviction.policy, epoch_steps=eviction.epoch_steps, samples=samples,
+        chunk=chunk)
     n_placed = jnp.sum(placed, dtype=jnp.int32)
     table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, row_slots=row_slots,
-                           row_score=score, scratch=scratch, evicted=table.evicted + n_placed,
+                           row_score=score, evicted=table.evicted + n_placed,
                            tombstones=table.tombstones + n_placed)
     return table, placed, gone_keys
 

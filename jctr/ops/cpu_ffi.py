@@ -20,6 +20,9 @@ Kernels here:
   each key, then its row (the representative position of each slot, a row for each new key:
   freed rows first), each key's bucket and the slots' rows at it fetched ahead. XLA's
   formulation: probe rounds, then a scatter and gathers over the slots and a cumsum.
+* ``jctr_cpu_evict``: the eviction of a full table (the rows its new keys take, by the
+  policy's ranking of sampled rows), the same choices as XLA's rounds over compacted chunks
+  without their scatters and compactions.
 * ``jctr_cpu_pair_dots`` / ``jctr_cpu_pair_dots_grad``: the DLRM dot interaction (strictly
   lower triangle of each sample's Gram matrix) and its gradient, float32, for a feature width
   that is a multiple of 16. Each Gram row, and each gradient row, is a sum of 16-lane rows
@@ -309,6 +312,141 @@ if AVAILABLE:
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 8)[0]), (2,), np.int32))
         return _pointer(0)
 
+    _TOMBSTONE = EMPTY_KEY + 1
+    _NEVER = np.iinfo(np.int64).max
+    _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+    @numba.njit(inline="always")
+    def _mix(z):
+        z = (z ^ (z >> np.uint64(30))) * _M1
+        z = (z ^ (z >> np.uint64(27))) * _M2
+        return z ^ (z >> np.uint64(31))
+
+    @numba.njit(inline="always")
+    def _rank(score, r, clock, policy, epoch_steps):
+        """:func:`jctr.embedding.hash_table._rank` of row ``r``."""
+        last = np.int64(score[r, 0])
+        if last == clock:
+            return _NEVER
+        if policy == 0:  # lru
+            return last
+        if policy == 1:  # lfu
+            return (np.int64(score[r, 1]) << 32) | last
+        if policy == 2:  # epoch_lru
+            return ((last // epoch_steps) << 32) | last
+        return ((last // epoch_steps) << 32) | np.int64(score[r, 1])  # epoch_lfu
+
+    @numba.njit(inline="always")
+    def _evict_all(slot_keys, slot_rows, row_slots, score, keys, slots, needy, params, placed,
+                   gone):
+        """:func:`jctr.embedding.hash_table._evict` one chunk, round and claim after the
+        other, with its choices: in a round every pending key chooses from the scores as the
+        round starts, then the claims go in position order (a row taken earlier in the round
+        is stamped with the clock, so a later claim on it loses)."""
+        clock, policy, epoch_steps = params[0], params[1], params[2]
+        samples, chunk, capacity = params[3], params[4], params[5]
+        n = keys.shape[0]
+        order = np.flatnonzero(needy)
+        victim = np.empty(chunk, np.int64)
+        ok = np.empty(chunk, np.bool_)
+        pending = np.empty(chunk, np.bool_)
+        for i in range(n):
+            placed[i] = False
+            gone[i] = EMPTY_KEY
+        for start in range(0, order.size, chunk):
+            part = order[start:start + chunk]
+            m = part.size
+            for j in range(m):
+                pending[j] = True
+            for rnd in range(4):  # _ROUNDS
+                left = False
+                for j in range(m):
+                    left |= pending[j]
+                if not left:
+                    break
+                score_at, row_slots_at = score.ctypes.data, row_slots.ctypes.data
+                keys_at, rows_at = slot_keys.ctypes.data, slot_rows.ctypes.data
+                stride = score.shape[1] * 4
+                for j in range(m):  # choices, from the scores as the round starts
+                    ahead = j + 4  # its samples' scores fetched while this key ranks
+                    if ahead < m and pending[ahead]:
+                        ha = _mix(np.uint64(keys[part[ahead]]))
+                        for k in range(samples):
+                            salt = (np.uint64(k) + np.uint64(rnd * samples + 1)) * _GOLDEN
+                            _prefetch(score_at + stride * np.int64(
+                                _mix(ha ^ salt) % np.uint64(capacity)))
+                    ok[j] = False
+                    if not pending[j]:
+                        continue
+                    h = _mix(np.uint64(keys[part[j]]))
+                    best, best_rank = np.int64(-1), _NEVER
+                    for k in range(samples):
+                        salt = (np.uint64(k) + np.uint64(rnd * samples + 1)) * _GOLDEN
+                        cand = np.int64(_mix(h ^ salt) % np.uint64(capacity))
+                        rank = _rank(score, cand, clock, policy, epoch_steps)
+                        if best < 0 or rank < best_rank:
+                            best, best_rank = cand, rank
+                    victim[j] = best
+                    ok[j] = best_rank < _NEVER
+                for j in range(m):  # claims: the first position wins
+                    ahead = j + 8
+                    if ahead < m and ok[ahead]:
+                        _prefetch(row_slots_at + 4 * victim[ahead])
+                    near = j + 4  # the slot of that row's key: its line, and its row's
+                    if near < m and ok[near] and row_slots[victim[near]] >= 0:
+                        _prefetch(keys_at + 8 * row_slots[victim[near]])
+                        _prefetch(rows_at + 4 * row_slots[victim[near]])
+                    if not ok[j]:
+                        continue
+                    v = victim[j]
+                    if score[v, 0] == clock:  # taken by an earlier position this round
+                        continue
+                    pos = part[j]
+                    old = row_slots[v]
+                    if old >= 0:
+                        gone[pos] = slot_keys[old]
+                        slot_keys[old] = _TOMBSTONE
+                        slot_rows[old] = -1
+                    slot_rows[slots[pos]] = v
+                    row_slots[v] = slots[pos]
+                    score[v, 0] = clock
+                    placed[pos] = True
+                    pending[j] = False
+
+    def _evict_rows(frame_pointer):
+        frame = _address(frame_pointer)
+        if _answer_metadata(frame):
+            return _pointer(0)
+        keys_in, slot_dims = _buffer(frame, _FRAME_ARGS, 0)
+        rows_in, _ = _buffer(frame, _FRAME_ARGS, 1)
+        row_slots_in, cap_dims = _buffer(frame, _FRAME_ARGS, 2)
+        score_in, score_dims = _buffer(frame, _FRAME_ARGS, 3)
+        key_data, key_dims = _buffer(frame, _FRAME_ARGS, 4)
+        slot_data, _ = _buffer(frame, _FRAME_ARGS, 5)
+        needy_data, _ = _buffer(frame, _FRAME_ARGS, 6)
+        param_data, _ = _buffer(frame, _FRAME_ARGS, 7)
+        n, num_slots = _word(key_dims), _word(slot_dims)
+        capacity, columns = _word(score_dims), _word(score_dims + 8)
+        outs = (_buffer(frame, _FRAME_RETS, 0)[0], _buffer(frame, _FRAME_RETS, 1)[0],
+                _buffer(frame, _FRAME_RETS, 2)[0], _buffer(frame, _FRAME_RETS, 3)[0])
+        sizes = (8 * num_slots, 4 * num_slots, 4 * _word(cap_dims), 4 * capacity * columns)
+        ins = (keys_in, rows_in, row_slots_in, score_in)
+        for j in range(4):
+            if outs[j] != ins[j]:  # not aliased after all: start from the inputs
+                carray(_pointer(outs[j]), (sizes[j],), np.uint8)[:] = carray(
+                    _pointer(ins[j]), (sizes[j],), np.uint8)
+        _evict_all(carray(_pointer(outs[0]), (num_slots,), np.int64),
+                   carray(_pointer(outs[1]), (num_slots,), np.int32),
+                   carray(_pointer(outs[2]), (_word(cap_dims),), np.int32),
+                   carray(_pointer(outs[3]), (capacity, columns), np.int32),
+                   carray(_pointer(key_data), (n,), np.int64),
+                   carray(_pointer(slot_data), (n,), np.int32),
+                   carray(_pointer(needy_data), (n,), np.bool_),
+                   carray(_pointer(param_data), (6,), np.int64),
+                   carray(_pointer(_buffer(frame, _FRAME_RETS, 4)[0]), (n,), np.bool_),
+                   carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (n,), np.int64))
+        return _pointer(0)
+
     _LANES = 16  # floats per vector in the interaction kernels
     _F32 = ir.FloatType()
     _VECTOR = ir.VectorType(_F32, _LANES)
@@ -422,6 +560,7 @@ if AVAILABLE:
         _hash_lookup_handler = _cfunc(_hash_lookup)
         _hash_insert_handler = _cfunc(_hash_insert)
         _find_assign_handler = _cfunc(_find_assign_rows)
+        _evict_handler = _cfunc(_evict_rows)
         _pair_dots_handler = _cfunc(_pair_dots)
         _pair_dots_grad_handler = _cfunc(_pair_dots_grad)
     except Exception as error:  # a numba/LLVM that cannot build them: XLA's formulations run
@@ -438,6 +577,7 @@ def _register() -> None:
     for name, handler in (("jctr_cpu_hash_lookup", _hash_lookup_handler),
                           ("jctr_cpu_hash_insert", _hash_insert_handler),
                           ("jctr_cpu_find_assign", _find_assign_handler),
+                          ("jctr_cpu_evict", _evict_handler),
                           ("jctr_cpu_pair_dots", _pair_dots_handler),
                           ("jctr_cpu_pair_dots_grad", _pair_dots_grad_handler)):
         capsule = new_capsule(handler.address, b"xla._CUSTOM_CALL_TARGET", None)
@@ -503,6 +643,33 @@ def find_assign(slot_keys: jax.Array, slot_rows: jax.Array, scratch: jax.Array,
             keys.astype(jnp.int64), valid.astype(jnp.bool_))
     return (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, counts[0],
             counts[1])
+
+
+EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")  # the kernel's policy codes
+
+
+def evict(slot_keys, slot_rows, row_slots, score, keys, slots, needy, clock, *, policy: str,
+          epoch_steps: int, samples: int, chunk: int):
+    """:func:`jctr.embedding.hash_table._evict`'s choice of rows for the ``needy`` positions,
+    in one native pass with the same choices (``score``: the rows' scores with this step's
+    rows stamped). Returns (slot_keys, slot_rows, row_slots, score, placed, gone keys); the
+    buffers are updated in place when they can be donated. CPU only."""
+    _register()
+    n = keys.shape[0]
+    capacity = score.shape[0]
+    params = jnp.stack([clock.astype(jnp.int64), jnp.int64(EVICTION_POLICIES.index(policy)),
+                        jnp.int64(epoch_steps), jnp.int64(samples), jnp.int64(chunk),
+                        jnp.int64(capacity)])
+    return jax.ffi.ffi_call(
+        "jctr_cpu_evict",
+        (jax.ShapeDtypeStruct(slot_keys.shape, jnp.int64),
+         jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
+         jax.ShapeDtypeStruct(row_slots.shape, jnp.int32),
+         jax.ShapeDtypeStruct(score.shape, jnp.int32),
+         jax.ShapeDtypeStruct((n,), jnp.bool_), jax.ShapeDtypeStruct((n,), jnp.int64)),
+        input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3})(
+            slot_keys, slot_rows, row_slots, score, keys.astype(jnp.int64),
+            slots.astype(jnp.int32), needy.astype(jnp.bool_), params)
 
 
 def _call_in_parts(target: str, n: int, parts: int, row_shape: tuple[int, ...], dtype,

@@ -167,3 +167,20 @@ def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, 
         return cpu_ffi.find_assign(*args, capacity)
 
     return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
+
+
+def evict(reference, slot_keys, slot_rows, row_slots, score, keys, slots, needy, clock, *,
+          policy: str, epoch_steps: int, samples: int, chunk: int):
+    """The rows a full table's new keys take (``reference``: the XLA formulation,
+    :func:`jctr.embedding.hash_table._evict`'s, called with the same arguments); on CPU the
+    native kernel (:func:`jctr.ops.cpu_ffi.evict`), which makes the same choices. Returns
+    (slot_keys, slot_rows, row_slots, score, placed, gone keys)."""
+    args = (slot_keys, slot_rows, row_slots, score, keys, slots, needy, clock)
+    if _mode() == "reference" or not cpu_ffi.AVAILABLE:
+        return reference(*args)
+
+    def cpu(*args):
+        return cpu_ffi.evict(*args, policy=policy, epoch_steps=epoch_steps, samples=samples,
+                             chunk=chunk)
+
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)

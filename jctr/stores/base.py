@@ -121,6 +121,30 @@ def distinct_rows(keys, values) -> tuple[np.ndarray, np.ndarray]:
     return keys, values
 
 
+
+def key_columns(keys) -> np.ndarray:
+    """Keys as the stores write them: each one's 8 little-endian bytes, [n, 8] uint8."""
+    return np.ascontiguousarray(as_keys(keys).astype("<i8")).view(np.uint8).reshape(-1, 8)
+
+
+def encoded_rows(keys, values) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """An insert as every store writes it (the one write path of Redis and RocksDB): each
+    key once, its last vector (:func:`distinct_rows`); ``(keys, key bytes [n, 8], value
+    bytes [n, 4 * dim])``, little-endian, laid out by numpy (no Python per key). Redis sends
+    the byte columns as RESP bulk strings, RocksDB one bytes object per row
+    (:func:`row_bytes`)."""
+    keys, values = distinct_rows(keys, values)
+    vcols = np.ascontiguousarray(values, "<f4").view(np.uint8).reshape(
+        keys.size, 4 * values.shape[1])
+    return keys, key_columns(keys), vcols
+
+
+def row_bytes(columns: np.ndarray) -> list[bytes]:
+    """Each row of a [n, w] uint8 array as one bytes object, made by numpy."""
+    columns = np.ascontiguousarray(columns)
+    return columns.view(f"V{columns.shape[1]}").ravel().tolist()
+
+
 def last_occurrences(keys: np.ndarray) -> np.ndarray:
     """Positions of the last occurrence of each distinct key (later writes win)."""
     if keys.size < 2:

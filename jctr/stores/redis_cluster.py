@@ -39,7 +39,8 @@ from jctr.stores.base import (
     StoreUnavailable,
     as_keys,
     check_dim,
-    distinct_rows,
+    encoded_rows,
+    key_columns,
     no_rows,
     partition_of,
     put_found,
@@ -105,10 +106,6 @@ def _connection_class(redis):
             self._command_packer = _PackerWithPacked(self._command_packer)
 
     return PackingConnection
-
-
-def _key_columns(keys: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(keys.astype("<i8")).view(np.uint8).reshape(-1, 8)
 
 
 def _stamps(n: int) -> np.ndarray:
@@ -210,7 +207,7 @@ class RedisClusterStore:
         if not keys.size:
             return values, found
         self._check_dim(table, dim)
-        cols = _key_columns(keys)
+        cols = key_columns(keys)
         step = self.params.max_get_batch_size
         per_node: dict = {}
         failed = np.zeros(keys.size, bool)
@@ -274,7 +271,7 @@ class RedisClusterStore:
             return None, f"{node.name}: {type(e).__name__}: {text}"
 
     def _touch(self, table: str, keys: np.ndarray) -> None:
-        cols = _key_columns(keys)
+        cols = key_columns(keys)
         stamps = _stamps(keys.size)
         pipe = self.client.pipeline(transaction=False)
         for part, pos in self._groups(keys):
@@ -283,10 +280,10 @@ class RedisClusterStore:
         self._run("refreshing access times", pipe.execute)
 
     def insert(self, table: str, keys, values) -> None:
-        keys, values = distinct_rows(keys, values)
+        keys, cols, vcols = encoded_rows(keys, values)
         if not keys.size:
             return
-        dim = values.shape[1]
+        dim = vcols.shape[1] // 4
         with self._lock:
             self._check_dim(table, dim)
             if self._dim(table) is None:
@@ -295,8 +292,6 @@ class RedisClusterStore:
                     self.client.sadd(TABLES_KEY, table)
                 self._run("creating a table", register)
                 self._dims[table] = dim
-            cols = _key_columns(keys)
-            vcols = values.view(np.uint8).reshape(keys.size, -1)
             stamps = _stamps(keys.size)
             step = self.params.max_set_batch_size
             pipe = self.client.pipeline(transaction=False)
@@ -340,7 +335,7 @@ class RedisClusterStore:
         keys = as_keys(keys)
         if not keys.size:
             return
-        cols = _key_columns(keys)
+        cols = key_columns(keys)
         pipe = self.client.pipeline(transaction=False)
         for part, pos in self._groups(keys):
             name = self._hkey(table, part)

@@ -36,9 +36,11 @@ from jctr.stores.base import (
     StoreError,
     as_keys,
     check_dim,
-    distinct_rows,
+    encoded_rows,
+    key_columns,
     no_rows,
     put_found,
+    row_bytes,
 )
 
 MARKER_KEY = b"jctr.hps.format"
@@ -67,14 +69,7 @@ def _shadow(path: str) -> str:
 
 
 def _key_bytes(keys: np.ndarray) -> list[bytes]:
-    return _row_bytes(np.asarray(keys).astype("<i8"))
-
-
-def _row_bytes(rows: np.ndarray) -> list[bytes]:
-    """Each row of ``rows`` as one bytes object, made by numpy (no Python loop per row)."""
-    rows = np.ascontiguousarray(rows)
-    width = rows.itemsize * (rows[0].size if rows.ndim > 1 and len(rows) else 1)
-    return rows.reshape(len(rows), -1).view(f"V{width}").ravel().tolist()
+    return row_bytes(key_columns(keys))
 
 
 class RocksDBStore:
@@ -202,16 +197,15 @@ class RocksDBStore:
         return values, found
 
     def insert(self, table: str, keys, values) -> None:
-        keys, values = distinct_rows(keys, values)
+        keys, kcols, vcols = encoded_rows(keys, values)
         if not keys.size:
             return
-        dim = values.shape[1]
+        dim = vcols.shape[1] // 4
         with self._lock:
             self._check_dim(table, dim)
             self._family(table, create_dim=dim)
             handle = self.db.get_column_family_handle(table)
-            kb = _key_bytes(keys)
-            vb = _row_bytes(np.asarray(values, "<f4"))
+            kb, vb = row_bytes(kcols), row_bytes(vcols)
             step = self.params.max_set_batch_size
             for start in range(0, keys.size, step):
                 wb = self._rd.WriteBatch(raw_mode=True)

@@ -7,8 +7,10 @@ training inserts unseen keys, evaluation never does.
 
 :func:`erase` deletes keys at a cost proportional to them: a deleted key's slot becomes a
 tombstone (``TOMBSTONE``: probes pass over it, inserts never take it) and its row goes on a free
-list that later inserts take first. Tombstones leave when the slots are built again, which a
-training lookup does when keys and tombstones pass ``MAX_OCCUPIED`` of the slots.
+list that later inserts take first. Tombstones leave when the slots are built again
+(:func:`rebuild_slots`): an evicting table's training lookup does it when keys and tombstones
+would pass ``MAX_OCCUPIED`` of the slots, the shrink (:func:`jctr.sharding.rows.drop_keys`)
+when a refill would crowd them.
 """
 
 from __future__ import annotations
@@ -21,8 +23,14 @@ import numpy as np
 
 from jctr.config.schema import EvictionConfig
 from jctr.errors import UserError
-from jctr.ops import EMPTY_KEY, find_and_assign, find_slots, hash_keys, representatives
-from jctr.ops.dispatch import evict as evict_rows
+from jctr.ops import (
+    EMPTY_KEY,
+    evict_rows,
+    find_and_assign,
+    find_slots,
+    hash_keys,
+    representatives,
+)
 from jctr.ops.hashing import BUCKET, MAX_LOAD
 
 # an erased key's slot: neither empty (probes go on past it) nor any real key (keys equal to

@@ -8,6 +8,7 @@ from jctr.ops.dispatch import (
     dot_interaction,
     embedding_bag_backward,
     embedding_bag_forward,
+    evict_rows,
     find_and_assign,
     find_slots,
     linear,
@@ -26,8 +27,8 @@ from jctr.ops.interaction import dot_interaction_reference, interaction_output_d
 
 __all__ = [
     "EMPTY_KEY", "dot_interaction", "dot_interaction_reference", "embedding_bag",
-    "embedding_bag_backward", "embedding_bag_forward", "find_and_assign", "find_slots",
-    "gather_rows", "hash_keys", "home_slots", "interaction_output_dim", "key_gradients",
-    "key_uniform", "linear", "mix64", "owner_shards", "owner_shards_host", "representatives",
-    "sum_at_representatives",
+    "embedding_bag_backward", "embedding_bag_forward", "evict_rows", "find_and_assign",
+    "find_slots", "gather_rows", "hash_keys", "home_slots", "interaction_output_dim",
+    "key_gradients", "key_uniform", "linear", "mix64", "owner_shards", "owner_shards_host",
+    "representatives", "sum_at_representatives",
 ]

@@ -1126,3 +1126,22 @@ def test_a_failed_base_model_leaves_no_batch_model_behind(tmp_path):
     assert again.run() == 0  # nothing left to train: the day end is done again
     progress = json.loads((tmp_path / "save" / "progress.json").read_text())
     assert progress["day_end"] and (batch_model / str(progress["step"])).is_dir()
+
+
+def test_a_model_that_spills_evicted_rows_is_refused_by_streaming(tmp_path):
+    """eviction.spill belongs to the core trainer; streaming training's rows beyond memory
+    live in sparse_store: the run stops at its start, naming the embedding and both keys."""
+    import json
+
+    from jctr.config import ConfigError
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path)
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    raw = json.loads(open(model).read())
+    raw["layers"][1]["eviction"] = {"policy": "lru", "spill": str(tmp_path / "spill")}
+    spilling = tmp_path / "spilling.json"
+    spilling.write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="sparse_embedding1.*eviction.spill.*sparse_store"):
+        OnlineRun(_online(tmp_path, spilling, tmp_path / "save"), log=lambda s: None).run()

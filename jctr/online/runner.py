@@ -210,6 +210,12 @@ class OnlineRun:
             model = override_embedding_optimizers(model, show,
                                                   merge_into="SparseAdaGradSGDRule")
         for e in model.embeddings:  # Paddle's derived sizes, where the file gives them
+            if e.eviction is not None and e.eviction.spill:
+                raise ConfigError("model", f"embedding \"{e.name}\" spills evicted rows "
+                                  "(eviction.spill), which the core trainer does; streaming "
+                                  "training keeps rows beyond memory in sparse_store (its "
+                                  "passes pull and push them): drop \"spill\" from the "
+                                  "model or use sparse_store", self.cfg.source)
             want = {"embedx_dim": e.embedding_vec_size - 1,
                     "fea_dim": e.embedding_vec_size + 2}
             for key, value in want.items():

@@ -127,13 +127,24 @@ if AVAILABLE:
     _AHEAD = 24  # keys between a home slot's prefetch and its probe (covers memory latency)
 
     @numba.njit(inline="always")
-    def _home(key, buckets, width):
-        """The first slot of the key's bucket: :func:`jctr.ops.hashing.home_slots`."""
-        z = np.uint64(key)
+    def _mix(z):
+        """The splitmix64 finaliser of :func:`jctr.ops.hashing.hash_keys` (uint64)."""
         z = (z ^ (z >> np.uint64(30))) * _M1
         z = (z ^ (z >> np.uint64(27))) * _M2
-        z = z ^ (z >> np.uint64(31))
+        return z ^ (z >> np.uint64(31))
+
+    @numba.njit(inline="always")
+    def _home(key, buckets, width):
+        """The first slot of the key's bucket: :func:`jctr.ops.hashing.home_slots`."""
+        z = _mix(np.uint64(key))
         return np.int64(((z >> np.uint64(32)) * np.uint64(buckets)) >> np.uint64(32)) * width
+
+    @numba.njit(inline="always")
+    def _adopt(out, source, nbytes):
+        """A result buffer XLA did not alias to its input after all starts as the input."""
+        if out != source:
+            carray(_pointer(out), (nbytes,), np.uint8)[:] = carray(_pointer(source), (nbytes,),
+                                                                   np.uint8)
 
     @numba.njit(inline="always")
     def _width(num_slots):
@@ -183,9 +194,8 @@ if AVAILABLE:
         table, _ = _buffer(frame, _FRAME_RETS, 0)
         out_data, _ = _buffer(frame, _FRAME_RETS, 1)
         num_slots, n = _word(table_dims), _word(key_dims)
+        _adopt(table, table_in, 8 * num_slots)
         slot_keys = carray(_pointer(table), (num_slots,), np.int64)
-        if table != table_in:  # not aliased after all: start from the input table
-            slot_keys[:] = carray(_pointer(table_in), (num_slots,), np.int64)
         _probe_all(slot_keys, table, carray(_pointer(key_data), (n,), np.int64),
                    carray(_pointer(valid_data), (n,), np.bool_),
                    carray(_pointer(out_data), (n,), np.int32), True)
@@ -290,15 +300,12 @@ if AVAILABLE:
         keys_at = _buffer(frame, _FRAME_RETS, 0)[0]
         rows_at = _buffer(frame, _FRAME_RETS, 1)[0]
         scratch_at = _buffer(frame, _FRAME_RETS, 2)[0]
+        _adopt(keys_at, keys_in, 8 * num_slots)
+        _adopt(rows_at, rows_in, 4 * num_slots)
+        _adopt(scratch_at, scratch_in, 4 * num_slots)
         slot_keys = carray(_pointer(keys_at), (num_slots,), np.int64)
         slot_rows = carray(_pointer(rows_at), (num_slots,), np.int32)
         scratch = carray(_pointer(scratch_at), (num_slots,), np.int32)
-        if keys_at != keys_in:  # not aliased after all: start from the inputs
-            slot_keys[:] = carray(_pointer(keys_in), (num_slots,), np.int64)
-        if rows_at != rows_in:
-            slot_rows[:] = carray(_pointer(rows_in), (num_slots,), np.int32)
-        if scratch_at != scratch_in:
-            scratch[:] = carray(_pointer(scratch_in), (num_slots,), np.int32)
         _find_assign(slot_keys, slot_rows, scratch,
                      carray(_pointer(free_data), (_word(free_dims),), np.int32),
                      carray(_pointer(counter_data), (3,), np.int32),
@@ -315,12 +322,6 @@ if AVAILABLE:
     _TOMBSTONE = EMPTY_KEY + 1
     _NEVER = np.iinfo(np.int64).max
     _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-    @numba.njit(inline="always")
-    def _mix(z):
-        z = (z ^ (z >> np.uint64(30))) * _M1
-        z = (z ^ (z >> np.uint64(27))) * _M2
-        return z ^ (z >> np.uint64(31))
 
     @numba.njit(inline="always")
     def _rank(score, r, clock, policy, epoch_steps):
@@ -346,6 +347,9 @@ if AVAILABLE:
         clock, policy, epoch_steps = params[0], params[1], params[2]
         samples, chunk, capacity = params[3], params[4], params[5]
         n = keys.shape[0]
+        score_at, row_slots_at = score.ctypes.data, row_slots.ctypes.data
+        keys_at, rows_at = slot_keys.ctypes.data, slot_rows.ctypes.data
+        stride = score.shape[1] * 4
         order = np.flatnonzero(needy)
         victim = np.empty(chunk, np.int64)
         ok = np.empty(chunk, np.bool_)
@@ -364,9 +368,6 @@ if AVAILABLE:
                     left |= pending[j]
                 if not left:
                     break
-                score_at, row_slots_at = score.ctypes.data, row_slots.ctypes.data
-                keys_at, rows_at = slot_keys.ctypes.data, slot_rows.ctypes.data
-                stride = score.shape[1] * 4
                 for j in range(m):  # choices, from the scores as the round starts
                     ahead = j + 4  # its samples' scores fetched while this key ranks
                     if ahead < m and pending[ahead]:
@@ -432,9 +433,7 @@ if AVAILABLE:
         sizes = (8 * num_slots, 4 * num_slots, 4 * _word(cap_dims), 4 * capacity * columns)
         ins = (keys_in, rows_in, row_slots_in, score_in)
         for j in range(4):
-            if outs[j] != ins[j]:  # not aliased after all: start from the inputs
-                carray(_pointer(outs[j]), (sizes[j],), np.uint8)[:] = carray(
-                    _pointer(ins[j]), (sizes[j],), np.uint8)
+            _adopt(outs[j], ins[j], sizes[j])
         _evict_all(carray(_pointer(outs[0]), (num_slots,), np.int64),
                    carray(_pointer(outs[1]), (num_slots,), np.int32),
                    carray(_pointer(outs[2]), (_word(cap_dims),), np.int32),

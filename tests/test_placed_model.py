@@ -113,3 +113,50 @@ def test_batch_sizes_must_split_over_the_devices(tmp_path):
     cfg = load_config(tiny_config(tmp_path, "dlrm", gpu=[0, 1, 2], batchsize=256))
     with pytest.raises(ConfigError, match="solver.batchsize.*does not split evenly over 3"):
         PlacedModel(cfg, build_model(cfg)[0].specs)
+
+
+def test_tables_are_written_uncompressed_and_compressed_ones_still_restore(tmp_path, setup,
+                                                                            monkeypatch):
+    """Tables go to disk without zstd (trained float rows barely shrink under it, and it cost
+    ~2.5x the write: docs/performance.md, "Day-end cost, third round"); snapshots written
+    before, with Orbax's default compression, restore alike (each array's metadata names
+    its codec)."""
+    import json
+
+    import orbax.checkpoint as ocp
+
+    from jctr.checkpoint import manager
+
+    raw, cfg, batch = setup
+    dense_tx = dense_optimizer(cfg.optimizer)
+    step_config, placed, state = _placed(cfg, dense_tx)
+    state = _train(cfg, step_config, placed, state, dense_tx)
+    want = _predict(cfg, step_config, placed, state, batch)
+
+    def codecs(folder):  # each array's codec, from the metadata inside Orbax's database
+        import tensorstore as ts
+
+        kv = ts.KvStore.open({"driver": "ocdbt", "base": f"file://{folder}"}).result()
+        return [json.loads(kv.read(key).result().value).get("compressor")
+                for key in kv.list().result() if key.endswith(b"/.zarray")]
+
+    def compressed_handlers():  # what earlier versions registered: Orbax's defaults
+        registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+        registry.add("dense", ocp.args.StandardSave, ocp.StandardCheckpointHandler())
+        registry.add("tables", ocp.args.PyTreeSave, ocp.PyTreeCheckpointHandler())
+        registry.add("meta", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
+        return registry
+
+    for name, compressed in (("plain", False), ("zstd", True)):
+        if compressed:
+            monkeypatch.setattr(manager, "_save_handlers", compressed_handlers)
+        ckpt = Checkpointer(str(tmp_path / name), async_save=False)
+        ckpt.acquire(report=lambda s: None)
+        step = save_snapshot(ckpt, cfg, step_config, state, placed.placements, readers=[{}])
+        ckpt.wait()
+        ckpt.release()
+        tables = codecs(tmp_path / name / str(step) / "tables")
+        assert tables and all((c is not None) == compressed for c in tables), tables
+        restored, _, _ = restore_snapshot(Checkpointer(str(tmp_path / name)), cfg, step_config,
+                                          placed.create(build_model(cfg)[1]), placed.placements)
+        np.testing.assert_array_equal(_predict(cfg, step_config, placed, restored, batch), want)

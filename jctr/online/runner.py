@@ -680,26 +680,40 @@ class OnlineRun:
     def _end_day(self, day: str) -> None:
         """Shrink, then the base model and the batch model of the next day (PaddlePaddle
         names both after the day they start); keys age a day as the batch model is saved,
-        after the shrink tested their unseen days (Paddle's order)."""
+        after the shrink tested their unseen days and the base model chose its keys (Paddle's
+        order)."""
+        import jax
+
         self._shrink_day(day)
         following = next_day(day)
+        folder = os.path.join(self.cfg.save_model_path, following, "0")
 
         def base_model(exported) -> None:  # written while the batch model's snapshot is
-            self._save_inference("base", following, None, exported)
+            keys = self._inference_keys("base")
             for st in self.stats:
                 st.age()
+            # the batch model's (aged) statistics are written beside the base model
+            with ThreadPoolExecutor(1) as pool:
+                saved = pool.submit(self._save_statistics, folder) \
+                    if jax.process_index() == 0 else None
+                self._save_inference("base", following, None, exported, keys=keys)
+                if saved is not None:
+                    saved.result()
 
-        self._checkpoint(os.path.join(self.cfg.save_model_path, following, "0"), day,
-                         len(self.passes), day_end=True, meanwhile=base_model)
+        self._checkpoint(folder, day, len(self.passes), day_end=True, meanwhile=base_model,
+                         statistics=False)
 
     def _checkpoint(self, folder: str, day: str, n: int, *, day_end: bool,
-                    meanwhile=None) -> None:
+                    meanwhile=None, statistics: bool = True) -> None:
+        """A snapshot into ``folder`` with the statistics beside it (unless ``meanwhile``
+        writes them: ``statistics`` False), then the progress record naming it."""
         import jax
 
         path = os.path.join(folder, str(self.trainer.save_checkpoint(folder,
                                                                      meanwhile=meanwhile)))
         if jax.process_index() == 0:
-            self._save_statistics(folder)
+            if statistics:
+                self._save_statistics(folder)
             self._write_progress(day, n, int(os.path.basename(path)), path, day_end)
         if self.store is not None:  # the database now matches this checkpoint
             for name in os.listdir(self._undo_dir()):
@@ -707,26 +721,34 @@ class OnlineRun:
         what = "batch model after" if day_end else "checkpoint of"
         self.log(f"[jctr] {what} day {day} pass {n} -> {path}")
 
+    def _inference_keys(self, kind: str) -> list[np.ndarray]:
+        """The keys a base or delta model keeps, by the filters (:meth:`FeatureStats.base_keys`,
+        :meth:`FeatureStats.delta_keys`); the chosen keys' delta scores start again."""
+        tp = self.cfg.table_parameters
+        if kind == "base":
+            return [st.base_keys(tp.base_threshold, tp.delta_keep_days) for st in self.stats]
+        return [st.delta_keys(tp.base_threshold, tp.delta_threshold, tp.delta_keep_days)
+                for st in self.stats]
+
     def _save_inference(self, kind: str, day: str, n: int | None,
-                        exported: dict | None = None) -> str:
+                        exported: dict | None = None,
+                        keys: list[np.ndarray] | None = None) -> str:
         """A base (``kind`` "base") or delta inference bundle with the keys the filters keep
-        (:meth:`FeatureStats.base_keys`, :meth:`FeatureStats.delta_keys`); the saved keys'
-        delta scores start again. ``exported``: every table's rows on the host already (the
-        day end's snapshot), the base model's taken from them."""
+        (``keys``, chosen by :meth:`_inference_keys` unless given). ``exported``: every
+        table's rows on the host already (the day end's snapshot), the base model's taken
+        from them."""
         from jctr.serving.bundle import export_bundle
 
-        tp = self.cfg.table_parameters
         t = self.trainer
         tables = None
+        if keys is None:
+            keys = self._inference_keys(kind)
         if kind == "base":
-            keys = [st.base_keys(tp.base_threshold, tp.delta_keep_days) for st in self.stats]
             folder = os.path.join(self.cfg.save_model_path, day, "base")
             if exported is not None and self.store is None:
                 tables = [_rows_with(exported[spec.name], st, k, spec.eviction is not None)
                           for spec, st, k in zip(t.specs, self.stats, keys)]
         else:
-            keys = [st.delta_keys(tp.base_threshold, tp.delta_threshold, tp.delta_keep_days)
-                    for st in self.stats]
             folder = os.path.join(self.cfg.save_model_path, day, f"delta-{n}")
         if self.store is not None:  # every row is in the database
             tables = [self._store_rows(i, k) for i, k in enumerate(keys)]

@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None) -> int:
         from jctr.train.cli import console_main
 
         return console_main(rest)
+    if name == "online":  # as python -m jctr.online (malloc tuning)
+        from jctr.online.cli import console_main as online_main
+
+        return online_main(rest)
     return int(_command_main(name)(rest) or 0)
 
 

@@ -42,6 +42,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import jctr._x64  # noqa: E402,F401  (64-bit keys)
+from jctr.runtime.host_memory import reexec_with_malloc_tuning  # noqa: E402
 from scripts.bench_hps import cpu_name  # noqa: E402
 from scripts.bench_train import jctr_config  # noqa: E402
 
@@ -224,7 +225,10 @@ def main() -> int:
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds of part 1 (core and streaming alternate); medians printed")
     args = ap.parse_args()
-    print(f"CPU: {cpu_name()}")
+    # the host memory setting of `python -m jctr.train` and `python -m jctr.online`
+    # (JCTR_HOST_MEMORY_TUNING=0: off)
+    reexec_with_malloc_tuning([os.path.abspath(__file__), *sys.argv[1:]])
+    print(f"CPU: {cpu_name()}; GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
     for name, alpha in (() if args.table_only else (("uniform", 0.0), ("power-law 1.2", 1.2))):
         tmp = tempfile.mkdtemp(prefix="jctr-bench-online-")
         try:

@@ -753,3 +753,43 @@ def test_rocksdb_scan_answers_as_point_reads(tmp_path):
     np.testing.assert_array_equal(many["keys"], keys[100:4000])
     np.testing.assert_array_equal(many["values"], stored["values"][100:4000])
     rows.close()
+
+
+def test_a_bulk_stores_large_insert_is_ingested_as_a_write_batch_would_write_it(tmp_path,
+                                                                               monkeypatch):
+    """A bulk store (the streaming row store) writes a large insert as one sorted table file
+    and ingests it (RocksDB's bulk load): the database then answers exactly as after the
+    write-batch path -- a key given twice keeps its last row, earlier rows of a key are
+    overwritten, erased keys come back when written again, negative keys sort as bytes --
+    and no file is left beside the database."""
+    import os
+
+    from jctr.stores.rocksdb import RocksDBStore
+
+    rng = np.random.default_rng(1)
+    old = rng.choice(10**12, 3000, replace=False).astype(np.int64) - 5 * 10**11
+    new = np.concatenate([old[:1000], rng.choice(10**12, 2000).astype(np.int64), old[:10]])
+    rows_old = rng.random((old.size, 4)).astype(np.float32)
+    rows_new = rng.random((new.size, 4)).astype(np.float32)
+    query = np.concatenate([old, new, [-1, 0, 2**62]]).astype(np.int64)
+    answers = []
+    for name, ingest_from in (("batches", 10**9), ("ingested", 1)):
+        monkeypatch.setattr(RocksDBStore, "INGEST_ROWS", ingest_from)
+        path = str(tmp_path / name)
+        store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path), bulk=True)
+        store.insert("t", old, rows_old)
+        store.erase("t", old[:5])
+        store.insert("t", new, rows_new)
+        answers.append((store.lookup("t", query, 4), store.lookup_by_scan("t", query, 4),
+                        sorted(k for ks, _ in store.items("t") for k in ks.tolist())))
+        assert not [f for f in os.listdir(path) if f.startswith("jctr-ingest")]
+        store.close()
+    (point, scan, listed), (point2, scan2, listed2) = answers
+    for a, b in ((point, point2), (scan, scan2), (point, scan2)):
+        np.testing.assert_array_equal(a[1], b[1])
+        np.testing.assert_array_equal(a[0], b[0])
+    assert listed == listed2 == sorted(set(old.tolist()) | set(new.tolist()))
+    # the last of a key's rows in one insert wins (old[:10] appear twice in `new`)
+    got, found = point2
+    assert found[:10].all()
+    np.testing.assert_array_equal(got[:10], rows_new[-10:])

@@ -904,7 +904,9 @@ def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypa
     holds, trained with the rows in RocksDB (each pass pulls its keys' rows, trains, writes
     them back): every stored row, the statistics and the deltas equal an in-memory run's,
     with SparseAdaGradSGDRule, admission and the daily shrink. A run that stops after a
-    write-back but before that pass's checkpoint puts the rows back when started again."""
+    write-back but before that pass's checkpoint puts the rows back when started again.
+    Every write into the database goes through RocksDB's bulk load here (a large pass's
+    write-back does; these passes are small)."""
     import json
 
     from jctr.config import ConfigError, parse_config
@@ -913,7 +915,10 @@ def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypa
     from jctr.online.runner import OnlineRun
     from jctr.online.synthetic_stream import write_stream
     from jctr.sharding.rows import export_placed
+    from jctr.stores.rocksdb import RocksDBStore
     from tests.conftest import tiny_config
+
+    monkeypatch.setattr(RocksDBStore, "INGEST_ROWS", 1)
 
     cfg = tiny_config(tmp_path, "dlrm", display=1000, eval_batches=1, batchsize=256,
                       batchsize_eval=256, eval_interval=10**6)

@@ -63,6 +63,10 @@ _insert = jax.jit(lambda table, keys, valid, capacity: lookup(table, keys, valid
                   static_argnums=3, donate_argnums=0)
 
 
+_set_rows = jax.jit(lambda arr, rows, data: arr.at[rows].set(data, mode="drop"),
+                    donate_argnums=0)
+
+
 _find = jax.jit(lambda table, keys, valid, capacity: lookup(table, keys, valid, capacity,
                                                             insert=False)[1].rows,
                 static_argnums=3)
@@ -135,11 +139,13 @@ def _lookup_rows(state: EmbeddingState, keys: np.ndarray) -> dict[str, np.ndarra
 
 
 def import_table(spec: EmbeddingSpec, state: EmbeddingState,
-                 stored: dict[str, np.ndarray], *, source: str = "<table>") -> EmbeddingState:
+                 stored: dict[str, np.ndarray], *, source: str = "<table>",
+                 owned: bool = False) -> EmbeddingState:
     """Insert stored keys into ``state`` (normally freshly initialised) and set their rows.
 
     Keys go in in stored order, so an empty table gives them rows 0..n-1 again: a restored
-    run continues exactly. Rows of keys not stored keep ``state``'s values.
+    run continues exactly. Rows of keys not stored keep ``state``'s values. ``owned``: the
+    state's arrays are the caller's copies, written in place (no copy of a whole table).
     """
     keys = np.asarray(stored["keys"], np.int64)
     values = np.asarray(stored["values"], np.float32)
@@ -161,10 +167,24 @@ def import_table(spec: EmbeddingSpec, state: EmbeddingState,
         rows[start:start + chunk.size] = np.asarray(lk.rows)[:chunk.size]
     if (rows < 0).any():
         raise ValueError(f"{source}: embedding \"{spec.name}\" could not place every key")
-    if len(np.unique(rows)) != n:
+    taken = np.zeros(state.values.shape[0], bool)  # rows marked, not sorted (millions)
+    taken[rows] = True
+    if np.count_nonzero(taken) != n:
         raise ValueError(f"{source}: embedding \"{spec.name}\" holds duplicate keys")
     r = jnp.asarray(rows)
-    new_values = state.values.at[r].set(jnp.asarray(values))
+
+    def put(arr, data):  # rows written in fixed chunks: one compile per table shape
+        if not owned:
+            return arr.at[r].set(jnp.asarray(data))
+        for start in range(0, n, _INSERT_CHUNK):
+            at = np.full(_INSERT_CHUNK, arr.shape[0], np.int32)  # beyond: dropped
+            part = np.zeros((_INSERT_CHUNK, *arr.shape[1:]), arr.dtype)
+            m = min(_INSERT_CHUNK, n - start)
+            at[:m], part[:m] = rows[start:start + m], data[start:start + m]
+            arr = _set_rows(arr, jnp.asarray(at), jnp.asarray(part))
+        return arr
+
+    new_values = put(state.values, values)
     new_slots = {}
     for name, arr in state.slots.items():
         if name in stored:
@@ -173,12 +193,12 @@ def import_table(spec: EmbeddingSpec, state: EmbeddingState,
                 raise ValueError(f"{source}: embedding \"{spec.name}\" optimizer state "
                                  f"\"{name}\" has shape {data.shape}, expected "
                                  f"{(n, *arr.shape[1:])}")
-            new_slots[name] = arr.at[r].set(jnp.asarray(data))
+            new_slots[name] = put(arr, data)
         else:  # warm start from files without optimizer state: fresh optimizer rows
             new_slots[name] = arr
     row_slot = state.row_slot
     if "slot" in stored:
-        row_slot = row_slot.at[r].set(jnp.asarray(np.asarray(stored["slot"], np.int32)))
+        row_slot = put(row_slot, np.asarray(stored["slot"], np.int32))
     if table.row_score.shape[0] and EVICTION_SCORE in stored:
         score = np.asarray(stored[EVICTION_SCORE], np.int32)
         if score.shape != (n, table.row_score.shape[1]):
@@ -208,7 +228,7 @@ def import_placed(spec: EmbeddingSpec, state: EmbeddingState, stored: dict[str, 
     device that owns it (by key hash, or by its slot for slot-wise placement)."""
     if placement is None or not placement.sharded:
         local = jax.tree.map(lambda x: jnp.asarray(to_host(x)), state)
-        return _like(import_table(spec, local, stored, source=source), state)
+        return _like(import_table(spec, local, stored, source=source, owned=True), state)
     keys = np.asarray(stored["keys"], np.int64)
     if placement.kind == "localized":
         if "slot" not in stored:
@@ -228,7 +248,7 @@ def import_placed(spec: EmbeddingSpec, state: EmbeddingState, stored: dict[str, 
         part = jax.tree.map(lambda x, i=i: jnp.asarray(x[i]), host)
         pick = owner == i
         parts.append(import_table(spec, part, {k: np.asarray(v)[pick] for k, v in stored.items()},
-                                  source=f"{source} (device {i})"))
+                                  source=f"{source} (device {i})", owned=True))
     stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *parts)
     return _like(stacked, state)
 
@@ -261,7 +281,10 @@ def put_rows(spec: EmbeddingSpec, state: EmbeddingState, placement,
         if placement is not None and placement.sharded:
             base = jax.tree.map(lambda x: jnp.broadcast_to(x, (placement.num_shards,)
                                                            + x.shape), base)
-    filled = import_placed(spec, base, stored, placement, source=f"rows of {spec.name}")
+    if replace and not np.size(stored["keys"]):  # an emptied table: nothing to insert
+        filled = base
+    else:
+        filled = import_placed(spec, base, stored, placement, source=f"rows of {spec.name}")
     if jax.process_count() > 1:  # every process holds the same rows: each places its part
         return _like(filled, state)
     return jax.device_put(filled, jax.tree.map(lambda x: x.sharding, state))

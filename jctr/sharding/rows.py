@@ -45,12 +45,20 @@ def _rows_of(state: EmbeddingState, keys: np.ndarray, rows: np.ndarray
              ) -> dict[str, np.ndarray]:
     """A stored-table dict of ``keys`` held at ``rows``: vectors, slot ids, optimizer rows."""
     idx = jnp.asarray(rows)
-    out = {"keys": keys, "values": np.asarray(jnp.take(state.values, idx, axis=0)),
-           "slot": np.asarray(jnp.take(state.row_slot, idx, axis=0))}
+    # rows 0 .. n-1 (a table that never freed one): leading slices, not a gather
+    leading = rows.size and int(rows[0]) == 0 and int(rows[-1]) == rows.size - 1 and \
+        bool(np.all(np.diff(rows) == 1))
+
+    def take(arr) -> np.ndarray:
+        if isinstance(arr, np.ndarray):  # on the host already: no trip through a device
+            return arr[: rows.size].copy() if leading else np.take(arr, rows, axis=0)
+        return np.asarray(jnp.take(arr, idx, axis=0))
+
+    out = {"keys": keys, "values": take(state.values), "slot": take(state.row_slot)}
     for name, arr in state.slots.items():
-        out[name] = np.asarray(jnp.take(arr, idx, axis=0))
+        out[name] = take(arr)
     if state.table.row_score.shape[0]:  # eviction's ranking goes with the rows
-        out[EVICTION_SCORE] = np.asarray(jnp.take(state.table.row_score, idx, axis=0))
+        out[EVICTION_SCORE] = take(state.table.row_score)
     return out
 
 

@@ -415,7 +415,8 @@ def test_weeks_of_new_keys_fit_a_small_table_through_the_daily_shrink(tmp_path):
 def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path, when):
     """``python -m jctr.online`` SIGKILLed while it waits for the second pass's data, or in
     the middle of the second pass's training, and started again (once the data is there):
-    its last checkpoint equals an uninterrupted run's."""
+    its last checkpoint equals an uninterrupted run's. The command runs with the malloc
+    heap ``python -m jctr.train`` sets (its header says so)."""
     import json
     import signal
     import subprocess
@@ -463,6 +464,12 @@ def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path, when):
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert "resuming after day 20190720 pass 1" in out.stdout
     assert "day 20190720 pass 2/2" in out.stdout
+    from jctr.runtime.host_memory import malloc_tuning_env
+
+    if malloc_tuning_env({}) is not None:  # glibc: it ran with python -m jctr.train's heap
+        header = [x for x in (out.stdout + out.stderr).splitlines() if "host memory:" in x]
+        assert header and "host memory: GLIBC_TUNABLES=" in header[0] and \
+            "glibc.malloc.mmap_max=0" in header[0], header
     # the same two passes without a stop, in this process
     whole = OnlineRun(_online(tmp_path, model, tmp_path / "whole", end_day="20190720"),
                       log=lambda s: None)

@@ -46,11 +46,6 @@ def main(argv: list[str] | None = None) -> int:
 def console_main(argv: list[str] | None = None) -> int:
     """``jctr online``: like ``python -m jctr.online`` it first re-executes itself with malloc
     tuned for XLA:CPU (:mod:`jctr.runtime.host_memory`), as the training command does."""
-    import sys
+    from jctr.train.cli import run_tuned
 
-    from jctr.runtime.host_memory import reexec_with_malloc_tuning
-    from jctr.train.cli import end_process
-
-    argv = sys.argv[1:] if argv is None else argv
-    reexec_with_malloc_tuning(["-m", "jctr.online", *argv])
-    return end_process(main(argv))
+    return run_tuned("jctr.online", main, argv)

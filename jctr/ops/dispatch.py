@@ -170,7 +170,7 @@ def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, 
 
 
 def evict_rows(reference, slot_keys, slot_rows, row_slots, score, keys, slots, needy, clock, *,
-          policy: str, epoch_steps: int, samples: int, chunk: int):
+               policy: str, epoch_steps: int, samples: int, chunk: int):
     """The rows a full table's new keys take (``reference``: the XLA formulation,
     :func:`jctr.embedding.hash_table._evict`'s, called with the same arguments); on CPU the
     native kernel (:func:`jctr.ops.cpu_ffi.evict`), which makes the same choices. Returns

@@ -179,11 +179,10 @@ def import_table(spec: EmbeddingSpec, state: EmbeddingState,
     taken[rows] = True
     if np.count_nonzero(taken) != n:
         raise ValueError(f"{source}: embedding \"{spec.name}\" holds duplicate keys")
-    r = jnp.asarray(rows)
 
     def put(arr, data):  # rows written in fixed chunks: one compile per table shape
-        if not owned:
-            return arr.at[r].set(jnp.asarray(data))
+        if not owned:  # the caller's array stays as it is
+            arr = jnp.array(arr, copy=True)
         for start in range(0, n, _INSERT_CHUNK):
             at = np.full(_INSERT_CHUNK, arr.shape[0], np.int32)  # beyond: dropped
             part = np.zeros((_INSERT_CHUNK, *arr.shape[1:]), arr.dtype)
@@ -214,7 +213,7 @@ def import_table(spec: EmbeddingSpec, state: EmbeddingState,
                              f"{score.shape}, expected {(n, table.row_score.shape[1])}")
         # the clock goes on from the newest step the rows were touched in (the saved step)
         clock = jnp.maximum(table.clock, int(score[:, 0].max()) if n else 0)
-        table = table._replace(row_score=table.row_score.at[r].set(jnp.asarray(score)),
+        table = table._replace(row_score=put(table.row_score, score),
                                clock=clock.astype(jnp.int32))
     return EmbeddingState(table, new_values, new_slots, row_slot)
 

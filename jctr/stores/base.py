@@ -121,7 +121,6 @@ def distinct_rows(keys, values) -> tuple[np.ndarray, np.ndarray]:
     return keys, values
 
 
-
 def key_columns(keys) -> np.ndarray:
     """Keys as the stores write them: each one's 8 little-endian bytes, [n, 8] uint8."""
     return np.ascontiguousarray(as_keys(keys).astype("<i8")).view(np.uint8).reshape(-1, 8)
@@ -149,12 +148,16 @@ def last_occurrences(keys: np.ndarray) -> np.ndarray:
     """Positions of the last occurrence of each distinct key (later writes win)."""
     if keys.size < 2:
         return np.arange(keys.size)
+    return np.sort(last_by_key(keys))
+
+
+def last_by_key(keys: np.ndarray) -> np.ndarray:
+    """Positions of the last occurrence of each distinct key, in the keys' sorted order."""
     order = np.argsort(keys, kind="stable")
     sk = keys[order]
-    last = np.empty(sk.size, bool)
+    last = np.ones(sk.size, bool)
     last[:-1] = sk[1:] != sk[:-1]
-    last[-1] = True
-    return np.sort(order[last])
+    return order[last]
 
 
 def put_found(values: np.ndarray, found: np.ndarray, positions: np.ndarray,

@@ -41,6 +41,7 @@ from jctr.stores.base import (
     check_dim,
     encoded_rows,
     key_columns,
+    last_by_key,
     no_rows,
     put_found,
     row_bytes,
@@ -232,11 +233,7 @@ class RocksDBStore:
         written into one table file beside the database and moved into it."""
         kcols = key_columns(keys)
         # the little-endian key bytes in RocksDB's bytewise order: read them big-endian
-        order = np.argsort(kcols.view(">u8").ravel(), kind="stable")
-        ordered = kcols.view(">u8").ravel()[order]
-        last = np.ones(order.size, bool)
-        last[:-1] = ordered[1:] != ordered[:-1]
-        order = order[last]
+        order = last_by_key(kcols.view(">u8").ravel())
         vcols = np.ascontiguousarray(values[order], "<f4").view(np.uint8).reshape(
             order.size, 4 * values.shape[1])
         kb, vb = row_bytes(kcols[order]), row_bytes(vcols)

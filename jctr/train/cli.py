@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from jctr.config import ConfigError, load_config, override_optimizer, override_solver
 from jctr.errors import run_command
@@ -130,11 +131,18 @@ def _train(args: argparse.Namespace) -> None:
 def console_main(argv: list[str] | None = None) -> int:
     """The ``jctr-train`` command (and ``jctr train``): like ``python -m jctr.train`` it first
     re-executes itself with malloc tuned for XLA:CPU (:mod:`jctr.runtime.host_memory`)."""
+    return run_tuned("jctr.train", main, argv)
+
+
+def run_tuned(module: str, command: Callable[[list[str]], int],
+              argv: list[str] | None = None) -> int:
+    """A console command that is ``python -m <module>``: re-executed as that with malloc tuned
+    for XLA:CPU (:mod:`jctr.runtime.host_memory`), then ``command(argv)``'s exit status."""
     from jctr.runtime.host_memory import reexec_with_malloc_tuning
 
     argv = sys.argv[1:] if argv is None else argv
-    reexec_with_malloc_tuning(["-m", "jctr.train", *argv])
-    return end_process(main(argv))
+    reexec_with_malloc_tuning(["-m", module, *argv])
+    return end_process(command(argv))
 
 
 def end_process(status: int) -> int:

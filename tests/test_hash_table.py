@@ -299,3 +299,29 @@ def test_a_full_table_at_85_percent_of_its_slots_erases_rebuilds_and_refills():
                                           rows[~gone])
         finally:
             os.environ.pop("JCTR_KERNELS", None)
+
+
+def test_a_synchronous_export_takes_views_and_the_default_copies():
+    """export_placed(copy=False) (a synchronous save, done before the table changes) gives
+    rows 0..n-1 as views of the host arrays, no copy of a table; by default (an asynchronous
+    snapshot while training goes on) the rows are copies. Both hold the same rows."""
+    from jctr.config import parse_config
+    from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding, lookup_keys
+    from jctr.sharding import rows as rows_mod
+    from jctr.sharding.mesh import to_host
+    from tests.conftest import load_json
+
+    raw = load_json("dlrm_synthetic.json")
+    raw["layers"][0].pop("synthetic")
+    cfg = parse_config(raw)
+    spec = EmbeddingSpec.from_config(cfg, cfg.embeddings[0])
+    keys = jnp.arange(50, dtype=jnp.int64) * 7 + 3
+    state, _ = lookup_keys(spec, init_embedding(spec), keys, jnp.ones(50, bool),
+                           jnp.zeros(50, jnp.int32), train=True)
+    views = rows_mod.export_placed(state, copy=False)
+    copies = rows_mod.export_placed(state)
+    assert views.keys() == copies.keys()
+    for name in views:
+        np.testing.assert_array_equal(views[name], copies[name], err_msg=name)
+    assert np.shares_memory(views["values"], to_host(state.values))
+    assert not np.shares_memory(copies["values"], to_host(state.values))

@@ -23,6 +23,28 @@ def crc32(path: str) -> int:
     return crc
 
 
+# digests of files this process wrote, by what identifies the file as written (device,
+# inode, size, modification time): recording a save's digests need not read back hundreds of
+# MB that went past the page cache. Only recording uses them; checks always read the file.
+_WRITTEN: dict[tuple[int, int, int, int], int] = {}
+_REMEMBERED = 256
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def note_written(path: str, size: int, crc: int) -> None:
+    """Remember that ``path`` (as it is now) holds ``size`` bytes of CRC-32 ``crc``, computed
+    by its writer; :func:`file_digests` then records it without reading it."""
+    st = os.stat(path)
+    if st.st_size != size:
+        return
+    while len(_WRITTEN) >= _REMEMBERED:
+        _WRITTEN.pop(next(iter(_WRITTEN)))
+    _WRITTEN[_identity(st)] = crc
+
+
 def file_digests(root: str, skip: set[str] | frozenset[str] = frozenset()
                  ) -> dict[str, list[int]]:
     """``{relative path: [size, crc32]}`` of every file under ``root`` (``skip``: relative
@@ -33,7 +55,9 @@ def file_digests(root: str, skip: set[str] | frozenset[str] = frozenset()
             full = os.path.join(base, name)
             rel = os.path.relpath(full, root)
             if rel not in skip:
-                out[rel] = [os.path.getsize(full), crc32(full)]
+                st = os.stat(full)
+                crc = _WRITTEN.get(_identity(st))
+                out[rel] = [st.st_size, crc32(full) if crc is None else crc]
     return out
 
 

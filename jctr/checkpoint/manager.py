@@ -62,11 +62,13 @@ def _dense_tree(state: TrainState) -> dict[str, Any]:
             "batch_stats": state.batch_stats, "opt_state": state.opt_state}
 
 
-def export_tables(state: TrainState, specs: tuple[EmbeddingSpec, ...], placements=None
-                  ) -> dict[str, dict[str, np.ndarray]]:
-    """Every table's used rows on the host, by name (what a checkpoint stores)."""
+def export_tables(state: TrainState, specs: tuple[EmbeddingSpec, ...], placements=None, *,
+                  copy: bool = True) -> dict[str, dict[str, np.ndarray]]:
+    """Every table's used rows on the host, by name (what a checkpoint stores); ``copy``
+    False: views where they can be (:func:`jctr.sharding.rows.export_placed`)."""
     placements = placements or (None,) * len(specs)
-    out = {s.name: export_placed(e, p) for s, e, p in zip(specs, state.embeddings, placements)}
+    out = {s.name: export_placed(e, p, copy=copy)
+           for s, e, p in zip(specs, state.embeddings, placements)}
     for s, e in zip(specs, state.embeddings):
         if s.eviction is not None and s.eviction.spill:  # and the rows in the database
             from jctr.embedding import spill

@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jctr.checkpoint.integrity import check_files
+from jctr.checkpoint.integrity import check_files, note_written
 from jctr.errors import UserError
 from jctr.models import layers as L
+from jctr.runtime.direct_io import write_file
 from jctr.sharding.mesh import to_host
 from jctr.sharding.rows import export_keys, export_placed, import_placed
 
@@ -255,7 +256,8 @@ def write_model_files(step_config: StepConfig, state: TrainState, placements, de
     key count."""
     placements = placements or (None,) * len(step_config.specs)
     if tables is None and keys is None:
-        tables = [export_placed(es, p) for es, p in zip(state.embeddings, placements)]
+        # written here and dropped: views of the state, no copy
+        tables = [export_placed(es, p, copy=False) for es, p in zip(state.embeddings, placements)]
     elif tables is None:
         tables = [export_keys(es, k, p) for es, k, p in zip(state.embeddings, keys, placements)]
     if jax.process_index() == 0:
@@ -341,8 +343,6 @@ def _le_bytes(array, dtype: str) -> np.ndarray:
 
 def _atomic_write(path: str, data: bytes | np.ndarray) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+    size, crc = write_file(tmp, data)  # synced; a table's vectors past the page cache
     os.replace(tmp, path)
+    note_written(path, size, crc)  # a bundle's manifest records it without reading it back

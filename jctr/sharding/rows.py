@@ -35,13 +35,14 @@ from jctr.sharding.mesh import to_host
 _INSERT_CHUNK = 1 << 18
 
 
-def export_table(state: EmbeddingState) -> dict[str, np.ndarray]:
-    """The used rows of a table, ordered by row."""
+def export_table(state: EmbeddingState, *, copy: bool = True) -> dict[str, np.ndarray]:
+    """The used rows of a table, ordered by row. ``copy`` False: rows 0..n-1 of host arrays
+    come as views of them (for a caller that is done with them before the table changes)."""
     keys, rows = export_items(state.table)
-    return _rows_of(state, keys, rows)
+    return _rows_of(state, keys, rows, copy=copy)
 
 
-def _rows_of(state: EmbeddingState, keys: np.ndarray, rows: np.ndarray
+def _rows_of(state: EmbeddingState, keys: np.ndarray, rows: np.ndarray, *, copy: bool = True
              ) -> dict[str, np.ndarray]:
     """A stored-table dict of ``keys`` held at ``rows``: vectors, slot ids, optimizer rows."""
     idx = jnp.asarray(rows)
@@ -51,7 +52,9 @@ def _rows_of(state: EmbeddingState, keys: np.ndarray, rows: np.ndarray
 
     def take(arr) -> np.ndarray:
         if isinstance(arr, np.ndarray):  # on the host already: no trip through a device
-            return arr[: rows.size].copy() if leading else np.take(arr, rows, axis=0)
+            if leading:
+                return arr[: rows.size].copy() if copy else arr[: rows.size]
+            return np.take(arr, rows, axis=0)
         return np.asarray(jnp.take(arr, idx, axis=0))
 
     out = {"keys": keys, "values": take(state.values), "slot": take(state.row_slot)}
@@ -218,12 +221,15 @@ def import_table(spec: EmbeddingSpec, state: EmbeddingState,
     return EmbeddingState(table, new_values, new_slots, row_slot)
 
 
-def export_placed(state: EmbeddingState, placement=None) -> dict[str, np.ndarray]:
+def export_placed(state: EmbeddingState, placement=None, *, copy: bool = True
+                  ) -> dict[str, np.ndarray]:
     """:func:`export_table` of a table in any placement: a sharded table's parts are exported
-    one after another (by key, so the result loads on any device count)."""
+    one after another (by key, so the result loads on any device count). ``copy`` False: a
+    table on one device may come as views of its arrays (:func:`export_table`): for a
+    synchronous save, which is done with them before the next step changes the table."""
     host = jax.tree.map(to_host, state)
     if placement is None or not placement.sharded:
-        return export_table(host)
+        return export_table(host, copy=copy)
     parts = [export_table(jax.tree.map(lambda x, i=i: x[i], host))
              for i in range(placement.num_shards)]
     return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}

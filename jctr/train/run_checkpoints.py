@@ -112,7 +112,9 @@ class RunCheckpoints:
         if jax.process_index() == 0:
             ckpt.acquire(report=self.report)
         try:
-            tables = export_tables(state, self.step_config.specs, self.placed.placements)
+            # written before this returns, while nothing changes the state: views, no copy
+            tables = export_tables(state, self.step_config.specs, self.placed.placements,
+                                   copy=False)
             step = save_snapshot(ckpt, self.cfg, self.step_config, state,
                                  self.placed.placements,
                                  readers=[vars(ReaderPosition())] * jax.process_count(),

@@ -1,0 +1,123 @@
+"""Large files written past the page cache (jctr.runtime.direct_io): the bytes and sizes are
+exactly what was written whatever the size's alignment, a file system or a platform that
+refuses O_DIRECT gets ordinary writes, and a save's digests are recorded from memory."""
+
+from __future__ import annotations
+
+import errno
+import os
+import zlib
+
+import numpy as np
+import pytest
+
+from jctr.checkpoint import integrity
+from jctr.runtime import direct_io
+from jctr.runtime.direct_io import DirectWriter, write_file
+
+needs_direct = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="no O_DIRECT here")
+
+
+@pytest.mark.parametrize("size", [0, 1, 4095, 4096, 4097, (8 << 20) + 12345, 3 * (8 << 20)])
+def test_a_file_holds_exactly_its_bytes_whatever_its_size(tmp_path, size):
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8)
+    path = str(tmp_path / "f")
+    with DirectWriter(path, checksum=True) as f:  # any size, to test the padded last block
+        f.write(data)
+    assert os.path.getsize(path) == size
+    assert np.array_equal(np.fromfile(path, np.uint8), data)
+    assert f.crc == zlib.crc32(data)
+    assert write_file(str(tmp_path / "g"), data) == (size, zlib.crc32(data))
+    assert np.array_equal(np.fromfile(tmp_path / "g", np.uint8), data)
+
+
+@needs_direct
+def test_large_writes_go_past_the_page_cache_in_pieces(tmp_path):
+    """Several writes, unaligned to the block and the staging buffer, end up in order."""
+    rng = np.random.default_rng(1)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in (5, 9_000_001, 4096, 777)]
+    path = str(tmp_path / "f")
+    with DirectWriter(path, direct=True) as f:
+        for p in parts:
+            f.write(p)
+        assert f.tell() == sum(p.size for p in parts)
+        direct = f.direct
+    assert np.array_equal(np.fromfile(path, np.uint8), np.concatenate(parts))
+    # on a file system that takes O_DIRECT (ext4, xfs, recent tmpfs) it stayed direct
+    if direct:
+        assert os.path.getsize(path) == sum(p.size for p in parts)
+
+
+def test_npz_streams_into_a_direct_writer(tmp_path):
+    arrays = {"keys": np.arange(3_000_001, dtype=np.int64), "show": np.linspace(0, 1, 7)}
+    path = str(tmp_path / "stats.npz")
+    with DirectWriter(path) as f:
+        np.savez(f, **arrays)
+    with np.load(path) as z:
+        assert sorted(z.files) == ["keys", "show"]
+        for k, v in arrays.items():
+            assert np.array_equal(z[k], v)
+
+
+@needs_direct
+def test_a_file_system_refusing_o_direct_at_open_gets_ordinary_writes(tmp_path, monkeypatch):
+    real = os.open
+
+    def no_direct(path, flags, *a):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", no_direct)
+    data = np.arange(5_000_003, dtype=np.uint8)
+    path = str(tmp_path / "f")
+    with DirectWriter(path, direct=True) as f:
+        assert not f.direct
+        f.write(data)
+    assert np.array_equal(np.fromfile(path, np.uint8), data)
+
+
+@needs_direct
+def test_a_file_system_refusing_a_direct_write_gets_the_rest_buffered(tmp_path, monkeypatch):
+    real = os.write
+    refused = []
+
+    def refuse_first(fd, data):
+        if not refused:
+            refused.append(len(data))
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, data)
+
+    data = np.random.default_rng(2).integers(0, 256, (8 << 20) * 2 + 99, dtype=np.uint8)
+    path = str(tmp_path / "f")
+    with DirectWriter(path, direct=True) as f:
+        monkeypatch.setattr(os, "write", refuse_first)
+        f.write(data)
+        assert refused and not f.direct
+    assert np.array_equal(np.fromfile(path, np.uint8), data)
+
+
+def test_the_switch_turns_direct_writes_off(tmp_path, monkeypatch):
+    monkeypatch.setenv("JCTR_DIRECT_IO", "0")
+    assert not direct_io.enabled()
+    with DirectWriter(str(tmp_path / "f")) as f:
+        assert not f.direct
+        f.write(b"abc")
+    assert (tmp_path / "f").read_bytes() == b"abc"
+
+
+def test_digests_are_recorded_from_the_writer_and_checked_from_the_file(tmp_path):
+    """file_digests takes the writer's CRC of a file as it was written (no reading back);
+    a file changed since is read again, and check_files always reads."""
+    path = tmp_path / "d" / "emb_vector"
+    path.parent.mkdir()
+    data = np.arange(1000, dtype=np.float32)
+    size, crc = write_file(str(path), data)
+    integrity.note_written(str(path), size, crc + 1)  # a deliberately wrong note
+    assert integrity.file_digests(str(tmp_path)) == {"d/emb_vector": [size, crc + 1]}
+    with pytest.raises(ValueError, match="checksum"):
+        integrity.check_files(str(tmp_path), {"d/emb_vector": [size, crc + 1]}, ValueError,
+                              "bundle")
+    os.utime(path, ns=(1, 1))  # changed since it was noted: read again
+    assert integrity.file_digests(str(tmp_path)) == {"d/emb_vector": [size, crc]}
+    integrity.check_files(str(tmp_path), {"d/emb_vector": [size, crc]}, ValueError, "bundle")

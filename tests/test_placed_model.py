@@ -2,6 +2,8 @@
 pieces the trainer composes (``jctr.sharding.placed_model``, ``jctr.checkpoint.snapshots``,
 ``jctr.checkpoint.model_files``) work on their own."""
 
+import zlib
+
 import numpy as np
 import pytest
 
@@ -115,12 +117,13 @@ def test_batch_sizes_must_split_over_the_devices(tmp_path):
         PlacedModel(cfg, build_model(cfg)[0].specs)
 
 
-def test_tables_are_written_uncompressed_and_compressed_ones_still_restore(tmp_path, setup,
-                                                                            monkeypatch):
-    """Tables go to disk without zstd (trained float rows barely shrink under it, and it cost
-    ~2.5x the write: docs/performance.md, "Day-end cost, third round"); snapshots written
-    before, with Orbax's default compression, restore alike (each array's metadata names
-    its codec)."""
+def test_tables_are_written_by_jctr_and_orbax_tables_of_version_2_still_restore(
+        tmp_path, setup, monkeypatch):
+    """A snapshot's tables are .npy files under rows/ (written past the page cache, their
+    CRC-32 in the integrity record from memory: docs/performance.md, "Day-end cost, fourth
+    round"), not an Orbax item; snapshots of version 2, whose tables were an Orbax item
+    without zstd (or, earlier, with Orbax's default compression), restore alike. A damaged
+    rows file is named on restore."""
     import json
 
     import orbax.checkpoint as ocp
@@ -147,16 +150,37 @@ def test_tables_are_written_uncompressed_and_compressed_ones_still_restore(tmp_p
         registry.add("meta", ocp.args.JsonSave, ocp.JsonCheckpointHandler())
         return registry
 
-    for name, compressed in (("plain", False), ("zstd", True)):
-        if compressed:
+    for name in ("rows", "plain", "zstd"):
+        if name != "rows":
+            monkeypatch.setattr(manager, "ROWS_BY_JCTR", False)
+        if name == "zstd":
             monkeypatch.setattr(manager, "_save_handlers", compressed_handlers)
-        ckpt = Checkpointer(str(tmp_path / name), async_save=False)
+        ckpt = Checkpointer(str(tmp_path / name), async_save=name != "plain")
         ckpt.acquire(report=lambda s: None)
         step = save_snapshot(ckpt, cfg, step_config, state, placed.placements, readers=[{}])
         ckpt.wait()
         ckpt.release()
-        tables = codecs(tmp_path / name / str(step) / "tables")
-        assert tables and all((c is not None) == compressed for c in tables), tables
+        where = tmp_path / name / str(step)
+        if name == "rows":
+            assert not (where / "tables").exists()
+            index = json.loads((where / "rows" / "index.json").read_text())["tables"]
+            assert set(index) == {s.name for s in step_config.specs}
+            record = json.loads((where / manager.INTEGRITY).read_text())
+            for files in index.values():
+                for rel in files.values():
+                    data = (where / "rows" / rel).read_bytes()
+                    assert record[f"rows/{rel}"] == [len(data), zlib.crc32(data)]
+        else:
+            tables = codecs(where / "tables")
+            assert tables and all((c is not None) == (name == "zstd") for c in tables), tables
         restored, _, _ = restore_snapshot(Checkpointer(str(tmp_path / name)), cfg, step_config,
                                           placed.create(build_model(cfg)[1]), placed.placements)
         np.testing.assert_array_equal(_predict(cfg, step_config, placed, restored, batch), want)
+    rel = next(iter(index.values()))["values"]
+    damaged = tmp_path / "rows" / str(step) / "rows" / rel
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 1
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=f"rows/{rel}: damaged checkpoint file"):
+        restore_snapshot(Checkpointer(str(tmp_path / "rows")), cfg, step_config,
+                         placed.create(build_model(cfg)[1]), placed.placements)

@@ -2,14 +2,17 @@
 
 Layout under the checkpoint directory (``<snapshot_prefix>checkpoints``):
 
-* ``<step>/``: a finished checkpoint with three Orbax items -- ``dense`` (step, base RNG key,
-  dense parameters, BatchNorm statistics, dense optimizer state), ``tables`` (every embedding
-  table by key with its optimizer rows, :mod:`jctr.sharding.rows`, so that another table
-  capacity or device count can load it) and ``meta`` (JSON: format version, data reader
-  positions, the config, the tables' shapes) -- plus ``jctr_integrity.json``, the size and CRC32
-  of every file;
+* ``<step>/``: a finished checkpoint with two Orbax items -- ``dense`` (step, base RNG key,
+  dense parameters, BatchNorm statistics, dense optimizer state) and ``meta`` (JSON: format
+  version, data reader positions, the config, the tables' shapes) -- and ``rows/``, every
+  embedding table by key with its optimizer rows (:mod:`jctr.sharding.rows`, so that another
+  table capacity or device count can load it): one ``.npy`` file per array in a folder per
+  table, named in ``rows/index.json``, written by jctr past the page cache
+  (:mod:`jctr.runtime.direct_io`; version 2 kept them in a third Orbax item, ``tables``,
+  which still restores) -- plus ``jctr_integrity.json``, the size and CRC32 of every file;
 * ``non_trainable_<step>.json`` beside it (BatchNorm statistics, HugeCTR's format);
-* ``.pending/<step>/``: a save in flight. Orbax writes it (asynchronously); once complete, the
+* ``.pending/<step>/``: a save in flight. Orbax writes it (asynchronously) and jctr the rows
+  beside it (``.pending/<step>.rows/``); once both are complete, the rows move in, the
   integrity record goes in and the folder is renamed to ``<step>/``. Only then is the snapshot
   reported. A process killed at any moment therefore leaves either a finished, sealed checkpoint
   or an invisible pending one, and the previous checkpoints untouched;
@@ -29,23 +32,26 @@ import shutil
 import threading
 import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jctr.checkpoint.integrity import check_files, file_digests
+from jctr.checkpoint.integrity import check_files, file_digests, note_written
 from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.errors import UserError
 from jctr.models.ctr import TrainState
+from jctr.runtime.direct_io import MIN_BYTES, DirectWriter
 from jctr.runtime.folder_lock import FolderLock
 from jctr.sharding.mesh import to_host
 from jctr.sharding.plan import format_bytes
 from jctr.sharding.rows import export_placed, import_placed
 
 FORMAT = "jctr-checkpoint"
-VERSION = 2  # 2: sealed from .pending/ with jctr_integrity.json inside the step folder
+VERSION = 3  # 2: sealed from .pending/ with jctr_integrity.json inside; 3: rows/ by jctr
+ROWS = "rows"
 INTEGRITY = "jctr_integrity.json"
 PENDING = ".pending"
 LOCK = "LOCK"
@@ -141,6 +147,7 @@ class Checkpointer:
         self._beside: dict[str, bytes] = {}
         self._sealer: threading.Thread | None = None
         self._seal_error: BaseException | None = None
+        self._rows: Future | None = None  # the tables' rows being written (process 0)
         self._lock = FolderLock(self.directory, run_id=self.run_id, error=CheckpointError,
                                 hint="choose another snapshot_prefix")
         self._replace: set[int] = set()  # another run's steps this run may delete (--force)
@@ -277,12 +284,13 @@ class Checkpointer:
                 "tables": {s.name: {"rows": int(tables[s.name]["keys"].shape[0]), "dim": s.dim,
                                     "capacity": s.capacity} for s in specs},
                 **(meta or {})}
-        # Orbax cannot store zero-size arrays: a table without keys (a snapshot before the
-        # first step, or an input that never had a key) is stored as one zero row, and
-        # meta's "rows" (0) says to drop it on restore
-        tables = {name: {k: v if v.shape[0] else np.zeros((1, *v.shape[1:]), v.dtype)
-                         for k, v in t.items()} for name, t in tables.items()}
-        _no_host_copies()
+        if not ROWS_BY_JCTR:
+            # Orbax cannot store zero-size arrays: a table without keys (a snapshot before the
+            # first step, or an input that never had a key) is stored as one zero row, and
+            # meta's "rows" (0) says to drop it on restore
+            tables = {name: {k: v if v.shape[0] else np.zeros((1, *v.shape[1:]), v.dtype)
+                             for k, v in t.items()} for name, t in tables.items()}
+            _no_host_copies()
         self.wait()  # one save in flight at a time
         if step in self.steps() and step not in self._replace | self._overwrite:
             raise CheckpointError(f"{self.step_dir(step)}: a checkpoint of iter {step} exists "
@@ -291,11 +299,15 @@ class Checkpointer:
         if jax.process_index() == 0:
             self._remove_pending(step)  # ours: this run holds the lock
         self._in_flight, self._beside = step, dict(beside or {})
+        items = {"dense": ocp.args.StandardSave(_dense_tree(state)),
+                 "meta": ocp.args.JsonSave(info)}
+        if not ROWS_BY_JCTR:
+            items["tables"] = ocp.args.PyTreeSave(tables)
         try:
-            self._saver.save(pending, args=ocp.args.Composite(
-                dense=ocp.args.StandardSave(_dense_tree(state)),
-                tables=ocp.args.PyTreeSave(tables),
-                meta=ocp.args.JsonSave(info)))
+            if ROWS_BY_JCTR and jax.process_index() == 0:  # every process holds every row
+                self._rows = _start(_write_rows, f"{pending}.{ROWS}", tables) if self._async \
+                    else _done(_write_rows, f"{pending}.{ROWS}", tables)
+            self._saver.save(pending, args=ocp.args.Composite(**items))
         except BaseException as e:
             self._abandon()
             raise _not_written(pending, step, e) from e
@@ -316,6 +328,10 @@ class Checkpointer:
         """Integrity record into the finished pending folder, then rename it into place."""
         step = self._in_flight
         pending, final = self._pending_dir(step), self.step_dir(step)
+        if self._rows is not None:  # jctr's rows, written beside Orbax's folder, move in
+            rows, self._rows = self._rows, None
+            rows.result()
+            os.rename(f"{pending}.{ROWS}", os.path.join(pending, ROWS))
         _atomic_json(os.path.join(pending, INTEGRITY), file_digests(pending))
         if os.path.isdir(final) and step in self._replace | self._overwrite:
             self._remove_step(step)
@@ -375,6 +391,10 @@ class Checkpointer:
     def _abandon(self) -> None:
         """Remove the unfinished snapshot in flight (the previous checkpoints stay)."""
         step, self._in_flight, self._sealer = self._in_flight, None, None
+        rows, self._rows = self._rows, None
+        if rows is not None:  # its files must not be written into a folder being removed
+            with contextlib.suppress(BaseException):
+                rows.result()
         if step is None or jax.process_index() != 0:
             return
         self._remove_pending(step)
@@ -469,21 +489,23 @@ class Checkpointer:
         self.verify(step)
         meta = self.read_meta(step)
         where = self.step_dir(step)
-        for item in ("dense", "tables"):
+        by_jctr = os.path.isdir(os.path.join(where, ROWS))  # version 3; 2 kept an Orbax item
+        for item in ("dense",) if by_jctr else ("dense", "tables"):
             if not os.path.isdir(os.path.join(where, item)):
                 raise CheckpointError(f"{os.path.join(where, item)}: missing checkpoint item")
         target = jax.tree.map(ocp.utils.to_shape_dtype_struct, _dense_tree(fresh))
         if fresh.opt_state is None:  # a model without its optimizer (export, serving)
             target["opt_state"] = self._stored_opt_state(where, fresh)
+        items = {"dense": ocp.args.StandardRestore(target)}
+        if not by_jctr:
+            items["tables"] = ocp.args.StandardRestore()
         try:
-            restored = self._loader.restore(where, args=ocp.args.Composite(
-                dense=ocp.args.StandardRestore(target),
-                tables=ocp.args.StandardRestore()))
+            restored = self._loader.restore(where, args=ocp.args.Composite(**items))
         except Exception as e:  # noqa: BLE001 - Orbax/TensorStore raise many kinds
             raise CheckpointError(f"{where}: checkpoint cannot be restored "
                                   f"({type(e).__name__}: {_first_line(e)})") from e
         dense = restored["dense"]
-        tables = restored["tables"]
+        tables = _read_rows(os.path.join(where, ROWS)) if by_jctr else restored["tables"]
         embeddings = []
         placements = placements or (None,) * len(specs)
         for spec, es, placement in zip(specs, fresh.embeddings, placements):
@@ -525,6 +547,76 @@ class Checkpointer:
 
     def close(self) -> None:
         self.finish()
+
+
+ROWS_BY_JCTR = True  # False: the tables in an Orbax item, as version 2 wrote them (tests)
+
+
+def _write_rows(folder: str, tables: dict[str, dict[str, np.ndarray]]) -> None:
+    """Every table's arrays as ``.npy`` files under ``folder`` (``<i>/<array>.npy`` for the
+    ``i``-th table, the names in ``index.json``), large ones past the page cache, each synced
+    and its CRC-32 noted for the integrity record (no reading back)."""
+    os.makedirs(folder)
+    index = {}
+    for i, (name, arrays) in enumerate(tables.items()):
+        os.makedirs(os.path.join(folder, str(i)))
+        files = {}
+        for key, arr in arrays.items():
+            rel = f"{i}/{len(files)}.npy"
+            arr = np.ascontiguousarray(arr)
+            header = np.lib.format.header_data_from_array_1_0(arr)
+            path = os.path.join(folder, rel)
+            with DirectWriter(path, direct=None if arr.nbytes >= MIN_BYTES else False,
+                              checksum=True) as f:
+                np.lib.format.write_array_header_1_0(f, header)
+                if arr.size:
+                    f.write(arr.reshape(-1).view(np.uint8))
+            note_written(path, f.tell(), f.crc)
+            files[key] = rel
+        index[name] = files
+    _atomic_json(os.path.join(folder, "index.json"), {"tables": index})
+
+
+def _read_rows(folder: str) -> dict[str, dict[str, np.ndarray]]:
+    """What :func:`_write_rows` wrote (the integrity record was checked before)."""
+    index_path = os.path.join(folder, "index.json")
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)["tables"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{index_path}: the tables' index is unreadable ({e})") from None
+    out = {}
+    for name, files in index.items():
+        out[name] = {}
+        for key, rel in files.items():
+            path = os.path.join(folder, rel)
+            try:
+                out[name][key] = np.load(path, allow_pickle=False)
+            except (OSError, ValueError) as e:
+                raise CheckpointError(f"{path}: table \"{name}\" array \"{key}\" unreadable "
+                                      f"({e})") from None
+    return out
+
+
+def _start(fn: Callable, *args) -> Future:
+    """``fn(*args)`` on a thread of its own; its result or error in the future."""
+    job: Future = Future()
+
+    def run() -> None:
+        try:
+            job.set_result(fn(*args))
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for it
+            job.set_exception(e)
+
+    threading.Thread(target=run, daemon=True, name="jctr-checkpoint-rows").start()
+    return job
+
+
+def _done(fn: Callable, *args) -> Future:
+    """``fn(*args)`` now, as a finished future."""
+    job: Future = Future()
+    job.set_result(fn(*args))
+    return job
 
 
 def _not_written(pending: str, step: int, cause: BaseException) -> CheckpointError:

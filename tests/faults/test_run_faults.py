@@ -237,7 +237,7 @@ def test_disk_full_during_a_snapshot_keeps_the_earlier_ones(tmp_path):
 
 def test_damaged_byte_is_named_on_resume(tmp_path, capsys):
     _train(tmp_path, capsys, snapshot=4)
-    victim = max((p for p in (tmp_path / "runs/checkpoints/4/tables").rglob("*") if p.is_file()),
+    victim = max((p for p in (tmp_path / "runs/checkpoints/4/rows").rglob("*") if p.is_file()),
                  key=lambda p: p.stat().st_size)
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 1

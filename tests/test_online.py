@@ -158,6 +158,28 @@ def test_statistics_saved_before_delta_scores_load():
     np.testing.assert_allclose(stats.delta_score, [1.1, 0.0])
 
 
+def test_statistics_made_for_the_tables_keys_grow_nothing_while_a_pass_trains(monkeypatch):
+    """FeatureStats(expected_keys=...) (the runner passes the table's capacity) has room for
+    that many keys from the start: adding them replaces no column and rebuilds no index (the
+    reader thread's work while a pass trains), gives what growing statistics give, and grows
+    past the room as before; the room is bounded (PRESIZE_MAX)."""
+    rng = np.random.default_rng(3)
+    keys = rng.choice(10**12, 30_000, replace=False).astype(np.int64)
+    clicks = rng.random(keys.size) < 0.2
+    sized, grown = FeatureStats(expected_keys=30_000), FeatureStats()
+    columns, index = sized._cols["keys"], sized._index
+    for part in np.array_split(np.arange(keys.size), 9):
+        sized.observe(keys[part], show=1.0, click=clicks[part])
+        grown.observe(keys[part], show=1.0, click=clicks[part])
+    assert sized._cols["keys"] is columns and sized._index is index
+    for name, value in grown.state_dict().items():
+        np.testing.assert_array_equal(sized.state_dict()[name], value, err_msg=name)
+    sized.observe(keys + 1, show=1.0, click=0.0)  # past the room: the columns double
+    assert len(sized) == 2 * keys.size and sized.lookup(keys + 1)[0].all()
+    monkeypatch.setattr(FeatureStats, "PRESIZE_MAX", 4096)
+    assert FeatureStats(expected_keys=10**12)._cols["keys"].size == 4096
+
+
 def test_statistics_round_trip_and_bulk_merge():
     rng = np.random.default_rng(0)
     stats = FeatureStats()

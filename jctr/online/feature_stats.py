@@ -86,13 +86,22 @@ class FeatureStats:
     _FIELDS = ("keys", "show", "click", "unseen_days", "delta_score", "since_delta")
     _DTYPES = (np.int64, np.float64, np.float64, np.int32, np.float64, bool)
 
-    def __init__(self, score: ScoreRule | None = None, *, gather: bool = False):
+    PRESIZE_MAX = 1 << 23
+    """Most keys room is made for up front (``expected_keys``); beyond, the columns double."""
+
+    def __init__(self, score: ScoreRule | None = None, *, gather: bool = False,
+                 expected_keys: int = 0):
         self.rule = score or ScoreRule()
         self.gather = gather
         self._n = 0
         self._cols = self._empty_columns(0)
         self._index = np.full(key_index.index_size(0), -1, np.int32)
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        # room for the keys the table can hold (``expected_keys``, at most PRESIZE_MAX): the
+        # first day then grows no column and rebuilds no index on the reader thread while
+        # the pass trains (each doubling copied every column and re-inserted every key:
+        # 0.5-0.6 s of a 4.8M-key day, docs/performance.md "Day-end cost, fourth round")
+        self._reserve(min(int(expected_keys), self.PRESIZE_MAX))
 
     keys = property(lambda self: self._column("keys"))
     show = property(lambda self: self._column("show"))

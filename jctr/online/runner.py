@@ -560,8 +560,10 @@ class OnlineRun:
         from jctr.embedding.row_optimizers import admits
 
         t = self.trainer
-        self.stats = [FeatureStats(self._score, gather=jax.process_count() > 1)
-                      for _ in t.specs]
+        self.stats = [FeatureStats(self._score, gather=jax.process_count() > 1,
+                                   expected_keys=spec.capacity * (pl.num_shards
+                                                                  if pl.sharded else 1))
+                      for spec, pl in zip(t.specs, t.placements)]
         entry = self.cfg.table_parameters.show_click_entry
         show_of = _entry_column(entry.show, t.cfg.data, "show", self.cfg.source)
         click_of = _entry_column(entry.click, t.cfg.data, "click", self.cfg.source)

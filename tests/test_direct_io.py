@@ -121,3 +121,17 @@ def test_digests_are_recorded_from_the_writer_and_checked_from_the_file(tmp_path
     os.utime(path, ns=(1, 1))  # changed since it was noted: read again
     assert integrity.file_digests(str(tmp_path)) == {"d/emb_vector": [size, crc]}
     integrity.check_files(str(tmp_path), {"d/emb_vector": [size, crc]}, ValueError, "bundle")
+
+
+def test_a_full_disk_leaves_no_partial_model_file(tmp_path, monkeypatch):
+    """A model file whose write fails (the disk is full) leaves neither the file nor its
+    temporary behind (model_files._atomic_write), and the error is the disk's."""
+    from jctr.checkpoint import model_files
+
+    def full(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full)
+    with pytest.raises(OSError, match="No space left"):
+        model_files._atomic_write(str(tmp_path / "emb_vector"), np.ones(5_000_000, np.float32))
+    assert list(tmp_path.iterdir()) == []

@@ -16,6 +16,7 @@ Byte layouts (all little endian):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from typing import TYPE_CHECKING, Any
@@ -343,6 +344,11 @@ def _le_bytes(array, dtype: str) -> np.ndarray:
 
 def _atomic_write(path: str, data: bytes | np.ndarray) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
-    size, crc = write_file(tmp, data)  # synced; a table's vectors past the page cache
+    try:
+        size, crc = write_file(tmp, data)  # synced; a table's vectors past the page cache
+    except BaseException:
+        with contextlib.suppress(OSError):  # a full disk leaves no partial file behind
+            os.remove(tmp)
+        raise
     os.replace(tmp, path)
     note_written(path, size, crc)  # a bundle's manifest records it without reading it back

@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -593,8 +594,13 @@ class OnlineRun:
         arrays = {f"{i}/{k}": v for i, st in enumerate(self.stats)
                   for k, v in st.state_dict().items()}
         tmp = os.path.join(folder, "feature_stats.tmp.npz")
-        with DirectWriter(tmp) as f:  # hundreds of MB a day: past the page cache
-            np.savez(f, **arrays)
+        try:
+            with DirectWriter(tmp) as f:  # hundreds of MB a day: past the page cache
+                np.savez(f, **arrays)
+        except BaseException:
+            with contextlib.suppress(OSError):  # no partial file left behind
+                os.remove(tmp)
+            raise
         os.replace(tmp, os.path.join(folder, "feature_stats.npz"))
 
     def _load_statistics(self, folder: str) -> None:

@@ -14,8 +14,8 @@ gets ordinary writes, as does a platform without it; ``JCTR_DIRECT_IO=0`` turns 
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import fcntl
 import io
 import mmap
 import os
@@ -134,6 +134,8 @@ class DirectWriter:
                 self._buffered()
 
     def _buffered(self) -> None:
+        import fcntl  # only where O_DIRECT exists (POSIX)
+
         flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
         fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~os.O_DIRECT)
         self._direct = False
@@ -154,13 +156,18 @@ class DirectWriter:
             os.close(self._fd)
             self._fd = -1
             if self._stage is not None:
-                self._stage.close()
+                # a failed write's traceback may still hold a view of it: then it is freed
+                # with the last view
+                with contextlib.suppress(BufferError):
+                    self._stage.close()
                 self._stage = None
 
     def __enter__(self) -> DirectWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, *exc) -> None:
+        if kind is not None:  # a failed write (a full disk, ...): what is staged is dropped
+            self._used = 0
         self.close()
 
 

@@ -135,3 +135,41 @@ def test_a_full_disk_leaves_no_partial_model_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         model_files._atomic_write(str(tmp_path / "emb_vector"), np.ones(5_000_000, np.float32))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_model_file_of_a_mapped_rows_file_is_a_link_else_a_copy(tmp_path, monkeypatch):
+    """write_sparse_model links ``key`` / ``emb_vector`` to the files its arrays map whole
+    (a checkpoint's rows, read_rows(mmap=True)); a part of a file, another dtype, a plain
+    array, or a file system without links get the bytes written."""
+    from jctr.checkpoint import model_files
+
+    keys = np.arange(1000, dtype="<i8") * 7
+    vectors = np.random.default_rng(0).random((1000, 4)).astype("<f4")
+    keys.tofile(tmp_path / "k")
+    vectors.tofile(tmp_path / "v")
+    mk = np.memmap(tmp_path / "k", "<i8", "r", shape=(1000,))
+    mv = np.memmap(tmp_path / "v", "<f4", "r", shape=(1000, 4))
+
+    def check(folder, linked, vectors_linked=None):
+        got_k = np.fromfile(folder / "key", "<i8")
+        got_v = np.fromfile(folder / "emb_vector", "<f4").reshape(-1, 4)
+        n = got_k.size
+        np.testing.assert_array_equal(got_k, keys[:n])
+        np.testing.assert_array_equal(got_v, vectors[:n])
+        for name, src, want in (("key", "k", linked), ("emb_vector", "v",
+                                 linked if vectors_linked is None else vectors_linked)):
+            same = (folder / name).stat().st_ino == (tmp_path / src).stat().st_ino
+            assert same == want, (folder, name)
+
+    model_files.write_sparse_model(str(tmp_path / "linked"), mk, mv)
+    check(tmp_path / "linked", True)
+    model_files.write_sparse_model(str(tmp_path / "part"), mk[:500], mv[:500])
+    check(tmp_path / "part", False)
+    model_files.write_sparse_model(str(tmp_path / "plain"), keys, vectors)
+    check(tmp_path / "plain", False)
+    model_files.write_sparse_model(str(tmp_path / "cast"), mk, mv.astype("<f8"))
+    check(tmp_path / "cast", True, False)  # the keys link; float64 vectors are converted
+    monkeypatch.setattr(os, "link", lambda *a: (_ for _ in ()).throw(OSError(18, "EXDEV")))
+    model_files.write_sparse_model(str(tmp_path / "nolink"), mk, mv)
+    check(tmp_path / "nolink", False)
+    assert not [p for p in tmp_path.rglob("*.tmp*")]

@@ -584,6 +584,14 @@ def test_base_and_delta_models_load_into_the_hps_and_predict_as_the_trainer(tmp_
     # the next day's base alone is the same model (the shrink deleted nothing)
     base = InferenceModel.load(str(save / "20190722" / "base"))
     np.testing.assert_allclose(base.predict(eval_batch), want, rtol=2e-5, atol=1e-6)
+    # a base model of every row is the batch model's rows, linked once the snapshot is sealed
+    # (not written a second time), and its manifest's checksums hold (InferenceModel.load
+    # and the sparse reader checked them above)
+    rows = save / "20190722" / "0" / "8" / "rows"
+    index = json.loads((rows / "index.json").read_text())["tables"]["sparse_embedding1"]
+    sparse = save / "20190722" / "base" / "sparse" / "sparse_embedding1.model"
+    for name, array in (("key", "keys"), ("emb_vector", "values")):
+        assert (sparse / name).stat().st_ino == (rows / index[array]["file"]).stat().st_ino
     # a database left half way through a delta is refused until loaded again
     cfg = ps(["delta-1"])
     from jctr.serving.hps import TableMismatch
@@ -617,6 +625,9 @@ def test_base_and_delta_models_load_into_the_hps_and_predict_as_the_trainer(tmp_
                          / "sparse_embedding1.model" / "key", "<i8")
     assert 0 < expected.size < uniq.size
     np.testing.assert_array_equal(np.sort(stored), expected)
+    # a filtered base model is written (beside the snapshot), not linked
+    assert (tmp_path / "filtered" / "20190722" / "base" / "sparse" / "sparse_embedding1.model"
+            / "key").stat().st_nlink == 1
 
 
 def test_a_run_stopped_before_the_day_end_saves_does_them_on_resume(tmp_path):

@@ -119,7 +119,7 @@ def test_batch_sizes_must_split_over_the_devices(tmp_path):
 
 def test_tables_are_written_by_jctr_and_orbax_tables_of_version_2_still_restore(
         tmp_path, setup, monkeypatch):
-    """A snapshot's tables are .npy files under rows/ (written past the page cache, their
+    """A snapshot's tables are headerless files under rows/ (written past the page cache, their
     CRC-32 in the integrity record from memory: docs/performance.md, "Day-end cost, fourth
     round"), not an Orbax item; snapshots of version 2, whose tables were an Orbax item
     without zstd (or, earlier, with Orbax's default compression), restore alike. A damaged
@@ -167,16 +167,17 @@ def test_tables_are_written_by_jctr_and_orbax_tables_of_version_2_still_restore(
             assert set(index) == {s.name for s in step_config.specs}
             record = json.loads((where / manager.INTEGRITY).read_text())
             for files in index.values():
-                for rel in files.values():
-                    data = (where / "rows" / rel).read_bytes()
-                    assert record[f"rows/{rel}"] == [len(data), zlib.crc32(data)]
+                for ent in files.values():
+                    data = (where / "rows" / ent["file"]).read_bytes()
+                    assert len(data) == np.prod(ent["shape"]) * np.dtype(ent["dtype"]).itemsize
+                    assert record[f"rows/{ent['file']}"] == [len(data), zlib.crc32(data)]
         else:
             tables = codecs(where / "tables")
             assert tables and all((c is not None) == (name == "zstd") for c in tables), tables
         restored, _, _ = restore_snapshot(Checkpointer(str(tmp_path / name)), cfg, step_config,
                                           placed.create(build_model(cfg)[1]), placed.placements)
         np.testing.assert_array_equal(_predict(cfg, step_config, placed, restored, batch), want)
-    rel = next(iter(index.values()))["values"]
+    rel = next(iter(index.values()))["values"]["file"]
     damaged = tmp_path / "rows" / str(step) / "rows" / rel
     data = bytearray(damaged.read_bytes())
     data[-1] ^= 1

@@ -6,10 +6,11 @@ Layout under the checkpoint directory (``<snapshot_prefix>checkpoints``):
   dense parameters, BatchNorm statistics, dense optimizer state) and ``meta`` (JSON: format
   version, data reader positions, the config, the tables' shapes) -- and ``rows/``, every
   embedding table by key with its optimizer rows (:mod:`jctr.sharding.rows`, so that another
-  table capacity or device count can load it): one ``.npy`` file per array in a folder per
-  table, named in ``rows/index.json``, written by jctr past the page cache
-  (:mod:`jctr.runtime.direct_io`; version 2 kept them in a third Orbax item, ``tables``,
-  which still restores) -- plus ``jctr_integrity.json``, the size and CRC32 of every file;
+  table capacity or device count can load it): one headerless little-endian file per array
+  in a folder per table, named (with dtype and shape) in ``rows/index.json``, written by
+  jctr past the page cache (:mod:`jctr.runtime.direct_io`; version 2 kept them in a third
+  Orbax item, ``tables``, which still restores) -- plus ``jctr_integrity.json``, the size and
+  CRC32 of every file;
 * ``non_trainable_<step>.json`` beside it (BatchNorm statistics, HugeCTR's format);
 * ``.pending/<step>/``: a save in flight. Orbax writes it (asynchronously) and jctr the rows
   beside it (``.pending/<step>.rows/``); once both are complete, the rows move in, the
@@ -505,7 +506,7 @@ class Checkpointer:
             raise CheckpointError(f"{where}: checkpoint cannot be restored "
                                   f"({type(e).__name__}: {_first_line(e)})") from e
         dense = restored["dense"]
-        tables = _read_rows(os.path.join(where, ROWS)) if by_jctr else restored["tables"]
+        tables = read_rows(os.path.join(where, ROWS)) if by_jctr else restored["tables"]
         embeddings = []
         placements = placements or (None,) * len(specs)
         for spec, es, placement in zip(specs, fresh.embeddings, placements):
@@ -553,49 +554,61 @@ ROWS_BY_JCTR = True  # False: the tables in an Orbax item, as version 2 wrote th
 
 
 def _write_rows(folder: str, tables: dict[str, dict[str, np.ndarray]]) -> None:
-    """Every table's arrays as ``.npy`` files under ``folder`` (``<i>/<array>.npy`` for the
-    ``i``-th table, the names in ``index.json``), large ones past the page cache, each synced
-    and its CRC-32 noted for the integrity record (no reading back)."""
+    """Every table's arrays as headerless little-endian files under ``folder`` (``<i>/<j>``:
+    the ``j``-th array of the ``i``-th table; names, dtypes and shapes in ``index.json``), so
+    that a model file holding the same bytes can be a link to one (:func:`read_rows`). Large
+    ones go past the page cache; each is synced and its CRC-32 noted for the integrity record
+    (no reading back)."""
     os.makedirs(folder)
     index = {}
     for i, (name, arrays) in enumerate(tables.items()):
         os.makedirs(os.path.join(folder, str(i)))
         files = {}
         for key, arr in arrays.items():
-            rel = f"{i}/{len(files)}.npy"
-            arr = np.ascontiguousarray(arr)
-            header = np.lib.format.header_data_from_array_1_0(arr)
+            rel = f"{i}/{len(files)}"
+            arr = np.ascontiguousarray(arr, np.asarray(arr).dtype.newbyteorder("<"))
             path = os.path.join(folder, rel)
             with DirectWriter(path, direct=None if arr.nbytes >= MIN_BYTES else False,
                               checksum=True) as f:
-                np.lib.format.write_array_header_1_0(f, header)
                 if arr.size:
                     f.write(arr.reshape(-1).view(np.uint8))
             note_written(path, f.tell(), f.crc)
-            files[key] = rel
+            files[key] = {"file": rel, "dtype": arr.dtype.str, "shape": list(arr.shape)}
         index[name] = files
     _atomic_json(os.path.join(folder, "index.json"), {"tables": index})
 
 
-def _read_rows(folder: str) -> dict[str, dict[str, np.ndarray]]:
-    """What :func:`_write_rows` wrote (the integrity record was checked before)."""
+def read_rows(folder: str, *, mmap: bool = False) -> dict[str, dict[str, np.ndarray]]:
+    """The tables a checkpoint's ``rows/`` folder holds (by name, then array name); ``mmap``:
+    read-only memory maps of the files (a model file written from one of them may be a link
+    to it: :func:`jctr.checkpoint.model_files.write_sparse_model`). The checkpoint's integrity
+    record is checked by :meth:`Checkpointer.restore`, not here."""
     index_path = os.path.join(folder, "index.json")
     try:
         with open(index_path, encoding="utf-8") as f:
             index = json.load(f)["tables"]
+        out = {name: {key: (os.path.join(folder, ent["file"]), np.dtype(ent["dtype"]),
+                            tuple(int(d) for d in ent["shape"]))
+                      for key, ent in files.items()} for name, files in index.items()}
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{index_path}: the tables' index is unreadable ({e})") from None
-    out = {}
-    for name, files in index.items():
-        out[name] = {}
-        for key, rel in files.items():
-            path = os.path.join(folder, rel)
+    tables = {}
+    for name, files in out.items():
+        tables[name] = {}
+        for key, (path, dtype, shape) in files.items():
+            size = int(np.prod(shape)) * dtype.itemsize
             try:
-                out[name][key] = np.load(path, allow_pickle=False)
+                if os.path.getsize(path) != size:
+                    raise ValueError(f"{os.path.getsize(path)} bytes, expected {size}")
+                if mmap and size:
+                    arr = np.memmap(path, dtype, "r", shape=shape)
+                else:
+                    arr = np.fromfile(path, dtype, int(np.prod(shape))).reshape(shape)
             except (OSError, ValueError) as e:
                 raise CheckpointError(f"{path}: table \"{name}\" array \"{key}\" unreadable "
                                       f"({e})") from None
-    return out
+            tables[name][key] = arr
+    return tables
 
 
 def _start(fn: Callable, *args) -> Future:

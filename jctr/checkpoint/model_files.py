@@ -121,10 +121,13 @@ def dense_from_bytes(graphdef, params, batch_stats, dense: bytes,
 def write_sparse_model(path: str, keys: np.ndarray, vectors: np.ndarray,
                        slots: np.ndarray | None = None) -> None:
     """Write one embedding's ``key`` and ``emb_vector`` files into the folder ``path``, and
-    with ``slots`` a ``slot_id`` file (int64 per key, as HugeCTR's LocalizedSlot models)."""
+    with ``slots`` a ``slot_id`` file (int64 per key, as HugeCTR's LocalizedSlot models).
+    ``keys`` or ``vectors`` that are read-only maps of a whole file holding exactly the bytes
+    the model file needs (a checkpoint's rows: :func:`jctr.checkpoint.manager.read_rows`)
+    become a hard link to it, not a copy; where linking fails, the bytes are written."""
     os.makedirs(path, exist_ok=True)
-    _atomic_write(os.path.join(path, "key"), _le_bytes(keys, "<i8"))
-    _atomic_write(os.path.join(path, "emb_vector"), _le_bytes(vectors, "<f4"))
+    _link_or_write(os.path.join(path, "key"), keys, "<i8")
+    _link_or_write(os.path.join(path, "emb_vector"), vectors, "<f4")
     if slots is not None:
         _atomic_write(os.path.join(path, "slot_id"), _le_bytes(slots, "<i8"))
 
@@ -340,6 +343,35 @@ def _le_bytes(array, dtype: str) -> np.ndarray:
     """The array's bytes in ``dtype`` (little-endian), as a flat uint8 view: no copy where it
     is one already (a table's rows: hundreds of MB)."""
     return np.ascontiguousarray(array, dtype).reshape(-1).view(np.uint8)
+
+
+def _mapped_file(array, dtype: str) -> str | None:
+    """The file ``array`` maps whole, byte for byte in ``dtype`` (a read-only ``np.memmap``
+    from offset 0 to the file's end), or None."""
+    name = getattr(array, "filename", None)
+    if not (isinstance(array, np.memmap) and name and array.offset == 0
+            and array.dtype == np.dtype(dtype) and array.flags.c_contiguous):
+        return None
+    try:
+        return name if os.path.getsize(name) == array.nbytes else None
+    except OSError:
+        return None
+
+
+def _link_or_write(path: str, array, dtype: str) -> None:
+    """``path`` as a hard link to the file ``array`` maps whole (the same bytes: no copy of
+    hundreds of MB), else written from it (:func:`_atomic_write`)."""
+    source = _mapped_file(array, dtype)
+    if source is not None:
+        tmp = f"{path}.tmp{os.getpid()}"
+        try:
+            os.link(source, tmp)
+            os.replace(tmp, path)
+            return
+        except OSError:  # another file system, links not allowed: the bytes are written
+            with contextlib.suppress(OSError):
+                os.remove(tmp)
+    _atomic_write(path, _le_bytes(array, dtype))
 
 
 def _atomic_write(path: str, data: bytes | np.ndarray) -> None:

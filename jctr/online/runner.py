@@ -697,30 +697,41 @@ class OnlineRun:
         self._shrink_day(day)
         following = next_day(day)
         folder = os.path.join(self.cfg.save_model_path, following, "0")
+        keys = self._inference_keys("base")
+        for st in self.stats:
+            st.age()
+        t = self.trainer
+        # a base model of every row holds the batch model's keys and vectors byte for byte:
+        # once the snapshot is sealed its files are linked, not written a second time (~350
+        # MB of a 4.8M-key day); one that filters rows is written beside the snapshot
+        whole = self.store is None and jax.process_count() == 1 and all(
+            spec.eviction is None and k.size == len(st)
+            for spec, st, k in zip(t.specs, self.stats, keys))
 
-        def base_model(exported) -> None:  # written while the batch model's snapshot is
-            keys = self._inference_keys("base")
-            for st in self.stats:
-                st.age()
-            # the batch model's (aged) statistics are written beside the base model
-            with ThreadPoolExecutor(1) as pool:
+        def beside(exported) -> None:  # while the batch model's snapshot is written
+            with ThreadPoolExecutor(1) as pool:  # the (aged) statistics go with it
                 saved = pool.submit(self._save_statistics, folder) \
                     if jax.process_index() == 0 else None
-                self._save_inference("base", following, None, exported, keys=keys)
+                if not whole:
+                    self._save_inference("base", following, None, exported, keys=keys)
                 if saved is not None:
                     saved.result()
 
-        self._checkpoint(folder, day, len(self.passes), day_end=True, meanwhile=base_model,
-                         statistics=False)
+        def linked(rows) -> None:  # the snapshot's rows, mapped from its files
+            self._save_inference("base", following, None, rows, keys=keys)
+
+        self._checkpoint(folder, day, len(self.passes), day_end=True, meanwhile=beside,
+                         then=linked if whole else None, statistics=False)
 
     def _checkpoint(self, folder: str, day: str, n: int, *, day_end: bool,
-                    meanwhile=None, statistics: bool = True) -> None:
+                    meanwhile=None, then=None, statistics: bool = True) -> None:
         """A snapshot into ``folder`` with the statistics beside it (unless ``meanwhile``
-        writes them: ``statistics`` False), then the progress record naming it."""
+        writes them: ``statistics`` False; ``then`` runs once it is sealed), then the
+        progress record naming it."""
         import jax
 
-        path = os.path.join(folder, str(self.trainer.save_checkpoint(folder,
-                                                                     meanwhile=meanwhile)))
+        path = os.path.join(folder, str(self.trainer.save_checkpoint(
+            folder, meanwhile=meanwhile, then=then)))
         if jax.process_index() == 0:
             if statistics:
                 self._save_statistics(folder)

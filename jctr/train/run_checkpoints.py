@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jctr.checkpoint.manager import Checkpointer, CheckpointError, export_tables
+from jctr.checkpoint.manager import ROWS, Checkpointer, CheckpointError, export_tables, read_rows
 from jctr.checkpoint.snapshots import restore_snapshot, save_snapshot
 from jctr.config import ModelConfig
 from jctr.data.loader import ReaderPosition
@@ -102,12 +103,16 @@ class RunCheckpoints:
                              devices=self.placed.num_devices, monitors=monitors)
 
     def save_to(self, directory: str, state: TrainState, monitors: dict[str, Any], *,
-                meanwhile: Callable[[dict | None], Any] | None = None) -> str:
+                meanwhile: Callable[[dict | None], Any] | None = None,
+                then: Callable[[dict | None], Any] | None = None) -> str:
         """A snapshot in a directory of its own, complete on return (no reader position: the
         caller knows where its data stands); returns the step's folder. ``meanwhile`` runs
         while the snapshot is written (streaming training's base model at a day's end), given
         the tables' rows the snapshot exported (by table name; None with several processes,
-        which each export their own); if it fails, the snapshot is removed again."""
+        which each export their own); ``then`` runs once the snapshot is sealed, given its
+        rows as read-only maps of its files (:func:`jctr.checkpoint.manager.read_rows`; None
+        with several processes): a model file of the same bytes becomes a link to them. If
+        either fails, the snapshot is removed again."""
         ckpt = Checkpointer(directory, keep=1)
         if jax.process_index() == 0:
             ckpt.acquire(report=self.report)
@@ -130,6 +135,15 @@ class RunCheckpoints:
                     shutil.rmtree(ckpt.step_dir(step), ignore_errors=True)
                 raise
             ckpt.wait()
+            if then is not None:
+                rows = os.path.join(ckpt.step_dir(step), ROWS)
+                try:
+                    then(read_rows(rows, mmap=True)
+                         if jax.process_count() == 1 and os.path.isdir(rows) else None)
+                except BaseException:
+                    if jax.process_index() == 0:
+                        shutil.rmtree(ckpt.step_dir(step), ignore_errors=True)
+                    raise
         finally:
             ckpt.finish(report=self.report)
         return ckpt.step_dir(step)

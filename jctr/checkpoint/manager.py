@@ -44,7 +44,7 @@ from jctr.checkpoint.integrity import check_files, file_digests, note_written
 from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.errors import UserError
 from jctr.models.ctr import TrainState
-from jctr.runtime.direct_io import MIN_BYTES, DirectWriter
+from jctr.runtime.direct_io import write_file
 from jctr.runtime.folder_lock import FolderLock
 from jctr.sharding.mesh import to_host
 from jctr.sharding.plan import format_bytes
@@ -148,7 +148,7 @@ class Checkpointer:
         self._beside: dict[str, bytes] = {}
         self._sealer: threading.Thread | None = None
         self._seal_error: BaseException | None = None
-        self._rows: Future | None = None  # the tables' rows being written (process 0)
+        self._rows: Future | None = None  # the tables' rows being written (async, process 0)
         self._lock = FolderLock(self.directory, run_id=self.run_id, error=CheckpointError,
                                 hint="choose another snapshot_prefix")
         self._replace: set[int] = set()  # another run's steps this run may delete (--force)
@@ -306,8 +306,10 @@ class Checkpointer:
             items["tables"] = ocp.args.PyTreeSave(tables)
         try:
             if ROWS_BY_JCTR and jax.process_index() == 0:  # every process holds every row
-                self._rows = _start(_write_rows, f"{pending}.{ROWS}", tables) if self._async \
-                    else _done(_write_rows, f"{pending}.{ROWS}", tables)
+                if self._async:
+                    self._rows = _start(_write_rows, f"{pending}.{ROWS}", tables)
+                else:
+                    _write_rows(f"{pending}.{ROWS}", tables)
             self._saver.save(pending, args=ocp.args.Composite(**items))
         except BaseException as e:
             self._abandon()
@@ -329,9 +331,10 @@ class Checkpointer:
         """Integrity record into the finished pending folder, then rename it into place."""
         step = self._in_flight
         pending, final = self._pending_dir(step), self.step_dir(step)
-        if self._rows is not None:  # jctr's rows, written beside Orbax's folder, move in
-            rows, self._rows = self._rows, None
+        rows, self._rows = self._rows, None
+        if rows is not None:  # written on a thread of their own
             rows.result()
+        if os.path.isdir(f"{pending}.{ROWS}"):  # jctr's rows, beside Orbax's folder, move in
             os.rename(f"{pending}.{ROWS}", os.path.join(pending, ROWS))
         _atomic_json(os.path.join(pending, INTEGRITY), file_digests(pending))
         if os.path.isdir(final) and step in self._replace | self._overwrite:
@@ -568,11 +571,7 @@ def _write_rows(folder: str, tables: dict[str, dict[str, np.ndarray]]) -> None:
             rel = f"{i}/{len(files)}"
             arr = np.ascontiguousarray(arr, np.asarray(arr).dtype.newbyteorder("<"))
             path = os.path.join(folder, rel)
-            with DirectWriter(path, direct=None if arr.nbytes >= MIN_BYTES else False,
-                              checksum=True) as f:
-                if arr.size:
-                    f.write(arr.reshape(-1).view(np.uint8))
-            note_written(path, f.tell(), f.crc)
+            note_written(path, *write_file(path, arr.reshape(-1).view(np.uint8)))
             files[key] = {"file": rel, "dtype": arr.dtype.str, "shape": list(arr.shape)}
         index[name] = files
     _atomic_json(os.path.join(folder, "index.json"), {"tables": index})
@@ -622,13 +621,6 @@ def _start(fn: Callable, *args) -> Future:
             job.set_exception(e)
 
     threading.Thread(target=run, daemon=True, name="jctr-checkpoint-rows").start()
-    return job
-
-
-def _done(fn: Callable, *args) -> Future:
-    """``fn(*args)`` now, as a finished future."""
-    job: Future = Future()
-    job.set_result(fn(*args))
     return job
 
 

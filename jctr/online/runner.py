@@ -705,7 +705,7 @@ class OnlineRun:
         # once the snapshot is sealed its files are linked, not written a second time (~350
         # MB of a 4.8M-key day); one that filters rows is written beside the snapshot
         whole = self.store is None and jax.process_count() == 1 and all(
-            spec.eviction is None and k.size == len(st)
+            _every_key(st, k, spec.eviction is not None)
             for spec, st, k in zip(t.specs, self.stats, keys))
 
         def beside(exported) -> None:  # while the batch model's snapshot is written
@@ -791,13 +791,18 @@ class OnlineRun:
         return path
 
 
+def _every_key(stats: FeatureStats, keys: np.ndarray, evicts: bool) -> bool:
+    """Whether ``keys`` (chosen by the statistics) are every key of a table that never
+    evicts: every key with statistics was trained, so is in such a table."""
+    return not evicts and keys.size == len(stats)
+
+
 def _rows_with(table: dict[str, np.ndarray], stats: FeatureStats, keys: np.ndarray,
                evicts: bool = False) -> dict[str, np.ndarray]:
     """The rows of an exported table whose keys are among ``keys`` (a set the statistics
     chose, so found through their index: no sort of the whole table)."""
-    if not evicts and keys.size == len(stats) == table["keys"].size:
-        # every key with statistics is chosen; each of them was trained, so is in a table
-        # that never evicts: as many table keys are the same set, every row is kept
+    if _every_key(stats, keys, evicts) and keys.size == table["keys"].size:
+        # as many table keys are the same set: every row is kept
         return table
     chosen = np.zeros(len(stats) + 1, bool)  # the last entry: keys without statistics
     chosen[stats.rows_of(keys)] = True

@@ -125,25 +125,20 @@ class RunCheckpoints:
                                  readers=[vars(ReaderPosition())] * jax.process_count(),
                                  devices=self.placed.num_devices, monitors=monitors,
                                  tables=tables)
+            rows = os.path.join(ckpt.step_dir(step), ROWS)
             try:
                 if meanwhile is not None:
                     meanwhile(tables if jax.process_count() == 1 else None)
+                ckpt.wait()
+                if then is not None:
+                    then(read_rows(rows, mmap=True)
+                         if jax.process_count() == 1 and os.path.isdir(rows) else None)
             except BaseException:
                 with contextlib.suppress(BaseException):
                     ckpt.wait()
                 if jax.process_index() == 0:  # this run's: the two go together or not at all
                     shutil.rmtree(ckpt.step_dir(step), ignore_errors=True)
                 raise
-            ckpt.wait()
-            if then is not None:
-                rows = os.path.join(ckpt.step_dir(step), ROWS)
-                try:
-                    then(read_rows(rows, mmap=True)
-                         if jax.process_count() == 1 and os.path.isdir(rows) else None)
-                except BaseException:
-                    if jax.process_index() == 0:
-                        shutil.rmtree(ckpt.step_dir(step), ignore_errors=True)
-                    raise
         finally:
             ckpt.finish(report=self.report)
         return ckpt.step_dir(step)

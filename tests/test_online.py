@@ -1190,3 +1190,46 @@ def test_a_model_that_spills_evicted_rows_is_refused_by_streaming(tmp_path):
     spilling.write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="sparse_embedding1.*eviction.spill.*sparse_store"):
         OnlineRun(_online(tmp_path, spilling, tmp_path / "save"), log=lambda s: None).run()
+
+
+def test_the_shrink_in_place_equals_the_masked_columns(monkeypatch):
+    """The shrink compacts the columns in place and rebuilds the index on a thread of its own:
+    the same statistics as the plain formulation of ``CtrCommonAccessor::Shrink``
+    (paddle/fluid/distributed/ps/table/ctr_accessor.cc: decay, then delete by score or unseen
+    days) with masks, every kept key found at its row, and work after it (observe, lookup)
+    waits for the index. A failure of the rebuild is raised where the index is next used."""
+    rng = np.random.default_rng(3)
+    n = 60_000
+    stats = FeatureStats()
+    keys = rng.choice(1 << 40, n, replace=False).astype(np.int64)
+    stats.observe(keys, show=rng.integers(0, 20, n).astype(float), click=0.0)
+    stats.observe(keys[::3], show=1.0, click=1.0)
+    stats.unseen_days[:] = rng.integers(0, 6, n)
+    stats.since_delta[:] = rng.random(n) < 0.5
+    before = {name: col.copy() for name, col in stats.state_dict().items()}
+    rule = ShrinkRule(show_click_decay_rate=0.8, delete_threshold=0.5,
+                      delete_after_unseen_days=4)
+    deleted = stats.shrink(rule)
+    show, click = before["show"] * 0.8, before["click"] * 0.8
+    drop = (ScoreRule().score(show, click) < 0.5) | (before["unseen_days"] > 4)
+    assert 0 < drop.sum() < n
+    np.testing.assert_array_equal(deleted, np.sort(before["keys"][drop]))
+    want = {"keys": before["keys"], "show": show, "click": click,
+            "unseen_days": before["unseen_days"], "delta_score": before["delta_score"],
+            "since_delta": before["since_delta"]}
+    for name, col in stats.state_dict().items():
+        np.testing.assert_array_equal(col, want[name][~drop], err_msg=name)
+    np.testing.assert_array_equal(stats.rows_of(before["keys"]),
+                                  np.where(drop, -1, np.cumsum(~drop) - 1))
+    stats.observe(deleted[:10], show=1.0, click=0.0)  # deleted keys come back as new rows
+    assert len(stats) == (~drop).sum() + 10
+    np.testing.assert_array_equal(stats.rows_of(deleted[:10]), (~drop).sum() + np.arange(10))
+
+    def broken(*args):
+        raise MemoryError("no room for the index")
+
+    monkeypatch.setattr("jctr.online.key_index.rebuild_distinct", broken)
+    stats.unseen_days[:5] = 99
+    assert stats.shrink(ShrinkRule(delete_after_unseen_days=4)).size == 5
+    with pytest.raises(MemoryError, match="no room"):
+        stats.rows_of(keys[:3])

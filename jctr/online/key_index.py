@@ -11,10 +11,11 @@ from jctr.ops.host_index import (
     index_size,
     prefetch,
     rebuild,
+    rebuild_distinct,
     row_or_new,
 )
 
-__all__ = ["accumulate", "find", "index_size", "rebuild"]
+__all__ = ["accumulate", "find", "index_size", "rebuild", "rebuild_distinct", "shrink"]
 
 
 @host_kernel
@@ -59,3 +60,31 @@ def accumulate(index, keys, show, click, delta, unseen, since, n, in_keys, in_sh
     return n
 
 
+
+
+@host_kernel
+def shrink(keys, show, click, unseen, delta, since, n, decay, nonclk_coeff, click_coeff,
+           delete_threshold, max_unseen, deleted):
+    """A day's shrink of rows ``0 .. n-1`` in one pass, in place: show and click decay by
+    ``decay``; a row whose score is then below ``delete_threshold`` or unseen for more than
+    ``max_unseen`` days goes (its key into ``deleted``, room for ``n``), the others move up,
+    in order. Returns (rows kept, keys deleted). One sequential pass over the columns instead
+    of masks, a copy of each column and fresh memory for it (docs/performance.md)."""
+    kept = 0
+    gone = 0
+    for i in range(n):
+        sh = show[i] * decay
+        cl = click[i] * decay
+        if click_coeff * cl + nonclk_coeff * (sh - cl) < delete_threshold \
+                or unseen[i] > max_unseen:
+            deleted[gone] = keys[i]
+            gone += 1
+            continue
+        keys[kept] = keys[i]
+        show[kept] = sh
+        click[kept] = cl
+        unseen[kept] = unseen[i]
+        delta[kept] = delta[i]
+        since[kept] = since[i]
+        kept += 1
+    return kept, gone

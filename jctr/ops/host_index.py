@@ -96,6 +96,22 @@ def rebuild(index, keys, n):
     return -1
 
 
+@host_kernel
+def rebuild_distinct(index, keys, n):
+    """:func:`rebuild` for keys known to be distinct (the kept rows of an index being
+    compacted): no key is compared, so a probe reads only the index (1.5x faster: 9M rows
+    0.19 -> 0.13 s, docs/performance.md)."""
+    index[:] = -1
+    mask = index.size - 1
+    for r in range(n):
+        if r + 32 < n:
+            prefetch(index.ctypes.data + index.itemsize * home(keys[r + 32], mask))
+        s = home(keys[r], mask)
+        while index[s] >= 0:
+            s = (s + 1) & mask
+        index[s] = r
+
+
 def index_size(rows: int) -> int:
     """Slots for ``rows`` rows: a power of two at least twice as many (at least 1,024)."""
     return 1 << max(10, int(2 * max(rows, 1) - 1).bit_length())
@@ -157,7 +173,7 @@ class KeySet:
             grown[:self._n] = self._keys[:self._n]
             self._keys = grown
             self._index = np.empty(index_size(grown.size), np.int64)
-            rebuild(self._index, self._keys, self._n)
+            rebuild_distinct(self._index, self._keys, self._n)
         if self._rows.size < keys.size:
             self._rows = np.empty(keys.size, np.int64)
         self._n = int(upsert(self._index, self._keys, self._n, keys, self._rows[:keys.size]))

@@ -64,7 +64,7 @@ class HostTable:
 
     def _rebuild_slots(self, min_rows: int) -> None:
         self.index = np.empty(host_index.index_size(min_rows), np.int64)
-        host_index.rebuild(self.index, self.keys, self.size)
+        host_index.rebuild_distinct(self.index, self.keys, self.size)  # keys distinct
 
     # -- updates ------------------------------------------------------------------------------
     def upsert(self, keys: np.ndarray, values: np.ndarray, now: int) -> None:

@@ -214,3 +214,40 @@ def test_find_assign_equals_a_first_occurrence_model(free):
         assert (int(size2), int(free2)) == (int(ref[6]), int(ref[7]))
         model = {k: r for k, r in model.items() if r >= 0}  # refused keys try again later
         size, free_count = size2, free2
+
+
+def test_bucket_probes_of_a_crowded_table_with_tombstones_and_wrapping():
+    """The native probes compare a bucket of eight slots at once: on a table of buckets 90%
+    full, with tombstones (passed over; an insert takes an empty slot) and keys whose probe
+    wraps from the last bucket to the first, lookups give the reference's slots
+    (jctr.ops.hashing.find_slots) and inserts place every key where the reference lookup
+    then finds it."""
+    from jctr.embedding.hash_table import TOMBSTONE
+    from jctr.ops.hashing import home_slots
+
+    num_slots = 64  # eight buckets
+    rng = np.random.default_rng(7)
+    pool = rng.choice(10**12, 4000, replace=False).astype(np.int64)
+    homes = np.asarray(home_slots(jnp.asarray(pool), num_slots))
+    last = pool[homes == num_slots - 8][:12]  # twelve keys for the last bucket: they wrap
+    others = pool[homes != num_slots - 8][:46]
+    stored = np.concatenate([last, others])
+    table, slots = reference_find_slots(jnp.full((num_slots,), EMPTY_KEY), jnp.asarray(stored),
+                                        jnp.ones(stored.size, bool), insert=True)
+    slots = np.asarray(slots)
+    assert (slots >= 0).all() and (slots[:12] < 8).any()  # some wrapped to the first bucket
+    gone = rng.choice(stored.size, 9, replace=False)  # erased: tombstones in their slots
+    table = table.at[slots[gone]].set(TOMBSTONE)
+    queries = np.concatenate([stored, pool[-30:]])  # held, erased and never-seen keys
+    valid = jnp.ones(queries.size, bool)
+    got = np.asarray(cpu_ffi.lookup_slots(table, jnp.asarray(queries), valid, 2))
+    _, want = reference_find_slots(table, jnp.asarray(queries), valid, insert=False)
+    np.testing.assert_array_equal(got, np.asarray(want))
+    assert (got[gone] == -1).all() and (got[np.setdiff1d(np.arange(stored.size), gone)] >= 0
+                                        ).all()
+    new = pool[-5:]  # five new keys fill the empty slots (tombstones are not reused)
+    grown, placed = cpu_ffi.insert_slots(table, jnp.asarray(new), jnp.ones(5, bool))
+    placed = np.asarray(placed)
+    assert (placed >= 0).all() and (np.asarray(table)[placed] == EMPTY_KEY).all()
+    _, found = reference_find_slots(grown, jnp.asarray(new), jnp.ones(5, bool), insert=False)
+    np.testing.assert_array_equal(np.asarray(found), placed)

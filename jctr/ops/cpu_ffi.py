@@ -30,6 +30,10 @@ Kernels here:
   XLA's formulations need the batch as the innermost axis (two transposes) or run batched tiny
   matmuls one sample at a time.
 
+The probes of the three hash kernels compare a bucket of eight slots (one cache line) with
+the key in one vector compare (``_bucket_code``: LLVM vector code, AVX-512 or AVX2 alike),
+not slot by slot: the slot loop's exit was a mispredicted branch per key.
+
 What they gain: ``docs/performance.md``.
 
 The callers split the batch in two calls, which XLA runs on its two threads when the other
@@ -168,6 +172,64 @@ if AVAILABLE:
                 pos = 0
         return -1
 
+    _KEYS8 = ir.VectorType(ir.IntType(64), BUCKET)
+
+    @intrinsic
+    def _bucket_code(typingctx, address, key):
+        """The first of the eight slots at ``address`` (a bucket of int64 keys) that holds
+        ``key`` or is empty, in one vector compare: its index (8: none), plus 16 when it
+        holds the key. The slot loop's per-slot compare and branch (a mispredicted exit per
+        key) become one load, two compares and a count of trailing zeros."""
+        def codegen(context, builder, signature, args):
+            i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+            vec = builder.load(builder.inttoptr(args[0], _KEYS8.as_pointer()), align=8)
+
+            def splat(value):
+                one = builder.insert_element(ir.Constant(_KEYS8, ir.Undefined), value,
+                                             ir.Constant(i32, 0))
+                return builder.shuffle_vector(one, ir.Constant(_KEYS8, ir.Undefined),
+                                              ir.Constant(ir.VectorType(i32, BUCKET),
+                                                          [0] * BUCKET))
+
+            hit = builder.icmp_signed("==", vec, splat(args[1]))
+            empty = builder.icmp_signed("==", vec, splat(ir.Constant(i64, int(EMPTY_KEY))))
+            either = builder.zext(builder.bitcast(builder.or_(hit, empty), i8), i32)
+            hits = builder.zext(builder.bitcast(hit, i8), i32)
+            # a bit above the eight makes the count 8 when no slot answers
+            at = builder.call(cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(i32, [i32, ir.IntType(1)]), "llvm.cttz.i32"),
+                [builder.or_(either, ir.Constant(i32, 1 << BUCKET)), ir.Constant(ir.IntType(1), 0)])
+            found = builder.and_(builder.lshr(hits, at), ir.Constant(i32, 1))
+            return builder.zext(builder.or_(at, builder.shl(found, ir.Constant(i32, 4))), i64)
+        return types.int64(types.int64, types.int64), codegen
+
+    @numba.njit(inline="always")
+    def _probe_buckets(slot_keys, keys_at, key, pos, num_slots, insert):
+        """:func:`_probe` for slots in buckets of eight (``pos`` a bucket's first slot), a
+        bucket at a time."""
+        for _ in range(num_slots // _BUCKET):
+            code = _bucket_code(keys_at + 8 * pos, key)
+            at = code & 15
+            if at < _BUCKET:
+                if code & 16:
+                    return pos + at
+                if insert:
+                    slot_keys[pos + at] = key
+                    return pos + at
+                return -1
+            pos += _BUCKET
+            if pos == num_slots:
+                pos = 0
+        return -1
+
+    @numba.njit(inline="always")
+    def _probe_slots(slot_keys, keys_at, key, buckets, width, num_slots, insert):
+        """The key's slot from its home: bucket by bucket where the slots are in buckets."""
+        pos = _home(key, buckets, width)
+        if width == _BUCKET:
+            return _probe_buckets(slot_keys, keys_at, key, pos, num_slots, insert)
+        return _probe(slot_keys, key, pos, num_slots, insert)
+
     @numba.njit(inline="always")
     def _probe_all(slot_keys, slot_keys_address, keys, valid, out, insert=False):
         """The slot of each valid key (-1: absent); with ``insert`` an absent key takes the
@@ -181,8 +243,8 @@ if AVAILABLE:
                 _prefetch(slot_keys_address + 8 * _home(keys[ahead], buckets, width))
             out[i] = -1
             if valid[i]:
-                out[i] = _probe(slot_keys, keys[i], _home(keys[i], buckets, width), num_slots,
-                                insert)
+                out[i] = _probe_slots(slot_keys, slot_keys_address, keys[i], buckets, width,
+                                      num_slots, insert)
 
     def _hash_insert(frame_pointer):
         frame = _address(frame_pointer)
@@ -272,11 +334,12 @@ if AVAILABLE:
             if ahead < n and valid[ahead]:
                 h = _home(keys[ahead], buckets, width)
                 _prefetch(keys_at + 8 * h)
+                _prefetch(keys_at + 8 * h + 64)
                 _prefetch(rows_at + 4 * h)
                 _prefetch(scratch_at + 4 * h)
             s = -1
             if valid[i]:
-                s = _probe(slot_keys, keys[i], _home(keys[i], buckets, width), num_slots, True)
+                s = _probe_slots(slot_keys, keys_at, keys[i], buckets, width, num_slots, True)
             slots[i] = s
             n_new, n_granted = _take_row(i, s, slots, slot_rows, scratch, free_rows, size0,
                                          free0, capacity, n_new, n_granted, rows, rep, new,

@@ -37,6 +37,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jctr._x64  # noqa: E402,F401  (64-bit keys)
+from jctr.runtime.host_memory import reexec_with_malloc_tuning  # noqa: E402
 from scripts.bench_hps import cpu_name  # noqa: E402
 
 
@@ -118,7 +119,11 @@ def main() -> int:
     ap.add_argument("--vocab", type=int, default=100_000_000)
     ap.add_argument("--policy", default="lru")
     args = ap.parse_args()
-    print(f"CPU: {cpu_name()}; jax {jax.__version__} on {jax.default_backend()}")
+    # the same host memory setting as `python -m jctr.train` (JCTR_HOST_MEMORY_TUNING=0: off);
+    # np.take's baseline runs under it too
+    reexec_with_malloc_tuning([os.path.abspath(__file__), *sys.argv[1:]])
+    print(f"CPU: {cpu_name()}; jax {jax.__version__} on {jax.default_backend()}; "
+          f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
     cap, n = args.capacity, args.batch
     rng = np.random.default_rng(0)
     values = rng.random((cap, args.dim), dtype=np.float32)

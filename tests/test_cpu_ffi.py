@@ -251,3 +251,80 @@ def test_bucket_probes_of_a_crowded_table_with_tombstones_and_wrapping():
     assert (placed >= 0).all() and (np.asarray(table)[placed] == EMPTY_KEY).all()
     _, found = reference_find_slots(grown, jnp.asarray(new), jnp.ones(5, bool), insert=False)
     np.testing.assert_array_equal(np.asarray(found), placed)
+
+
+@pytest.mark.parametrize("seed,zero_tail,per_column", [(0, False, False), (7, True, True),
+                                                       (123456789, False, True)])
+def test_init_rows_writes_key_uniform_bit_for_bit(seed, zero_tail, per_column):
+    """``jctr_cpu_init_rows`` (the rows a training lookup created, in one native pass) writes
+    what the XLA formulation writes: ``key_uniform`` of the key times the optimizer's scales
+    (one bound, or SparseAdaGradSGDRule's per-part ranges), the admission's zeroed tail, and
+    each row's slot; rows of other positions (and rows -1) untouched."""
+    from jctr.ops.hashing import key_uniform
+
+    rng = np.random.default_rng(seed)
+    capacity, dim, n = 500, 16, 300
+    values = jnp.asarray(rng.random((capacity, dim), dtype=np.float32))
+    row_slot = jnp.full(capacity, -1, jnp.int32)
+    keys = jnp.asarray(rng.integers(-(1 << 62), 1 << 62, n))
+    rows = jnp.asarray(np.where(rng.random(n) < 0.1, -1,
+                                rng.permutation(capacity)[:n]).astype(np.int32))
+    fresh = jnp.asarray(rng.random(n) < 0.6)
+    key_slots = jnp.asarray(rng.integers(0, 26, n).astype(np.int32))
+    scales = (jnp.linspace(0.01, 0.5, dim, dtype=jnp.float32) if per_column
+              else np.float32(0.05))
+    got, got_slots = jax.jit(lambda *a: cpu_ffi.init_rows(*a, scales, seed, zero_tail))(
+        values, row_slot, keys, rows, fresh, key_slots)
+    want_rows = key_uniform(keys, dim, seed, 1.0) * scales
+    if zero_tail:
+        want_rows = want_rows.at[:, 1:].set(0.0)
+    at = jnp.where(fresh & (rows >= 0), rows, capacity)
+    want = values.at[at].set(want_rows, mode="drop")
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32),
+                                  np.asarray(want).view(np.uint32))
+    np.testing.assert_array_equal(np.asarray(got_slots),
+                                  np.asarray(row_slot.at[at].set(key_slots, mode="drop")))
+
+
+def test_a_training_lookup_on_cpu_equals_the_reference_formulation(monkeypatch):
+    """A CPU training lookup (native find-and-assign, native initial rows) leaves the table
+    the jnp references leave (``JCTR_KERNELS=reference``), over batches of new and known keys,
+    bit for bit."""
+    from jctr.config.schema import OptimizerConfig
+    from jctr.embedding.hash_table import export_items
+    from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding, lookup_keys
+
+    spec = EmbeddingSpec("t", capacity=3000, dim=8, slot_num=2, max_features=2,
+                         one_hot=False, input_index=0,
+                         optimizer=OptimizerConfig("SparseAdaGradSGDRule", embedx_threshold=2.0))
+    rng = np.random.default_rng(5)
+    feed = [rng.integers(0, 2500, 1000) * 977 for _ in range(4)]
+
+    def run():
+        # a key's slot id follows from the key (which of a key's positions creates its row
+        # may differ)
+        step = jax.jit(lambda s, k: lookup_keys(spec, s, k, jnp.ones(k.shape, bool),
+                                                (k % 2).astype(jnp.int32), train=True))
+        state = init_embedding(spec)
+        text = step.lower(state, jnp.asarray(feed[0])).as_text()
+        for keys in feed:
+            state, _ = step(state, jnp.asarray(keys))
+        return state, "jctr_cpu_init_rows" in text
+
+    native, called = run()
+    assert called
+    monkeypatch.setenv("JCTR_KERNELS", "reference")
+    reference, called = run()
+    assert not called
+    # per key (which slot and row a new key gets may differ: the reference claims them in
+    # rounds): its vector, its slot id and its optimizer state
+    keys, rows = export_items(native.table)
+    want_keys, want_rows = export_items(reference.table)
+    assert keys.size == want_keys.size == int(reference.table.size) > 1000
+    order, want_order = np.argsort(keys), np.argsort(want_keys)
+    np.testing.assert_array_equal(keys[order], want_keys[want_order])
+    rows, want_rows = rows[order], want_rows[want_order]
+    for got, want in [(native.values, reference.values), (native.row_slot, reference.row_slot),
+                      *zip(native.slots.values(), reference.slots.values())]:
+        got, want = np.asarray(got)[rows], np.asarray(want)[want_rows]
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

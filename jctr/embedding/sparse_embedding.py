@@ -15,6 +15,7 @@ from jctr.embedding.hash_table import HashTable, Lookup, create_table, erase, lo
 from jctr.ops import (
     embedding_bag_backward,
     embedding_bag_forward,
+    initialize_rows,
     key_gradients,
     key_uniform,
     sum_at_representatives,
@@ -190,13 +191,24 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
 
         return jax.lax.while_loop(lambda c: jnp.any(c[0]), body, c)
 
-    start = (lk.fresh, state.values, state.row_slot, state.slots)
-    if chunk < n:
-        many = jnp.sum(lk.fresh, dtype=jnp.int32) > 2 * chunk
-        _, values, row_slot, slots = jax.lax.cond(many, dense, compacted, start)
-    else:
-        _, values, row_slot, slots = compacted(start)
-    return state._replace(values=values, row_slot=row_slot, slots=slots)
+    def chunked(values, row_slot, slots):
+        start = (lk.fresh, values, row_slot, slots)
+        if chunk < n:
+            many = jnp.sum(lk.fresh, dtype=jnp.int32) > 2 * chunk
+            return jax.lax.cond(many, dense, compacted, start)[1:]
+        return compacted(start)[1:]
+
+    if reset:
+        values, row_slot, slots = chunked(state.values, state.row_slot, state.slots)
+        return state._replace(values=values, row_slot=row_slot, slots=slots)
+    # one pass over the batch on CPU (no compaction: 10-hot batches paid ~40 ms a step for
+    # it, docs/performance.md); the chunks elsewhere
+    values, row_slot = initialize_rows(
+        state.values, state.row_slot, keys, lk.rows, lk.fresh, key_slots,
+        scales=row_opt.initial_scales(spec.optimizer, spec.dim, spec.init_bound),
+        seed=spec.seed, zero_tail=row_opt.admits(spec.optimizer),
+        reference=lambda values, row_slot, *_: chunked(values, row_slot, state.slots)[:2])
+    return state._replace(values=values, row_slot=row_slot)
 
 
 def initial_vectors(spec: EmbeddingSpec, keys: jax.Array) -> jax.Array:

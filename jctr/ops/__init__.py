@@ -11,6 +11,7 @@ from jctr.ops.dispatch import (
     evict_rows,
     find_and_assign,
     find_slots,
+    initialize_rows,
     linear,
 )
 from jctr.ops.hashing import (
@@ -28,7 +29,7 @@ from jctr.ops.interaction import dot_interaction_reference, interaction_output_d
 __all__ = [
     "EMPTY_KEY", "dot_interaction", "dot_interaction_reference", "embedding_bag",
     "embedding_bag_backward", "embedding_bag_forward", "evict_rows", "find_and_assign",
-    "find_slots", "gather_rows", "hash_keys", "home_slots", "interaction_output_dim",
-    "key_gradients", "key_uniform", "linear", "mix64", "owner_shards", "owner_shards_host",
-    "representatives", "sum_at_representatives",
+    "find_slots", "gather_rows", "hash_keys", "home_slots", "initialize_rows",
+    "interaction_output_dim", "key_gradients", "key_uniform", "linear", "mix64",
+    "owner_shards", "owner_shards_host", "representatives", "sum_at_representatives",
 ]

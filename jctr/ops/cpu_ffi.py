@@ -382,6 +382,55 @@ if AVAILABLE:
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 8)[0]), (2,), np.int32))
         return _pointer(0)
 
+    _UNIT = np.float32(1.0 / (1 << 24))
+
+    @numba.njit(inline="always")
+    def _init_rows(values, row_slot, keys, rows, fresh, key_slots, scales, salt, zero_tail):
+        """Each fresh position's row gets its key's initial vector
+        (:func:`jctr.ops.hashing.key_uniform` times ``scales``, bit for bit; with
+        ``zero_tail`` every column but the first is 0) and its slot; one pass over the batch,
+        the rows written in place (the row of a position ``_AHEAD`` on fetched first)."""
+        n, capacity, dim = keys.shape[0], values.shape[0], values.shape[1]
+        values_at = values.ctypes.data
+        for i in range(n):
+            ahead = i + _AHEAD
+            if ahead < n and fresh[ahead] and 0 <= rows[ahead] < capacity:
+                _prefetch(values_at + 4 * dim * np.int64(rows[ahead]))
+            r = rows[i]
+            if not fresh[i] or r < 0 or r >= capacity:
+                continue
+            h = _mix(np.uint64(keys[i]) ^ salt)
+            for c in range(dim):
+                bits = _mix(h + np.uint64(c + 1) * _GOLDEN) >> np.uint64(40)
+                u = np.float32(bits) * _UNIT
+                v = (np.float32(2.0) * u - np.float32(1.0)) * scales[c]
+                values[r, c] = np.float32(0.0) if zero_tail and c > 0 else v
+            row_slot[r] = key_slots[i]
+
+    def _init_rows_frame(frame_pointer):
+        frame = _address(frame_pointer)
+        if _answer_metadata(frame):
+            return _pointer(0)
+        values_in, value_dims = _buffer(frame, _FRAME_ARGS, 0)
+        slot_in, _ = _buffer(frame, _FRAME_ARGS, 1)
+        key_data, key_dims = _buffer(frame, _FRAME_ARGS, 2)
+        params = carray(_pointer(_buffer(frame, _FRAME_ARGS, 7)[0]), (2,), np.int64)
+        shape = carray(_pointer(value_dims), (2,), np.int64)
+        capacity, dim, n = shape[0], shape[1], _word(key_dims)
+        values_at = _buffer(frame, _FRAME_RETS, 0)[0]
+        slot_at = _buffer(frame, _FRAME_RETS, 1)[0]
+        _adopt(values_at, values_in, 4 * capacity * dim)
+        _adopt(slot_at, slot_in, 4 * capacity)
+        _init_rows(carray(_pointer(values_at), (capacity, dim), np.float32),
+                   carray(_pointer(slot_at), (capacity,), np.int32),
+                   carray(_pointer(key_data), (n,), np.int64),
+                   carray(_pointer(_buffer(frame, _FRAME_ARGS, 3)[0]), (n,), np.int32),
+                   carray(_pointer(_buffer(frame, _FRAME_ARGS, 4)[0]), (n,), np.bool_),
+                   carray(_pointer(_buffer(frame, _FRAME_ARGS, 5)[0]), (n,), np.int32),
+                   carray(_pointer(_buffer(frame, _FRAME_ARGS, 6)[0]), (dim,), np.float32),
+                   np.uint64(params[0]), params[1] != 0)
+        return _pointer(0)
+
     _TOMBSTONE = EMPTY_KEY + 1
     _NEVER = np.iinfo(np.int64).max
     _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -622,6 +671,7 @@ if AVAILABLE:
         _hash_lookup_handler = _cfunc(_hash_lookup)
         _hash_insert_handler = _cfunc(_hash_insert)
         _find_assign_handler = _cfunc(_find_assign_rows)
+        _init_rows_handler = _cfunc(_init_rows_frame)
         _evict_handler = _cfunc(_evict_rows)
         _pair_dots_handler = _cfunc(_pair_dots)
         _pair_dots_grad_handler = _cfunc(_pair_dots_grad)
@@ -639,6 +689,7 @@ def _register() -> None:
     for name, handler in (("jctr_cpu_hash_lookup", _hash_lookup_handler),
                           ("jctr_cpu_hash_insert", _hash_insert_handler),
                           ("jctr_cpu_find_assign", _find_assign_handler),
+                          ("jctr_cpu_init_rows", _init_rows_handler),
                           ("jctr_cpu_evict", _evict_handler),
                           ("jctr_cpu_pair_dots", _pair_dots_handler),
                           ("jctr_cpu_pair_dots_grad", _pair_dots_grad_handler)):
@@ -705,6 +756,27 @@ def find_assign(slot_keys: jax.Array, slot_rows: jax.Array, scratch: jax.Array,
             keys.astype(jnp.int64), valid.astype(jnp.bool_))
     return (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, counts[0],
             counts[1])
+
+
+def init_rows(values: jax.Array, row_slot: jax.Array, keys: jax.Array, rows: jax.Array,
+              fresh: jax.Array, key_slots: jax.Array, scales: jax.Array, seed: int,
+              zero_tail: bool) -> tuple[jax.Array, jax.Array]:
+    """(values, row_slot) with each ``fresh`` position's row (``rows``) set to its key's
+    initial vector (:func:`jctr.ops.hashing.key_uniform` of ``seed`` times ``scales`` [dim],
+    bit for bit; ``zero_tail``: columns after the first 0) and ``row_slot`` to its
+    ``key_slots``; in one native pass, in place when the buffers can be donated. float32
+    values. CPU only."""
+    _register()
+    salt = np.uint64((seed * 0x2545F4914F6CDD1D) & 0xFFFFFFFFFFFFFFFF).view(np.int64)
+    params = jnp.asarray([salt, int(zero_tail)], jnp.int64)
+    return jax.ffi.ffi_call(
+        "jctr_cpu_init_rows",
+        (jax.ShapeDtypeStruct(values.shape, jnp.float32),
+         jax.ShapeDtypeStruct(row_slot.shape, jnp.int32)),
+        input_output_aliases={0: 0, 1: 1})(
+            values, row_slot, keys.astype(jnp.int64), rows.astype(jnp.int32),
+            fresh.astype(jnp.bool_), key_slots.astype(jnp.int32),
+            jnp.broadcast_to(jnp.asarray(scales, jnp.float32), (values.shape[1],)), params)
 
 
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")  # the kernel's policy codes

@@ -169,6 +169,22 @@ def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, 
     return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
 
 
+def initialize_rows(values, row_slot, keys, rows, fresh, key_slots, *, scales, seed: int,
+                    zero_tail: bool, reference):
+    """(values, row_slot) with the initial vectors and slots of the rows a training lookup
+    created (``fresh`` positions); ``reference``: the XLA formulation, called with the same
+    six arrays. On CPU one native pass (:func:`jctr.ops.cpu_ffi.init_rows`, bit for bit
+    :func:`jctr.ops.hashing.key_uniform` times ``scales``) for float32 tables."""
+    args = (values, row_slot, keys, rows, fresh, key_slots)
+    if _mode() == "reference" or not cpu_ffi.AVAILABLE or values.dtype != jnp.float32:
+        return reference(*args)
+
+    def cpu(*args):
+        return cpu_ffi.init_rows(*args, scales, seed, zero_tail)
+
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
+
+
 def evict_rows(reference, slot_keys, slot_rows, row_slots, score, keys, slots, needy, clock, *,
                policy: str, epoch_steps: int, samples: int, chunk: int):
     """The rows a full table's new keys take (``reference``: the XLA formulation,

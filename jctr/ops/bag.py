@@ -12,7 +12,8 @@ import jax
 import jax.numpy as jnp
 
 
-def _counts(segments, num_segments, dtype):
+def segment_counts(segments, num_segments, dtype):
+    """Positions per segment id (ids >= num_segments dropped)."""
     return jax.ops.segment_sum(jnp.ones(segments.shape, dtype), segments,
                                num_segments=num_segments, indices_are_sorted=True)
 
@@ -29,7 +30,8 @@ def embedding_bag(vectors: jax.Array, segments: jax.Array, num_segments: int,
     out = jax.ops.segment_sum(vectors, segments, num_segments=num_segments,
                               indices_are_sorted=True)
     if combiner == "mean":
-        out = out / jnp.maximum(_counts(segments, num_segments, vectors.dtype), 1.0)[:, None]
+        out = out / jnp.maximum(segment_counts(segments, num_segments, vectors.dtype),
+                                1.0)[:, None]
     return out
 
 
@@ -44,7 +46,7 @@ def key_gradients(grad_out: jax.Array, segments: jax.Array, num_segments: int,
     """[n, dim]: each key's gradient is its segment's (over the count for mean); padding 0."""
     g = grad_out.at[segments].get(mode="fill", fill_value=0.0)
     if combiner == "mean":
-        cnt = _counts(segments, num_segments, grad_out.dtype)
+        cnt = segment_counts(segments, num_segments, grad_out.dtype)
         g = g / jnp.maximum(cnt.at[segments].get(mode="fill", fill_value=1.0), 1.0)[:, None]
     return g
 

@@ -431,6 +431,59 @@ if AVAILABLE:
                    np.uint64(params[0]), params[1] != 0)
         return _pointer(0)
 
+    _ROW16 = ir.VectorType(ir.FloatType(), 16)
+
+    @intrinsic
+    def _add_16(typingctx, dst, src):
+        """Sixteen float32 at address ``src`` added to those at ``dst``, as one vector (numba
+        leaves the element loop scalar: three instructions instead of ~50 a row)."""
+        def codegen(context, builder, signature, args):
+            to = builder.inttoptr(args[0], _ROW16.as_pointer())
+            row = builder.load(builder.inttoptr(args[1], _ROW16.as_pointer()), align=4)
+            builder.store(builder.fadd(builder.load(to, align=4), row), to, align=4)
+        return types.void(types.int64, types.int64), codegen
+
+    @numba.njit(inline="always")
+    def _bag_sum(values, rows, segments, out):
+        """``out[s]`` = the sum of ``values[rows[i]]`` over the positions ``i`` of segment
+        ``s`` (rows < 0 and segments outside ``out`` add nothing), one pass over the batch,
+        the row of a position ``_AHEAD`` on fetched first: the gathered rows are never
+        written out ([n, dim] for a 10-hot batch: 136 MB a step)."""
+        n, capacity, dim, num_segments = rows.shape[0], values.shape[0], values.shape[1], \
+            out.shape[0]
+        values_at, out_at = values.ctypes.data, out.ctypes.data
+        out[:, :] = np.float32(0.0)
+        for i in range(n):
+            ahead = i + _AHEAD
+            if ahead < n and 0 <= rows[ahead] < capacity:
+                _prefetch(values_at + 4 * dim * np.int64(rows[ahead]))
+            r, s = rows[i], segments[i]
+            if r < 0 or r >= capacity or s < 0 or s >= num_segments:
+                continue
+            if dim % 16 == 0:
+                for c in range(0, dim, 16):
+                    _add_16(out_at + 4 * (dim * np.int64(s) + c),
+                            values_at + 4 * (dim * np.int64(r) + c))
+            else:
+                for c in range(dim):
+                    out[s, c] += values[r, c]
+
+    def _bag_sum_frame(frame_pointer):
+        frame = _address(frame_pointer)
+        if _answer_metadata(frame):
+            return _pointer(0)
+        values, value_dims = _buffer(frame, _FRAME_ARGS, 0)
+        row_data, row_dims = _buffer(frame, _FRAME_ARGS, 1)
+        segment_data, _ = _buffer(frame, _FRAME_ARGS, 2)
+        out, out_dims = _buffer(frame, _FRAME_RETS, 0)
+        shape = carray(_pointer(value_dims), (2,), np.int64)
+        n, num_segments = _word(row_dims), _word(out_dims)
+        _bag_sum(carray(_pointer(values), (shape[0], shape[1]), np.float32),
+                 carray(_pointer(row_data), (n,), np.int32),
+                 carray(_pointer(segment_data), (n,), np.int32),
+                 carray(_pointer(out), (num_segments, shape[1]), np.float32))
+        return _pointer(0)
+
     _TOMBSTONE = EMPTY_KEY + 1
     _NEVER = np.iinfo(np.int64).max
     _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -672,6 +725,7 @@ if AVAILABLE:
         _hash_insert_handler = _cfunc(_hash_insert)
         _find_assign_handler = _cfunc(_find_assign_rows)
         _init_rows_handler = _cfunc(_init_rows_frame)
+        _bag_sum_handler = _cfunc(_bag_sum_frame)
         _evict_handler = _cfunc(_evict_rows)
         _pair_dots_handler = _cfunc(_pair_dots)
         _pair_dots_grad_handler = _cfunc(_pair_dots_grad)
@@ -690,6 +744,7 @@ def _register() -> None:
                           ("jctr_cpu_hash_insert", _hash_insert_handler),
                           ("jctr_cpu_find_assign", _find_assign_handler),
                           ("jctr_cpu_init_rows", _init_rows_handler),
+                          ("jctr_cpu_bag_sum", _bag_sum_handler),
                           ("jctr_cpu_evict", _evict_handler),
                           ("jctr_cpu_pair_dots", _pair_dots_handler),
                           ("jctr_cpu_pair_dots_grad", _pair_dots_grad_handler)):
@@ -777,6 +832,18 @@ def init_rows(values: jax.Array, row_slot: jax.Array, keys: jax.Array, rows: jax
             values, row_slot, keys.astype(jnp.int64), rows.astype(jnp.int32),
             fresh.astype(jnp.bool_), key_slots.astype(jnp.int32),
             jnp.broadcast_to(jnp.asarray(scales, jnp.float32), (values.shape[1],)), params)
+
+
+def bag_sum(values: jax.Array, rows: jax.Array, segments: jax.Array,
+            num_segments: int) -> jax.Array:
+    """[num_segments, dim] float32: per segment the sum of its positions' rows of ``values``
+    (float32; rows < 0 and segment ids >= num_segments add nothing), in one native pass
+    without the gathered [n, dim] rows. The forward of
+    :func:`jctr.ops.bag.embedding_bag_forward_reference` with ``sum``. CPU only."""
+    _register()
+    return jax.ffi.ffi_call(
+        "jctr_cpu_bag_sum", jax.ShapeDtypeStruct((num_segments, values.shape[1]), jnp.float32))(
+            values, rows.astype(jnp.int32), segments.astype(jnp.int32))
 
 
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")  # the kernel's policy codes

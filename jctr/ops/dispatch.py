@@ -10,6 +10,7 @@ default) is the choice above.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import jax
@@ -35,10 +36,12 @@ def _mode() -> str:
     return mode
 
 
-# The embedding bag: XLA's gather + segment sum on every platform. The Pallas/Triton bag kernels
-# (jctr.ops.pallas_bag) lost to it on the first GPU measured (H200, scripts/bench_ops.py in
-# scripts/gpu_check.sh, 212,992 keys of dim 16: forward 342 vs 1,027 M rows/s, backward 831 vs
-# 2,629 M rows/s; docs/performance.md "GPU check"); they stay tested and measured there.
+# The embedding bag: XLA's gather + segment sum on GPU, one native pass on CPU (the gathered
+# rows of a 10-hot batch, 136 MB a step, are never written; docs/performance.md). The
+# Pallas/Triton bag kernels (jctr.ops.pallas_bag) lost to XLA on the first GPU measured (H200,
+# scripts/bench_ops.py in scripts/gpu_check.sh, 212,992 keys of dim 16: forward 342 vs 1,027 M
+# rows/s, backward 831 vs 2,629 M rows/s; docs/performance.md "GPU check"); they stay tested
+# and measured there.
 
 
 def embedding_bag_forward(values, rows, segments, num_segments: int, combiner: str = "sum",
@@ -46,7 +49,44 @@ def embedding_bag_forward(values, rows, segments, num_segments: int, combiner: s
     """[num_segments, dim] pooled rows (see :mod:`jctr.ops.bag`)."""
     if one_hot:  # one key per segment: a plain gather is already optimal on every platform
         return ref.gather_rows(values, rows)
-    return ref.embedding_bag_forward_reference(values, rows, segments, num_segments, combiner)
+    if (_mode() == "reference" or not cpu_ffi.AVAILABLE or values.dtype != jnp.float32
+            or values.ndim != 2):
+        return ref.embedding_bag_forward_reference(values, rows, segments, num_segments,
+                                                   combiner)
+    return _bag_forward(values, rows, segments, num_segments, combiner)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _bag_forward(values, rows, segments, num_segments: int, combiner: str):
+    """On CPU the sums in one native pass (:func:`jctr.ops.cpu_ffi.bag_sum`: the gathered rows
+    of a 10-hot batch are never written out); differentiable as the reference."""
+    def reference(values, rows, segments):
+        return ref.embedding_bag_forward_reference(values, rows, segments, num_segments,
+                                                   combiner)
+
+    def cpu(values, rows, segments):
+        out = cpu_ffi.bag_sum(values, rows, segments, num_segments)
+        if combiner == "mean":
+            out = out / jnp.maximum(ref.segment_counts(segments, num_segments, out.dtype),
+                                    1.0)[:, None]
+        return out
+
+    return jax.lax.platform_dependent(values, rows, segments, cpu=cpu, default=reference)
+
+
+def _bag_forward_fwd(values, rows, segments, num_segments, combiner):
+    return _bag_forward(values, rows, segments, num_segments, combiner), (values, rows,
+                                                                          segments)
+
+
+def _bag_forward_bwd(num_segments, combiner, residuals, grad):
+    values, rows, segments = residuals
+    g = ref.key_gradients(grad, segments, num_segments, combiner)
+    safe = jnp.where(rows >= 0, rows, values.shape[0])
+    return jnp.zeros_like(values).at[safe].add(g.astype(values.dtype), mode="drop"), None, None
+
+
+_bag_forward.defvjp(_bag_forward_fwd, _bag_forward_bwd)
 
 
 def embedding_bag_backward(grad_out, segments, rep, num_segments: int, combiner: str = "sum",

@@ -149,66 +149,63 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
                           lk: Lookup, key_slots: jax.Array) -> EmbeddingState:
     """Write the initial vector (and slot) of the rows this lookup created.
 
-    New keys are few in steady state, so they are handled in compacted chunks: the cost per
-    step is one pass over the batch plus the new keys, not a random vector per key. A batch
-    whose keys are mostly new (a young table, uniform keys) is written in one dense pass
-    instead (the chunks' compactions would cost more than the vectors).
+    On CPU one native pass over the batch (:func:`jctr.ops.initialize_rows`). Elsewhere new
+    keys, few in steady state, are handled in compacted chunks: the cost per step is one pass
+    over the batch plus the new keys, not a random vector per key; a batch whose keys are
+    mostly new (a young table, uniform keys) is written in one dense pass instead (the chunks'
+    compactions would cost more than the vectors).
     """
     n = keys.shape[0]
     capacity = state.values.shape[0]
     chunk = min(n, max(64, n // 16))
-    # an evicted key's row held another key's optimizer state: it starts again too
-    reset = spec.eviction is not None and bool(state.slots)
-    initial = row_opt.init_slots(spec.optimizer, 1, spec.dim) if reset else {}
 
-    def write(values, row_slot, slots, sub_keys, rows, sub_key_slots):
-        m = rows.shape[0]
+    def write(values, row_slot, sub_keys, rows, sub_key_slots):
         rows = jnp.where(rows >= 0, rows, capacity)
         fresh = initial_vectors(spec, sub_keys)
         if row_opt.admits(spec.optimizer):  # the first dimension only, until admitted
             fresh = fresh.at[:, 1:].set(0.0)
-        values = values.at[rows].set(fresh, mode="drop")
-        row_slot = row_slot.at[rows].set(sub_key_slots, mode="drop")
-        slots = {name: arr.at[rows].set(jnp.broadcast_to(initial[name][0], (m,)
-                                                         + arr.shape[1:]), mode="drop")
-                 for name, arr in slots.items()} if reset else slots
-        return values, row_slot, slots
+        return (values.at[rows].set(fresh, mode="drop"),
+                row_slot.at[rows].set(sub_key_slots, mode="drop"))
 
     def dense(c):
-        _, values, row_slot, slots = c
-        return (lk.fresh,) + write(values, row_slot, slots, keys,
-                                   jnp.where(lk.fresh, lk.rows, -1), key_slots)
+        _, values, row_slot = c
+        return (lk.fresh,) + write(values, row_slot, keys, jnp.where(lk.fresh, lk.rows, -1),
+                                   key_slots)
 
     def compacted(c):
         def body(c):
-            todo, values, row_slot, slots = c
+            todo, values, row_slot = c
             idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
-            values, row_slot, slots = write(
-                values, row_slot, slots, keys.at[idx].get(mode="fill", fill_value=0),
+            values, row_slot = write(
+                values, row_slot, keys.at[idx].get(mode="fill", fill_value=0),
                 lk.rows.at[idx].get(mode="fill", fill_value=-1),
                 key_slots.at[idx].get(mode="fill", fill_value=-1))
-            return todo.at[idx].set(False, mode="drop"), values, row_slot, slots
+            return todo.at[idx].set(False, mode="drop"), values, row_slot
 
         return jax.lax.while_loop(lambda c: jnp.any(c[0]), body, c)
 
-    def chunked(values, row_slot, slots):
-        start = (lk.fresh, values, row_slot, slots)
+    def chunked(values, row_slot, *_):
+        start = (lk.fresh, values, row_slot)
         if chunk < n:
             many = jnp.sum(lk.fresh, dtype=jnp.int32) > 2 * chunk
             return jax.lax.cond(many, dense, compacted, start)[1:]
         return compacted(start)[1:]
 
-    if reset:
-        values, row_slot, slots = chunked(state.values, state.row_slot, state.slots)
-        return state._replace(values=values, row_slot=row_slot, slots=slots)
-    # one pass over the batch on CPU (no compaction: 10-hot batches paid ~40 ms a step for
-    # it, docs/performance.md); the chunks elsewhere
+    # (the compactions cost a 10-hot batch ~40 ms a step on CPU, docs/performance.md)
     values, row_slot = initialize_rows(
         state.values, state.row_slot, keys, lk.rows, lk.fresh, key_slots,
         scales=row_opt.initial_scales(spec.optimizer, spec.dim, spec.init_bound),
-        seed=spec.seed, zero_tail=row_opt.admits(spec.optimizer),
-        reference=lambda values, row_slot, *_: chunked(values, row_slot, state.slots)[:2])
-    return state._replace(values=values, row_slot=row_slot)
+        seed=spec.seed, zero_tail=row_opt.admits(spec.optimizer), reference=chunked)
+    slots = state.slots
+    if spec.eviction is not None and slots:
+        # an evicted key's row held another key's optimizer state: it starts again too (one
+        # scatter a slot array; positions that created no row dropped)
+        initial = row_opt.init_slots(spec.optimizer, 1, spec.dim)
+        at = jnp.where(lk.fresh & (lk.rows >= 0), lk.rows, capacity)
+        slots = {name: arr.at[at].set(jnp.broadcast_to(initial[name][0], (n,) + arr.shape[1:]),
+                                      mode="drop")
+                 for name, arr in slots.items()}
+    return state._replace(values=values, row_slot=row_slot, slots=slots)
 
 
 def initial_vectors(spec: EmbeddingSpec, keys: jax.Array) -> jax.Array:

@@ -159,14 +159,16 @@ def test_interaction_without_numba_runs_xla(monkeypatch):
     assert "jctr_cpu_pair_dots" not in jax.jit(dot_interaction).lower(dense, sparse).as_text()
 
 
-@pytest.mark.parametrize("free", [0, 5])
-def test_find_assign_equals_a_first_occurrence_model(free):
+@pytest.mark.parametrize("free,dedupe", [(0, True), (5, True), (5, False)])
+def test_find_assign_equals_a_first_occurrence_model(free, dedupe):
     """``jctr_cpu_find_assign`` (a training lookup in one native pass) against a dictionary
     model of its contract, over batches with repeats, invalid positions and more new keys
     than rows: a key keeps its slot and row; a slot's first position is its representative;
     new keys take rows in order of first occurrence, the free stack's top first, then rows
     never handed out below the capacity; the others are refused (row -1); the counters move
-    as the reference formulation (:func:`jctr.ops.hashing.assign_rows`) moves them."""
+    as the reference formulation (:func:`jctr.ops.hashing.assign_rows`) moves them. Without
+    ``dedupe`` (plain SGD: the caller drops every representative) a position whose key has a
+    row by the time it is reached gets none (-1) and its slot's scratch is not touched."""
     from jctr.ops import hashing
 
     capacity, num_slots = 60, 96
@@ -178,22 +180,21 @@ def test_find_assign_equals_a_first_occurrence_model(free):
         jnp.arange(free, dtype=jnp.int32) * 3)  # rows 0, 3, 6, ... freed earlier
     size, free_count = jnp.int32(40 if free else 0), jnp.int32(free)
     model, next_free, next_new = {}, free - 1, int(size)
-    fused = jax.jit(cpu_ffi.find_assign, static_argnums=8)
+    fused = jax.jit(cpu_ffi.find_assign, static_argnums=(8, 9))
     for step in range(4):
         keys = rng.integers(0, 45, 30).astype(np.int64) * 7919
         valid = rng.random(30) < 0.9
         (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size2,
          free2) = fused(slot_keys, slot_rows, scratch, free_rows, size, free_count,
-                        jnp.asarray(keys), jnp.asarray(valid), capacity)
+                        jnp.asarray(keys), jnp.asarray(valid), capacity, dedupe)
         slots, rows, rep = np.asarray(slots), np.asarray(rows), np.asarray(rep)
-        first = {}
+        first, held = {}, set(model)  # keys with a row before this batch
         for i, (k, v) in enumerate(zip(keys.tolist(), valid)):
             if not v:
                 assert slots[i] == rows[i] == rep[i] == -1
                 continue
             assert np.asarray(slot_keys)[slots[i]] == k
             first.setdefault(k, i)
-            assert rep[i] == first[k]
             if k not in model and first[k] == i:  # a new key, in order of first occurrence
                 if next_free >= 0:
                     model[k] = int(free_rows[next_free])
@@ -204,6 +205,9 @@ def test_find_assign_equals_a_first_occurrence_model(free):
                 else:
                     model[k] = -1
             assert rows[i] == model[k], (step, i)
+            # without dedupe a position whose key has a row by then gets none
+            has_row = k in held or (model[k] >= 0 and first[k] < i)
+            assert rep[i] == (first[k] if dedupe or not has_row else -1), (step, i)
         assert np.asarray(granted).sum() == sum(
             1 for i, k in enumerate(keys.tolist()) if valid[i] and first.get(k) == i
             and np.asarray(new)[i] and model[k] >= 0)
@@ -286,7 +290,9 @@ def test_init_rows_writes_key_uniform_bit_for_bit(seed, zero_tail, per_column):
                                   np.asarray(row_slot.at[at].set(key_slots, mode="drop")))
 
 
-def test_a_training_lookup_on_cpu_equals_the_reference_formulation(monkeypatch):
+@pytest.mark.parametrize("optimizer", [
+    {"type": "SparseAdaGradSGDRule", "embedx_threshold": 2.0}, {"type": "SGD"}])
+def test_a_training_lookup_on_cpu_equals_the_reference_formulation(monkeypatch, optimizer):
     """A CPU training lookup (native find-and-assign, native initial rows) leaves the table
     the jnp references leave (``JCTR_KERNELS=reference``), over batches of new and known keys,
     bit for bit."""
@@ -296,7 +302,7 @@ def test_a_training_lookup_on_cpu_equals_the_reference_formulation(monkeypatch):
 
     spec = EmbeddingSpec("t", capacity=3000, dim=8, slot_num=2, max_features=2,
                          one_hot=False, input_index=0,
-                         optimizer=OptimizerConfig("SparseAdaGradSGDRule", embedx_threshold=2.0))
+                         optimizer=OptimizerConfig(**optimizer))
     rng = np.random.default_rng(5)
     feed = [rng.integers(0, 2500, 1000) * 977 for _ in range(4)]
 

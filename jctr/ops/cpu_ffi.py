@@ -323,7 +323,7 @@ if AVAILABLE:
         n, num_slots = keys.shape[0], slot_keys.shape[0]
         width = _width(num_slots)
         buckets = num_slots // width
-        size0, free0, capacity = counters[0], counters[1], counters[2]
+        size0, free0, capacity, dedupe = counters[0], counters[1], counters[2], counters[3]
         keys_at = slot_keys.ctypes.data
         rows_at = slot_rows.ctypes.data
         scratch_at = scratch.ctypes.data
@@ -336,11 +336,20 @@ if AVAILABLE:
                 _prefetch(keys_at + 8 * h)
                 _prefetch(keys_at + 8 * h + 64)
                 _prefetch(rows_at + 4 * h)
-                _prefetch(scratch_at + 4 * h)
+                if dedupe:
+                    _prefetch(scratch_at + 4 * h)
             s = -1
             if valid[i]:
                 s = _probe_slots(slot_keys, keys_at, keys[i], buckets, width, num_slots, True)
             slots[i] = s
+            if not dedupe and s >= 0 and slot_rows[s] >= 0:
+                # a key with a row needs no representative (the caller drops them): no
+                # scratch line touched (one random access a key fewer)
+                rows[i] = slot_rows[s]
+                rep[i] = -1
+                new[i] = False
+                granted[i] = False
+                continue
             n_new, n_granted = _take_row(i, s, slots, slot_rows, scratch, free_rows, size0,
                                          free0, capacity, n_new, n_granted, rows, rep, new,
                                          granted)
@@ -371,7 +380,7 @@ if AVAILABLE:
         scratch = carray(_pointer(scratch_at), (num_slots,), np.int32)
         _find_assign(slot_keys, slot_rows, scratch,
                      carray(_pointer(free_data), (_word(free_dims),), np.int32),
-                     carray(_pointer(counter_data), (3,), np.int32),
+                     carray(_pointer(counter_data), (4,), np.int32),
                      carray(_pointer(key_data), (n,), np.int64),
                      carray(_pointer(valid_data), (n,), np.bool_),
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 3)[0]), (n,), np.int32),
@@ -790,14 +799,17 @@ def insert_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array
 
 def find_assign(slot_keys: jax.Array, slot_rows: jax.Array, scratch: jax.Array,
                 free_rows: jax.Array, size: jax.Array, free_count: jax.Array, keys: jax.Array,
-                valid: jax.Array, capacity: int):
+                valid: jax.Array, capacity: int, dedupe: bool = True):
     """Find-or-insert of every valid key and its row (:func:`jctr.ops.hashing.assign_rows`;
     a slot's first position is its representative), in one native pass: keys one after the
-    other, in batch order. Returns (slot_keys, slots, slot_rows, scratch, rows, rep, new,
-    granted, size, free_count). CPU only."""
+    other, in batch order. Without ``dedupe`` (the caller drops the representatives) a
+    position whose key has a row by the time it is reached gets none (-1) and no scratch is
+    touched for it. Returns (slot_keys, slots,
+    slot_rows, scratch, rows, rep, new, granted, size, free_count). CPU only."""
     _register()
     n = keys.shape[0]
-    counters = jnp.stack([size, free_count, jnp.int32(capacity)]).astype(jnp.int32)
+    counters = jnp.stack([size, free_count, jnp.int32(capacity),
+                          jnp.int32(dedupe)]).astype(jnp.int32)
     flags = jax.ShapeDtypeStruct((n,), jnp.bool_)
     positions = jax.ShapeDtypeStruct((n,), jnp.int32)
     slot_keys, slot_rows, scratch, slots, rows, rep, new, granted, counts = jax.ffi.ffi_call(

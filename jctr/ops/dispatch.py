@@ -204,7 +204,7 @@ def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, 
         return reference(*args)
 
     def cpu(*args):
-        return cpu_ffi.find_assign(*args, capacity)
+        return cpu_ffi.find_assign(*args, capacity, dedupe)
 
     return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
 

@@ -365,3 +365,28 @@ def test_native_bag_forward_equals_the_reference_and_its_gradient(dim, combiner)
         np.asarray(jax.jit(jax.grad(loss(embedding_bag_forward)))(values)),
         np.asarray(jax.grad(loss(embedding_bag_forward_reference))(values)),
         rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dim,combiner", [(16, "sum"), (16, "mean"), (12, "sum")])
+def test_native_sgd_by_segment_equals_the_scatter_add_of_key_gradients(dim, combiner):
+    """Plain SGD on a bag's rows (``jctr_cpu_add_by_segment``: each key's row gets its
+    segment's gradient times -lr, duplicates adding up in batch order, rows out of range and
+    segments past the last skipped) is bit for bit XLA's scatter-add of the per-key gradients
+    (``key_gradients``, ``mean`` dividing by the segment's positions), without them."""
+    from jctr.ops import sgd_by_segment
+    from jctr.ops.bag import key_gradients
+
+    rng = np.random.default_rng(dim)
+    capacity, n, segments = 400, 3000, 300
+    values = jnp.asarray(rng.normal(size=(capacity, dim)).astype(np.float32))
+    rows = jnp.asarray(np.where(rng.random(n) < 0.1, capacity, rng.integers(0, capacity, n))
+                       .astype(np.int32))  # duplicates, and dropped positions
+    segs = jnp.asarray(np.sort(rng.integers(0, segments + 5, n)).astype(np.int32))
+    grad = jnp.asarray(rng.normal(size=(segments, dim)).astype(np.float32))
+    lr = jnp.float32(0.1)
+    native = jax.jit(lambda v, r, s, g: sgd_by_segment(v, r, s, g, -lr, segments, combiner))
+    assert "jctr_cpu_add_by_segment" in native.lower(values, rows, segs, grad).as_text()
+    want = values.at[rows].add(-lr * key_gradients(grad, segs, segments, combiner),
+                               mode="drop")
+    np.testing.assert_array_equal(np.asarray(native(values, rows, segs, grad)).view(np.uint32),
+                                  np.asarray(want).view(np.uint32))

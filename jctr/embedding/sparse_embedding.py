@@ -16,8 +16,8 @@ from jctr.ops import (
     embedding_bag_backward,
     embedding_bag_forward,
     initialize_rows,
-    key_gradients,
     key_uniform,
+    sgd_by_segment,
     sum_at_representatives,
 )
 
@@ -233,11 +233,15 @@ def apply_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
     show per occurrence where SparseAdaGradSGDRule divides a row's gradient by its shows."""
     b = grad_pooled.shape[0]
     flat = grad_pooled.reshape(b * spec.slot_num, spec.dim)
-    if spec.sums_rows:
-        g = embedding_bag_backward(flat, segments, lk.rep, b * spec.slot_num, spec.combiner,
-                                   one_hot=spec.one_hot)
-    else:  # SGD's scatter-add sums duplicate rows itself: no per-row summation pass needed
-        g = key_gradients(flat, segments, b * spec.slot_num, spec.combiner)
+    if not spec.sums_rows:  # plain SGD: each key's row moves by its segment's gradient
+        values = state.values
+        if spec.l2_all:  # as _apply_rows: every row decays first (in place)
+            values = values * (1.0 - lr * spec.l2).astype(values.dtype)
+        return state._replace(values=sgd_by_segment(
+            values, _safe_rows(lk.rows, values.shape[0]), segments, flat, -lr,
+            b * spec.slot_num, spec.combiner))
+    g = embedding_bag_backward(flat, segments, lk.rep, b * spec.slot_num, spec.combiner,
+                               one_hot=spec.one_hot)
     return _apply_rows(spec, state, lk, g, lr, count, keys, clicks, shows)
 
 

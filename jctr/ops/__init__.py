@@ -13,6 +13,7 @@ from jctr.ops.dispatch import (
     find_slots,
     initialize_rows,
     linear,
+    sgd_by_segment,
 )
 from jctr.ops.hashing import (
     EMPTY_KEY,
@@ -31,5 +32,6 @@ __all__ = [
     "embedding_bag_backward", "embedding_bag_forward", "evict_rows", "find_and_assign",
     "find_slots", "gather_rows", "hash_keys", "home_slots", "initialize_rows",
     "interaction_output_dim", "key_gradients", "key_uniform", "linear", "mix64",
-    "owner_shards", "owner_shards_host", "representatives", "sum_at_representatives",
+    "owner_shards", "owner_shards_host", "representatives", "sgd_by_segment",
+    "sum_at_representatives",
 ]

@@ -493,6 +493,47 @@ if AVAILABLE:
                  carray(_pointer(out), (num_segments, shape[1]), np.float32))
         return _pointer(0)
 
+    @numba.njit(inline="always")
+    def _add_by_segment(values, rows, segments, updates):
+        """``values[rows[i]] += updates[segments[i]]`` for every position, in batch order
+        (rows outside ``values`` and segments outside ``updates`` skipped), in place, the row
+        of a position ``_AHEAD`` on fetched first."""
+        n, capacity, dim, num_segments = rows.shape[0], values.shape[0], values.shape[1], \
+            updates.shape[0]
+        values_at, updates_at = values.ctypes.data, updates.ctypes.data
+        for i in range(n):
+            ahead = i + _AHEAD
+            if ahead < n and 0 <= rows[ahead] < capacity:
+                _prefetch(values_at + 4 * dim * np.int64(rows[ahead]))
+            r, s = rows[i], segments[i]
+            if r < 0 or r >= capacity or s < 0 or s >= num_segments:
+                continue
+            if dim % 16 == 0:
+                for c in range(0, dim, 16):
+                    _add_16(values_at + 4 * (dim * np.int64(r) + c),
+                            updates_at + 4 * (dim * np.int64(s) + c))
+            else:
+                for c in range(dim):
+                    values[r, c] += updates[s, c]
+
+    def _add_by_segment_frame(frame_pointer):
+        frame = _address(frame_pointer)
+        if _answer_metadata(frame):
+            return _pointer(0)
+        values_in, value_dims = _buffer(frame, _FRAME_ARGS, 0)
+        row_data, row_dims = _buffer(frame, _FRAME_ARGS, 1)
+        segment_data, _ = _buffer(frame, _FRAME_ARGS, 2)
+        update_data, update_dims = _buffer(frame, _FRAME_ARGS, 3)
+        values, _ = _buffer(frame, _FRAME_RETS, 0)
+        shape = carray(_pointer(value_dims), (2,), np.int64)
+        n, num_segments = _word(row_dims), _word(update_dims)
+        _adopt(values, values_in, 4 * shape[0] * shape[1])
+        _add_by_segment(carray(_pointer(values), (shape[0], shape[1]), np.float32),
+                        carray(_pointer(row_data), (n,), np.int32),
+                        carray(_pointer(segment_data), (n,), np.int32),
+                        carray(_pointer(update_data), (num_segments, shape[1]), np.float32))
+        return _pointer(0)
+
     _TOMBSTONE = EMPTY_KEY + 1
     _NEVER = np.iinfo(np.int64).max
     _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -735,6 +776,7 @@ if AVAILABLE:
         _find_assign_handler = _cfunc(_find_assign_rows)
         _init_rows_handler = _cfunc(_init_rows_frame)
         _bag_sum_handler = _cfunc(_bag_sum_frame)
+        _add_by_segment_handler = _cfunc(_add_by_segment_frame)
         _evict_handler = _cfunc(_evict_rows)
         _pair_dots_handler = _cfunc(_pair_dots)
         _pair_dots_grad_handler = _cfunc(_pair_dots_grad)
@@ -754,6 +796,7 @@ def _register() -> None:
                           ("jctr_cpu_find_assign", _find_assign_handler),
                           ("jctr_cpu_init_rows", _init_rows_handler),
                           ("jctr_cpu_bag_sum", _bag_sum_handler),
+                          ("jctr_cpu_add_by_segment", _add_by_segment_handler),
                           ("jctr_cpu_evict", _evict_handler),
                           ("jctr_cpu_pair_dots", _pair_dots_handler),
                           ("jctr_cpu_pair_dots_grad", _pair_dots_grad_handler)):
@@ -856,6 +899,19 @@ def bag_sum(values: jax.Array, rows: jax.Array, segments: jax.Array,
     return jax.ffi.ffi_call(
         "jctr_cpu_bag_sum", jax.ShapeDtypeStruct((num_segments, values.shape[1]), jnp.float32))(
             values, rows.astype(jnp.int32), segments.astype(jnp.int32))
+
+
+def add_by_segment(values: jax.Array, rows: jax.Array, segments: jax.Array,
+                   updates: jax.Array) -> jax.Array:
+    """``values`` (float32) with ``updates[segments[i]]`` added to row ``rows[i]`` for every
+    position, in batch order (rows outside ``values`` and segments outside ``updates``
+    skipped): a plain SGD step of a bag's rows without its [n, dim] per-key gradients. In
+    place when ``values`` can be donated. CPU only."""
+    _register()
+    return jax.ffi.ffi_call(
+        "jctr_cpu_add_by_segment", jax.ShapeDtypeStruct(values.shape, jnp.float32),
+        input_output_aliases={0: 0})(values, rows.astype(jnp.int32),
+                                     segments.astype(jnp.int32), updates.astype(jnp.float32))
 
 
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")  # the kernel's policy codes

@@ -95,6 +95,30 @@ def embedding_bag_backward(grad_out, segments, rep, num_segments: int, combiner:
     return ref.embedding_bag_backward_reference(grad_out, segments, rep, num_segments, combiner)
 
 
+def sgd_by_segment(values, rows, segments, grad_out, factor, num_segments: int,
+                   combiner: str = "sum"):
+    """``values`` after plain SGD on a bag's rows: each key's row (``rows``, out of range:
+    dropped) moves by ``factor`` (-lr) times its segment's gradient (over the segment's
+    positions for ``mean``), duplicates adding up. On CPU the segment rows are added in one
+    native pass (:func:`jctr.ops.cpu_ffi.add_by_segment`) without the [n, dim] per-key
+    gradients; elsewhere XLA's scatter-add of them."""
+    def reference(values, rows, segments, grad_out):
+        g = ref.key_gradients(grad_out, segments, num_segments, combiner)
+        return values.at[rows].add(factor * g, mode="drop")
+
+    args = (values, rows, segments, grad_out)
+    if _mode() == "reference" or not cpu_ffi.AVAILABLE or values.dtype != jnp.float32:
+        return reference(*args)
+
+    def cpu(values, rows, segments, grad_out):
+        if combiner == "mean":  # as key_gradients divides, per segment instead of per key
+            grad_out = grad_out / jnp.maximum(
+                ref.segment_counts(segments, num_segments, grad_out.dtype), 1.0)[:, None]
+        return cpu_ffi.add_by_segment(values, rows, segments, factor * grad_out)
+
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
+
+
 def _cpu_pair_dots(feats):
     # the native kernels where they apply; else bfloat16: batched row-major matmuls for
     # YNNPACK, float32: elementwise with the batch innermost

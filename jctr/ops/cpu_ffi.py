@@ -453,15 +453,19 @@ if AVAILABLE:
         return types.void(types.int64, types.int64), codegen
 
     @numba.njit(inline="always")
-    def _bag_sum(values, rows, segments, out):
-        """``out[s]`` = the sum of ``values[rows[i]]`` over the positions ``i`` of segment
-        ``s`` (rows < 0 and segments outside ``out`` add nothing), one pass over the batch,
-        the row of a position ``_AHEAD`` on fetched first: the gathered rows are never
-        written out ([n, dim] for a 10-hot batch: 136 MB a step)."""
+    def _rows_and_segments(values, rows, segments, per_segment, into_rows):
+        """One pass over the batch between table rows and segment rows, the table row of a
+        position ``_AHEAD`` on fetched first (positions whose row is outside ``values`` or
+        whose segment is outside ``per_segment`` skipped): with ``into_rows``
+        ``values[rows[i]] += per_segment[segments[i]]`` in batch order (plain SGD), else
+        ``per_segment[s]`` = the sum of its positions' rows (the bag's forward), so the
+        [n, dim] rows or gradients in between (136 MB for a 10-hot batch) are never written
+        out."""
         n, capacity, dim, num_segments = rows.shape[0], values.shape[0], values.shape[1], \
-            out.shape[0]
-        values_at, out_at = values.ctypes.data, out.ctypes.data
-        out[:, :] = np.float32(0.0)
+            per_segment.shape[0]
+        values_at, segments_at = values.ctypes.data, per_segment.ctypes.data
+        if not into_rows:
+            per_segment[:, :] = np.float32(0.0)
         for i in range(n):
             ahead = i + _AHEAD
             if ahead < n and 0 <= rows[ahead] < capacity:
@@ -471,67 +475,54 @@ if AVAILABLE:
                 continue
             if dim % 16 == 0:
                 for c in range(0, dim, 16):
-                    _add_16(out_at + 4 * (dim * np.int64(s) + c),
-                            values_at + 4 * (dim * np.int64(r) + c))
+                    row = values_at + 4 * (dim * np.int64(r) + c)
+                    segment = segments_at + 4 * (dim * np.int64(s) + c)
+                    if into_rows:
+                        _add_16(row, segment)
+                    else:
+                        _add_16(segment, row)
+            elif into_rows:
+                for c in range(dim):
+                    values[r, c] += per_segment[s, c]
             else:
                 for c in range(dim):
-                    out[s, c] += values[r, c]
+                    per_segment[s, c] += values[r, c]
+
+    @numba.njit(inline="always")
+    def _batch_operands(frame, values_at):
+        """(values [rows, dim] float32 at ``values_at`` with argument 0's shape, rows,
+        segments): the operands both segment kernels take first."""
+        _, value_dims = _buffer(frame, _FRAME_ARGS, 0)
+        row_data, row_dims = _buffer(frame, _FRAME_ARGS, 1)
+        segment_data, _ = _buffer(frame, _FRAME_ARGS, 2)
+        shape = carray(_pointer(value_dims), (2,), np.int64)
+        n = _word(row_dims)
+        return (carray(_pointer(values_at), (shape[0], shape[1]), np.float32),
+                carray(_pointer(row_data), (n,), np.int32),
+                carray(_pointer(segment_data), (n,), np.int32))
 
     def _bag_sum_frame(frame_pointer):
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
-        values, value_dims = _buffer(frame, _FRAME_ARGS, 0)
-        row_data, row_dims = _buffer(frame, _FRAME_ARGS, 1)
-        segment_data, _ = _buffer(frame, _FRAME_ARGS, 2)
+        values, rows, segments = _batch_operands(frame, _buffer(frame, _FRAME_ARGS, 0)[0])
         out, out_dims = _buffer(frame, _FRAME_RETS, 0)
-        shape = carray(_pointer(value_dims), (2,), np.int64)
-        n, num_segments = _word(row_dims), _word(out_dims)
-        _bag_sum(carray(_pointer(values), (shape[0], shape[1]), np.float32),
-                 carray(_pointer(row_data), (n,), np.int32),
-                 carray(_pointer(segment_data), (n,), np.int32),
-                 carray(_pointer(out), (num_segments, shape[1]), np.float32))
+        _rows_and_segments(values, rows, segments,
+                           carray(_pointer(out), (_word(out_dims), values.shape[1]),
+                                  np.float32), False)
         return _pointer(0)
-
-    @numba.njit(inline="always")
-    def _add_by_segment(values, rows, segments, updates):
-        """``values[rows[i]] += updates[segments[i]]`` for every position, in batch order
-        (rows outside ``values`` and segments outside ``updates`` skipped), in place, the row
-        of a position ``_AHEAD`` on fetched first."""
-        n, capacity, dim, num_segments = rows.shape[0], values.shape[0], values.shape[1], \
-            updates.shape[0]
-        values_at, updates_at = values.ctypes.data, updates.ctypes.data
-        for i in range(n):
-            ahead = i + _AHEAD
-            if ahead < n and 0 <= rows[ahead] < capacity:
-                _prefetch(values_at + 4 * dim * np.int64(rows[ahead]))
-            r, s = rows[i], segments[i]
-            if r < 0 or r >= capacity or s < 0 or s >= num_segments:
-                continue
-            if dim % 16 == 0:
-                for c in range(0, dim, 16):
-                    _add_16(values_at + 4 * (dim * np.int64(r) + c),
-                            updates_at + 4 * (dim * np.int64(s) + c))
-            else:
-                for c in range(dim):
-                    values[r, c] += updates[s, c]
 
     def _add_by_segment_frame(frame_pointer):
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
-        values_in, value_dims = _buffer(frame, _FRAME_ARGS, 0)
-        row_data, row_dims = _buffer(frame, _FRAME_ARGS, 1)
-        segment_data, _ = _buffer(frame, _FRAME_ARGS, 2)
+        values_at = _buffer(frame, _FRAME_RETS, 0)[0]
+        values, rows, segments = _batch_operands(frame, values_at)
+        _adopt(values_at, _buffer(frame, _FRAME_ARGS, 0)[0], 4 * values.size)
         update_data, update_dims = _buffer(frame, _FRAME_ARGS, 3)
-        values, _ = _buffer(frame, _FRAME_RETS, 0)
-        shape = carray(_pointer(value_dims), (2,), np.int64)
-        n, num_segments = _word(row_dims), _word(update_dims)
-        _adopt(values, values_in, 4 * shape[0] * shape[1])
-        _add_by_segment(carray(_pointer(values), (shape[0], shape[1]), np.float32),
-                        carray(_pointer(row_data), (n,), np.int32),
-                        carray(_pointer(segment_data), (n,), np.int32),
-                        carray(_pointer(update_data), (num_segments, shape[1]), np.float32))
+        _rows_and_segments(values, rows, segments,
+                           carray(_pointer(update_data), (_word(update_dims), values.shape[1]),
+                                  np.float32), True)
         return _pointer(0)
 
     _TOMBSTONE = EMPTY_KEY + 1

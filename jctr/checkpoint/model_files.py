@@ -29,7 +29,7 @@ from flax import nnx
 from jctr.checkpoint.integrity import check_files, note_written
 from jctr.errors import UserError
 from jctr.models import layers as L
-from jctr.runtime.direct_io import write_file
+from jctr.runtime.direct_io import replacing, write_file
 from jctr.sharding.mesh import to_host
 from jctr.sharding.rows import export_keys, export_placed, import_placed
 
@@ -375,12 +375,6 @@ def _link_or_write(path: str, array, dtype: str) -> None:
 
 
 def _atomic_write(path: str, data: bytes | np.ndarray) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
+    with replacing(path) as tmp:
         size, crc = write_file(tmp, data)  # synced; a table's vectors past the page cache
-    except BaseException:
-        with contextlib.suppress(OSError):  # a full disk leaves no partial file behind
-            os.remove(tmp)
-        raise
-    os.replace(tmp, path)
     note_written(path, size, crc)  # a bundle's manifest records it without reading it back

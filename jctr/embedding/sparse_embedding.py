@@ -234,9 +234,7 @@ def apply_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
     b = grad_pooled.shape[0]
     flat = grad_pooled.reshape(b * spec.slot_num, spec.dim)
     if not spec.sums_rows:  # plain SGD: each key's row moves by its segment's gradient
-        values = state.values
-        if spec.l2_all:  # as _apply_rows: every row decays first (in place)
-            values = values * (1.0 - lr * spec.l2).astype(values.dtype)
+        values, _ = _decay_all(spec, state.values, lr)
         return state._replace(values=sgd_by_segment(
             values, _safe_rows(lk.rows, values.shape[0]), segments, flat, -lr,
             b * spec.slot_num, spec.combiner))
@@ -277,9 +275,7 @@ def _apply_rows(spec, state, lk, g, lr, count, keys=None, clicks=None,
                              "of the batch")
         admitted = state.slots["accessor"].at[rows, 2].get(mode="fill", fill_value=0.0)
         g = g.at[:, 1:].multiply(admitted[:, None])  # embedx trains once admitted
-    values, l2 = state.values, spec.l2
-    if spec.l2_all:  # every row decays, as the penalty's gradient l2 * w moves it (in place)
-        values, l2 = values * (1.0 - lr * spec.l2).astype(values.dtype), 0.0
+    values, l2 = _decay_all(spec, state.values, lr)
     values, slots = row_opt.apply_rows(spec.optimizer, values, state.slots, rows, g, lr,
                                        count, l2=l2, l1=spec.l1, occurrences=occurrences)
     if admitted is not None:
@@ -287,6 +283,14 @@ def _apply_rows(spec, state, lk, g, lr, count, keys=None, clicks=None,
                                sum_at_representatives(clicks.astype(jnp.float32)[:, None],
                                                       lk.rep)[:, 0])
     return state._replace(values=values, slots=slots)
+
+
+def _decay_all(spec, values, lr) -> tuple[jax.Array, float]:
+    """(values, the l2 left for the touched rows): with ``l2_rows: all`` every row decays, as
+    the penalty's gradient l2 * w moves it (in place), and none is left."""
+    if spec.l2_all:
+        return values * (1.0 - lr * spec.l2).astype(values.dtype), 0.0
+    return values, spec.l2
 
 
 def _admit(spec, values, slots, rows, admitted, shows, keys, clicks):

@@ -4,6 +4,8 @@ thread runs them beside the training step)."""
 
 from __future__ import annotations
 
+import numba
+
 from jctr.ops.host_index import (
     find,
     home,
@@ -16,6 +18,12 @@ from jctr.ops.host_index import (
 )
 
 __all__ = ["accumulate", "find", "index_size", "rebuild", "rebuild_distinct", "shrink"]
+
+
+@numba.njit(inline="always")
+def _score(show, click, nonclk_coeff, click_coeff):
+    """:meth:`jctr.online.feature_stats.ScoreRule.score` of one key, in the kernels."""
+    return click_coeff * click + nonclk_coeff * (show - click)
 
 
 @host_kernel
@@ -54,12 +62,10 @@ def accumulate(index, keys, show, click, delta, unseen, since, n, in_keys, in_sh
         sh, cl = in_show[i], in_click[i]
         show[r] += sh
         click[r] += cl
-        delta[r] += click_coeff * cl + nonclk_coeff * (sh - cl)
+        delta[r] += _score(sh, cl, nonclk_coeff, click_coeff)
         unseen[r] = 0
         since[r] = True
     return n
-
-
 
 
 @host_kernel
@@ -75,7 +81,7 @@ def shrink(keys, show, click, unseen, delta, since, n, decay, nonclk_coeff, clic
     for i in range(n):
         sh = show[i] * decay
         cl = click[i] * decay
-        if click_coeff * cl + nonclk_coeff * (sh - cl) < delete_threshold \
+        if _score(sh, cl, nonclk_coeff, click_coeff) < delete_threshold \
                 or unseen[i] > max_unseen:
             deleted[gone] = keys[i]
             gone += 1

@@ -32,7 +32,6 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import importlib
 import json
@@ -51,7 +50,7 @@ from jctr.config.schema import column_ref
 from jctr.data.records import DataError, write_file_list
 from jctr.online.feature_stats import FeatureStats, ScoreRule, ShrinkRule
 from jctr.online.schedule import data_files, days, next_day, pass_folders, wait_ready
-from jctr.runtime.direct_io import DirectWriter
+from jctr.runtime.direct_io import DirectWriter, replacing
 from jctr.sharding.rows import drop_keys, export_placed, put_rows, scale_slot
 from jctr.train.datasets import open_training_set
 from jctr.train.hooks import Hook, PredictionCounts
@@ -593,15 +592,10 @@ class OnlineRun:
 
         arrays = {f"{i}/{k}": v for i, st in enumerate(self.stats)
                   for k, v in st.state_dict().items()}
-        tmp = os.path.join(folder, "feature_stats.tmp.npz")
-        try:
-            with DirectWriter(tmp) as f:  # hundreds of MB a day: past the page cache
-                np.savez(f, **arrays)
-        except BaseException:
-            with contextlib.suppress(OSError):  # no partial file left behind
-                os.remove(tmp)
-            raise
-        os.replace(tmp, os.path.join(folder, "feature_stats.npz"))
+        path = os.path.join(folder, "feature_stats.npz")
+        with replacing(path, os.path.join(folder, "feature_stats.tmp.npz")) as tmp, \
+                DirectWriter(tmp) as f:  # hundreds of MB a day: past the page cache
+            np.savez(f, **arrays)
 
     def _load_statistics(self, folder: str) -> None:
         import numpy as np

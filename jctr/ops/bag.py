@@ -18,6 +18,13 @@ def segment_counts(segments, num_segments, dtype):
                                num_segments=num_segments, indices_are_sorted=True)
 
 
+def per_position(per_segment, segments, num_segments):
+    """[num_segments, dim] rows divided by their segment's positions (at least one): the
+    ``mean`` combiner's division."""
+    counts = segment_counts(segments, num_segments, per_segment.dtype)
+    return per_segment / jnp.maximum(counts, 1.0)[:, None]
+
+
 def gather_rows(values: jax.Array, rows: jax.Array) -> jax.Array:
     """``values[rows]`` with zeros for rows < 0 (negative indices must not wrap)."""
     safe = jnp.where(rows >= 0, rows, values.shape[0])
@@ -29,10 +36,7 @@ def embedding_bag(vectors: jax.Array, segments: jax.Array, num_segments: int,
     """Sum or mean of already gathered ``vectors`` [n, d] per segment id."""
     out = jax.ops.segment_sum(vectors, segments, num_segments=num_segments,
                               indices_are_sorted=True)
-    if combiner == "mean":
-        out = out / jnp.maximum(segment_counts(segments, num_segments, vectors.dtype),
-                                1.0)[:, None]
-    return out
+    return per_position(out, segments, num_segments) if combiner == "mean" else out
 
 
 def embedding_bag_forward_reference(values: jax.Array, rows: jax.Array, segments: jax.Array,

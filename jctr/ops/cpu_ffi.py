@@ -57,7 +57,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jctr.ops.hashing import _M1, _M2, BUCKET, EMPTY_KEY
+from jctr.ops.hashing import _M1, _M2, BUCKET, EMPTY_KEY, UNIT_24, seed_salt
 
 try:  # optional: without numba the XLA formulations run (numba is a declared dependency)
     import numba
@@ -282,16 +282,23 @@ if AVAILABLE:
 
     @numba.njit(inline="always")
     def _take_row(i, s, slots, slot_rows, scratch, free_rows, size0, free0, capacity, n_new,
-                  n_granted, rows, rep, new, granted):
+                  n_granted, rows, rep, new, granted, dedupe):
         """Position ``i``'s row for its slot ``s``: an earlier position of the same slot
         (``scratch[s]``, checked against ``slots``: stale entries never match) is its
         representative; a first position whose slot has no row takes the top of the free
-        stack, else the next row never handed out, while there is one. Returns the counts
-        of new keys and of rows given so far."""
+        stack, else the next row never handed out, while there is one. Without ``dedupe`` a
+        slot that has a row gives it with no representative. Returns the counts of new keys
+        and of rows given so far."""
         new[i] = False
         granted[i] = False
         if s < 0:
             rows[i] = -1
+            rep[i] = -1
+            return n_new, n_granted
+        if not dedupe and slot_rows[s] >= 0:
+            # a key with a row needs no representative (the caller drops them): its slot's
+            # scratch is not touched (one random access a key fewer)
+            rows[i] = slot_rows[s]
             rep[i] = -1
             return n_new, n_granted
         p = scratch[s]
@@ -342,17 +349,9 @@ if AVAILABLE:
             if valid[i]:
                 s = _probe_slots(slot_keys, keys_at, keys[i], buckets, width, num_slots, True)
             slots[i] = s
-            if not dedupe and s >= 0 and slot_rows[s] >= 0:
-                # a key with a row needs no representative (the caller drops them): no
-                # scratch line touched (one random access a key fewer)
-                rows[i] = slot_rows[s]
-                rep[i] = -1
-                new[i] = False
-                granted[i] = False
-                continue
             n_new, n_granted = _take_row(i, s, slots, slot_rows, scratch, free_rows, size0,
                                          free0, capacity, n_new, n_granted, rows, rep, new,
-                                         granted)
+                                         granted, dedupe)
         taken = min(n_new, free0)
         counters_out[0] = size0 + n_granted - taken
         counters_out[1] = free0 - taken
@@ -391,8 +390,6 @@ if AVAILABLE:
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 8)[0]), (2,), np.int32))
         return _pointer(0)
 
-    _UNIT = np.float32(1.0 / (1 << 24))
-
     @numba.njit(inline="always")
     def _init_rows(values, row_slot, keys, rows, fresh, key_slots, scales, salt, zero_tail):
         """Each fresh position's row gets its key's initial vector
@@ -411,7 +408,7 @@ if AVAILABLE:
             h = _mix(np.uint64(keys[i]) ^ salt)
             for c in range(dim):
                 bits = _mix(h + np.uint64(c + 1) * _GOLDEN) >> np.uint64(40)
-                u = np.float32(bits) * _UNIT
+                u = np.float32(bits) * UNIT_24
                 v = (np.float32(2.0) * u - np.float32(1.0)) * scales[c]
                 values[r, c] = np.float32(0.0) if zero_tail and c > 0 else v
             row_slot[r] = key_slots[i]
@@ -838,8 +835,8 @@ def find_assign(slot_keys: jax.Array, slot_rows: jax.Array, scratch: jax.Array,
     a slot's first position is its representative), in one native pass: keys one after the
     other, in batch order. Without ``dedupe`` (the caller drops the representatives) a
     position whose key has a row by the time it is reached gets none (-1) and no scratch is
-    touched for it. Returns (slot_keys, slots,
-    slot_rows, scratch, rows, rep, new, granted, size, free_count). CPU only."""
+    touched for it. Returns (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted,
+    size, free_count). CPU only."""
     _register()
     n = keys.shape[0]
     counters = jnp.stack([size, free_count, jnp.int32(capacity),
@@ -868,8 +865,7 @@ def init_rows(values: jax.Array, row_slot: jax.Array, keys: jax.Array, rows: jax
     ``key_slots``; in one native pass, in place when the buffers can be donated. float32
     values. CPU only."""
     _register()
-    salt = np.uint64((seed * 0x2545F4914F6CDD1D) & 0xFFFFFFFFFFFFFFFF).view(np.int64)
-    params = jnp.asarray([salt, int(zero_tail)], jnp.int64)
+    params = jnp.asarray([seed_salt(seed), int(zero_tail)], jnp.int64)
     return jax.ffi.ffi_call(
         "jctr_cpu_init_rows",
         (jax.ShapeDtypeStruct(values.shape, jnp.float32),

@@ -28,6 +28,13 @@ from jctr.ops import (
 from jctr.ops import linear as dense_ops
 
 
+def _native_rows(values) -> bool:
+    """Whether the native CPU kernels on table rows may run: float32 [rows, dim] tables, native
+    kernels built, not ``JCTR_KERNELS=reference`` (on CPU only: ``platform_dependent``)."""
+    return (_mode() != "reference" and cpu_ffi.AVAILABLE and values.dtype == jnp.float32
+            and values.ndim == 2)
+
+
 def _mode() -> str:
     mode = os.environ.get("JCTR_KERNELS", "auto")
     if mode not in ("auto", "reference"):
@@ -49,8 +56,7 @@ def embedding_bag_forward(values, rows, segments, num_segments: int, combiner: s
     """[num_segments, dim] pooled rows (see :mod:`jctr.ops.bag`)."""
     if one_hot:  # one key per segment: a plain gather is already optimal on every platform
         return ref.gather_rows(values, rows)
-    if (_mode() == "reference" or not cpu_ffi.AVAILABLE or values.dtype != jnp.float32
-            or values.ndim != 2):
+    if not _native_rows(values):
         return ref.embedding_bag_forward_reference(values, rows, segments, num_segments,
                                                    combiner)
     return _bag_forward(values, rows, segments, num_segments, combiner)
@@ -66,10 +72,7 @@ def _bag_forward(values, rows, segments, num_segments: int, combiner: str):
 
     def cpu(values, rows, segments):
         out = cpu_ffi.bag_sum(values, rows, segments, num_segments)
-        if combiner == "mean":
-            out = out / jnp.maximum(ref.segment_counts(segments, num_segments, out.dtype),
-                                    1.0)[:, None]
-        return out
+        return ref.per_position(out, segments, num_segments) if combiner == "mean" else out
 
     return jax.lax.platform_dependent(values, rows, segments, cpu=cpu, default=reference)
 
@@ -107,13 +110,12 @@ def sgd_by_segment(values, rows, segments, grad_out, factor, num_segments: int,
         return values.at[rows].add(factor * g, mode="drop")
 
     args = (values, rows, segments, grad_out)
-    if _mode() == "reference" or not cpu_ffi.AVAILABLE or values.dtype != jnp.float32:
+    if not _native_rows(values):
         return reference(*args)
 
     def cpu(values, rows, segments, grad_out):
         if combiner == "mean":  # as key_gradients divides, per segment instead of per key
-            grad_out = grad_out / jnp.maximum(
-                ref.segment_counts(segments, num_segments, grad_out.dtype), 1.0)[:, None]
+            grad_out = ref.per_position(grad_out, segments, num_segments)
         return cpu_ffi.add_by_segment(values, rows, segments, factor * grad_out)
 
     return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
@@ -240,7 +242,7 @@ def initialize_rows(values, row_slot, keys, rows, fresh, key_slots, *, scales, s
     six arrays. On CPU one native pass (:func:`jctr.ops.cpu_ffi.init_rows`, bit for bit
     :func:`jctr.ops.hashing.key_uniform` times ``scales``) for float32 tables."""
     args = (values, row_slot, keys, rows, fresh, key_slots)
-    if _mode() == "reference" or not cpu_ffi.AVAILABLE or values.dtype != jnp.float32:
+    if not _native_rows(values):
         return reference(*args)
 
     def cpu(*args):

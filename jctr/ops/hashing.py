@@ -66,17 +66,24 @@ def owner_shards_host(keys: np.ndarray, num_shards: int) -> np.ndarray:
         np.int32)
 
 
+UNIT_24 = np.float32(1.0 / (1 << 24))  # 24 random bits to [0, 1)
+
+
+def seed_salt(seed: int) -> np.int64:
+    """What :func:`key_uniform` xors a key with for ``seed`` (the native initial rows too)."""
+    return np.uint64((seed * 0x2545F4914F6CDD1D) & 0xFFFFFFFFFFFFFFFF).view(np.int64)
+
+
 def key_uniform(keys: jax.Array, dim: int, seed: int, bound: float) -> jax.Array:
     """[n, dim] float32 uniform in [-bound, bound), a pure function of (key, seed, column).
 
     New embedding rows start from this, so a key's initial vector does not depend on which row
     or device it lands in: any device count trains the same model.
     """
-    salt = np.uint64((seed * 0x2545F4914F6CDD1D) & 0xFFFFFFFFFFFFFFFF).view(np.int64)
-    h = hash_keys(keys ^ salt)
+    h = hash_keys(keys ^ seed_salt(seed))
     cols = (jnp.arange(1, dim + 1, dtype=jnp.uint64) * _GOLDEN)[None, :]
     bits = hash_keys((h[:, None] + cols).astype(jnp.int64)) >> np.uint64(40)  # 24 random bits
-    u = bits.astype(jnp.float32) * np.float32(1.0 / (1 << 24))
+    u = bits.astype(jnp.float32) * UNIT_24
     return (2.0 * u - 1.0) * np.float32(bound)
 
 

@@ -6,7 +6,7 @@ streaming statistics (:mod:`jctr.online.key_index`) and the CPU memory database
 The index holds row numbers (-1: empty slot) and compares keys through the key column, so any
 int64 is a key; it is kept at most half full (linear probing from a splitmix64 home slot). Rows
 are handed out in insertion order; deleting rows means compacting the columns and rebuilding
-the index (:func:`rebuild`).
+the index (:func:`rebuild`; :func:`rebuild_distinct` when the keys are known distinct).
 
 Example::
 

@@ -34,6 +34,27 @@ def enabled() -> bool:
     return hasattr(os, "O_DIRECT") and os.environ.get("JCTR_DIRECT_IO", "1") != "0"
 
 
+@contextlib.contextmanager
+def replacing(path: str, tmp: str | None = None):
+    """A temporary file name beside ``path`` (``tmp``, default ``<path>.tmp<pid>``) for the
+    block to write; moved onto ``path`` when the block ends, removed when it fails (a full
+    disk leaves no partial file behind).
+
+    Example::
+
+        with replacing(path) as tmp:
+            write_file(tmp, data)
+    """
+    tmp = tmp or f"{path}.tmp{os.getpid()}"
+    try:
+        yield tmp
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    os.replace(tmp, path)
+
+
 class DirectWriter:
     """A new binary file written front to back (``write``, ``tell``, ``close``; not
     seekable, so ``zipfile`` and ``np.savez`` stream into it), past the page cache where the

@@ -12,7 +12,7 @@ their optimizer rows and the scores) plus the gather of the rows' vectors.
    of the timed steps (85%: every row in use; slots in buckets of eight, about 1.18 a row),
    against
    ``np.take`` of as many random rows of a values array of the same size (the memory's
-   limit for the same bytes).
+   limit for the same bytes; on an accelerator the same gather jitted in its memory).
 2. Eviction: the table full, policy ``lru`` (``--policy``), against the same stream
    through a table with room for every key of the run. Ratio: steps/s evicting over steps/s
    with room (goal >= 0.8x).
@@ -122,7 +122,8 @@ def main() -> int:
     # the same host memory setting as `python -m jctr.train` (JCTR_HOST_MEMORY_TUNING=0: off);
     # np.take's baseline runs under it too
     reexec_with_malloc_tuning([os.path.abspath(__file__), *sys.argv[1:]])
-    print(f"CPU: {cpu_name()}; jax {jax.__version__} on {jax.default_backend()}; "
+    device = cpu_name() if jax.default_backend() == "cpu" else jax.devices()[0].device_kind
+    print(f"{jax.default_backend().upper()}: {device}; jax {jax.__version__}; "
           f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}")
     cap, n = args.capacity, args.batch
     rng = np.random.default_rng(0)
@@ -134,7 +135,19 @@ def main() -> int:
         np.take(values, idx, axis=0).sum()
         return time.perf_counter() - t
 
-    gather = float(np.median([np_gather() for _ in range(9)]))
+    def device_gather():  # an accelerator's baseline: the same gather in its own memory
+        idx = jax.block_until_ready(jnp.asarray(rng.integers(0, cap, n)))
+        t = time.perf_counter()
+        jax.block_until_ready(take_sum(device_values, idx))
+        return time.perf_counter() - t
+
+    on_cpu = jax.default_backend() == "cpu"
+    if not on_cpu:
+        device_values = jnp.asarray(values)
+        take_sum = jax.jit(lambda v, i: jnp.take(v, i, axis=0).sum())
+        device_gather()  # compile
+    gather = float(np.median([(np_gather if on_cpu else device_gather)() for _ in range(9)]))
+    base = "np.take" if on_cpu else "a device gather"
     for kind in ("uniform", "power-law"):
         feed = batches(kind, args.steps, n, args.vocab, seed=1)
         plain = make_step(spec_of(cap, args.dim, None))
@@ -148,7 +161,7 @@ def main() -> int:
             held = int(state.table.size)
             print(f"[{kind}] lookup+insert, slots {held / slots:.0%} full at the end "
                   f"({held:,} keys in {slots:,} slots; {slots * 16 / cap:.1f} slot bytes a "
-                  f"row), {n:,} keys/step: {s * 1e3:.1f} ms; np.take of as many rows "
+                  f"row), {n:,} keys/step: {s * 1e3:.1f} ms; {base} of as many rows "
                   f"{gather * 1e3:.1f} ms: ratio {gather / s:.2f}")
             del state
         ev = EvictionConfig(args.policy)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The one command a GPU machine runs: kernels and tables on the cuda platform (Pallas/Triton
-# compiled, not interpret mode), the synthetic training jobs, then scripts/bench_ops.py and
-# scripts/bench_train.py on the GPU. Figures and logs go to OUT (default ./gpu_check_out) and,
+# compiled, not interpret mode; erase, eviction and growth too), scripts/bench_tables.py,
+# scripts/bench_train.py and scripts/bench_ops.py on the GPU, then the synthetic training jobs. Figures and logs go to OUT (default ./gpu_check_out) and,
 # as a dated section with the GPU's name, to the end of docs/performance.md.
 #
 #   bash scripts/gpu_check.sh [OUT]                # everything (about 6 minutes on an H100)
@@ -46,12 +46,20 @@ echo "| step | exit | time |" > "$OUT/steps.md"; echo "| --- | --- | --- |" >> "
 
 # kernel and table tests on the GPU: conftest's 8 forced host devices stay on the CPU backend,
 # the default backend (what the tests use) is the GPU
-step tests 240 "$PY" -m pytest -q -ra -p no:cacheprovider --timeout 300 \
+# (tests on 8 devices need the 8 forced host devices as the default backend: left to the CPU)
+step tests 240 "$PY" -m pytest -q -ra -p no:cacheprovider --timeout 300 -k "not eight_devices" \
   tests/test_pallas_kernels.py tests/test_hash_table.py tests/test_row_optimizers.py \
-  tests/test_sparse_memory.py tests/test_layers.py
+  tests/test_sparse_memory.py tests/test_layers.py tests/test_eviction.py \
+  tests/test_table_growth.py
+if [ -z "${GPU_CHECK_QUICK:-}" ]; then
+  step bench_tables 120 "$PY" scripts/bench_tables.py
+  step bench_train 180 "$PY" scripts/bench_train.py --steps 10 --warmup 2 \
+    --json "$OUT/bench_train.json"
+  step bench_ops 90 "$PY" scripts/bench_ops.py
+fi
 RUNS="$(mktemp -d)"
 for model in dlrm deepfm; do
-  step "train_$model" 150 "$PY" - "$model" "$RUNS" <<'EOF'
+  step "train_$model" 90 "$PY" - "$model" "$RUNS" <<'EOF'
 import json, os, subprocess, sys
 model, runs = sys.argv[1], sys.argv[2]
 cfg = json.load(open(f"configs/{model}_synthetic.json"))
@@ -67,12 +75,6 @@ EOF
 done
 rm -rf "$RUNS"
 
-if [ -z "${GPU_CHECK_QUICK:-}" ]; then
-  step bench_ops 90 "$PY" scripts/bench_ops.py
-  step bench_train 240 "$PY" scripts/bench_train.py --steps 20 --warmup 3 \
-    --json "$OUT/bench_train.json"
-fi
-
 { echo
   echo "## GPU check, $(date -u +%Y-%m-%d) ($(head -1 "$OUT/machine.txt"))"
   echo
@@ -81,7 +83,7 @@ fi
   cat "$OUT/steps.md"
   echo
   grep -h -E "passed|failed|error" "$OUT/tests.log" | tail -1 | sed 's/^/Tests: /'
-  for f in bench_ops bench_train; do
+  for f in bench_tables bench_train bench_ops; do
     [ -f "$OUT/$f.log" ] || continue
     echo; echo "\`$f\`:"; echo; echo '```'; grep -v -E "^\[gpu_check\]|WARNING" "$OUT/$f.log" | tail -40; echo '```'
   done

@@ -149,61 +149,35 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
                           lk: Lookup, key_slots: jax.Array) -> EmbeddingState:
     """Write the initial vector (and slot) of the rows this lookup created.
 
-    On CPU one native pass over the batch (:func:`jctr.ops.initialize_rows`). Elsewhere new
-    keys, few in steady state, are handled in compacted chunks: the cost per step is one pass
-    over the batch plus the new keys, not a random vector per key; a batch whose keys are
-    mostly new (a young table, uniform keys) is written in one dense pass instead (the chunks'
-    compactions would cost more than the vectors).
+    On CPU one native pass over the batch (:func:`jctr.ops.initialize_rows`). Elsewhere (a
+    GPU) one scatter of every position's initial vector, the positions that created no row
+    dropped: the vectors are a hash of the key, cheap where thousands of threads compute them.
+    (The earlier compacted chunks under a ``cond`` made XLA:GPU copy the whole table each
+    step: a 2.6 GB temporary for a 10M x 64 table, ``tests/test_sparse_memory.py`` on an
+    H200.)
     """
-    n = keys.shape[0]
     capacity = state.values.shape[0]
-    chunk = min(n, max(64, n // 16))
 
-    def write(values, row_slot, sub_keys, rows, sub_key_slots):
-        rows = jnp.where(rows >= 0, rows, capacity)
-        fresh = initial_vectors(spec, sub_keys)
+    def dense(values, row_slot, keys, rows, fresh, key_slots):
+        rows = jnp.where(fresh & (rows >= 0), rows, capacity)
+        vectors = initial_vectors(spec, keys)
         if row_opt.admits(spec.optimizer):  # the first dimension only, until admitted
-            fresh = fresh.at[:, 1:].set(0.0)
-        return (values.at[rows].set(fresh, mode="drop"),
-                row_slot.at[rows].set(sub_key_slots, mode="drop"))
+            vectors = vectors.at[:, 1:].set(0.0)
+        return (values.at[rows].set(vectors, mode="drop"),
+                row_slot.at[rows].set(key_slots, mode="drop"))
 
-    def dense(c):
-        _, values, row_slot = c
-        return (lk.fresh,) + write(values, row_slot, keys, jnp.where(lk.fresh, lk.rows, -1),
-                                   key_slots)
-
-    def compacted(c):
-        def body(c):
-            todo, values, row_slot = c
-            idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
-            values, row_slot = write(
-                values, row_slot, keys.at[idx].get(mode="fill", fill_value=0),
-                lk.rows.at[idx].get(mode="fill", fill_value=-1),
-                key_slots.at[idx].get(mode="fill", fill_value=-1))
-            return todo.at[idx].set(False, mode="drop"), values, row_slot
-
-        return jax.lax.while_loop(lambda c: jnp.any(c[0]), body, c)
-
-    def chunked(values, row_slot, *_):
-        start = (lk.fresh, values, row_slot)
-        if chunk < n:
-            many = jnp.sum(lk.fresh, dtype=jnp.int32) > 2 * chunk
-            return jax.lax.cond(many, dense, compacted, start)[1:]
-        return compacted(start)[1:]
-
-    # (the compactions cost a 10-hot batch ~40 ms a step on CPU, docs/performance.md)
     values, row_slot = initialize_rows(
         state.values, state.row_slot, keys, lk.rows, lk.fresh, key_slots,
         scales=row_opt.initial_scales(spec.optimizer, spec.dim, spec.init_bound),
-        seed=spec.seed, zero_tail=row_opt.admits(spec.optimizer), reference=chunked)
+        seed=spec.seed, zero_tail=row_opt.admits(spec.optimizer), reference=dense)
     slots = state.slots
     if spec.eviction is not None and slots:
         # an evicted key's row held another key's optimizer state: it starts again too (one
         # scatter a slot array; positions that created no row dropped)
         initial = row_opt.init_slots(spec.optimizer, 1, spec.dim)
         at = jnp.where(lk.fresh & (lk.rows >= 0), lk.rows, capacity)
-        slots = {name: arr.at[at].set(jnp.broadcast_to(initial[name][0], (n,) + arr.shape[1:]),
-                                      mode="drop")
+        slots = {name: arr.at[at].set(jnp.broadcast_to(initial[name][0],
+                                                       at.shape + arr.shape[1:]), mode="drop")
                  for name, arr in slots.items()}
     return state._replace(values=values, row_slot=row_slot, slots=slots)
 

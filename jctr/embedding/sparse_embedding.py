@@ -152,8 +152,8 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
     On CPU one native pass over the batch (:func:`jctr.ops.initialize_rows`). Elsewhere (a
     GPU) one scatter of every position's initial vector, the positions that created no row
     dropped: the vectors are a hash of the key, cheap where thousands of threads compute them.
-    (The earlier compacted chunks under a ``cond`` made XLA:GPU copy the whole table each
-    step: a 2.6 GB temporary for a 10M x 64 table, ``tests/test_sparse_memory.py`` on an
+    (Compacted chunks under a ``cond`` went with a copy of the whole table in XLA:GPU's
+    step: 2.6 GB of temporaries for a 10M x 64 table, ``tests/test_sparse_memory.py`` on an
     H200.)
     """
     capacity = state.values.shape[0]

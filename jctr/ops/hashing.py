@@ -220,19 +220,24 @@ def probe_remaining(slot_keys: jax.Array, keys: jax.Array, pos: jax.Array | None
 
 
 def representatives(scratch: jax.Array, slots: jax.Array):
-    """For each position, the position of one chosen occurrence of the same slot.
+    """For each position, the first position of the same slot (its representative).
 
-    Linear and sort-free: positions are scattered into slot order (``scratch`` is a persistent
-    int32 [num_slots] buffer; stale contents never matter because every slot read was just
-    written) and gathered back. Positions with slot -1 get -1.
+    Linear and sort-free: positions are scattered into slot order with a minimum (``scratch``
+    is a persistent int32 [num_slots] buffer; stale contents never matter because every slot
+    read was just reset) and gathered back. Positions with slot -1 get -1. The first position,
+    not whichever write lands last: a scatter's order among equal indices is unspecified (a
+    GPU's differs run to run), and new keys take rows in the order of their representatives,
+    so the rows a batch's new keys get are the same on every platform and in every run, and
+    the native kernel's (:func:`jctr.ops.cpu_ffi.find_assign`).
 
-    Returns (scratch, rep) with ``rep[i] == i`` exactly for one position per distinct slot.
+    Returns (scratch, rep) with ``rep[i] == i`` exactly for the first position of each
+    distinct slot.
     """
     n = slots.shape[0]
     num_slots = scratch.shape[0]
     ar = jnp.arange(n, dtype=jnp.int32)
     target = jnp.where(slots >= 0, slots, num_slots)
-    scratch = scratch.at[target].set(ar, mode="drop")
+    scratch = scratch.at[target].set(n, mode="drop").at[target].min(ar, mode="drop")
     rep = jnp.where(slots >= 0, scratch.at[target].get(mode="fill", fill_value=-1), -1)
     return scratch, rep
 

@@ -77,6 +77,12 @@ class RowStore:
         rows, found = read(name, keys, self.width(table))
         return self._unpack(table, keys[found], rows[found])
 
+    def as_stored(self, table: int, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Rows as a :meth:`pull` would give them back after a :meth:`push` of them (the
+        same columns and types, bit for bit)."""
+        return self._unpack(table, np.asarray(stored["keys"], np.int64),
+                            self._pack(table, stored))
+
     def push(self, table: int, stored: dict[str, np.ndarray]) -> None:
         """Write (overwrite) the rows of a stored-table dict."""
         if stored["keys"].size:

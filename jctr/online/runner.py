@@ -97,6 +97,11 @@ class OnlineRun:
         self.store = None  # the row database (sparse_store), once the trainer exists
         self._pulled: list[dict] = []
         self._eval_keys: list[np.ndarray] = []
+        # sparse_store, one process: the last pass's rows as written back, and the stored
+        # rows of the next pass's other keys, read while this pass trains (_pull_ahead)
+        self._written: list[dict] = []
+        self._wanted: list = []  # the KeySets of the keys the last pass pulled
+        self._ahead: Future | None = None
 
     # -- where a run stands ---------------------------------------------------------------
     def progress(self) -> dict | None:
@@ -291,6 +296,7 @@ class OnlineRun:
                             raise InterruptedError(f"stopped while waiting for day {day} pass "
                                                    f"{n}'s data")
                     data = ahead.result()
+                    data["rows_ahead"] = self._rows_ahead()
                     data["wait_s"] = time.perf_counter() - t0
                 else:
                     data = self._pass_data(lists, day, n, self.stop, read=False)
@@ -299,11 +305,16 @@ class OnlineRun:
                 ahead = None
                 if pool is not None and i + 1 < len(todo):
                     ahead = pool.submit(self._pass_data, lists, *todo[i + 1], halt, read=True)
+                    # the next pass's stored rows too, after this pass's pull (same day: the
+                    # day's end erases and decays rows)
+                    if self._pulls_ahead() and todo[i + 1][0] == day:
+                        data["next"] = (pool, ahead, halt)
                 self._train_pass(day, n, data)
         finally:
             halt.set()
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+            self._rows_ahead()  # a read of the database in flight ends before it closes
         return self.passes_trained
 
     def _pass_data(self, lists: str, day: str, n: int, stop: threading.Event, *,
@@ -496,14 +507,66 @@ class OnlineRun:
                 seen.add(batch.valid_keys(spec.input_index, spec.slot_num))
         return [seen.keys() for seen in found]
 
-    def _pull(self, keys: list[np.ndarray]) -> None:
-        """The rows of the pass's (and the validation set's) keys into the empty tables."""
+    def _pulls_ahead(self) -> bool:
+        """Whether the next pass's rows may be read while a pass trains: a sparse_store of
+        one process (several processes gather rows collectively, on the main thread)."""
+        import jax
+
+        return self.store is not None and jax.process_count() == 1
+
+    def _pull_ahead(self, following: Future, wanted: list,
+                    halt: threading.Event) -> list[dict] | None:
+        """The stored rows of the following pass's keys that this pass does not hold
+        (``wanted``: the KeySets of its pulled keys; its write-back leaves the others as they
+        are), read while this pass trains; runs on the prefetch thread, after the following
+        pass's data (``following``) is read there."""
+        try:
+            upcoming = following.result()["keys"]
+        except Exception:  # noqa: BLE001 - the main thread meets the error itself
+            return None
+        if halt.is_set() or upcoming is None:
+            return None
+        return [self.store.pull(i, keys[~wanted[i].contains(keys)])
+                for i, keys in enumerate(upcoming)]
+
+    def _rows_ahead(self) -> list[dict] | None:
+        """What :meth:`_pull_ahead` read (None if it did not run), once it is done."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return None
+        try:
+            return ahead.result()
+        except Exception:  # noqa: BLE001 - the pass pulls the usual way
+            return None
+
+    def _pulled_rows(self, i: int, want: np.ndarray, ahead: dict) -> dict[str, np.ndarray]:
+        """What ``store.pull(i, want)`` gives after the last pass's write-back: the rows it
+        wrote (``_written``), the rows read ahead, and, read now, rows of keys the last pass
+        held but did not write (a table that evicts). In ``want``'s order, as a pull's."""
+        from jctr.ops.host_index import KeySet
+
+        written = self.store.as_stored(i, self._written[i])
+        known = KeySet(written["keys"].size + ahead["keys"].size)
+        known.add(written["keys"])
+        known.add(ahead["keys"])
+        late = self.store.pull(i, want[~known.contains(want) & self._wanted[i].contains(want)])
+        known.add(late["keys"])
+        rows = {name: np.concatenate([p[name] for p in (written, ahead, late)])
+                for name in written}
+        at = known.positions(want)
+        at = at[at >= 0]
+        return {name: arr[at] for name, arr in rows.items()}
+
+    def _pull(self, keys: list[np.ndarray], ahead: list[dict] | None = None) -> None:
+        """The rows of the pass's (and the validation set's) keys into the empty tables;
+        ``ahead``: the stored rows of the keys the last pass did not hold, read meanwhile."""
         import jax
 
         from jctr.ops.host_index import KeySet
 
         t = self.trainer
-        self._pulled = []
+        after = ahead is not None and len(self._written) == len(t.specs)
+        pulled, wanted = [], []
         for i, spec in enumerate(t.specs):
             union = KeySet(keys[i].size + self._eval_keys[i].size)
             union.add(keys[i])
@@ -516,14 +579,18 @@ class OnlineRun:
                                 f"(with the validation set's) does not fit embedding "
                                 f'"{spec.name}" ({spec.capacity:,} rows): raise '
                                 "max_vocabulary_size_per_gpu or make passes smaller")
-            own = self.store.pull(i, self._mine(want))
-            self._pulled.append(own)
+            own = (self._pulled_rows(i, want, ahead[i]) if after
+                   else self.store.pull(i, self._mine(want)))
+            pulled.append(own)
+            wanted.append(union)
             self._set_table(i, put_rows(spec, t.state.embeddings[i], t.placements[i],
                                         self._everyones(own), replace=True))
+        self._pulled, self._wanted, self._written = pulled, wanted, []
 
-    def _push(self, day: str, n: int) -> None:
+    def _push(self, day: str, n: int, *, keep: bool = False) -> None:
         """The working set back into the database (undoable until the pass's checkpoint);
-        the tables are empty again."""
+        the tables are empty again. ``keep``: the rows written are kept for the next pass's
+        pull (:meth:`_pulled_rows`)."""
         from jctr.ops.host_index import KeySet
         from jctr.sharding.distributed import process_owns
 
@@ -545,6 +612,7 @@ class OnlineRun:
             self._set_table(i, put_rows(t.specs[i], t.state.embeddings[i], t.placements[i],
                                         {k: v[:0] for k, v in tb.items()}, replace=True))
         self._pulled = []
+        self._written = tables if keep else []
 
     def _set_table(self, i: int, es) -> None:
         """Embedding table ``i`` of the trainer's state replaced by ``es``."""
@@ -649,11 +717,14 @@ class OnlineRun:
         data["dataset"] = None  # the trainer holds it, for this pass only
         if self.store is not None:
             self._pull(data["keys"] if data.get("keys") is not None
-                       else self._working_keys(dataset))
+                       else self._working_keys(dataset), data.get("rows_ahead"))
+            if data.get("next") is not None:  # the next pass's other rows, meanwhile
+                pool, following, halt = data["next"]
+                self._ahead = pool.submit(self._pull_ahead, following, self._wanted, halt)
         summary = t.fit(data=dataset)
         self._sync_statistics()
         if self.store is not None:
-            self._push(day, n)
+            self._push(day, n, keep=self._ahead is not None)
         iters, validation, loss = summary.iterations, summary.validation, summary.loss
         pass_auc = bucket_auc(self.pass_auc.take())
         # the steady rate leaves the pass's first step out (the compile, on the first pass)

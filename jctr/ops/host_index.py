@@ -152,6 +152,7 @@ class KeySet:
         seen.add(np.array([5, 3, 5])); seen.add(np.array([9, 3]))
         seen.keys()                          # [5, 3, 9]: each once, in the order they came
         seen.contains(np.array([3, 4]))      # [True, False]
+        seen.positions(np.array([9, 4]))     # [2, -1]
     """
 
     def __init__(self, capacity: int = 1 << 16):
@@ -183,7 +184,11 @@ class KeySet:
         return self._keys[:self._n].copy()
 
     def contains(self, keys: np.ndarray) -> np.ndarray:
-        return find(self._index, self._keys, np.ascontiguousarray(keys, np.int64)) >= 0
+        return self.positions(keys) >= 0
+
+    def positions(self, keys: np.ndarray) -> np.ndarray:
+        """Each key's place in :meth:`keys` (the order added), -1 where absent."""
+        return find(self._index, self._keys, np.ascontiguousarray(keys, np.int64))
 
     def __len__(self) -> int:
         return self._n

@@ -542,7 +542,8 @@ class OnlineRun:
     def _pulled_rows(self, i: int, want: np.ndarray, ahead: dict) -> dict[str, np.ndarray]:
         """What ``store.pull(i, want)`` gives after the last pass's write-back: the rows it
         wrote (``_written``), the rows read ahead, and, read now, rows of keys the last pass
-        held but did not write (a table that evicts). In ``want``'s order, as a pull's."""
+        held but did not write (validation keys it never trained, rows a table evicted). In
+        ``want``'s order, as a pull's."""
         from jctr.ops.host_index import KeySet
 
         written = self.store.as_stored(i, self._written[i])

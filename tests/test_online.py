@@ -1063,11 +1063,16 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
     runs = {}
     for prefetch in (True, False):
         name = f"prefetch_{prefetch}"
+        lines = []
         run = OnlineRun(_online(tmp_path, model, tmp_path / name, start_day=days[0],
                                 end_day=days[-1], split_interval=360, prefetch=prefetch,
                                 sparse_store={"path": f"rows_{prefetch}"}),
-                        log=lambda s: None)
+                        log=lines.append)
         assert run.run() == 8
+        rows_lines = [x for x in lines if "sparse_store rows read in" in x]
+        assert len(rows_lines) == 8 and all("written back in" in x for x in rows_lines)
+        assert sum("s read ahead, while the last pass trained" in x
+                   for x in rows_lines) == (6 if prefetch else 0)
         runs[prefetch] = run
         if prefetch:
             # passes 2-4 of each day (rows read ahead: none before the first day's second
@@ -1075,6 +1080,13 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
             assert len(took) == 6 and took[0] == 0 < min(took[1:])
             took.clear()
     assert not took
+    # each pass's record (and line) says how long its rows took to read and write back
+    for prefetch in (True, False):
+        records = [json.loads(x) for x in (tmp_path / f"prefetch_{prefetch}" / "passes.jsonl")
+                   .read_text().splitlines()]
+        assert all(r["store_read_s"] > 0 and r["store_write_s"] > 0 for r in records)
+        ahead = [r["store_read_ahead_s"] is not None for r in records]
+        assert ahead == ([False, True, True, True] * 2 if prefetch else [False] * 8)
     t = runs[True].trainer
     shapes = [{k: tuple(v.shape[1:]) for k, v in t.state.embeddings[0].slots.items()}]
     got = {}

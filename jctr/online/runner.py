@@ -515,7 +515,7 @@ class OnlineRun:
         return self.store is not None and jax.process_count() == 1
 
     def _pull_ahead(self, following: Future, wanted: list,
-                    halt: threading.Event) -> list[dict] | None:
+                    halt: threading.Event) -> dict | None:
         """The stored rows of the following pass's keys that this pass does not hold
         (``wanted``: the KeySets of its pulled keys; its write-back leaves the others as they
         are), read while this pass trains; runs on the prefetch thread, after the following
@@ -526,11 +526,14 @@ class OnlineRun:
             return None
         if halt.is_set() or upcoming is None:
             return None
-        return [self.store.pull(i, keys[~wanted[i].contains(keys)])
+        t0 = time.perf_counter()
+        rows = [self.store.pull(i, keys[~wanted[i].contains(keys)])
                 for i, keys in enumerate(upcoming)]
+        return {"rows": rows, "seconds": time.perf_counter() - t0}
 
-    def _rows_ahead(self) -> list[dict] | None:
-        """What :meth:`_pull_ahead` read (None if it did not run), once it is done."""
+    def _rows_ahead(self) -> dict | None:
+        """What :meth:`_pull_ahead` read (``rows``, and the ``seconds`` it took; None if it
+        did not run), once it is done."""
         ahead, self._ahead = self._ahead, None
         if ahead is None:
             return None
@@ -558,9 +561,10 @@ class OnlineRun:
         at = at[at >= 0]
         return {name: arr[at] for name, arr in rows.items()}
 
-    def _pull(self, keys: list[np.ndarray], ahead: list[dict] | None = None) -> None:
+    def _pull(self, keys: list[np.ndarray], ahead: dict | None = None) -> None:
         """The rows of the pass's (and the validation set's) keys into the empty tables;
-        ``ahead``: the stored rows of the keys the last pass did not hold, read meanwhile."""
+        ``ahead``: the stored rows of the keys the last pass did not hold, read meanwhile
+        (:meth:`_rows_ahead`)."""
         import jax
 
         from jctr.ops.host_index import KeySet
@@ -580,7 +584,7 @@ class OnlineRun:
                                 f"(with the validation set's) does not fit embedding "
                                 f'"{spec.name}" ({spec.capacity:,} rows): raise '
                                 "max_vocabulary_size_per_gpu or make passes smaller")
-            own = (self._pulled_rows(i, want, ahead[i]) if after
+            own = (self._pulled_rows(i, want, ahead["rows"][i]) if after
                    else self.store.pull(i, self._mine(want)))
             pulled.append(own)
             wanted.append(union)
@@ -716,16 +720,23 @@ class OnlineRun:
         t = self.trainer
         dataset = data["dataset"] or open_training_set(t.cfg, data["list"])
         data["dataset"] = None  # the trainer holds it, for this pass only
+        rows_s = {}  # sparse_store: seconds reading and writing the pass's rows
         if self.store is not None:
+            t0 = time.perf_counter()
+            ahead = data.get("rows_ahead")
             self._pull(data["keys"] if data.get("keys") is not None
-                       else self._working_keys(dataset), data.get("rows_ahead"))
+                       else self._working_keys(dataset), ahead)
+            rows_s = {"store_read_s": time.perf_counter() - t0,
+                      "store_read_ahead_s": None if ahead is None else ahead["seconds"]}
             if data.get("next") is not None:  # the next pass's other rows, meanwhile
                 pool, following, halt = data["next"]
                 self._ahead = pool.submit(self._pull_ahead, following, self._wanted, halt)
         summary = t.fit(data=dataset)
         self._sync_statistics()
         if self.store is not None:
+            t0 = time.perf_counter()
             self._push(day, n, keep=self._ahead is not None)
+            rows_s["store_write_s"] = time.perf_counter() - t0
         iters, validation, loss = summary.iterations, summary.validation, summary.loss
         pass_auc = bucket_auc(self.pass_auc.take())
         # the steady rate leaves the pass's first step out (the compile, on the first pass)
@@ -738,11 +749,11 @@ class OnlineRun:
                  + (f", loss {loss:.5f}" if loss is not None else "")
                  + f", pass AUC {pass_auc:.5f}"
                  + ("; validation " + ", ".join(f"{k} {v:.5f}" for k, v in validation.items())
-                    if validation else "") + read)
+                    if validation else "") + read + _rows_note(rows_s))
         self._record({"day": day, "pass": n, "files": num_files, "iterations": iters,
                       "samples_per_s": rate, "loss": loss,
                       "pass_auc": pass_auc, "validation": validation,
-                      "read_ahead_s": data["read_s"], "read_wait_s": data["wait_s"]})
+                      "read_ahead_s": data["read_s"], "read_wait_s": data["wait_s"], **rows_s})
         self.passes_trained += 1
         freq = self.cfg.save_delta_frequency
         if freq and n % freq == 0:
@@ -907,6 +918,16 @@ def _entry_column(source: float | str, data, name: str, where: str | None):
                               > 0.5).astype(np.float64)
     return lambda batch: batch.dense.reshape(batch.dense.shape[0], -1)[:, index].astype(
         np.float64)
+
+
+def _rows_note(rows_s: dict) -> str:
+    """The pass line's account of its sparse_store reads and writes ("" without one)."""
+    if not rows_s:
+        return ""
+    ahead = rows_s["store_read_ahead_s"]
+    return (f"; sparse_store rows read in {rows_s['store_read_s']:.2f} s"
+            + ("" if ahead is None else f" (+{ahead:.2f} s read ahead, while the last pass "
+               "trained)") + f", written back in {rows_s['store_write_s']:.2f} s")
 
 
 def _print(line: str) -> None:

@@ -589,7 +589,7 @@ class OnlineRun:
             pulled.append(own)
             wanted.append(union)
             self._set_table(i, put_rows(spec, t.state.embeddings[i], t.placements[i],
-                                        self._everyones(own), replace=True))
+                                        self._everyones(own), replace=True, consume=True))
         self._pulled, self._wanted, self._written = pulled, wanted, []
 
     def _push(self, day: str, n: int, *, keep: bool = False) -> None:
@@ -615,7 +615,8 @@ class OnlineRun:
         for i, tb in enumerate(tables):
             self.store.push(i, tb)
             self._set_table(i, put_rows(t.specs[i], t.state.embeddings[i], t.placements[i],
-                                        {k: v[:0] for k, v in tb.items()}, replace=True))
+                                        {k: v[:0] for k, v in tb.items()}, replace=True,
+                                        consume=True))
         self._pulled = []
         self._written = tables if keep else []
 

@@ -76,6 +76,10 @@ _insert = jax.jit(lambda table, keys, valid, capacity: lookup(table, keys, valid
 
 _set_rows = jax.jit(lambda arr, rows, data: arr.at[rows].set(data, mode="drop"),
                     donate_argnums=0)
+# an empty table written over a donated one: its buffers are reused (same shapes and types;
+# kept as parameters although unread, or XLA would allocate the outputs afresh)
+_emptied = jax.jit(lambda spec, state: init_embedding(spec), static_argnums=0,
+                   donate_argnums=1, keep_unused=True)
 
 
 _find = jax.jit(lambda table, keys, valid, capacity: lookup(table, keys, valid, capacity,
@@ -279,15 +283,27 @@ def _like(new: EmbeddingState, old: EmbeddingState) -> EmbeddingState:
 
 
 def put_rows(spec: EmbeddingSpec, state: EmbeddingState, placement,
-             stored: dict[str, np.ndarray], *, replace: bool = False) -> EmbeddingState:
+             stored: dict[str, np.ndarray], *, replace: bool = False,
+             consume: bool = False) -> EmbeddingState:
     """``state`` with stored rows (keys, values, optimizer rows, slot ids) inserted, placed as
     before; ``replace``: into an empty table instead (every other key leaves, free rows hold
-    initial values again). Streaming training moves its working set with this.
+    initial values again). Streaming training moves its working set with this. ``consume``
+    (with ``replace``): ``state``'s buffers become the new table's (a table on one device of
+    one process is emptied and filled in place: no fresh table and no copy of one, ~0.9 s of a
+    5.2M-row table's 1.1 s); the caller must not use ``state`` afterwards.
 
     Example::
 
-        es = put_rows(spec, es, placement, store.pull(0, keys), replace=True)
+        es = put_rows(spec, es, placement, store.pull(0, keys), replace=True, consume=True)
     """
+    if (replace and consume and (placement is None or not placement.sharded)
+            and jax.process_count() == 1):
+        where = jax.tree.map(lambda x: x.sharding, state)
+        filled = _emptied(spec, state)
+        if np.size(stored["keys"]):
+            filled = import_table(spec, filled, stored, source=f"rows of {spec.name}",
+                                  owned=True)
+        return jax.device_put(filled, where)  # a no-op where XLA kept them there
     base = state
     if replace:  # a key's row gets its initial vector when inserted: no reset needed
         base = init_embedding(spec)

@@ -204,6 +204,45 @@ def test_an_erased_row_starts_as_new_for_the_next_key():
                                np.asarray(initial_vectors(spec, new)), rtol=1e-6)
 
 
+def test_a_consumed_table_is_emptied_and_filled_in_place_as_a_fresh_one():
+    """put_rows(replace=True, consume=True) (streaming's sparse_store moves its working set
+    with it) reuses the table's buffers: the result equals put_rows into a fresh table array
+    by array (free rows' optimizer state initial again, not the last pass's), and the table
+    given is consumed."""
+    from jctr.config import parse_config
+    from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding
+    from jctr.sharding import rows as rows_mod
+    from tests.conftest import load_json
+
+    raw = load_json("dlrm_synthetic.json")
+    raw["layers"][1]["optimizer"] = {"type": "Adam", "update_type": "Local"}
+    raw["layers"][0].pop("synthetic")
+    cfg = parse_config(raw)
+    spec = EmbeddingSpec.from_config(cfg, cfg.embeddings[0])
+    rng = np.random.default_rng(1)
+
+    def rows(n):
+        keys = rng.choice(10**9, n, replace=False).astype(np.int64)
+        out = {"keys": keys, "values": rng.normal(size=(n, spec.dim)).astype(np.float32),
+               "slot": rng.integers(0, spec.slot_num, n).astype(np.int32)}
+        for name, arr in init_embedding(spec).slots.items():
+            out[name] = rng.normal(size=(n, *arr.shape[1:])).astype(np.float32)
+        return out
+
+    used = rows_mod.put_rows(spec, init_embedding(spec), None, rows(3000), replace=True)
+    later = rows(1000)
+    want = rows_mod.put_rows(spec, jax.tree.map(jnp.copy, used), None, later, replace=True)
+    got = rows_mod.put_rows(spec, used, None, later, replace=True, consume=True)
+    assert used.values.is_deleted()
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                      err_msg=jax.tree_util.keystr(path))
+    empty = rows_mod.put_rows(spec, got, None, {k: v[:0] for k, v in later.items()},
+                              replace=True, consume=True)
+    for a, b in zip(jax.tree.leaves(empty), jax.tree.leaves(init_embedding(spec))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_the_shrink_by_erase_equals_the_rebuild(monkeypatch):
     """drop_keys (streaming training's shrink) erases on a one-device table; the table holds
     the same keys with the same vectors, optimizer rows and slots whether its slots are built

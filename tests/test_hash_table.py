@@ -204,33 +204,44 @@ def test_an_erased_row_starts_as_new_for_the_next_key():
                                np.asarray(initial_vectors(spec, new)), rtol=1e-6)
 
 
-def test_a_consumed_table_is_emptied_and_filled_in_place_as_a_fresh_one():
-    """put_rows(replace=True, consume=True) (streaming's sparse_store moves its working set
-    with it) reuses the table's buffers: the result equals put_rows into a fresh table array
-    by array (free rows' optimizer state initial again, not the last pass's), and the table
-    given is consumed."""
+def _adam_spec():
+    """The synthetic DLRM's embedding with Adam rows (optimizer state a row must not lose)."""
     from jctr.config import parse_config
-    from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding
-    from jctr.sharding import rows as rows_mod
+    from jctr.embedding.sparse_embedding import EmbeddingSpec
     from tests.conftest import load_json
 
     raw = load_json("dlrm_synthetic.json")
     raw["layers"][1]["optimizer"] = {"type": "Adam", "update_type": "Local"}
     raw["layers"][0].pop("synthetic")
     cfg = parse_config(raw)
-    spec = EmbeddingSpec.from_config(cfg, cfg.embeddings[0])
+    return EmbeddingSpec.from_config(cfg, cfg.embeddings[0])
+
+
+def _stored_rows(spec, rng, n: int) -> dict:
+    """``n`` stored rows of distinct keys: vectors, slot ids and optimizer state."""
+    from jctr.embedding.sparse_embedding import init_embedding
+
+    keys = rng.choice(10**9, n, replace=False).astype(np.int64)
+    out = {"keys": keys, "values": rng.normal(size=(n, spec.dim)).astype(np.float32),
+           "slot": rng.integers(0, spec.slot_num, n).astype(np.int32)}
+    for name, arr in init_embedding(spec).slots.items():
+        out[name] = rng.normal(size=(n, *arr.shape[1:])).astype(np.float32)
+    return out
+
+
+def test_a_consumed_table_is_emptied_and_filled_in_place_as_a_fresh_one():
+    """put_rows(replace=True, consume=True) (streaming's sparse_store moves its working set
+    with it) reuses the table's buffers: the result equals put_rows into a fresh table array
+    by array (free rows' optimizer state initial again, not the last pass's), and the table
+    given is consumed."""
+    from jctr.embedding.sparse_embedding import init_embedding
+    from jctr.sharding import rows as rows_mod
+
+    spec = _adam_spec()
     rng = np.random.default_rng(1)
-
-    def rows(n):
-        keys = rng.choice(10**9, n, replace=False).astype(np.int64)
-        out = {"keys": keys, "values": rng.normal(size=(n, spec.dim)).astype(np.float32),
-               "slot": rng.integers(0, spec.slot_num, n).astype(np.int32)}
-        for name, arr in init_embedding(spec).slots.items():
-            out[name] = rng.normal(size=(n, *arr.shape[1:])).astype(np.float32)
-        return out
-
-    used = rows_mod.put_rows(spec, init_embedding(spec), None, rows(3000), replace=True)
-    later = rows(1000)
+    used = rows_mod.put_rows(spec, init_embedding(spec), None, _stored_rows(spec, rng, 3000),
+                             replace=True)
+    later = _stored_rows(spec, rng, 1000)
     want = rows_mod.put_rows(spec, jax.tree.map(jnp.copy, used), None, later, replace=True)
     got = rows_mod.put_rows(spec, used, None, later, replace=True, consume=True)
     assert used.values.is_deleted()
@@ -248,25 +259,15 @@ def test_the_shrink_by_erase_equals_the_rebuild(monkeypatch):
     the same keys with the same vectors, optimizer rows and slots whether its slots are built
     again after the erase (when the tombstones would crowd a refill: forced here) or not, and
     keys inserted afterwards start alike. Keys given twice are erased once."""
-    from jctr.config import parse_config
-    from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding, lookup_keys
+    from jctr.embedding.sparse_embedding import init_embedding, lookup_keys
     from jctr.sharding import rows as rows_mod
-    from tests.conftest import load_json
 
-    raw = load_json("dlrm_synthetic.json")
-    raw["layers"][1]["optimizer"] = {"type": "Adam", "update_type": "Local"}
-    raw["layers"][0].pop("synthetic")
-    cfg = parse_config(raw)
-    spec = EmbeddingSpec.from_config(cfg, cfg.embeddings[0])
+    spec = _adam_spec()
     rng = np.random.default_rng(0)
     n = 3000
-    keys = rng.choice(10**9, n, replace=False).astype(np.int64)
-    stored = {"keys": keys, "values": rng.normal(size=(n, spec.dim)).astype(np.float32),
-              "slot": rng.integers(0, spec.slot_num, n).astype(np.int32)}
-    base = init_embedding(spec)
-    for name, arr in base.slots.items():
-        stored[name] = rng.normal(size=(n, *arr.shape[1:])).astype(np.float32)
-    full = rows_mod.put_rows(spec, base, None, stored, replace=True)
+    stored = _stored_rows(spec, rng, n)
+    keys = stored["keys"]
+    full = rows_mod.put_rows(spec, init_embedding(spec), None, stored, replace=True)
     deleted = keys[rng.random(n) < 0.3]
 
     def by_key(state):

@@ -157,14 +157,14 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
     H200.)
     """
     capacity = state.values.shape[0]
+    at = jnp.where(lk.fresh & (lk.rows >= 0), lk.rows, capacity)  # new rows; others dropped
 
-    def dense(values, row_slot, keys, rows, fresh, key_slots):
-        rows = jnp.where(fresh & (rows >= 0), rows, capacity)
+    def dense(values, row_slot, keys, _rows, _fresh, key_slots):
         vectors = initial_vectors(spec, keys)
         if row_opt.admits(spec.optimizer):  # the first dimension only, until admitted
             vectors = vectors.at[:, 1:].set(0.0)
-        return (values.at[rows].set(vectors, mode="drop"),
-                row_slot.at[rows].set(key_slots, mode="drop"))
+        return (values.at[at].set(vectors, mode="drop"),
+                row_slot.at[at].set(key_slots, mode="drop"))
 
     values, row_slot = initialize_rows(
         state.values, state.row_slot, keys, lk.rows, lk.fresh, key_slots,
@@ -175,7 +175,6 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
         # an evicted key's row held another key's optimizer state: it starts again too (one
         # scatter a slot array; positions that created no row dropped)
         initial = row_opt.init_slots(spec.optimizer, 1, spec.dim)
-        at = jnp.where(lk.fresh & (lk.rows >= 0), lk.rows, capacity)
         slots = {name: arr.at[at].set(jnp.broadcast_to(initial[name][0],
                                                        at.shape + arr.shape[1:]), mode="drop")
                  for name, arr in slots.items()}

@@ -296,27 +296,26 @@ def put_rows(spec: EmbeddingSpec, state: EmbeddingState, placement,
 
         es = put_rows(spec, es, placement, store.pull(0, keys), replace=True, consume=True)
     """
-    if (replace and consume and (placement is None or not placement.sharded)
-            and jax.process_count() == 1):
-        where = jax.tree.map(lambda x: x.sharding, state)
-        filled = _emptied(spec, state)
-        if np.size(stored["keys"]):
-            filled = import_table(spec, filled, stored, source=f"rows of {spec.name}",
-                                  owned=True)
-        return jax.device_put(filled, where)  # a no-op where XLA kept them there
+    where = jax.tree.map(lambda x: x.sharding, state)  # (read before a donation)
+    in_place = (replace and consume and (placement is None or not placement.sharded)
+                and jax.process_count() == 1)
     base = state
-    if replace:  # a key's row gets its initial vector when inserted: no reset needed
+    if in_place:  # the table's own buffers, emptied
+        base = _emptied(spec, state)
+    elif replace:  # a key's row gets its initial vector when inserted: no reset needed
         base = init_embedding(spec)
         if placement is not None and placement.sharded:
             base = jax.tree.map(lambda x: jnp.broadcast_to(x, (placement.num_shards,)
                                                            + x.shape), base)
     if replace and not np.size(stored["keys"]):  # an emptied table: nothing to insert
         filled = base
+    elif in_place:  # written where they are
+        filled = import_table(spec, base, stored, source=f"rows of {spec.name}", owned=True)
     else:
         filled = import_placed(spec, base, stored, placement, source=f"rows of {spec.name}")
     if jax.process_count() > 1:  # every process holds the same rows: each places its part
         return _like(filled, state)
-    return jax.device_put(filled, jax.tree.map(lambda x: x.sharding, state))
+    return jax.device_put(filled, where)  # a no-op where XLA kept them there
 
 
 def drop_keys(spec: EmbeddingSpec, state: EmbeddingState, placement, keys: np.ndarray

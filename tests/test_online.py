@@ -1032,7 +1032,13 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
     leaves them as they are); the next pass takes the rest from the rows this pass wrote
     back. Two days of four passes with drifting keys train to the same stored rows and
     statistics, bit for bit, as a run that reads every pass's rows after the last write-back
-    (``prefetch: false``); each day's passes after the first took the rows read ahead."""
+    (``prefetch: false``); each day's passes after the first took the rows read ahead.
+    A pass's write-back is written there too, while the next pass trains (each day's last
+    pass writes its own: the day's end reads every row), and the pass's checkpoint is
+    recorded once it is done: a write-back that fails (here after writing every row) leaves
+    its checkpoint unrecorded and the run stops with the error at the next pass's end; started
+    again, the run puts the old rows back, trains that pass again (its unrecorded snapshot
+    replaced) and ends with the same rows."""
     import json
 
     from jctr.config import parse_config
@@ -1071,6 +1077,8 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
         assert run.run() == 8
         rows_lines = [x for x in lines if "sparse_store rows read in" in x]
         assert len(rows_lines) == 8 and all("written back in" in x for x in rows_lines)
+        behind = ["written while the next pass trains" in x for x in rows_lines]
+        assert behind == ([True, True, True, False] * 2 if prefetch else [False] * 8)
         assert sum("s read ahead, while the last pass trained" in x
                    for x in rows_lines) == (6 if prefetch else 0)
         runs[prefetch] = run
@@ -1100,6 +1108,33 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
         np.testing.assert_array_equal(got[True][name], want, err_msg=name)
     for name, value in runs[False].stats[0].state_dict().items():
         np.testing.assert_array_equal(runs[True].stats[0].state_dict()[name], value)
+
+    # the second day's second write-back fails after writing its rows
+    real_write = OnlineRun._write_back
+
+    def fails(self, undo, pulled, added, tables, marker):
+        real_write(self, undo, pulled, added, tables, marker)
+        if (marker["day"], marker["pass"]) == (days[1], 2):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(OnlineRun, "_write_back", fails)
+    failing = _online(tmp_path, model, tmp_path / "failed", start_day=days[0],
+                      end_day=days[-1], split_interval=360, sparse_store={"path": "rows_f"})
+    with pytest.raises(OSError, match="No space left"):
+        OnlineRun(failing, log=lambda s: None).run()
+    progress = json.loads((tmp_path / "failed" / "progress.json").read_text())
+    assert (progress["day"], progress["pass"]) == (days[1], 1)
+    assert (tmp_path / "failed" / days[1] / "2").is_dir()  # written, never recorded
+    monkeypatch.setattr(OnlineRun, "_write_back", real_write)
+    lines = []
+    assert OnlineRun(failing, log=lines.append).run() == 3
+    assert any(f"put back the rows day {days[1]} pass 2" in x for x in lines)
+    store = RowStore(str(tmp_path / "rows_f"), t.specs, shapes)
+    keys = np.sort(np.concatenate([k for k, _ in store.db.items(store.names[0])]))
+    again = store.pull(0, keys)
+    store.close()
+    for name, want in got[False].items():
+        np.testing.assert_array_equal(again[name], want, err_msg=name)
 
 
 def test_the_quick_start_runs_as_printed(tmp_path):

@@ -47,11 +47,13 @@ class RowStore:
     def width(self, table: int) -> int:
         return sum(int(np.prod(shape)) for _, shape in self.layouts[table])
 
-    def _pack(self, table: int, stored: dict[str, np.ndarray]) -> np.ndarray:
+    def _columns(self, table: int, stored: dict[str, np.ndarray]) -> list[np.ndarray]:
         n = stored["keys"].size
-        cols = [np.asarray(stored[name], np.float32).reshape(n, -1)
+        return [np.asarray(stored[name], np.float32).reshape(n, -1)
                 for name, _ in self.layouts[table]]
-        return np.concatenate(cols, axis=1)
+
+    def _pack(self, table: int, stored: dict[str, np.ndarray]) -> np.ndarray:
+        return np.concatenate(self._columns(table, stored), axis=1)
 
     def _unpack(self, table: int, keys: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
         out = {"keys": keys}
@@ -84,9 +86,11 @@ class RowStore:
                             self._pack(table, stored))
 
     def push(self, table: int, stored: dict[str, np.ndarray]) -> None:
-        """Write (overwrite) the rows of a stored-table dict."""
+        """Write (overwrite) the rows of a stored-table dict (a pass's rows: one bulk load,
+        laid out from the columns)."""
         if stored["keys"].size:
-            self.db.insert(self.names[table], stored["keys"], self._pack(table, stored))
+            self.db.ingest_columns(self.names[table], stored["keys"],
+                                   self._columns(table, stored))
 
     def erase(self, table: int, keys: np.ndarray) -> None:
         self.db.erase(self.names[table], np.asarray(keys, np.int64))

@@ -32,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -102,6 +103,11 @@ class OnlineRun:
         self._written: list[dict] = []
         self._wanted: list = []  # the KeySets of the keys the last pass pulled
         self._ahead: Future | None = None
+        # ... and its write-back, written on the prefetch thread while the next pass trains,
+        # with the checkpoint that waits for it to be recorded (_settle)
+        self._pool: ThreadPoolExecutor | None = None
+        self._behind: Future | None = None
+        self._unrecorded: tuple | None = None
 
     # -- where a run stands ---------------------------------------------------------------
     def progress(self) -> dict | None:
@@ -287,6 +293,7 @@ class OnlineRun:
             if self.cfg.prefetch else None
         halt = threading.Event()  # ends a prefetch that waits for data when the run ends
         ahead: Future | None = None
+        self._pool = pool
         try:
             for i, (day, n) in enumerate(todo):
                 if ahead is not None:  # read while the previous pass trained
@@ -310,8 +317,18 @@ class OnlineRun:
                     if self._pulls_ahead() and todo[i + 1][0] == day:
                         data["next"] = (pool, ahead, halt)
                 self._train_pass(day, n, data)
+        except BaseException:
+            halt.set()
+            # a write-back in flight ends before the database closes; its checkpoint is
+            # recorded if it succeeded (that pass is complete, whatever stopped this one)
+            with contextlib.suppress(BaseException):
+                self._settle()
+            raise
+        else:
+            self._settle()
         finally:
             halt.set()
+            self._pool = None
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
             self._rows_ahead()  # a read of the database in flight ends before it closes
@@ -492,7 +509,9 @@ class OnlineRun:
 
     def _store_rows(self, i: int, keys: np.ndarray) -> dict[str, np.ndarray]:
         """The stored rows of those of ``keys`` the database holds, from every process's
-        part."""
+        part (after the write-back in flight)."""
+        if self._behind is not None:
+            self._behind.result()
         return self._everyones(self.store.pull(i, self._mine(np.asarray(keys, np.int64))))
 
     def _working_keys(self, dataset) -> list[np.ndarray]:
@@ -595,10 +614,12 @@ class OnlineRun:
     def _push(self, day: str, n: int, *, keep: bool = False) -> None:
         """The working set back into the database (undoable until the pass's checkpoint);
         the tables are empty again. ``keep``: the rows written are kept for the next pass's
-        pull (:meth:`_pulled_rows`)."""
+        pull (:meth:`_pulled_rows`), and, with the prefetch thread, written there while the
+        next pass trains (its checkpoint is recorded once they are: :meth:`_settle`)."""
         from jctr.ops.host_index import KeySet
         from jctr.sharding.distributed import process_owns
 
+        self._settle()  # one write-back in flight at a time
         t = self.trainer
         tables = [export_placed(es, pl) for es, pl in zip(t.state.embeddings, t.placements)]
         for j, tb in enumerate(tables):  # each process writes its part
@@ -610,15 +631,38 @@ class OnlineRun:
             pulled = KeySet(old["keys"].size)
             pulled.add(old["keys"])
             added.append(tb["keys"][~pulled.contains(tb["keys"])])
-        self.store.save_undo(os.path.join(self._undo_dir(), f"{day}_{n:04d}.npz"),
-                             self._pulled, added, {"day": day, "pass": n})
-        for i, tb in enumerate(tables):
-            self.store.push(i, tb)
+        write = (self._write_back, os.path.join(self._undo_dir(), f"{day}_{n:04d}.npz"),
+                 self._pulled, added, tables, {"day": day, "pass": n})
+        if keep and self._pool is not None:
+            # the same thread's read ahead of the next pass's other rows follows it
+            self._behind = self._pool.submit(*write)
+        else:
+            write[0](*write[1:])
+        for i, tb in enumerate(tables):  # the exported rows are copies: emptied at once
             self._set_table(i, put_rows(t.specs[i], t.state.embeddings[i], t.placements[i],
                                         {k: v[:0] for k, v in tb.items()}, replace=True,
                                         consume=True))
         self._pulled = []
         self._written = tables if keep else []
+
+    def _write_back(self, undo: str, pulled: list, added: list, tables: list,
+                    marker: dict) -> None:
+        """What the database held of a pass's keys saved to ``undo``, then the pass's rows
+        written over them."""
+        self.store.save_undo(undo, pulled, added, marker)
+        for i, tb in enumerate(tables):
+            self.store.push(i, tb)
+
+    def _settle(self) -> None:
+        """The write-back in flight finished, then the checkpoint that waited for it
+        recorded. A write-back that failed raises here: its checkpoint stays unrecorded and
+        its undo file in place (a run started again puts the old rows back)."""
+        behind, self._behind = self._behind, None
+        unrecorded, self._unrecorded = self._unrecorded, None
+        if behind is not None:
+            behind.result()
+        if unrecorded is not None:
+            self._record_checkpoint(*unrecorded)
 
     def _set_table(self, i: int, es) -> None:
         """Embedding table ``i`` of the trainer's state replaced by ``es``."""
@@ -738,6 +782,7 @@ class OnlineRun:
             t0 = time.perf_counter()
             self._push(day, n, keep=self._ahead is not None)
             rows_s["store_write_s"] = time.perf_counter() - t0
+            rows_s["store_write_behind"] = self._behind is not None
         iters, validation, loss = summary.iterations, summary.validation, summary.loss
         pass_auc = bucket_auc(self.pass_auc.take())
         # the steady rate leaves the pass's first step out (the compile, on the first pass)
@@ -772,6 +817,7 @@ class OnlineRun:
         order)."""
         import jax
 
+        self._settle()  # the last pass's rows in the database before the shrink
         self._shrink_day(day)
         following = next_day(day)
         folder = os.path.join(self.cfg.save_model_path, following, "0")
@@ -808,11 +854,22 @@ class OnlineRun:
         progress record naming it."""
         import jax
 
+        # a snapshot there is an attempt at this pass that was never recorded (the run
+        # stopped before its write-back was done): replaced
         path = os.path.join(folder, str(self.trainer.save_checkpoint(
-            folder, meanwhile=meanwhile, then=then)))
+            folder, meanwhile=meanwhile, then=then, replace=True)))
+        if jax.process_index() == 0 and statistics:
+            self._save_statistics(folder)
+        if self._behind is not None:  # recorded once the pass's rows are in the database
+            self._unrecorded = (day, n, path, day_end)
+        else:
+            self._record_checkpoint(day, n, path, day_end)
+
+    def _record_checkpoint(self, day: str, n: int, path: str, day_end: bool) -> None:
+        """The progress record names a complete checkpoint (its rows written back)."""
+        import jax
+
         if jax.process_index() == 0:
-            if statistics:
-                self._save_statistics(folder)
             self._write_progress(day, n, int(os.path.basename(path)), path, day_end)
         if self.store is not None:  # the database now matches this checkpoint
             for name in os.listdir(self._undo_dir()):
@@ -928,7 +985,9 @@ def _rows_note(rows_s: dict) -> str:
     ahead = rows_s["store_read_ahead_s"]
     return (f"; sparse_store rows read in {rows_s['store_read_s']:.2f} s"
             + ("" if ahead is None else f" (+{ahead:.2f} s read ahead, while the last pass "
-               "trained)") + f", written back in {rows_s['store_write_s']:.2f} s")
+               "trained)") + f", written back in {rows_s['store_write_s']:.2f} s"
+            + (" (handed to the prefetch thread: written while the next pass trains)"
+               if rows_s["store_write_behind"] else ""))
 
 
 def _print(line: str) -> None:

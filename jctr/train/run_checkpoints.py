@@ -104,7 +104,8 @@ class RunCheckpoints:
 
     def save_to(self, directory: str, state: TrainState, monitors: dict[str, Any], *,
                 meanwhile: Callable[[dict | None], Any] | None = None,
-                then: Callable[[dict | None], Any] | None = None) -> str:
+                then: Callable[[dict | None], Any] | None = None,
+                replace: bool = False) -> str:
         """A snapshot in a directory of its own, complete on return (no reader position: the
         caller knows where its data stands); returns the step's folder. ``meanwhile`` runs
         while the snapshot is written (streaming training's base model at a day's end), given
@@ -112,8 +113,11 @@ class RunCheckpoints:
         which each export their own); ``then`` runs once the snapshot is sealed, given its
         rows as read-only maps of its files (:func:`jctr.checkpoint.manager.read_rows`; None
         with several processes): a model file of the same bytes becomes a link to them. If
-        either fails, the snapshot is removed again."""
+        either fails, the snapshot is removed again. ``replace``: a snapshot of the same step
+        in ``directory`` (an attempt the caller never recorded) is replaced, not refused."""
         ckpt = Checkpointer(directory, keep=1)
+        if replace:
+            ckpt.resumed_from(-1)  # every step there may be written again
         if jax.process_index() == 0:
             ckpt.acquire(report=self.report)
         try:

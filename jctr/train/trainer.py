@@ -379,21 +379,22 @@ class Trainer:
 
     def save_checkpoint(self, directory: str | None = None, *,
                         meanwhile: Callable[[dict | None], object] | None = None,
-                        then: Callable[[dict | None], object] | None = None) -> int:
+                        then: Callable[[dict | None], object] | None = None,
+                        replace: bool = False) -> int:
         """Snapshot the whole state plus the BatchNorm JSON beside it: into the solver's
         checkpoint directory (asynchronously; reported once complete on disk), or into
         ``directory`` of its own (streaming training's ``<day>/<pass>/``; complete on return,
         no reader position; ``meanwhile(tables)`` runs while it is written, given the rows
         it exported, ``then(tables)`` once it is sealed, given its rows mapped from its
-        files). Returns the step.
-        Refuses a state that went non-finite."""
+        files; ``replace``: a snapshot of the same step there is replaced, not refused).
+        Returns the step. Refuses a state that went non-finite."""
         if self._nonfinite_at is not None:
             raise NonFiniteLoss(f"not saving: the state went non-finite at iter "
                                 f"{self._nonfinite_at}")
         monitors = self.judge.state_dict()
         if directory is not None:
             self.checkpoints.save_to(directory, self.state, monitors, meanwhile=meanwhile,
-                                     then=then)
+                                     then=then, replace=replace)
             return int(to_host(self.state.step))
         return self.checkpoints.save(self.state, self.reader_position, monitors)
 

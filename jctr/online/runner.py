@@ -103,9 +103,11 @@ class OnlineRun:
         self._written: list[dict] = []
         self._wanted: list = []  # the KeySets of the keys the last pass pulled
         self._ahead: Future | None = None
-        # ... and its write-back, written on the prefetch thread while the next pass trains,
-        # with the checkpoint that waits for it to be recorded (_settle)
+        # ... and its write-back, written on the prefetch thread once the next pass has its
+        # rows (_deferred, then _behind), with the checkpoint that waits for it to be
+        # recorded (_settle)
         self._pool: ThreadPoolExecutor | None = None
+        self._deferred: tuple | None = None
         self._behind: Future | None = None
         self._unrecorded: tuple | None = None
 
@@ -509,9 +511,8 @@ class OnlineRun:
 
     def _store_rows(self, i: int, keys: np.ndarray) -> dict[str, np.ndarray]:
         """The stored rows of those of ``keys`` the database holds, from every process's
-        part (after the write-back in flight)."""
-        if self._behind is not None:
-            self._behind.result()
+        part (after the last pass's write-back)."""
+        self._written_back()
         return self._everyones(self.store.pull(i, self._mine(np.asarray(keys, np.int64))))
 
     def _working_keys(self, dataset) -> list[np.ndarray]:
@@ -590,6 +591,8 @@ class OnlineRun:
 
         t = self.trainer
         after = ahead is not None and len(self._written) == len(t.specs)
+        if not after:  # every row read from the database: the last pass's written first
+            self._written_back()
         pulled, wanted = [], []
         for i, spec in enumerate(t.specs):
             union = KeySet(keys[i].size + self._eval_keys[i].size)
@@ -614,8 +617,9 @@ class OnlineRun:
     def _push(self, day: str, n: int, *, keep: bool = False) -> None:
         """The working set back into the database (undoable until the pass's checkpoint);
         the tables are empty again. ``keep``: the rows written are kept for the next pass's
-        pull (:meth:`_pulled_rows`), and, with the prefetch thread, written there while the
-        next pass trains (its checkpoint is recorded once they are: :meth:`_settle`)."""
+        pull (:meth:`_pulled_rows`), and, with the prefetch thread, written there once the
+        next pass has its rows (:meth:`_write_behind`; the pass's checkpoint is recorded once
+        they are written: :meth:`_settle`)."""
         from jctr.ops.host_index import KeySet
         from jctr.sharding.distributed import process_owns
 
@@ -634,8 +638,7 @@ class OnlineRun:
         write = (self._write_back, os.path.join(self._undo_dir(), f"{day}_{n:04d}.npz"),
                  self._pulled, added, tables, {"day": day, "pass": n})
         if keep and self._pool is not None:
-            # the same thread's read ahead of the next pass's other rows follows it
-            self._behind = self._pool.submit(*write)
+            self._deferred = write
         else:
             write[0](*write[1:])
         for i, tb in enumerate(tables):  # the exported rows are copies: emptied at once
@@ -653,14 +656,30 @@ class OnlineRun:
         for i, tb in enumerate(tables):
             self.store.push(i, tb)
 
-    def _settle(self) -> None:
-        """The write-back in flight finished, then the checkpoint that waited for it
-        recorded. A write-back that failed raises here: its checkpoint stays unrecorded and
-        its undo file in place (a run started again puts the old rows back)."""
+    def _write_behind(self) -> None:
+        """The last pass's write-back onto the prefetch thread (once this pass's tables are
+        filled: the two would share the cores); the thread's read ahead of the next pass's
+        other rows follows it."""
+        if self._deferred is not None:
+            self._behind = self._pool.submit(*self._deferred)
+            self._deferred = None
+
+    def _written_back(self) -> None:
+        """The last pass's write-back done (here, if it has not started), or its error
+        raised."""
+        deferred, self._deferred = self._deferred, None
         behind, self._behind = self._behind, None
-        unrecorded, self._unrecorded = self._unrecorded, None
+        if deferred is not None:
+            deferred[0](*deferred[1:])
         if behind is not None:
             behind.result()
+
+    def _settle(self) -> None:
+        """The last pass's write-back finished, then the checkpoint that waited for it
+        recorded. A write-back that failed raises here: its checkpoint stays unrecorded and
+        its undo file in place (a run started again puts the old rows back)."""
+        unrecorded, self._unrecorded = self._unrecorded, None
+        self._written_back()
         if unrecorded is not None:
             self._record_checkpoint(*unrecorded)
 
@@ -773,6 +792,7 @@ class OnlineRun:
                        else self._working_keys(dataset), ahead)
             rows_s = {"store_read_s": time.perf_counter() - t0,
                       "store_read_ahead_s": None if ahead is None else ahead["seconds"]}
+            self._write_behind()
             if data.get("next") is not None:  # the next pass's other rows, meanwhile
                 pool, following, halt = data["next"]
                 self._ahead = pool.submit(self._pull_ahead, following, self._wanted, halt)
@@ -782,7 +802,7 @@ class OnlineRun:
             t0 = time.perf_counter()
             self._push(day, n, keep=self._ahead is not None)
             rows_s["store_write_s"] = time.perf_counter() - t0
-            rows_s["store_write_behind"] = self._behind is not None
+            rows_s["store_write_behind"] = self._deferred is not None
         iters, validation, loss = summary.iterations, summary.validation, summary.loss
         pass_auc = bucket_auc(self.pass_auc.take())
         # the steady rate leaves the pass's first step out (the compile, on the first pass)
@@ -860,7 +880,8 @@ class OnlineRun:
             folder, meanwhile=meanwhile, then=then, replace=True)))
         if jax.process_index() == 0 and statistics:
             self._save_statistics(folder)
-        if self._behind is not None:  # recorded once the pass's rows are in the database
+        if self._deferred is not None or self._behind is not None:
+            # recorded once the pass's rows are in the database
             self._unrecorded = (day, n, path, day_end)
         else:
             self._record_checkpoint(day, n, path, day_end)

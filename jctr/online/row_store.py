@@ -77,6 +77,8 @@ class RowStore:
         many = keys.size >= self.SCAN_SHARE * self.db.estimated_rows(name) > 0
         read = self.db.lookup_by_scan if many else self.db.lookup
         rows, found = read(name, keys, self.width(table))
+        if found.all():  # e.g. a day's base model: no copy of every row
+            return self._unpack(table, keys, rows)
         return self._unpack(table, keys[found], rows[found])
 
     def as_stored(self, table: int, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

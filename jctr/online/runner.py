@@ -563,23 +563,39 @@ class OnlineRun:
             return None
 
     def _pulled_rows(self, i: int, want: np.ndarray, ahead: dict) -> dict[str, np.ndarray]:
-        """What ``store.pull(i, want)`` gives after the last pass's write-back: the rows it
-        wrote (``_written``), the rows read ahead, and, read now, rows of keys the last pass
-        held but did not write (validation keys it never trained, rows a table evicted). In
-        ``want``'s order, as a pull's."""
+        """The rows ``store.pull(i, want)`` gives after the last pass's write-back: the rows
+        it wrote (``_written``) of ``want``'s keys, those read ahead, and, read now, rows of
+        keys the last pass held but did not write (validation keys it never trained). Taken
+        in place (no gather into ``want``'s order: a table takes its rows in any order and
+        trains them alike)."""
         from jctr.ops.host_index import KeySet
 
         written = self.store.as_stored(i, self._written[i])
-        known = KeySet(written["keys"].size + ahead["keys"].size)
-        known.add(written["keys"])
-        known.add(ahead["keys"])
-        late = self.store.pull(i, want[~known.contains(want) & self._wanted[i].contains(want)])
-        known.add(late["keys"])
-        rows = {name: np.concatenate([p[name] for p in (written, ahead, late)])
+        held = self._wanted[i]  # the last pass's keys (its written ones among them)
+        at_held = held.positions(want)
+        row_of = np.full(len(held) + 1, -1, np.int64)  # the last entry: keys it did not hold
+        was = held.positions(written["keys"])
+        parts = [ahead]
+        if (was >= 0).all():
+            row_of[was] = np.arange(was.size)
+        else:  # not so in practice (a pass's tables hold only its keys): such rows go below
+            row_of[was[was >= 0]] = np.flatnonzero(was >= 0)
+            parts.insert(0, {name: arr[was < 0] for name, arr in written.items()})
+        from_written = row_of[at_held]
+        late = self.store.pull(i, want[(at_held >= 0) & (from_written < 0)])
+        # the rows read ahead are of keys the last pass did not hold, the late ones of keys it
+        # held: found through one index of the two (no set of every row is built); a key
+        # both written and read ahead takes its written row (the first added)
+        others = {name: np.concatenate([p[name] for p in parts + [late]]) for name in written}
+        index = KeySet(others["keys"].size)
+        index.add(others["keys"])
+        at_others = index.positions(want[from_written < 0])
+        take_written = np.zeros(written["keys"].size, bool)
+        take_written[from_written[from_written >= 0]] = True
+        take_others = np.zeros(others["keys"].size, bool)
+        take_others[at_others[at_others >= 0]] = True
+        return {name: np.concatenate([written[name][take_written], others[name][take_others]])
                 for name in written}
-        at = known.positions(want)
-        at = at[at >= 0]
-        return {name: arr[at] for name, arr in rows.items()}
 
     def _pull(self, keys: list[np.ndarray], ahead: dict | None = None) -> None:
         """The rows of the pass's (and the validation set's) keys into the empty tables;

@@ -333,8 +333,14 @@ class RocksDBStore:
         for stored, vectors in self.items(table):
             r = host_index.find(index, distinct, stored)
             hit = r >= 0
-            rows[r[hit]] = vectors[hit]
-            held[r[hit]] = True
+            if hit.all():  # a day's base model: every stored key is asked for
+                rows[r] = vectors
+                held[r] = True
+            else:
+                rows[r[hit]] = vectors[hit]
+                held[r[hit]] = True
+        if n == keys.size:  # no key given twice: each is its own distinct one, in order
+            return rows, held
         return rows[at], held[at]
 
     def dim(self, table: str) -> int | None:

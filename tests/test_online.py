@@ -1032,7 +1032,9 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
     leaves them as they are); the next pass takes the rest from the rows this pass wrote
     back. Two days of four passes with drifting keys train to the same stored rows and
     statistics, bit for bit, as a run that reads every pass's rows after the last write-back
-    (``prefetch: false``); each day's passes after the first took the rows read ahead.
+    (``prefetch: false``); each day's passes after the first took the rows read ahead. Each
+    day's base model takes the rows of the keys its last pass does not hold from a read while
+    that pass trained: the same keys and vectors as the base model read from the database.
     A pass's write-back is written there too, while the next pass trains (each day's last
     pass writes its own: the day's end reads every row), and the pass's checkpoint is
     recorded once it is done: a write-back that fails (here after writing every row) leaves
@@ -1066,6 +1068,14 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
         return real(self, i, want, ahead)
 
     monkeypatch.setattr(OnlineRun, "_pulled_rows", counted)
+    based = []
+    real_base = OnlineRun._base_rows
+
+    def base_counted(self, i, keys, unheld):
+        based.append(unheld["keys"].size)
+        return real_base(self, i, keys, unheld)
+
+    monkeypatch.setattr(OnlineRun, "_base_rows", base_counted)
     runs = {}
     for prefetch in (True, False):
         name = f"prefetch_{prefetch}"
@@ -1088,6 +1098,19 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
             assert len(took) == 6 and took[0] == 0 < min(took[1:])
             took.clear()
     assert not took
+    assert len(based) == 2 and min(based) > 0  # each day's base model, with prefetch only
+    for day in ("20190721", "20190722"):  # the base models after each day
+        models = []
+        for prefetch in (True, False):
+            folder = (tmp_path / f"prefetch_{prefetch}" / day / "base" / "sparse"
+                      / "sparse_embedding1.model")
+            keys = np.fromfile(folder / "key", "<i8")
+            vectors = np.fromfile(folder / "emb_vector", "<f4").reshape(keys.size, -1)
+            order = np.argsort(keys)
+            models.append((keys[order], vectors[order]))
+        assert models[0][0].size > 1000
+        np.testing.assert_array_equal(models[0][0], models[1][0])
+        np.testing.assert_array_equal(models[0][1], models[1][1])
     # each pass's record (and line) says how long its rows took to read and write back
     for prefetch in (True, False):
         records = [json.loads(x) for x in (tmp_path / f"prefetch_{prefetch}" / "passes.jsonl")

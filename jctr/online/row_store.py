@@ -81,6 +81,16 @@ class RowStore:
             return self._unpack(table, keys, rows)
         return self._unpack(table, keys[found], rows[found])
 
+    def pull_except(self, table: int, held) -> dict[str, np.ndarray]:
+        """Every stored row but those of ``held``'s keys (a
+        :class:`jctr.ops.host_index.KeySet`), in one pass over the table."""
+        keys, rows = [np.zeros(0, np.int64)], [np.zeros((0, self.width(table)), np.float32)]
+        for stored, vectors in self.db.items(self.names[table]):
+            other = ~held.contains(stored)
+            keys.append(stored[other])
+            rows.append(vectors[other])
+        return self._unpack(table, np.concatenate(keys), np.concatenate(rows))
+
     def as_stored(self, table: int, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Rows as a :meth:`pull` would give them back after a :meth:`push` of them (the
         same columns and types, bit for bit)."""

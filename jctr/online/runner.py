@@ -109,6 +109,9 @@ class OnlineRun:
         self._pool: ThreadPoolExecutor | None = None
         self._deferred: tuple | None = None
         self._behind: Future | None = None
+        # a day's last pass: the stored rows of the keys it does not hold, read meanwhile for
+        # the day's base model (_read_unheld)
+        self._unheld: Future | None = None
         self._unrecorded: tuple | None = None
 
     # -- where a run stands ---------------------------------------------------------------
@@ -334,6 +337,7 @@ class OnlineRun:
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
             self._rows_ahead()  # a read of the database in flight ends before it closes
+            self._take_unheld()
         return self.passes_trained
 
     def _pass_data(self, lists: str, day: str, n: int, stop: threading.Event, *,
@@ -597,6 +601,43 @@ class OnlineRun:
         return {name: np.concatenate([written[name][take_written], others[name][take_others]])
                 for name in written}
 
+    def _read_unheld(self, held: list) -> list[dict[str, np.ndarray]]:
+        """Every stored row of the keys the day's last pass does not hold (``held``: its
+        pulled keys' KeySets; its write-back leaves those rows as they are), read on the
+        prefetch thread while it trains, for the day's base model (:meth:`_base_rows`)."""
+        return [self.store.pull_except(i, keys) for i, keys in enumerate(held)]
+
+    def _take_unheld(self) -> list[dict[str, np.ndarray]] | None:
+        """What :meth:`_read_unheld` read, once done (None if it did not run or failed: the
+        base model then reads the database)."""
+        unheld, self._unheld = self._unheld, None
+        if unheld is None:
+            return None
+        try:
+            return unheld.result()
+        except Exception:  # noqa: BLE001 - the base model reads every row the usual way
+            return None
+
+    def _base_rows(self, i: int, keys: np.ndarray, unheld: dict[str, np.ndarray]
+                   ) -> dict[str, np.ndarray]:
+        """The day's base model's rows of ``keys`` (chosen by the statistics, after the
+        shrink): the rows the last pass wrote, those of the keys it did not hold (read while
+        it trained, ``unheld``), and, read now, those of keys it held but did not write. The
+        same rows as :meth:`_store_rows` gives, in another order."""
+        written = self.store.as_stored(i, self._written[i])
+        held = self._wanted[i]
+        was = held.positions(written["keys"])
+        if (was < 0).any():  # not so in practice (a pass's tables hold only its keys)
+            return self._store_rows(i, keys)
+        wrote = np.zeros(len(held) + 1, bool)  # the last entry: keys it did not hold
+        wrote[was] = True
+        at = held.positions(keys)
+        late = self.store.pull(i, keys[(at >= 0) & ~wrote[at]])
+        stats = self.stats[i]
+        chosen = _chosen(stats, keys)
+        parts = [_rows_among(p, stats, chosen) for p in (written, unheld, late)]
+        return {name: np.concatenate([p[name] for p in parts]) for name in written}
+
     def _pull(self, keys: list[np.ndarray], ahead: dict | None = None) -> None:
         """The rows of the pass's (and the validation set's) keys into the empty tables;
         ``ahead``: the stored rows of the keys the last pass did not hold, read meanwhile
@@ -630,12 +671,13 @@ class OnlineRun:
                                         self._everyones(own), replace=True, consume=True))
         self._pulled, self._wanted, self._written = pulled, wanted, []
 
-    def _push(self, day: str, n: int, *, keep: bool = False) -> None:
+    def _push(self, day: str, n: int, *, keep: bool = False, behind: bool = False) -> None:
         """The working set back into the database (undoable until the pass's checkpoint);
         the tables are empty again. ``keep``: the rows written are kept for the next pass's
-        pull (:meth:`_pulled_rows`), and, with the prefetch thread, written there once the
-        next pass has its rows (:meth:`_write_behind`; the pass's checkpoint is recorded once
-        they are written: :meth:`_settle`)."""
+        pull (:meth:`_pulled_rows`) or the day's base model (:meth:`_base_rows`);
+        ``behind``: written on the prefetch thread once the next pass has its rows
+        (:meth:`_write_behind`; the pass's checkpoint is recorded once they are written:
+        :meth:`_settle`)."""
         from jctr.ops.host_index import KeySet
         from jctr.sharding.distributed import process_owns
 
@@ -653,7 +695,7 @@ class OnlineRun:
             added.append(tb["keys"][~pulled.contains(tb["keys"])])
         write = (self._write_back, os.path.join(self._undo_dir(), f"{day}_{n:04d}.npz"),
                  self._pulled, added, tables, {"day": day, "pass": n})
-        if keep and self._pool is not None:
+        if behind and self._pool is not None:
             self._deferred = write
         else:
             write[0](*write[1:])
@@ -812,13 +854,17 @@ class OnlineRun:
             if data.get("next") is not None:  # the next pass's other rows, meanwhile
                 pool, following, halt = data["next"]
                 self._ahead = pool.submit(self._pull_ahead, following, self._wanted, halt)
+            elif n == len(self.passes) and self._pool is not None and self._pulls_ahead():
+                # the day's last pass: the base model's rows of the keys it does not hold
+                self._unheld = self._pool.submit(self._read_unheld, self._wanted)
         summary = t.fit(data=dataset)
         self._sync_statistics()
         if self.store is not None:
             t0 = time.perf_counter()
-            self._push(day, n, keep=self._ahead is not None)
+            behind = self._ahead is not None
+            self._push(day, n, keep=behind or self._unheld is not None, behind=behind)
             rows_s["store_write_s"] = time.perf_counter() - t0
-            rows_s["store_write_behind"] = self._deferred is not None
+            rows_s["store_write_behind"] = behind
         iters, validation, loss = summary.iterations, summary.validation, summary.loss
         pass_auc = bucket_auc(self.pass_auc.take())
         # the steady rate leaves the pass's first step out (the compile, on the first pass)
@@ -944,7 +990,9 @@ class OnlineRun:
         else:
             folder = os.path.join(self.cfg.save_model_path, day, f"delta-{n}")
         if self.store is not None:  # every row is in the database
-            tables = [self._store_rows(i, k) for i, k in enumerate(keys)]
+            unheld = self._take_unheld() if kind == "base" else None
+            tables = [self._store_rows(i, k) if unheld is None else self._base_rows(i, k, u)
+                      for i, (k, u) in enumerate(zip(keys, unheld or keys))]
         path = export_bundle(t.cfg, t.state, folder, t.placements, keys=keys,
                              about={"kind": kind, "day": day, "pass": n}, tables=tables)
         self.log(f"[jctr] {kind} model -> {path} ("
@@ -976,9 +1024,21 @@ def _rows_with(table: dict[str, np.ndarray], stats: FeatureStats, keys: np.ndarr
     if _every_key(stats, keys, evicts) and keys.size == table["keys"].size:
         # as many table keys are the same set: every row is kept
         return table
-    chosen = np.zeros(len(stats) + 1, bool)  # the last entry: keys without statistics
+    return _rows_among(table, stats, _chosen(stats, keys))
+
+
+def _chosen(stats: FeatureStats, keys: np.ndarray) -> np.ndarray:
+    """Which of the statistics' rows hold ``keys`` (one more entry, False: keys without
+    statistics)."""
+    chosen = np.zeros(len(stats) + 1, bool)
     chosen[stats.rows_of(keys)] = True
     chosen[-1] = False
+    return chosen
+
+
+def _rows_among(table: dict[str, np.ndarray], stats: FeatureStats,
+                chosen: np.ndarray) -> dict[str, np.ndarray]:
+    """The rows of a table whose keys are :func:`_chosen`."""
     keep = chosen[stats.rows_of(table["keys"])]
     if keep.all():  # a base model often holds every row: no copy
         return table

@@ -1040,7 +1040,8 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
     recorded once it is done: a write-back that fails (here after writing every row) leaves
     its checkpoint unrecorded and the run stops with the error at the next pass's end; started
     again, the run puts the old rows back, trains that pass again (its unrecorded snapshot
-    replaced) and ends with the same rows."""
+    replaced) and ends with the same rows. A run stopped between a pass's end and its
+    checkpoint drops that pass's write-back, not begun: nothing to put back."""
     import json
 
     from jctr.config import parse_config
@@ -1154,6 +1155,30 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
     assert any(f"put back the rows day {days[1]} pass 2" in x for x in lines)
     store = RowStore(str(tmp_path / "rows_f"), t.specs, shapes)
     keys = np.sort(np.concatenate([k for k, _ in store.db.items(store.names[0])]))
+    again = store.pull(0, keys)
+    store.close()
+    for name, want in got[False].items():
+        np.testing.assert_array_equal(again[name], want, err_msg=name)
+
+    # stopped between a pass's end and its checkpoint: its write-back, not begun, is dropped
+    real_checkpoint = OnlineRun._checkpoint
+
+    def stops(self, folder, day, n, *, day_end, **kw):
+        if (day, n, day_end) == (days[0], 2, False):
+            raise KeyboardInterrupt
+        return real_checkpoint(self, folder, day, n, day_end=day_end, **kw)
+
+    monkeypatch.setattr(OnlineRun, "_checkpoint", stops)
+    stopping = _online(tmp_path, model, tmp_path / "stopped", start_day=days[0],
+                       end_day=days[-1], split_interval=360, sparse_store={"path": "rows_s"})
+    with pytest.raises(KeyboardInterrupt):
+        OnlineRun(stopping, log=lambda s: None).run()
+    assert not os.listdir(tmp_path / "stopped" / "_store_undo")
+    monkeypatch.setattr(OnlineRun, "_checkpoint", real_checkpoint)
+    lines = []
+    assert OnlineRun(stopping, log=lines.append).run() == 7
+    assert not any("put back the rows" in x for x in lines)
+    store = RowStore(str(tmp_path / "rows_s"), t.specs, shapes)
     again = store.pull(0, keys)
     store.close()
     for name, want in got[False].items():

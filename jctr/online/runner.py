@@ -325,8 +325,12 @@ class OnlineRun:
         except BaseException:
             halt.set()
             # a write-back in flight ends before the database closes; its checkpoint is
-            # recorded if it succeeded (that pass is complete, whatever stopped this one)
+            # recorded if it succeeded (that pass is complete, whatever stopped this one). One
+            # not started whose pass has no checkpoint is dropped: the database stays as the
+            # last checkpoint has it
             with contextlib.suppress(BaseException):
+                if self._unrecorded is None:
+                    self._deferred = None
                 self._settle()
             raise
         else:

@@ -932,6 +932,7 @@ class OnlineRun:
 
         self._checkpoint(folder, day, len(self.passes), day_end=True, meanwhile=beside,
                          then=linked if whole else None, statistics=False)
+        self._written = []  # the day's last rows, kept for its base model
 
     def _checkpoint(self, folder: str, day: str, n: int, *, day_end: bool,
                     meanwhile=None, then=None, statistics: bool = True) -> None:

@@ -120,7 +120,11 @@ def main() -> int:
         dbs = Databases(ps.volatile_db, ps.persistent_db)
         hps = HPSModel(ps.models[0], dbs)
         hps.load_databases()
+        # a buffer for the whole burst: the bench times the apply path, and a full buffer
+        # drops messages (the default 64 MB is less than 1M rows' 72 MB of messages; whether
+        # the broker drained enough meanwhile decided whether a run finished)
         sink = KafkaMessageSink(brokers, MODEL, send_buffer_size=args.send_buffer_size,
+                                max_buffered_bytes=max(64 << 20, 2 * args.rows * (DIM * 4 + 8)),
                                 report=print)
         applier = UpdateApplier(ps.update_source, dbs, {MODEL: hps}, group="bench")
         applier.start()

@@ -433,12 +433,15 @@ def test_weeks_of_new_keys_fit_a_small_table_through_the_daily_shrink(tmp_path):
         OnlineRun(online("kept", 30), log=lambda s: None).run()
 
 
-@pytest.mark.parametrize("when", ["waiting", "training"])
+@pytest.mark.parametrize("when", ["waiting", "training", "training, sparse_store"])
 def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path, when):
     """``python -m jctr.online`` SIGKILLed while it waits for the second pass's data, or in
     the middle of the second pass's training, and started again (once the data is there):
     its last checkpoint equals an uninterrupted run's. The command runs with the malloc
-    heap ``python -m jctr.train`` sets (its header says so)."""
+    heap ``python -m jctr.train`` sets (its header says so). With ``sparse_store`` the first
+    pass's write-back is written while the second trains and its checkpoint recorded once it
+    is done (killed after that: the run resumes after the first pass), and the database ends
+    with the uninterrupted run's rows."""
     import json
     import signal
     import subprocess
@@ -463,6 +466,9 @@ def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path, when):
            "split_interval": 720, "split_per_pass": 1, "start_day": "20190720",
            "end_day": "20190720", "save_model_path": "killed", "data_donefile": "DONE",
            "data_sleep_second": 0.1}
+    store = "sparse_store" in when
+    if store:
+        doc["sparse_store"] = {"path": str(tmp_path / "rows")}
     (tmp_path / "online.yaml").write_text(yaml.safe_dump(doc))
     cmd = [sys.executable, "-m", "jctr.online", "--config", str(tmp_path / "online.yaml")]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -470,10 +476,12 @@ def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path, when):
     seen = []
     # waiting: pass 1 is checkpointed, then the run waits for pass 2's data; training: the
     # first of pass 2's eight iterations is done
-    mark = "checkpoint of day 20190720 pass 1" if when == "waiting" else "[jctr] iter 9 "
+    marks = {"checkpoint of day 20190720 pass 1"} if when == "waiting" else \
+        {"[jctr] iter 9 "} | ({"checkpoint of day 20190720 pass 1"} if store else set())
     for line in proc.stdout:
         seen.append(line)
-        if mark in line:
+        marks = {m for m in marks if m not in line}
+        if not marks:
             break
     if when == "waiting":
         time.sleep(0.3)
@@ -493,14 +501,31 @@ def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path, when):
         assert header and "host memory: GLIBC_TUNABLES=" in header[0] and \
             "glibc.malloc.mmap_max=0" in header[0], header
     # the same two passes without a stop, in this process
-    whole = OnlineRun(_online(tmp_path, model, tmp_path / "whole", end_day="20190720"),
-                      log=lambda s: None)
+    extra = {"sparse_store": {"path": str(tmp_path / "rows_whole")}} if store else {}
+    whole = OnlineRun(_online(tmp_path, model, tmp_path / "whole", end_day="20190720",
+                              **extra), log=lambda s: None)
     assert whole.run() == 2
     killed = Checkpointer(str(tmp_path / "killed" / "20190720" / "2"))
     state, _ = killed.restore(whole.trainer.state, whole.trainer.specs)
     assert int(state.step) == int(whole.trainer.state.step) == 16
     assert leaves_equal(jax.tree.map(np.asarray, state.params),
                         jax.tree.map(np.asarray, whole.trainer.state.params))
+    if store:
+        from jctr.online.row_store import RowStore
+
+        t = whole.trainer
+        shapes = [{k: tuple(v.shape[1:]) for k, v in es.slots.items()}
+                  for es in t.state.embeddings]
+        rows = []
+        for path in ("rows", "rows_whole"):
+            db = RowStore(str(tmp_path / path), t.specs, shapes)
+            rows.append([db.pull(i, np.sort(np.concatenate(
+                [k for k, _ in db.db.items(db.names[i])]))) for i in range(len(t.specs))])
+            db.close()
+        assert rows[0][0]["keys"].size > 100
+        for got, want in zip(*rows):
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 
 
 def record_conversion(path, kind, day, pass_id):  # the converter hook of the test below

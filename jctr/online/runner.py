@@ -720,11 +720,18 @@ class OnlineRun:
 
     def _write_behind(self) -> None:
         """The last pass's write-back onto the prefetch thread (once this pass's tables are
-        filled: the two would share the cores); the thread's read ahead of the next pass's
-        other rows follows it."""
+        filled: the two would share the cores), its checkpoint recorded there as soon as it
+        is done (a run stopped later resumes after that pass); the thread's read ahead of the
+        next pass's other rows follows it."""
         if self._deferred is not None:
-            self._behind = self._pool.submit(*self._deferred)
-            self._deferred = None
+            deferred, unrecorded = self._deferred, self._unrecorded
+            self._deferred = self._unrecorded = None
+            self._behind = self._pool.submit(self._write_and_record, deferred, unrecorded)
+
+    def _write_and_record(self, deferred: tuple, unrecorded: tuple | None) -> None:
+        deferred[0](*deferred[1:])
+        if unrecorded is not None:
+            self._record_checkpoint(*unrecorded)
 
     def _written_back(self) -> None:
         """The last pass's write-back done (here, if it has not started), or its error
@@ -737,7 +744,7 @@ class OnlineRun:
             behind.result()
 
     def _settle(self) -> None:
-        """The last pass's write-back finished, then the checkpoint that waited for it
+        """The last pass's write-back finished, and the checkpoint that waited for it
         recorded. A write-back that failed raises here: its checkpoint stays unrecorded and
         its undo file in place (a run started again puts the old rows back)."""
         unrecorded, self._unrecorded = self._unrecorded, None

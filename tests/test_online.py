@@ -1051,6 +1051,22 @@ def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypa
         online("x", 2000, sparse_store={"path": "rows"}, checkpoint_per_pass=2)
 
 
+def _rows_given(monkeypatch, method: str) -> list[int]:
+    """``OnlineRun.<method>(self, i, keys, rows)`` wrapped: each call's count of ``rows``
+    appended to the list returned."""
+    from jctr.online.runner import OnlineRun
+
+    sizes = []
+    real = getattr(OnlineRun, method)
+
+    def counted(self, i, keys, rows):
+        sizes.append(rows["keys"].size)
+        return real(self, i, keys, rows)
+
+    monkeypatch.setattr(OnlineRun, method, counted)
+    return sizes
+
+
 def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, monkeypatch):
     """sparse_store with one process: while a pass trains, the prefetch thread reads the
     stored rows of the next pass's keys that this pass does not hold (this pass's write-back
@@ -1086,22 +1102,8 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
                  files_per_slice=1, samples_per_file=384, drift=0.37)
     model = tmp_path / "model.json"
     model.write_text(json.dumps(cfg))
-    took = []
-    real = OnlineRun._pulled_rows
-
-    def counted(self, i, want, ahead):
-        took.append(ahead["keys"].size)
-        return real(self, i, want, ahead)
-
-    monkeypatch.setattr(OnlineRun, "_pulled_rows", counted)
-    based = []
-    real_base = OnlineRun._base_rows
-
-    def base_counted(self, i, keys, unheld):
-        based.append(unheld["keys"].size)
-        return real_base(self, i, keys, unheld)
-
-    monkeypatch.setattr(OnlineRun, "_base_rows", base_counted)
+    took = _rows_given(monkeypatch, "_pulled_rows")  # rows read ahead
+    based = _rows_given(monkeypatch, "_base_rows")  # rows read while a day's last pass trained
     runs = {}
     for prefetch in (True, False):
         name = f"prefetch_{prefetch}"

@@ -1008,17 +1008,17 @@ def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypa
     order = np.argsort(want["keys"])
     want = {k: v[order] for k, v in want.items()}
 
-    # the second day's first write-back is not followed by its checkpoint: the run stops
-    real = OnlineRun._checkpoint
+    # the second day's first write-back is done, its checkpoint never recorded: the run stops
+    real = OnlineRun._record_checkpoint
     stopped = []
 
-    def fail_once(self, folder, day, n, *, day_end, **kw):
+    def fail_once(self, day, n, path, day_end):
         if (day, n, day_end) == ("20190721", 1, False) and not stopped:
             stopped.append(1)
             raise KeyboardInterrupt
-        return real(self, folder, day, n, day_end=day_end, **kw)
+        return real(self, day, n, path, day_end)
 
-    monkeypatch.setattr(OnlineRun, "_checkpoint", fail_once)
+    monkeypatch.setattr(OnlineRun, "_record_checkpoint", fail_once)
     store_cfg = online("disk", 2000, sparse_store={"path": "rows"})
     with pytest.raises(KeyboardInterrupt):
         OnlineRun(store_cfg, log=lambda s: None).run()
@@ -1053,14 +1053,14 @@ def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypa
 
 def _rows_given(monkeypatch, method: str) -> list[int]:
     """``OnlineRun.<method>(self, i, keys, rows)`` wrapped: each call's count of ``rows``
-    appended to the list returned."""
+    (None for None) appended to the list returned."""
     from jctr.online.runner import OnlineRun
 
     sizes = []
     real = getattr(OnlineRun, method)
 
     def counted(self, i, keys, rows):
-        sizes.append(rows["keys"].size)
+        sizes.append(None if rows is None else rows["keys"].size)
         return real(self, i, keys, rows)
 
     monkeypatch.setattr(OnlineRun, method, counted)
@@ -1076,7 +1076,8 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
     (``prefetch: false``); each day's passes after the first took the rows read ahead. Each
     day's base model takes the rows of the keys its last pass does not hold from a read while
     that pass trained: the same keys and vectors as the base model read from the database.
-    A pass's write-back is written there too, while the next pass trains (each day's last
+    A delta after every pass takes the pass's rows from memory and reads the others. A pass's
+    write-back is written there too, while the next pass trains (each day's last
     pass writes its own: the day's end reads every row), and the pass's checkpoint is
     recorded once it is done: a write-back that fails (here after writing every row) leaves
     its checkpoint unrecorded and the run stops with the error at the next pass's end; started
@@ -1103,13 +1104,16 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
     model = tmp_path / "model.json"
     model.write_text(json.dumps(cfg))
     took = _rows_given(monkeypatch, "_pulled_rows")  # rows read ahead
-    based = _rows_given(monkeypatch, "_base_rows")  # rows read while a day's last pass trained
+    # models' rows, the pass's from memory (None: the others read now, for the deltas; else
+    # those read while a day's last pass trained, for its base model)
+    based = _rows_given(monkeypatch, "_model_rows")
     runs = {}
     for prefetch in (True, False):
         name = f"prefetch_{prefetch}"
         lines = []
         run = OnlineRun(_online(tmp_path, model, tmp_path / name, start_day=days[0],
                                 end_day=days[-1], split_interval=360, prefetch=prefetch,
+                                save_delta_frequency=1,
                                 sparse_store={"path": f"rows_{prefetch}"}),
                         log=lines.append)
         assert run.run() == 8
@@ -1126,17 +1130,20 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
             assert len(took) == 6 and took[0] == 0 < min(took[1:])
             took.clear()
     assert not took
-    assert len(based) == 2 and min(based) > 0  # each day's base model, with prefetch only
-    for day in ("20190721", "20190722"):  # the base models after each day
+    # each day's base model and its passes' deltas, with prefetch only
+    assert based.count(None) == 8 and len(based) == 10 and min(x or 1 for x in based) > 0
+    saved = [f"{day}/{kind}" for day, following in zip(days, ("20190721", "20190722"))
+             for kind in ("delta-1", "delta-2", "delta-3", "delta-4", f"../{following}/base")]
+    for model_dir in saved:  # the same keys and vectors as the models read from the database
         models = []
         for prefetch in (True, False):
-            folder = (tmp_path / f"prefetch_{prefetch}" / day / "base" / "sparse"
+            folder = (tmp_path / f"prefetch_{prefetch}" / model_dir / "sparse"
                       / "sparse_embedding1.model")
             keys = np.fromfile(folder / "key", "<i8")
             vectors = np.fromfile(folder / "emb_vector", "<f4").reshape(keys.size, -1)
             order = np.argsort(keys)
             models.append((keys[order], vectors[order]))
-        assert models[0][0].size > 1000
+        assert models[0][0].size > 100
         np.testing.assert_array_equal(models[0][0], models[1][0])
         np.testing.assert_array_equal(models[0][1], models[1][1])
     # each pass's record (and line) says how long its rows took to read and write back

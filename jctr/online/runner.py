@@ -608,7 +608,7 @@ class OnlineRun:
     def _read_unheld(self, held: list) -> list[dict[str, np.ndarray]]:
         """Every stored row of the keys the day's last pass does not hold (``held``: its
         pulled keys' KeySets; its write-back leaves those rows as they are), read on the
-        prefetch thread while it trains, for the day's base model (:meth:`_base_rows`)."""
+        prefetch thread while it trains, for the day's base model (:meth:`_model_rows`)."""
         return [self.store.pull_except(i, keys) for i, keys in enumerate(held)]
 
     def _take_unheld(self) -> list[dict[str, np.ndarray]] | None:
@@ -622,12 +622,14 @@ class OnlineRun:
         except Exception:  # noqa: BLE001 - the base model reads every row the usual way
             return None
 
-    def _base_rows(self, i: int, keys: np.ndarray, unheld: dict[str, np.ndarray]
-                   ) -> dict[str, np.ndarray]:
-        """The day's base model's rows of ``keys`` (chosen by the statistics, after the
-        shrink): the rows the last pass wrote, those of the keys it did not hold (read while
-        it trained, ``unheld``), and, read now, those of keys it held but did not write. The
-        same rows as :meth:`_store_rows` gives, in another order."""
+    def _model_rows(self, i: int, keys: np.ndarray, unheld: dict[str, np.ndarray] | None
+                    ) -> dict[str, np.ndarray]:
+        """A base or delta model's rows of ``keys`` (chosen by the statistics) without
+        waiting for the last pass's write-back: the rows it wrote, from memory; those of keys
+        it did not hold (which its write-back leaves as they are) given (``unheld``: the day's
+        base model, read while its last pass trained) or read now; and, read now, those of
+        keys it held but did not write. The same rows as :meth:`_store_rows` gives, in
+        another order."""
         written = self.store.as_stored(i, self._written[i])
         held = self._wanted[i]
         was = held.positions(written["keys"])
@@ -636,10 +638,15 @@ class OnlineRun:
         wrote = np.zeros(len(held) + 1, bool)  # the last entry: keys it did not hold
         wrote[was] = True
         at = held.positions(keys)
-        late = self.store.pull(i, keys[(at >= 0) & ~wrote[at]])
+        read = (at >= 0) & ~wrote[at]
+        if unheld is None:
+            read |= at < 0
+        parts = [written, self.store.pull(i, keys[read])]
+        if unheld is not None:
+            parts.append(unheld)
         stats = self.stats[i]
         chosen = _chosen(stats, keys)
-        parts = [_rows_among(p, stats, chosen) for p in (written, unheld, late)]
+        parts = [_rows_among(p, stats, chosen) for p in parts]
         return {name: np.concatenate([p[name] for p in parts]) for name in written}
 
     def _pull(self, keys: list[np.ndarray], ahead: dict | None = None) -> None:
@@ -678,7 +685,7 @@ class OnlineRun:
     def _push(self, day: str, n: int, *, keep: bool = False, behind: bool = False) -> None:
         """The working set back into the database (undoable until the pass's checkpoint);
         the tables are empty again. ``keep``: the rows written are kept for the next pass's
-        pull (:meth:`_pulled_rows`) or the day's base model (:meth:`_base_rows`);
+        pull (:meth:`_pulled_rows`) and its models (:meth:`_model_rows`);
         ``behind``: written on the prefetch thread once the next pass has its rows
         (:meth:`_write_behind`; the pass's checkpoint is recorded once they are written:
         :meth:`_settle`)."""
@@ -1001,10 +1008,12 @@ class OnlineRun:
                           for spec, st, k in zip(t.specs, self.stats, keys)]
         else:
             folder = os.path.join(self.cfg.save_model_path, day, f"delta-{n}")
-        if self.store is not None:  # every row is in the database
+        if self.store is not None:  # every row is in the database, or the last pass's in memory
             unheld = self._take_unheld() if kind == "base" else None
-            tables = [self._store_rows(i, k) if unheld is None else self._base_rows(i, k, u)
-                      for i, (k, u) in enumerate(zip(keys, unheld or keys))]
+            # a delta after a pass whose rows are written behind: from memory, no wait
+            kept = len(self._written) == len(t.specs) and (unheld is not None or kind == "delta")
+            tables = [self._model_rows(i, k, None if unheld is None else unheld[i]) if kept
+                      else self._store_rows(i, k) for i, k in enumerate(keys)]
         path = export_bundle(t.cfg, t.state, folder, t.placements, keys=keys,
                              about={"kind": kind, "day": day, "pass": n}, tables=tables)
         self.log(f"[jctr] {kind} model -> {path} ("

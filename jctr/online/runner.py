@@ -320,7 +320,7 @@ class OnlineRun:
                     # the next pass's stored rows too, after this pass's pull (same day: the
                     # day's end erases and decays rows)
                     if self._pulls_ahead() and todo[i + 1][0] == day:
-                        data["next"] = (pool, ahead, halt)
+                        data["next"] = (ahead, halt)
                 self._train_pass(day, n, data)
         except BaseException:
             halt.set()
@@ -563,12 +563,7 @@ class OnlineRun:
         """What :meth:`_pull_ahead` read (``rows``, and the ``seconds`` it took; None if it
         did not run), once it is done."""
         ahead, self._ahead = self._ahead, None
-        if ahead is None:
-            return None
-        try:
-            return ahead.result()
-        except Exception:  # noqa: BLE001 - the pass pulls the usual way
-            return None
+        return _result_or_none(ahead)  # failed: the pass pulls the usual way
 
     def _pulled_rows(self, i: int, want: np.ndarray, ahead: dict) -> dict[str, np.ndarray]:
         """The rows ``store.pull(i, want)`` gives after the last pass's write-back: the rows
@@ -578,23 +573,17 @@ class OnlineRun:
         trains them alike)."""
         from jctr.ops.host_index import KeySet
 
-        written = self.store.as_stored(i, self._written[i])
-        held = self._wanted[i]  # the last pass's keys (its written ones among them)
-        at_held = held.positions(want)
-        row_of = np.full(len(held) + 1, -1, np.int64)  # the last entry: keys it did not hold
-        was = held.positions(written["keys"])
-        parts = [ahead]
-        if (was >= 0).all():
-            row_of[was] = np.arange(was.size)
-        else:  # not so in practice (a pass's tables hold only its keys): such rows go below
-            row_of[was[was >= 0]] = np.flatnonzero(was >= 0)
-            parts.insert(0, {name: arr[was < 0] for name, arr in written.items()})
+        last = self._last_written(i)
+        if last is None:
+            self._written_back()
+            return self.store.pull(i, want)
+        written, row_of = last
+        at_held = self._wanted[i].positions(want)
         from_written = row_of[at_held]
         late = self.store.pull(i, want[(at_held >= 0) & (from_written < 0)])
         # the rows read ahead are of keys the last pass did not hold, the late ones of keys it
-        # held: found through one index of the two (no set of every row is built); a key
-        # both written and read ahead takes its written row (the first added)
-        others = {name: np.concatenate([p[name] for p in parts + [late]]) for name in written}
+        # held: found through one index of the two (no set of every row is built)
+        others = {name: np.concatenate([ahead[name], late[name]]) for name in written}
         index = KeySet(others["keys"].size)
         index.add(others["keys"])
         at_others = index.positions(want[from_written < 0])
@@ -604,6 +593,19 @@ class OnlineRun:
         take_others[at_others[at_others >= 0]] = True
         return {name: np.concatenate([written[name][take_written], others[name][take_others]])
                 for name in written}
+
+    def _last_written(self, i: int) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
+        """The last pass's written rows (``_written``) and, for each of its keys' places in
+        ``_wanted`` (one more entry, -1: keys it did not hold), its written row or -1; None
+        if it wrote keys it did not hold (not so in practice: a pass's tables hold only its
+        keys)."""
+        written = self._written[i]
+        was = self._wanted[i].positions(written["keys"])
+        if (was < 0).any():
+            return None
+        row_of = np.full(len(self._wanted[i]) + 1, -1, np.int64)
+        row_of[was] = np.arange(was.size)
+        return written, row_of
 
     def _read_unheld(self, held: list) -> list[dict[str, np.ndarray]]:
         """Every stored row of the keys the day's last pass does not hold (``held``: its
@@ -615,12 +617,7 @@ class OnlineRun:
         """What :meth:`_read_unheld` read, once done (None if it did not run or failed: the
         base model then reads the database)."""
         unheld, self._unheld = self._unheld, None
-        if unheld is None:
-            return None
-        try:
-            return unheld.result()
-        except Exception:  # noqa: BLE001 - the base model reads every row the usual way
-            return None
+        return _result_or_none(unheld)
 
     def _model_rows(self, i: int, keys: np.ndarray, unheld: dict[str, np.ndarray] | None
                     ) -> dict[str, np.ndarray]:
@@ -630,15 +627,12 @@ class OnlineRun:
         base model, read while its last pass trained) or read now; and, read now, those of
         keys it held but did not write. The same rows as :meth:`_store_rows` gives, in
         another order."""
-        written = self.store.as_stored(i, self._written[i])
-        held = self._wanted[i]
-        was = held.positions(written["keys"])
-        if (was < 0).any():  # not so in practice (a pass's tables hold only its keys)
+        last = self._last_written(i)
+        if last is None:
             return self._store_rows(i, keys)
-        wrote = np.zeros(len(held) + 1, bool)  # the last entry: keys it did not hold
-        wrote[was] = True
-        at = held.positions(keys)
-        read = (at >= 0) & ~wrote[at]
+        written, row_of = last
+        at = self._wanted[i].positions(keys)
+        read = (at >= 0) & (row_of[at] < 0)
         if unheld is None:
             read |= at < 0
         parts = [written, self.store.pull(i, keys[read])]
@@ -715,7 +709,9 @@ class OnlineRun:
                                         {k: v[:0] for k, v in tb.items()}, replace=True,
                                         consume=True))
         self._pulled = []
-        self._written = tables if keep else []
+        # as a pull would give them back (read by the next pass and by this pass's models)
+        self._written = [self.store.as_stored(i, tb) for i, tb in enumerate(tables)] \
+            if keep else []
 
     def _write_back(self, undo: str, pulled: list, added: list, tables: list,
                     marker: dict) -> None:
@@ -870,8 +866,8 @@ class OnlineRun:
                       "store_read_ahead_s": None if ahead is None else ahead["seconds"]}
             self._write_behind()
             if data.get("next") is not None:  # the next pass's other rows, meanwhile
-                pool, following, halt = data["next"]
-                self._ahead = pool.submit(self._pull_ahead, following, self._wanted, halt)
+                following, halt = data["next"]
+                self._ahead = self._pool.submit(self._pull_ahead, following, self._wanted, halt)
             elif n == len(self.passes) and self._pool is not None and self._pulls_ahead():
                 # the day's last pass: the base model's rows of the keys it does not hold
                 self._unheld = self._pool.submit(self._read_unheld, self._wanted)
@@ -1010,8 +1006,8 @@ class OnlineRun:
             folder = os.path.join(self.cfg.save_model_path, day, f"delta-{n}")
         if self.store is not None:  # every row is in the database, or the last pass's in memory
             unheld = self._take_unheld() if kind == "base" else None
-            # a delta after a pass whose rows are written behind: from memory, no wait
-            kept = len(self._written) == len(t.specs) and (unheld is not None or kind == "delta")
+            # the last pass's rows kept (perhaps still being written back): from memory
+            kept = len(self._written) == len(t.specs)
             tables = [self._model_rows(i, k, None if unheld is None else unheld[i]) if kept
                       else self._store_rows(i, k) for i, k in enumerate(keys)]
         path = export_bundle(t.cfg, t.state, folder, t.placements, keys=keys,
@@ -1030,6 +1026,17 @@ class OnlineRun:
                                   f"model {path}: {type(e).__name__}: {e}",
                                   self.cfg.source) from e
         return path
+
+
+def _result_or_none(future: Future | None):
+    """A read done on the prefetch thread, once done; None if there was none or it failed
+    (its caller then reads the usual way)."""
+    if future is None:
+        return None
+    try:
+        return future.result()
+    except Exception:  # noqa: BLE001
+        return None
 
 
 def _every_key(stats: FeatureStats, keys: np.ndarray, evicts: bool) -> bool:

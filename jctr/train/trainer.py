@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -377,24 +378,19 @@ class Trainer:
 
     # ---- checkpoints and model files -----------------------------------------------------
 
-    def save_checkpoint(self, directory: str | None = None, *,
-                        meanwhile: Callable[[dict | None], object] | None = None,
-                        then: Callable[[dict | None], object] | None = None,
-                        replace: bool = False) -> int:
+    def save_checkpoint(self, directory: str | None = None, **to_directory: Any) -> int:
         """Snapshot the whole state plus the BatchNorm JSON beside it: into the solver's
         checkpoint directory (asynchronously; reported once complete on disk), or into
         ``directory`` of its own (streaming training's ``<day>/<pass>/``; complete on return,
-        no reader position; ``meanwhile(tables)`` runs while it is written, given the rows
-        it exported, ``then(tables)`` once it is sealed, given its rows mapped from its
-        files; ``replace``: a snapshot of the same step there is replaced, not refused).
-        Returns the step. Refuses a state that went non-finite."""
+        no reader position; ``to_directory``: ``meanwhile``, ``then`` and ``replace`` of
+        :meth:`jctr.train.run_checkpoints.RunCheckpoints.save_to`). Returns the step.
+        Refuses a state that went non-finite."""
         if self._nonfinite_at is not None:
             raise NonFiniteLoss(f"not saving: the state went non-finite at iter "
                                 f"{self._nonfinite_at}")
         monitors = self.judge.state_dict()
         if directory is not None:
-            self.checkpoints.save_to(directory, self.state, monitors, meanwhile=meanwhile,
-                                     then=then, replace=replace)
+            self.checkpoints.save_to(directory, self.state, monitors, **to_directory)
             return int(to_host(self.state.step))
         return self.checkpoints.save(self.state, self.reader_position, monitors)
 

@@ -9,6 +9,9 @@
 #   GPU_CHECK_STEPS=tests bash scripts/gpu_check.sh # some steps: tests bench train (any of them)
 #   GPU_CHECK_QUICK=1 bash scripts/gpu_check.sh     # the same as GPU_CHECK_STEPS="tests train"
 #
+# A machine that reaches no package index gets the wheels it lacks carried along:
+# `bash scripts/gpu_wheels.sh` here, then the device tool's `carry: [".whl"]`.
+#
 # Where one command may run 10 minutes (the device tool's machines), run it as two:
 # GPU_CHECK_STEPS=tests (about 5 minutes) and GPU_CHECK_STEPS="bench train".
 # The tests run with XLA's deterministic GPU ops (--xla_gpu_deterministic_ops): XLA:GPU's
@@ -34,6 +37,13 @@ if ! has_gpu; then
   echo "[gpu_check] JAX sees no GPU with $PY: installing the gpu extra"
   "$PY" -m pip install -q -e ".[gpu]" || { echo "[gpu_check] pip install failed"; exit 2; }
   has_gpu || { echo "[gpu_check] still no GPU for JAX: nothing to check"; exit 2; }
+fi
+
+# wheels carried to an image without the package index (scripts/gpu_wheels.sh)
+WHEELS="${GPU_CHECK_WHEELS:-$ROOT/.whl}"
+if compgen -G "$WHEELS/*.whl" > /dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$OUT/site" \
+    "$WHEELS"/*.whl && export PYTHONPATH="$PYTHONPATH:$OUT/site"
 fi
 
 STEPS="${GPU_CHECK_STEPS:-tests bench train}"

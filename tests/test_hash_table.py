@@ -229,6 +229,11 @@ def _stored_rows(spec, rng, n: int) -> dict:
     return out
 
 
+def _slot_map(table) -> dict:
+    keys, rows = np.asarray(table.slot_keys), np.asarray(table.slot_rows)
+    return dict(zip(keys[rows >= 0].tolist(), rows[rows >= 0].tolist()))
+
+
 def test_a_consumed_table_is_emptied_and_filled_in_place_as_a_fresh_one():
     """put_rows(replace=True, consume=True) (streaming's sparse_store moves its working set
     with it) reuses the table's buffers: the result equals put_rows into a fresh table array
@@ -245,9 +250,14 @@ def test_a_consumed_table_is_emptied_and_filled_in_place_as_a_fresh_one():
     want = rows_mod.put_rows(spec, jax.tree.map(jnp.copy, used), None, later, replace=True)
     got = rows_mod.put_rows(spec, used, None, later, replace=True, consume=True)
     assert used.values.is_deleted()
+    # which slot of its chain a key takes follows the GPU's claim race (its row does not):
+    # the slots compare as key -> row maps, the scratch's contents never matter
+    assert _slot_map(got.table) == _slot_map(want.table)
+    by_slot = ("slot_keys", "slot_rows", "scratch")
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
-                                      err_msg=jax.tree_util.keystr(path))
+        if jax.default_backend() == "cpu" or getattr(path[-1], "name", None) not in by_slot:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b),
+                                          err_msg=jax.tree_util.keystr(path))
     empty = rows_mod.put_rows(spec, got, None, {k: v[:0] for k, v in later.items()},
                               replace=True, consume=True)
     for a, b in zip(jax.tree.leaves(empty), jax.tree.leaves(init_embedding(spec))):

@@ -279,6 +279,38 @@ def test_hash_insert_kernel_builds_a_valid_table(case, impl):
         assert (new_table != EMPTY_KEY).all() and (~placed[valid]).sum() == 79 - 64  # 79 valid keys
 
 
+@pytest.mark.parametrize("scarce", [False, True])
+def test_the_gpu_insert_claims_deterministically_where_slots_run_short(scarce):
+    """The GPU's find-or-insert (:func:`jctr.ops.dispatch.insert_claims`, the Pallas kernel
+    in interpret mode here): with slots to spare the kernel's claims (a valid table); where a
+    step brings more new keys than free slots (``scarce``: an evicting table of 60 rows whose
+    batch has hundreds of keys) which keys find a slot decides which are refused, and the
+    kernel's atomic claims race (an H200, 2026-11-27: two runs of
+    ``test_a_full_table_trains_on_by_evicting_and_resumes_exactly``'s training differed from
+    the first loss, 45 against 175 evictions): there it makes the XLA formulation's claims,
+    slot for slot."""
+    from jctr.ops.dispatch import insert_claims
+    from jctr.ops.hashing import EMPTY_KEY, find_slots
+
+    rng = np.random.default_rng(3)
+    table = jnp.full((64,), EMPTY_KEY)
+    stored = rng.choice(10**9, 30, replace=False).astype(np.int64)
+    table, _ = find_slots(table, jnp.asarray(stored), jnp.ones(30, bool), insert=True)
+    n_new = 60 if scarce else 20  # 34 free slots
+    keys = np.concatenate([stored[:10], rng.choice(10**9, n_new).astype(np.int64) + 10**9])
+    valid = jnp.ones(keys.shape, bool)
+    claims = functools.partial(insert_claims, interpret=INTERPRET)
+    got_table, got = jax.jit(claims)(table, jnp.asarray(keys), valid, jnp.asarray(scarce))
+    want_table, want = find_slots(table, jnp.asarray(keys), valid, insert=True)
+    got, got_table = np.asarray(got), np.asarray(got_table)
+    np.testing.assert_array_equal(got_table[got[got >= 0]], keys[got >= 0])
+    assert ((got >= 0).sum() == (np.asarray(want) >= 0).sum()
+            == (len(set(keys.tolist())) if not scarce else 10 + 34))
+    if scarce:
+        np.testing.assert_array_equal(got, np.asarray(want))
+        np.testing.assert_array_equal(got_table, np.asarray(want_table))
+
+
 def test_hash_insert_lowers_to_triton_for_cuda():
     from jctr.ops import find_slots
     from jctr.ops.hashing import EMPTY_KEY
@@ -288,6 +320,10 @@ def test_hash_insert_lowers_to_triton_for_cuda():
     text = _lowered_for_cuda(lambda t, k, v: find_slots(t, k, v, insert=True), table, keys,
                              jnp.ones(10, bool))
     assert "__gpu$xla.gpu.triton" in text and "jctr_hash_insert" in text
+    # a training lookup that may run short of slots carries both claims, one run per step
+    text = _lowered_for_cuda(lambda t, k, v, s: find_slots(t, k, v, insert=True, scarce=s),
+                             table, keys, jnp.ones(10, bool), jnp.asarray(True))
+    assert "jctr_hash_insert" in text and text.count("stablehlo.while") >= 2
 
 
 def test_step_compiler_options_on_cpu(monkeypatch):

@@ -125,8 +125,9 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
     (:func:`_evict`); such rows are ``fresh`` too.
     """
     evicting = insert and eviction is not None
+    arriving = jnp.sum(valid, dtype=jnp.int32)
     if evicting:  # a plain table's tombstones come from erase, whose caller rebuilds
-        table = _rehash_if_crowded(table, capacity, jnp.sum(valid, dtype=jnp.int32))
+        table = _rehash_if_crowded(table, capacity, arriving)
         table = table._replace(clock=table.clock + 1)
     if not insert:
         _, slots = find_slots(table.slot_keys, keys, valid, insert=False)
@@ -138,9 +139,15 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
         scratch, rep = representatives(table.scratch, slots)
         return table._replace(scratch=scratch), Lookup(
             rows=rows, rep=jnp.where(rows >= 0, rep, -1), fresh=jnp.zeros(keys.shape, bool))
+    # the slots taken (keys with rows, tombstones and, in a plain table, refused keys) and
+    # the batch's keys may exceed the slots: which keys get one must not follow a GPU's race
+    taken = table.size - table.free_count + table.tombstones
+    if not evicting:
+        taken = taken + table.overflow
     slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size, free_count = \
         find_and_assign(table.slot_keys, table.slot_rows, table.scratch, table.free_rows,
-                        table.size, table.free_count, keys, valid, capacity, dedupe=dedupe)
+                        table.size, table.free_count, keys, valid, capacity, dedupe=dedupe,
+                        scarce=taken + arriving > table.num_slots)
     n_new = jnp.sum(new, dtype=jnp.int32)
     row_slots = table.row_slots
     if row_slots.shape[0]:  # tracked (eviction): each granted row's slot

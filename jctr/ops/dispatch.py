@@ -183,22 +183,28 @@ def _find_slots_cpu(slot_keys, keys, valid, *, insert: bool):
     return slot_keys, jnp.where(slots >= 0, slots, placed)
 
 
-def find_slots(slot_keys, keys, valid, *, insert: bool):
+def find_slots(slot_keys, keys, valid, *, insert: bool, scarce=None):
     """Slots of keys in an open-addressing table (see :func:`jctr.ops.hashing.find_slots`):
     the Pallas kernels on GPU (lookup, and find-or-insert with atomic claims); on CPU a native
-    probe loop for the keys present and the XLA formulation for the insertions."""
+    probe loop for the keys present and a native sequential insert.
+
+    ``scarce`` (a bool scalar, insert only): the free slots may not hold every new key of the
+    batch. Which keys then get one would follow the GPU's claim race (different from run to
+    run), so on GPU such a step takes the XLA formulation's claims, the same in every run
+    (:func:`insert_claims`)."""
     if _mode() == "reference":
         return hashing.find_slots(slot_keys, keys, valid, insert=insert)
     if insert:
-        def reference(slot_keys, keys, valid):
+        scarce = jnp.zeros((), bool) if scarce is None else scarce
+
+        def reference(slot_keys, keys, valid, scarce):
             return hashing.find_slots(slot_keys, keys, valid, insert=True)
 
-        def cpu(slot_keys, keys, valid):
+        def cpu(slot_keys, keys, valid, scarce):
             return _find_slots_cpu(slot_keys, keys, valid, insert=True)
 
-        return jax.lax.platform_dependent(slot_keys, keys, valid, cpu=cpu,
-                                          cuda=pallas_hash.insert_slots_kernel,
-                                          default=reference)
+        return jax.lax.platform_dependent(slot_keys, keys, valid, scarce, cpu=cpu,
+                                          cuda=insert_claims, default=reference)
 
     def lookup_reference(slot_keys, keys, valid):
         return hashing.find_slots(slot_keys, keys, valid, insert=False)[1]
@@ -212,15 +218,34 @@ def find_slots(slot_keys, keys, valid, *, insert: bool):
     return slot_keys, slots
 
 
+def insert_claims(slot_keys, keys, valid, scarce, *, interpret: bool = False):
+    """The GPU's find-or-insert: the Pallas kernel's atomic claims where every new key finds a
+    free slot (the slot each key gets may differ from run to run, the keys' rows do not: rows
+    go by position, :func:`jctr.ops.hashing.assign_rows`), the XLA formulation's claims where
+    the slots are ``scarce`` (an evicting table whose step brings more keys than it has free
+    slots: which keys find one decides which are refused). Two loops run at most once each
+    (a ``cond`` would copy the slots in its untaken branch)."""
+    def pallas(c):
+        return (False, *pallas_hash.insert_slots_kernel(c[1], keys, valid, interpret=interpret))
+
+    def xla(c):
+        return (False, *hashing.find_slots(c[1], keys, valid, insert=True))
+
+    state = (~scarce, slot_keys, jnp.full(keys.shape, -1, jnp.int32))
+    _, slot_keys, slots = jax.lax.while_loop(lambda c: c[0], pallas, state)
+    _, slot_keys, slots = jax.lax.while_loop(lambda c: c[0], xla, (scarce, slot_keys, slots))
+    return slot_keys, slots
+
+
 def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid,
-                    capacity: int, *, dedupe: bool = True):
+                    capacity: int, *, dedupe: bool = True, scarce=None):
     """A training lookup's slots and rows: :func:`find_slots` with ``insert`` then
     :func:`jctr.ops.hashing.assign_rows`. On CPU one native pass
-    (:func:`jctr.ops.cpu_ffi.find_assign`).
+    (:func:`jctr.ops.cpu_ffi.find_assign`). ``scarce``: see :func:`find_slots`.
     Returns (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size,
     free_count)."""
     def reference(slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid):
-        slot_keys, slots = find_slots(slot_keys, keys, valid, insert=True)
+        slot_keys, slots = find_slots(slot_keys, keys, valid, insert=True, scarce=scarce)
         return (slot_keys, slots) + hashing.assign_rows(slot_rows, scratch, free_rows, size,
                                                         free_count, slots, capacity,
                                                         dedupe=dedupe)

@@ -170,8 +170,9 @@ def test_a_full_table_trains_on_by_evicting_and_resumes_exactly(tmp_path):
     """A DLRM whose table holds 60 rows of a few hundred keys (Adam rows: state that an
     evicted key's successor must not inherit): training goes on where it would stop with
     TableFullError; evictions are logged with each evaluation and in TensorBoard's tables;
-    a checkpoint at iteration 13 resumes to the same losses as the run that went through
-    (the scores and the table's clock come back with the rows)."""
+    a checkpoint at iteration 13 resumes to the same losses and counts of evicted and refused
+    keys as the run that went through (the scores and the table's clock come back with the
+    rows, the counts with the snapshot's metadata)."""
     from jctr.config import parse_config
     from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding
     from jctr.train.trainer import Trainer
@@ -201,6 +202,10 @@ def test_a_full_table_trains_on_by_evicting_and_resumes_exactly(tmp_path):
     assert sorted(got) == list(range(14, 31))
     for it, loss in got.items():
         assert loss == reference[it], (it, loss, reference[it])
+    # the keys evicted and refused count on from the snapshot's (the log's figures)
+    for name in ("evicted", "overflow"):
+        assert (int(np.asarray(getattr(resumed.state.embeddings[0].table, name)))
+                == int(np.asarray(getattr(full.state.embeddings[0].table, name)))), name
 
     # an evicted key's row starts as in a new table: its vector and Adam's moments
     cfg = parse_config(_evicting(tmp_path))

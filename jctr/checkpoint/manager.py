@@ -120,6 +120,32 @@ def _save_handlers():
     return registry
 
 
+def _eviction_counts(spec: EmbeddingSpec, es) -> dict[str, int]:
+    """An evicting table's keys evicted and refused so far (the log's, TensorBoard's and the
+    report's figures), kept with its snapshot so that a resumed run counts on."""
+    if spec.eviction is None:
+        return {}
+    return {"evicted": int(np.sum(to_host(es.table.evicted))),
+            "refused": int(np.sum(to_host(es.table.overflow)))}
+
+
+def _with_eviction_counts(spec: EmbeddingSpec, es, stored: dict[str, Any]):
+    """``es`` counting on from the saved counts (:func:`_eviction_counts`); a sharded
+    table's parts count each their own, so the totals go to the first part (a restore may
+    be on another device count). Counts of a table saved without eviction start at 0."""
+    if spec.eviction is None or "evicted" not in stored:
+        return es
+
+    def put(x, total: int):
+        now = np.zeros(np.shape(x), np.int32)
+        now.flat[0] = total
+        return jax.device_put(now, x.sharding)
+
+    table = es.table
+    return es._replace(table=table._replace(evicted=put(table.evicted, stored["evicted"]),
+                                            overflow=put(table.overflow, stored["refused"])))
+
+
 class Checkpointer:
     """Saves and restores :class:`TrainState` under ``directory``, keeping the last ``keep``.
 
@@ -283,7 +309,8 @@ class Checkpointer:
             tables = export_tables(state, specs, placements)
         info = {"format": FORMAT, "version": VERSION, "step": step,
                 "tables": {s.name: {"rows": int(tables[s.name]["keys"].shape[0]), "dim": s.dim,
-                                    "capacity": s.capacity} for s in specs},
+                                    "capacity": s.capacity, **_eviction_counts(s, e)}
+                           for s, e in zip(specs, state.embeddings)},
                 **(meta or {})}
         if not ROWS_BY_JCTR:
             # Orbax cannot store zero-size arrays: a table without keys (a snapshot before the
@@ -523,10 +550,11 @@ class Checkpointer:
 
                 stored = spill.restore_spilled(spec, stored, es.slots)
             try:
-                embeddings.append(import_placed(spec, es, stored, placement,
-                                                source=f"{where}/tables"))
+                es = import_placed(spec, es, stored, placement, source=f"{where}/tables")
             except ValueError as e:
                 raise CheckpointError(str(e)) from e
+            saved = meta.get("tables", {}).get(spec.name, {})
+            embeddings.append(_with_eviction_counts(spec, es, saved))
         state = TrainState(step=dense["step"], rng=dense["rng"], params=dense["params"],
                            batch_stats=dense["batch_stats"],
                            opt_state=None if fresh.opt_state is None else dense["opt_state"],

@@ -540,6 +540,19 @@ if AVAILABLE:
             return ((last // epoch_steps) << 32) | last
         return ((last // epoch_steps) << 32) | np.int64(score[r, 1])  # epoch_lfu
 
+    _EVICT_AHEAD = 8  # keys between their candidates' prefetch and their ranking
+
+    @numba.njit(inline="always")
+    def _candidates(ring, j, key, rnd, samples, capacity, score_at, stride):
+        """Key ``j``'s candidate rows of round ``rnd`` (:func:`jctr.embedding.hash_table.
+        _evict`'s hash samples) into its ring entry, their scores' lines prefetched."""
+        h = _mix(np.uint64(key))
+        for k in range(samples):
+            salt = (np.uint64(k) + np.uint64(rnd * samples + 1)) * _GOLDEN
+            cand = np.int64(_mix(h ^ salt) % np.uint64(capacity))
+            ring[j % (_EVICT_AHEAD + 1), k] = cand
+            _prefetch(score_at + stride * cand)
+
     @numba.njit(inline="always")
     def _evict_all(slot_keys, slot_rows, row_slots, score, keys, slots, needy, params, placed,
                    gone):
@@ -557,6 +570,9 @@ if AVAILABLE:
         victim = np.empty(chunk, np.int64)
         ok = np.empty(chunk, np.bool_)
         pending = np.empty(chunk, np.bool_)
+        # each key's candidate rows, computed (hashes and a division each) once, when their
+        # scores are prefetched _EVICT_AHEAD keys before the key ranks them
+        ring = np.empty((_EVICT_AHEAD + 1, samples), np.int64)
         for i in range(n):
             placed[i] = False
             gone[i] = EMPTY_KEY
@@ -571,32 +587,31 @@ if AVAILABLE:
                     left |= pending[j]
                 if not left:
                     break
+                for j in range(min(_EVICT_AHEAD, m)):
+                    if pending[j]:
+                        _candidates(ring, j, keys[part[j]], rnd, samples, capacity, score_at,
+                                    stride)
                 for j in range(m):  # choices, from the scores as the round starts
-                    ahead = j + 4  # its samples' scores fetched while this key ranks
+                    ahead = j + _EVICT_AHEAD
                     if ahead < m and pending[ahead]:
-                        ha = _mix(np.uint64(keys[part[ahead]]))
-                        for k in range(samples):
-                            salt = (np.uint64(k) + np.uint64(rnd * samples + 1)) * _GOLDEN
-                            _prefetch(score_at + stride * np.int64(
-                                _mix(ha ^ salt) % np.uint64(capacity)))
+                        _candidates(ring, ahead, keys[part[ahead]], rnd, samples, capacity,
+                                    score_at, stride)
                     ok[j] = False
                     if not pending[j]:
                         continue
-                    h = _mix(np.uint64(keys[part[j]]))
                     best, best_rank = np.int64(-1), _NEVER
                     for k in range(samples):
-                        salt = (np.uint64(k) + np.uint64(rnd * samples + 1)) * _GOLDEN
-                        cand = np.int64(_mix(h ^ salt) % np.uint64(capacity))
+                        cand = ring[j % (_EVICT_AHEAD + 1), k]
                         rank = _rank(score, cand, clock, policy, epoch_steps)
                         if best < 0 or rank < best_rank:
                             best, best_rank = cand, rank
                     victim[j] = best
                     ok[j] = best_rank < _NEVER
                 for j in range(m):  # claims: the first position wins
-                    ahead = j + 8
+                    ahead = j + 16
                     if ahead < m and ok[ahead]:
                         _prefetch(row_slots_at + 4 * victim[ahead])
-                    near = j + 4  # the slot of that row's key: its line, and its row's
+                    near = j + 8  # the slot of that row's key: its line, and its row's
                     if near < m and ok[near] and row_slots[victim[near]] >= 0:
                         _prefetch(keys_at + 8 * row_slots[victim[near]])
                         _prefetch(rows_at + 4 * row_slots[victim[near]])

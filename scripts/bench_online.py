@@ -22,7 +22,7 @@ hides, measured in one run.
     python scripts/bench_online.py
     python scripts/bench_online.py --samples-per-file 32768 --keys 2000000
     python scripts/bench_online.py --skip-table --repeat 3   # part 1 in 3 alternating rounds
-    python scripts/bench_online.py --skip-table --sparse-store   # and the day through RocksDB
+    python scripts/bench_online.py --skip-table --sparse-store   # and the day through each store
 """
 
 from __future__ import annotations
@@ -120,15 +120,15 @@ def throughput(args, alpha: float, tmp: str) -> dict:
         rounds.append({"samples": samples, "core_rate": core_rate, "online_rate": online_rate,
                        "core_wall": core_wall, "online_wall": online_wall, "read_s": read,
                        "wait_s": waited, "passes": len(records)})
-    if args.sparse_store:  # the same day with every row in RocksDB, against memory
+    if args.sparse_store:  # the same day with every row in a database, against memory
         walls = {}
-        for kind in ("memory", "sparse_store"):
+        for kind in ("memory", *args.store_type):
             doc = {"model": model, "train_data_dir": os.path.join(tmp, "stream"),
                    "split_interval": interval, "split_per_pass": 1, "start_day": DAY,
                    "end_day": DAY, "save_model_path": os.path.join(tmp, f"store-{kind}"),
                    "data_donefile": "DONE", "checkpoint_per_pass": 1}
-            if kind == "sparse_store":
-                doc["sparse_store"] = {"type": "rocks_db", "path": os.path.join(tmp, "rows")}
+            if kind != "memory":
+                doc["sparse_store"] = {"type": kind, "path": os.path.join(tmp, f"rows-{kind}")}
             t0 = time.perf_counter()
             OnlineRun(parse_online_config(doc, os.path.join(tmp, "online.json")),
                       log=lambda s: None).run()
@@ -223,8 +223,11 @@ def main() -> int:
     ap.add_argument("--skip-table", action="store_true", help="parts 1 and 2 only")
     ap.add_argument("--table-only", action="store_true", help="part 3 only")
     ap.add_argument("--sparse-store", action="store_true",
-                    help="also run the day with sparse_store (rows in RocksDB) and in memory, "
-                         "both checkpointing every pass (sparse_store needs it)")
+                    help="also run the day with sparse_store (every row in a database) and "
+                         "in memory, both checkpointing every pass (sparse_store needs it)")
+    ap.add_argument("--store-type", nargs="+", default=["rocks_db", "row_file"],
+                    choices=["rocks_db", "row_file"],
+                    help="the sparse_store types to run (each against the same memory day)")
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds of part 1 (core and streaming alternate); medians printed")
     args = ap.parse_args()
@@ -251,11 +254,12 @@ def main() -> int:
                   f"{statistics.median(steady):.3f}, end to end {statistics.median(whole):.3f} "
                   f"(rounds {min(whole):.3f}-{max(whole):.3f})")
         r = rounds[-1]
-        if "store_walls" in r:
-            w = r["store_walls"]
-            print(f"[{name}] sparse_store: the day in {w['sparse_store']:.1f} s with every row "
-                  f"in RocksDB, {w['memory']:.1f} s in memory (both checkpointing each pass): "
-                  f"{w['sparse_store'] / w['memory']:.2f}x")
+        for kind, wall in r.get("store_walls", {}).items():
+            if kind != "memory":
+                w = r["store_walls"]["memory"]
+                print(f"[{name}] sparse_store {kind}: the day in {wall:.1f} s with every row "
+                      f"in the database, {w:.1f} s in memory (both checkpointing each "
+                      f"pass): {wall / w:.2f}x")
         hidden = 1.0 - r["wait_s"] / r["read_s"] if r["read_s"] else float("nan")
         print(f"[{name}] prefetch: {r['read_s']:.2f} s of reading for passes 2..{r['passes']}, "
               f"{r['wait_s']:.2f} s of it waited for: {100 * hidden:.0f}% hidden behind "

@@ -433,7 +433,8 @@ def test_weeks_of_new_keys_fit_a_small_table_through_the_daily_shrink(tmp_path):
         OnlineRun(online("kept", 30), log=lambda s: None).run()
 
 
-@pytest.mark.parametrize("when", ["waiting", "training", "training, sparse_store"])
+@pytest.mark.parametrize("when", ["waiting", "training", "training, sparse_store",
+                                  "training, sparse_store row_file"])
 def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path, when):
     """``python -m jctr.online`` SIGKILLed while it waits for the second pass's data, or in
     the middle of the second pass's training, and started again (once the data is there):
@@ -441,7 +442,7 @@ def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path, when):
     heap ``python -m jctr.train`` sets (its header says so). With ``sparse_store`` the first
     pass's write-back is written while the second trains and its checkpoint recorded once it
     is done (killed after that: the run resumes after the first pass), and the database ends
-    with the uninterrupted run's rows."""
+    with the uninterrupted run's rows (RocksDB, and the mapped row files of ``row_file``)."""
     import json
     import signal
     import subprocess
@@ -467,8 +468,9 @@ def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path, when):
            "end_day": "20190720", "save_model_path": "killed", "data_donefile": "DONE",
            "data_sleep_second": 0.1}
     store = "sparse_store" in when
+    kind = "row_file" if "row_file" in when else "rocks_db"
     if store:
-        doc["sparse_store"] = {"path": str(tmp_path / "rows")}
+        doc["sparse_store"] = {"type": kind, "path": str(tmp_path / "rows")}
     (tmp_path / "online.yaml").write_text(yaml.safe_dump(doc))
     cmd = [sys.executable, "-m", "jctr.online", "--config", str(tmp_path / "online.yaml")]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -501,7 +503,8 @@ def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path, when):
         assert header and "host memory: GLIBC_TUNABLES=" in header[0] and \
             "glibc.malloc.mmap_max=0" in header[0], header
     # the same two passes without a stop, in this process
-    extra = {"sparse_store": {"path": str(tmp_path / "rows_whole")}} if store else {}
+    extra = {"sparse_store": {"type": kind, "path": str(tmp_path / "rows_whole")}} \
+        if store else {}
     whole = OnlineRun(_online(tmp_path, model, tmp_path / "whole", end_day="20190720",
                               **extra), log=lambda s: None)
     assert whole.run() == 2
@@ -518,7 +521,7 @@ def test_a_killed_streaming_run_resumes_to_the_same_model(tmp_path, when):
                   for es in t.state.embeddings]
         rows = []
         for path in ("rows", "rows_whole"):
-            db = RowStore(str(tmp_path / path), t.specs, shapes)
+            db = RowStore(str(tmp_path / path), t.specs, shapes, kind)
             rows.append([db.pull(i, np.sort(np.concatenate(
                 [k for k, _ in db.db.items(db.names[i])]))) for i in range(len(t.specs))])
             db.close()
@@ -964,13 +967,15 @@ def test_show_and_click_from_named_inputs(tmp_path):
             "show_click_entry": {"click": "label0"}})
 
 
-def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["rocks_db", "row_file"])
+def test_a_table_larger_than_the_device_table_through_a_sparse_store(tmp_path, monkeypatch,
+                                                                     kind):
     """sparse_store: three days of drifting keys, several times more than the device table
-    holds, trained with the rows in RocksDB (each pass pulls its keys' rows, trains, writes
-    them back): every stored row, the statistics and the deltas equal an in-memory run's,
-    with SparseAdaGradSGDRule, admission and the daily shrink. A run that stops after a
-    write-back but before that pass's checkpoint puts the rows back when started again.
-    Every write into the database goes through RocksDB's bulk load here (a large pass's
+    holds, trained with the rows in RocksDB or in mapped row files (each pass pulls its keys'
+    rows, trains, writes them back): every stored row, the statistics and the deltas equal an
+    in-memory run's, with SparseAdaGradSGDRule, admission and the daily shrink. A run that
+    stops after a write-back but before that pass's checkpoint puts the rows back when
+    started again. Every write into RocksDB goes through its bulk load here (a large pass's
     write-back does; these passes are small)."""
     import json
 
@@ -1019,7 +1024,7 @@ def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypa
         return real(self, day, n, path, day_end)
 
     monkeypatch.setattr(OnlineRun, "_record_checkpoint", fail_once)
-    store_cfg = online("disk", 2000, sparse_store={"path": "rows"})
+    store_cfg = online("disk", 2000, sparse_store={"type": kind, "path": "rows"})
     with pytest.raises(KeyboardInterrupt):
         OnlineRun(store_cfg, log=lambda s: None).run()
     lines = []
@@ -1029,7 +1034,7 @@ def test_a_table_larger_than_the_device_table_through_rocksdb(tmp_path, monkeypa
     t = disk.trainer
     assert int(t.state.embeddings[0].table.size) == 0  # only a pass's working set was there
     shapes = [{k: tuple(v.shape[1:]) for k, v in t.state.embeddings[0].slots.items()}]
-    store = RowStore(str(tmp_path / "rows"), t.specs, shapes)
+    store = RowStore(str(tmp_path / "rows"), t.specs, shapes, kind)
     got = store.pull(0, want["keys"])
     assert got["keys"].size == want["keys"].size == store.size(0)
     # several device tables' worth: at the end, and more before the day-end shrinks
@@ -1067,7 +1072,9 @@ def _rows_given(monkeypatch, method: str) -> list[int]:
     return sizes
 
 
-def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["rocks_db", "row_file"])
+def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, monkeypatch,
+                                                                  kind):
     """sparse_store with one process: while a pass trains, the prefetch thread reads the
     stored rows of the next pass's keys that this pass does not hold (this pass's write-back
     leaves them as they are); the next pass takes the rest from the rows this pass wrote
@@ -1114,7 +1121,7 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
         run = OnlineRun(_online(tmp_path, model, tmp_path / name, start_day=days[0],
                                 end_day=days[-1], split_interval=360, prefetch=prefetch,
                                 save_delta_frequency=1,
-                                sparse_store={"path": f"rows_{prefetch}"}),
+                                sparse_store={"type": kind, "path": f"rows_{prefetch}"}),
                         log=lines.append)
         assert run.run() == 8
         rows_lines = [x for x in lines if "sparse_store rows read in" in x]
@@ -1157,7 +1164,7 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
     shapes = [{k: tuple(v.shape[1:]) for k, v in t.state.embeddings[0].slots.items()}]
     got = {}
     for prefetch in (True, False):
-        store = RowStore(str(tmp_path / f"rows_{prefetch}"), t.specs, shapes)
+        store = RowStore(str(tmp_path / f"rows_{prefetch}"), t.specs, shapes, kind)
         keys = np.sort(np.concatenate([k for k, _ in store.db.items(store.names[0])]))
         got[prefetch] = store.pull(0, keys)
         store.close()
@@ -1177,7 +1184,8 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
 
     monkeypatch.setattr(OnlineRun, "_write_back", fails)
     failing = _online(tmp_path, model, tmp_path / "failed", start_day=days[0],
-                      end_day=days[-1], split_interval=360, sparse_store={"path": "rows_f"})
+                      end_day=days[-1], split_interval=360,
+                      sparse_store={"type": kind, "path": "rows_f"})
     with pytest.raises(OSError, match="No space left"):
         OnlineRun(failing, log=lambda s: None).run()
     progress = json.loads((tmp_path / "failed" / "progress.json").read_text())
@@ -1187,7 +1195,7 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
     lines = []
     assert OnlineRun(failing, log=lines.append).run() == 3
     assert any(f"put back the rows day {days[1]} pass 2" in x for x in lines)
-    store = RowStore(str(tmp_path / "rows_f"), t.specs, shapes)
+    store = RowStore(str(tmp_path / "rows_f"), t.specs, shapes, kind)
     keys = np.sort(np.concatenate([k for k, _ in store.db.items(store.names[0])]))
     again = store.pull(0, keys)
     store.close()
@@ -1204,7 +1212,8 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
 
     monkeypatch.setattr(OnlineRun, "_checkpoint", stops)
     stopping = _online(tmp_path, model, tmp_path / "stopped", start_day=days[0],
-                       end_day=days[-1], split_interval=360, sparse_store={"path": "rows_s"})
+                       end_day=days[-1], split_interval=360,
+                       sparse_store={"type": kind, "path": "rows_s"})
     with pytest.raises(KeyboardInterrupt):
         OnlineRun(stopping, log=lambda s: None).run()
     assert not os.listdir(tmp_path / "stopped" / "_store_undo")
@@ -1212,7 +1221,7 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
     lines = []
     assert OnlineRun(stopping, log=lines.append).run() == 7
     assert not any("put back the rows" in x for x in lines)
-    store = RowStore(str(tmp_path / "rows_s"), t.specs, shapes)
+    store = RowStore(str(tmp_path / "rows_s"), t.specs, shapes, kind)
     again = store.pull(0, keys)
     store.close()
     for name, want in got[False].items():

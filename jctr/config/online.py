@@ -138,12 +138,16 @@ class OnlineConfig:
     ``model_name``, ``brokers``, ``send_buffer_size``, ...): the rows each pass changed and
     the dense weights are published after every pass (``every_n_steps`` adds more)."""
     sparse_store: str | None = None
-    """A folder for a RocksDB database holding every embedding row (the file's
-    ``sparse_store: {type: rocks_db, path: ...}``): tables larger than memory. Each pass pulls
+    """A folder for a database holding every embedding row (the file's ``sparse_store:
+    {type: rocks_db | row_file, path: ...}``): tables larger than memory. Each pass pulls
     the rows of its keys (and the validation set's) into the device table, trains, and writes
     them back; ``max_vocabulary_size_per_gpu`` then only needs to hold one pass's keys.
     Needs ``checkpoint_per_pass: 1``; with several processes each keeps its part of the keys
     in ``<path>/process-<i>-of-<n>``."""
+    sparse_store_type: str = "rocks_db"
+    """``rocks_db`` (the default): a RocksDB database. ``row_file``: the rows in plain
+    memory-mapped files, one folder per table, read and written at memory speed while they
+    fit the page cache (:mod:`jctr.stores.row_file`)."""
     table_parameters: TableParameters = field(default_factory=TableParameters)
     """Feature statistics and the daily shrink, for every embedding table (object below)."""
     source: str | None = None
@@ -169,6 +173,7 @@ def parse_online_config(raw: Any, source: str | None = None) -> OnlineConfig:
             raise r.error(key, f"expected a day as \"YYYYMMDD\", got {value!r}")
         return text
 
+    store, store_type = _sparse_store(r, base)
     cfg = OnlineConfig(
         model=path("model"), train_data_dir=path("train_data_dir"),
         split_interval=r.int("split_interval", min_value=1),
@@ -182,7 +187,7 @@ def parse_online_config(raw: Any, source: str | None = None) -> OnlineConfig:
         checkpoint_per_pass=r.int("checkpoint_per_pass", 1, min_value=1),
         save_delta_frequency=r.int("save_delta_frequency", 0, min_value=0),
         kafka_sink=_kafka_sink(r),
-        sparse_store=_sparse_store(r, base),
+        sparse_store=store, sparse_store_type=store_type,
         table_parameters=_table_parameters(r), source=source)
     for key, why in _NOT_BUILT.items():
         if r.has(key):
@@ -220,16 +225,16 @@ def _kafka_sink(r: ObjectReader) -> dict | None:
     return dict(child.obj)
 
 
-def _sparse_store(r: ObjectReader, base: str) -> str | None:
+def _sparse_store(r: ObjectReader, base: str) -> tuple[str | None, str]:
     if not r.has("sparse_store"):
-        return None
+        return None, "rocks_db"
     t = r.child("sparse_store")
-    t.choice("type", ("rocks_db",), "rocks_db")
+    kind = t.choice("type", ("rocks_db", "row_file"), "rocks_db")
     path = t.str("path")
     if not path:
         raise t.error("path", "expected a folder for the database")
     t.finish()
-    return os.path.normpath(os.path.join(base, path))
+    return os.path.normpath(os.path.join(base, path)), kind
 
 
 def _table_parameters(r: ObjectReader) -> TableParameters:

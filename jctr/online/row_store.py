@@ -1,6 +1,8 @@
 """Embedding tables larger than memory for streaming training (HugeCTR's "model
 oversubscription"): every row of a table -- its vector, optimizer state and input slot -- lives
-in a RocksDB database (:class:`jctr.stores.rocksdb.RocksDBStore`, one column family per table);
+in a RocksDB database (:class:`jctr.stores.rocksdb.RocksDBStore`, one column family per table)
+or, with ``kind="row_file"``, in plain mapped files (:class:`jctr.stores.row_file.
+RowFileStore`, a folder per table);
 before a pass trains, the rows of the keys it will see are pulled into the (empty) device
 table, and after it they are written back and the device table is emptied again. Only a pass's
 working set is ever in memory.
@@ -28,13 +30,19 @@ from jctr.stores.rocksdb import RocksDBStore
 
 
 class RowStore:
-    """The rows of every embedding table in one RocksDB database (see the module docstring).
+    """The rows of every embedding table in one database (see the module docstring).
     ``slot_shapes`` holds, per table, each optimizer slot's shape per row (``()`` or
     ``(width,)``)."""
 
-    def __init__(self, path: str, specs, slot_shapes: list[dict[str, tuple[int, ...]]]):
-        self.db = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path),
-                               label="sparse_store.path", bulk=True)
+    def __init__(self, path: str, specs, slot_shapes: list[dict[str, tuple[int, ...]]],
+                 kind: str = "rocks_db"):
+        if kind == "row_file":  # plain mapped files: memory speed (jctr.stores.row_file)
+            from jctr.stores.row_file import RowFileStore
+
+            self.db = RowFileStore(path, label="sparse_store.path")
+        else:
+            self.db = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path),
+                                   label="sparse_store.path", bulk=True)
         self.path = path
         self.names = [f"online.{spec.name}" for spec in specs]
         # one float32 row per key: vector, then each slot (sorted by name), then the slot id

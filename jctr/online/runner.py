@@ -415,7 +415,10 @@ class OnlineRun:
         path, count = self.cfg.sparse_store, jax.process_count()
         parts = sorted(glob.glob(os.path.join(glob.escape(path), "process-*-of-*")))
         other = [p for p in parts if not p.endswith(f"-of-{count}")] if count > 1 else parts
-        whole = os.path.exists(os.path.join(path, "CURRENT")) and count > 1
+        from jctr.stores.row_file import MARKER
+
+        whole = count > 1 and any(os.path.exists(os.path.join(path, name))
+                                  for name in ("CURRENT", MARKER))
         if other or whole:
             found = os.path.basename(other[0]) if other else "one process's database"
             raise ConfigError("sparse_store", f"{path} holds {found}, written by a run of "
@@ -433,7 +436,7 @@ class OnlineRun:
         t = self.trainer
         shapes = [{name: tuple(arr.shape[1:]) for name, arr in es.slots.items()}
                   for es in t.state.embeddings]
-        self.store = RowStore(self._store_path(), t.specs, shapes)
+        self.store = RowStore(self._store_path(), t.specs, shapes, self.cfg.sparse_store_type)
         self._own_store(done)
         undo_dir = self._undo_dir()
         os.makedirs(undo_dir, exist_ok=True)

@@ -1,0 +1,96 @@
+"""The ``row_file`` sparse_store (jctr/stores/row_file.py): rows of fixed width in mapped
+files with an in-memory index, against a dictionary model of the same writes."""
+
+import os
+
+import numpy as np
+import pytest
+
+from jctr.stores.base import StoreError
+from jctr.stores.row_file import RowFileStore
+
+
+def _check(store: RowFileStore, table: str, model: dict[int, np.ndarray], width: int) -> None:
+    keys = np.array(sorted(model), np.int64)
+    assert store.size(table) == keys.size
+    rows, found = store.lookup(table, np.concatenate([keys, [-5, 10**15]]), width)
+    assert found[:keys.size].all() and not found[keys.size:].any()
+    if keys.size:
+        np.testing.assert_array_equal(rows[:keys.size], np.stack([model[k] for k in keys]))
+    assert not rows[keys.size:].any()
+    seen = {}
+    for k, r in store.items(table, chunk=700):
+        seen.update(zip(k.tolist(), r))
+    assert sorted(seen) == keys.tolist()
+    for k in keys[:50]:
+        np.testing.assert_array_equal(seen[int(k)], model[int(k)])
+
+
+def test_row_file_equals_a_dictionary_over_inserts_erases_and_reopens(tmp_path):
+    """A long random sequence of inserts (new and known keys, a key given twice keeps its
+    last row, column blocks side by side), erases (freed rows are taken again: the files
+    stop growing once the keys stop growing) and reopens (the index rebuilt from the key
+    column) holds what a dictionary holds, key for key."""
+    rng = np.random.default_rng(0)
+    width, table = 5, "online.t"
+    store = RowFileStore(str(tmp_path / "rows"))
+    model: dict[int, np.ndarray] = {}
+    for step in range(40):
+        n = int(rng.integers(1, 3000))
+        keys = rng.integers(-(10**6), 10**6, n)
+        rows = rng.normal(size=(n, width)).astype(np.float32)
+        if step % 3:
+            store.insert(table, keys, rows)
+        else:
+            store.ingest_columns(table, keys, [rows[:, :2], rows[:, 2:]])
+        for k, r in zip(keys.tolist(), rows):
+            model[k] = r
+        if step % 4 == 3:
+            known = np.array(list(model), np.int64)
+            gone = rng.choice(known, known.size // 3, replace=False)
+            store.erase(table, np.concatenate([gone, gone[:5], [10**12]]))
+            for k in gone.tolist():
+                del model[k]
+        if step % 10 == 9:
+            store.close()
+            store = RowFileStore(str(tmp_path / "rows"))
+        _check(store, table, model, width)
+    size = os.path.getsize(tmp_path / "rows" / "tables" / table / "rows.f32")
+    for _ in range(5):  # as many keys erased as written: freed rows are taken again
+        known = np.array(list(model), np.int64)
+        gone = known[:2000]
+        store.erase(table, gone)
+        for k in gone.tolist():
+            del model[k]
+        keys = rng.integers(10**7, 10**8, 2000)
+        rows = rng.normal(size=(2000, width)).astype(np.float32)
+        store.insert(table, keys, rows)
+        model.update(zip(keys.tolist(), rows))
+    _check(store, table, model, width)
+    assert os.path.getsize(tmp_path / "rows" / "tables" / table / "rows.f32") == size
+    store.close()
+
+
+def test_row_file_refuses_what_it_cannot_hold(tmp_path):
+    """Rows of another width, and a folder that holds other files (a RocksDB sparse_store
+    opened as row_file), are refused with the path; nothing is written there."""
+    store = RowFileStore(str(tmp_path / "rows"))
+    store.insert("t", np.arange(3), np.ones((3, 4), np.float32))
+    with pytest.raises(StoreError, match="vectors of size 4"):
+        store.insert("t", np.arange(3), np.ones((3, 5), np.float32))
+    with pytest.raises(StoreError, match="size 4, asked for size 2"):
+        store.lookup("t", np.arange(3), 2)
+    assert store.lookup("absent", np.arange(2), 4)[1].tolist() == [False, False]
+    store.set_meta("online.owner", {"run": "a"})
+    assert store.get_meta("online.owner") == {"run": "a"} and store.get_meta("x") is None
+    store.set_meta("online.owner", None)
+    assert store.get_meta("online.owner") is None
+    store.drop_table("t")
+    assert store.size("t") == 0 and store.lookup("t", np.arange(3), 4)[1].sum() == 0
+    store.close()
+    other = tmp_path / "rocks"
+    other.mkdir()
+    (other / "CURRENT").write_text("MANIFEST-000001\n")
+    with pytest.raises(StoreError, match=f"{other}: holds files that are not"):
+        RowFileStore(str(other))
+    assert sorted(os.listdir(other)) == ["CURRENT"]

@@ -101,9 +101,14 @@ class RowStore:
 
     def as_stored(self, table: int, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Rows as a :meth:`pull` would give them back after a :meth:`push` of them (the
-        same columns and types, bit for bit)."""
-        return self._unpack(table, np.asarray(stored["keys"], np.int64),
-                            self._pack(table, stored))
+        same columns and types, bit for bit): each column as the float32 a row holds, the
+        slot back to int32; no packed copy of the rows (0.3 s a pass of 2.5M rows)."""
+        keys = np.asarray(stored["keys"], np.int64)
+        out = {"keys": keys}
+        for column, (name, shape) in zip(self._columns(table, stored), self.layouts[table]):
+            part = column.reshape((keys.size, *shape))
+            out[name] = part.astype(np.int32) if name == "slot" else part
+        return out
 
     def push(self, table: int, stored: dict[str, np.ndarray]) -> None:
         """Write (overwrite) the rows of a stored-table dict (a pass's rows: one bulk load,

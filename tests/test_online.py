@@ -1177,8 +1177,8 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
     # the second day's second write-back fails after writing its rows
     real_write = OnlineRun._write_back
 
-    def fails(self, undo, pulled, added, tables, marker):
-        real_write(self, undo, pulled, added, tables, marker)
+    def fails(self, undo, pulled, tables, marker):
+        real_write(self, undo, pulled, tables, marker)
         if (marker["day"], marker["pass"]) == (days[1], 2):
             raise OSError(28, "No space left on device")
 

@@ -402,7 +402,7 @@ class OnlineRun:
                           "record the run")
         all_processes(lambda: self._open_own_store(done), "open their part of the "
                       "sparse_store")
-        self._eval_keys = self._working_keys(self.trainer.data.eval)
+        self._eval_keys = [s.keys() for s in self._working_keys(self.trainer.data.eval)]
 
     def _store_path(self) -> str:
         """This process's database: the path itself for one process, else its part's folder
@@ -526,9 +526,10 @@ class OnlineRun:
         self._written_back()
         return self._everyones(self.store.pull(i, self._mine(np.asarray(keys, np.int64))))
 
-    def _working_keys(self, dataset) -> list[np.ndarray]:
-        """Distinct keys per table of a dataset (this process's share), in the order they
-        come (a hashed set: no sort of millions of keys)."""
+    def _working_keys(self, dataset) -> list:
+        """Distinct keys per table of a dataset (this process's share) with the validation
+        set's (:class:`jctr.ops.host_index.KeySet`: in the order they come, no sort of
+        millions of keys): what a pass pulls, gathered where its data is read."""
         from jctr.ops.host_index import KeySet
 
         t = self.trainer
@@ -536,7 +537,9 @@ class OnlineRun:
         for batch in dataset.batches(t.solver.batchsize, epochs=1):
             for seen, spec in zip(found, t.specs):
                 seen.add(batch.valid_keys(spec.input_index, spec.slot_num))
-        return [seen.keys() for seen in found]
+        for seen, eval_keys in zip(found, self._eval_keys):
+            seen.add(eval_keys)
+        return found
 
     def _pulls_ahead(self) -> bool:
         """Whether the next pass's rows may be read while a pass trains: a sparse_store of
@@ -559,7 +562,7 @@ class OnlineRun:
             return None
         t0 = time.perf_counter()
         rows = [self.store.pull(i, keys[~wanted[i].contains(keys)])
-                for i, keys in enumerate(upcoming)]
+                for i, keys in enumerate(s.keys() for s in upcoming)]
         return {"rows": rows, "seconds": time.perf_counter() - t0}
 
     def _rows_ahead(self) -> dict | None:
@@ -646,13 +649,11 @@ class OnlineRun:
         parts = [_rows_among(p, stats, chosen) for p in parts]
         return {name: np.concatenate([p[name] for p in parts]) for name in written}
 
-    def _pull(self, keys: list[np.ndarray], ahead: dict | None = None) -> None:
-        """The rows of the pass's (and the validation set's) keys into the empty tables;
-        ``ahead``: the stored rows of the keys the last pass did not hold, read meanwhile
-        (:meth:`_rows_ahead`)."""
+    def _pull(self, keys: list, ahead: dict | None = None) -> None:
+        """The rows of the pass's and the validation set's keys (``keys``: per table, the
+        KeySet :meth:`_working_keys` gives) into the empty tables; ``ahead``: the stored
+        rows of the keys the last pass did not hold, read meanwhile (:meth:`_rows_ahead`)."""
         import jax
-
-        from jctr.ops.host_index import KeySet
 
         t = self.trainer
         after = ahead is not None and len(self._written) == len(t.specs)
@@ -660,9 +661,7 @@ class OnlineRun:
             self._written_back()
         pulled, wanted = [], []
         for i, spec in enumerate(t.specs):
-            union = KeySet(keys[i].size + self._eval_keys[i].size)
-            union.add(keys[i])
-            union.add(self._eval_keys[i])
+            union = keys[i]
             want = union.keys()
             if jax.process_count() > 1:  # every process's keys: the tables are global
                 want = np.unique(self._everyones({"keys": want})["keys"])
@@ -686,7 +685,6 @@ class OnlineRun:
         ``behind``: written on the prefetch thread once the next pass has its rows
         (:meth:`_write_behind`; the pass's checkpoint is recorded once they are written:
         :meth:`_settle`)."""
-        from jctr.ops.host_index import KeySet
         from jctr.sharding.distributed import process_owns
 
         self._settle()  # one write-back in flight at a time
@@ -696,13 +694,8 @@ class OnlineRun:
             owns = process_owns(tb["keys"])
             if owns is not None:
                 tables[j] = {name: arr[owns] for name, arr in tb.items()}
-        added = []  # keys the pass brought (the database did not hold them)
-        for tb, old in zip(tables, self._pulled):
-            pulled = KeySet(old["keys"].size)
-            pulled.add(old["keys"])
-            added.append(tb["keys"][~pulled.contains(tb["keys"])])
         write = (self._write_back, os.path.join(self._undo_dir(), f"{day}_{n:04d}.npz"),
-                 self._pulled, added, tables, {"day": day, "pass": n})
+                 self._pulled, tables, {"day": day, "pass": n})
         if behind and self._pool is not None:
             self._deferred = write
         else:
@@ -716,10 +709,16 @@ class OnlineRun:
         self._written = [self.store.as_stored(i, tb) for i, tb in enumerate(tables)] \
             if keep else []
 
-    def _write_back(self, undo: str, pulled: list, added: list, tables: list,
-                    marker: dict) -> None:
-        """What the database held of a pass's keys saved to ``undo``, then the pass's rows
-        written over them."""
+    def _write_back(self, undo: str, pulled: list, tables: list, marker: dict) -> None:
+        """What the database held of a pass's keys saved to ``undo`` (with the keys it
+        brought: the database did not hold them), then the pass's rows written over them."""
+        from jctr.ops.host_index import KeySet
+
+        added = []
+        for tb, old in zip(tables, pulled):
+            held = KeySet(old["keys"].size)
+            held.add(old["keys"])
+            added.append(tb["keys"][~held.contains(tb["keys"])])
         self.store.save_undo(undo, pulled, added, marker)
         for i, tb in enumerate(tables):
             self.store.push(i, tb)

@@ -573,12 +573,12 @@ class OnlineRun:
 
     def _pulled_rows(self, i: int, want: np.ndarray, ahead: dict) -> dict[str, np.ndarray]:
         """The rows ``store.pull(i, want)`` gives after the last pass's write-back: the rows
-        it wrote (``_written``) of ``want``'s keys, those read ahead, and, read now, rows of
-        keys the last pass held but did not write (validation keys it never trained). Taken
-        in place (no gather into ``want``'s order: a table takes its rows in any order and
-        trains them alike)."""
-        from jctr.ops.host_index import KeySet
-
+        it wrote (``_written``) of ``want``'s keys, those read ahead (the stored rows of the
+        keys it did not hold: all wanted, :meth:`_pull_ahead` read them for this very key
+        set) and, read now, rows of keys the last pass held but did not write (validation keys
+        it never trained). The three sets of keys are apart, so the parts are laid side by
+        side, each row copied once; in place, not in ``want``'s order (a table takes its rows
+        in any order and trains them alike)."""
         last = self._last_written(i)
         if last is None:
             self._written_back()
@@ -587,18 +587,21 @@ class OnlineRun:
         at_held = self._wanted[i].positions(want)
         from_written = row_of[at_held]
         late = self.store.pull(i, want[(at_held >= 0) & (from_written < 0)])
-        # the rows read ahead are of keys the last pass did not hold, the late ones of keys it
-        # held: found through one index of the two (no set of every row is built)
-        others = {name: np.concatenate([ahead[name], late[name]]) for name in written}
-        index = KeySet(others["keys"].size)
-        index.add(others["keys"])
-        at_others = index.positions(want[from_written < 0])
-        take_written = np.zeros(written["keys"].size, bool)
-        take_written[from_written[from_written >= 0]] = True
-        take_others = np.zeros(others["keys"].size, bool)
-        take_others[at_others[at_others >= 0]] = True
-        return {name: np.concatenate([written[name][take_written], others[name][take_others]])
-                for name in written}
+        take = np.zeros(written["keys"].size, bool)
+        take[from_written[from_written >= 0]] = True
+        take = np.flatnonzero(take)
+        out = {}
+        for name, rows in written.items():
+            parts = [ahead[name], late[name]]
+            joined = np.empty((take.size + sum(len(p) for p in parts), *rows.shape[1:]),
+                              rows.dtype)
+            np.take(rows, take, axis=0, out=joined[:take.size])
+            at = take.size
+            for p in parts:
+                joined[at:at + len(p)] = p
+                at += len(p)
+            out[name] = joined
+        return out
 
     def _last_written(self, i: int) -> tuple[dict[str, np.ndarray], np.ndarray] | None:
         """The last pass's written rows (``_written``) and, for each of its keys' places in

@@ -1084,8 +1084,8 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
     day's base model takes the rows of the keys its last pass does not hold from a read while
     that pass trained: the same keys and vectors as the base model read from the database.
     A delta after every pass takes the pass's rows from memory and reads the others. A pass's
-    write-back is written there too, while the next pass trains (each day's last
-    pass writes its own: the day's end reads every row), and the pass's checkpoint is
+    write-back is written there too, while the next pass trains (each day's last pass's
+    while its checkpoint is written; the day's end waits for it), and the pass's checkpoint is
     recorded once it is done: a write-back that fails (here after writing every row) leaves
     its checkpoint unrecorded and the run stops with the error at the next pass's end; started
     again, the run puts the old rows back, trains that pass again (its unrecorded snapshot
@@ -1128,6 +1128,8 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
         assert len(rows_lines) == 8 and all("written back in" in x for x in rows_lines)
         behind = ["written while the next pass trains" in x for x in rows_lines]
         assert behind == ([True, True, True, False] * 2 if prefetch else [False] * 8)
+        beside = ["written while the pass's checkpoint is" in x for x in rows_lines]
+        assert beside == ([False, False, False, True] * 2 if prefetch else [False] * 8)
         assert sum("s read ahead, while the last pass trained" in x
                    for x in rows_lines) == (6 if prefetch else 0)
         runs[prefetch] = run

@@ -881,9 +881,16 @@ class OnlineRun:
         if self.store is not None:
             t0 = time.perf_counter()
             behind = self._ahead is not None
-            self._push(day, n, keep=behind or self._unheld is not None, behind=behind)
+            # the day's last pass: its write-back on the prefetch thread at once, while its
+            # checkpoint is written (the day's end waits for it before the shrink)
+            last = not behind and self._unheld is not None
+            self._push(day, n, keep=behind or last, behind=behind or last)
+            if last:
+                self._write_behind()
             rows_s["store_write_s"] = time.perf_counter() - t0
-            rows_s["store_write_behind"] = behind
+            rows_s["store_write_behind"] = behind or last
+            rows_s["store_write_overlaps"] = "next_pass" if behind else "checkpoint" if last \
+                else None
         iters, validation, loss = summary.iterations, summary.validation, summary.loss
         pass_auc = bucket_auc(self.pass_auc.take())
         # the steady rate leaves the pass's first step out (the compile, on the first pass)
@@ -1116,8 +1123,10 @@ def _rows_note(rows_s: dict) -> str:
     return (f"; sparse_store rows read in {rows_s['store_read_s']:.2f} s"
             + ("" if ahead is None else f" (+{ahead:.2f} s read ahead, while the last pass "
                "trained)") + f", written back in {rows_s['store_write_s']:.2f} s"
-            + (" (handed to the prefetch thread: written while the next pass trains)"
-               if rows_s["store_write_behind"] else ""))
+            + {"next_pass": " (handed to the prefetch thread: written while the next pass "
+                            "trains)",
+               "checkpoint": " (handed to the prefetch thread: written while the pass's "
+                             "checkpoint is)"}.get(rows_s["store_write_overlaps"], ""))
 
 
 def _print(line: str) -> None:

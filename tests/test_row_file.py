@@ -94,3 +94,31 @@ def test_row_file_refuses_what_it_cannot_hold(tmp_path):
     with pytest.raises(StoreError, match=f"{other}: holds files that are not"):
         RowFileStore(str(other))
     assert sorted(os.listdir(other)) == ["CURRENT"]
+
+
+def test_row_file_refuses_to_grow_onto_a_full_disk(tmp_path, monkeypatch):
+    """A table grows its files with their blocks allocated: a full disk is an error naming
+    the file when the table grows (a write into a mapped page the disk has no room for
+    would kill the process), and the rows stored before stay as they were."""
+    import errno
+
+    store = RowFileStore(str(tmp_path / "rows"))
+    keys = np.arange(1000, dtype=np.int64)
+    rows = np.arange(3000, dtype=np.float32).reshape(1000, 3)
+    store.insert("t", keys, rows)
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(StoreError, match=r"keys\.i64: no room to grow it .*No space left"):
+        store.insert("t", np.arange(1000, 5000), np.ones((4000, 3), np.float32))
+    got, found = store.lookup("t", keys, 3)
+    assert found.all() and store.size("t") == 1000
+    np.testing.assert_array_equal(got, rows)
+    monkeypatch.undo()
+    store.close()
+    again = RowFileStore(str(tmp_path / "rows"))
+    np.testing.assert_array_equal(again.lookup("t", keys, 3)[0], rows)
+    again.insert("t", np.arange(1000, 5000), np.ones((4000, 3), np.float32))
+    assert again.size("t") == 5000

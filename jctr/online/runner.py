@@ -634,8 +634,8 @@ class OnlineRun:
         waiting for the last pass's write-back: the rows it wrote, from memory; those of keys
         it did not hold (which its write-back leaves as they are) given (``unheld``: the day's
         base model, read while its last pass trained) or read now; and, read now, those of
-        keys it held but did not write. The same rows as :meth:`_store_rows` gives, in
-        another order."""
+        keys it held but did not write. The same keys and vectors as :meth:`_store_rows`
+        gives, in another order (a model file holds no optimizer state)."""
         last = self._last_written(i)
         if last is None:
             return self._store_rows(i, keys)
@@ -649,8 +649,10 @@ class OnlineRun:
             parts.append(unheld)
         stats = self.stats[i]
         chosen = _chosen(stats, keys)
-        parts = [_rows_among(p, stats, chosen) for p in parts]
-        return {name: np.concatenate([p[name] for p in parts]) for name in written}
+        # a model file holds keys and vectors: the optimizer's columns are not copied
+        parts = [_rows_among({"keys": p["keys"], "values": p["values"]}, stats, chosen)
+                 for p in parts]
+        return {name: np.concatenate([p[name] for p in parts]) for name in ("keys", "values")}
 
     def _pull(self, keys: list, ahead: dict | None = None) -> None:
         """The rows of the pass's and the validation set's keys (``keys``: per table, the

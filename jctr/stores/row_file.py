@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -80,6 +81,24 @@ def _place(index, keys, queries, free_rows, n_free, n, out):
     return n_free, n
 
 
+def _grow(path: str, size: int) -> None:
+    """``path`` at least ``size`` bytes long, its blocks allocated: a write into a mapped
+    file the disk has no room for would kill the process (SIGBUS) instead of raising, so the
+    room is taken when the file grows, where a full disk is an error naming the file."""
+    with open(path, "ab") as f:
+        have = os.fstat(f.fileno()).st_size
+        if have >= size:
+            return
+        try:
+            os.posix_fallocate(f.fileno(), have, size - have)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                f.truncate(have)
+                raise StoreError(f"row_file {path}: no room to grow it to {size:,} bytes "
+                                 f"({e.strerror}); nothing was written") from e
+            f.truncate(size)  # a file system without fallocate: sparse, as before
+
+
 def _write_json(path: str, doc: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -128,9 +147,7 @@ class _Table:
         kp, rp = os.path.join(self.folder, "keys.i64"), os.path.join(self.folder, "rows.f32")
         old = self._file_rows()
         for path, size in ((kp, 8 * rows), (rp, 4 * self.width * rows)):
-            with open(path, "ab") as f:
-                if os.path.getsize(path) < size:
-                    f.truncate(size)
+            _grow(path, size)
         self.keys = np.memmap(kp, np.int64, "r+", shape=(rows,))
         self.rows = np.memmap(rp, np.float32, "r+", shape=(rows, self.width))
         if old < rows:

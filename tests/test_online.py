@@ -769,7 +769,8 @@ def test_two_processes_count_and_score_as_one(tmp_path):
     assert one[1]["0/show"].sum() == 2560 * 8  # every sample's 8 keys, counted once
 
 
-def test_two_processes_keep_their_rows_in_one_sparse_store(tmp_path):
+@pytest.mark.parametrize("kind", ["rocks_db", "row_file"])
+def test_two_processes_keep_their_rows_in_one_sparse_store(tmp_path, kind):
     """Issue 34 point 13: ``sparse_store`` with two jax.distributed processes. Each keeps the
     rows of its part of the keys (by key hash) in its own database under the store's path;
     a pass pulls every process's rows of the pass's keys (from both processes' data), trains,
@@ -781,9 +782,11 @@ def test_two_processes_keep_their_rows_in_one_sparse_store(tmp_path):
     from jctr.config.hps import PersistentDatabaseParams
     from jctr.ops import owner_shards_host
     from jctr.stores.rocksdb import RocksDBStore
+    from jctr.stores.row_file import RowFileStore
 
     def rows(path):
-        db = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=str(path)))
+        db = RowFileStore(str(path)) if kind == "row_file" else \
+            RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=str(path)))
         parts = list(db.items("online.sparse_embedding1"))
         db.close()
         keys = np.concatenate([k for k, _ in parts])
@@ -791,8 +794,8 @@ def test_two_processes_keep_their_rows_in_one_sparse_store(tmp_path):
         return keys[order], np.concatenate([r for _, r in parts])[order]
 
     cfg = _two_pass_stream(tmp_path)
-    one = _run_processes(tmp_path, cfg, "one", 1, sparse_store={"path": "rows1"})
-    two = _run_processes(tmp_path, cfg, "two", 2, sparse_store={"path": "rows2"})
+    one = _run_processes(tmp_path, cfg, "one", 1, sparse_store={"type": kind, "path": "rows1"})
+    two = _run_processes(tmp_path, cfg, "two", 2, sparse_store={"type": kind, "path": "rows2"})
     np.testing.assert_array_equal(one[2], two[2])
     for name in one[1]:
         np.testing.assert_array_equal(one[1][name], two[1][name], err_msg=name)
@@ -809,7 +812,11 @@ def test_two_processes_keep_their_rows_in_one_sparse_store(tmp_path):
 
     with pytest.raises(AssertionError, match="written by a run of another number of "
                                              "processes than this one's 1"):
-        _run_processes(tmp_path, cfg, "again", 1, sparse_store={"path": "rows2"})
+        _run_processes(tmp_path, cfg, "again", 1, sparse_store={"type": kind, "path": "rows2"})
+    with pytest.raises(AssertionError, match="rows1 holds one process's database, written by "
+                                             "a run of another number of processes than this "
+                                             "one's 2"):
+        _run_processes(tmp_path, cfg, "again2", 2, sparse_store={"type": kind, "path": "rows1"})
 
 
 def test_prefetch_trains_the_same_model_and_a_stop_ends_its_wait(tmp_path):

@@ -129,6 +129,9 @@ class RowStore:
                 break
             at += int(np.prod(shape))
         f = np.asarray(factors, np.float32)
+        if hasattr(self.db, "scale_columns"):  # row_file: in place, a block at a time
+            self.db.scale_columns(self.names[table], at, f)
+            return
         for keys, rows in self.db.items(self.names[table]):
             rows = rows.copy()
             rows[:, at:at + f.size] *= f

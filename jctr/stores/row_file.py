@@ -279,6 +279,18 @@ class RowFileStore:
             if t is not None and keys.size and t.erase(keys):
                 t.flush()
 
+    def scale_columns(self, table: str, at: int, factors: np.ndarray) -> None:
+        """Columns ``at, at + 1, ...`` of every row multiplied by ``factors`` (float32), in
+        place (the streaming statistics' daily decay of a row store's admission counts)."""
+        f = np.asarray(factors, np.float32)
+        with self._lock:
+            t = self._table(table)
+            if t is None:
+                return
+            for start in range(0, t.count, 1 << 20):
+                t.rows[start:start + (1 << 20), at:at + f.size] *= f
+            t.flush()
+
     def items(self, table: str, chunk: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         """(keys, rows) of every stored row, ``chunk`` at a time (copies)."""
         with self._lock:

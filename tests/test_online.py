@@ -356,8 +356,15 @@ def test_streaming_config_errors_name_the_file_and_field(tmp_path):
     assert cfg.model == str(tmp_path / "m.json") and cfg.data_sleep_second == 30.0
     with pytest.raises(ConfigError, match="schedule: split_interval: 7 minutes do not divide"):
         OnlineRun(cfg)
-    path.write_text(path.read_text().replace("split_interval: 7", "split_interval: 5")
-                    + "prefetch_passes: 2\n")
+    base = path.read_text().replace("split_interval: 7", "split_interval: 5")
+    path.write_text(base + "sparse_store: {type: row_file, path: rows}\n")
+    cfg = load_online_config(path)
+    assert (cfg.sparse_store, cfg.sparse_store_type) == (str(tmp_path / "rows"), "row_file")
+    path.write_text(base + "sparse_store: {type: lmdb, path: rows}\n")
+    with pytest.raises(ConfigError, match=r'online.yaml: sparse_store.type: expected one of '
+                                          r'"rocks_db", "row_file"'):
+        load_online_config(path)
+    path.write_text(base + "prefetch_passes: 2\n")
     with pytest.raises(ConfigError, match=r"online.yaml: prefetch_passes: unknown key"):
         load_online_config(path)
     path.write_text("model: m.json\nstart_day: 2019-07-20\n")

@@ -294,7 +294,8 @@ class OnlineRun:
                             f"{todo[0][0]} pass {todo[0][1]}; only a done-file in an existing "
                             "day folder is waited for at start (later days' folders are "
                             "waited for as they come)")
-        pool = ThreadPoolExecutor(1, thread_name_prefix="jctr-prefetch") \
+        pool = ThreadPoolExecutor(1, thread_name_prefix="jctr-prefetch",
+                                  initializer=_yield_to_training) \
             if self.cfg.prefetch else None
         halt = threading.Event()  # ends a prefetch that waits for data when the run ends
         ahead: Future | None = None
@@ -1040,6 +1041,16 @@ class OnlineRun:
                                   f"model {path}: {type(e).__name__}: {e}",
                                   self.cfg.source) from e
         return path
+
+
+def _yield_to_training() -> None:
+    """The prefetch thread runs at a lower priority than the training step's threads: its
+    reads and write-backs fill the step's gaps instead of taking cores from it (where the
+    system lets a thread lower its own priority)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
 
 
 def _result_or_none(future: Future | None):

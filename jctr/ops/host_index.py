@@ -96,20 +96,35 @@ def rebuild(index, keys, n):
     return -1
 
 
-@host_kernel
-def rebuild_distinct(index, keys, n):
-    """:func:`rebuild` for keys known to be distinct (the kept rows of an index being
-    compacted): no key is compared, so a probe reads only the index (1.5x faster: 9M rows
-    0.19 -> 0.13 s, docs/performance.md)."""
+@numba.njit(inline="always")
+def _fill_distinct(index, keys, n, skip, skipping):
     index[:] = -1
     mask = index.size - 1
     for r in range(n):
         if r + 32 < n:
             prefetch(index.ctypes.data + index.itemsize * home(keys[r + 32], mask))
-        s = home(keys[r], mask)
+        k = keys[r]
+        if skipping and k == skip:
+            continue
+        s = home(k, mask)
         while index[s] >= 0:
             s = (s + 1) & mask
         index[s] = r
+
+
+@host_kernel
+def rebuild_distinct(index, keys, n):
+    """:func:`rebuild` for keys known to be distinct (the kept rows of an index being
+    compacted): no key is compared, so a probe reads only the index (1.5x faster: 9M rows
+    0.19 -> 0.13 s, docs/performance.md)."""
+    _fill_distinct(index, keys, n, np.int64(0), False)
+
+
+@host_kernel
+def rebuild_distinct_except(index, keys, n, skip):
+    """:func:`rebuild_distinct` of the rows whose key is not ``skip`` (a column that marks
+    freed rows with it: :mod:`jctr.stores.row_file`)."""
+    _fill_distinct(index, keys, n, skip, True)
 
 
 def index_size(rows: int) -> int:

@@ -34,27 +34,12 @@ from collections.abc import Iterator
 import numpy as np
 
 from jctr.ops import host_index
-from jctr.ops.host_index import home, host_kernel, slot_of
+from jctr.ops.host_index import host_kernel, slot_of
 from jctr.stores.base import StoreError, as_keys, as_values, check_dim, no_rows
 
 FREE = np.int64(np.iinfo(np.int64).min)  # a freed row's key (the device tables' EMPTY_KEY)
 MARKER = "jctr-row-file.json"  # what makes a folder a store of this kind
 FORMAT = {"format": "jctr-row-file", "version": 1}
-
-
-@host_kernel
-def _index_live(index, keys, n, free):
-    """The index of rows ``0 .. n-1`` whose key is not ``free`` (distinct keys)."""
-    index[:] = -1
-    mask = index.size - 1
-    for r in range(n):
-        k = keys[r]
-        if k == free:
-            continue
-        s = home(k, mask)
-        while index[s] >= 0:
-            s = (s + 1) & mask
-        index[s] = r
 
 
 @host_kernel
@@ -133,8 +118,12 @@ class _Table:
         self.free = np.flatnonzero(~live)[::-1].astype(np.int64)  # a stack: lowest on top
         self.n_free = self.free.size
         self.live = int(live.sum())
+        self._reindex()
+
+    def _reindex(self) -> None:
+        """The index of the live rows, sized for the capacity; no erased key's slot left."""
         self.index = np.full(host_index.index_size(self.capacity), -1, np.int64)
-        _index_live(self.index, self.keys, self.count, FREE)
+        host_index.rebuild_distinct_except(self.index, self.keys, self.count, FREE)
         self.stale = 0  # index slots of erased keys since the last rebuild
 
     def _file_rows(self) -> int:
@@ -161,9 +150,7 @@ class _Table:
             if need > self.capacity:
                 self.flush()
                 self._map(max(need, 2 * self.capacity))
-            self.index = np.full(host_index.index_size(self.capacity), -1, np.int64)
-            _index_live(self.index, self.keys, self.count, FREE)
-            self.stale = 0
+            self._reindex()
         out = np.empty(keys.size, np.int64)
         before = self.n_free
         self.n_free, count = _place(self.index, self.keys, keys, self.free, self.n_free,

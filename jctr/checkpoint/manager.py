@@ -44,7 +44,7 @@ from jctr.checkpoint.integrity import check_files, file_digests, note_written
 from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.errors import UserError
 from jctr.models.ctr import TrainState
-from jctr.runtime.direct_io import write_file
+from jctr.runtime.direct_io import replace_file, replace_json, write_file
 from jctr.runtime.folder_lock import FolderLock
 from jctr.sharding.mesh import to_host
 from jctr.sharding.plan import format_bytes
@@ -221,7 +221,7 @@ class Checkpointer:
     def mark_best(self, step: int, **info) -> None:
         """Record ``step`` as the best evaluation's snapshot (export takes it by default; the
         rotation keeps it)."""
-        _atomic_json(os.path.join(self.directory, BEST), {"step": int(step), **info})
+        replace_json(os.path.join(self.directory, BEST), {"step": int(step), **info})
 
     def step_dir(self, step: int) -> str:
         return os.path.join(self.directory, str(step))
@@ -363,7 +363,7 @@ class Checkpointer:
             rows.result()
         if os.path.isdir(f"{pending}.{ROWS}"):  # jctr's rows, beside Orbax's folder, move in
             os.rename(f"{pending}.{ROWS}", os.path.join(pending, ROWS))
-        _atomic_json(os.path.join(pending, INTEGRITY), file_digests(pending))
+        replace_json(os.path.join(pending, INTEGRITY), file_digests(pending))
         if os.path.isdir(final) and step in self._replace | self._overwrite:
             self._remove_step(step)
         # ours before it is visible: the main thread's next save may list the steps while this
@@ -371,7 +371,7 @@ class Checkpointer:
         self.sealed.add(step)
         os.rename(pending, final)
         for name, data in self._beside.items():
-            _atomic_bytes(os.path.join(self.directory, name), data)
+            replace_file(os.path.join(self.directory, name), data)
         self._in_flight, self._beside = None, {}
         for old in sorted(self._replace):  # --force: the other run's checkpoints go now
             if old != step:
@@ -602,7 +602,7 @@ def _write_rows(folder: str, tables: dict[str, dict[str, np.ndarray]]) -> None:
             note_written(path, *write_file(path, arr.reshape(-1).view(np.uint8)))
             files[key] = {"file": rel, "dtype": arr.dtype.str, "shape": list(arr.shape)}
         index[name] = files
-    _atomic_json(os.path.join(folder, "index.json"), {"tables": index})
+    replace_json(os.path.join(folder, "index.json"), {"tables": index})
 
 
 def read_rows(folder: str, *, mmap: bool = False) -> dict[str, dict[str, np.ndarray]]:
@@ -663,24 +663,6 @@ def _not_written(pending: str, step: int, cause: BaseException) -> CheckpointErr
     where = getattr(cause, "filename", None) or os.path.dirname(os.path.dirname(pending))
     return CheckpointError(f"{where}: snapshot of iter {step} not written ({what}); the earlier "
                            "checkpoints are kept")
-
-
-def _atomic_json(path: str, obj) -> None:
-    _atomic_bytes(path, json.dumps(obj).encode())
-
-
-def _atomic_bytes(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
 
 
 def _first_line(e: Exception) -> str:

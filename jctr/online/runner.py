@@ -51,7 +51,7 @@ from jctr.config.schema import column_ref
 from jctr.data.records import DataError, write_file_list
 from jctr.online.feature_stats import FeatureStats, ScoreRule, ShrinkRule
 from jctr.online.schedule import data_files, days, next_day, pass_folders, wait_ready
-from jctr.runtime.direct_io import DirectWriter, replacing
+from jctr.runtime.direct_io import DirectWriter, replace_file, replace_json, replacing
 from jctr.sharding.rows import drop_keys, export_placed, put_rows, scale_slot
 from jctr.train.datasets import open_training_set
 from jctr.train.hooks import Hook, PredictionCounts
@@ -135,13 +135,10 @@ class OnlineRun:
 
     def _write_progress(self, day: str, n: int, step: int, checkpoint: str,
                         day_end: bool) -> None:
-        path = os.path.join(self.cfg.save_model_path, PROGRESS)
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"day": day, "pass": n, "step": step,
-                       "checkpoint": os.path.relpath(checkpoint, self.cfg.save_model_path),
-                       "day_end": day_end}, f)
-        os.replace(tmp, path)
+        replace_json(os.path.join(self.cfg.save_model_path, PROGRESS),
+                     {"day": day, "pass": n, "step": step,
+                      "checkpoint": os.path.relpath(checkpoint, self.cfg.save_model_path),
+                      "day_end": day_end})
 
     def _record(self, record: dict) -> None:
         """One line of ``<save_model_path>/passes.jsonl`` (process 0)."""
@@ -182,10 +179,7 @@ class OnlineRun:
                 line = json.dumps(record)
             out.append(line)
         if changed:
-            tmp = path + ".tmp"
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write("\n".join(out) + "\n")
-            os.replace(tmp, path)
+            replace_file(path, ("\n".join(out) + "\n").encode())
             self.log(f"[jctr] {PASS_LOG}: {changed} record(s) of passes after the checkpoint "
                      "marked superseded (they are trained again)")
 
@@ -488,10 +482,7 @@ class OnlineRun:
         except (OSError, ValueError, KeyError, TypeError) as e:
             raise DataError(f"{path}: unreadable run record ({e})") from None
         run = uuid.uuid4().hex
-        tmp = path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump({"run": run}, f)
-        os.replace(tmp, path)
+        replace_json(path, {"run": run})
         return run
 
     def _undo_dir(self) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import io
+import json
 import mmap
 import os
 import zlib
@@ -53,6 +54,27 @@ def replacing(path: str, tmp: str | None = None):
             os.remove(tmp)
         raise
     os.replace(tmp, path)
+
+
+def replace_file(path: str, data: bytes) -> None:
+    """``path`` holding ``data``, replaced whole: written beside it, synced, then moved onto it
+    (a crash leaves the old file or the new one, never a part of either). For small files
+    (records, markers, indexes); large ones go through :func:`write_file`.
+
+    Example::
+
+        replace_file("/run/progress.json", b'{"step": 10}')
+    """
+    with replacing(path) as tmp:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def replace_json(path: str, doc) -> None:
+    """:func:`replace_file` of ``doc`` as JSON."""
+    replace_file(path, json.dumps(doc).encode())
 
 
 class DirectWriter:

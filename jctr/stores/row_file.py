@@ -35,6 +35,7 @@ import numpy as np
 
 from jctr.ops import host_index
 from jctr.ops.host_index import host_kernel, slot_of
+from jctr.runtime.direct_io import replace_json
 from jctr.stores.base import StoreError, as_keys, as_values, check_dim, no_rows
 
 FREE = np.int64(np.iinfo(np.int64).min)  # a freed row's key (the device tables' EMPTY_KEY)
@@ -84,15 +85,6 @@ def _grow(path: str, size: int) -> None:
             f.truncate(size)  # a file system without fallocate: sparse, as before
 
 
-def _write_json(path: str, doc: dict) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class _Table:
     """One table's mapped files and in-memory index."""
 
@@ -102,7 +94,7 @@ class _Table:
         if width is not None:  # a new table
             os.makedirs(folder, exist_ok=True)
             self.width, self.count = int(width), 0
-            _write_json(info, {"width": self.width, "count": 0})
+            replace_json(info, {"width": self.width, "count": 0})
         else:
             try:
                 with open(info) as f:
@@ -158,7 +150,7 @@ class _Table:
         self.live += (before - self.n_free) + (count - self.count)
         if count != self.count:  # the count first: rows beyond it are never read again
             self.count = count
-            _write_json(os.path.join(self.folder, "table.json"),
+            replace_json(os.path.join(self.folder, "table.json"),
                         {"width": self.width, "count": count})
         return out
 
@@ -199,7 +191,7 @@ class RowFileStore:
                              "was written there")
         os.makedirs(os.path.join(path, "meta"), exist_ok=True)
         if not os.path.exists(marker):
-            _write_json(marker, FORMAT)
+            replace_json(marker, FORMAT)
         self._lock = threading.RLock()
         self._tables: dict[str, _Table] = {}
 
@@ -313,7 +305,7 @@ class RowFileStore:
             if os.path.exists(path):
                 os.remove(path)
             return
-        _write_json(path, meta)
+        replace_json(path, meta)
 
     def drop_table(self, table: str) -> None:
         with self._lock:

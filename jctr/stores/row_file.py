@@ -151,7 +151,7 @@ class _Table:
         if count != self.count:  # the count first: rows beyond it are never read again
             self.count = count
             replace_json(os.path.join(self.folder, "table.json"),
-                        {"width": self.width, "count": count})
+                         {"width": self.width, "count": count})
         return out
 
     def find(self, keys: np.ndarray) -> np.ndarray:

@@ -28,10 +28,9 @@ from jctr.ops import (
     evict_rows,
     find_and_assign,
     find_slots,
-    hash_keys,
     representatives,
 )
-from jctr.ops.hashing import BUCKET, MAX_LOAD
+from jctr.ops.hashing import BUCKET, MAX_LOAD, window_start
 
 # an erased key's slot: neither empty (probes go on past it) nor any real key (keys equal to
 # the two smallest int64 values are reserved)
@@ -52,9 +51,9 @@ class HashTable(NamedTuple):
     overflow: jax.Array  # int32 [], keys refused because the table was full (sticky)
     free_rows: jax.Array  # int32 [capacity], a stack of rows freed by erase
     free_count: jax.Array  # int32 [], rows on that stack
-    # eviction (empty [0] arrays for a table without it):
-    row_slots: jax.Array  # int32 [capacity], each row's slot (an evicted key's slot is found)
-    row_score: jax.Array  # int32 [capacity, columns], last step touched (and touches: *lfu)
+    # eviction (an empty [0, 1] array for a table without it): what the policy ranks keys
+    # by, kept beside their slots (a bucket's keys rank from one or two cache lines)
+    slot_score: jax.Array  # int32 [num_slots, columns], last step touched (and touches: *lfu)
     clock: jax.Array  # int32 [], training lookups so far (the steps the scores count in)
     evicted: jax.Array  # int32 [], keys evicted so far
     tombstones: jax.Array  # int32 [], erased or evicted keys' slots since the last rehash
@@ -77,7 +76,7 @@ def num_slots_for(capacity: int, eviction: EvictionConfig | None = None) -> int:
 def create_table(capacity: int, eviction: EvictionConfig | None = None) -> HashTable:
     """An empty table; with ``eviction`` it keeps what its policy ranks rows by."""
     n = num_slots_for(capacity, eviction)
-    tracked = capacity if eviction is not None else 0
+    tracked = n if eviction is not None else 0
     columns = eviction.score_columns if eviction is not None else 1
     def zero():  # a buffer each: a donated state must not hold one array twice
         return jnp.zeros((), jnp.int32)
@@ -90,8 +89,7 @@ def create_table(capacity: int, eviction: EvictionConfig | None = None) -> HashT
         overflow=zero(),
         free_rows=jnp.zeros((capacity,), jnp.int32),
         free_count=zero(),
-        row_slots=jnp.full((tracked,), -1, jnp.int32),
-        row_score=jnp.zeros((tracked, columns), jnp.int32),
+        slot_score=jnp.zeros((tracked, columns), jnp.int32),
         clock=zero(),
         evicted=zero(),
         tombstones=zero(),
@@ -127,7 +125,7 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
     evicting = insert and eviction is not None
     arriving = jnp.sum(valid, dtype=jnp.int32)
     if evicting:  # a plain table's tombstones come from erase, whose caller rebuilds
-        table = _rehash_if_crowded(table, capacity, arriving)
+        table = _rehash_if_crowded(table, arriving)
         table = table._replace(clock=table.clock + 1)
     if not insert:
         _, slots = find_slots(table.slot_keys, keys, valid, insert=False)
@@ -139,34 +137,22 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
         scratch, rep = representatives(table.scratch, slots)
         return table._replace(scratch=scratch), Lookup(
             rows=rows, rep=jnp.where(rows >= 0, rep, -1), fresh=jnp.zeros(keys.shape, bool))
-    # the slots taken (keys with rows, tombstones and, in a plain table, refused keys) and
-    # the batch's keys may exceed the slots: which keys get one must not follow a GPU's race
-    taken = table.size - table.free_count + table.tombstones
-    if not evicting:
-        taken = taken + table.overflow
-    slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size, free_count = \
-        find_and_assign(table.slot_keys, table.slot_rows, table.scratch, table.free_rows,
-                        table.size, table.free_count, keys, valid, capacity, dedupe=dedupe,
-                        scarce=taken + arriving > table.num_slots)
+    table, slots, rows, rep, new, granted = _place(table, keys, valid, capacity, evicting,
+                                                   dedupe)
     n_new = jnp.sum(new, dtype=jnp.int32)
-    row_slots = table.row_slots
-    if row_slots.shape[0]:  # tracked (eviction): each granted row's slot
-        row_slots = row_slots.at[jnp.where(granted, rows, capacity)].set(slots, mode="drop")
-    table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, scratch=scratch,
-                           size=size, free_count=free_count, row_slots=row_slots)
     if evicting:
-        # *lfu counts start again for rows new to their key, and (epoch_lfu) for found rows
+        # *lfu counts start again for keys new to their row, and (epoch_lfu) for found keys
         # last touched in an earlier epoch (read before this step stamps them)
         restart = granted
         if eviction.policy == "epoch_lfu":
-            last = table.row_score.at[jnp.where(rows >= 0, rows, capacity), 0].get(
+            last = table.slot_score.at[jnp.where(rows >= 0, slots, table.num_slots), 0].get(
                 mode="fill", fill_value=0)
             restart = restart | ((rows >= 0) & (last // eviction.epoch_steps
                                                 != table.clock // eviction.epoch_steps))
         needy = new & ~granted
 
         def evict(t: HashTable):
-            t, placed, gone = _evict(t, keys, slots, rows, needy, eviction, capacity)
+            t, placed, gone = _evict(t, keys, slots, rows, needy, eviction)
             # a key left without a row gives its slot back (a tombstone: probes of keys
             # placed after it go on), or refused keys would fill the slots step by step
             left = needy & ~placed
@@ -183,8 +169,8 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
         granted = granted | placed
         rows = jnp.where(slots >= 0,
                          table.slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
-        table = table._replace(row_score=_count_touches(table, rows, restart | placed,
-                                                        eviction, capacity))
+        table = table._replace(slot_score=_count_touches(table, slots, rows, restart | placed,
+                                                         eviction))
     # refused: new keys left without a row, and keys that found no free slot at all (the
     # slots full of refused keys: each occurrence counts)
     refused = n_new - jnp.sum(granted, dtype=jnp.int32) + jnp.sum(valid & (slots < 0),
@@ -195,14 +181,31 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
                          evicted=evicted if evicting else None)
 
 
+def _place(table: HashTable, keys, valid, capacity: int, evicting: bool, dedupe: bool):
+    """A training lookup's find-or-insert: every valid key's slot, and rows for new keys
+    while free ones last. Returns (table, slots, rows, rep, new, granted)."""
+    # the slots taken (keys with rows, tombstones and, in a plain table, refused keys) and
+    # the batch's keys may exceed the slots: which keys get one must not follow a GPU's race
+    taken = table.size - table.free_count + table.tombstones
+    if not evicting:
+        taken = taken + table.overflow
+    arriving = jnp.sum(valid, dtype=jnp.int32)
+    slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size, free_count = \
+        find_and_assign(table.slot_keys, table.slot_rows, table.scratch, table.free_rows,
+                        table.size, table.free_count, keys, valid, capacity, dedupe=dedupe,
+                        scarce=taken + arriving > table.num_slots)
+    table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, scratch=scratch,
+                           size=size, free_count=free_count)
+    return table, slots, rows, rep, new, granted
+
+
 # -- eviction ----------------------------------------------------------------------------------
-_ROUNDS = 4  # sampling rounds per new key: a key whose choice another took samples again
+_ROUNDS = 8  # windows per new key: a key whose choice another took ranks other slots
 _NEVER = np.int64(np.iinfo(np.int64).max)
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 def _rank(score: jax.Array, clock: jax.Array, eviction: EvictionConfig) -> jax.Array:
-    """int64 rank of rows by their ``score`` columns (lowest goes first); rows touched at
+    """int64 rank of keys by their ``score`` columns (lowest goes first); keys touched at
     ``clock`` (this step) rank ``_NEVER``."""
     last = score[..., 0].astype(jnp.int64)
     policy = eviction.policy
@@ -217,103 +220,128 @@ def _rank(score: jax.Array, clock: jax.Array, eviction: EvictionConfig) -> jax.A
     return jnp.where(last == clock, _NEVER, rank)
 
 
-def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig,
-           capacity: int) -> tuple[HashTable, jax.Array, jax.Array]:
-    """Rows for the ``needy`` positions (new keys that found no free row): each samples
-    ``eviction.samples`` rows by its hash and takes the lowest-ranked one; of new keys that
-    chose the same row the first position wins and the others sample again (``_ROUNDS``
-    rounds; a key left without a row is refused, counted as overflow). The taken row's old
-    key leaves (its slot becomes a tombstone). Rows this step touches (found keys, granted
-    rows, rows taken already) are never chosen. Compacted chunks: the cost follows the
-    needy keys, not the batch. On CPU a native kernel makes the same choices
-    (:func:`jctr.ops.cpu_ffi.evict`). Returns the table, which positions got a row and the key each
-    of them evicted (``EMPTY_KEY`` elsewhere)."""
-    n = keys.shape[0]
-    n_slots = table.slot_keys.shape[0]
+def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
+           ) -> tuple[HashTable, jax.Array, jax.Array]:
+    """Rows for the ``needy`` positions (new keys that found no free row, each in its slot
+    already). A new key ranks the keys of the ``eviction.samples`` slots from the first slot
+    of its home bucket on (where its probe began: keys of every age, their scores beside the
+    slots in one or two cache lines, as NVIDIA HierarchicalKV ranks a bucket; the bucket a new
+    key ends in is one with room, mostly this step's new keys) and takes the row of the
+    lowest-ranked one; that key leaves (its slot becomes a tombstone) and the row moves to the
+    new key's slot. Of new keys that chose the same key the first position wins; the others,
+    and keys whose slots held no key to take, rank ``samples`` slots from another bucket
+    in the next round (:func:`jctr.ops.hashing.window_start`; ``_ROUNDS`` rounds; a key
+    left without a row is refused, counted as overflow). Keys touched this step (found,
+    granted, placed) are never chosen. Compacted chunks: the cost follows the needy keys, not
+    the batch. On CPU a native kernel makes the same choices (:func:`jctr.ops.cpu_ffi.evict`).
+    Returns the table, which positions got a row and the key each of them evicted
+    (``EMPTY_KEY`` elsewhere)."""
+    n = slots.shape[0]
+    n_slots = table.num_slots
     clock = table.clock
-    # found keys' rows and granted rows are this step's: stamped first, so none is chosen
-    score = table.row_score.at[jnp.where(rows >= 0, rows, capacity), 0].set(clock,
-                                                                           mode="drop")
+    # found keys and granted ones are this step's: stamped first, so none is chosen
+    score = table.slot_score.at[jnp.where(rows >= 0, slots, n_slots), 0].set(clock,
+                                                                             mode="drop")
     chunk = min(n, max(64, n // 8))
-    samples = eviction.samples
+    width = eviction.samples
     ar = jnp.arange(chunk, dtype=jnp.int32)
+    offsets = jnp.arange(width, dtype=jnp.int32)
 
-    def reference(slot_keys, slot_rows, row_slots, score, keys, slots, needy, clock):
+    def reference(slot_keys, slot_rows, score, keys, slots, needy, clock):
         def body(c):
-            slot_keys, slot_rows, row_slots, score, todo, placed, gone_keys = c
+            slot_keys, slot_rows, score, todo, placed, gone_keys = c
             idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
+            sub_slots = slots.at[idx].get(mode="fill", fill_value=0)
             sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
-            sub_slots = slots.at[idx].get(mode="fill", fill_value=-1)
-            h = hash_keys(sub_keys)
 
             def round_(rc):
-                # a round samples again only for keys whose choice another key took: most
-                # chunks need one round, so the rounds stop when every key has its row
-                rnd, slot_keys, slot_rows, row_slots, score, pending, got, gone = rc
-                salt = (jnp.arange(samples, dtype=jnp.uint64)
-                        + (rnd * samples + 1).astype(jnp.uint64)) * _GOLDEN
-                cand = (hash_keys((h[:, None] ^ salt[None, :]).astype(jnp.int64))
-                        % np.uint64(capacity)).astype(jnp.int32)  # [chunk, samples]
-                rank = _rank(score.at[cand].get(mode="clip"), clock, eviction)
+                # a round ranks again only for keys whose choice another key took (or that
+                # found no candidate): most chunks need one round
+                rnd, slot_keys, slot_rows, score, pending, got, gone = rc
+                cand = (window_start(sub_keys, rnd, n_slots)[:, None] + offsets[None, :]
+                        ) % n_slots
+                live = slot_rows.at[cand].get(mode="clip") >= 0
+                rank = jnp.where(live, _rank(score.at[cand].get(mode="clip"), clock, eviction),
+                                 _NEVER)
                 best = jnp.argmin(rank, axis=1)
                 victim = jnp.take_along_axis(cand, best[:, None], axis=1)[:, 0]
                 ok = pending & (jnp.min(rank, axis=1) < _NEVER)
-                at = jnp.where(ok, victim, capacity)  # claims: the first position wins
-                claims = jnp.full((capacity,), chunk, jnp.int32).at[at].min(ar, mode="drop")
+                at = jnp.where(ok, victim, n_slots)  # claims: the first position wins
+                claims = jnp.full((n_slots,), chunk, jnp.int32).at[at].min(ar, mode="drop")
                 win = ok & (claims.at[at].get(mode="fill", fill_value=-1) == ar)
-                vr = jnp.where(win, victim, capacity)
-                old = jnp.where(win, row_slots.at[vr].get(mode="fill", fill_value=-1), -1)
-                old = jnp.where(old >= 0, old, n_slots)
-                gone = jnp.where(win, slot_keys.at[old].get(mode="fill", fill_value=EMPTY_KEY),
+                vs = jnp.where(win, victim, n_slots)
+                row = slot_rows.at[vs].get(mode="fill", fill_value=-1)
+                gone = jnp.where(win, slot_keys.at[vs].get(mode="fill", fill_value=EMPTY_KEY),
                                  gone)  # the evicted key (its row is the winner's now)
-                slot_keys = slot_keys.at[old].set(TOMBSTONE, mode="drop")
-                slot_rows = slot_rows.at[old].set(-1, mode="drop")
-                slot_rows = slot_rows.at[jnp.where(win, sub_slots, n_slots)].set(victim,
-                                                                                 mode="drop")
-                row_slots = row_slots.at[vr].set(sub_slots, mode="drop")
-                score = score.at[vr, 0].set(clock, mode="drop")  # taken: no later key takes it
-                return (rnd + 1, slot_keys, slot_rows, row_slots, score, pending & ~win,
-                        got | win, gone)
+                slot_keys = slot_keys.at[vs].set(TOMBSTONE, mode="drop")
+                slot_rows = slot_rows.at[vs].set(-1, mode="drop")
+                to = jnp.where(win, sub_slots, n_slots)
+                slot_rows = slot_rows.at[to].set(row, mode="drop")
+                score = score.at[to, 0].set(clock, mode="drop")  # taken: no later key takes it
+                return (rnd + 1, slot_keys, slot_rows, score, pending & ~win, got | win, gone)
 
-            _, slot_keys, slot_rows, row_slots, score, _, got, gone = jax.lax.while_loop(
-                lambda rc: (rc[0] < _ROUNDS) & jnp.any(rc[5]), round_,
-                (jnp.int32(0), slot_keys, slot_rows, row_slots, score, idx < n,
+            _, slot_keys, slot_rows, score, _, got, gone = jax.lax.while_loop(
+                lambda rc: (rc[0] < _ROUNDS) & jnp.any(rc[4]), round_,
+                (jnp.int32(0), slot_keys, slot_rows, score, idx < n,
                  jnp.zeros((chunk,), bool), jnp.full((chunk,), EMPTY_KEY, jnp.int64)))
             todo = todo.at[idx].set(False, mode="drop")
             placed = placed.at[idx].set(got, mode="drop")
             gone_keys = gone_keys.at[idx].set(gone, mode="drop")
-            return slot_keys, slot_rows, row_slots, score, todo, placed, gone_keys
+            return slot_keys, slot_rows, score, todo, placed, gone_keys
 
-        slot_keys, slot_rows, row_slots, score, _, placed, gone_keys = jax.lax.while_loop(
-            lambda c: jnp.any(c[4]), body,
-            (slot_keys, slot_rows, row_slots, score, needy, jnp.zeros((n,), bool),
+        slot_keys, slot_rows, score, _, placed, gone_keys = jax.lax.while_loop(
+            lambda c: jnp.any(c[3]), body,
+            (slot_keys, slot_rows, score, needy, jnp.zeros((n,), bool),
              jnp.full((n,), EMPTY_KEY, jnp.int64)))
-        return slot_keys, slot_rows, row_slots, score, placed, gone_keys
+        return slot_keys, slot_rows, score, placed, gone_keys
 
-    slot_keys, slot_rows, row_slots, score, placed, gone_keys = evict_rows(
-        reference, table.slot_keys, table.slot_rows, table.row_slots, score, keys, slots, needy,
-        clock, policy=eviction.policy, epoch_steps=eviction.epoch_steps, samples=samples,
-        chunk=chunk)
+    slot_keys, slot_rows, score, placed, gone_keys = evict_rows(
+        reference, table.slot_keys, table.slot_rows, score, keys, slots, needy, clock,
+        policy=eviction.policy, epoch_steps=eviction.epoch_steps, samples=width, chunk=chunk)
     n_placed = jnp.sum(placed, dtype=jnp.int32)
-    table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, row_slots=row_slots,
-                           row_score=score, evicted=table.evicted + n_placed,
+    table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, slot_score=score,
+                           evicted=table.evicted + n_placed,
                            tombstones=table.tombstones + n_placed)
     return table, placed, gone_keys
 
 
-def _count_touches(table: HashTable, rows, restart, eviction: EvictionConfig, capacity: int):
-    """The step's touches in the score columns: the last step of every row in ``rows``
-    (every occurrence, -1 ignored), and for ``*lfu`` one touch per occurrence, counted from
-    0 for the rows of the ``restart`` positions."""
-    score, clock = table.row_score, table.clock
-    at = jnp.where(rows >= 0, rows, capacity)
+def _count_touches(table: HashTable, slots, rows, restart, eviction: EvictionConfig):
+    """The step's touches in the score columns: the last step of the key of every position
+    with a row (``rows`` >= 0, at its ``slots`` entry), and for ``*lfu`` one touch per
+    occurrence, counted from 0 for the keys of the ``restart`` positions."""
+    score, clock = table.slot_score, table.clock
+    n_slots = table.num_slots
+    at = jnp.where(rows >= 0, slots, n_slots)
     if eviction.score_columns > 1:
-        score = score.at[jnp.where(restart, at, capacity), 1].set(0, mode="drop")
+        score = score.at[jnp.where(restart, at, n_slots), 1].set(0, mode="drop")
         score = score.at[at, 1].add(1, mode="drop")
     return score.at[at, 0].set(clock, mode="drop")
 
 
-def _rehash_if_crowded(table: HashTable, capacity: int, arriving: jax.Array) -> HashTable:
+def scores_by_row(table: HashTable, rows: np.ndarray, capacity: int) -> np.ndarray:
+    """The eviction scores (int32 [len(rows), columns], host numpy) of the keys held at
+    ``rows``: what a checkpoint stores with the rows (scores live beside the slots)."""
+    slot_rows = np.asarray(table.slot_rows)
+    score = np.asarray(table.slot_score)
+    live = slot_rows >= 0
+    by_row = np.zeros((capacity, score.shape[1]), np.int32)
+    by_row[slot_rows[live]] = score[live]
+    return by_row[np.asarray(rows, np.int64)]
+
+
+def with_row_scores(table: HashTable, rows: np.ndarray, score: np.ndarray,
+                    capacity: int) -> HashTable:
+    """``table`` with the eviction ``score`` of the keys held at ``rows`` set beside their
+    slots (the inverse of :func:`scores_by_row`; other keys' scores stay)."""
+    by_row = jnp.zeros((capacity + 1, score.shape[1]), jnp.int32).at[
+        jnp.asarray(rows, jnp.int32)].set(jnp.asarray(score, jnp.int32))
+    given = jnp.zeros((capacity + 1,), bool).at[jnp.asarray(rows, jnp.int32)].set(True)
+    at = jnp.where(table.slot_rows >= 0, table.slot_rows, capacity)
+    put = given[at][:, None]
+    return table._replace(slot_score=jnp.where(put, by_row[at], table.slot_score))
+
+
+def _rehash_if_crowded(table: HashTable, arriving: jax.Array) -> HashTable:
     """The slots built again from the keys that hold a row when keys, tombstones and the
     ``arriving`` keys (at most that many new ones) would fill more than ``MAX_OCCUPIED`` of
     them (erased and evicted keys leave a tombstone each): probes stay short and new keys
@@ -325,24 +353,25 @@ def _rehash_if_crowded(table: HashTable, capacity: int, arriving: jax.Array) -> 
         (in_use + table.tombstones + arriving).astype(jnp.float32) > MAX_OCCUPIED * n_slots)
     # a loop run at most once, not a cond: a cond's untaken branch copies the whole table
     # (~10 ms a step at 2M rows), a loop's state stays in place
-    return jax.lax.while_loop(lambda c: c[0], lambda c: (False, rebuild_slots(c[1], capacity)),
+    return jax.lax.while_loop(lambda c: c[0], lambda c: (False, rebuild_slots(c[1])),
                               (crowded, table))[1]
 
 
-def rebuild_slots(table: HashTable, capacity: int) -> HashTable:
+def rebuild_slots(table: HashTable) -> HashTable:
     """The slots built again from the keys that hold a row: tombstones (and keys refused a
-    row) leave; rows, values and scores do not move. One pass over the slots."""
+    row) leave; rows and values do not move (eviction scores move with their keys). One pass
+    over the slots."""
     n_slots = table.slot_keys.shape[0]
     live = table.slot_rows >= 0
     slot_keys, slots = find_slots(jnp.full((n_slots,), EMPTY_KEY, jnp.int64), table.slot_keys,
                                   live, insert=True)
     slot_rows = jnp.full((n_slots,), -1, jnp.int32).at[
         jnp.where(live, slots, n_slots)].set(table.slot_rows, mode="drop")
-    row_slots = table.row_slots
-    if row_slots.shape[0]:  # tracked (eviction): each row's new slot
-        row_slots = jnp.full_like(row_slots, -1).at[
-            jnp.where(live, table.slot_rows, capacity)].set(slots, mode="drop")
-    return table._replace(slot_keys=slot_keys, slot_rows=slot_rows, row_slots=row_slots,
+    slot_score = table.slot_score
+    if slot_score.shape[0]:  # eviction: the scores move with their keys
+        slot_score = jnp.zeros_like(slot_score).at[jnp.where(live, slots, n_slots)].set(
+            slot_score, mode="drop")
+    return table._replace(slot_keys=slot_keys, slot_rows=slot_rows, slot_score=slot_score,
                           tombstones=jnp.zeros((), jnp.int32))
 
 

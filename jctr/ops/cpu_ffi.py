@@ -21,8 +21,9 @@ Kernels here:
   freed rows first), each key's bucket and the slots' rows at it fetched ahead. XLA's
   formulation: probe rounds, then a scatter and gathers over the slots and a cumsum.
 * ``jctr_cpu_evict``: the eviction of a full table (the rows its new keys take, by the
-  policy's ranking of sampled rows), the same choices as XLA's rounds over compacted chunks
-  without their scatters and compactions.
+  policy's ranking of the keys in a window of slots from each new key's home bucket on, their
+  scores beside them), the same choices as XLA's rounds over compacted chunks without their scatters
+  and compactions.
 * ``jctr_cpu_pair_dots`` / ``jctr_cpu_pair_dots_grad``: the DLRM dot interaction (strictly
   lower triangle of each sample's Gram matrix) and its gradient, float32, for a feature width
   that is a multiple of 16. Each Gram row, and each gradient row, is a sum of 16-lane rows
@@ -528,7 +529,7 @@ if AVAILABLE:
 
     @numba.njit(inline="always")
     def _rank(score, r, clock, policy, epoch_steps):
-        """:func:`jctr.embedding.hash_table._rank` of row ``r``."""
+        """:func:`jctr.embedding.hash_table._rank` of the key at slot ``r``."""
         last = np.int64(score[r, 0])
         if last == clock:
             return _NEVER
@@ -540,39 +541,40 @@ if AVAILABLE:
             return ((last // epoch_steps) << 32) | last
         return ((last // epoch_steps) << 32) | np.int64(score[r, 1])  # epoch_lfu
 
-    _EVICT_AHEAD = 8  # keys between their candidates' prefetch and their ranking
+    _EVICT_AHEAD = 8  # keys between the prefetch of their lines and their choice
+    _TAKEN = -2  # a row entry: its key was chosen earlier in this round (it had a row)
 
     @numba.njit(inline="always")
-    def _candidates(ring, j, key, rnd, samples, capacity, score_at, stride):
-        """Key ``j``'s candidate rows of round ``rnd`` (:func:`jctr.embedding.hash_table.
-        _evict`'s hash samples) into its ring entry, their scores' lines prefetched."""
-        h = _mix(np.uint64(key))
-        for k in range(samples):
-            salt = (np.uint64(k) + np.uint64(rnd * samples + 1)) * _GOLDEN
-            cand = np.int64(_mix(h ^ salt) % np.uint64(capacity))
-            ring[j % (_EVICT_AHEAD + 1), k] = cand
-            _prefetch(score_at + stride * cand)
+    def _window_lines(first, new_slot, keys_at, rows_at, score_at, stride):
+        """Prefetch what a new key's choice and claim read: its window's keys, row entries
+        and scores (a bucket's, from ``first``: one line each for a window of eight), and its
+        own slot's row entry and score."""
+        _prefetch(keys_at + 8 * first)
+        _prefetch(rows_at + 4 * first)
+        _prefetch(score_at + stride * first)
+        _prefetch(rows_at + 4 * new_slot)
+        _prefetch(score_at + stride * new_slot)
 
     @numba.njit(inline="always")
-    def _evict_all(slot_keys, slot_rows, row_slots, score, keys, slots, needy, params, placed,
-                   gone):
-        """:func:`jctr.embedding.hash_table._evict` one chunk, round and claim after the
-        other, with its choices: in a round every pending key chooses from the scores as the
-        round starts, then the claims go in position order (a row taken earlier in the round
-        is stamped with the clock, so a later claim on it loses)."""
+    def _evict_all(slot_keys, slot_rows, score, keys, slots, needy, params, placed, gone):
+        """:func:`jctr.embedding.hash_table._evict` one chunk and round after the other, with
+        its choices. XLA's round has every pending key choose from the state as the round
+        starts, then the first position of each choice win; here each key chooses and claims
+        in turn, which is the same: a key taken earlier in the round keeps its rank (its row
+        entry reads ``_TAKEN`` until the round ends), and a key whose best choice was taken
+        loses as the XLA round's later claimant does; the keys placed in the round rank as
+        touched this step, as they were rowless when it began."""
         clock, policy, epoch_steps = params[0], params[1], params[2]
-        samples, chunk, capacity = params[3], params[4], params[5]
-        n = keys.shape[0]
-        score_at, row_slots_at = score.ctypes.data, row_slots.ctypes.data
-        keys_at, rows_at = slot_keys.ctypes.data, slot_rows.ctypes.data
+        width, chunk = params[3], params[4]
+        n = slots.shape[0]
+        n_slots = slot_keys.shape[0]
+        score_at, keys_at = score.ctypes.data, slot_keys.ctypes.data
+        rows_at = slot_rows.ctypes.data
         stride = score.shape[1] * 4
         order = np.flatnonzero(needy)
         victim = np.empty(chunk, np.int64)
-        ok = np.empty(chunk, np.bool_)
         pending = np.empty(chunk, np.bool_)
-        # each key's candidate rows, computed (hashes and a division each) once, when their
-        # scores are prefetched _EVICT_AHEAD keys before the key ranks them
-        ring = np.empty((_EVICT_AHEAD + 1, samples), np.int64)
+        first = np.empty(chunk, np.int64)
         for i in range(n):
             placed[i] = False
             gone[i] = EMPTY_KEY
@@ -581,7 +583,8 @@ if AVAILABLE:
             m = part.size
             for j in range(m):
                 pending[j] = True
-            for rnd in range(4):  # _ROUNDS
+                first[j] = _home(keys[part[j]], n_slots // _BUCKET, _BUCKET)
+            for rnd in range(8):  # _ROUNDS
                 left = False
                 for j in range(m):
                     left |= pending[j]
@@ -589,48 +592,47 @@ if AVAILABLE:
                     break
                 for j in range(min(_EVICT_AHEAD, m)):
                     if pending[j]:
-                        _candidates(ring, j, keys[part[j]], rnd, samples, capacity, score_at,
-                                    stride)
-                for j in range(m):  # choices, from the scores as the round starts
+                        _window_lines(first[j], slots[part[j]], keys_at, rows_at, score_at,
+                                      stride)
+                for j in range(m):
+                    victim[j] = -1
                     ahead = j + _EVICT_AHEAD
                     if ahead < m and pending[ahead]:
-                        _candidates(ring, ahead, keys[part[ahead]], rnd, samples, capacity,
-                                    score_at, stride)
-                    ok[j] = False
+                        _window_lines(first[ahead], slots[part[ahead]], keys_at, rows_at,
+                                      score_at, stride)
                     if not pending[j]:
                         continue
+                    w0 = first[j]
                     best, best_rank = np.int64(-1), _NEVER
-                    for k in range(samples):
-                        cand = ring[j % (_EVICT_AHEAD + 1), k]
+                    for k in range(width):
+                        cand = w0 + k  # wrapping by a compare: a division costs ~40 cycles
+                        if cand >= n_slots:
+                            cand -= n_slots
+                        if slot_rows[cand] == -1:  # empty, a tombstone or a rowless key
+                            continue
                         rank = _rank(score, cand, clock, policy, epoch_steps)
-                        if best < 0 or rank < best_rank:
+                        if rank < best_rank:
                             best, best_rank = cand, rank
-                    victim[j] = best
-                    ok[j] = best_rank < _NEVER
-                for j in range(m):  # claims: the first position wins
-                    ahead = j + 16
-                    if ahead < m and ok[ahead]:
-                        _prefetch(row_slots_at + 4 * victim[ahead])
-                    near = j + 8  # the slot of that row's key: its line, and its row's
-                    if near < m and ok[near] and row_slots[victim[near]] >= 0:
-                        _prefetch(keys_at + 8 * row_slots[victim[near]])
-                        _prefetch(rows_at + 4 * row_slots[victim[near]])
-                    if not ok[j]:
-                        continue
-                    v = victim[j]
-                    if score[v, 0] == clock:  # taken by an earlier position this round
-                        continue
+                    if best_rank == _NEVER or slot_rows[best] == _TAKEN:
+                        continue  # nothing to take, or taken by an earlier position
                     pos = part[j]
-                    old = row_slots[v]
-                    if old >= 0:
-                        gone[pos] = slot_keys[old]
-                        slot_keys[old] = _TOMBSTONE
-                        slot_rows[old] = -1
-                    slot_rows[slots[pos]] = v
-                    row_slots[v] = slots[pos]
-                    score[v, 0] = clock
+                    row = slot_rows[best]
+                    gone[pos] = slot_keys[best]
+                    slot_keys[best] = _TOMBSTONE
+                    slot_rows[best] = _TAKEN
+                    slot_rows[slots[pos]] = row
+                    score[slots[pos], 0] = clock
                     placed[pos] = True
                     pending[j] = False
+                    victim[j] = best
+                for j in range(m):  # the round's taken keys: tombstones without a row
+                    if victim[j] >= 0:
+                        slot_rows[victim[j]] = -1
+                salt = np.uint64(rnd + 1) * _GOLDEN  # the next round's windows
+                for j in range(m):
+                    if pending[j]:
+                        first[j] = _home(np.int64(np.uint64(keys[part[j]]) ^ salt),
+                                         n_slots // _BUCKET, _BUCKET)
 
     def _evict_rows(frame_pointer):
         frame = _address(frame_pointer)
@@ -638,30 +640,28 @@ if AVAILABLE:
             return _pointer(0)
         keys_in, slot_dims = _buffer(frame, _FRAME_ARGS, 0)
         rows_in, _ = _buffer(frame, _FRAME_ARGS, 1)
-        row_slots_in, cap_dims = _buffer(frame, _FRAME_ARGS, 2)
-        score_in, score_dims = _buffer(frame, _FRAME_ARGS, 3)
-        key_data, key_dims = _buffer(frame, _FRAME_ARGS, 4)
-        slot_data, _ = _buffer(frame, _FRAME_ARGS, 5)
-        needy_data, _ = _buffer(frame, _FRAME_ARGS, 6)
-        param_data, _ = _buffer(frame, _FRAME_ARGS, 7)
-        n, num_slots = _word(key_dims), _word(slot_dims)
-        capacity, columns = _word(score_dims), _word(score_dims + 8)
+        score_in, score_dims = _buffer(frame, _FRAME_ARGS, 2)
+        key_data, pos_dims = _buffer(frame, _FRAME_ARGS, 3)
+        slot_data, _ = _buffer(frame, _FRAME_ARGS, 4)
+        needy_data, _ = _buffer(frame, _FRAME_ARGS, 5)
+        param_data, _ = _buffer(frame, _FRAME_ARGS, 6)
+        n, num_slots = _word(pos_dims), _word(slot_dims)
+        columns = _word(score_dims + 8)
         outs = (_buffer(frame, _FRAME_RETS, 0)[0], _buffer(frame, _FRAME_RETS, 1)[0],
-                _buffer(frame, _FRAME_RETS, 2)[0], _buffer(frame, _FRAME_RETS, 3)[0])
-        sizes = (8 * num_slots, 4 * num_slots, 4 * _word(cap_dims), 4 * capacity * columns)
-        ins = (keys_in, rows_in, row_slots_in, score_in)
-        for j in range(4):
+                _buffer(frame, _FRAME_RETS, 2)[0])
+        sizes = (8 * num_slots, 4 * num_slots, 4 * num_slots * columns)
+        ins = (keys_in, rows_in, score_in)
+        for j in range(3):
             _adopt(outs[j], ins[j], sizes[j])
         _evict_all(carray(_pointer(outs[0]), (num_slots,), np.int64),
                    carray(_pointer(outs[1]), (num_slots,), np.int32),
-                   carray(_pointer(outs[2]), (_word(cap_dims),), np.int32),
-                   carray(_pointer(outs[3]), (capacity, columns), np.int32),
+                   carray(_pointer(outs[2]), (num_slots, columns), np.int32),
                    carray(_pointer(key_data), (n,), np.int64),
                    carray(_pointer(slot_data), (n,), np.int32),
                    carray(_pointer(needy_data), (n,), np.bool_),
-                   carray(_pointer(param_data), (6,), np.int64),
-                   carray(_pointer(_buffer(frame, _FRAME_RETS, 4)[0]), (n,), np.bool_),
-                   carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (n,), np.int64))
+                   carray(_pointer(param_data), (5,), np.int64),
+                   carray(_pointer(_buffer(frame, _FRAME_RETS, 3)[0]), (n,), np.bool_),
+                   carray(_pointer(_buffer(frame, _FRAME_RETS, 4)[0]), (n,), np.int64))
         return _pointer(0)
 
     _LANES = 16  # floats per vector in the interaction kernels
@@ -919,28 +919,25 @@ def add_by_segment(values: jax.Array, rows: jax.Array, segments: jax.Array,
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")  # the kernel's policy codes
 
 
-def evict(slot_keys, slot_rows, row_slots, score, keys, slots, needy, clock, *, policy: str,
+def evict(slot_keys, slot_rows, score, keys, slots, needy, clock, *, policy: str,
           epoch_steps: int, samples: int, chunk: int):
-    """:func:`jctr.embedding.hash_table._evict`'s choice of rows for the ``needy`` positions,
-    in one native pass with the same choices (``score``: the rows' scores with this step's
-    rows stamped). Returns (slot_keys, slot_rows, row_slots, score, placed, gone keys); the
-    buffers are updated in place when they can be donated. CPU only."""
+    """:func:`jctr.embedding.hash_table._evict`'s choice of keys for the ``needy`` positions,
+    in one native pass with the same choices (``score``: the keys' scores beside their slots,
+    with this step's keys stamped). Returns (slot_keys, slot_rows, score, placed, gone keys);
+    the buffers are updated in place when they can be donated. CPU only."""
     _register()
-    n = keys.shape[0]
-    capacity = score.shape[0]
+    n = slots.shape[0]
     params = jnp.stack([clock.astype(jnp.int64), jnp.int64(EVICTION_POLICIES.index(policy)),
-                        jnp.int64(epoch_steps), jnp.int64(samples), jnp.int64(chunk),
-                        jnp.int64(capacity)])
+                        jnp.int64(epoch_steps), jnp.int64(samples), jnp.int64(chunk)])
     return jax.ffi.ffi_call(
         "jctr_cpu_evict",
         (jax.ShapeDtypeStruct(slot_keys.shape, jnp.int64),
          jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
-         jax.ShapeDtypeStruct(row_slots.shape, jnp.int32),
          jax.ShapeDtypeStruct(score.shape, jnp.int32),
          jax.ShapeDtypeStruct((n,), jnp.bool_), jax.ShapeDtypeStruct((n,), jnp.int64)),
-        input_output_aliases={0: 0, 1: 1, 2: 2, 3: 3})(
-            slot_keys, slot_rows, row_slots, score, keys.astype(jnp.int64),
-            slots.astype(jnp.int32), needy.astype(jnp.bool_), params)
+        input_output_aliases={0: 0, 1: 1, 2: 2})(
+            slot_keys, slot_rows, score, keys.astype(jnp.int64), slots.astype(jnp.int32),
+            needy.astype(jnp.bool_), params)
 
 
 def _call_in_parts(target: str, n: int, parts: int, row_shape: tuple[int, ...], dtype,

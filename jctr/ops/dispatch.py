@@ -276,13 +276,13 @@ def initialize_rows(values, row_slot, keys, rows, fresh, key_slots, *, scales, s
     return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
 
 
-def evict_rows(reference, slot_keys, slot_rows, row_slots, score, keys, slots, needy, clock, *,
+def evict_rows(reference, slot_keys, slot_rows, score, keys, slots, needy, clock, *,
                policy: str, epoch_steps: int, samples: int, chunk: int):
     """The rows a full table's new keys take (``reference``: the XLA formulation,
     :func:`jctr.embedding.hash_table._evict`'s, called with the same arguments); on CPU the
     native kernel (:func:`jctr.ops.cpu_ffi.evict`), which makes the same choices. Returns
-    (slot_keys, slot_rows, row_slots, score, placed, gone keys)."""
-    args = (slot_keys, slot_rows, row_slots, score, keys, slots, needy, clock)
+    (slot_keys, slot_rows, score, placed, gone keys)."""
+    args = (slot_keys, slot_rows, score, keys, slots, needy, clock)
     if _mode() == "reference" or not cpu_ffi.AVAILABLE:
         return reference(*args)
 

@@ -103,6 +103,14 @@ def home_slots(keys: jax.Array, num_slots: int) -> jax.Array:
     return (((top * buckets) >> np.uint64(32)) * np.uint64(width)).astype(jnp.int32)
 
 
+def window_start(keys: jax.Array, rnd, num_slots: int) -> jax.Array:
+    """The first slot of the window an evicting table's new key ranks in eviction round
+    ``rnd``: its home bucket's (round 0), then the home bucket of the key xored with ``rnd``
+    times the golden ratio (windows spread over the table, independent of each other)."""
+    salt = jnp.asarray(rnd).astype(jnp.uint64) * _GOLDEN
+    return home_slots((keys.astype(jnp.uint64) ^ salt).astype(jnp.int64), num_slots)
+
+
 def next_slot(pos: jax.Array, num_slots: int) -> jax.Array:
     """The probe's next position (wrapping at the end of the slots)."""
     nxt = pos + 1

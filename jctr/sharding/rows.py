@@ -22,6 +22,8 @@ from jctr.embedding.hash_table import (
     export_items,
     lookup,
     rebuild_slots,
+    scores_by_row,
+    with_row_scores,
 )
 from jctr.embedding.sparse_embedding import (
     EmbeddingSpec,
@@ -60,8 +62,8 @@ def _rows_of(state: EmbeddingState, keys: np.ndarray, rows: np.ndarray, *, copy:
     out = {"keys": keys, "values": take(state.values), "slot": take(state.row_slot)}
     for name, arr in state.slots.items():
         out[name] = take(arr)
-    if state.table.row_score.shape[0]:  # eviction's ranking goes with the rows
-        out[EVICTION_SCORE] = take(state.table.row_score)
+    if state.table.slot_score.shape[0]:  # eviction's ranking goes with the rows
+        out[EVICTION_SCORE] = scores_by_row(state.table, rows, state.values.shape[0])
     return out
 
 
@@ -213,15 +215,15 @@ def import_table(spec: EmbeddingSpec, state: EmbeddingState,
     row_slot = state.row_slot
     if "slot" in stored:
         row_slot = put(row_slot, np.asarray(stored["slot"], np.int32))
-    if table.row_score.shape[0] and EVICTION_SCORE in stored:
+    if table.slot_score.shape[0] and EVICTION_SCORE in stored:
         score = np.asarray(stored[EVICTION_SCORE], np.int32)
-        if score.shape != (n, table.row_score.shape[1]):
+        if score.shape != (n, table.slot_score.shape[1]):
             raise ValueError(f"{source}: embedding \"{spec.name}\" eviction scores have shape "
-                             f"{score.shape}, expected {(n, table.row_score.shape[1])}")
+                             f"{score.shape}, expected {(n, table.slot_score.shape[1])}")
         # the clock goes on from the newest step the rows were touched in (the saved step)
         clock = jnp.maximum(table.clock, int(score[:, 0].max()) if n else 0)
-        table = table._replace(row_score=put(table.row_score, score),
-                               clock=clock.astype(jnp.int32))
+        table = with_row_scores(table, rows, score, state.values.shape[0])._replace(
+            clock=clock.astype(jnp.int32))
     return EmbeddingState(table, new_values, new_slots, row_slot)
 
 
@@ -356,7 +358,7 @@ MAX_FILL = 0.95
 
 
 def _rebuilt(state: EmbeddingState) -> EmbeddingState:
-    return state._replace(table=rebuild_slots(state.table, state.values.shape[0]))
+    return state._replace(table=rebuild_slots(state.table))
 
 
 _rebuild = jax.jit(_rebuilt, donate_argnums=0)

@@ -237,12 +237,23 @@ def test_a_full_table_trains_on_by_evicting_and_resumes_exactly(tmp_path):
     assert norms["sparse_embedding1"]["evicted"] == evicted
     assert norms["sparse_embedding1"]["rows"] == 60
 
-    Trainer(parse_config(_evicting(tmp_path, max_iter=13, snapshot=13)),
-            log=lambda s: None).fit()
+    first = Trainer(parse_config(_evicting(tmp_path, max_iter=13, snapshot=13)),
+                    log=lambda s: None)
+    first.fit()
     resumed = Trainer(parse_config(_evicting(tmp_path)), log=lambda s: None)
     assert resumed.restore_checkpoint() == 13
     table = resumed.state.embeddings[0].table
     assert int(table.clock) == 13
+    # the keys back in the slots they held, tombstones too: the windows eviction ranks hold
+    # the same keys (tests/test_eviction.py's restore test shows choices differ otherwise)
+    saved = first.state.embeddings[0].table
+    assert int(table.tombstones) == int(saved.tombstones) > 0
+    for name in ("slot_keys", "slot_rows"):
+        np.testing.assert_array_equal(np.asarray(getattr(table, name)),
+                                      np.asarray(getattr(saved, name)), err_msg=name)
+    live = np.asarray(saved.slot_rows) >= 0  # (a tombstone's old score is never read)
+    np.testing.assert_array_equal(np.asarray(table.slot_score)[live],
+                                  np.asarray(saved.slot_score)[live])
     resumed.fit()
     got = {h["iter"]: h["loss"] for h in resumed.history if h["kind"] == "train"}
     assert sorted(got) == list(range(14, 31))
@@ -402,3 +413,46 @@ def test_native_eviction_makes_the_xla_choices_over_many_chunks(policy, samples,
         np.testing.assert_array_equal(a, b, err_msg=name)
     placed = out["auto"][3]
     assert placed.sum() > 0.7 * needy.sum() and not placed[~needy].any()
+
+
+def test_a_restored_evicting_table_makes_the_choices_of_the_one_saved():
+    """An evicting table after 30 steps of fresh keys (1,200 tombstones in its slots), saved
+    as a checkpoint stores it (keys by row, vectors, Adam's rows, scores, and where its keys
+    sit in the slots) and restored into a new table, evicts the same keys for the same rows
+    over 10 more steps as the table that went on. Without the slots' layout the restored
+    table holds its keys elsewhere and no tombstones, so its windows hold other keys and it
+    evicts others (checked too)."""
+    from jctr.config.schema import OptimizerConfig
+    from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding, lookup_keys
+    from jctr.sharding.rows import export_table, import_table, restore_layout, slot_layout
+
+    spec = EmbeddingSpec("t", capacity=3000, dim=4, slot_num=1, max_features=1, one_hot=True,
+                         input_index=0, optimizer=OptimizerConfig("Adam", update_type="Local"),
+                         eviction=EvictionConfig("lru"))
+    step = jax.jit(lambda s, k: lookup_keys(spec, s, k, jnp.ones(k.shape, bool),
+                                            jnp.zeros(k.shape, jnp.int32), train=True))
+    rng = np.random.default_rng(3)
+    state = init_embedding(spec)
+    for _ in range(30):
+        state, _ = step(state, jnp.asarray(rng.integers(0, 20_000, 500)))
+    assert int(state.table.tombstones) > 1000
+    rows = import_table(spec, init_embedding(spec), export_table(jax.tree.map(np.asarray,
+                                                                             state)))
+    assert int(rows.table.tombstones) == 0 and int(rows.table.clock) == 30
+    restored = restore_layout(rows, slot_layout(state))
+    assert int(restored.table.tombstones) == int(state.table.tombstones)
+    np.testing.assert_array_equal(np.asarray(restored.table.slot_keys),
+                                  np.asarray(state.table.slot_keys))
+    differ = 0
+    for i in range(10):
+        keys = jnp.asarray(rng.integers(0, 20_000, 500))
+        state, went_on = step(state, keys)
+        restored, back = step(restored, keys)
+        rows, elsewhere = step(rows, keys)
+        np.testing.assert_array_equal(np.asarray(went_on.evicted), np.asarray(back.evicted),
+                                      err_msg=f"step {i}")
+        np.testing.assert_array_equal(np.asarray(went_on.rows), np.asarray(back.rows))
+        differ += int(np.sum(np.asarray(went_on.evicted) != np.asarray(elsewhere.evicted)))
+    assert differ > 100
+    # (the counts of evicted keys come back from the snapshot's metadata, not the rows)
+    assert int(restored.table.evicted) > 3000

@@ -48,7 +48,7 @@ from jctr.runtime.direct_io import replace_file, replace_json, write_file
 from jctr.runtime.folder_lock import FolderLock
 from jctr.sharding.mesh import to_host
 from jctr.sharding.plan import format_bytes
-from jctr.sharding.rows import export_placed, import_placed
+from jctr.sharding.rows import export_placed, import_placed, restore_layout, slot_layout
 
 FORMAT = "jctr-checkpoint"
 VERSION = 3  # 2: sealed from .pending/ with jctr_integrity.json inside; 3: rows/ by jctr
@@ -118,6 +118,23 @@ def _save_handlers():
     except (AttributeError, TypeError):  # an Orbax without these: its defaults (compressed)
         return None
     return registry
+
+
+# an evicting table's slots as saved (``slot_keys``), stored as a table of this name beside it
+LAYOUT_PREFIX = "slot_layout_of_"
+
+
+def _slot_layouts(state: TrainState, specs: tuple[EmbeddingSpec, ...]
+                  ) -> dict[str, dict[str, np.ndarray]]:
+    """Where each evicting table's keys sit in its slots, tombstones included
+    (:func:`jctr.sharding.rows.slot_layout`): its evictions choose among the keys of slot
+    windows, so a restore puts them back there to evict as the saved table would. One
+    process only (another process's parts are not on this host); elsewhere a resumed table
+    holds the same rows and scores, and its choices may differ."""
+    if jax.process_count() > 1:
+        return {}
+    return {LAYOUT_PREFIX + s.name: {"slot_keys": slot_layout(e)}
+            for s, e in zip(specs, state.embeddings) if s.eviction is not None}
 
 
 def _eviction_counts(spec: EmbeddingSpec, es) -> dict[str, int]:
@@ -307,6 +324,7 @@ class Checkpointer:
         step = int(to_host(state.step))
         if tables is None:
             tables = export_tables(state, specs, placements)
+        tables = {**tables, **_slot_layouts(state, specs)}
         info = {"format": FORMAT, "version": VERSION, "step": step,
                 "tables": {s.name: {"rows": int(tables[s.name]["keys"].shape[0]), "dim": s.dim,
                                     "capacity": s.capacity, **_eviction_counts(s, e)}
@@ -553,6 +571,9 @@ class Checkpointer:
                 es = import_placed(spec, es, stored, placement, source=f"{where}/tables")
             except ValueError as e:
                 raise CheckpointError(str(e)) from e
+            layout = tables.get(LAYOUT_PREFIX + spec.name)
+            if spec.eviction is not None and layout is not None:
+                es = restore_layout(es, np.asarray(layout["slot_keys"]))
             saved = meta.get("tables", {}).get(spec.name, {})
             embeddings.append(_with_eviction_counts(spec, es, saved))
         state = TrainState(step=dense["step"], rng=dense["rng"], params=dense["params"],

@@ -787,7 +787,7 @@ def _parse_eviction(r: ObjectReader) -> EvictionConfig:
         raise r.error("epoch_steps", f'only the epoch_* policies have epochs, not "{policy}"')
     samples = r.int("samples", 8, min_value=1)
     if samples > 64:
-        raise r.error("samples", f"expected at most 64 rows sampled per new key, got {samples}")
+        raise r.error("samples", f"expected at most 64 slots ranked per new key, got {samples}")
     spill = r.str("spill", None)
     if spill is not None and not spill.strip():
         raise r.error("spill", "expected a folder for the RocksDB database of evicted rows")

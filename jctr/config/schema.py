@@ -454,9 +454,10 @@ class EvictionConfig:
     epoch_steps: int = 1000
     """Steps per epoch of the ``epoch_*`` policies."""
     samples: int = 8
-    """Rows a new key ranks to choose its victim (sampled by its hash, as Redis's
-    approximated LRU; each of four rounds samples again for keys whose choice another new key
-    of the same step took)."""
+    """Slots whose keys a new key ranks to choose its victim: those from the first slot of
+    its home bucket on (eight: the bucket, its scores in one cache line, as NVIDIA
+    HierarchicalKV ranks a bucket); a key whose choice another new key of the same step took,
+    or whose slots held none to take, ranks as many slots of another bucket (eight rounds)."""
     spill: str | None = None
     """A RocksDB folder (jctr): every evicted row -- vector, optimizer state and slot -- is
     written there, and a key seen again takes its row back, so the table trains as if it had

@@ -341,6 +341,37 @@ def with_row_scores(table: HashTable, rows: np.ndarray, score: np.ndarray,
     return table._replace(slot_score=jnp.where(put, by_row[at], table.slot_score))
 
 
+def with_layout(table: HashTable, layout: np.ndarray) -> HashTable:
+    """``table`` (host or device arrays of one device part) with its keys moved to the slots
+    they held in ``layout``, a saved ``slot_keys`` array with its tombstones: a restored
+    evicting table then ranks the same keys in each window, and inserts where the saved one
+    did, as the table that was saved (its keys, rows and scores came back by row; where keys
+    sat in the slots did not). ``table`` as it is when ``layout`` does not hold exactly its
+    keys in as many slots (another capacity, or rows saved from elsewhere)."""
+    layout = np.asarray(layout, np.int64)
+    keys, rows = np.asarray(table.slot_keys), np.asarray(table.slot_rows)
+    if layout.shape != keys.shape:
+        return table
+    score = np.asarray(table.slot_score)
+    live = rows >= 0
+    held = (layout != EMPTY_KEY) & (layout != TOMBSTONE)
+    if int(held.sum()) != int(live.sum()):
+        return table
+    order = np.argsort(keys[live], kind="stable")
+    by_key = keys[live][order]
+    at = np.searchsorted(by_key, layout[held]).clip(0, max(by_key.size - 1, 0))
+    if by_key.size and not np.array_equal(by_key[at], layout[held]):
+        return table
+    slot_rows = np.full_like(rows, -1)
+    slot_rows[held] = rows[live][order][at]
+    slot_score = np.zeros_like(score)
+    if score.shape[0]:
+        slot_score[held] = score[live][order][at]
+    return table._replace(slot_keys=jnp.asarray(layout), slot_rows=jnp.asarray(slot_rows),
+                          slot_score=jnp.asarray(slot_score),
+                          tombstones=jnp.asarray(int((layout == TOMBSTONE).sum()), jnp.int32))
+
+
 def _rehash_if_crowded(table: HashTable, arriving: jax.Array) -> HashTable:
     """The slots built again from the keys that hold a row when keys, tombstones and the
     ``arriving`` keys (at most that many new ones) would fill more than ``MAX_OCCUPIED`` of

@@ -23,6 +23,7 @@ from jctr.embedding.hash_table import (
     lookup,
     rebuild_slots,
     scores_by_row,
+    with_layout,
     with_row_scores,
 )
 from jctr.embedding.sparse_embedding import (
@@ -270,6 +271,31 @@ def import_placed(spec: EmbeddingSpec, state: EmbeddingState, stored: dict[str, 
                                   source=f"{source} (device {i})", owned=True))
     stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *parts)
     return _like(stacked, state)
+
+
+def slot_layout(state: EmbeddingState) -> np.ndarray:
+    """Where an evicting table's keys sit in its slots (its ``slot_keys``, tombstones
+    included; a sharded table's parts along the first axis), on the host: a checkpoint keeps
+    it beside the rows so that a restore evicts as the saved table would
+    (:func:`restore_layout`)."""
+    return np.asarray(to_host(state.table.slot_keys))
+
+
+def restore_layout(state: EmbeddingState, layout: np.ndarray) -> EmbeddingState:
+    """``state`` with its keys back in the slots of a saved :func:`slot_layout` (each part
+    of a sharded table in its own); as it is where the layout does not fit (another device
+    count or capacity, other keys)."""
+    host = jax.tree.map(to_host, state.table)
+    layout = np.asarray(layout)
+    if layout.shape != host.slot_keys.shape:
+        return state
+    if layout.ndim == 1:
+        table = with_layout(host, layout)
+    else:  # one part a device
+        parts = [with_layout(jax.tree.map(lambda x, i=i: x[i], host), layout[i])
+                 for i in range(layout.shape[0])]
+        table = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *parts)
+    return _like(state._replace(table=table), state)
 
 
 def _like(new: EmbeddingState, old: EmbeddingState) -> EmbeddingState:

@@ -396,13 +396,15 @@ if AVAILABLE:
         """Each fresh position's row gets its key's initial vector
         (:func:`jctr.ops.hashing.key_uniform` times ``scales``, bit for bit; with
         ``zero_tail`` every column but the first is 0) and its slot; one pass over the batch,
-        the rows written in place (the row of a position ``_AHEAD`` on fetched first)."""
+        the rows written in place (the lines of a position ``_AHEAD`` on fetched first)."""
         n, capacity, dim = keys.shape[0], values.shape[0], values.shape[1]
-        values_at = values.ctypes.data
+        values_at, slot_at = values.ctypes.data, row_slot.ctypes.data
         for i in range(n):
             ahead = i + _AHEAD
             if ahead < n and fresh[ahead] and 0 <= rows[ahead] < capacity:
+                # its vector's line and its slot id's (a full table's rows are random ones)
                 _prefetch(values_at + 4 * dim * np.int64(rows[ahead]))
+                _prefetch(slot_at + 4 * np.int64(rows[ahead]))
             r = rows[i]
             if not fresh[i] or r < 0 or r >= capacity:
                 continue

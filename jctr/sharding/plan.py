@@ -114,14 +114,13 @@ def format_bytes(n: int) -> str:
 
 def table_bytes(spec: EmbeddingSpec, capacity: int) -> int:
     """Bytes of one table part of ``capacity`` rows: values, optimizer rows, row slots, the
-    free list of rows, with eviction each row's hash slot and scores, and the hash slot array
-    (int64 key, int32 row, int32 scratch per slot)."""
+    free list of rows, and the hash slot array (int64 key, int32 row, int32 scratch per slot;
+    with eviction the keys' scores beside them)."""
     slots = init_slots(spec.optimizer, 1, spec.dim)  # shapes of one row
     per_row = 4 * spec.dim + sum(int(np.prod(a.shape)) * a.dtype.itemsize
                                  for a in slots.values()) + 4 + 4
-    if spec.eviction is not None:
-        per_row += 4 + 4 * spec.eviction.score_columns
-    return capacity * per_row + num_slots_for(capacity, spec.eviction) * 16
+    per_slot = 16 + (4 * spec.eviction.score_columns if spec.eviction is not None else 0)
+    return capacity * per_row + num_slots_for(capacity, spec.eviction) * per_slot
 
 
 def device_memory_bytes(device) -> int | None:

@@ -20,12 +20,11 @@ by batch (:mod:`jctr.data.fixed`) and multi-hot ones through the compiled kernel
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
 from jctr.data import record_kernels as kernels
 from jctr.data.records import DataError, RecordBlock
+from jctr.runtime.direct_io import replacing
 
 HEADER_BYTES = 64
 
@@ -83,11 +82,9 @@ def write_norm_file(path: str, block: RecordBlock, *, key_type: str = "I64",
         buf[ps + payload] = ((csum[ps + payload] - csum[ps]) % 256).astype(np.uint8)
         header = np.concatenate([np.array([HEADER_BYTES], "<i4").view(np.uint8), header,
                                  np.array([int(header.sum()) % 256], np.uint8)])
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
+    with replacing(path) as tmp, open(tmp, "wb") as f:
         f.write(header.tobytes())
         f.write(buf.tobytes())
-    os.replace(tmp, path)
 
 
 # ---- reading --------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ from jctr.config.schema import DataConfig
 from jctr.data.dataset import Dataset
 from jctr.data.fixed import FixedLayout, FixedRecords
 from jctr.data.records import DataError, slot_offsets
+from jctr.runtime.direct_io import replacing
 
 UNIT_RECORDS = 1 << 18
 
@@ -77,6 +78,5 @@ def write_raw_file(path: str, label: np.ndarray, dense: np.ndarray, keys: np.nda
         lab = np.asarray(label).astype("<i4")
         den = np.asarray(dense).astype("<i4")
     rec = np.concatenate([lab, den, np.asarray(keys).astype("<i4")], axis=1)
-    tmp = f"{path}.tmp{os.getpid()}"
-    rec.tofile(tmp)
-    os.replace(tmp, path)
+    with replacing(path) as tmp:
+        rec.tofile(tmp)

@@ -26,6 +26,7 @@ import os
 import numpy as np
 
 from jctr.config.hps import PersistentDatabaseParams
+from jctr.runtime.direct_io import DirectWriter, replacing
 from jctr.stores.rocksdb import RocksDBStore
 
 
@@ -167,9 +168,9 @@ class RowStore:
             arrays[f"{i}/keys"] = old["keys"]
             arrays[f"{i}/rows"] = self._pack(i, old) if old["keys"].size else \
                 np.zeros((0, self.width(i)), np.float32)
-        tmp = path + ".tmp.npz"
-        np.savez(tmp, **arrays)
-        os.replace(tmp, path)
+        # synced before it replaces the old one: the write-back it undoes follows
+        with replacing(path, path + ".tmp.npz") as tmp, DirectWriter(tmp, direct=False) as f:
+            np.savez(f, **arrays)
 
     def undo(self, path: str) -> tuple[str, int]:
         """Put back what :meth:`save_undo` saved; returns its (day, pass)."""

@@ -20,6 +20,7 @@ import sys
 import time
 
 from jctr.errors import UserError, run_command
+from jctr.runtime.direct_io import replace_file
 
 MARKER = '<meta name="generator" content="jctr report">'
 WIDTH, HEIGHT, DPI = 800, 360, 100
@@ -213,10 +214,7 @@ def write_report(log_dir: str) -> str:
         parts.append("<h2>Config</h2><pre>" + esc(json.dumps(config, indent=1), quote=False)
                      + "</pre>")
     parts.append("</body></html>")
-    tmp = path + ".tmp"
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write("\n".join(parts))
-    os.replace(tmp, path)
+    replace_file(path, "\n".join(parts).encode("utf-8"))
     return path
 
 

@@ -129,14 +129,7 @@ class RowStore:
             if name == slot:
                 break
             at += int(np.prod(shape))
-        f = np.asarray(factors, np.float32)
-        if hasattr(self.db, "scale_columns"):  # row_file: in place, a block at a time
-            self.db.scale_columns(self.names[table], at, f)
-            return
-        for keys, rows in self.db.items(self.names[table]):
-            rows = rows.copy()
-            rows[:, at:at + f.size] *= f
-            self.db.insert(self.names[table], keys, rows)
+        self.db.scale_columns(self.names[table], at, np.asarray(factors, np.float32))
 
     OWNER = "online.owner"  # a meta entry: the run whose rows these are
 

@@ -287,6 +287,16 @@ class RocksDBStore:
             self.db.write(wb)
         self._settle()
 
+    def scale_columns(self, table: str, at: int, factors: np.ndarray) -> None:
+        """Columns ``at, at + 1, ...`` of every row multiplied by ``factors`` (float32): each
+        chunk read is written back (the streaming statistics' daily decay of a row store's
+        admission counts; :meth:`jctr.stores.row_file.RowFileStore.scale_columns` alike)."""
+        f = np.asarray(factors, np.float32)
+        for keys, rows in self.items(table):
+            rows = rows.copy()
+            rows[:, at:at + f.size] *= f
+            self.insert(table, keys, rows)
+
     def items(self, table: str, chunk: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         cf = self._families.get(table)
         if cf is None:

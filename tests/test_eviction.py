@@ -272,11 +272,12 @@ def test_a_full_table_trains_on_by_evicting_and_resumes_exactly(tmp_path):
 
 def test_eviction_on_eight_devices(tmp_path):
     """The table spread over 8 host devices by key hash (each device's part evicts on its
-    own): training goes on past the capacity, each part full and evicting."""
+    own): training goes on past the capacity, each part full and evicting. A checkpoint
+    restores every part's keys into the slots they held, tombstones too."""
     from jctr.config import parse_config
     from jctr.train.trainer import Trainer
 
-    cfg = _evicting(tmp_path, capacity=16, max_iter=12, eval_interval=100)
+    cfg = _evicting(tmp_path, capacity=16, max_iter=12, eval_interval=100, snapshot=12)
     cfg["solver"]["gpu"] = list(range(8))
     cfg["layers"][1]["sparse_embedding_hparam"]["replicated"] = False
     t = Trainer(parse_config(cfg), log=lambda s: None)
@@ -284,6 +285,13 @@ def test_eviction_on_eight_devices(tmp_path):
     table = t.state.embeddings[0].table
     assert np.asarray(table.size).tolist() == [16] * 8
     assert all(e > 0 for e in np.asarray(table.evicted).tolist())
+    resumed = Trainer(parse_config(cfg), log=lambda s: None)
+    assert resumed.restore_checkpoint() == 12
+    back = resumed.state.embeddings[0].table
+    assert sum(np.asarray(back.tombstones).tolist()) > 0
+    for name in ("slot_keys", "slot_rows", "tombstones"):
+        np.testing.assert_array_equal(np.asarray(getattr(back, name)),
+                                      np.asarray(getattr(table, name)), err_msg=name)
 
 
 def test_a_checkpoint_resumes_with_eviction_switched_on_or_off(tmp_path):

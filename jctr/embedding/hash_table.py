@@ -74,7 +74,7 @@ def num_slots_for(capacity: int, eviction: EvictionConfig | None = None) -> int:
 
 
 def create_table(capacity: int, eviction: EvictionConfig | None = None) -> HashTable:
-    """An empty table; with ``eviction`` it keeps what its policy ranks rows by."""
+    """An empty table; with ``eviction`` it keeps what its policy ranks keys by."""
     n = num_slots_for(capacity, eviction)
     tracked = n if eviction is not None else 0
     columns = eviction.score_columns if eviction is not None else 1

@@ -464,3 +464,14 @@ def test_a_restored_evicting_table_makes_the_choices_of_the_one_saved():
     assert differ > 100
     # (the counts of evicted keys come back from the snapshot's metadata, not the rows)
     assert int(restored.table.evicted) > 3000
+
+
+def test_the_evicting_lookup_lowers_for_cuda_without_a_gpu():
+    """A GPU runs the XLA formulation of the eviction (the native kernel is CPU only): the
+    evicting training lookup lowers for the ``cuda`` platform here, without a CPU target."""
+    ev = EvictionConfig("lfu")
+    step = jax.jit(lambda t, k: lookup(t, k, jnp.ones(k.shape, bool), 1000, insert=True,
+                                       eviction=ev))
+    text = step.trace(create_table(1000, ev), jnp.zeros(512, jnp.int64)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "jctr_cpu" not in text and "while" in text

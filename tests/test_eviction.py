@@ -33,8 +33,9 @@ def _placement(capacity: int, ev: EvictionConfig):
     clock, find-or-insert): the slot of every position and the slots after placement."""
     def place(t, k):
         valid = jnp.ones(k.shape, bool)
-        t = ht._rehash_if_crowded(t, jnp.sum(valid, dtype=jnp.int32))
-        t, slots, *_ = ht._place(t, k, valid, capacity, True, True)
+        arriving = jnp.sum(valid, dtype=jnp.int32)
+        t = ht._rehash_if_crowded(t, arriving)
+        t, slots, *_ = ht._place(t, k, valid, arriving, capacity, True, True)
         return slots, t.slot_keys
     return jax.jit(place)
 

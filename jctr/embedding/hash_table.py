@@ -137,8 +137,8 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
         scratch, rep = representatives(table.scratch, slots)
         return table._replace(scratch=scratch), Lookup(
             rows=rows, rep=jnp.where(rows >= 0, rep, -1), fresh=jnp.zeros(keys.shape, bool))
-    table, slots, rows, rep, new, granted = _place(table, keys, valid, capacity, evicting,
-                                                   dedupe)
+    table, slots, rows, rep, new, granted = _place(table, keys, valid, arriving, capacity,
+                                                   evicting, dedupe)
     n_new = jnp.sum(new, dtype=jnp.int32)
     if evicting:
         # *lfu counts start again for keys new to their row, and (epoch_lfu) for found keys
@@ -181,15 +181,16 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
                          evicted=evicted if evicting else None)
 
 
-def _place(table: HashTable, keys, valid, capacity: int, evicting: bool, dedupe: bool):
+def _place(table: HashTable, keys, valid, arriving, capacity: int, evicting: bool,
+           dedupe: bool):
     """A training lookup's find-or-insert: every valid key's slot, and rows for new keys
-    while free ones last. Returns (table, slots, rows, rep, new, granted)."""
+    while free ones last (``arriving``: the valid keys). Returns (table, slots, rows, rep,
+    new, granted)."""
     # the slots taken (keys with rows, tombstones and, in a plain table, refused keys) and
     # the batch's keys may exceed the slots: which keys get one must not follow a GPU's race
     taken = table.size - table.free_count + table.tombstones
     if not evicting:
         taken = taken + table.overflow
-    arriving = jnp.sum(valid, dtype=jnp.int32)
     slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size, free_count = \
         find_and_assign(table.slot_keys, table.slot_rows, table.scratch, table.free_rows,
                         table.size, table.free_count, keys, valid, capacity, dedupe=dedupe,
@@ -247,9 +248,9 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
     ar = jnp.arange(chunk, dtype=jnp.int32)
     offsets = jnp.arange(width, dtype=jnp.int32)
 
-    def reference(slot_keys, slot_rows, score, keys, slots, needy, clock):
+    def reference(slot_keys, slot_rows, score, scratch, keys, slots, needy, clock):
         def body(c):
-            slot_keys, slot_rows, score, todo, placed, gone_keys = c
+            slot_keys, slot_rows, score, scratch, todo, placed, gone_keys = c
             idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
             sub_slots = slots.at[idx].get(mode="fill", fill_value=0)
             sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
@@ -257,7 +258,7 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
             def round_(rc):
                 # a round ranks again only for keys whose choice another key took (or that
                 # found no candidate): most chunks need one round
-                rnd, slot_keys, slot_rows, score, pending, got, gone = rc
+                rnd, slot_keys, slot_rows, score, scratch, pending, got, gone = rc
                 cand = (window_start(sub_keys, rnd, n_slots)[:, None] + offsets[None, :]
                         ) % n_slots
                 live = slot_rows.at[cand].get(mode="clip") >= 0
@@ -266,9 +267,11 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
                 best = jnp.argmin(rank, axis=1)
                 victim = jnp.take_along_axis(cand, best[:, None], axis=1)[:, 0]
                 ok = pending & (jnp.min(rank, axis=1) < _NEVER)
-                at = jnp.where(ok, victim, n_slots)  # claims: the first position wins
-                claims = jnp.full((n_slots,), chunk, jnp.int32).at[at].min(ar, mode="drop")
-                win = ok & (claims.at[at].get(mode="fill", fill_value=-1) == ar)
+                # claims: the first position wins (the entries read are set first, so the
+                # scratch's old contents never matter: no array of the slots filled a round)
+                at = jnp.where(ok, victim, n_slots)
+                scratch = scratch.at[at].set(chunk, mode="drop").at[at].min(ar, mode="drop")
+                win = ok & (scratch.at[at].get(mode="fill", fill_value=-1) == ar)
                 vs = jnp.where(win, victim, n_slots)
                 row = slot_rows.at[vs].get(mode="fill", fill_value=-1)
                 gone = jnp.where(win, slot_keys.at[vs].get(mode="fill", fill_value=EMPTY_KEY),
@@ -278,29 +281,31 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
                 to = jnp.where(win, sub_slots, n_slots)
                 slot_rows = slot_rows.at[to].set(row, mode="drop")
                 score = score.at[to, 0].set(clock, mode="drop")  # taken: no later key takes it
-                return (rnd + 1, slot_keys, slot_rows, score, pending & ~win, got | win, gone)
+                return (rnd + 1, slot_keys, slot_rows, score, scratch, pending & ~win,
+                        got | win, gone)
 
-            _, slot_keys, slot_rows, score, _, got, gone = jax.lax.while_loop(
-                lambda rc: (rc[0] < _ROUNDS) & jnp.any(rc[4]), round_,
-                (jnp.int32(0), slot_keys, slot_rows, score, idx < n,
+            _, slot_keys, slot_rows, score, scratch, _, got, gone = jax.lax.while_loop(
+                lambda rc: (rc[0] < _ROUNDS) & jnp.any(rc[5]), round_,
+                (jnp.int32(0), slot_keys, slot_rows, score, scratch, idx < n,
                  jnp.zeros((chunk,), bool), jnp.full((chunk,), EMPTY_KEY, jnp.int64)))
             todo = todo.at[idx].set(False, mode="drop")
             placed = placed.at[idx].set(got, mode="drop")
             gone_keys = gone_keys.at[idx].set(gone, mode="drop")
-            return slot_keys, slot_rows, score, todo, placed, gone_keys
+            return slot_keys, slot_rows, score, scratch, todo, placed, gone_keys
 
-        slot_keys, slot_rows, score, _, placed, gone_keys = jax.lax.while_loop(
-            lambda c: jnp.any(c[3]), body,
-            (slot_keys, slot_rows, score, needy, jnp.zeros((n,), bool),
+        slot_keys, slot_rows, score, scratch, _, placed, gone_keys = jax.lax.while_loop(
+            lambda c: jnp.any(c[4]), body,
+            (slot_keys, slot_rows, score, scratch, needy, jnp.zeros((n,), bool),
              jnp.full((n,), EMPTY_KEY, jnp.int64)))
-        return slot_keys, slot_rows, score, placed, gone_keys
+        return slot_keys, slot_rows, score, scratch, placed, gone_keys
 
-    slot_keys, slot_rows, score, placed, gone_keys = evict_rows(
-        reference, table.slot_keys, table.slot_rows, score, keys, slots, needy, clock,
+    slot_keys, slot_rows, score, scratch, placed, gone_keys = evict_rows(
+        reference, table.slot_keys, table.slot_rows, score, table.scratch, keys, slots, needy,
+        clock,
         policy=eviction.policy, epoch_steps=eviction.epoch_steps, samples=width, chunk=chunk)
     n_placed = jnp.sum(placed, dtype=jnp.int32)
     table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, slot_score=score,
-                           evicted=table.evicted + n_placed,
+                           scratch=scratch, evicted=table.evicted + n_placed,
                            tombstones=table.tombstones + n_placed)
     return table, placed, gone_keys
 

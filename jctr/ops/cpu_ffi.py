@@ -547,6 +547,13 @@ if AVAILABLE:
     _TAKEN = -2  # a row entry: its key was chosen earlier in this round (it had a row)
 
     @numba.njit(inline="always")
+    def _window_start(key, rnd, n_slots):
+        """:func:`jctr.ops.hashing.window_start`: the home bucket of the key xored with
+        ``rnd`` times the golden ratio (round 0: the key's own)."""
+        salted = np.int64(np.uint64(key) ^ (np.uint64(rnd) * _GOLDEN))
+        return _home(salted, n_slots // _BUCKET, _BUCKET)
+
+    @numba.njit(inline="always")
     def _window_lines(first, new_slot, keys_at, rows_at, score_at, stride):
         """Prefetch what a new key's choice and claim read: its window's keys, row entries
         and scores (a bucket's, from ``first``: one line each for a window of eight), and its
@@ -585,7 +592,7 @@ if AVAILABLE:
             m = part.size
             for j in range(m):
                 pending[j] = True
-                first[j] = _home(keys[part[j]], n_slots // _BUCKET, _BUCKET)
+                first[j] = _window_start(keys[part[j]], 0, n_slots)
             for rnd in range(8):  # _ROUNDS
                 left = False
                 for j in range(m):
@@ -630,11 +637,9 @@ if AVAILABLE:
                 for j in range(m):  # the round's taken keys: tombstones without a row
                     if victim[j] >= 0:
                         slot_rows[victim[j]] = -1
-                salt = np.uint64(rnd + 1) * _GOLDEN  # the next round's windows
-                for j in range(m):
+                for j in range(m):  # the next round's windows
                     if pending[j]:
-                        first[j] = _home(np.int64(np.uint64(keys[part[j]]) ^ salt),
-                                         n_slots // _BUCKET, _BUCKET)
+                        first[j] = _window_start(keys[part[j]], rnd + 1, n_slots)
 
     def _evict_rows(frame_pointer):
         frame = _address(frame_pointer)

@@ -276,18 +276,22 @@ def initialize_rows(values, row_slot, keys, rows, fresh, key_slots, *, scales, s
     return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
 
 
-def evict_rows(reference, slot_keys, slot_rows, score, keys, slots, needy, clock, *,
+def evict_rows(reference, slot_keys, slot_rows, score, scratch, keys, slots, needy, clock, *,
                policy: str, epoch_steps: int, samples: int, chunk: int):
     """The rows a full table's new keys take (``reference``: the XLA formulation,
     :func:`jctr.embedding.hash_table._evict`'s, called with the same arguments); on CPU the
-    native kernel (:func:`jctr.ops.cpu_ffi.evict`), which makes the same choices. Returns
-    (slot_keys, slot_rows, score, placed, gone keys)."""
-    args = (slot_keys, slot_rows, score, keys, slots, needy, clock)
+    native kernel (:func:`jctr.ops.cpu_ffi.evict`), which makes the same choices. ``scratch``
+    (int32 [slots], contents never matter) holds the XLA rounds' claims; the native kernel
+    claims in turn and passes it through. Returns (slot_keys, slot_rows, score, scratch,
+    placed, gone keys)."""
+    args = (slot_keys, slot_rows, score, scratch, keys, slots, needy, clock)
     if _mode() == "reference" or not cpu_ffi.AVAILABLE:
         return reference(*args)
 
-    def cpu(*args):
-        return cpu_ffi.evict(*args, policy=policy, epoch_steps=epoch_steps, samples=samples,
-                             chunk=chunk)
+    def cpu(slot_keys, slot_rows, score, scratch, keys, slots, needy, clock):
+        slot_keys, slot_rows, score, placed, gone = cpu_ffi.evict(
+            slot_keys, slot_rows, score, keys, slots, needy, clock, policy=policy,
+            epoch_steps=epoch_steps, samples=samples, chunk=chunk)
+        return slot_keys, slot_rows, score, scratch, placed, gone
 
     return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)

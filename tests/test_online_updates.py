@@ -483,3 +483,64 @@ def test_two_training_processes_publish_into_one_server(broker, tmp_path):
     np.testing.assert_allclose(model.predict(batch), trained.predict(batch), **TOL)
     model.close()
     dbs.close()
+
+
+def test_a_tables_rows_of_the_messages_read_apply_together_as_one_after_the_other(tmp_path):
+    """The applier writes a table's rows of every message of a poll together, in chunks of
+    ``max_batch_size`` keys (HugeCTR's meaning: "the maximum number of keys and values from
+    messages to consume before dispatching updates to the database ... in chunks"; its HPS
+    configuration docs, ``update_source``), and RocksDB takes each chunk in its key order.
+    The layers must end as if each message had been applied after the other: a key given by
+    two messages (and twice in one) holds the last row, the table's step is the last
+    message's, rows of NaN stay refused. No broker: the poll's decoded messages are applied
+    as the consumer thread would."""
+    from jctr.config import load_config
+    from jctr.config.hps import parse_ps_config
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.hps import Databases
+    from jctr.serving.hps_model import HPSModel
+    from jctr.serving.updates import UpdateApplier
+    from jctr.stores.update_messages import decode, encode_rows
+    from jctr.train.trainer import Trainer
+
+    name, table = "dlrm_chunks", "sparse_embedding1"
+    cfg = tiny_config(tmp_path, "dlrm", max_iter=1, display=100, eval_interval=10_000,
+                      eval_batches=1, batchsize=64)
+    t = Trainer(load_config(cfg), log=lambda s: None)
+    export_bundle(t.cfg, t.state, str(tmp_path / "bundle"), t.placements)
+    ps = parse_ps_config({
+        "volatile_db": {"type": "hash_map"},
+        "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
+        "update_source": {"type": "kafka_message_queue", "brokers": "127.0.0.1:9",
+                          "max_batch_size": 7},
+        "models": [{"model": name, "bundle": str(tmp_path / "bundle"),
+                    "max_batch_size": 64, "gpucache": True, "gpucacheper": 0.5}]},
+        str(tmp_path / "ps.json"))
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    model = HPSModel(ps.models[0], dbs)
+    model.load_databases()
+    applier = UpdateApplier(ps.update_source, dbs, {name: model})
+    rng = np.random.default_rng(3)
+    expect: dict[int, np.ndarray] = {}
+    batch = []
+    for step in range(1, 6):  # 5 messages of 9-13 rows over 30 keys: many given again
+        keys = rng.integers(1 << 40, (1 << 40) + 30, int(rng.integers(9, 14)))
+        values = rng.normal(0, 1, (keys.size, 8)).astype(np.float32)
+        if step == 3:
+            values[0] = np.nan  # refused, the rest of the message applies
+        for k, v in zip(keys, values):
+            if np.isfinite(v).all():
+                expect[int(k)] = v
+        batch.append((("t", 0), step, decode(encode_rows(name, table, step, keys, values))))
+    applier._apply(batch)
+    key = f"hps_et.{name}.{table}"
+    assert applier.last_step[key] == 5 and applier.refused["rows_nonfinite"] == 1
+    assert applier.applied_rows == sum(u.keys.size for _, _, u in batch) - 1
+    keys = np.array(sorted(expect), np.int64)
+    want = np.stack([expect[int(k)] for k in keys])
+    for store in (dbs.volatile, dbs.persistent):
+        got, found = store.lookup(key, keys, 8)
+        assert found.all()
+        np.testing.assert_array_equal(got, want)
+    model.close()
+    dbs.close()

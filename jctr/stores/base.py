@@ -110,32 +110,39 @@ def no_rows(keys, dim: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return keys, np.zeros((keys.size, dim), np.float32), np.zeros(keys.size, bool)
 
 
-def distinct_rows(keys, values) -> tuple[np.ndarray, np.ndarray]:
-    """``(keys, values)`` of an insert as int64 / float32 arrays, each key once (its last
-    vector: later writes win)."""
-    keys = as_keys(keys)
-    values = as_values(values, keys.size)
-    keep = last_occurrences(keys)
-    if keep.size != keys.size:
-        keys, values = keys[keep], values[keep]
-    return keys, values
-
-
 def key_columns(keys) -> np.ndarray:
     """Keys as the stores write them: each one's 8 little-endian bytes, [n, 8] uint8."""
     return np.ascontiguousarray(as_keys(keys).astype("<i8")).view(np.uint8).reshape(-1, 8)
 
 
-def encoded_rows(keys, values) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encoded_rows(keys, values, *, key_order: bool = False
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """An insert as every store writes it (the one write path of Redis and RocksDB): each
-    key once, its last vector (:func:`distinct_rows`); ``(keys, key bytes [n, 8], value
-    bytes [n, 4 * dim])``, little-endian, laid out by numpy (no Python per key). Redis sends
-    the byte columns as RESP bulk strings, RocksDB one bytes object per row
-    (:func:`row_bytes`)."""
-    keys, values = distinct_rows(keys, values)
+    key once, its last vector; ``(keys, key bytes [n, 8], value bytes [n, 4 * dim])``,
+    little-endian, laid out by numpy (no Python per key). Redis sends the byte columns as
+    RESP bulk strings, RocksDB one bytes object per row (:func:`row_bytes`). ``key_order``:
+    the rows in the order of their key bytes (RocksDB's, :func:`bytewise_order`; its memtable
+    takes keys in order ~3x faster than random ones), else in the order given."""
+    keys = as_keys(keys)
+    values = as_values(values, keys.size)
+    kcols = key_columns(keys)
+    keep = bytewise_order(kcols) if key_order else last_occurrences(keys)
+    if key_order or keep.size != keys.size:
+        keys, values, kcols = keys[keep], values[keep], kcols[keep]
     vcols = np.ascontiguousarray(values, "<f4").view(np.uint8).reshape(
         keys.size, 4 * values.shape[1])
-    return keys, key_columns(keys), vcols
+    return keys, kcols, vcols
+
+
+def bytewise_order(kcols: np.ndarray) -> np.ndarray:
+    """The order RocksDB keeps keys of these bytes ([n, 8] little-endian, :func:`key_columns`)
+    in, a key given twice by its last row only."""
+    be = kcols.view(">u8").ravel()  # bytewise order of the little-endian bytes: big-endian
+    order = np.argsort(be)  # not stable (~3x faster): ties resolved below if there are any
+    ordered = be[order]
+    if ordered.size > 1 and (ordered[1:] == ordered[:-1]).any():
+        return last_by_key(be)
+    return order
 
 
 def row_bytes(columns: np.ndarray) -> list[bytes]:

@@ -38,10 +38,10 @@ from jctr.stores.base import (
     StoreError,
     as_keys,
     as_values,
+    bytewise_order,
     check_dim,
     encoded_rows,
     key_columns,
-    last_by_key,
     no_rows,
     put_found,
     row_bytes,
@@ -215,7 +215,7 @@ class RocksDBStore:
         if self._bulk and np.size(keys) >= self.INGEST_ROWS:
             self._ingest(table, as_keys(keys), [as_values(values, np.size(keys))])
             return
-        keys, kcols, vcols = encoded_rows(keys, values)
+        keys, kcols, vcols = encoded_rows(keys, values, key_order=True)
         if not keys.size:
             return
         dim = vcols.shape[1] // 4
@@ -401,17 +401,6 @@ class RocksDBStore:
         self._families.clear()
         self.db.close()
         self._drop_shadow()
-
-
-def bytewise_order(kcols: np.ndarray) -> np.ndarray:
-    """The order RocksDB keeps keys of these bytes ([n, 8] little-endian, :func:`key_columns`)
-    in, a key given twice by its last row only."""
-    be = kcols.view(">u8").ravel()  # bytewise order of the little-endian bytes: big-endian
-    order = np.argsort(be)  # not stable (~3x faster): ties resolved below if there are any
-    ordered = be[order]
-    if ordered.size > 1 and (ordered[1:] == ordered[:-1]).any():
-        return last_by_key(be)
-    return order
 
 
 def _decode_pairs(pairs: list[tuple[bytes, bytes]], dim: int) -> tuple[np.ndarray, np.ndarray]:

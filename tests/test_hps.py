@@ -755,6 +755,30 @@ def test_rocksdb_scan_answers_as_point_reads(tmp_path):
     rows.close()
 
 
+def test_rows_go_to_rocksdb_in_its_key_order_each_key_with_its_last_row():
+    """:func:`jctr.stores.base.bytewise_order` (every RocksDB write, batched or ingested):
+    RocksDB's default comparator orders keys by their bytes, and the stores write a key as
+    its 8 little-endian bytes, so the order is that of the byte-swapped keys as unsigned
+    integers (negative keys last); a key given more than once is written once, with its
+    last position's row (as later writes of one batch win). Checked against Python's own
+    sort of the byte strings and a dictionary of last positions."""
+    from jctr.stores.base import bytewise_order, encoded_rows, key_columns
+
+    rng = np.random.default_rng(7)
+    for keys in (rng.integers(-50, 50, 400), rng.choice(10**15, 300, replace=False) - 10**14,
+                 np.array([5], np.int64), np.array([3, 3, 3], np.int64)):
+        keys = keys.astype(np.int64)
+        last = {int(k): i for i, k in enumerate(keys)}
+        want = [last[k] for k in sorted(last, key=lambda k: k.to_bytes(8, "little",
+                                                                          signed=True))]
+        assert bytewise_order(key_columns(keys)).tolist() == want
+        values = rng.random((keys.size, 3)).astype(np.float32)
+        got_keys, kcols, vcols = encoded_rows(keys, values, key_order=True)
+        assert got_keys.tolist() == keys[want].tolist()
+        assert kcols.tobytes() == keys[want].astype("<i8").tobytes()
+        assert vcols.tobytes() == values[want].astype("<f4").tobytes()
+
+
 def test_a_bulk_stores_large_insert_is_ingested_as_a_write_batch_would_write_it(tmp_path,
                                                                                monkeypatch):
     """A bulk store (the streaming row store) writes a large insert as one sorted table file

@@ -128,7 +128,8 @@ def encoded_rows(keys, values, *, key_order: bool = False
     kcols = key_columns(keys)
     keep = bytewise_order(kcols) if key_order else last_occurrences(keys)
     if key_order or keep.size != keys.size:
-        keys, values, kcols = keys[keep], values[keep], kcols[keep]
+        # np.take: indexing rows with an array is 3-10x slower in numpy 2.4
+        keys, values, kcols = (np.take(x, keep, axis=0) for x in (keys, values, kcols))
     vcols = np.ascontiguousarray(values, "<f4").view(np.uint8).reshape(
         keys.size, 4 * values.shape[1])
     return keys, kcols, vcols
@@ -137,12 +138,30 @@ def encoded_rows(keys, values, *, key_order: bool = False
 def bytewise_order(kcols: np.ndarray) -> np.ndarray:
     """The order RocksDB keeps keys of these bytes ([n, 8] little-endian, :func:`key_columns`)
     in, a key given twice by its last row only."""
-    be = kcols.view(">u8").ravel()  # bytewise order of the little-endian bytes: big-endian
-    order = np.argsort(be)  # not stable (~3x faster): ties resolved below if there are any
+    # bytewise order of the little-endian bytes: big-endian, sorted as native integers (a
+    # byte-swapped view sorts ~4x slower)
+    be = kcols.view(">u8").ravel().astype(np.uint64)
+    order = np.argsort(be)  # not stable (~3x faster): a key's last position taken below
     ordered = be[order]
-    if ordered.size > 1 and (ordered[1:] == ordered[:-1]).any():
-        return last_by_key(be)
+    if ordered.size > 1:
+        first = np.empty(ordered.size, bool)
+        first[0] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
+        if not first.all():  # a key given twice: its last position (the latest row)
+            return np.maximum.reduceat(order, np.flatnonzero(first))
     return order
+
+
+def scatter_rows(dest: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
+    """``dest[rows] = src`` for a C-contiguous 2-D ``dest``, through a view of one field a
+    row: numpy 2.4 scatters whole rows that way ~3x faster (55,000 rows of 16 floats 4.5 ->
+    1.4 ms)."""
+    width = dest.shape[1] * dest.itemsize
+    if not dest.flags.c_contiguous or width == 0:
+        dest[rows] = src
+        return
+    src = np.ascontiguousarray(src, dest.dtype)
+    dest.view(f"V{width}").reshape(-1)[rows] = src.view(f"V{width}").reshape(-1)
 
 
 def row_bytes(columns: np.ndarray) -> list[bytes]:

@@ -34,6 +34,7 @@ from jctr.stores.base import (
     check_dim,
     last_occurrences,
     partition_of,
+    scatter_rows,
 )
 
 _PARALLEL_MIN = 32768  # keys per thread below which splitting a lookup costs more than it gains
@@ -70,7 +71,7 @@ class HostTable:
     def upsert(self, keys: np.ndarray, values: np.ndarray, now: int) -> None:
         keep = last_occurrences(keys)
         if keep.size != keys.size:
-            keys, values = keys[keep], values[keep]
+            keys, values = keys[keep], np.take(values, keep, axis=0)
         need = self.size + keys.size  # room for every key to be new
         if need > self.keys.size:
             cap = max(need, self.keys.size + min(max(self.keys.size, 1024), self.grow_rows))
@@ -83,7 +84,7 @@ class HostTable:
         rows = np.empty(keys.size, np.int64)
         old = self.size
         self.size = int(host_index.upsert(self.index, self.keys, old, keys, rows))
-        self.values[rows] = values
+        scatter_rows(self.values, rows, values)
         self.stamps[rows] = now
         new_parts = partition_of(self.keys[old:self.size], self.num_partitions)
         self.parts[old:self.size] = new_parts

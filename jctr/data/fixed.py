@@ -246,7 +246,7 @@ class FixedRecords:
             return loaded.take(perm)
         out = FixedRecords(self.path, self.data_at, len(perm), self.layout,
                            first_record=self.first_record, fallback=None)
-        out._rows, out._checked = self._rows[perm], len(perm)
+        out._rows, out._checked = np.take(self._rows, perm, axis=0), len(perm)
         return out
 
 

@@ -322,7 +322,15 @@ def test_checkpoint_written_on_8_devices_resumes_on_1_and_2(data_dir):
 
 
 def test_two_processes_agree_with_one_process(tmp_path):
+    """Two jax.distributed processes of two devices each train, checkpoint, resume and export
+    as one process of four devices does. The table is full and evicts (issue 36): the
+    checkpoint the two processes write keeps every part's slot layout, and the resumed run's
+    slots at the end are the reference's, key for key (a restore by rows alone puts keys in
+    other slots, and later evictions choose among other keys)."""
     cfg = _config(tmp_path, "dlrm", [0, 1, 2, 3], TYPES[1])
+    emb = cfg["layers"][1]
+    emb["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 150  # 600 of 2,000 keys
+    emb["eviction"] = {"policy": "lru"}
     ref = Trainer(load_config(cfg), log=lambda s: None)  # also generates the data
     c = ref.cfg
     # the 4-device reference sees each global batch as process 0's share, then process 1's
@@ -365,6 +373,14 @@ def test_two_processes_agree_with_one_process(tmp_path):
     assert aucs[-1] == pytest.approx(ref_auc, abs=1e-5)
     meta = json.loads((tmp_path / "ck" / "checkpoints" / "10" / "meta" / "metadata").read_text())
     assert len(meta["readers"]) == 2 and meta["processes"] == 2
+
+    from jctr.checkpoint.manager import LAYOUT_PREFIX, read_rows
+
+    table = ref.state.embeddings[0].table
+    assert int(np.asarray(table.evicted).sum()) > 0
+    saved = read_rows(str(tmp_path / "ck" / "checkpoints" / str(STEPS) / "rows"))
+    np.testing.assert_array_equal(saved[LAYOUT_PREFIX + "sparse_embedding1"]["slot_keys"],
+                                  np.asarray(table.slot_keys))
 
     # the two processes' checkpoint exports here, on one device, without a trainer
     from jctr.serving import InferenceModel, export_checkpoint

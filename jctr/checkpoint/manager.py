@@ -128,11 +128,9 @@ def _slot_layouts(state: TrainState, specs: tuple[EmbeddingSpec, ...]
                   ) -> dict[str, dict[str, np.ndarray]]:
     """Where each evicting table's keys sit in its slots, tombstones included
     (:func:`jctr.sharding.rows.slot_layout`): its evictions choose among the keys of slot
-    windows, so a restore puts them back there to evict as the saved table would. One
-    process only (another process's parts are not on this host); elsewhere a resumed table
-    holds the same rows and scores, and its choices may differ."""
-    if jax.process_count() > 1:
-        return {}
+    windows, so a restore puts them back there to evict as the saved table would. With
+    several processes every one takes part (the parts are gathered as the rows are), and
+    process 0 writes them."""
     return {LAYOUT_PREFIX + s.name: {"slot_keys": slot_layout(e)}
             for s, e in zip(specs, state.embeddings) if s.eviction is not None}
 

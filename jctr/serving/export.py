@@ -53,6 +53,13 @@ def export_checkpoint(checkpoint: str, output: str, step: int | None = None,
         raise CheckpointError(f"{ckpt.directory}: the config stored in the checkpoint does not "
                               f"parse ({e})") from None
     step_config, init_state = build_model(cfg)
+    # a table sharded over devices may hold more keys than one device's share of it
+    # (max_vocabulary_size_per_gpu): the one device here takes every stored row
+    stored = {name: int(t.get("rows", 0)) for name, t in meta.get("tables", {}).items()}
+    larger = {s.name: stored[s.name] for s in step_config.specs
+              if stored.get(s.name, 0) > s.capacity}
+    if larger:
+        step_config, init_state = build_model(cfg, larger)
     with jax.default_device(jax.local_devices()[0]):
         fresh = init_state()  # no optimizer state: the model alone, on one device
     state, _ = ckpt.restore(fresh, step_config.specs, step)

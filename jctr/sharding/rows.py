@@ -295,11 +295,14 @@ def restore_layout(state: EmbeddingState, layout: np.ndarray) -> EmbeddingState:
         parts = [with_layout(jax.tree.map(lambda x, i=i: x[i], host), layout[i])
                  for i in range(layout.shape[0])]
         table = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *parts)
-    return _like(state._replace(table=table), state)
+    # the table alone is placed again: the rest stays as it is (with several processes, a
+    # global array cannot be read on one host)
+    return state._replace(table=_like(table, state.table))
 
 
-def _like(new: EmbeddingState, old: EmbeddingState) -> EmbeddingState:
-    """``new`` (host or device arrays) placed like ``old``'s arrays."""
+def _like(new, old):
+    """``new`` (host or device arrays; an :class:`EmbeddingState` or a part of one) placed
+    like ``old``'s arrays."""
 
     def put(x, ref):
         x = np.asarray(x)

@@ -2,6 +2,7 @@
 streaming statistics keep their keys with, against a dictionary."""
 
 import numpy as np
+import pytest
 
 from jctr.ops import host_index
 
@@ -48,3 +49,38 @@ def test_rebuild_of_distinct_keys_finds_what_rebuild_finds():
         np.testing.assert_array_equal(host_index.find(index, keys, keys), np.arange(n))
         absent = rng.integers(-1000, 0, 50)
         assert (host_index.find(index, keys, absent) == -1).all()
+
+
+def test_the_radix_argsort_is_numpys_stable_argsort():
+    """:func:`jctr.ops.host_sort.argsort_u64` (the stores' sorted writes) equals
+    ``np.argsort(kind="stable")`` -- ties in their positions' order -- on full-range keys,
+    many repeats, keys whose low or high digits are all equal (passes skipped: an odd and an
+    even number of moves), and sizes below and above the radix threshold."""
+    from jctr.ops.host_sort import argsort_u64
+
+    rng = np.random.default_rng(5)
+    cases = [rng.integers(0, 2**64, 50_000, dtype=np.uint64),
+             rng.integers(0, 40, 30_000).astype(np.uint64),
+             rng.integers(0, 2**20, 20_000).astype(np.uint64) << np.uint64(44),
+             rng.integers(0, 2**11, 20_000).astype(np.uint64) << np.uint64(11),
+             np.full(9_000, 7, np.uint64), np.arange(12_000, dtype=np.uint64)[::-1],
+             rng.integers(0, 2**64, 100, dtype=np.uint64), np.zeros(0, np.uint64)]
+    for keys in cases:
+        np.testing.assert_array_equal(argsort_u64(keys), np.argsort(keys, kind="stable"))
+
+
+def test_rows_gathered_into_their_columns_equal_numpys_take():
+    from jctr.ops.host_sort import gather_rows
+
+    rng = np.random.default_rng(6)
+    a = rng.random((5_000, 16)).astype(np.float32)
+    b = rng.random((5_000, 3)).astype(np.float32)
+    order = rng.integers(0, 5_000, 7_000)  # repeats too
+    out = np.full((7_000, 20), -1.0, np.float32)
+    gather_rows(out, 0, a, order)
+    gather_rows(out, 16, b, order)
+    np.testing.assert_array_equal(out[:, :16], np.take(a, order, axis=0))
+    np.testing.assert_array_equal(out[:, 16:19], np.take(b, order, axis=0))
+    assert (out[:, 19] == -1).all()
+    with pytest.raises(ValueError, match="do not fit"):
+        gather_rows(out, 18, b, order)

@@ -21,6 +21,7 @@ import numpy as np
 
 from jctr.errors import UserError
 from jctr.ops.hashing import mix64
+from jctr.ops.host_sort import argsort_u64
 
 
 class StoreError(UserError, RuntimeError):
@@ -138,17 +139,17 @@ def encoded_rows(keys, values, *, key_order: bool = False
 def bytewise_order(kcols: np.ndarray) -> np.ndarray:
     """The order RocksDB keeps keys of these bytes ([n, 8] little-endian, :func:`key_columns`)
     in, a key given twice by its last row only."""
-    # bytewise order of the little-endian bytes: big-endian, sorted as native integers (a
-    # byte-swapped view sorts ~4x slower)
+    # bytewise order of the little-endian bytes: big-endian, sorted as native integers by a
+    # stable radix sort (numpy's argsort of a byte-swapped view: ~10x slower)
     be = kcols.view(">u8").ravel().astype(np.uint64)
-    order = np.argsort(be)  # not stable (~3x faster): a key's last position taken below
-    ordered = be[order]
+    order = argsort_u64(be)
+    ordered = np.take(be, order)
     if ordered.size > 1:
-        first = np.empty(ordered.size, bool)
-        first[0] = True
-        np.not_equal(ordered[1:], ordered[:-1], out=first[1:])
-        if not first.all():  # a key given twice: its last position (the latest row)
-            return np.maximum.reduceat(order, np.flatnonzero(first))
+        last = np.empty(ordered.size, bool)
+        last[-1] = True
+        np.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
+        if not last.all():  # a key given twice: its last position (the latest row)
+            return order[last]
     return order
 
 

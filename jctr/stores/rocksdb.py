@@ -34,6 +34,7 @@ import numpy as np
 
 from jctr.config.hps import PersistentDatabaseParams
 from jctr.ops import host_index
+from jctr.ops.host_sort import gather_rows
 from jctr.stores.base import (
     StoreError,
     as_keys,
@@ -45,6 +46,7 @@ from jctr.stores.base import (
     no_rows,
     put_found,
     row_bytes,
+    scatter_rows,
 )
 
 MARKER_KEY = b"jctr.hps.format"
@@ -253,9 +255,10 @@ class RocksDBStore:
         rows = np.empty((order.size, dim), "<f4")
         at = 0
         for c in columns:  # each block gathered into its place: one pass over the rows
-            rows[:, at:at + c.shape[1]] = np.take(c, order, axis=0)
+            gather_rows(rows, at, c, order)
             at += c.shape[1]
-        kb, vb = row_bytes(kcols[order]), row_bytes(rows.view(np.uint8))
+        kb = row_bytes(key_columns(np.take(keys, order)))
+        vb = row_bytes(rows.view(np.uint8))
         del rows
         with self._lock:
             self._check_dim(table, dim)
@@ -348,14 +351,14 @@ class RocksDBStore:
             r = host_index.find(index, distinct, stored)
             hit = r >= 0
             if hit.all():  # a day's base model: every stored key is asked for
-                rows[r] = vectors
+                scatter_rows(rows, r, vectors)
                 held[r] = True
             else:
-                rows[r[hit]] = vectors[hit]
+                scatter_rows(rows, r[hit], vectors[hit])
                 held[r[hit]] = True
         if n == keys.size:  # no key given twice: each is its own distinct one, in order
             return rows, held
-        return rows[at], held[at]
+        return np.take(rows, at, axis=0), held[at]
 
     def dim(self, table: str) -> int | None:
         return self._dims.get(table)

@@ -1,0 +1,102 @@
+"""Compiled host kernels that put rows in key order for the stores' sorted writes (RocksDB's
+write batches and bulk loads take keys in their byte order): a radix argsort of uint64 keys
+and a gather of column blocks into packed rows (numba, ``nogil``).
+
+numpy's ``argsort`` of 64-bit integers is a comparison sort: 0.76 s for 4M keys on an AVX2
+machine, where its ``sort`` of the same keys takes 0.11 s; a streaming pass's write-back sorts
+that many. The radix sort here is stable, so a key given twice keeps its positions in order.
+
+Example::
+
+    order = argsort_u64(np.array([5, 1, 5, 0], np.uint64))   # [3, 1, 0, 2]
+    out = np.empty((4, 3), np.float32)
+    gather_rows(out, 0, np.arange(8, dtype=np.float32).reshape(4, 2), order)  # out[:, 0:2]
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jctr.ops.host_index import host_kernel, prefetch
+
+_BITS = 11  # digits of 11 bits: 6 passes over 64-bit keys, 2,048 counters a pass (in L1)
+_PASSES = -(-64 // _BITS)
+_RADIX = 1 << _BITS
+_SMALL = 4096  # below this numpy's argsort is as fast (no histogram passes to pay for)
+
+
+@host_kernel
+def _radix_argsort(keys, order, spare_keys, spare_order):
+    """Positions of ``keys`` in ascending order (stable) into ``order`` (``keys`` and the
+    spare buffers are overwritten)."""
+    n = keys.size
+    counts = np.zeros((_PASSES, _RADIX), np.int64)
+    mask = np.uint64(_RADIX - 1)
+    for i in range(n):  # every pass's histogram in one read of the keys
+        k = keys[i]
+        order[i] = i
+        for p in range(_PASSES):
+            counts[p, np.int64((k >> np.uint64(p * _BITS)) & mask)] += 1
+    src_k, src_o, dst_k, dst_o = keys, order, spare_keys, spare_order
+    moves = 0
+    for p in range(_PASSES):
+        c = counts[p]
+        if c.max() == n:  # every key has this digit: the pass would not move one
+            continue
+        total = 0
+        for d in range(_RADIX):
+            here = c[d]
+            c[d] = total
+            total += here
+        shift = np.uint64(p * _BITS)
+        for i in range(n):
+            k = src_k[i]
+            d = np.int64((k >> shift) & mask)
+            at = c[d]
+            c[d] = at + 1
+            dst_k[at] = k
+            dst_o[at] = src_o[i]
+        src_k, src_o, dst_k, dst_o = dst_k, dst_o, src_k, src_o
+        moves += 1
+    if moves % 2:  # the last pass wrote the spare positions
+        order[:] = spare_order
+
+
+def argsort_u64(keys: np.ndarray) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` of uint64 ``keys`` (int64 positions), by radix:
+    4M keys in ~0.2 s instead of 0.76-0.95 s."""
+    keys = np.asarray(keys, np.uint64)
+    if keys.size < _SMALL:
+        return np.argsort(keys, kind="stable")
+    order = np.empty(keys.size, np.int64)
+    _radix_argsort(keys.copy(), order, np.empty_like(keys), np.empty_like(order))
+    return order
+
+
+_AHEAD = 16  # rows between the fetch of a source row's line and its copy
+
+
+@host_kernel
+def _gather(out, at, block, order):
+    width = block.shape[1]
+    n = order.size
+    base = block.ctypes.data
+    row_bytes = block.strides[0]
+    for i in range(n):
+        if i + _AHEAD < n:
+            prefetch(base + order[i + _AHEAD] * row_bytes)
+        r = order[i]
+        for c in range(width):
+            out[i, at + c] = block[r, c]
+
+
+def gather_rows(out: np.ndarray, at: int, block: np.ndarray, order: np.ndarray) -> None:
+    """``out[:, at:at + w] = block[order]`` (float32, ``block`` [n, w] C-contiguous, ``out``
+    [order.size, >= at + w]) in one pass: numpy's ``take`` into a temporary and the copy into
+    the strided columns read and write every row twice."""
+    block = np.ascontiguousarray(block, np.float32)
+    if out.dtype != np.float32 or out.ndim != 2 or at + block.shape[1] > out.shape[1] \
+            or order.size != out.shape[0]:
+        raise ValueError(f"gather_rows: rows [{order.size}, {block.shape[1]}] at {at} do not "
+                         f"fit {out.dtype} {out.shape}")
+    _gather(out, np.int64(at), block, np.ascontiguousarray(order, np.int64))

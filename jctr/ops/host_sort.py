@@ -64,7 +64,7 @@ def _radix_argsort(keys, order, spare_keys, spare_order):
 
 def argsort_u64(keys: np.ndarray) -> np.ndarray:
     """``np.argsort(keys, kind="stable")`` of uint64 ``keys`` (int64 positions), by radix:
-    4M keys in ~0.2 s instead of 0.76-0.95 s."""
+    4M random keys in 0.35 s instead of 0.92 s (0.76 s unstable; an AVX2 machine)."""
     keys = np.asarray(keys, np.uint64)
     if keys.size < _SMALL:
         return np.argsort(keys, kind="stable")

@@ -140,7 +140,7 @@ def bytewise_order(kcols: np.ndarray) -> np.ndarray:
     """The order RocksDB keeps keys of these bytes ([n, 8] little-endian, :func:`key_columns`)
     in, a key given twice by its last row only."""
     # bytewise order of the little-endian bytes: big-endian, sorted as native integers by a
-    # stable radix sort (numpy's argsort of a byte-swapped view: ~10x slower)
+    # stable radix sort (numpy's argsort: 2-3x slower, of a byte-swapped view slower still)
     be = kcols.view(">u8").ravel().astype(np.uint64)
     order = argsort_u64(be)
     ordered = np.take(be, order)

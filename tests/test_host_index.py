@@ -84,3 +84,5 @@ def test_rows_gathered_into_their_columns_equal_numpys_take():
     assert (out[:, 19] == -1).all()
     with pytest.raises(ValueError, match="do not fit"):
         gather_rows(out, 18, b, order)
+    with pytest.raises(ValueError, match="outside the block"):
+        gather_rows(out, 16, b, np.full(7_000, 5_000))

@@ -99,4 +99,7 @@ def gather_rows(out: np.ndarray, at: int, block: np.ndarray, order: np.ndarray) 
             or order.size != out.shape[0]:
         raise ValueError(f"gather_rows: rows [{order.size}, {block.shape[1]}] at {at} do not "
                          f"fit {out.dtype} {out.shape}")
-    _gather(out, np.int64(at), block, np.ascontiguousarray(order, np.int64))
+    order = np.ascontiguousarray(order, np.int64)
+    if order.size and (order.min() < 0 or order.max() >= block.shape[0]):
+        raise ValueError(f"gather_rows: positions outside the block's {block.shape[0]} rows")
+    _gather(out, np.int64(at), block, order)  # compiled: no bounds checks of its own

@@ -26,6 +26,7 @@ def export_checkpoint(checkpoint: str, output: str, step: int | None = None,
 
     from jctr.checkpoint.manager import Checkpointer, CheckpointError
     from jctr.config import ConfigError, parse_config
+    from jctr.embedding.sparse_embedding import EmbeddingSpec
     from jctr.models.ctr import build_model
     from jctr.serving.bundle import check_bundle_target, export_bundle
 
@@ -52,14 +53,12 @@ def export_checkpoint(checkpoint: str, output: str, step: int | None = None,
     except ConfigError as e:
         raise CheckpointError(f"{ckpt.directory}: the config stored in the checkpoint does not "
                               f"parse ({e})") from None
-    step_config, init_state = build_model(cfg)
     # a table sharded over devices may hold more keys than one device's share of it
     # (max_vocabulary_size_per_gpu): the one device here takes every stored row
     stored = {name: int(t.get("rows", 0)) for name, t in meta.get("tables", {}).items()}
-    larger = {s.name: stored[s.name] for s in step_config.specs
-              if stored.get(s.name, 0) > s.capacity}
-    if larger:
-        step_config, init_state = build_model(cfg, larger)
+    larger = {e.name: stored[e.name] for e in cfg.embeddings
+              if stored.get(e.name, 0) > EmbeddingSpec.from_config(cfg, e).capacity}
+    step_config, init_state = build_model(cfg, larger)
     with jax.default_device(jax.local_devices()[0]):
         fresh = init_state()  # no optimizer state: the model alone, on one device
     state, _ = ckpt.restore(fresh, step_config.specs, step)

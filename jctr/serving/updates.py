@@ -2,7 +2,8 @@
 a thread reads the update topics of the served models (:class:`jctr.stores.kafka.UpdateReader`)
 and applies each message to every layer whose ``update_filters`` match the table
 (``hps_et.<model>.<table>``): the volatile database, the persistent database, and the device
-cache (rows it holds are refreshed in place); dense weights are swapped between two requests.
+cache (rows it holds are refreshed in place); a table's rows of one poll go in together, in
+chunks of ``max_batch_size`` keys; dense weights are swapped between two requests.
 
 Delivery is at least once and applying is idempotent (a row is set, never added to; a table's
 messages come in order), so a restarted consumer that reads some messages again ends in the

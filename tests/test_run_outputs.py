@@ -69,6 +69,28 @@ def test_tensorboard_event_files_hold_the_runs_scalars(run):
     assert 0 < fill <= 1
 
 
+def test_tensorboard_logs_without_importing_torch(tmp_path):
+    """tensorboardX imports torch whenever it is installed (``tensorboardX/writer.py``: a
+    module-level ``import torch`` to accept torch tensors), seconds of every run's start; the
+    log imports it with torch held off, writes the same events, and torch imports as before
+    afterwards."""
+    code = (
+        "import sys\n"
+        "from jctr.train.tensorboard import TensorBoardLog\n"
+        "b = TensorBoardLog(sys.argv[1])\n"
+        "b.write({'kind': 'train', 'iter': 3, 'loss': 0.25}); b.close()\n"
+        "print('torch' in sys.modules)\n"
+        "try:\n"
+        "    import torch\n"
+        "    print(torch.zeros(1).shape[0])\n"
+        "except ImportError:\n"
+        "    print('absent')\n")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    assert out[0] == "False" and out[1] in ("1", "absent"), out
+    assert _events(str(tmp_path / "tensorboard")) == {"train/loss": [(3, 0.25)]}
+
+
 def test_report_html_plots_render_in_chromium(run, tmp_path):
     logs, _, _ = run
     report = logs / "report.html"

@@ -266,6 +266,8 @@ class OnlineRun:
             lock.release()
 
     def _run(self) -> int:
+        if self.cfg.sparse_store:
+            self._store_path()  # a store of another process count: refused before compiling
         os.makedirs(self.cfg.save_model_path, exist_ok=True)
         done = self.progress()
         todo = self._todo(done)

@@ -16,14 +16,34 @@ Example::
 from __future__ import annotations
 
 import os
+import sys
+
+
+def _summary_writer_class():
+    """tensorboardX's ``SummaryWriter``, imported without torch where torch is not loaded yet.
+
+    tensorboardX imports torch whenever it is installed, only to accept torch tensors (3-4 s
+    of a process's start on a 2-core machine); jctr hands it Python floats. A ``None`` entry in
+    ``sys.modules`` makes that ``import torch`` fail the way it does where torch is absent
+    (which tensorboardX handles), for the length of this import only.
+    """
+    if "tensorboardX" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
 
 
 class TensorBoardLog:
     """Scalars of a run's records (see the module docstring)."""
 
     def __init__(self, log_dir: str):
-        from tensorboardX import SummaryWriter
-
+        SummaryWriter = _summary_writer_class()  # noqa: N806 (a class)
         self.path = os.path.join(log_dir, "tensorboard")
         self.writer = SummaryWriter(self.path, flush_secs=10)
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jctr.ops import cpu_ffi, dot_interaction, dot_interaction_reference, linear
+from jctr.ops import cpu_ffi, dot_interaction, dot_interaction_reference, every_platform, linear
 from jctr.ops.interaction import pair_dots_gram
 from jctr.ops.linear import linear_reference, linear_rowmajor
 from jctr.runtime.xla_options import step_compiler_options
@@ -127,9 +127,10 @@ def test_bfloat16_linear_lowers_to_plain_dots_for_cuda():
     def loss(x, w, b):
         return jnp.sum(linear(x, w, b, relu=True).astype(jnp.float32))
 
-    cuda = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, w, b).lower(
-        lowering_platforms=("cuda",)).as_text()
-    cpu = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, w, b).lower(
-        lowering_platforms=("cpu",)).as_text()
+    with every_platform():
+        cuda = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, w, b).lower(
+            lowering_platforms=("cuda",)).as_text()
+        cpu = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(x, w, b).lower(
+            lowering_platforms=("cpu",)).as_text()
     assert "optimization_barrier" not in cuda and "dot_general" in cuda
     assert "optimization_barrier" in cpu

@@ -9,7 +9,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jctr.ops import embedding_bag_backward, embedding_bag_forward, interaction
+from jctr.ops import (
+    embedding_bag_backward,
+    embedding_bag_forward,
+    every_platform,
+    interaction,
+)
 from jctr.ops.bag import (
     embedding_bag_backward_reference,
     embedding_bag_forward_reference,
@@ -76,7 +81,8 @@ def test_bag_backward_is_the_gradient_of_the_forward():
 
 
 def _lowered_for_cuda(fn, *args) -> str:
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    with every_platform():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_bag_kernels_lower_to_triton_for_cuda():
@@ -101,13 +107,22 @@ def test_dispatch_keeps_kernels_to_their_platform():
 
     rng = np.random.default_rng(1)
     values, rows, segs, rep = _case(rng, 64, 16, 16, 8, "random")
-    traced = jax.jit(lambda v, r, s: embedding_bag_forward(v, r, s, 8)).trace(values, rows, segs)
-    assert "custom_call" not in traced.lower(lowering_platforms=("cuda",)).as_text()
-    assert "jctr_cpu_bag_sum" in traced.lower(lowering_platforms=("cpu",)).as_text()
-    traced = jax.jit(lambda t, k, v: find_slots(t, k, v, insert=False)[1]).trace(
-        jnp.full((64,), EMPTY_KEY), jnp.arange(10, dtype=jnp.int64), jnp.ones(10, bool))
-    assert "jctr_hash_lookup" not in traced.lower(lowering_platforms=("cpu",)).as_text()
-    assert "jctr_hash_lookup" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    table = (jnp.full((64,), EMPTY_KEY), jnp.arange(10, dtype=jnp.int64), jnp.ones(10, bool))
+    with every_platform():
+        traced = jax.jit(lambda v, r, s: embedding_bag_forward(v, r, s, 8)).trace(values, rows,
+                                                                                   segs)
+        assert "custom_call" not in traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert "jctr_cpu_bag_sum" in traced.lower(lowering_platforms=("cpu",)).as_text()
+        traced = jax.jit(lambda t, k, v: find_slots(t, k, v, insert=False)[1]).trace(*table)
+        assert "jctr_hash_lookup" not in traced.lower(lowering_platforms=("cpu",)).as_text()
+        assert "jctr_hash_lookup" in traced.lower(lowering_platforms=("cuda",)).as_text()
+    # outside every_platform a CPU-only JAX traces the CPU's kernels alone (the GPU's
+    # branches could never run there): even lowered for cuda the trace holds the CPU kernel
+    if jax.default_backend() == "cpu":
+        traced = jax.jit(lambda t, k, v: find_slots(t, k, v, insert=False)[1]).trace(*table)
+        assert "jctr_cpu_hash_lookup" in traced.lower().as_text()
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert "jctr_cpu_hash_lookup" in text and "jctr_hash_lookup" not in text
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])

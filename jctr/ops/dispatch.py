@@ -6,10 +6,16 @@ formulation or a native kernel (:mod:`jctr.ops.cpu_ffi`: hash lookup, dot intera
 ``cpu``; the embedding bag is XLA's on both (measured faster: ``scripts/bench_ops.py``).
 ``JCTR_KERNELS=reference`` forces the jnp references everywhere (debugging); ``auto`` (the
 default) is the choice above.
+
+Where JAX runs on CPU alone (``jax.default_backend() == "cpu"``) a trace carries only the CPU
+branch: the others could never run there, and tracing them (the XLA formulations' loops) was
+about a second of every training step's compile. :func:`every_platform` traces them all, for
+lowering one trace for another platform (``lowering_platforms=("cuda",)``) without a GPU.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -43,6 +49,38 @@ def _mode() -> str:
     return mode
 
 
+_EVERY_PLATFORM = [False]
+
+
+@contextlib.contextmanager
+def every_platform():
+    """Traces made inside carry every platform's kernels, as ``jax.lax.platform_dependent``
+    does, so that they lower for any platform; outside, on a CPU-only JAX, only the CPU's.
+    JAX's caches are cleared on the way in and out (a cached trace holds one or the other).
+
+    Example::
+
+        with every_platform():
+            text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    """
+    jax.clear_caches()
+    _EVERY_PLATFORM[0] = True
+    try:
+        yield
+    finally:
+        _EVERY_PLATFORM[0] = False
+        jax.clear_caches()
+
+
+def _by_platform(*args, cpu, default, cuda=None):
+    """``jax.lax.platform_dependent(*args, cpu=cpu, cuda=cuda, default=default)``; on a CPU-only
+    JAX outside :func:`every_platform` the ``cpu`` branch alone."""
+    if not _EVERY_PLATFORM[0] and jax.default_backend() == "cpu":
+        return cpu(*args)
+    more = {"cuda": cuda} if cuda is not None else {}
+    return jax.lax.platform_dependent(*args, cpu=cpu, default=default, **more)
+
+
 # The embedding bag: XLA's gather + segment sum on GPU, one native pass on CPU (the gathered
 # rows of a 10-hot batch, 136 MB a step, are never written; docs/performance.md). The
 # Pallas/Triton bag kernels (jctr.ops.pallas_bag) lost to XLA on the first GPU measured (H200,
@@ -74,7 +112,7 @@ def _bag_forward(values, rows, segments, num_segments: int, combiner: str):
         out = cpu_ffi.bag_sum(values, rows, segments, num_segments)
         return ref.per_position(out, segments, num_segments) if combiner == "mean" else out
 
-    return jax.lax.platform_dependent(values, rows, segments, cpu=cpu, default=reference)
+    return _by_platform(values, rows, segments, cpu=cpu, default=reference)
 
 
 def _bag_forward_fwd(values, rows, segments, num_segments, combiner):
@@ -118,7 +156,7 @@ def sgd_by_segment(values, rows, segments, grad_out, factor, num_segments: int,
             grad_out = ref.per_position(grad_out, segments, num_segments)
         return cpu_ffi.add_by_segment(values, rows, segments, factor * grad_out)
 
-    return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
+    return _by_platform(*args, cpu=cpu, default=reference)
 
 
 def _cpu_pair_dots(feats):
@@ -143,7 +181,7 @@ def dot_interaction(dense, sparse):
     feats = jax.numpy.concatenate([dense[:, None, :], sparse.astype(dense.dtype)], axis=1)
     if _mode() == "reference":
         return interaction.dot_interaction_reference(dense, sparse)
-    dots = jax.lax.platform_dependent(
+    dots = _by_platform(
         feats, cpu=_cpu_pair_dots, cuda=pallas_interaction.make_pair_dots(False),
         default=interaction.pair_dots_xla)
     return interaction.assemble(dense, dots)
@@ -167,7 +205,7 @@ def linear(x, kernel, bias, *, relu: bool = False):
     def rowmajor(x, kernel, bias):
         return dense_ops.linear_rowmajor(x, kernel, bias, relu)
 
-    return jax.lax.platform_dependent(x, kernel, bias, cpu=rowmajor, default=reference)
+    return _by_platform(x, kernel, bias, cpu=rowmajor, default=reference)
 
 
 def _find_slots_cpu(slot_keys, keys, valid, *, insert: bool):
@@ -203,7 +241,7 @@ def find_slots(slot_keys, keys, valid, *, insert: bool, scarce=None):
         def cpu(slot_keys, keys, valid, scarce):
             return _find_slots_cpu(slot_keys, keys, valid, insert=True)
 
-        return jax.lax.platform_dependent(slot_keys, keys, valid, scarce, cpu=cpu,
+        return _by_platform(slot_keys, keys, valid, scarce, cpu=cpu,
                                           cuda=insert_claims, default=reference)
 
     def lookup_reference(slot_keys, keys, valid):
@@ -212,7 +250,7 @@ def find_slots(slot_keys, keys, valid, *, insert: bool, scarce=None):
     def lookup_cpu(slot_keys, keys, valid):
         return _find_slots_cpu(slot_keys, keys, valid, insert=False)[1]
 
-    slots = jax.lax.platform_dependent(slot_keys, keys, valid, cpu=lookup_cpu,
+    slots = _by_platform(slot_keys, keys, valid, cpu=lookup_cpu,
                                        cuda=pallas_hash.lookup_slots_kernel,
                                        default=lookup_reference)
     return slot_keys, slots
@@ -257,7 +295,7 @@ def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, 
     def cpu(*args):
         return cpu_ffi.find_assign(*args, capacity, dedupe)
 
-    return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
+    return _by_platform(*args, cpu=cpu, default=reference)
 
 
 def initialize_rows(values, row_slot, keys, rows, fresh, key_slots, *, scales, seed: int,
@@ -273,7 +311,7 @@ def initialize_rows(values, row_slot, keys, rows, fresh, key_slots, *, scales, s
     def cpu(*args):
         return cpu_ffi.init_rows(*args, scales, seed, zero_tail)
 
-    return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
+    return _by_platform(*args, cpu=cpu, default=reference)
 
 
 def evict_rows(reference, slot_keys, slot_rows, score, scratch, keys, slots, needy, clock, *,
@@ -294,4 +332,4 @@ def evict_rows(reference, slot_keys, slot_rows, score, scratch, keys, slots, nee
             epoch_steps=epoch_steps, samples=samples, chunk=chunk)
         return slot_keys, slot_rows, score, scratch, placed, gone
 
-    return jax.lax.platform_dependent(*args, cpu=cpu, default=reference)
+    return _by_platform(*args, cpu=cpu, default=reference)

@@ -6,11 +6,44 @@ import tempfile
 
 import pytest
 
+
+def _compile_level() -> str:
+    """The suite's XLA flag for LLVM's optimization level on CPU: ``-O0``. Tests compile
+    hundreds of small programs and run each for a few steps: compiling was two thirds of a
+    sharding test's time, and at -O0 they compile in about half of it (the steps run slower,
+    but they are tiny). Results stay IEEE arithmetic: the tests compare implementations
+    compiled alike, with tolerances. Not on a GPU machine (its kernels are the point there),
+    nor where the user's XLA_FLAGS set a level; ``JCTR_TEST_XLA_LEVEL=default`` keeps XLA's."""
+    import importlib.util
+
+    if (os.environ.get("JCTR_TEST_XLA_LEVEL") == "default"
+            or "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
+            or any(importlib.util.find_spec(m) is not None
+                   for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"))):
+        return ""
+    return "--xla_backend_optimization_level=0"
+
+
+# decided once per run: pytest-xdist workers and a second import of this module see the
+# flag in XLA_FLAGS already
+if "JCTR_TEST_XLA_LEVEL_FLAG" not in os.environ:
+    os.environ["JCTR_TEST_XLA_LEVEL_FLAG"] = _compile_level()
+_LEVEL = os.environ["JCTR_TEST_XLA_LEVEL_FLAG"]
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a process a test starts: ``devices`` CPU devices, the suite's compile
+    level."""
+    return f"--xla_force_host_platform_device_count={devices} {_LEVEL}".strip()
+
+
 # Multi-device tests run on 8 forced CPU devices; single-device code uses the first one.
 # Must be set before JAX starts (importing jctr imports it).
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
+if _LEVEL and _LEVEL not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " " + _LEVEL
 
 # One XLA compilation cache for the whole run, shared with the subprocesses tests start: dozens
 # of tests compile the same small models (suite time; numerics are those of the same compiled

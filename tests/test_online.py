@@ -727,7 +727,7 @@ def _run_processes(tmp_path, cfg: dict, name: str, processes: int, **online):
 
     import yaml
 
-    from tests.conftest import ROOT
+    from tests.conftest import ROOT, xla_flags
 
     cfg["solver"]["gpu"] = [[0]] * processes if processes > 1 else [0]
     (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
@@ -737,7 +737,7 @@ def _run_processes(tmp_path, cfg: dict, name: str, processes: int, **online):
            **online}
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(doc))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(1),
            "PYTHON": sys.executable, "JCTR_LAUNCH_MODULE": "jctr.online"}
     cmd = (["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), str(processes),
             str(path)] if processes > 1 else [sys.executable, "-m", "jctr.online",

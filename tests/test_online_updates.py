@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from tests.conftest import ROOT, tiny_config
+from tests.conftest import ROOT, tiny_config, xla_flags
 
 pytestmark = pytest.mark.service
 SCRIPT = os.path.join(ROOT, "scripts", "kafka_broker.sh")
@@ -463,7 +463,7 @@ def test_two_training_processes_publish_into_one_server(broker, tmp_path):
                          kafka_sink={"model_name": name, "brokers": broker})
     path = tmp_path / "two.json"
     path.write_text(json.dumps(cfg))
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2),
            "PYTHON": sys.executable}
     proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2",
                            str(path)], env=env, capture_output=True, text=True, timeout=300)

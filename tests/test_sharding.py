@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import ROOT, tiny_config
+from conftest import ROOT, tiny_config, xla_flags
 from jax.sharding import Mesh
 
 from jctr.config import ConfigError, OptimizerConfig, load_config
@@ -349,7 +349,7 @@ def test_two_processes_agree_with_one_process(tmp_path):
         cfg["solver"].update(gpu=[[0, 1], [0, 1]], log_dir=str(tmp_path / name), **solver)
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps(cfg))
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        env = {**os.environ, "XLA_FLAGS": xla_flags(2),
                "PYTHON": sys.executable}
         proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2",
                                str(path), *flags], env=env, capture_output=True, text=True,

@@ -16,7 +16,7 @@ import pytest
 from jctr.checkpoint import Checkpointer
 from jctr.train.cli import main
 from jctr.train.trainer import Trainer
-from tests.conftest import ROOT
+from tests.conftest import ROOT, xla_flags
 from tests.faults.harness import (
     PY,
     error_line,
@@ -474,7 +474,7 @@ def test_two_processes_with_a_partial_device_list_are_refused(tmp_path):
     out = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2", cfg],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ,
-                              "XLA_FLAGS": "--xla_force_host_platform_device_count=2"})
+                              "XLA_FLAGS": xla_flags(2)})
     assert out.returncode == 2, out.stderr[-3000:]
     assert "Traceback" not in out.stderr and "gloo" not in out.stderr.lower()
     assert "solver.gpu: process 0 uses devices [0] of its 2; a multi-process run needs every " \
@@ -500,7 +500,7 @@ def test_a_check_failing_on_one_process_stops_every_process(tmp_path):
                           write_config(tmp_path, cfg)], cwd=ROOT, capture_output=True,
                          text=True, timeout=300,
                          env={**os.environ,
-                              "XLA_FLAGS": "--xla_force_host_platform_device_count=1"})
+                              "XLA_FLAGS": xla_flags(1)})
     assert out.returncode == 2, out.stderr[-3000:]
     assert "Traceback" not in out.stderr
     assert "[p0] error: " in out.stderr and "cannot create the checkpoint directory" in out.stderr

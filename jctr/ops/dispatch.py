@@ -181,9 +181,8 @@ def dot_interaction(dense, sparse):
     feats = jax.numpy.concatenate([dense[:, None, :], sparse.astype(dense.dtype)], axis=1)
     if _mode() == "reference":
         return interaction.dot_interaction_reference(dense, sparse)
-    dots = _by_platform(
-        feats, cpu=_cpu_pair_dots, cuda=pallas_interaction.make_pair_dots(False),
-        default=interaction.pair_dots_xla)
+    dots = _by_platform(feats, cpu=_cpu_pair_dots, cuda=pallas_interaction.make_pair_dots(False),
+                        default=interaction.pair_dots_xla)
     return interaction.assemble(dense, dots)
 
 
@@ -241,8 +240,8 @@ def find_slots(slot_keys, keys, valid, *, insert: bool, scarce=None):
         def cpu(slot_keys, keys, valid, scarce):
             return _find_slots_cpu(slot_keys, keys, valid, insert=True)
 
-        return _by_platform(slot_keys, keys, valid, scarce, cpu=cpu,
-                                          cuda=insert_claims, default=reference)
+        return _by_platform(slot_keys, keys, valid, scarce, cpu=cpu, cuda=insert_claims,
+                            default=reference)
 
     def lookup_reference(slot_keys, keys, valid):
         return hashing.find_slots(slot_keys, keys, valid, insert=False)[1]
@@ -251,8 +250,7 @@ def find_slots(slot_keys, keys, valid, *, insert: bool, scarce=None):
         return _find_slots_cpu(slot_keys, keys, valid, insert=False)[1]
 
     slots = _by_platform(slot_keys, keys, valid, cpu=lookup_cpu,
-                                       cuda=pallas_hash.lookup_slots_kernel,
-                                       default=lookup_reference)
+                         cuda=pallas_hash.lookup_slots_kernel, default=lookup_reference)
     return slot_keys, slots
 
 

@@ -14,12 +14,13 @@ def _compile_level() -> str:
     but they are tiny). Results stay IEEE arithmetic: the tests compare implementations
     compiled alike, with tolerances. Not on a GPU machine (its kernels are the point there),
     nor where the user's XLA_FLAGS set a level; ``JCTR_TEST_XLA_LEVEL=default`` keeps XLA's."""
-    import importlib.util
+    import importlib.metadata
+    import re
 
-    if (os.environ.get("JCTR_TEST_XLA_LEVEL") == "default"
-            or "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")
-            or any(importlib.util.find_spec(m) is not None
-                   for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_rocm60_plugin"))):
+    gpu_plugin = any(re.match(r"jax[-_.](cuda|rocm)", d.metadata["Name"] or "", re.I)
+                     for d in importlib.metadata.distributions())
+    if (os.environ.get("JCTR_TEST_XLA_LEVEL") == "default" or gpu_plugin
+            or "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")):
         return ""
     return "--xla_backend_optimization_level=0"
 

@@ -6,36 +6,34 @@ import tempfile
 
 import pytest
 
+_LEVEL_FLAG = "--xla_backend_optimization_level"
+
 
 def _compile_level() -> str:
     """The suite's XLA flag for LLVM's optimization level on CPU: ``-O0``. Tests compile
     hundreds of small programs and run each for a few steps: compiling was two thirds of a
     sharding test's time, and at -O0 they compile in about half of it (the steps run slower,
     but they are tiny). Results stay IEEE arithmetic: the tests compare implementations
-    compiled alike, with tolerances. Not on a GPU machine (its kernels are the point there),
-    nor where the user's XLA_FLAGS set a level; ``JCTR_TEST_XLA_LEVEL=default`` keeps XLA's."""
+    compiled alike, with tolerances. None where XLA_FLAGS set a level already (the user's, or
+    this run's in a pytest-xdist worker), on a GPU machine (its kernels are the point there),
+    or with ``JCTR_TEST_XLA_LEVEL=default``."""
     import importlib.metadata
     import re
 
-    gpu_plugin = any(re.match(r"jax[-_.](cuda|rocm)", d.metadata["Name"] or "", re.I)
-                     for d in importlib.metadata.distributions())
-    if (os.environ.get("JCTR_TEST_XLA_LEVEL") == "default" or gpu_plugin
-            or "xla_backend_optimization_level" in os.environ.get("XLA_FLAGS", "")):
+    if _LEVEL_FLAG in os.environ.get("XLA_FLAGS", "") or \
+            os.environ.get("JCTR_TEST_XLA_LEVEL") == "default":
         return ""
-    return "--xla_backend_optimization_level=0"
-
-
-# decided once per run: pytest-xdist workers and a second import of this module see the
-# flag in XLA_FLAGS already
-if "JCTR_TEST_XLA_LEVEL_FLAG" not in os.environ:
-    os.environ["JCTR_TEST_XLA_LEVEL_FLAG"] = _compile_level()
-_LEVEL = os.environ["JCTR_TEST_XLA_LEVEL_FLAG"]
+    if any(re.match(r"jax[-_.](cuda|rocm)", d.metadata["Name"] or "", re.I)
+           for d in importlib.metadata.distributions()):
+        return ""
+    return f"{_LEVEL_FLAG}=0"
 
 
 def xla_flags(devices: int) -> str:
-    """XLA_FLAGS for a process a test starts: ``devices`` CPU devices, the suite's compile
-    level."""
-    return f"--xla_force_host_platform_device_count={devices} {_LEVEL}".strip()
+    """XLA_FLAGS for a process a test starts: ``devices`` CPU devices and this run's
+    optimization level, if XLA_FLAGS set one."""
+    level = [f for f in os.environ.get("XLA_FLAGS", "").split() if f.startswith(_LEVEL_FLAG)]
+    return " ".join([f"--xla_force_host_platform_device_count={devices}", *level[-1:]])
 
 
 # Multi-device tests run on 8 forced CPU devices; single-device code uses the first one.
@@ -43,8 +41,7 @@ def xla_flags(devices: int) -> str:
 if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                                + " --xla_force_host_platform_device_count=8").strip()
-if _LEVEL and _LEVEL not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " " + _LEVEL
+os.environ["XLA_FLAGS"] = f"{os.environ['XLA_FLAGS']} {_compile_level()}".strip()
 
 # One XLA compilation cache for the whole run, shared with the subprocesses tests start: dozens
 # of tests compile the same small models (suite time; numerics are those of the same compiled

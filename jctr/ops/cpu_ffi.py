@@ -130,6 +130,7 @@ if AVAILABLE:
 
     _BUCKET = BUCKET
     _AHEAD = 24  # keys between a home slot's prefetch and its probe (covers memory latency)
+    _CROWDED_PERCENT = 65  # rows in use per 100 slots above which the next bucket is fetched too
 
     @numba.njit(inline="always")
     def _mix(z):
@@ -337,12 +338,17 @@ if AVAILABLE:
         scratch_at = scratch.ctypes.data
         n_new = 0
         n_granted = 0
+        # the bucket after a key's home is fetched too only where buckets overflow often: at
+        # half load 1% of the keys sit outside their home bucket, and that line a key is
+        # bandwidth the other keys' lines wait for (docs/performance.md)
+        crowded = (size0 - free0) * 100 > num_slots * _CROWDED_PERCENT
         for i in range(n):
             ahead = i + _AHEAD
             if ahead < n and valid[ahead]:
                 h = _home(keys[ahead], buckets, width)
                 _prefetch(keys_at + 8 * h)
-                _prefetch(keys_at + 8 * h + 64)
+                if crowded or width != _BUCKET:
+                    _prefetch(keys_at + 8 * h + 64)
                 _prefetch(rows_at + 4 * h)
                 if dedupe:
                     _prefetch(scratch_at + 4 * h)

@@ -353,6 +353,42 @@ def test_device_cache_hits_lru_within_a_set_and_refresh():
     np.testing.assert_array_equal(np.asarray(values)[:many.size][hit], _vectors(many[hit], 2))
 
 
+def test_update_refreshes_of_any_size_compile_once_and_ahead():
+    """Online updates come in any number of rows; each refresh shape first met compiled for
+    ~0.2 s while holding the cache's lock, which requests wait on. ``refresh_rows`` refreshes
+    in calls of one shape, and ``compile_refresh`` (the update thread calls it before its first
+    update) compiles that shape without changing the cache: no update compiles afterwards,
+    whatever its size, and every cached key of it gets its new row."""
+    import jax
+
+    from jctr.serving.device_cache import REFRESH_ROWS
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, secs, **kw: compiles.append(event)
+        if event == "/jax/core/compile/backend_compile_duration" else None)
+    cache = DeviceCache(capacity=1 << 14, dim=2)
+    cached = np.arange(1, 3001, dtype=np.int64)
+    cache.insert(cached, _vectors(cached, 2), 4096)
+    held = cached[cache.query(cached, 4096)[0]]
+    before = jax.tree.map(np.asarray, cache.state)
+    cache.compile_refresh()
+    jax.tree.map(np.testing.assert_array_equal, before, jax.tree.map(np.asarray, cache.state))
+    for n in (1, 700, REFRESH_ROWS + 1, 3 * REFRESH_ROWS):  # uncached keys beyond 3,000
+        keys = np.arange(1, n + 1, dtype=np.int64)
+        compiles.clear()
+        cache.refresh_rows(keys, np.full((n, 2), float(n), np.float32))
+        assert not compiles, n
+        hit, values = cache.query(keys[np.isin(keys, held)], 4096)
+        assert hit.all()
+        assert (np.asarray(values)[:hit.size] == float(n)).all()
+    # the keys not refreshed by the last update kept theirs
+    rest = held[held > 3 * REFRESH_ROWS]
+    if rest.size:
+        np.testing.assert_array_equal(np.asarray(cache.query(rest, 4096)[1])[:rest.size],
+                                      np.full((rest.size, 2), float(REFRESH_ROWS + 1)))
+
+
 # -- the lookup order ------------------------------------------------------------------------
 
 def test_a_failed_write_back_leaves_the_volatile_layer_up(tmp_path, monkeypatch):

@@ -402,10 +402,8 @@ class HPSModel:
         """New values for those of ``keys`` the device cache holds (the databases are written
         by the caller)."""
         cache = self.tables[i].cache
-        if cache is not None and keys.size:
-            size = 1 << max(int(keys.size - 1).bit_length(), 6)  # few compiled shapes
-            for s in range(0, keys.size, size):
-                cache.refresh(keys[s:s + size], values[s:s + size], size)
+        if cache is not None:
+            cache.refresh_rows(keys, values)
 
     def swap_dense(self, dense: bytes, non_trainable: str) -> None:
         """New dense weights (a dense model file's bytes) and BatchNorm statistics, checked like

@@ -80,6 +80,10 @@ class UpdateApplier:
         p = self.params
         backoff = p.failure_backoff_ms / 1000.0
         reader = None
+        for model in self.models.values():  # before the first update, on this thread
+            for t in model.tables:
+                if t.cache is not None:
+                    t.cache.compile_refresh()
         while not self._stop.is_set():
             try:
                 if reader is None:

@@ -86,3 +86,17 @@ def test_rows_gathered_into_their_columns_equal_numpys_take():
         gather_rows(out, 18, b, order)
     with pytest.raises(ValueError, match="outside the block"):
         gather_rows(out, 16, b, np.full(7_000, 5_000))
+
+
+def test_last_occurrences_equal_a_dictionary():
+    """The stores' dedupe of a batch (the last row of a key wins) by the radix sort of the
+    keys' bits: negative keys and the int64 extremes group like any other."""
+    from jctr.stores.base import last_occurrences
+
+    rng = np.random.default_rng(3)
+    lo, hi = np.iinfo(np.int64).min, np.iinfo(np.int64).max
+    for n in (0, 1, 2, 7, 5000, 60000):  # below and above the radix sort's threshold
+        for keys in (rng.integers(-4, 4, n), rng.integers(lo, hi, n),
+                     rng.choice(np.array([lo, -1, 0, 1, hi]), n)):
+            want = sorted({k: i for i, k in enumerate(keys.tolist())}.values())
+            np.testing.assert_array_equal(last_occurrences(keys), want)

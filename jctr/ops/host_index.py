@@ -70,12 +70,29 @@ def slot_of(index, keys, k, mask):
         s = (s + 1) & mask
 
 
+@numba.njit(inline="always")
+def fetch_ahead(index, keys, queries, i, mask):
+    """Ask for the lines query ``i`` will need later: the home slot of the key 16 places on,
+    and the key of the row the home slot of the key 8 places on holds (that slot came in
+    meanwhile), so probes do not wait for memory one after the other (a probe reads the
+    index, then a key at the row it names: two dependent misses; 2-3x the keys a second on
+    3M keys, docs/performance.md)."""
+    m = queries.size
+    if i + 16 < m:
+        prefetch(index.ctypes.data + index.itemsize * home(queries[i + 16], mask))
+    if i + 8 < m:
+        r = index[home(queries[i + 8], mask)]
+        if r >= 0:
+            prefetch(keys.ctypes.data + keys.itemsize * r)
+
+
 @host_kernel
 def find(index, keys, queries):
     """Row of each query key, -1 where absent."""
     mask = index.size - 1
     out = np.empty(queries.size, np.int64)
     for i in range(queries.size):
+        fetch_ahead(index, keys, queries, i, mask)
         out[i] = index[slot_of(index, keys, queries[i], mask)]
     return out
 
@@ -153,6 +170,7 @@ def upsert(index, keys, n, queries, out):
     ``n + queries.size`` rows and the index twice that many slots. Returns the new row count."""
     mask = index.size - 1
     for i in range(queries.size):
+        fetch_ahead(index, keys, queries, i, mask)
         out[i], n = row_or_new(index, keys, queries[i], mask, n)
     return n
 

@@ -172,19 +172,17 @@ def row_bytes(columns: np.ndarray) -> list[bytes]:
 
 
 def last_occurrences(keys: np.ndarray) -> np.ndarray:
-    """Positions of the last occurrence of each distinct key (later writes win)."""
+    """Positions of the last occurrence of each distinct key (later writes win), ascending."""
     if keys.size < 2:
         return np.arange(keys.size)
-    return np.sort(last_by_key(keys))
-
-
-def last_by_key(keys: np.ndarray) -> np.ndarray:
-    """Positions of the last occurrence of each distinct key, in the keys' sorted order."""
-    order = np.argsort(keys, kind="stable")
-    sk = keys[order]
-    last = np.ones(sk.size, bool)
-    last[:-1] = sk[1:] != sk[:-1]
-    return order[last]
+    # equal keys side by side, their positions in order (a stable radix sort of the bits:
+    # only which positions are equal matters here, not how negative keys rank)
+    order = argsort_u64(np.ascontiguousarray(keys, np.int64).view(np.uint64))
+    ordered = np.take(keys, order)
+    last = np.empty(ordered.size, bool)
+    last[-1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
+    return np.sort(order[last])
 
 
 def put_found(values: np.ndarray, found: np.ndarray, positions: np.ndarray,

@@ -83,7 +83,11 @@ class UpdateApplier:
         for model in self.models.values():  # before the first update, on this thread
             for t in model.tables:
                 if t.cache is not None:
-                    t.cache.compile_refresh()
+                    try:
+                        t.cache.compile_refresh()
+                    except Exception as e:  # the first refresh then compiles it
+                        log.warning("update_source: the device cache's refresh of %s was "
+                                    "not compiled ahead: %s", t.key, e)
         while not self._stop.is_set():
             try:
                 if reader is None:

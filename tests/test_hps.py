@@ -754,6 +754,14 @@ def test_dense_weights_kept_from_the_update_stream(tmp_path):
     meta, got = dbs.load_dense("hps_dense.m")
     assert got == dense and meta["step"] == 7 and meta["base"] == "abc"
     assert dbs.updates_last("hps_et.m.t")
+    # the next updates write over it: longer, then shorter, each read back whole
+    for size, step in ((9000, 8), (3000, 9)):
+        other = np.random.default_rng(step).normal(size=size).astype("<f4").tobytes()
+        assert dbs.save_dense("hps_dense.m", other, {**record, "step": step})
+        meta, got = dbs.load_dense("hps_dense.m")
+        assert got == other and meta["step"] == step
+    rows = dbs.persistent.lookup("hps_dense.m", np.arange(4, dtype=np.int64), 1024)[1]
+    assert rows.tolist() == [True, True, True, False]  # 3,000 floats: no row of 9,000's left
     dbs.forget_dense("hps_dense.m")
     assert dbs.load_dense("hps_dense.m") is None
     dbs.close()

@@ -405,6 +405,13 @@ class HPSModel:
         if cache is not None:
             cache.refresh_rows(keys, values)
 
+    def compile_refresh(self) -> None:
+        """Compile :meth:`refresh_rows`' device step ahead (changes nothing; see
+        :meth:`jctr.serving.device_cache.DeviceCache.compile_refresh`)."""
+        for t in self.tables:
+            if t.cache is not None:
+                t.cache.compile_refresh()
+
     def swap_dense(self, dense: bytes, non_trainable: str) -> None:
         """New dense weights (a dense model file's bytes) and BatchNorm statistics, checked like
         the files, put in place between two requests."""

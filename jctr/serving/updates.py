@@ -80,14 +80,12 @@ class UpdateApplier:
         p = self.params
         backoff = p.failure_backoff_ms / 1000.0
         reader = None
-        for model in self.models.values():  # before the first update, on this thread
-            for t in model.tables:
-                if t.cache is not None:
-                    try:
-                        t.cache.compile_refresh()
-                    except Exception as e:  # the first refresh then compiles it
-                        log.warning("update_source: the device cache's refresh of %s was "
-                                    "not compiled ahead: %s", t.key, e)
+        for name, model in self.models.items():  # before the first update, on this thread
+            try:
+                model.compile_refresh()
+            except Exception as e:  # the first refresh then compiles it
+                log.warning("update_source: the device cache refresh of %s was not compiled "
+                            "ahead: %s", name, e)
         while not self._stop.is_set():
             try:
                 if reader is None:

@@ -141,14 +141,19 @@ def bytewise_order(kcols: np.ndarray) -> np.ndarray:
     in, a key given twice by its last row only."""
     # bytewise order of the little-endian bytes: big-endian, sorted as native integers by a
     # stable radix sort (numpy's argsort: 2-3x slower, of a byte-swapped view slower still)
-    be = kcols.view(">u8").ravel().astype(np.uint64)
-    order = argsort_u64(be)
-    ordered = np.take(be, order)
+    return _last_by_value(kcols.view(">u8").ravel().astype(np.uint64))
+
+
+def _last_by_value(values: np.ndarray) -> np.ndarray:
+    """Positions of uint64 ``values`` in ascending order (a stable radix sort), a value given
+    more than once by its last position only (a key's latest row)."""
+    order = argsort_u64(values)
+    ordered = np.take(values, order)
     if ordered.size > 1:
         last = np.empty(ordered.size, bool)
         last[-1] = True
         np.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
-        if not last.all():  # a key given twice: its last position (the latest row)
+        if not last.all():
             return order[last]
     return order
 
@@ -175,14 +180,9 @@ def last_occurrences(keys: np.ndarray) -> np.ndarray:
     """Positions of the last occurrence of each distinct key (later writes win), ascending."""
     if keys.size < 2:
         return np.arange(keys.size)
-    # equal keys side by side, their positions in order (a stable radix sort of the bits:
-    # only which positions are equal matters here, not how negative keys rank)
-    order = argsort_u64(np.ascontiguousarray(keys, np.int64).view(np.uint64))
-    ordered = np.take(keys, order)
-    last = np.empty(ordered.size, bool)
-    last[-1] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
-    return np.sort(order[last])
+    # sorted as the keys' bits: only which positions hold equal keys matters here, not how
+    # negative keys rank
+    return np.sort(_last_by_value(np.ascontiguousarray(keys, np.int64).view(np.uint64)))
 
 
 def put_found(values: np.ndarray, found: np.ndarray, positions: np.ndarray,

@@ -168,7 +168,9 @@ def test_find_assign_equals_a_first_occurrence_model(free, dedupe):
     never handed out below the capacity; the others are refused (row -1); the counters move
     as the reference formulation (:func:`jctr.ops.hashing.assign_rows`) moves them. Without
     ``dedupe`` (plain SGD: the caller drops every representative) a position whose key has a
-    row by the time it is reached gets none (-1) and its slot's scratch is not touched."""
+    row by the time it is reached gets none (-1), and neither it nor a new key that takes a row
+    touches its slot's scratch (a line the kernel does not fetch ahead); only new keys met
+    once the rows have run out need it, to find their first position."""
     from jctr.ops import hashing
 
     capacity, num_slots = 60, 96
@@ -184,9 +186,15 @@ def test_find_assign_equals_a_first_occurrence_model(free, dedupe):
     for step in range(4):
         keys = rng.integers(0, 45, 30).astype(np.int64) * 7919
         valid = rng.random(30) < 0.9
+        scratch_before = np.asarray(scratch)
         (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size2,
          free2) = fused(slot_keys, slot_rows, scratch, free_rows, size, free_count,
                         jnp.asarray(keys), jnp.asarray(valid), capacity, dedupe)
+        if not dedupe:
+            refused = np.asarray(slots)[np.asarray(new) & ~np.asarray(granted)]
+            untouched = np.ones(num_slots, bool)
+            untouched[refused] = False
+            assert (np.asarray(scratch)[untouched] == scratch_before[untouched]).all(), step
         slots, rows, rep = np.asarray(slots), np.asarray(rows), np.asarray(rep)
         first, held = {}, set(model)  # keys with a row before this batch
         for i, (k, v) in enumerate(zip(keys.tolist(), valid)):

@@ -303,11 +303,16 @@ if AVAILABLE:
             rows[i] = slot_rows[s]
             rep[i] = -1
             return n_new, n_granted
-        p = scratch[s]
+        # without dedupe a slot with no row while rows are left has had no position of this
+        # batch before (that one took a row): its scratch line, not fetched ahead, is left
+        # alone (a wait for memory per new key; the wait left is the table full's)
+        first = not dedupe and n_new < free0 + capacity - size0
+        p = -1 if first else scratch[s]
         if p >= 0 and p < i and slots[p] == s:
             rep[i] = p
         else:
-            scratch[s] = i
+            if not first:
+                scratch[s] = i
             rep[i] = i
             if slot_rows[s] < 0:
                 new[i] = True

@@ -265,17 +265,20 @@ def test_bucket_probes_of_a_crowded_table_with_tombstones_and_wrapping():
     np.testing.assert_array_equal(np.asarray(found), placed)
 
 
-@pytest.mark.parametrize("seed,zero_tail,per_column", [(0, False, False), (7, True, True),
-                                                       (123456789, False, True)])
-def test_init_rows_writes_key_uniform_bit_for_bit(seed, zero_tail, per_column):
+@pytest.mark.parametrize("seed,zero_tail,per_column,dim", [
+    (0, False, False, 16), (7, True, True, 16), (123456789, False, True, 32),
+    (5, False, True, 12)])
+def test_init_rows_writes_key_uniform_bit_for_bit(seed, zero_tail, per_column, dim):
     """``jctr_cpu_init_rows`` (the rows a training lookup created, in one native pass) writes
     what the XLA formulation writes: ``key_uniform`` of the key times the optimizer's scales
     (one bound, or SparseAdaGradSGDRule's per-part ranges), the admission's zeroed tail, and
-    each row's slot; rows of other positions (and rows -1) untouched."""
+    each row's slot; rows of other positions (and rows -1) untouched. Widths that are
+    multiples of 16 take the kernel's 16-lane code (columns 16-31 included), 12 its scalar
+    loop."""
     from jctr.ops.hashing import key_uniform
 
     rng = np.random.default_rng(seed)
-    capacity, dim, n = 500, 16, 300
+    capacity, n = 500, 300
     values = jnp.asarray(rng.random((capacity, dim), dtype=np.float32))
     row_slot = jnp.full(capacity, -1, jnp.int32)
     keys = jnp.asarray(rng.integers(-(1 << 62), 1 << 62, n))

@@ -130,6 +130,11 @@ if AVAILABLE:
 
     _BUCKET = BUCKET
     _AHEAD = 24  # keys between a home slot's prefetch and its probe (covers memory latency)
+    # positions between a row's prefetch and its use in the bag and the SGD row update: a
+    # 10-hot batch's rows are in cache but for its large slots' (7 of Kaggle's 26), so 24
+    # positions kept ~6 misses in flight; 64: the bag 0.83x, the update 0.80x their time on
+    # uniform keys, 0.82x / 0.71x on power-law ones (docs/performance.md)
+    _ROWS_AHEAD = 64
     _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
     _CROWDED_PERCENT = 65  # rows in use per 100 slots above which the next bucket is fetched too
 
@@ -518,7 +523,7 @@ if AVAILABLE:
     @numba.njit(inline="always")
     def _rows_and_segments(values, rows, segments, per_segment, into_rows):
         """One pass over the batch between table rows and segment rows, the table row of a
-        position ``_AHEAD`` on fetched first (positions whose row is outside ``values`` or
+        position ``_ROWS_AHEAD`` on fetched first (positions whose row is outside ``values`` or
         whose segment is outside ``per_segment`` skipped): with ``into_rows``
         ``values[rows[i]] += per_segment[segments[i]]`` in batch order (plain SGD), else
         ``per_segment[s]`` = the sum of its positions' rows (the bag's forward), so the
@@ -530,7 +535,7 @@ if AVAILABLE:
         if not into_rows:
             per_segment[:, :] = np.float32(0.0)
         for i in range(n):
-            ahead = i + _AHEAD
+            ahead = i + _ROWS_AHEAD
             if ahead < n and 0 <= rows[ahead] < capacity:
                 _prefetch(values_at + 4 * dim * np.int64(rows[ahead]))
             r, s = rows[i], segments[i]

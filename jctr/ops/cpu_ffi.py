@@ -182,6 +182,15 @@ if AVAILABLE:
 
     _KEYS8 = ir.VectorType(ir.IntType(64), BUCKET)
 
+    def _splat(builder, value, vector_type):
+        """LLVM IR: ``value`` in every lane of ``vector_type`` (intrinsics' code generation)."""
+        i32 = ir.IntType(32)
+        one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value,
+                                     ir.Constant(i32, 0))
+        return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined),
+                                      ir.Constant(ir.VectorType(i32, vector_type.count),
+                                                  [0] * vector_type.count))
+
     @intrinsic
     def _bucket_code(typingctx, address, key):
         """The first of the eight slots at ``address`` (a bucket of int64 keys) that holds
@@ -191,16 +200,9 @@ if AVAILABLE:
         def codegen(context, builder, signature, args):
             i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
             vec = builder.load(builder.inttoptr(args[0], _KEYS8.as_pointer()), align=8)
-
-            def splat(value):
-                one = builder.insert_element(ir.Constant(_KEYS8, ir.Undefined), value,
-                                             ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, ir.Constant(_KEYS8, ir.Undefined),
-                                              ir.Constant(ir.VectorType(i32, BUCKET),
-                                                          [0] * BUCKET))
-
-            hit = builder.icmp_signed("==", vec, splat(args[1]))
-            empty = builder.icmp_signed("==", vec, splat(ir.Constant(i64, int(EMPTY_KEY))))
+            hit = builder.icmp_signed("==", vec, _splat(builder, args[1], _KEYS8))
+            empty = builder.icmp_signed("==", vec, _splat(builder, ir.Constant(
+                i64, int(EMPTY_KEY)), _KEYS8))
             either = builder.zext(builder.bitcast(builder.or_(hit, empty), i8), i32)
             hits = builder.zext(builder.bitcast(hit, i8), i32)
             # a bit above the eight makes the count 8 when no slot answers
@@ -425,28 +427,22 @@ if AVAILABLE:
             lanes32 = ir.VectorType(i32, 16)
             floats = ir.VectorType(f32, 16)
 
-            def splat(value, vector_type):
-                one = builder.insert_element(ir.Constant(vector_type, ir.Undefined), value,
-                                             ir.Constant(i32, 0))
-                return builder.shuffle_vector(one, ir.Constant(vector_type, ir.Undefined),
-                                              ir.Constant(lanes32, [0] * 16))
-
             def const(value):
-                return splat(ir.Constant(i64, _signed64(value)), _WORDS16)
+                return _splat(builder, ir.Constant(i64, _signed64(value)), _WORDS16)
 
             golden = int(_GOLDEN)
             base = builder.mul(builder.add(args[2], ir.Constant(i64, 1)),
                                ir.Constant(i64, _signed64(golden)))
-            z = builder.add(splat(builder.add(args[1], base), _WORDS16),
+            z = builder.add(_splat(builder, builder.add(args[1], base), _WORDS16),
                             ir.Constant(_WORDS16, [_signed64(j * golden) for j in range(16)]))
             for shift, factor in ((30, int(_M1)), (27, int(_M2))):
                 z = builder.mul(builder.xor(z, builder.lshr(z, const(shift))), const(factor))
             z = builder.xor(z, builder.lshr(z, const(31)))
             bits = builder.trunc(builder.lshr(z, const(40)), lanes32)  # 24 bits: exact below
             u = builder.fmul(builder.sitofp(bits, floats),
-                             splat(ir.Constant(f32, float(UNIT_24)), floats))
-            v = builder.fsub(builder.fmul(splat(ir.Constant(f32, 2.0), floats), u),
-                             splat(ir.Constant(f32, 1.0), floats))
+                             _splat(builder, ir.Constant(f32, float(UNIT_24)), floats))
+            v = builder.fsub(builder.fmul(_splat(builder, ir.Constant(f32, 2.0), floats), u),
+                             _splat(builder, ir.Constant(f32, 1.0), floats))
             scale = builder.load(builder.inttoptr(args[3], floats.as_pointer()), align=4)
             builder.store(builder.fmul(v, scale),
                           builder.inttoptr(args[0], floats.as_pointer()), align=4)
@@ -461,6 +457,7 @@ if AVAILABLE:
         n, capacity, dim = keys.shape[0], values.shape[0], values.shape[1]
         values_at, slot_at = values.ctypes.data, row_slot.ctypes.data
         scales_at = scales.ctypes.data
+        vector = dim % 16 == 0 and not zero_tail
         for i in range(n):
             ahead = i + _AHEAD
             if ahead < n and fresh[ahead] and 0 <= rows[ahead] < capacity:
@@ -471,17 +468,16 @@ if AVAILABLE:
             if not fresh[i] or r < 0 or r >= capacity:
                 continue
             h = _mix(np.uint64(keys[i]) ^ salt)
-            if dim % 16 == 0 and not zero_tail:
+            if vector:
                 for c in range(0, dim, 16):
                     _key_uniform_16(values_at + 4 * (dim * np.int64(r) + c), h, c,
                                     scales_at + 4 * c)
-                row_slot[r] = key_slots[i]
-                continue
-            for c in range(dim):
-                bits = _mix(h + np.uint64(c + 1) * _GOLDEN) >> np.uint64(40)
-                u = np.float32(bits) * UNIT_24
-                v = (np.float32(2.0) * u - np.float32(1.0)) * scales[c]
-                values[r, c] = np.float32(0.0) if zero_tail and c > 0 else v
+            else:
+                for c in range(dim):
+                    bits = _mix(h + np.uint64(c + 1) * _GOLDEN) >> np.uint64(40)
+                    u = np.float32(bits) * UNIT_24
+                    v = (np.float32(2.0) * u - np.float32(1.0)) * scales[c]
+                    values[r, c] = np.float32(0.0) if zero_tail and c > 0 else v
             row_slot[r] = key_slots[i]
 
     def _init_rows_frame(frame_pointer):
@@ -748,17 +744,14 @@ if AVAILABLE:
         (float32; addresses and the stride in bytes), one vector accumulator in registers."""
         def codegen(context, builder, signature, args):
             rows, stride, weights, count, out = args
-            i64, i32 = ir.IntType(64), ir.IntType(32)
+            i64 = ir.IntType(64)
             acc = cgutils.alloca_once_value(builder, ir.Constant(_VECTOR, None))
             with cgutils.for_range(builder, count) as loop:
                 k = loop.index
                 w = builder.load(builder.inttoptr(
                     builder.add(weights, builder.mul(k, ir.Constant(i64, 4))),
                     _F32.as_pointer()))
-                w = builder.insert_element(ir.Constant(_VECTOR, ir.Undefined), w,
-                                           ir.Constant(i32, 0))
-                w = builder.shuffle_vector(w, ir.Constant(_VECTOR, ir.Undefined),
-                                           ir.Constant(ir.VectorType(i32, _LANES), [0] * _LANES))
+                w = _splat(builder, w, _VECTOR)
                 row = builder.load(builder.inttoptr(builder.add(rows, builder.mul(k, stride)),
                                                     _VECTOR.as_pointer()), align=4)
                 product = builder.fmul(w, row, flags=("contract",))

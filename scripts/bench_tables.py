@@ -14,8 +14,9 @@ their optimizer rows and the scores) plus the gather of the rows' vectors.
    ``np.take`` of as many random rows of a values array of the same size (the memory's
    limit for the same bytes; on an accelerator the same gather jitted in its memory).
 2. Eviction: the table full, policy ``lru`` (``--policy``), against the same stream
-   through a table with room for every key of the run. Ratio: steps/s evicting over steps/s
-   with room (goal >= 0.8x).
+   through a table with room for every key of the run, over ``--evict-steps`` steps (long
+   enough for the table's own upkeep to be in the mean). Ratio: steps/s evicting over
+   steps/s with room (goal >= 0.8x).
 
     python scripts/bench_tables.py
     python scripts/bench_tables.py --capacity 4000000 --batch 212992 --steps 20
@@ -87,9 +88,10 @@ def fill(step, state, capacity: int, rows: int, batch: int):
     return state
 
 
-def timed(step, state, feed: list[np.ndarray]) -> tuple[float, object]:
+def timed(step, state, feed: list[np.ndarray]) -> tuple[float, object, float]:
     """Mean seconds per step over ``feed`` (the first step, the compile, not counted; the
-    mean, not the median: a step that builds the slots again is part of the cost)."""
+    mean, not the median: a step that builds the slots again is part of the cost), the state
+    after it and the slowest step."""
     state, out = step(state, jnp.asarray(feed[0]))
     jax.block_until_ready(out)
     ts = []
@@ -102,7 +104,7 @@ def timed(step, state, feed: list[np.ndarray]) -> tuple[float, object]:
         ts.append(time.perf_counter() - t)
     if os.environ.get('BENCH_TABLES_STEPS'):
         print(' '.join(f'{t * 1e3:.0f}' for t in ts))
-    return float(np.mean(ts)), state
+    return float(np.mean(ts)), state, float(np.max(ts))
 
 
 def main() -> int:
@@ -118,6 +120,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--vocab", type=int, default=100_000_000)
     ap.add_argument("--policy", default="lru")
+    ap.add_argument("--evict-steps", type=int, default=40,
+                    help="steps of the eviction runs (a uniform stream through the default "
+                         "table builds its slots again every ~15 steps when tombstones stay)")
     args = ap.parse_args()
     # the same host memory setting as `python -m jctr.train` (JCTR_HOST_MEMORY_TUNING=0: off);
     # np.take's baseline runs under it too
@@ -157,7 +162,7 @@ def main() -> int:
             keys_at_end = min(cap, int(load * slots))
             state = fill(plain, init_embedding(spec_of(cap, args.dim, None)), cap,
                          keys_at_end - arriving, n)
-            s, state = timed(plain, state, feed)
+            s, state, _ = timed(plain, state, feed)
             held = int(state.table.size)
             print(f"[{kind}] lookup+insert, slots {held / slots:.0%} full at the end "
                   f"({held:,} keys in {slots:,} slots; {slots * 16 / cap:.1f} slot bytes a "
@@ -165,20 +170,25 @@ def main() -> int:
                   f"{gather * 1e3:.1f} ms: ratio {gather / s:.2f}")
             del state
         ev = EvictionConfig(args.policy)
+        # a table that lives evicts for as long as it trains: enough steps for what piles up
+        # (tombstones, and the slots built again when they crowd) to be part of the mean
+        feed = batches(kind, args.evict_steps, n, args.vocab, seed=2)
         evicting = make_step(spec_of(cap, args.dim, ev))
         state = fill(evicting, init_embedding(spec_of(cap, args.dim, ev)), cap, cap, n)
-        s_full, state = timed(evicting, state, feed)
+        s_full, state, slowest = timed(evicting, state, feed)
         evicted = int(state.table.evicted)
         refused = int(state.table.overflow)
+        tombstones = int(state.table.tombstones)
         del state
-        room = cap + n * args.steps
+        room = cap + n * args.evict_steps
         roomy = make_step(spec_of(room, args.dim, ev))
         state = fill(roomy, init_embedding(spec_of(room, args.dim, ev)), room, cap, n)
-        s_room, state = timed(roomy, state, feed)
+        s_room, state, _ = timed(roomy, state, feed)
         del state
         print(f"[{kind}] eviction ({args.policy}), table of {cap:,} rows full: "
-              f"{s_full * 1e3:.1f} ms/step ({evicted:,} evicted, {refused:,} refused in "
-              f"{args.steps - 1} steps); with room: {s_room * 1e3:.1f} ms/step: "
+              f"{s_full * 1e3:.1f} ms/step, slowest {slowest * 1e3:.0f} ms ({evicted:,} "
+              f"evicted, {refused:,} refused in {args.evict_steps - 1} steps; {tombstones:,} "
+              f"tombstones at the end); with room: {s_room * 1e3:.1f} ms/step: "
               f"ratio {s_room / s_full:.2f}")
     return 0
 

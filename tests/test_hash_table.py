@@ -375,3 +375,62 @@ def test_a_synchronous_export_takes_views_and_the_default_copies():
         np.testing.assert_array_equal(views[name], copies[name], err_msg=name)
     assert np.shares_memory(views["values"], to_host(state.values))
     assert not np.shares_memory(copies["values"], to_host(state.values))
+
+
+
+@pytest.mark.parametrize("no_empty_slot", [False, True])
+@pytest.mark.parametrize("evicting", [False, True])
+def test_the_native_rebuild_places_keys_as_the_native_insert_of_the_old_slots(
+        evicting, no_empty_slot, monkeypatch):
+    """``rebuild_slots`` on CPU is one native sweep over the slots, in place
+    (``jctr_cpu_rebuild_slots``): each key moves back to the first empty slot of its probe,
+    its row entry and (an evicting table) its scores with it; tombstones and keys without a
+    row leave. It equals the XLA formulation around the native batch insert (``find_slots``
+    of the keys in slot order from ``rebuild_start``, then scatters), slot for slot: keys,
+    rows, scores, with tombstones left by erasing a third of the keys of a table of 4,000
+    rows and twelve keys whose home is the last bucket (their probes wrap to the first
+    slots); and for slots with no empty one left (every empty slot made a tombstone: the
+    sweep has no bucket to start after, and inserts the keys anew from a copy)."""
+    from jctr.config.schema import EvictionConfig
+    from jctr.embedding import hash_table as ht
+    from jctr.ops import dispatch
+    from jctr.ops.hashing import home_slots
+
+    capacity = 4000
+    ev = EvictionConfig("lfu") if evicting else None
+    n_slots = ht.num_slots_for(capacity, ev)
+    rng = np.random.default_rng(5)
+    pool = rng.choice(2**62, 400 * capacity, replace=False).astype(np.int64)
+    rest = pool[capacity:]
+    last = rest[np.asarray(home_slots(jnp.asarray(rest), n_slots)) == n_slots - 8][:12]
+    assert last.size == 12
+    keys = np.concatenate([pool[:capacity - 12], last])
+    table, _ = jax.jit(lambda t, k: lookup(t, k, jnp.ones(k.shape, bool), capacity,
+                                           insert=True))(ht.create_table(capacity, ev),
+                                                         jnp.asarray(keys))
+    assert np.isin(last, np.asarray(table.slot_keys)[:n_slots // 2]).any()  # wrapped
+    if evicting:
+        held = np.asarray(table.slot_rows)[:, None] >= 0  # (empty slots score 0)
+        table = table._replace(slot_score=jnp.asarray(np.where(held, rng.integers(
+            1, 50, table.slot_score.shape), 0), jnp.int32))
+    gone = rng.random(capacity) < 0.33
+    table, _ = jax.jit(ht.erase)(table, jnp.asarray(keys[gone]),
+                                 jnp.ones(int(gone.sum()), bool))
+    if no_empty_slot:
+        table = table._replace(slot_keys=jnp.where(table.slot_keys == EMPTY_KEY,
+                                                   ht.TOMBSTONE, table.slot_keys))
+    calls = []
+    native = dispatch.cpu_ffi.rebuild_slots
+    monkeypatch.setattr(dispatch.cpu_ffi, "rebuild_slots",
+                        lambda *a: calls.append(1) or native(*a))
+    monkeypatch.setenv("JCTR_KERNELS", "auto")
+    got = jax.jit(lambda t: ht.rebuild_slots(t))(table)  # a trace of its own
+    assert calls, "the native rebuild did not run"
+    monkeypatch.setattr(ht, "rebuild", lambda reference, *a: reference(*a))
+    want = jax.jit(lambda t: ht.rebuild_slots(t))(table)  # XLA's scatters around the native insert
+    for name in ("slot_keys", "slot_rows", "slot_score", "tombstones"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)),
+                                      np.asarray(getattr(want, name)), err_msg=name)
+    live = np.asarray(got.slot_rows) >= 0
+    assert live.sum() == capacity - gone.sum() and not (np.asarray(got.slot_keys)[~live]
+                                                        != EMPTY_KEY).any()

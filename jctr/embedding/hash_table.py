@@ -8,9 +8,10 @@ training inserts unseen keys, evaluation never does.
 :func:`erase` deletes keys at a cost proportional to them: a deleted key's slot becomes a
 tombstone (``TOMBSTONE``: probes pass over it, inserts never take it) and its row goes on a free
 list that later inserts take first. Tombstones leave when the slots are built again
-(:func:`rebuild_slots`): an evicting table's training lookup does it when keys and tombstones
-would pass ``MAX_OCCUPIED`` of the slots, the shrink (:func:`jctr.sharding.rows.drop_keys`)
-when a refill would crowd them.
+(:func:`rebuild_slots`; on CPU one sweep in place): an evicting table's training lookup does it
+when keys and tombstones would pass ``MAX_OCCUPIED`` of the slots or tombstones alone
+``MAX_TOMBSTONES``, the shrink (:func:`jctr.sharding.rows.drop_keys`) when a refill would crowd
+them.
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ from jctr.ops import (
     find_slots,
     representatives,
 )
-from jctr.ops.hashing import BUCKET, MAX_LOAD, window_start
+from jctr.ops import rebuild_slots as rebuild  # (this module's rebuild_slots wraps it)
+from jctr.ops.hashing import BUCKET, MAX_LOAD, rebuild_start, window_start
 
 # an erased key's slot: neither empty (probes go on past it) nor any real key (keys equal to
 # the two smallest int64 values are reserved)
@@ -380,13 +382,15 @@ def with_layout(table: HashTable, layout: np.ndarray) -> HashTable:
 def _rehash_if_crowded(table: HashTable, arriving: jax.Array) -> HashTable:
     """The slots built again from the keys that hold a row when keys, tombstones and the
     ``arriving`` keys (at most that many new ones) would fill more than ``MAX_OCCUPIED`` of
-    them (erased and evicted keys leave a tombstone each): probes stay short and new keys
-    find free slots. Rows, values and scores do not move; the cost is one pass over the
-    slots, once in a while, and a step that does not need it skips it."""
+    them, or tombstones alone more than ``MAX_TOMBSTONES`` (erased and evicted keys leave a
+    tombstone each): probes stay short and new keys find free slots. Rows, values and scores
+    do not move; the cost is one pass over the slots (in place on CPU), once in a while, and
+    a step that does not need it skips it."""
     n_slots = table.slot_keys.shape[0]
     in_use = table.size - table.free_count
     crowded = (table.tombstones > 0) & (
-        (in_use + table.tombstones + arriving).astype(jnp.float32) > MAX_OCCUPIED * n_slots)
+        ((in_use + table.tombstones + arriving).astype(jnp.float32) > MAX_OCCUPIED * n_slots)
+        | (table.tombstones.astype(jnp.float32) > MAX_TOMBSTONES * n_slots))
     # a loop run at most once, not a cond: a cond's untaken branch copies the whole table
     # (~10 ms a step at 2M rows), a loop's state stays in place
     return jax.lax.while_loop(lambda c: c[0], lambda c: (False, rebuild_slots(c[1])),
@@ -395,18 +399,27 @@ def _rehash_if_crowded(table: HashTable, arriving: jax.Array) -> HashTable:
 
 def rebuild_slots(table: HashTable) -> HashTable:
     """The slots built again from the keys that hold a row: tombstones (and keys refused a
-    row) leave; rows and values do not move (eviction scores move with their keys). One pass
-    over the slots."""
-    n_slots = table.slot_keys.shape[0]
-    live = table.slot_rows >= 0
-    slot_keys, slots = find_slots(jnp.full((n_slots,), EMPTY_KEY, jnp.int64), table.slot_keys,
-                                  live, insert=True)
-    slot_rows = jnp.full((n_slots,), -1, jnp.int32).at[
-        jnp.where(live, slots, n_slots)].set(table.slot_rows, mode="drop")
-    slot_score = table.slot_score
-    if slot_score.shape[0]:  # eviction: the scores move with their keys
-        slot_score = jnp.zeros_like(slot_score).at[jnp.where(live, slots, n_slots)].set(
-            slot_score, mode="drop")
+    row) leave; rows and values do not move (eviction scores move with their keys). The keys
+    go in anew in slot order from :func:`jctr.ops.hashing.rebuild_start`; on CPU one native
+    sweep does it in place, each key moved back to the first empty slot of its probe."""
+    def reference(old_keys, old_rows, old_score):
+        n_slots = old_keys.shape[0]
+        # the keys in slot order from a bucket no probe goes past (the native sweep's order)
+        order = (jnp.arange(n_slots, dtype=jnp.int32) + rebuild_start(old_keys)) % n_slots
+        old_keys, old_rows = old_keys[order], old_rows[order]
+        live = old_rows >= 0
+        slot_keys, slots = find_slots(jnp.full((n_slots,), EMPTY_KEY, jnp.int64), old_keys,
+                                      live, insert=True)
+        slot_rows = jnp.full((n_slots,), -1, jnp.int32).at[
+            jnp.where(live, slots, n_slots)].set(old_rows, mode="drop")
+        slot_score = old_score
+        if slot_score.shape[0]:  # eviction: the scores move with their keys
+            slot_score = jnp.zeros_like(slot_score).at[jnp.where(live, slots, n_slots)].set(
+                slot_score[order], mode="drop")
+        return slot_keys, slot_rows, slot_score
+
+    slot_keys, slot_rows, slot_score = rebuild(reference, table.slot_keys, table.slot_rows,
+                                               table.slot_score)
     return table._replace(slot_keys=slot_keys, slot_rows=slot_rows, slot_score=slot_score,
                           tombstones=jnp.zeros((), jnp.int32))
 
@@ -414,6 +427,12 @@ def rebuild_slots(table: HashTable) -> HashTable:
 # keys and tombstones together in at most this share of the slots, or the slots are built
 # again (a plain table's keys fill at most MAX_LOAD of them; an evicting table's half)
 MAX_OCCUPIED = 0.92
+# tombstones in at most this share of an evicting table's slots, or its slots are built again:
+# a stream of new keys evicts a key (a tombstone) for nearly every one and probes lengthen as
+# they pile up, while the native rebuild of a 2M-row table takes about one such step (25-30
+# ms): uniform keys rebuild every ~6 steps, 0.80x the mean step of waiting for MAX_OCCUPIED
+# (docs/performance.md)
+MAX_TOMBSTONES = 0.15
 
 
 def erase(table: HashTable, keys: jax.Array, valid: jax.Array) -> tuple[HashTable, jax.Array]:

@@ -14,6 +14,7 @@ from jctr.ops.dispatch import (
     find_slots,
     initialize_rows,
     linear,
+    rebuild_slots,
     sgd_by_segment,
 )
 from jctr.ops.hashing import (
@@ -33,6 +34,6 @@ __all__ = [
     "embedding_bag_backward", "embedding_bag_forward", "every_platform", "evict_rows",
     "find_and_assign", "find_slots", "gather_rows", "hash_keys", "home_slots", "initialize_rows",
     "interaction_output_dim", "key_gradients", "key_uniform", "linear", "mix64",
-    "owner_shards", "owner_shards_host", "representatives", "sgd_by_segment",
+    "owner_shards", "owner_shards_host", "rebuild_slots", "representatives", "sgd_by_segment",
     "sum_at_representatives",
 ]

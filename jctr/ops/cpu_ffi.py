@@ -24,6 +24,10 @@ Kernels here:
   policy's ranking of the keys in a window of slots from each new key's home bucket on, their
   scores beside them), the same choices as XLA's rounds over compacted chunks without their scatters
   and compactions.
+* ``jctr_cpu_rebuild_slots``: a table's slots built again without its tombstones, in place,
+  in one sweep (each key moved back to the first empty slot of its probe); XLA's
+  formulation: a find-or-insert of every key into new slots, then scatters of the rows and
+  scores.
 * ``jctr_cpu_pair_dots`` / ``jctr_cpu_pair_dots_grad``: the DLRM dot interaction (strictly
   lower triangle of each sample's Gram matrix) and its gradient, float32, for a feature width
   that is a multiple of 16. Each Gram row, and each gradient row, is a sum of 16-lane rows
@@ -734,6 +738,89 @@ if AVAILABLE:
                    carray(_pointer(_buffer(frame, _FRAME_RETS, 4)[0]), (n,), np.int64))
         return _pointer(0)
 
+    @numba.njit(inline="always")
+    def _clear_slot(slot_keys, slot_rows, score, s, scored):
+        slot_keys[s] = EMPTY_KEY
+        slot_rows[s] = -1
+        if scored:
+            for c in range(score.shape[1]):
+                score[s, c] = 0
+
+    @numba.njit(inline="always")
+    def _rebuild_in_place(slot_keys, slot_rows, score):
+        """:func:`jctr.embedding.hash_table.rebuild_slots` in place, in one sweep over the
+        slots from :func:`jctr.ops.hashing.rebuild_start` on: a tombstone or a key without a
+        row leaves (its slot empty, score 0), and a key moves back to the first empty slot
+        of its probe if there is one before it (its row entry and score with it). The
+        sweep starts after a bucket with an empty slot, which no probe goes past, so every
+        key's probe lies in the slots swept, and the slots behind the sweep are final: the
+        same slots as inserting the keys anew in that order. A table without an empty slot is
+        copied and the keys inserted anew from its copy."""
+        n = slot_keys.shape[0]
+        width = _width(n)
+        buckets = n // width
+        scored = score.shape[0] > 0
+        keys_at = slot_keys.ctypes.data
+        start = -1
+        for s in range(n):
+            if slot_keys[s] == EMPTY_KEY:
+                start = (s - s % width + width) % n
+                break
+        if start < 0:  # no empty slot: nothing bounds the probes
+            old_keys, old_rows, old_score = slot_keys.copy(), slot_rows.copy(), score.copy()
+            for s in range(n):
+                _clear_slot(slot_keys, slot_rows, score, s, scored)
+            for s in range(n):
+                if old_rows[s] < 0:
+                    continue
+                at = _probe_slots(slot_keys, keys_at, old_keys[s], buckets, width, n, True)
+                slot_rows[at] = old_rows[s]
+                if scored:
+                    for c in range(score.shape[1]):
+                        score[at, c] = old_score[s, c]
+            return
+        s = start
+        for _ in range(n):
+            key = slot_keys[s]
+            if key != EMPTY_KEY:
+                if slot_rows[s] < 0:  # a tombstone, or a key refused a row
+                    _clear_slot(slot_keys, slot_rows, score, s, scored)
+                else:
+                    p = _home(key, buckets, width)
+                    while p != s and slot_keys[p] != EMPTY_KEY:
+                        p += 1
+                        if p == n:
+                            p = 0
+                    if p != s:
+                        slot_keys[p] = key
+                        slot_rows[p] = slot_rows[s]
+                        if scored:
+                            for c in range(score.shape[1]):
+                                score[p, c] = score[s, c]
+                        _clear_slot(slot_keys, slot_rows, score, s, scored)
+            s += 1
+            if s == n:
+                s = 0
+
+    def _rebuild_rows(frame_pointer):
+        frame = _address(frame_pointer)
+        if _answer_metadata(frame):
+            return _pointer(0)
+        keys_in, slot_dims = _buffer(frame, _FRAME_ARGS, 0)
+        rows_in, _ = _buffer(frame, _FRAME_ARGS, 1)
+        score_in, score_dims = _buffer(frame, _FRAME_ARGS, 2)
+        num_slots, tracked, columns = _word(slot_dims), _word(score_dims), _word(score_dims + 8)
+        outs = (_buffer(frame, _FRAME_RETS, 0)[0], _buffer(frame, _FRAME_RETS, 1)[0],
+                _buffer(frame, _FRAME_RETS, 2)[0])
+        sizes = (8 * num_slots, 4 * num_slots, 4 * tracked * columns)
+        ins = (keys_in, rows_in, score_in)
+        for j in range(3):
+            _adopt(outs[j], ins[j], sizes[j])
+        _rebuild_in_place(carray(_pointer(outs[0]), (num_slots,), np.int64),
+                          carray(_pointer(outs[1]), (num_slots,), np.int32),
+                          carray(_pointer(outs[2]), (tracked, columns), np.int32))
+        return _pointer(0)
+
     _LANES = 16  # floats per vector in the interaction kernels
     _F32 = ir.FloatType()
     _VECTOR = ir.VectorType(_F32, _LANES)
@@ -848,6 +935,7 @@ if AVAILABLE:
         _bag_sum_handler = _cfunc(_bag_sum_frame)
         _add_by_segment_handler = _cfunc(_add_by_segment_frame)
         _evict_handler = _cfunc(_evict_rows)
+        _rebuild_handler = _cfunc(_rebuild_rows)
         _pair_dots_handler = _cfunc(_pair_dots)
         _pair_dots_grad_handler = _cfunc(_pair_dots_grad)
     except Exception as error:  # a numba/LLVM that cannot build them: XLA's formulations run
@@ -868,6 +956,7 @@ def _register() -> None:
                           ("jctr_cpu_bag_sum", _bag_sum_handler),
                           ("jctr_cpu_add_by_segment", _add_by_segment_handler),
                           ("jctr_cpu_evict", _evict_handler),
+                          ("jctr_cpu_rebuild_slots", _rebuild_handler),
                           ("jctr_cpu_pair_dots", _pair_dots_handler),
                           ("jctr_cpu_pair_dots_grad", _pair_dots_grad_handler)):
         capsule = new_capsule(handler.address, b"xla._CUSTOM_CALL_TARGET", None)
@@ -1005,6 +1094,20 @@ def evict(slot_keys, slot_rows, score, keys, slots, needy, clock, *, policy: str
         input_output_aliases={0: 0, 1: 1, 2: 2})(
             slot_keys, slot_rows, score, keys.astype(jnp.int64), slots.astype(jnp.int32),
             needy.astype(jnp.bool_), params)
+
+
+def rebuild_slots(slot_keys, slot_rows, score):
+    """:func:`jctr.embedding.hash_table.rebuild_slots`'s (slot_keys, slot_rows, score) in one
+    native sweep over the slots, in place when the buffers can be donated (the slots the
+    native batch insert of the keys in :func:`jctr.ops.hashing.rebuild_start`'s order gives).
+    CPU only."""
+    _register()
+    return jax.ffi.ffi_call(
+        "jctr_cpu_rebuild_slots",
+        (jax.ShapeDtypeStruct(slot_keys.shape, jnp.int64),
+         jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
+         jax.ShapeDtypeStruct(score.shape, jnp.int32)),
+        input_output_aliases={0: 0, 1: 1, 2: 2})(slot_keys, slot_rows, score)
 
 
 def _call_in_parts(target: str, n: int, parts: int, row_shape: tuple[int, ...], dtype,

@@ -312,6 +312,18 @@ def initialize_rows(values, row_slot, keys, rows, fresh, key_slots, *, scales, s
     return _by_platform(*args, cpu=cpu, default=reference)
 
 
+def rebuild_slots(reference, slot_keys, slot_rows, score):
+    """A table's (slot_keys, slot_rows, score) built again from its keys with a row
+    (``reference``: :func:`jctr.embedding.hash_table.rebuild_slots`' XLA formulation, called
+    with the same arguments); on CPU one native sweep in place
+    (:func:`jctr.ops.cpu_ffi.rebuild_slots`) that leaves every key where the CPU's batch
+    insert of the keys in the reference's order does."""
+    args = (slot_keys, slot_rows, score)
+    if _mode() == "reference" or not cpu_ffi.AVAILABLE:
+        return reference(*args)
+    return _by_platform(*args, cpu=cpu_ffi.rebuild_slots, default=reference)
+
+
 def evict_rows(reference, slot_keys, slot_rows, score, scratch, keys, slots, needy, clock, *,
                policy: str, epoch_steps: int, samples: int, chunk: int):
     """The rows a full table's new keys take (``reference``: the XLA formulation,

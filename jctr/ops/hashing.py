@@ -111,6 +111,18 @@ def window_start(keys: jax.Array, rnd, num_slots: int) -> jax.Array:
     return home_slots((keys.astype(jnp.uint64) ^ salt).astype(jnp.int64), num_slots)
 
 
+def rebuild_start(slot_keys: jax.Array) -> jax.Array:
+    """Where slots are built again from (:func:`jctr.embedding.hash_table.rebuild_slots`):
+    the first slot of the bucket after the first bucket with an empty slot (no probe goes
+    on past a bucket with an empty slot, so no key's probe wraps past it), 0 when no slot is
+    empty."""
+    num_slots = slot_keys.shape[0]
+    width = bucket_width(num_slots)
+    empty = slot_keys == EMPTY_KEY
+    first = jnp.argmax(empty).astype(jnp.int32)
+    return jnp.where(jnp.any(empty), (first - first % width + width) % num_slots, 0)
+
+
 def next_slot(pos: jax.Array, num_slots: int) -> jax.Array:
     """The probe's next position (wrapping at the end of the slots)."""
     nxt = pos + 1

@@ -301,6 +301,41 @@ def test_init_rows_writes_key_uniform_bit_for_bit(seed, zero_tail, per_column, d
                                   np.asarray(row_slot.at[at].set(key_slots, mode="drop")))
 
 
+def test_init_rows_resets_the_optimizer_rows_of_fresh_rows_in_the_same_pass():
+    """An evicting table's fresh rows held another key's optimizer state: ``init_rows`` sets
+    those rows of each array it is given (float32 rows of 16 and of 2, an int32 column) to
+    the array's fill row in its one pass, as the XLA scatters do; other rows untouched, the
+    vectors and slots as without them."""
+    rng = np.random.default_rng(4)
+    capacity, n, dim = 400, 250, 16
+    values = jnp.asarray(rng.random((capacity, dim), dtype=np.float32))
+    row_slot = jnp.full(capacity, -1, jnp.int32)
+    keys = jnp.asarray(rng.integers(-(1 << 62), 1 << 62, n))
+    rows = jnp.asarray(np.where(rng.random(n) < 0.1, -1,
+                                rng.permutation(capacity)[:n]).astype(np.int32))
+    fresh = jnp.asarray(rng.random(n) < 0.6)
+    key_slots = jnp.asarray(rng.integers(0, 26, n).astype(np.int32))
+    arrays = (jnp.asarray(rng.random((capacity, dim), dtype=np.float32)),
+              jnp.asarray(rng.random((capacity, 2), dtype=np.float32)),
+              jnp.asarray(rng.integers(1, 9, capacity).astype(np.int32)))
+    fills = (np.zeros(dim, np.float32), np.array([0.1, 0.25], np.float32),
+             np.array([0], np.int32))
+    call = jax.jit(lambda v, s, k, r, f, ks, *a: cpu_ffi.init_rows(
+        v, s, k, r, f, ks, np.float32(0.05), 3, False, tuple(zip(a, fills))))
+    got = call(values, row_slot, keys, rows, fresh, key_slots, *arrays)
+    plain = cpu_ffi.init_rows(values, row_slot, keys, rows, fresh, key_slots,
+                              np.float32(0.05), 3, False)
+    assert len(got) == 5
+    for a, b in zip(got[:2], plain):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    at = jnp.where(fresh & (rows >= 0), rows, capacity)
+    for arr, fill, out in zip(arrays, fills, got[2:]):
+        want = arr.at[at].set(jnp.broadcast_to(fill.reshape(arr.shape[1:]) if arr.ndim == 2
+                                               else fill[0], at.shape + arr.shape[1:]),
+                              mode="drop")
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(want))
+
+
 @pytest.mark.parametrize("optimizer", [
     {"type": "SparseAdaGradSGDRule", "embedx_threshold": 2.0}, {"type": "SGD"}])
 def test_a_training_lookup_on_cpu_equals_the_reference_formulation(monkeypatch, optimizer):

@@ -159,26 +159,29 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
     capacity = state.values.shape[0]
     at = jnp.where(lk.fresh & (lk.rows >= 0), lk.rows, capacity)  # new rows; others dropped
 
-    def dense(values, row_slot, keys, _rows, _fresh, key_slots):
+    # an evicted key's row held another key's optimizer state: it starts again too
+    resets = {}
+    if spec.eviction is not None:
+        initial = row_opt.init_slots(spec.optimizer, 1, spec.dim)
+        resets = {name: (arr, initial[name][0]) for name, arr in state.slots.items()}
+
+    def dense(values, row_slot, keys, _rows, _fresh, key_slots, arrays):
         vectors = initial_vectors(spec, keys)
         if row_opt.admits(spec.optimizer):  # the first dimension only, until admitted
             vectors = vectors.at[:, 1:].set(0.0)
+        # one scatter an array, positions that created no row dropped
+        reset = {name: arr.at[at].set(jnp.broadcast_to(resets[name][1],
+                                                       at.shape + arr.shape[1:]), mode="drop")
+                 for name, arr in arrays.items()}
         return (values.at[at].set(vectors, mode="drop"),
-                row_slot.at[at].set(key_slots, mode="drop"))
+                row_slot.at[at].set(key_slots, mode="drop"), reset)
 
-    values, row_slot = initialize_rows(
+    values, row_slot, reset = initialize_rows(
         state.values, state.row_slot, keys, lk.rows, lk.fresh, key_slots,
         scales=row_opt.initial_scales(spec.optimizer, spec.dim, spec.init_bound),
-        seed=spec.seed, zero_tail=row_opt.admits(spec.optimizer), reference=dense)
-    slots = state.slots
-    if spec.eviction is not None and slots:
-        # an evicted key's row held another key's optimizer state: it starts again too (one
-        # scatter a slot array; positions that created no row dropped)
-        initial = row_opt.init_slots(spec.optimizer, 1, spec.dim)
-        slots = {name: arr.at[at].set(jnp.broadcast_to(initial[name][0],
-                                                       at.shape + arr.shape[1:]), mode="drop")
-                 for name, arr in slots.items()}
-    return state._replace(values=values, row_slot=row_slot, slots=slots)
+        seed=spec.seed, zero_tail=row_opt.admits(spec.optimizer), reference=dense,
+        resets=resets)
+    return state._replace(values=values, row_slot=row_slot, slots={**state.slots, **reset})
 
 
 def initial_vectors(spec: EmbeddingSpec, keys: jax.Array) -> jax.Array:

@@ -78,6 +78,7 @@ AVAILABLE = numba is not None and hasattr(jax, "ffi")
 # Byte offsets in the C structs (all 64-bit fields or padded to 8 bytes).
 _FRAME_EXTENSION, _FRAME_API, _FRAME_ARGS, _FRAME_RETS = 8, 16, 40, 80
 _LIST_POINTERS = 32  # XLA_FFI_Args / XLA_FFI_Rets: struct_size, extension, size, types, pointers
+_LIST_SIZE = 16
 # XLA_FFI_Buffer: struct_size, extension, dtype, data, rank, dims
 _BUFFER_DATA, _BUFFER_DIMS = 24, 40
 _EXTENSION_TYPE, _METADATA_POINTER = 8, 24  # XLA_FFI_Metadata_Extension
@@ -453,24 +454,38 @@ if AVAILABLE:
         return types.void(types.int64, types.uint64, types.int64, types.int64), codegen
 
     @numba.njit(inline="always")
-    def _init_rows(values, row_slot, keys, rows, fresh, key_slots, scales, salt, zero_tail):
+    def _init_rows(values, row_slot, keys, rows, fresh, key_slots, scales, salt, zero_tail,
+                   extra_at, extra_width, fill_at):
         """Each fresh position's row gets its key's initial vector
         (:func:`jctr.ops.hashing.key_uniform` times ``scales``, bit for bit; with
-        ``zero_tail`` every column but the first is 0) and its slot; one pass over the batch,
-        the rows written in place (the lines of a position ``_AHEAD`` on fetched first)."""
+        ``zero_tail`` every column but the first is 0) and its slot, and its row of each
+        extra array (4-byte elements, ``extra_width`` a row, at ``extra_at``: an evicting
+        table's optimizer rows) the fill row at ``fill_at``; one pass over the batch, the rows
+        written in place (the lines of a position ``_AHEAD`` on fetched first)."""
         n, capacity, dim = keys.shape[0], values.shape[0], values.shape[1]
         values_at, slot_at = values.ctypes.data, row_slot.ctypes.data
         scales_at = scales.ctypes.data
         vector = dim % 16 == 0 and not zero_tail
+        extras = extra_at.shape[0]
         for i in range(n):
             ahead = i + _AHEAD
             if ahead < n and fresh[ahead] and 0 <= rows[ahead] < capacity:
                 # its vector's line and its slot id's (a full table's rows are random ones)
-                _prefetch(values_at + 4 * dim * np.int64(rows[ahead]))
-                _prefetch(slot_at + 4 * np.int64(rows[ahead]))
+                ra = np.int64(rows[ahead])
+                _prefetch(values_at + 4 * dim * ra)
+                _prefetch(slot_at + 4 * ra)
+                for e in range(extras):
+                    _prefetch(extra_at[e] + 4 * extra_width[e] * ra)
             r = rows[i]
             if not fresh[i] or r < 0 or r >= capacity:
                 continue
+            for e in range(extras):
+                width = extra_width[e]
+                row = carray(_pointer(extra_at[e] + 4 * width * np.int64(r)), (width,),
+                             np.int32)
+                fill = carray(_pointer(fill_at[e]), (width,), np.int32)
+                for c in range(width):
+                    row[c] = fill[c]
             h = _mix(np.uint64(keys[i]) ^ salt)
             if vector:
                 for c in range(0, dim, 16):
@@ -498,6 +513,18 @@ if AVAILABLE:
         slot_at = _buffer(frame, _FRAME_RETS, 1)[0]
         _adopt(values_at, values_in, 4 * capacity * dim)
         _adopt(slot_at, slot_in, 4 * capacity)
+        # after the eight fixed arguments, pairs (array [capacity(, width)], its fill row)
+        extras = (_word(frame + _FRAME_ARGS + _LIST_SIZE) - 8) // 2
+        extra_at = np.empty(extras, np.int64)
+        extra_width = np.empty(extras, np.int64)
+        fill_at = np.empty(extras, np.int64)
+        for e in range(extras):
+            data_in = _buffer(frame, _FRAME_ARGS, 8 + 2 * e)[0]
+            fill_data, fill_dims = _buffer(frame, _FRAME_ARGS, 9 + 2 * e)
+            fill_at[e] = fill_data
+            extra_width[e] = _word(fill_dims)
+            extra_at[e] = _buffer(frame, _FRAME_RETS, 2 + e)[0]
+            _adopt(extra_at[e], data_in, 4 * capacity * extra_width[e])
         _init_rows(carray(_pointer(values_at), (capacity, dim), np.float32),
                    carray(_pointer(slot_at), (capacity,), np.int32),
                    carray(_pointer(key_data), (n,), np.int64),
@@ -505,7 +532,7 @@ if AVAILABLE:
                    carray(_pointer(_buffer(frame, _FRAME_ARGS, 4)[0]), (n,), np.bool_),
                    carray(_pointer(_buffer(frame, _FRAME_ARGS, 5)[0]), (n,), np.int32),
                    carray(_pointer(_buffer(frame, _FRAME_ARGS, 6)[0]), (dim,), np.float32),
-                   np.uint64(params[0]), params[1] != 0)
+                   np.uint64(params[0]), params[1] != 0, extra_at, extra_width, fill_at)
         return _pointer(0)
 
     _ROW16 = ir.VectorType(ir.FloatType(), 16)
@@ -1029,22 +1056,31 @@ def find_assign(slot_keys: jax.Array, slot_rows: jax.Array, scratch: jax.Array,
 
 def init_rows(values: jax.Array, row_slot: jax.Array, keys: jax.Array, rows: jax.Array,
               fresh: jax.Array, key_slots: jax.Array, scales: jax.Array, seed: int,
-              zero_tail: bool) -> tuple[jax.Array, jax.Array]:
-    """(values, row_slot) with each ``fresh`` position's row (``rows``) set to its key's
-    initial vector (:func:`jctr.ops.hashing.key_uniform` of ``seed`` times ``scales`` [dim],
-    bit for bit; ``zero_tail``: columns after the first 0) and ``row_slot`` to its
-    ``key_slots``; in one native pass, in place when the buffers can be donated. float32
-    values. CPU only."""
+              zero_tail: bool, resets: tuple = ()) -> tuple:
+    """(values, row_slot, *reset arrays) with each ``fresh`` position's row (``rows``) set to
+    its key's initial vector (:func:`jctr.ops.hashing.key_uniform` of ``seed`` times
+    ``scales`` [dim], bit for bit; ``zero_tail``: columns after the first 0), ``row_slot`` to
+    its ``key_slots``, and its row of each array in ``resets`` ((array [capacity] or
+    [capacity, width] of float32 or int32, fill row [width]) pairs) to the fill row; in one
+    native pass, in place when the buffers can be donated. float32 values. CPU only."""
     _register()
     params = jnp.asarray([seed_salt(seed), int(zero_tail)], jnp.int64)
-    return jax.ffi.ffi_call(
+    extra_args, extra_out = [], []
+    for arr, fill in resets:
+        width = arr.shape[1] if arr.ndim == 2 else 1
+        extra_args += [arr, jnp.broadcast_to(jnp.asarray(fill, arr.dtype).reshape(-1),
+                                             (width,))]
+        extra_out.append(jax.ShapeDtypeStruct(arr.shape, arr.dtype))
+    aliases = {0: 0, 1: 1} | {8 + 2 * e: 2 + e for e in range(len(resets))}
+    return tuple(jax.ffi.ffi_call(
         "jctr_cpu_init_rows",
         (jax.ShapeDtypeStruct(values.shape, jnp.float32),
-         jax.ShapeDtypeStruct(row_slot.shape, jnp.int32)),
-        input_output_aliases={0: 0, 1: 1})(
+         jax.ShapeDtypeStruct(row_slot.shape, jnp.int32), *extra_out),
+        input_output_aliases=aliases)(
             values, row_slot, keys.astype(jnp.int64), rows.astype(jnp.int32),
             fresh.astype(jnp.bool_), key_slots.astype(jnp.int32),
-            jnp.broadcast_to(jnp.asarray(scales, jnp.float32), (values.shape[1],)), params)
+            jnp.broadcast_to(jnp.asarray(scales, jnp.float32), (values.shape[1],)), params,
+            *extra_args))
 
 
 def bag_sum(values: jax.Array, rows: jax.Array, segments: jax.Array,

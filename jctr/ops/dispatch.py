@@ -297,17 +297,26 @@ def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, 
 
 
 def initialize_rows(values, row_slot, keys, rows, fresh, key_slots, *, scales, seed: int,
-                    zero_tail: bool, reference):
-    """(values, row_slot) with the initial vectors and slots of the rows a training lookup
-    created (``fresh`` positions); ``reference``: the XLA formulation, called with the same
-    six arrays. On CPU one native pass (:func:`jctr.ops.cpu_ffi.init_rows`, bit for bit
-    :func:`jctr.ops.hashing.key_uniform` times ``scales``) for float32 tables."""
-    args = (values, row_slot, keys, rows, fresh, key_slots)
-    if not _native_rows(values):
+                    zero_tail: bool, reference, resets: dict | None = None):
+    """(values, row_slot, resets) with the initial vectors and slots of the rows a training
+    lookup created (``fresh`` positions), and those rows of each array in ``resets`` (name ->
+    (array, fill row): an evicting table's optimizer rows) set to its fill row;
+    ``reference``: the XLA formulation, called with the same six arrays and the dict of
+    arrays. On CPU one native pass (:func:`jctr.ops.cpu_ffi.init_rows`, bit for bit
+    :func:`jctr.ops.hashing.key_uniform` times ``scales``) for float32 tables, the resets in
+    the same pass where their elements are 4 bytes."""
+    resets = resets or {}
+    names = sorted(resets)
+    arrays = {name: resets[name][0] for name in names}
+    args = (values, row_slot, keys, rows, fresh, key_slots, arrays)
+    if not _native_rows(values) or any(
+            arrays[name].dtype.itemsize != 4 or arrays[name].ndim > 2 for name in names):
         return reference(*args)
 
-    def cpu(*args):
-        return cpu_ffi.init_rows(*args, scales, seed, zero_tail)
+    def cpu(values, row_slot, keys, rows, fresh, key_slots, arrays):
+        out = cpu_ffi.init_rows(values, row_slot, keys, rows, fresh, key_slots, scales, seed,
+                                zero_tail, tuple((arrays[n], resets[n][1]) for n in names))
+        return out[0], out[1], dict(zip(names, out[2:]))
 
     return _by_platform(*args, cpu=cpu, default=reference)
 

@@ -478,3 +478,21 @@ def test_the_evicting_lookup_lowers_for_cuda_without_a_gpu():
         text = step.trace(create_table(1000, ev), jnp.zeros(512, jnp.int64)).lower(
             lowering_platforms=("cuda",)).as_text()
     assert "jctr_cpu" not in text and "while" in text
+    # the whole training lookup of an evicting Adam table (the initial rows with the
+    # optimizer rows' reset, the slots built again): the CPU's kernels in the CPU lowering
+    # only
+    from jctr.config.schema import OptimizerConfig
+    from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding, lookup_keys
+
+    spec = EmbeddingSpec("t", capacity=1000, dim=16, slot_num=1, max_features=1, one_hot=True,
+                         input_index=0, optimizer=OptimizerConfig("Adam", update_type="Local"),
+                         eviction=ev)
+    train = jax.jit(lambda s, k: lookup_keys(spec, s, k, jnp.ones(k.shape, bool),
+                                             jnp.zeros(k.shape, jnp.int32), train=True)[0])
+    with every_platform():
+        traced = train.trace(init_embedding(spec), jnp.zeros(512, jnp.int64))
+        cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
+        cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "jctr_cpu" not in cuda
+    for kernel in ("jctr_cpu_init_rows", "jctr_cpu_rebuild_slots", "jctr_cpu_evict"):
+        assert kernel in cpu, kernel

@@ -265,6 +265,17 @@ def test_bucket_probes_of_a_crowded_table_with_tombstones_and_wrapping():
     np.testing.assert_array_equal(np.asarray(found), placed)
 
 
+def _fresh_rows_case(rng, capacity: int, n: int, dim: int):
+    """A table's rows and a batch for ``init_rows``: random vectors, no slots yet, keys, rows
+    (a tenth -1, the others distinct), which positions are fresh, their slot ids."""
+    rows = np.where(rng.random(n) < 0.1, -1, rng.permutation(capacity)[:n]).astype(np.int32)
+    return (jnp.asarray(rng.random((capacity, dim), dtype=np.float32)),
+            jnp.full(capacity, -1, jnp.int32),
+            jnp.asarray(rng.integers(-(1 << 62), 1 << 62, n)), jnp.asarray(rows),
+            jnp.asarray(rng.random(n) < 0.6),
+            jnp.asarray(rng.integers(0, 26, n).astype(np.int32)))
+
+
 @pytest.mark.parametrize("seed,zero_tail,per_column,dim", [
     (0, False, False, 16), (7, True, True, 16), (123456789, False, True, 32),
     (5, False, True, 12)])
@@ -279,13 +290,7 @@ def test_init_rows_writes_key_uniform_bit_for_bit(seed, zero_tail, per_column, d
 
     rng = np.random.default_rng(seed)
     capacity, n = 500, 300
-    values = jnp.asarray(rng.random((capacity, dim), dtype=np.float32))
-    row_slot = jnp.full(capacity, -1, jnp.int32)
-    keys = jnp.asarray(rng.integers(-(1 << 62), 1 << 62, n))
-    rows = jnp.asarray(np.where(rng.random(n) < 0.1, -1,
-                                rng.permutation(capacity)[:n]).astype(np.int32))
-    fresh = jnp.asarray(rng.random(n) < 0.6)
-    key_slots = jnp.asarray(rng.integers(0, 26, n).astype(np.int32))
+    values, row_slot, keys, rows, fresh, key_slots = _fresh_rows_case(rng, capacity, n, dim)
     scales = (jnp.linspace(0.01, 0.5, dim, dtype=jnp.float32) if per_column
               else np.float32(0.05))
     got, got_slots = jax.jit(lambda *a: cpu_ffi.init_rows(*a, scales, seed, zero_tail))(
@@ -308,13 +313,7 @@ def test_init_rows_resets_the_optimizer_rows_of_fresh_rows_in_the_same_pass():
     vectors and slots as without them."""
     rng = np.random.default_rng(4)
     capacity, n, dim = 400, 250, 16
-    values = jnp.asarray(rng.random((capacity, dim), dtype=np.float32))
-    row_slot = jnp.full(capacity, -1, jnp.int32)
-    keys = jnp.asarray(rng.integers(-(1 << 62), 1 << 62, n))
-    rows = jnp.asarray(np.where(rng.random(n) < 0.1, -1,
-                                rng.permutation(capacity)[:n]).astype(np.int32))
-    fresh = jnp.asarray(rng.random(n) < 0.6)
-    key_slots = jnp.asarray(rng.integers(0, 26, n).astype(np.int32))
+    values, row_slot, keys, rows, fresh, key_slots = _fresh_rows_case(rng, capacity, n, dim)
     arrays = (jnp.asarray(rng.random((capacity, dim), dtype=np.float32)),
               jnp.asarray(rng.random((capacity, 2), dtype=np.float32)),
               jnp.asarray(rng.integers(1, 9, capacity).astype(np.int32)))

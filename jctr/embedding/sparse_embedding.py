@@ -147,14 +147,15 @@ def erase_keys(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array,
 
 def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array,
                           lk: Lookup, key_slots: jax.Array) -> EmbeddingState:
-    """Write the initial vector (and slot) of the rows this lookup created.
+    """Write the initial vector (and slot) of the rows this lookup created; in a table that
+    evicts, their optimizer rows start again too (the row may have held another key's).
 
-    On CPU one native pass over the batch (:func:`jctr.ops.initialize_rows`). Elsewhere (a
-    GPU) one scatter of every position's initial vector, the positions that created no row
-    dropped: the vectors are a hash of the key, cheap where thousands of threads compute them.
-    (Compacted chunks under a ``cond`` went with a copy of the whole table in XLA:GPU's
-    step: 2.6 GB of temporaries for a 10M x 64 table, ``tests/test_sparse_memory.py`` on an
-    H200.)
+    On CPU one native pass over the batch for all of it (:func:`jctr.ops.initialize_rows`).
+    Elsewhere (a GPU) one scatter of every position's initial vector, the positions that
+    created no row dropped: the vectors are a hash of the key, cheap where thousands of
+    threads compute them. (Compacted chunks under a ``cond`` went with a copy of the whole
+    table in XLA:GPU's step: 2.6 GB of temporaries for a 10M x 64 table,
+    ``tests/test_sparse_memory.py`` on an H200.)
     """
     capacity = state.values.shape[0]
     at = jnp.where(lk.fresh & (lk.rows >= 0), lk.rows, capacity)  # new rows; others dropped

@@ -624,6 +624,24 @@ if AVAILABLE:
     _NEVER = np.iinfo(np.int64).max
 
     @numba.njit(inline="always")
+    def _table_operands(frame):
+        """A table's slot keys, slot rows and scores (the first three arguments) as the first
+        three results, which XLA aliases to them (else they start as copies): carrays."""
+        keys_in, slot_dims = _buffer(frame, _FRAME_ARGS, 0)
+        rows_in, _ = _buffer(frame, _FRAME_ARGS, 1)
+        score_in, score_dims = _buffer(frame, _FRAME_ARGS, 2)
+        num_slots, tracked, columns = _word(slot_dims), _word(score_dims), _word(score_dims + 8)
+        outs = (_buffer(frame, _FRAME_RETS, 0)[0], _buffer(frame, _FRAME_RETS, 1)[0],
+                _buffer(frame, _FRAME_RETS, 2)[0])
+        sizes = (8 * num_slots, 4 * num_slots, 4 * tracked * columns)
+        ins = (keys_in, rows_in, score_in)
+        for j in range(3):
+            _adopt(outs[j], ins[j], sizes[j])
+        return (carray(_pointer(outs[0]), (num_slots,), np.int64),
+                carray(_pointer(outs[1]), (num_slots,), np.int32),
+                carray(_pointer(outs[2]), (tracked, columns), np.int32))
+
+    @numba.njit(inline="always")
     def _rank(score, r, clock, policy, epoch_steps):
         """:func:`jctr.embedding.hash_table._rank` of the key at slot ``r``."""
         last = np.int64(score[r, 0])
@@ -739,24 +757,13 @@ if AVAILABLE:
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
-        keys_in, slot_dims = _buffer(frame, _FRAME_ARGS, 0)
-        rows_in, _ = _buffer(frame, _FRAME_ARGS, 1)
-        score_in, score_dims = _buffer(frame, _FRAME_ARGS, 2)
+        slot_keys, slot_rows, score = _table_operands(frame)
         key_data, pos_dims = _buffer(frame, _FRAME_ARGS, 3)
         slot_data, _ = _buffer(frame, _FRAME_ARGS, 4)
         needy_data, _ = _buffer(frame, _FRAME_ARGS, 5)
         param_data, _ = _buffer(frame, _FRAME_ARGS, 6)
-        n, num_slots = _word(pos_dims), _word(slot_dims)
-        columns = _word(score_dims + 8)
-        outs = (_buffer(frame, _FRAME_RETS, 0)[0], _buffer(frame, _FRAME_RETS, 1)[0],
-                _buffer(frame, _FRAME_RETS, 2)[0])
-        sizes = (8 * num_slots, 4 * num_slots, 4 * num_slots * columns)
-        ins = (keys_in, rows_in, score_in)
-        for j in range(3):
-            _adopt(outs[j], ins[j], sizes[j])
-        _evict_all(carray(_pointer(outs[0]), (num_slots,), np.int64),
-                   carray(_pointer(outs[1]), (num_slots,), np.int32),
-                   carray(_pointer(outs[2]), (num_slots, columns), np.int32),
+        n = _word(pos_dims)
+        _evict_all(slot_keys, slot_rows, score,
                    carray(_pointer(key_data), (n,), np.int64),
                    carray(_pointer(slot_data), (n,), np.int32),
                    carray(_pointer(needy_data), (n,), np.bool_),
@@ -833,19 +840,7 @@ if AVAILABLE:
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
-        keys_in, slot_dims = _buffer(frame, _FRAME_ARGS, 0)
-        rows_in, _ = _buffer(frame, _FRAME_ARGS, 1)
-        score_in, score_dims = _buffer(frame, _FRAME_ARGS, 2)
-        num_slots, tracked, columns = _word(slot_dims), _word(score_dims), _word(score_dims + 8)
-        outs = (_buffer(frame, _FRAME_RETS, 0)[0], _buffer(frame, _FRAME_RETS, 1)[0],
-                _buffer(frame, _FRAME_RETS, 2)[0])
-        sizes = (8 * num_slots, 4 * num_slots, 4 * tracked * columns)
-        ins = (keys_in, rows_in, score_in)
-        for j in range(3):
-            _adopt(outs[j], ins[j], sizes[j])
-        _rebuild_in_place(carray(_pointer(outs[0]), (num_slots,), np.int64),
-                          carray(_pointer(outs[1]), (num_slots,), np.int32),
-                          carray(_pointer(outs[2]), (tracked, columns), np.int32))
+        _rebuild_in_place(*_table_operands(frame))
         return _pointer(0)
 
     _LANES = 16  # floats per vector in the interaction kernels

@@ -840,7 +840,8 @@ if AVAILABLE:
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
-        _rebuild_in_place(*_table_operands(frame))
+        slot_keys, slot_rows, score = _table_operands(frame)
+        _rebuild_in_place(slot_keys, slot_rows, score)
         return _pointer(0)
 
     _LANES = 16  # floats per vector in the interaction kernels

@@ -22,6 +22,20 @@ def _table(n_keys=40, num_slots=128, key_range=10**12):
     return table, keys
 
 
+def test_the_native_kernels_build_where_numba_is_installed():
+    """numba is a declared dependency, so every handler must compile: a kernel numba refuses
+    turns them all off with a warning and the XLA formulations run (tests that compare the
+    two would then compare XLA with itself). Checked in a fresh process, whose import
+    compiles them (or loads numba's cache)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c",
+                           "import jctr.ops.cpu_ffi as c; assert c.AVAILABLE"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+
+
 @pytest.mark.parametrize("n,parts", [(0, 2), (1, 2), (1, 1), (7, 2), (7, 3), (50, 4)])
 def test_lookup_slots_any_batch_split(n, parts):
     table, stored = _table(key_range=2**31)  # fits int32: the kernel must take int32 keys too

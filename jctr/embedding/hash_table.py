@@ -31,7 +31,9 @@ from jctr.ops import (
     find_slots,
     representatives,
 )
-from jctr.ops import rebuild_slots as rebuild  # (this module's rebuild_slots wraps it)
+from jctr.ops import (
+    rebuild_slots as rebuild,  # this module's rebuild_slots wraps it
+)
 from jctr.ops.hashing import BUCKET, MAX_LOAD, rebuild_start, window_start
 
 # an erased key's slot: neither empty (probes go on past it) nor any real key (keys equal to

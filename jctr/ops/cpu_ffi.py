@@ -78,7 +78,7 @@ AVAILABLE = numba is not None and hasattr(jax, "ffi")
 # Byte offsets in the C structs (all 64-bit fields or padded to 8 bytes).
 _FRAME_EXTENSION, _FRAME_API, _FRAME_ARGS, _FRAME_RETS = 8, 16, 40, 80
 _LIST_POINTERS = 32  # XLA_FFI_Args / XLA_FFI_Rets: struct_size, extension, size, types, pointers
-_LIST_SIZE = 16
+_LIST_SIZE = 16  # the offset of ``size`` (how many arguments or results) in those lists
 # XLA_FFI_Buffer: struct_size, extension, dtype, data, rank, dims
 _BUFFER_DATA, _BUFFER_DIMS = 24, 40
 _EXTENSION_TYPE, _METADATA_POINTER = 8, 24  # XLA_FFI_Metadata_Extension
@@ -773,10 +773,11 @@ if AVAILABLE:
         return _pointer(0)
 
     @numba.njit(inline="always")
-    def _clear_slot(slot_keys, slot_rows, score, s, scored):
+    def _clear_slot(slot_keys, slot_rows, score, s):
+        """Slot ``s`` empty: no key, no row, score 0 (a table that keeps scores)."""
         slot_keys[s] = EMPTY_KEY
         slot_rows[s] = -1
-        if scored:
+        if score.shape[0]:
             for c in range(score.shape[1]):
                 score[s, c] = 0
 
@@ -803,7 +804,7 @@ if AVAILABLE:
         if start < 0:  # no empty slot: nothing bounds the probes
             old_keys, old_rows, old_score = slot_keys.copy(), slot_rows.copy(), score.copy()
             for s in range(n):
-                _clear_slot(slot_keys, slot_rows, score, s, scored)
+                _clear_slot(slot_keys, slot_rows, score, s)
             for s in range(n):
                 if old_rows[s] < 0:
                     continue
@@ -818,7 +819,7 @@ if AVAILABLE:
             key = slot_keys[s]
             if key != EMPTY_KEY:
                 if slot_rows[s] < 0:  # a tombstone, or a key refused a row
-                    _clear_slot(slot_keys, slot_rows, score, s, scored)
+                    _clear_slot(slot_keys, slot_rows, score, s)
                 else:
                     p = _home(key, buckets, width)
                     while p != s and slot_keys[p] != EMPTY_KEY:
@@ -831,7 +832,7 @@ if AVAILABLE:
                         if scored:
                             for c in range(score.shape[1]):
                                 score[p, c] = score[s, c]
-                        _clear_slot(slot_keys, slot_rows, score, s, scored)
+                        _clear_slot(slot_keys, slot_rows, score, s)
             s += 1
             if s == n:
                 s = 0

@@ -532,7 +532,8 @@ def test_a_tables_rows_of_the_messages_read_apply_together_as_one_after_the_othe
             if np.isfinite(v).all():
                 expect[int(k)] = v
         batch.append((("t", 0), step, decode(encode_rows(name, table, step, keys, values))))
-    applier._apply(batch)
+    for side in applier.consumers:  # the serving side, then the persistent one
+        side._apply(batch)
     key = f"hps_et.{name}.{table}"
     assert applier.last_step[key] == 5 and applier.refused["rows_nonfinite"] == 1
     assert applier.applied_rows == sum(u.keys.size for _, _, u in batch) - 1

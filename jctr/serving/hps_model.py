@@ -412,15 +412,25 @@ class HPSModel:
             if t.cache is not None:
                 t.cache.compile_refresh()
 
-    def swap_dense(self, dense: bytes, non_trainable: str) -> None:
-        """New dense weights (a dense model file's bytes) and BatchNorm statistics, checked like
-        the files, put in place between two requests."""
+    def _dense_from(self, dense: bytes, non_trainable: str):
+        """Dense weights and BatchNorm statistics from an update, checked like the files
+        (:class:`jctr.checkpoint.model_files.ModelFileError` where they do not fit)."""
         with self._lock:
             params, stats = self._params, self._stats
         nt = non_trainable if non_trainable and _has_batchnorm(self.cfg) else None
         with jax.default_device(jax.local_devices()[0]):
             params, stats = dense_from_bytes(self.step_config.graphdef, params, stats, dense,
                                              nt, where=f"dense update of {self.name}")
+        return params, stats, nt
+
+    def check_dense(self, dense: bytes, non_trainable: str) -> None:
+        """What :meth:`swap_dense` checks, nothing swapped (the side that keeps them)."""
+        self._dense_from(dense, non_trainable)
+
+    def swap_dense(self, dense: bytes, non_trainable: str) -> None:
+        """New dense weights (a dense model file's bytes) and BatchNorm statistics, checked like
+        the files, put in place between two requests."""
+        params, stats, nt = self._dense_from(dense, non_trainable)
         with self._lock:
             self._params = params
             if nt is not None:

@@ -1,17 +1,26 @@
 """The HPS side of online model updates (``update_source`` of type ``kafka_message_queue``):
-a thread reads the update topics of the served models (:class:`jctr.stores.kafka.UpdateReader`)
-and applies each message to every layer whose ``update_filters`` match the table
+threads read the update topics of the served models (:class:`jctr.stores.kafka.UpdateReader`)
+and apply each message to every layer whose ``update_filters`` match the table
 (``hps_et.<model>.<table>``): the volatile database, the persistent database, and the device
 cache (rows it holds are refreshed in place); a table's rows of one poll go in together, in
 chunks of ``max_batch_size`` keys; dense weights are swapped between two requests.
 
+With a persistent database that takes updates, each side reads in a consumer group of its own,
+as HugeCTR's HPS does (one message source per layer): the serving side (volatile database,
+device cache, dense swap; group ``<group>.serving``) is not held back by RocksDB's writes, which
+the persistent side (group ``<group>``; it also keeps the dense weights a restart serves)
+makes only while the serving side has nothing in hand (both run in one Python process: a
+RocksDB write holds the interpreter). A restarted serving side reads from the lower of the two
+groups' commits: a hash map that starts from RocksDB's rows holds what the persistent group
+committed, no more.
+
 Delivery is at least once and applying is idempotent (a row is set, never added to; a table's
 messages come in order), so a restarted consumer that reads some messages again ends in the
-same state. Offsets are committed only after every layer holds what was read; a failed write is
-retried after ``failure_backoff_ms`` from the last committed point, never acknowledged early.
-A message that can never apply is refused, logged and counted, never retried: dense weights of
-the wrong size or with non-finite values, rows of another width, and rows holding NaN or
-infinity (the other rows of that message apply).
+same state. Offsets are committed only after the group's layers hold what was read; a failed
+write is retried after ``failure_backoff_ms`` from the last committed point, never acknowledged
+early. A message that can never apply is refused, logged and counted, never retried: dense
+weights of the wrong size or with non-finite values, rows of another width, and rows holding
+NaN or infinity (the other rows of that message apply).
 
 Example::
 
@@ -36,11 +45,21 @@ from jctr.stores.kafka import UpdateReader, dense_topic, update_topics
 
 log = logging.getLogger("jctr.serving")
 
+# the persistent side trails the serving side: a batch waits (at most _TRAIL_S) until the
+# serving side has applied it, and each chunk written (at most _YIELD_S) while the serving side
+# has a batch in hand; it yields, it is never starved
+_TRAIL_S = 1.0
+_YIELD_S = 0.1
+
 
 class UpdateApplier:
     """Applies online updates to the layers of the served models (see the module
-    docstring). ``group``: the consumer group whose committed offsets say what is applied
-    (servers with layers of their own need groups of their own)."""
+    docstring). ``group``: the consumer group whose committed offsets say what the layer that
+    outlives the process holds (servers with layers of their own need groups of their own).
+
+    Its counts are the layers': ``applied_rows``, ``applied_dense`` and ``last_step`` what
+    every layer holds, ``dense_steps`` and ``caught_up`` (readiness) the serving side's;
+    :meth:`stats` gives each side's."""
 
     def __init__(self, params: UpdateSourceParams, dbs: Databases, models: dict, *,
                  group: str = "jctr-hps"):
@@ -48,9 +67,95 @@ class UpdateApplier:
         self.dbs = dbs
         self.models = models
         self.group = group
-        self.topics = update_topics(list(models))
+        # a layer that starts empty in a restarted server loses what was applied: read every
+        # topic from its start then, whatever the group committed
+        from_start = not all(dbs.updates_last(t.key) for m in models.values()
+                             for t in m.tables)
+        split = any("persistent_db" in dbs.update_layers(t.key) for m in models.values()
+                    for t in m.tables)
+        if split:
+            self.lasting: _Consumer | None = _Consumer(self, "lasting", group, from_start)
+            self.serving = _Consumer(self, "serving", f"{group}.serving", from_start,
+                                     behind=group)
+            self.consumers = [self.serving, self.lasting]
+        else:
+            self.lasting = None
+            self.serving = _Consumer(self, "all", group, from_start)
+            self.consumers = [self.serving]
+
+    def start(self) -> None:
+        for c in self.consumers:
+            c.start()
+
+    def close(self) -> None:
+        for c in self.consumers:
+            c.stop()
+        for c in self.consumers:
+            c.join()
+
+    # -- what every layer holds ----------------------------------------------------------------
+    @property
+    def applied_rows(self) -> int:
+        return min(c.applied_rows for c in self.consumers)
+
+    @property
+    def applied_dense(self) -> int:
+        return min(c.applied_dense for c in self.consumers)
+
+    @property
+    def failures(self) -> int:
+        return sum(c.failures for c in self.consumers)
+
+    @property
+    def refused(self) -> dict:
+        return self.serving.refused
+
+    @property
+    def last_step(self) -> dict[str, int]:
+        """Table key / dense topic -> the step every layer holds."""
+        steps = [dict(c.last_step) for c in self.consumers]
+        return {k: min(s[k] for s in steps) for k in steps[0] if all(k in s for s in steps)}
+
+    @property
+    def dense_steps(self) -> list[int]:
+        return self.serving.dense_steps
+
+    @property
+    def caught_up(self) -> bool:
+        """What the topics held at start is served (readiness)."""
+        return self.serving.caught_up
+
+    @property
+    def error(self) -> str | None:
+        return next((c.error for c in self.consumers if c.error is not None), None)
+
+    def stats(self) -> dict:
+        return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,
+                "failures": self.failures, "refused": dict(self.refused),
+                "error": self.error, "last_step": self.last_step,
+                "consumers": {c.group: c.stats() for c in self.consumers}}
+
+
+class _Consumer:
+    """One consumer group's thread and the layers it writes: ``role`` ``all`` (every layer),
+    ``serving`` (volatile database, device cache, dense swap) or ``lasting`` (the persistent
+    database and the kept dense weights)."""
+
+    def __init__(self, owner: UpdateApplier, role: str, group: str, from_start: bool, *,
+                 behind: str | None = None):
+        self.owner = owner
+        self.params = owner.params
+        self.dbs = owner.dbs
+        self.models = owner.models
+        self.role = role
+        self.group = group
+        self.behind = behind
+        self.from_start = from_start
+        self.topics = update_topics(list(self.models))
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.busy = False  # a batch read and not yet applied (the persistent side yields)
+        self.offsets: dict[tuple[str, int], int] = {}  # (topic, partition) -> next to apply
         self.applied_rows = 0
         self.applied_dense = 0
         self.failures = 0
@@ -61,31 +166,41 @@ class UpdateApplier:
         self.last_step: dict[str, int] = {}  # table key / dense topic -> step applied
         self.dense_steps: list[int] = []  # the step of each dense message applied
         self.error: str | None = None
-        # a layer that starts empty in a restarted server loses what was applied: read every
-        # topic from its start then, whatever the group committed
-        self.from_start = not all(dbs.updates_last(t.key) for m in models.values()
-                                  for t in m.tables)
-        self.caught_up = False  # what the topics held at start is applied (readiness)
+        self.caught_up = False  # what the topics held at start is applied
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="hps-updates", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=f"hps-updates-{self.role}",
+                                        daemon=True)
         self._thread.start()
 
-    def close(self) -> None:
+    def stop(self) -> None:
         self._stop.set()
+
+    def join(self) -> None:
         if self._thread is not None:
             self._thread.join(timeout=10)
+
+    def stats(self) -> dict:
+        return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,
+                "failures": self.failures, "error": self.error,
+                "last_step": dict(self.last_step), "caught_up": self.caught_up}
+
+    @property
+    def _says(self) -> bool:
+        """This side logs the refusals (the persistent side refuses the same silently)."""
+        return self.role != "lasting"
 
     def _run(self) -> None:
         p = self.params
         backoff = p.failure_backoff_ms / 1000.0
         reader = None
-        for name, model in self.models.items():  # before the first update, on this thread
-            try:
-                model.compile_refresh()
-            except Exception as e:  # the first refresh then compiles it
-                log.warning("update_source: the device cache refresh of %s was not compiled "
-                            "ahead: %s", name, e)
+        if self.role != "lasting":
+            for name, model in self.models.items():  # before the first update, on this thread
+                try:
+                    model.compile_refresh()
+                except Exception as e:  # the first refresh then compiles it
+                    log.warning("update_source: the device cache refresh of %s was not "
+                                "compiled ahead: %s", name, e)
         while not self._stop.is_set():
             try:
                 if reader is None:
@@ -94,7 +209,8 @@ class UpdateApplier:
                                           p.metadata_refresh_interval_ms,
                                           receive_buffer_size=p.receive_buffer_size,
                                           poll_timeout_ms=p.poll_timeout_ms,
-                                          security=p.security, from_start=self.from_start)
+                                          security=p.security, from_start=self.from_start,
+                                          behind=self.behind)
                 batch = reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
             except (StoreUnavailable, StoreError) as e:
                 self._down(str(e))
@@ -108,23 +224,30 @@ class UpdateApplier:
                 self._stop.wait(max(backoff, 1.0))
                 continue
             if self.error is not None and self._said is not None:
-                log.warning("update_source: the broker answers again")
+                if self._says:
+                    log.warning("update_source: the broker answers again")
                 self._said = None
             if not batch:
                 self.caught_up = self.caught_up or reader.caught_up()
                 continue
+            if self.role == "lasting":
+                self._trail(batch)
+            self.busy = True
             try:
                 self._apply(batch)
             except (StoreError, StoreUnavailable, OSError, ValueError) as e:
                 # nothing of this batch is acknowledged: read again from the last commit
+                self.busy = False
                 self.failures += 1
                 self.error = f"applying updates failed ({e}); retrying"
                 log.warning("update_source: %s", self.error)
                 self._stop.wait(backoff)
                 reader.rewind()
                 continue
+            self.busy = False
             for topic, offset, _ in batch:
                 reader.mark_applied(topic, offset)
+                self.offsets[topic] = offset + 1
             self.caught_up = self.caught_up or reader.caught_up()
             try:
                 reader.commit()
@@ -139,8 +262,9 @@ class UpdateApplier:
         self.error = error
         if self._said != error.split(" (")[0]:
             self._said = error.split(" (")[0]
-            log.warning("%s; retrying every %.1f s (readiness says so meanwhile)", error,
-                        max(self.params.failure_backoff_ms / 1000.0, 1.0))
+            if self._says:
+                log.warning("%s; retrying every %.1f s (readiness says so meanwhile)", error,
+                            max(self.params.failure_backoff_ms / 1000.0, 1.0))
 
     def _apply(self, batch) -> None:
         newest_dense = {u.model: n for n, (_, _, u) in enumerate(batch) if u.kind == "dense"}
@@ -155,46 +279,56 @@ class UpdateApplier:
                 self.refused["other_model"] += 1
                 if u.model not in self._strangers:
                     self._strangers.add(u.model)
-                    log.error("update_source: a message for model %r, which this server does "
-                              "not serve (%s), skipped (counted in jctr_updates_refused)",
-                              u.model, ", ".join(sorted(self.models)))
+                    if self._says:
+                        log.error("update_source: a message for model %r, which this server "
+                                  "does not serve (%s), skipped (counted in "
+                                  "jctr_updates_refused)", u.model, ", ".join(sorted(self.models)))
                 continue
             if u.kind == "dense":
                 if newest_dense[u.model] != n:  # a newer one in this batch replaces it
                     continue
                 self._apply_pending(pending)  # the rows read before it are served with it
                 try:
-                    model.swap_dense(u.dense, u.non_trainable)
+                    if self.role == "lasting":
+                        model.check_dense(u.dense, u.non_trainable)
+                    else:
+                        model.swap_dense(u.dense, u.non_trainable)
                 except ModelFileError as e:  # poison: retrying cannot help
                     self.refused["dense"] += 1
-                    log.error("update_source: dense update of %s at step %d refused: %s",
-                              u.model, u.step, e)
+                    if self._says:
+                        log.error("update_source: dense update of %s at step %d refused: %s",
+                                  u.model, u.step, e)
                     continue
-                # kept where it outlives the process: a restart serves it, not the files'
-                self.dbs.save_dense(dense_topic(u.model), u.dense,
-                                    {"step": u.step, "non_trainable": u.non_trainable,
-                                     "base": model.base_link()})
+                if self.role != "serving":
+                    # kept where it outlives the process: a restart serves it, not the files'
+                    self.dbs.save_dense(dense_topic(u.model), u.dense,
+                                        {"step": u.step, "non_trainable": u.non_trainable,
+                                         "base": model.base_link()})
                 self.applied_dense += 1
                 self.dense_steps.append(u.step)
                 self.last_step[dense_topic(u.model)] = u.step
                 continue
             i = model.table_index(u.table)
             if i is None:
-                log.error("update_source: model %s has no table %s; skipped", u.model, u.table)
+                if self._says:
+                    log.error("update_source: model %s has no table %s; skipped", u.model,
+                              u.table)
                 continue
             t = model.tables[i]
             if u.values.shape[1] != t.dim:
                 self.refused["rows_width"] += int(u.keys.size)
-                log.error("update_source: %s rows of size %d, the table has %d; skipped",
-                          t.key, u.values.shape[1], t.dim)
+                if self._says:
+                    log.error("update_source: %s rows of size %d, the table has %d; skipped",
+                              t.key, u.values.shape[1], t.dim)
                 continue
             keys, values = u.keys, u.values
             finite = np.isfinite(values).all(axis=1)
             if not finite.all():  # a NaN row would fail every request that reads its key
                 bad = int((~finite).sum())
                 self.refused["rows_nonfinite"] += bad
-                log.error("update_source: %s: %d row(s) with NaN or infinity refused (first "
-                          "key %d)", t.key, bad, int(keys[~finite][0]))
+                if self._says:
+                    log.error("update_source: %s: %d row(s) with NaN or infinity refused "
+                              "(first key %d)", t.key, bad, int(keys[~finite][0]))
                 keys, values = keys[finite], values[finite]
             pending.setdefault((u.model, i), []).append((keys, values, u.step))
         self._apply_pending(pending)
@@ -204,27 +338,51 @@ class UpdateApplier:
             self._apply_rows(self.models[name], i, parts)
         pending.clear()
 
+    def _layers(self, table: str) -> list[str]:
+        layers = self.dbs.update_layers(table)
+        if self.role == "all":
+            return layers
+        return [x for x in layers if (x == "persistent_db") == (self.role == "lasting")]
+
+    def _trail(self, batch) -> None:
+        """The persistent side waits (a while) until the serving side has applied ``batch``:
+        what it writes then never delays a served update (one interpreter runs both)."""
+        serving = self.owner.serving
+        end = time.monotonic() + _TRAIL_S
+        last = {}
+        for topic, offset, _ in batch:
+            last[topic] = offset
+        while (any(serving.offsets.get(w, -1) <= o for w, o in last.items())
+               and serving.error is None and time.monotonic() < end
+               and not self._stop.is_set()):
+            time.sleep(0.002)
+
+    def _yield_to_serving(self) -> None:
+        """The persistent side's write waits (a while) for the serving side to be idle."""
+        serving = self.owner.serving
+        end = time.monotonic() + _YIELD_S
+        while serving.busy and time.monotonic() < end and not self._stop.is_set():
+            time.sleep(0.002)
+
     def _apply_rows(self, model, i: int, parts: list) -> None:
         """One table's rows of the messages read, ``parts`` [(keys, values, step)] in their
-        order, to every layer in chunks of ``max_batch_size``."""
+        order, to this side's layers in chunks of ``max_batch_size``."""
         step = self.params.max_batch_size
         t = model.tables[i]
         keys_all = np.concatenate([k for k, _, _ in parts])
         values_all = np.concatenate([v for _, v, _ in parts])
-        layers = self.dbs.update_layers(t.key)
+        layers = self._layers(t.key)
         for s in range(0, keys_all.size, step):
             keys = keys_all[s:s + step]
             values = np.ascontiguousarray(values_all[s:s + step])
+            if self.role == "lasting":
+                self._yield_to_serving()
             for layer in layers:
                 self.dbs.write_rows(layer, t.key, keys, values)
-            model.refresh_rows(i, keys, values)
+            if self.role != "lasting":
+                model.refresh_rows(i, keys, values)
         self.applied_rows += int(keys_all.size)
         self.last_step[t.key] = parts[-1][2]
-
-    def stats(self) -> dict:
-        return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,
-                "failures": self.failures, "refused": dict(self.refused),
-                "error": self.error, "last_step": dict(self.last_step)}
 
 
 def wait_for(applier: UpdateApplier, predicate, timeout_s: float = 30.0) -> bool:

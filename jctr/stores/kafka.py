@@ -247,7 +247,7 @@ class UpdateReader:
     def __init__(self, brokers: str, *, group: str, topics: str,
                  metadata_refresh_interval_ms: int = 30000, receive_buffer_size: int = 262144,
                  poll_timeout_ms: int = 500, security: tuple[tuple[str, str], ...] = (),
-                 from_start: bool = False):
+                 from_start: bool = False, behind: str | None = None):
         kafka = _kafka()
         self._kafka = kafka
         self.pattern = re.compile(topics)
@@ -257,22 +257,21 @@ class UpdateReader:
         # answer a fetch with more than fetch.max.bytes: the receive buffer may grow to 1 GiB
         message = max(receive_buffer_size + 1024, 1000)
         fetch = max(message, 1 << 20)
+        config = {
+            "bootstrap.servers": _servers(brokers),
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+            "message.max.bytes": message,
+            "fetch.max.bytes": fetch,
+            "receive.message.max.bytes": max(fetch + 4096, 1 << 30),
+            "topic.metadata.refresh.interval.ms": metadata_refresh_interval_ms,
+            # a broker may hold a fetch this long even when a message arrives meanwhile
+            # (Tansu does): short, whatever a poll may wait, so that an update is seen
+            # within tens of milliseconds (docs/performance.md, "Online updates")
+            "fetch.wait.max.ms": min(poll_timeout_ms, FETCH_WAIT_MS),
+            **dict(security)}
         try:
-            self.consumer = kafka.Consumer({
-                "bootstrap.servers": _servers(brokers),
-                "group.id": group,
-                "enable.auto.commit": False,
-                "auto.offset.reset": "earliest",
-                "message.max.bytes": message,
-                "fetch.max.bytes": fetch,
-                "receive.message.max.bytes": max(fetch + 4096, 1 << 30),
-                "topic.metadata.refresh.interval.ms": metadata_refresh_interval_ms,
-                # a broker may hold a fetch this long even when a message arrives meanwhile
-                # (Tansu does): short, whatever a poll may wait, so that an update is seen
-                # within tens of milliseconds (docs/performance.md, "Online updates")
-                "fetch.wait.max.ms": min(poll_timeout_ms, FETCH_WAIT_MS),
-                **dict(security),
-            }, logger=_CLIENT_LOG)
+            self.consumer = kafka.Consumer({**config, "group.id": group}, logger=_CLIENT_LOG)
         except kafka.KafkaException as e:
             raise StoreError(f"update_source: cannot create the consumer: {e}") from None
         self.assigned: dict[tuple[str, int], int] = {}  # (topic, partition) -> next to read
@@ -283,6 +282,11 @@ class UpdateReader:
         # from_start: every topic from its earliest retained message, whatever the group
         # committed (a server whose layers start empty reads everything again)
         self.from_start = from_start
+        # behind: another group whose commits this one must not start past (the serving side
+        # of a server whose hash map starts from what the persistent side committed)
+        self.behind = behind
+        self._behind_consumer = None
+        self._config = config
         self.targets: dict[tuple[str, int], int] = {}  # the end of each topic when first seen
         self._listed = False  # the topics were listed once
 
@@ -313,14 +317,27 @@ class UpdateReader:
             if gone:
                 self._assign(self.assigned)
             return
+        bound = self._behind_offsets(new)
         for tp in self.consumer.committed(new, timeout=5.0):
             where = (tp.topic, tp.partition)
             low, high = self.consumer.get_watermark_offsets(tp, timeout=5.0)
-            start = low if self.from_start or tp.offset < 0 else max(tp.offset, low)
+            offset = tp.offset if bound is None else min(tp.offset, bound.get(where, -1))
+            start = low if self.from_start or offset < 0 else max(offset, low)
             self.assigned[where] = start
             self.applied[where] = start
             self.targets.setdefault(where, high)
         self._assign(self.assigned)
+
+    def _behind_offsets(self, parts: list) -> dict[tuple[str, int], int] | None:
+        """The ``behind`` group's commits of ``parts`` (-1: none), or None without one."""
+        if self.behind is None:
+            return None
+        if self._behind_consumer is None:
+            self._behind_consumer = self._kafka.Consumer({**self._config,
+                                                         "group.id": self.behind},
+                                                        logger=_CLIENT_LOG)
+        return {(tp.topic, tp.partition): tp.offset
+                for tp in self._behind_consumer.committed(parts, timeout=5.0)}
 
     def caught_up(self) -> bool:
         """Every topic's messages up to where it ended when first seen are read (ask after
@@ -397,3 +414,5 @@ class UpdateReader:
 
     def close(self) -> None:
         self.consumer.close()
+        if self._behind_consumer is not None:
+            self._behind_consumer.close()

@@ -338,6 +338,7 @@ def test_poison_updates_are_refused_counted_and_never_block_the_stream(broker, t
     assert 'jctr_updates_refused_total{reason="dense"} 1.0' in text
     assert 'jctr_updates_refused_total{reason="rows_nonfinite"} 1.0' in text
     assert 'jctr_updates_applied_total{kind="rows"} 3.0' in text
+    assert 'jctr_updates_applied_total{kind="rows_served"} 3.0' in text
     model.close()
     dbs.close()
 
@@ -435,6 +436,84 @@ def test_a_restarted_server_serves_what_it_was_sent(broker, tmp_path, layers):
             applier.close()
             model.close()
             dbs.close()
+
+
+def test_the_serving_side_is_not_held_back_by_rocksdb_and_restarts_from_what_it_kept(
+        broker, tmp_path, monkeypatch):
+    """With a persistent database the serving side (hash map, device cache, dense swap) and
+    the persistent side read in consumer groups of their own, as HugeCTR's HPS reads one
+    message source per layer (``HierParameterServer``'s constructor in HugeCTR's
+    ``hier_parameter_server.cpp``: the volatile and the persistent database each get an
+    update source of their own): with RocksDB's writes failing, the trainer's updates are
+    served all the same and committed by the serving group only. A server restarted then
+    starts its hash map from RocksDB's rows (the persistent group's commit), so its serving
+    side reads again from that lower commit, not its own: it ends serving the trainer's
+    model (its own commit would leave the rows RocksDB lacked stale)."""
+    from jctr.config.hps import parse_ps_config
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.cli import open_models
+    from jctr.serving.updates import UpdateApplier, wait_for
+    from jctr.stores import StoreUnavailable
+
+    name = "dlrm_two_sides"
+    t = _trainer(tmp_path, broker, name, every_n_steps=4)
+    export_bundle(t.cfg, t.state, str(tmp_path / "bundle"), t.placements)
+    ps = parse_ps_config({
+        "volatile_db": {"type": "hash_map"},
+        "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
+        "update_source": {"type": "kafka_message_queue", "brokers": broker,
+                          "poll_timeout_ms": 100, "metadata_refresh_interval_ms": 200,
+                          "failure_backoff_ms": 50},
+        "models": [{"model": name, "bundle": str(tmp_path / "bundle"),
+                    "max_batch_size": 256, "gpucache": True, "gpucacheper": 0.5}]},
+        str(tmp_path / "ps.json"))
+    batch = next(t.data.eval.batches(256, epochs=1))
+    table = f"hps_et.{name}.sparse_embedding1"
+    dbs, models = open_models(ps, log=lambda s: None)
+    down = {"on": False}
+    real = dbs.persistent.insert
+
+    def flaky(table_, keys, values):
+        if down["on"]:
+            raise StoreUnavailable("persistent_db: injected failure")
+        return real(table_, keys, values)
+
+    monkeypatch.setattr(dbs.persistent, "insert", flaky)
+    applier = UpdateApplier(ps.update_source, dbs, models, group="g-sides")
+    assert [c.group for c in applier.consumers] == ["g-sides.serving", "g-sides"]
+    applier.start()
+    try:
+        t.fit(4)  # the persistent side takes the first update
+        assert _sink(t).flush(10) == 0
+        assert wait_for(applier, lambda a: a.last_step.get(table) == 4), applier.stats()
+        down["on"] = True  # then RocksDB refuses every write
+        t.fit()
+        assert _sink(t).flush(10) == 0
+        assert wait_for(applier, lambda a: a.serving.last_step.get(table) == 12
+                        and a.serving.last_step.get(f"hps_dense.{name}") == 12), \
+            applier.stats()
+        np.testing.assert_allclose(models[name].predict(batch), t.predict(batch), **TOL)
+        assert applier.lasting.failures > 0 and applier.last_step[table] == 4
+        assert applier.stats()["consumers"]["g-sides"]["last_step"][table] == 4
+    finally:
+        applier.close()
+        for m in models.values():
+            m.close()
+        dbs.close()
+    # restarted: RocksDB holds step 4, the serving group committed step 12
+    dbs, models = open_models(ps, log=lambda s: None)
+    applier = UpdateApplier(ps.update_source, dbs, models, group="g-sides")
+    applier.start()
+    try:
+        assert wait_for(applier, lambda a: a.caught_up and a.last_step.get(table) == 12,
+                        60), applier.stats()
+        assert applier.serving.applied_rows > 0  # read again from step 4's commit
+        np.testing.assert_allclose(models[name].predict(batch), t.predict(batch), **TOL)
+    finally:
+        applier.close()
+        for m in models.values():
+            m.close()
+        dbs.close()
 
 
 def test_two_training_processes_publish_into_one_server(broker, tmp_path):

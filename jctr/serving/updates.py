@@ -131,6 +131,8 @@ class UpdateApplier:
 
     def stats(self) -> dict:
         return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,
+                "served_rows": self.serving.applied_rows,
+                "served_dense": self.serving.applied_dense,
                 "failures": self.failures, "refused": dict(self.refused),
                 "error": self.error, "last_step": self.last_step,
                 "consumers": {c.group: c.stats() for c in self.consumers}}

@@ -516,6 +516,80 @@ def test_the_serving_side_is_not_held_back_by_rocksdb_and_restarts_from_what_it_
         dbs.close()
 
 
+def test_a_server_killed_while_it_applies_updates_comes_back_with_them(broker, tmp_path):
+    """``python -m jctr.serve`` (hash map, RocksDB, device cache) is SIGKILLed as soon as it
+    serves some of the trainer's updates, with more on their way: the server started again
+    from its folder (its two consumer groups' commits, RocksDB's rows and kept dense weights)
+    ends serving what the trainer holds."""
+    import signal
+    import sys
+    import urllib.request
+
+    from jctr.config.hps import load_ps_config
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.cli import open_models, start_updates
+    from jctr.serving.updates import wait_for
+
+    name = "dlrm_killed"
+    t = _trainer(tmp_path, broker, name, every_n_steps=2)
+    export_bundle(t.cfg, t.state, str(tmp_path / "bundle"), t.placements)
+    (tmp_path / "ps.json").write_text(json.dumps({
+        "volatile_db": {"type": "hash_map"},
+        "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
+        "update_source": {"type": "kafka_message_queue", "brokers": broker,
+                          "poll_timeout_ms": 100, "metadata_refresh_interval_ms": 200},
+        "models": [{"model": name, "bundle": str(tmp_path / "bundle"),
+                    "max_batch_size": 256, "gpucache": True, "gpucacheper": 0.5}]}))
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "jctr.serve", "--config",
+                             str(tmp_path / "ps.json"), "--port", str(port)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def served_rows() -> float:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=1) as r:
+                text = r.read().decode()
+        except OSError:
+            return -1.0
+        line = next((x for x in text.splitlines()
+                     if x.startswith('jctr_updates_applied_total{kind="rows_served"}')), None)
+        return float(line.split()[-1]) if line else -1.0
+
+    try:
+        deadline = time.monotonic() + 120
+        while served_rows() < 0 and time.monotonic() < deadline:
+            assert proc.poll() is None, "the server exited"
+            time.sleep(0.2)
+        trainer = threading.Thread(target=t.fit)  # publishes every 2 steps meanwhile
+        trainer.start()
+        while served_rows() <= 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(30)
+        trainer.join()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
+    assert proc.returncode == -signal.SIGKILL
+    assert _sink(t).flush(10) == 0
+    ps = load_ps_config(tmp_path / "ps.json")
+    dbs, models = open_models(ps, log=lambda s: None)
+    applier = start_updates(ps, dbs, models, log=lambda s: None)
+    try:
+        # both sides hold what the topics held at start (what the killed server committed
+        # is not read again)
+        assert wait_for(applier, lambda a: all(c.caught_up for c in a.consumers), 60), \
+            applier.stats()
+        batch = next(t.data.eval.batches(256, epochs=1))
+        np.testing.assert_allclose(models[name].predict(batch), t.predict(batch), **TOL)
+    finally:
+        applier.close()
+        for m in models.values():
+            m.close()
+        dbs.close()
+
+
 def test_two_training_processes_publish_into_one_server(broker, tmp_path):
     """A jax.distributed run of two processes (4 devices, the table sharded over them) with a
     Kafka sink: every process sends the rows its devices hold of the keys any process trained,

@@ -283,6 +283,30 @@ def test_rocksdb_persists_and_refuses_foreign_folders(tmp_path):
                                               read_only=True))
 
 
+def test_a_rocksdb_table_whose_width_was_never_written_reads_as_empty(tmp_path):
+    """A server SIGKILLed as its first online update created a table's column family, before
+    the table's row width was written (found by the SIGKILL test of
+    tests/test_online_updates.py), left a table the next start could not read (KeyError in
+    ``items``). The width now goes first; a table without one (an older database, or a
+    machine's crash with RocksDB's log unsynced) holds no row: it reads as empty, and its
+    first write records the width."""
+    path = str(tmp_path / "db")
+    store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path))
+    store.db.create_column_family("hps_et.m.t", store._options())  # killed right here
+    store.close()
+    store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path))
+    assert store.tables() == ["hps_et.m.t"] and store.size("hps_et.m.t") == 0
+    assert list(store.items("hps_et.m.t")) == []
+    keys = np.array([5, -3, 17], np.int64)
+    assert not store.lookup("hps_et.m.t", keys, 4)[1].any()
+    store.insert("hps_et.m.t", keys, _vectors(keys))
+    store.close()
+    store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path))
+    assert store.dim("hps_et.m.t") == 4 and store.size("hps_et.m.t") == 3
+    np.testing.assert_array_equal(store.lookup("hps_et.m.t", keys, 4)[0], _vectors(keys))
+    store.close()
+
+
 def _folder_bytes(path):
     return {name: (open(os.path.join(path, name), "rb").read(),
                    os.stat(os.path.join(path, name)).st_mtime_ns)

@@ -187,13 +187,16 @@ class RocksDBStore:
 
     def _family(self, table: str, create_dim: int | None = None):
         cf = self._families.get(table)
-        if cf is None and create_dim is not None:
+        if create_dim is not None and (cf is None or table not in self._dims):
             if self.params.read_only:
                 raise StoreError(f"rocks_db {self.path}: read-only, cannot create table {table}")
-            cf = self.db.create_column_family(table, self._options())
+            # the row width before the table: a process killed between the two leaves a width
+            # without a table (harmless), never a table whose rows cannot be read
             self.db.put(_dim_key(table), str(create_dim).encode())
-            self._families[table] = cf
             self._dims[table] = create_dim
+            if cf is None:
+                cf = self.db.create_column_family(table, self._options())
+                self._families[table] = cf
         return cf
 
     def _check_dim(self, table: str, dim: int) -> None:
@@ -308,9 +311,9 @@ class RocksDBStore:
 
     def items(self, table: str, chunk: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         cf = self._families.get(table)
-        if cf is None:
+        dim = self._dims.get(table)
+        if cf is None or dim is None:  # no width recorded: no row was ever written
             return
-        dim = self._dims[table]
         # a whole-table pass: its blocks would only push the point reads' blocks out of the
         # cache; the chunks are cut in C (islice), not by a Python step per row
         read = self._rd.ReadOptions()

@@ -187,10 +187,11 @@ class _Consumer:
                 "failures": self.failures, "error": self.error,
                 "last_step": dict(self.last_step), "caught_up": self.caught_up}
 
-    @property
-    def _says(self) -> bool:
-        """This side logs the refusals (the persistent side refuses the same silently)."""
-        return self.role != "lasting"
+    def _say(self, level: int, message: str, *args) -> None:
+        """Log on the serving side only: the persistent side reads the same messages and
+        would say everything twice."""
+        if self.role != "lasting":
+            log.log(level, message, *args)
 
     def _run(self) -> None:
         p = self.params
@@ -226,8 +227,7 @@ class _Consumer:
                 self._stop.wait(max(backoff, 1.0))
                 continue
             if self.error is not None and self._said is not None:
-                if self._says:
-                    log.warning("update_source: the broker answers again")
+                self._say(logging.WARNING, "update_source: the broker answers again")
                 self._said = None
             if not batch:
                 self.caught_up = self.caught_up or reader.caught_up()
@@ -264,9 +264,8 @@ class _Consumer:
         self.error = error
         if self._said != error.split(" (")[0]:
             self._said = error.split(" (")[0]
-            if self._says:
-                log.warning("%s; retrying every %.1f s (readiness says so meanwhile)", error,
-                            max(self.params.failure_backoff_ms / 1000.0, 1.0))
+            self._say(logging.WARNING, "%s; retrying every %.1f s (readiness says so meanwhile)",
+                      error, max(self.params.failure_backoff_ms / 1000.0, 1.0))
 
     def _apply(self, batch) -> None:
         newest_dense = {u.model: n for n, (_, _, u) in enumerate(batch) if u.kind == "dense"}
@@ -281,10 +280,9 @@ class _Consumer:
                 self.refused["other_model"] += 1
                 if u.model not in self._strangers:
                     self._strangers.add(u.model)
-                    if self._says:
-                        log.error("update_source: a message for model %r, which this server "
-                                  "does not serve (%s), skipped (counted in "
-                                  "jctr_updates_refused)", u.model, ", ".join(sorted(self.models)))
+                    self._say(logging.ERROR, "update_source: a message for model %r, which "
+                              "this server does not serve (%s), skipped (counted in "
+                              "jctr_updates_refused)", u.model, ", ".join(sorted(self.models)))
                 continue
             if u.kind == "dense":
                 if newest_dense[u.model] != n:  # a newer one in this batch replaces it
@@ -297,9 +295,8 @@ class _Consumer:
                         model.swap_dense(u.dense, u.non_trainable)
                 except ModelFileError as e:  # poison: retrying cannot help
                     self.refused["dense"] += 1
-                    if self._says:
-                        log.error("update_source: dense update of %s at step %d refused: %s",
-                                  u.model, u.step, e)
+                    self._say(logging.ERROR, "update_source: dense update of %s at step %d "
+                              "refused: %s", u.model, u.step, e)
                     continue
                 if self.role != "serving":
                     # kept where it outlives the process: a restart serves it, not the files'
@@ -312,25 +309,22 @@ class _Consumer:
                 continue
             i = model.table_index(u.table)
             if i is None:
-                if self._says:
-                    log.error("update_source: model %s has no table %s; skipped", u.model,
-                              u.table)
+                self._say(logging.ERROR, "update_source: model %s has no table %s; skipped",
+                          u.model, u.table)
                 continue
             t = model.tables[i]
             if u.values.shape[1] != t.dim:
                 self.refused["rows_width"] += int(u.keys.size)
-                if self._says:
-                    log.error("update_source: %s rows of size %d, the table has %d; skipped",
-                              t.key, u.values.shape[1], t.dim)
+                self._say(logging.ERROR, "update_source: %s rows of size %d, the table has %d; "
+                          "skipped", t.key, u.values.shape[1], t.dim)
                 continue
             keys, values = u.keys, u.values
             finite = np.isfinite(values).all(axis=1)
             if not finite.all():  # a NaN row would fail every request that reads its key
                 bad = int((~finite).sum())
                 self.refused["rows_nonfinite"] += bad
-                if self._says:
-                    log.error("update_source: %s: %d row(s) with NaN or infinity refused "
-                              "(first key %d)", t.key, bad, int(keys[~finite][0]))
+                self._say(logging.ERROR, "update_source: %s: %d row(s) with NaN or infinity "
+                          "refused (first key %d)", t.key, bad, int(keys[~finite][0]))
                 keys, values = keys[finite], values[finite]
             pending.setdefault((u.model, i), []).append((keys, values, u.step))
         self._apply_pending(pending)

@@ -74,6 +74,13 @@ def _hps(tmp, name, bundle, brokers):
     return ps, dbs, model
 
 
+def _close(applier, models, dbs):
+    applier.close()
+    for m in models.values():
+        m.close()
+    dbs.close()
+
+
 def _applied(applier, trainer, name):
     step = int(trainer.state.step)
     return (applier.last_step.get(f"hps_dense.{name}") == step
@@ -496,10 +503,7 @@ def test_the_serving_side_is_not_held_back_by_rocksdb_and_restarts_from_what_it_
         assert applier.lasting.failures > 0 and applier.last_step[table] == 4
         assert applier.stats()["consumers"]["g-sides"]["last_step"][table] == 4
     finally:
-        applier.close()
-        for m in models.values():
-            m.close()
-        dbs.close()
+        _close(applier, models, dbs)
     # restarted: RocksDB holds step 4, the serving group committed step 12
     dbs, models = open_models(ps, log=lambda s: None)
     applier = UpdateApplier(ps.update_source, dbs, models, group="g-sides")
@@ -510,10 +514,7 @@ def test_the_serving_side_is_not_held_back_by_rocksdb_and_restarts_from_what_it_
         assert applier.serving.applied_rows > 0  # read again from step 4's commit
         np.testing.assert_allclose(models[name].predict(batch), t.predict(batch), **TOL)
     finally:
-        applier.close()
-        for m in models.values():
-            m.close()
-        dbs.close()
+        _close(applier, models, dbs)
 
 
 def test_a_server_killed_while_it_applies_updates_comes_back_with_them(broker, tmp_path):
@@ -584,10 +585,7 @@ def test_a_server_killed_while_it_applies_updates_comes_back_with_them(broker, t
         batch = next(t.data.eval.batches(256, epochs=1))
         np.testing.assert_allclose(models[name].predict(batch), t.predict(batch), **TOL)
     finally:
-        applier.close()
-        for m in models.values():
-            m.close()
-        dbs.close()
+        _close(applier, models, dbs)
 
 
 def test_two_training_processes_publish_into_one_server(broker, tmp_path):

@@ -122,7 +122,8 @@ def main() -> int:
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--evict-steps", type=int, default=40,
                     help="steps of the eviction runs (a uniform stream through the default "
-                         "table builds its slots again every ~15 steps when tombstones stay)")
+                         "table builds its slots again every ~6 steps, when tombstones pass "
+                         "15%% of them)")
     args = ap.parse_args()
     # the same host memory setting as `python -m jctr.train` (JCTR_HOST_MEMORY_TUNING=0: off);
     # np.take's baseline runs under it too

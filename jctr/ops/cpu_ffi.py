@@ -782,6 +782,12 @@ if AVAILABLE:
                 score[s, c] = 0
 
     @numba.njit(inline="always")
+    def _copy_score(score, to, source, at):
+        """Slot ``to``'s score columns from slot ``at`` of ``source``."""
+        for c in range(score.shape[1]):
+            score[to, c] = source[at, c]
+
+    @numba.njit(inline="always")
     def _rebuild_in_place(slot_keys, slot_rows, score):
         """:func:`jctr.embedding.hash_table.rebuild_slots` in place, in one sweep over the
         slots from :func:`jctr.ops.hashing.rebuild_start` on: a tombstone or a key without a
@@ -811,8 +817,7 @@ if AVAILABLE:
                 at = _probe_slots(slot_keys, keys_at, old_keys[s], buckets, width, n, True)
                 slot_rows[at] = old_rows[s]
                 if scored:
-                    for c in range(score.shape[1]):
-                        score[at, c] = old_score[s, c]
+                    _copy_score(score, at, old_score, s)
             return
         s = start
         for _ in range(n):
@@ -830,8 +835,7 @@ if AVAILABLE:
                         slot_keys[p] = key
                         slot_rows[p] = slot_rows[s]
                         if scored:
-                            for c in range(score.shape[1]):
-                                score[p, c] = score[s, c]
+                            _copy_score(score, p, score, s)
                         _clear_slot(slot_keys, slot_rows, score, s)
             s += 1
             if s == n:

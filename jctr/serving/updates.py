@@ -340,25 +340,20 @@ class _Consumer:
             return layers
         return [x for x in layers if (x == "persistent_db") == (self.role == "lasting")]
 
+    def _wait_while(self, busy, limit_s: float) -> None:
+        """Wait while ``busy()`` holds, at most ``limit_s`` (the persistent side yields to the
+        serving side, never starves)."""
+        end = time.monotonic() + limit_s
+        while busy() and time.monotonic() < end and not self._stop.is_set():
+            time.sleep(0.002)
+
     def _trail(self, batch) -> None:
         """The persistent side waits (a while) until the serving side has applied ``batch``:
         what it writes then never delays a served update (one interpreter runs both)."""
         serving = self.owner.serving
-        end = time.monotonic() + _TRAIL_S
-        last = {}
-        for topic, offset, _ in batch:
-            last[topic] = offset
-        while (any(serving.offsets.get(w, -1) <= o for w, o in last.items())
-               and serving.error is None and time.monotonic() < end
-               and not self._stop.is_set()):
-            time.sleep(0.002)
-
-    def _yield_to_serving(self) -> None:
-        """The persistent side's write waits (a while) for the serving side to be idle."""
-        serving = self.owner.serving
-        end = time.monotonic() + _YIELD_S
-        while serving.busy and time.monotonic() < end and not self._stop.is_set():
-            time.sleep(0.002)
+        last = {where: offset for where, offset, _ in batch}
+        self._wait_while(lambda: serving.error is None and any(
+            serving.offsets.get(w, -1) <= o for w, o in last.items()), _TRAIL_S)
 
     def _apply_rows(self, model, i: int, parts: list) -> None:
         """One table's rows of the messages read, ``parts`` [(keys, values, step)] in their
@@ -371,8 +366,8 @@ class _Consumer:
         for s in range(0, keys_all.size, step):
             keys = keys_all[s:s + step]
             values = np.ascontiguousarray(values_all[s:s + step])
-            if self.role == "lasting":
-                self._yield_to_serving()
+            if self.role == "lasting":  # each chunk after the serving side's batch in hand
+                self._wait_while(lambda: self.owner.serving.busy, _YIELD_S)
             for layer in layers:
                 self.dbs.write_rows(layer, t.key, keys, values)
             if self.role != "lasting":

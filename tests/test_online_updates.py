@@ -398,6 +398,36 @@ def test_kafka_security_settings_pass_through(broker, tmp_path):
         load_config(cfg)
 
 
+def test_a_poll_waiting_before_the_first_topic_exists_returns_its_first_update(broker):
+    """A reader with no topic yet looks for one while its poll waits: the update that
+    creates the topic (a trainer's first message) comes back from the poll that was waiting
+    for it. The poll slept its whole timeout before and then returned nothing, so a server
+    started before its trainer held the first update back by up to ``poll_timeout_ms``
+    (500 ms: the uniform-keys figure of scripts/bench_updates.py was that sleep)."""
+    from jctr.stores.kafka import KafkaMessageSink, UpdateReader, update_topics
+
+    name = "dlrm_first_topic"
+    reader = UpdateReader(broker, group="g-first", topics=update_topics([name]))
+    sink = KafkaMessageSink(broker, name, report=lambda s: None)
+    keys = np.arange(1, 9, dtype=np.int64)
+
+    def send():
+        sink.publish_rows("sparse_embedding1", 7, keys, np.ones((8, 4), np.float32))
+        sink.flush(10)
+
+    sent = threading.Timer(0.3, send)
+    try:
+        assert reader.poll(8, 0.0) == []  # nothing there: a zero timeout returns at once
+        sent.start()
+        got = reader.poll(8, 30.0)
+        assert [(u.kind, u.step, u.keys.tolist()) for _, _, u in got] == [
+            ("rows", 7, keys.tolist())]
+    finally:
+        sent.cancel()
+        sent.join()
+        reader.close()
+
+
 @pytest.mark.parametrize("layers", ["hash_map", "hash_map+rocks_db"])
 def test_a_restarted_server_serves_what_it_was_sent(broker, tmp_path, layers):
     """A server that applied the trainer's updates (offsets committed) and stopped comes back

@@ -82,6 +82,10 @@ def _servers(brokers: str) -> str:
 
 
 FETCH_WAIT_MS = 20  # the longest a broker may hold one fetch
+# while no topic matches yet, how often a poll looks at the topic list again: a trainer's
+# first message creates its topic, and a poll that slept its whole timeout first held the
+# first update back by up to poll_timeout_ms (docs/performance.md, thirty-fifth session)
+LOOK_FOR_TOPICS_S = 0.05
 
 
 def rows_topic(model: str, table: str) -> str:
@@ -354,9 +358,14 @@ class UpdateReader:
         """Up to ``max_messages`` decoded updates ``((topic, partition), offset, update)``, in
         order per topic; messages that are not jctr updates are logged and skipped."""
         self._refresh()
-        if not self.assigned:
-            time.sleep(timeout_s)
-            return []
+        deadline = time.monotonic() + timeout_s
+        while not self.assigned:  # (a refresh with nothing assigned always lists the topics)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return []
+            time.sleep(min(left, LOOK_FOR_TOPICS_S))
+            self._refresh()
+        timeout_s = max(0.0, deadline - time.monotonic())
         out = []
         # wait (up to timeout_s) for the first message only, then take what is there: a
         # consume of max_messages would hold a small update until the batch fills or the

@@ -32,6 +32,36 @@ def test_upsert_find_and_rebuild_equal_a_dictionary():
     assert host_index.rebuild(again, keys, n) == n - 1
 
 
+def test_upsert_values_keeps_the_last_row_of_a_key_as_a_dictionary_does():
+    """``upsert_values`` (the hash map's insert in one pass): rows handed out as ``upsert``
+    hands them, and each key's values and stamp those of its last occurrence across and
+    within batches (many repeats: 300 distinct keys in 3,000), as a dictionary assigned in
+    order leaves them."""
+    rng = np.random.default_rng(1)
+    cap, width = 4000, 5
+    index = np.full(host_index.index_size(cap), -1, np.int64)
+    keys = np.empty(cap, np.int64)
+    dest = np.zeros((cap, width), np.float32)
+    stamps = np.zeros(cap, np.int64)
+    rows_of: dict[int, int] = {}
+    last: dict[int, tuple[list[float], int]] = {}
+    n = 0
+    for now in range(1, 11):
+        q = rng.integers(-150, 150, 300)
+        src = rng.normal(size=(q.size, width)).astype(np.float32)
+        n = host_index.upsert_values(index, keys, n, q, src, dest, stamps, now)
+        for k, v in zip(q.tolist(), src.tolist()):
+            rows_of.setdefault(k, len(rows_of))
+            last[k] = (v, now)
+    assert n == len(rows_of)
+    probe = np.array(list(rows_of), np.int64)
+    rows = host_index.find(index, keys, probe)
+    np.testing.assert_array_equal(rows, [rows_of[k] for k in probe.tolist()])
+    np.testing.assert_array_equal(dest[rows], np.array([last[k][0] for k in probe.tolist()],
+                                                       np.float32))
+    np.testing.assert_array_equal(stamps[rows], [last[k][1] for k in probe.tolist()])
+
+
 def test_rebuild_of_distinct_keys_finds_what_rebuild_finds():
     """``rebuild_distinct`` (no key compared while probing) gives an index in which every row
     is found at its key, as ``rebuild``'s; keys crowding the last slots wrap to the first."""

@@ -175,6 +175,31 @@ def upsert(index, keys, n, queries, out):
     return n
 
 
+@host_kernel
+def upsert_values(index, keys, n, queries, src, dest, stamps, now):
+    """:func:`upsert` that writes each query's row of ``src`` into its row of ``dest`` and
+    ``now`` into its row of ``stamps``, in the queries' order, so the last of a key given twice
+    is what stays (the hash map's insert: no dedupe pass before it, no scatter after).
+    ``dest`` and ``keys`` need room for ``n + queries.size`` rows. Returns the new row count."""
+    mask = index.size - 1
+    m, width = queries.size, src.shape[1]
+    row_bytes = dest.itemsize * width
+    for i in range(m):
+        # fetch_ahead's lines, and the row of values the key 8 places on will be written to
+        if i + 16 < m:
+            prefetch(index.ctypes.data + index.itemsize * home(queries[i + 16], mask))
+        if i + 8 < m:
+            r = index[home(queries[i + 8], mask)]
+            if r >= 0:
+                prefetch(keys.ctypes.data + keys.itemsize * r)
+                prefetch(dest.ctypes.data + row_bytes * r)
+        r, n = row_or_new(index, keys, queries[i], mask, n)
+        for j in range(width):
+            dest[r, j] = src[i, j]
+        stamps[r] = now
+    return n
+
+
 class KeySet:
     """Distinct int64 keys gathered batch by batch, through the compiled index: a set of
     millions of keys without sorting them (``np.unique`` of their concatenation sorts).

@@ -32,9 +32,7 @@ from jctr.stores.base import (
     as_keys,
     as_values,
     check_dim,
-    last_occurrences,
     partition_of,
-    scatter_rows,
 )
 
 _PARALLEL_MIN = 32768  # keys per thread below which splitting a lookup costs more than it gains
@@ -69,9 +67,6 @@ class HostTable:
 
     # -- updates ------------------------------------------------------------------------------
     def upsert(self, keys: np.ndarray, values: np.ndarray, now: int) -> None:
-        keep = last_occurrences(keys)
-        if keep.size != keys.size:
-            keys, values = keys[keep], np.take(values, keep, axis=0)
         need = self.size + keys.size  # room for every key to be new
         if need > self.keys.size:
             cap = max(need, self.keys.size + min(max(self.keys.size, 1024), self.grow_rows))
@@ -81,11 +76,11 @@ class HostTable:
             self.parts = _grown(self.parts, cap)
         if 2 * need > self.index.size:
             self._rebuild_slots(need)
-        rows = np.empty(keys.size, np.int64)
         old = self.size
-        self.size = int(host_index.upsert(self.index, self.keys, old, keys, rows))
-        scatter_rows(self.values, rows, values)
-        self.stamps[rows] = now
+        # in the keys' order: a key given twice keeps its last row
+        self.size = int(host_index.upsert_values(self.index, self.keys, old, keys,
+                                                 np.ascontiguousarray(values, np.float32),
+                                                 self.values, self.stamps, now))
         new_parts = partition_of(self.keys[old:self.size], self.num_partitions)
         self.parts[old:self.size] = new_parts
         self._sizes += np.bincount(new_parts, minlength=self.num_partitions)

@@ -307,6 +307,39 @@ def test_a_rocksdb_table_whose_width_was_never_written_reads_as_empty(tmp_path):
     store.close()
 
 
+def test_a_rocksdb_insert_pauses_between_its_write_batches_and_writes_every_row(tmp_path):
+    """``pause`` (the online updates' persistent side yields to the serving side there) is
+    called between the write batches of ``max_set_batch_size`` rows, never before the first
+    or after the last, outside the store's lock (a pause may read the store); every row is
+    written, a repeated key with its last row. ``Databases.write_rows`` hands it to the
+    persistent database only."""
+    store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db"),
+                                                  max_set_batch_size=100))
+    keys = np.concatenate([np.arange(1, 351), [7]]).astype(np.int64)
+    values = _vectors(keys)
+    values[-1] = 9.0
+    seen = []
+
+    def pause():
+        assert not store._lock.locked()
+        seen.append(store.size("t"))
+    store.insert("t", keys, values, pause=pause)
+    assert seen == [100, 200, 300]
+    got, found = store.lookup("t", np.arange(1, 351), 4)
+    want = _vectors(np.arange(1, 351))
+    want[6] = 9.0
+    assert found.all() and np.array_equal(got, want)
+    store.close()
+    dbs = Databases(VolatileDatabaseParams(type="hash_map"),
+                    PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db2"),
+                                             max_set_batch_size=100))
+    seen.clear()
+    dbs.write_rows("volatile_db", "t", keys, values, pause=lambda: seen.append("v"))
+    dbs.write_rows("persistent_db", "t", keys, values, pause=lambda: seen.append("p"))
+    assert seen == ["p"] * 3
+    dbs.close()
+
+
 def _folder_bytes(path):
     return {name: (open(os.path.join(path, name), "rb").read(),
                    os.stat(os.path.join(path, name)).st_mtime_ns)

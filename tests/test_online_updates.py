@@ -163,11 +163,11 @@ def test_a_failed_database_write_is_retried_and_not_acknowledged(broker, tmp_pat
     real = dbs.persistent.insert
     failures = [3]
 
-    def flaky(table, keys, values):
+    def flaky(table, keys, values, **kw):
         if failures[0]:
             failures[0] -= 1
             raise StoreUnavailable("persistent_db: injected failure")
-        return real(table, keys, values)
+        return real(table, keys, values, **kw)
 
     monkeypatch.setattr(dbs.persistent, "insert", flaky)
     t.fit()
@@ -510,10 +510,10 @@ def test_the_serving_side_is_not_held_back_by_rocksdb_and_restarts_from_what_it_
     down = {"on": False}
     real = dbs.persistent.insert
 
-    def flaky(table_, keys, values):
+    def flaky(table_, keys, values, **kw):
         if down["on"]:
             raise StoreUnavailable("persistent_db: injected failure")
-        return real(table_, keys, values)
+        return real(table_, keys, values, **kw)
 
     monkeypatch.setattr(dbs.persistent, "insert", flaky)
     applier = UpdateApplier(ps.update_source, dbs, models, group="g-sides")

@@ -22,6 +22,7 @@ import logging
 import re
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -353,19 +354,24 @@ class Databases:
         return out
 
     def write_rows(self, layer: str, table: str, keys: np.ndarray, values: np.ndarray,
-                   manifest: dict | None = None) -> int:
+                   manifest: dict | None = None, *, pause: Callable[[], None] | None = None
+                   ) -> int:
         """Write rows over ``layer``'s table (kept rows stay): a delta bundle's, with its
         ``manifest`` (the table is marked incomplete until every row is in), or an online
-        update's (rows only). A volatile database that is down raises
-        :class:`StoreUnavailable`. Returns rows written."""
+        update's (rows only). ``pause``: called between the persistent database's write
+        batches (:meth:`jctr.stores.rocksdb.RocksDBStore.insert`). A volatile database that
+        is down raises :class:`StoreUnavailable`. Returns rows written."""
         store = self.volatile if layer == "volatile_db" else self.persistent
         if store is None:
             raise StoreUnavailable(f"{layer} down: {self.volatile_error}")
         if manifest is not None:
             store.set_meta(table, incomplete(store.get_meta(table) or {}))
         step = 1 << 18
+        between = {"pause": pause} if pause is not None and store is self.persistent else {}
         for s in range(0, keys.size, step):
-            store.insert(table, keys[s:s + step], values[s:s + step])
+            if between and s:
+                pause()
+            store.insert(table, keys[s:s + step], values[s:s + step], **between)
         if manifest is not None:
             store.set_meta(table, manifest)
             if layer == "volatile_db":

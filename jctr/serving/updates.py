@@ -363,13 +363,17 @@ class _Consumer:
         keys_all = np.concatenate([k for k, _, _ in parts])
         values_all = np.concatenate([v for _, v, _ in parts])
         layers = self._layers(t.key)
+        pause = None
+        if self.role == "lasting":  # each write batch after the serving side's batch in hand
+            def pause():
+                self._wait_while(lambda: self.owner.serving.busy, _YIELD_S)
         for s in range(0, keys_all.size, step):
             keys = keys_all[s:s + step]
             values = np.ascontiguousarray(values_all[s:s + step])
-            if self.role == "lasting":  # each chunk after the serving side's batch in hand
-                self._wait_while(lambda: self.owner.serving.busy, _YIELD_S)
+            if pause is not None:
+                pause()
             for layer in layers:
-                self.dbs.write_rows(layer, t.key, keys, values)
+                self.dbs.write_rows(layer, t.key, keys, values, pause=pause)
             if self.role != "lasting":
                 model.refresh_rows(i, keys, values)
         self.applied_rows += int(keys_all.size)

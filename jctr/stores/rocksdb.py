@@ -28,7 +28,7 @@ import shutil
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -222,7 +222,11 @@ class RocksDBStore:
     # (:meth:`ingest_columns`)
     INGEST_ROWS = 500_000
 
-    def insert(self, table: str, keys, values) -> None:
+    def insert(self, table: str, keys, values, *, pause: Callable[[], None] | None = None
+               ) -> None:
+        """Insert or overwrite rows in write batches of ``max_set_batch_size``, in key order.
+        ``pause`` is called between the batches, outside the store's lock (online updates'
+        persistent side yields there: rocksdict holds the interpreter through a write)."""
         if self._bulk and np.size(keys) >= self.INGEST_ROWS:
             self._ingest(table, as_keys(keys), [as_values(values, np.size(keys))])
             return
@@ -230,15 +234,17 @@ class RocksDBStore:
         if not keys.size:
             return
         dim = vcols.shape[1] // 4
+        kb, vb = row_bytes(kcols), row_bytes(vcols)
+        step = self.params.max_set_batch_size
         with self._lock:
             self._check_dim(table, dim)
             self._family(table, create_dim=dim)
-            handle = self.db.get_column_family_handle(table)
-            kb, vb = row_bytes(kcols), row_bytes(vcols)
-            step = self.params.max_set_batch_size
-            for start in range(0, keys.size, step):
+        for start in range(0, keys.size, step):
+            if pause is not None and start:
+                pause()
+            with self._lock:
                 wb = self._rd.WriteBatch(raw_mode=True)
-                wb.set_default_column_family(handle)
+                wb.set_default_column_family(self.db.get_column_family_handle(table))
                 # the batch is filled by map in C: no Python frame per key
                 deque(map(wb.put, kb[start:start + step], vb[start:start + step]), maxlen=0)
                 self.db.write(wb)

@@ -236,13 +236,12 @@ class RocksDBStore:
         dim = vcols.shape[1] // 4
         kb, vb = row_bytes(kcols), row_bytes(vcols)
         step = self.params.max_set_batch_size
-        with self._lock:
-            self._check_dim(table, dim)
-            self._family(table, create_dim=dim)
         for start in range(0, keys.size, step):
             if pause is not None and start:
                 pause()
-            with self._lock:
+            with self._lock:  # (checked each batch: the lock is let go between them)
+                self._check_dim(table, dim)
+                self._family(table, create_dim=dim)
                 wb = self._rd.WriteBatch(raw_mode=True)
                 wb.set_default_column_family(self.db.get_column_family_handle(table))
                 # the batch is filled by map in C: no Python frame per key

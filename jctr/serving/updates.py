@@ -365,8 +365,13 @@ class _Consumer:
         layers = self._layers(t.key)
         pause = None
         if self.role == "lasting":  # each write batch after the serving side's batch in hand
+            # (at most _YIELD_S a chunk in all: under a steady stream the persistent side
+            # still writes a chunk every ~_YIELD_S)
+            batch = self.dbs.persistent_params.max_set_batch_size
+            share = _YIELD_S * min(1.0, batch / step)
+
             def pause():
-                self._wait_while(lambda: self.owner.serving.busy, _YIELD_S)
+                self._wait_while(lambda: self.owner.serving.busy, share)
         for s in range(0, keys_all.size, step):
             keys = keys_all[s:s + step]
             values = np.ascontiguousarray(values_all[s:s + step])

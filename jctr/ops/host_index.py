@@ -76,14 +76,16 @@ def fetch_ahead(index, keys, queries, i, mask):
     and the key of the row the home slot of the key 8 places on holds (that slot came in
     meanwhile), so probes do not wait for memory one after the other (a probe reads the
     index, then a key at the row it names: two dependent misses; 2-3x the keys a second on
-    3M keys, docs/performance.md)."""
+    3M keys, docs/performance.md). Returns that row (-1: none, or no key 8 places on)."""
     m = queries.size
     if i + 16 < m:
         prefetch(index.ctypes.data + index.itemsize * home(queries[i + 16], mask))
+    r = np.int64(-1)
     if i + 8 < m:
         r = index[home(queries[i + 8], mask)]
         if r >= 0:
             prefetch(keys.ctypes.data + keys.itemsize * r)
+    return r
 
 
 @host_kernel
@@ -185,14 +187,9 @@ def upsert_values(index, keys, n, queries, src, dest, stamps, now):
     m, width = queries.size, src.shape[1]
     row_bytes = dest.itemsize * width
     for i in range(m):
-        # fetch_ahead's lines, and the row of values the key 8 places on will be written to
-        if i + 16 < m:
-            prefetch(index.ctypes.data + index.itemsize * home(queries[i + 16], mask))
-        if i + 8 < m:
-            r = index[home(queries[i + 8], mask)]
-            if r >= 0:
-                prefetch(keys.ctypes.data + keys.itemsize * r)
-                prefetch(dest.ctypes.data + row_bytes * r)
+        r = fetch_ahead(index, keys, queries, i, mask)
+        if r >= 0:  # that key's row of values is written soon too
+            prefetch(dest.ctypes.data + row_bytes * r)
         r, n = row_or_new(index, keys, queries[i], mask, n)
         for j in range(width):
             dest[r, j] = src[i, j]

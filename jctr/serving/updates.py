@@ -46,8 +46,8 @@ from jctr.stores.kafka import UpdateReader, dense_topic, update_topics
 log = logging.getLogger("jctr.serving")
 
 # the persistent side trails the serving side: a batch waits (at most _TRAIL_S) until the
-# serving side has applied it, and each chunk written (at most _YIELD_S) while the serving side
-# has a batch in hand; it yields, it is never starved
+# serving side has applied it, and the write batches of each chunk wait while the serving side
+# has a batch in hand (at most _YIELD_S a chunk in all); it yields, it is never starved
 _TRAIL_S = 1.0
 _YIELD_S = 0.1
 

@@ -77,9 +77,8 @@ class HostTable:
         if 2 * need > self.index.size:
             self._rebuild_slots(need)
         old = self.size
-        # in the keys' order: a key given twice keeps its last row
-        self.size = int(host_index.upsert_values(self.index, self.keys, old, keys,
-                                                 np.ascontiguousarray(values, np.float32),
+        # in the keys' order: a key given twice keeps its last row (values: as_values')
+        self.size = int(host_index.upsert_values(self.index, self.keys, old, keys, values,
                                                  self.values, self.stamps, now))
         new_parts = partition_of(self.keys[old:self.size], self.num_partitions)
         self.parts[old:self.size] = new_parts

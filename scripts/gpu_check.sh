@@ -70,12 +70,12 @@ echo "| step | exit | time |" > "$OUT/steps.md"; echo "| --- | --- | --- |" >> "
 # kernel and table tests on the GPU: conftest's 8 forced host devices stay on the CPU backend,
 # the default backend (what the tests use) is the GPU; tests on 8 devices need the forced host
 # devices as the default backend, so they are left to the CPU. Compiles dominate: with
-# pytest-xdist, four workers share the GPU.
+# pytest-xdist, four workers share the GPU (GPU_CHECK_WORKERS sets how many).
 if wants tests; then
   workers=()
-  "$PY" -c "import xdist" 2>/dev/null && workers=(-n 4)
+  "$PY" -c "import xdist" 2>/dev/null && workers=(-n "${GPU_CHECK_WORKERS:-4}")
   XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_deterministic_ops=true" \
-  step tests 420 "$PY" -m pytest -q -ra -p no:cacheprovider --timeout 300 "${workers[@]}" \
+  step tests 420 "$PY" -m pytest -q -ra -p no:cacheprovider --timeout 300 --durations 12 "${workers[@]}" \
     -k "not eight_devices" tests/test_pallas_kernels.py tests/test_hash_table.py \
     tests/test_row_optimizers.py tests/test_sparse_memory.py tests/test_layers.py \
     tests/test_eviction.py tests/test_table_growth.py

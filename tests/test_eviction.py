@@ -29,6 +29,14 @@ TOMBSTONE = EMPTY_KEY + 1
 GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
+def native_kernels() -> bool:
+    """The native CPU kernels run (not a GPU, not ``JCTR_KERNELS=reference``)."""
+    from jctr.ops import cpu_ffi, dispatch
+
+    return (jax.default_backend() == "cpu" and cpu_ffi.AVAILABLE
+            and dispatch._mode() != "reference")
+
+
 def _placement(capacity: int, ev: EvictionConfig):
     """The training lookup's steps before its eviction (slots built again when crowded, the
     clock, find-or-insert): the slot of every position and the slots after placement."""
@@ -369,10 +377,11 @@ def test_a_spilling_table_trains_the_model_of_a_table_with_room(tmp_path):
     want = losses(room)
     assert [got[i] for i in got] == [want[i] for i in got]
 
-    eight = spilling()
-    eight["solver"]["gpu"] = list(range(8))
-    with pytest.raises(PlanError, match="eviction.spill.*one device"):
-        Trainer(parse_config(eight), log=lambda s: None)
+    if len(jax.devices()) >= 8:  # (a GPU machine's default backend has one device)
+        eight = spilling()
+        eight["solver"]["gpu"] = list(range(8))
+        with pytest.raises(PlanError, match="eviction.spill.*one device"):
+            Trainer(parse_config(eight), log=lambda s: None)
 
 
 @pytest.mark.parametrize("samples", [4, 8, 16])
@@ -453,6 +462,7 @@ def test_a_restored_evicting_table_makes_the_choices_of_the_one_saved():
     assert int(restored.table.tombstones) == int(state.table.tombstones)
     np.testing.assert_array_equal(np.asarray(restored.table.slot_keys),
                                   np.asarray(state.table.slot_keys))
+    assert not np.array_equal(np.asarray(rows.table.slot_keys), np.asarray(state.table.slot_keys))
     differ = 0
     for i in range(10):
         keys = jnp.asarray(rng.integers(0, 20_000, 500))
@@ -463,7 +473,10 @@ def test_a_restored_evicting_table_makes_the_choices_of_the_one_saved():
                                       err_msg=f"step {i}")
         np.testing.assert_array_equal(np.asarray(went_on.rows), np.asarray(back.rows))
         differ += int(np.sum(np.asarray(went_on.evicted) != np.asarray(elsewhere.evicted)))
-    assert differ > 100
+    if native_kernels():
+        # (the XLA formulation, a GPU's, happens to choose alike here: its batch insert puts
+        # a bucket's keys in their rows' order, which the table that went on mostly has too)
+        assert differ > 100
     # (the counts of evicted keys come back from the snapshot's metadata, not the rows)
     assert int(restored.table.evicted) > 3000
 

@@ -66,6 +66,11 @@ class HashTable(NamedTuple):
     def num_slots(self) -> int:
         return self.slot_keys.shape[0]
 
+    @property
+    def evicts(self) -> bool:
+        """The table keeps eviction scores (it was made with an eviction policy)."""
+        return self.slot_score.shape[0] > 0
+
 
 def num_slots_for(capacity: int, eviction: EvictionConfig | None = None) -> int:
     """Slots for a capacity, in whole buckets: keys fill at most ``MAX_LOAD`` (85%) of them
@@ -191,14 +196,15 @@ def _place(table: HashTable, keys, valid, arriving, capacity: int, evicting: boo
     while free ones last (``arriving``: the valid keys). Returns (table, slots, rows, rep,
     new, granted)."""
     # the slots taken (keys with rows, tombstones and, in a plain table, refused keys) and
-    # the batch's keys may exceed the slots: which keys get one must not follow a GPU's race
+    # the batch's keys may exceed the slots: which keys get one must not follow a GPU's race;
+    # nor, in a deterministic run, where an evicting table's keys sit (which windows rank them)
     taken = table.size - table.free_count + table.tombstones
     if not evicting:
         taken = taken + table.overflow
     slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size, free_count = \
         find_and_assign(table.slot_keys, table.slot_rows, table.scratch, table.free_rows,
                         table.size, table.free_count, keys, valid, capacity, dedupe=dedupe,
-                        scarce=taken + arriving > table.num_slots)
+                        scarce=taken + arriving > table.num_slots, exact=table.evicts)
     table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, scratch=scratch,
                            size=size, free_count=free_count)
     return table, slots, rows, rep, new, granted
@@ -411,7 +417,7 @@ def rebuild_slots(table: HashTable) -> HashTable:
         old_keys, old_rows = old_keys[order], old_rows[order]
         live = old_rows >= 0
         slot_keys, slots = find_slots(jnp.full((n_slots,), EMPTY_KEY, jnp.int64), old_keys,
-                                      live, insert=True)
+                                      live, insert=True, exact=table.evicts)
         slot_rows = jnp.full((n_slots,), -1, jnp.int32).at[
             jnp.where(live, slots, n_slots)].set(old_rows, mode="drop")
         slot_score = old_score

@@ -220,27 +220,33 @@ def _find_slots_cpu(slot_keys, keys, valid, *, insert: bool):
     return slot_keys, jnp.where(slots >= 0, slots, placed)
 
 
-def find_slots(slot_keys, keys, valid, *, insert: bool, scarce=None):
+def find_slots(slot_keys, keys, valid, *, insert: bool, scarce=None, exact: bool = False):
     """Slots of keys in an open-addressing table (see :func:`jctr.ops.hashing.find_slots`):
     the Pallas kernels on GPU (lookup, and find-or-insert with atomic claims); on CPU a native
-    probe loop for the keys present and a native sequential insert.
+    probe loop for the keys present and a native sequential insert (the same slots in every
+    run).
 
-    ``scarce`` (a bool scalar, insert only): the free slots may not hold every new key of the
-    batch. Which keys then get one would follow the GPU's claim race (different from run to
-    run), so on GPU such a step takes the XLA formulation's claims, the same in every run
-    (:func:`insert_claims`)."""
+    The GPU kernel's claims race: which slot a new key gets may differ from run to run (its
+    row does not). Two kinds of insert take the XLA formulation's claims there instead, first
+    position first, the same in every run (:func:`insert_claims`): ``scarce`` (a bool scalar)
+    ones, where the free slots may not hold every new key of the batch (which keys get one
+    decides which are refused); and ``exact`` ones (where keys sit decides later results: an
+    evicting table's windows) when XLA's deterministic GPU ops are asked for
+    (:func:`deterministic_gpu`), as a bit-exact rerun or resume on a GPU needs anyway. They
+    cost about 20x the kernel (an H200, 106,496 keys: ~25 ms against ~1 ms), so a run that
+    does not ask keeps the kernel."""
     if _mode() == "reference":
         return hashing.find_slots(slot_keys, keys, valid, insert=insert)
     if insert:
-        scarce = jnp.zeros((), bool) if scarce is None else scarce
+        ordered = claims_in_order(scarce, exact)
 
-        def reference(slot_keys, keys, valid, scarce):
+        def reference(slot_keys, keys, valid, ordered):
             return hashing.find_slots(slot_keys, keys, valid, insert=True)
 
-        def cpu(slot_keys, keys, valid, scarce):
+        def cpu(slot_keys, keys, valid, ordered):
             return _find_slots_cpu(slot_keys, keys, valid, insert=True)
 
-        return _by_platform(slot_keys, keys, valid, scarce, cpu=cpu, cuda=insert_claims,
+        return _by_platform(slot_keys, keys, valid, ordered, cpu=cpu, cuda=insert_claims,
                             default=reference)
 
     def lookup_reference(slot_keys, keys, valid):
@@ -254,34 +260,50 @@ def find_slots(slot_keys, keys, valid, *, insert: bool, scarce=None):
     return slot_keys, slots
 
 
-def insert_claims(slot_keys, keys, valid, scarce, *, interpret: bool = False):
-    """The GPU's find-or-insert: the Pallas kernel's atomic claims where every new key finds a
-    free slot (the slot each key gets may differ from run to run, the keys' rows do not: rows
-    go by position, :func:`jctr.ops.hashing.assign_rows`), the XLA formulation's claims where
-    the slots are ``scarce`` (an evicting table whose step brings more keys than it has free
-    slots: which keys find one decides which are refused). Two loops run at most once each
-    (a ``cond`` would copy the slots in its untaken branch)."""
+def deterministic_gpu() -> bool:
+    """Whether XLA's deterministic GPU ops are asked for (``XLA_FLAGS`` holds
+    ``--xla_gpu_deterministic_ops=true``): scatter-adds then sum in a fixed order, and
+    inserts whose slots matter later claim in order (:func:`find_slots`)."""
+    flags = os.environ.get("XLA_FLAGS", "").replace("=", " ").split()
+    return any(f == "--xla_gpu_deterministic_ops" and nxt.lower() in ("true", "1")
+               for f, nxt in zip(flags, flags[1:]))
+
+
+def claims_in_order(scarce, exact: bool) -> jax.Array:
+    """Whether a GPU insert claims in order (bool scalar): see :func:`find_slots`."""
+    if exact and deterministic_gpu():
+        return jnp.ones((), bool)
+    return jnp.zeros((), bool) if scarce is None else jnp.asarray(scarce, bool)
+
+
+def insert_claims(slot_keys, keys, valid, ordered, *, interpret: bool = False):
+    """The GPU's find-or-insert: the Pallas kernel's atomic claims (the slot each key gets may
+    differ from run to run, the keys' rows do not: rows go by position,
+    :func:`jctr.ops.hashing.assign_rows`), the XLA formulation's claims where they must be
+    ``ordered`` (see :func:`find_slots`). Two loops run at most once each (a ``cond`` would
+    copy the slots in its untaken branch)."""
     def pallas(c):
         return (False, *pallas_hash.insert_slots_kernel(c[1], keys, valid, interpret=interpret))
 
     def xla(c):
         return (False, *hashing.find_slots(c[1], keys, valid, insert=True))
 
-    state = (~scarce, slot_keys, jnp.full(keys.shape, -1, jnp.int32))
+    state = (~ordered, slot_keys, jnp.full(keys.shape, -1, jnp.int32))
     _, slot_keys, slots = jax.lax.while_loop(lambda c: c[0], pallas, state)
-    _, slot_keys, slots = jax.lax.while_loop(lambda c: c[0], xla, (scarce, slot_keys, slots))
+    _, slot_keys, slots = jax.lax.while_loop(lambda c: c[0], xla, (ordered, slot_keys, slots))
     return slot_keys, slots
 
 
 def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid,
-                    capacity: int, *, dedupe: bool = True, scarce=None):
+                    capacity: int, *, dedupe: bool = True, scarce=None, exact: bool = False):
     """A training lookup's slots and rows: :func:`find_slots` with ``insert`` then
     :func:`jctr.ops.hashing.assign_rows`. On CPU one native pass
-    (:func:`jctr.ops.cpu_ffi.find_assign`). ``scarce``: see :func:`find_slots`.
+    (:func:`jctr.ops.cpu_ffi.find_assign`). ``scarce``, ``exact``: see :func:`find_slots`.
     Returns (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size,
     free_count)."""
     def reference(slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid):
-        slot_keys, slots = find_slots(slot_keys, keys, valid, insert=True, scarce=scarce)
+        slot_keys, slots = find_slots(slot_keys, keys, valid, insert=True, scarce=scarce,
+                                      exact=exact)
         return (slot_keys, slots) + hashing.assign_rows(slot_rows, scratch, free_rows, size,
                                                         free_count, slots, capacity,
                                                         dedupe=dedupe)

@@ -415,6 +415,7 @@ def test_native_eviction_makes_the_xla_choices_over_many_chunks(policy, samples,
     slots[found] = rng.choice(live, int(found.sum()), replace=False)
     keys[found] = slot_keys[slots[found]]
     rows = np.where(found, slot_rows[slots], -1).astype(np.int32)
+    score[slots[found], 0] = 12  # this step's (the lookup stamps them before it evicts)
     needy = ~found & (rng.random(n) < 0.9)
     table = create_table(capacity, ev)._replace(
         slot_keys=jnp.asarray(slot_keys), slot_rows=jnp.asarray(slot_rows),

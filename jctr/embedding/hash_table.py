@@ -159,6 +159,11 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
             restart = restart | ((rows >= 0) & (last // eviction.epoch_steps
                                                 != table.clock // eviction.epoch_steps))
         needy = new & ~granted
+        # found keys and granted ones are this step's: stamped before any eviction, so that
+        # none is chosen (a key that takes an evicted row is stamped as it takes it: every
+        # key with a row is this step's after the eviction, with one scatter a step)
+        table = table._replace(slot_score=table.slot_score.at[
+            jnp.where(rows >= 0, slots, table.num_slots), 0].set(table.clock, mode="drop"))
 
         def evict(t: HashTable):
             t, placed, gone = _evict(t, keys, slots, rows, needy, eviction)
@@ -246,13 +251,12 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
     granted, placed) are never chosen. Compacted chunks: the cost follows the needy keys, not
     the batch. On CPU a native kernel makes the same choices (:func:`jctr.ops.cpu_ffi.evict`).
     Returns the table, which positions got a row and the key each of them evicted
-    (``EMPTY_KEY`` elsewhere)."""
+    (``EMPTY_KEY`` elsewhere). The keys with ``rows`` (found, granted) must carry this
+    step in their scores already (:func:`lookup` stamps them), so that none is chosen."""
     n = slots.shape[0]
     n_slots = table.num_slots
     clock = table.clock
-    # found keys and granted ones are this step's: stamped first, so none is chosen
-    score = table.slot_score.at[jnp.where(rows >= 0, slots, n_slots), 0].set(clock,
-                                                                             mode="drop")
+    score = table.slot_score
     chunk = min(n, max(64, n // 8))
     width = eviction.samples
     ar = jnp.arange(chunk, dtype=jnp.int32)
@@ -321,16 +325,16 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
 
 
 def _count_touches(table: HashTable, slots, rows, restart, eviction: EvictionConfig):
-    """The step's touches in the score columns: the last step of the key of every position
-    with a row (``rows`` >= 0, at its ``slots`` entry), and for ``*lfu`` one touch per
-    occurrence, counted from 0 for the keys of the ``restart`` positions."""
-    score, clock = table.slot_score, table.clock
-    n_slots = table.num_slots
-    at = jnp.where(rows >= 0, slots, n_slots)
-    if eviction.score_columns > 1:
-        score = score.at[jnp.where(restart, at, n_slots), 1].set(0, mode="drop")
-        score = score.at[at, 1].add(1, mode="drop")
-    return score.at[at, 0].set(clock, mode="drop")
+    """The step's touches in ``*lfu``'s second score column: one per occurrence of a key with
+    a row (``rows`` >= 0, at its ``slots`` entry), counted from 0 for the keys of the
+    ``restart`` positions. (Every such key's last step is stamped already: before the
+    eviction, or as it took an evicted row.)"""
+    score = table.slot_score
+    if eviction.score_columns < 2:
+        return score
+    at = jnp.where(rows >= 0, slots, table.num_slots)
+    score = score.at[jnp.where(restart, at, table.num_slots), 1].set(0, mode="drop")
+    return score.at[at, 1].add(1, mode="drop")
 
 
 def scores_by_row(table: HashTable, rows: np.ndarray, capacity: int) -> np.ndarray:

@@ -181,8 +181,11 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
             lambda c: c[0], lambda c: (False, *evict(c[1])),
             (jnp.any(needy), table, jnp.zeros_like(needy), jnp.full(keys.shape, EMPTY_KEY)))
         granted = granted | placed
-        rows = jnp.where(slots >= 0,
-                         table.slot_rows.at[slots].get(mode="fill", fill_value=-1), -1)
+        # rows found or granted stay (no key of this step is evicted): only the positions of
+        # keys that took an evicted row read theirs (a gather that skips the others' slots)
+        missing = (rows < 0) & (slots >= 0)
+        rows = jnp.where(missing, table.slot_rows.at[jnp.where(missing, slots, table.num_slots)]
+                         .get(mode="fill", fill_value=-1), rows)
         table = table._replace(slot_score=_count_touches(table, slots, rows, restart | placed,
                                                          eviction))
     # refused: new keys left without a row, and keys that found no free slot at all (the

@@ -384,15 +384,22 @@ def test_a_spilling_table_trains_the_model_of_a_table_with_room(tmp_path):
             Trainer(parse_config(eight), log=lambda s: None)
 
 
-@pytest.mark.parametrize("samples", [4, 8, 16])
+@pytest.mark.parametrize("samples,one_chunk", [(4, False), (8, False), (16, False),
+                                               (8, True)])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu"])
-def test_native_eviction_makes_the_xla_choices_over_many_chunks(policy, samples, monkeypatch):
+def test_native_eviction_makes_the_xla_choices_over_many_chunks(policy, samples, one_chunk,
+                                                                monkeypatch):
     """From the same table (2,000 rows in 4,000 slots, 100 tombstones, scores over a dozen
     steps) and the same 1,600 positions (a third found keys, most others new keys in free
     slots: chunks of 200, many claims contested, several rounds), the native kernel and the
     XLA formulation of ``_evict`` leave the same slots, rows, scores, placed positions and
     evicted keys. (Whole lookups may place new keys in other slots: the two finds resolve a
-    contested free slot differently, so this compares the eviction itself.)"""
+    contested free slot differently, so this compares the eviction itself.) ``one_chunk``:
+    every needy key ranked together, as a GPU does (``dispatch.GPU_EVICT_CHUNK``)."""
+    if one_chunk:
+        whole = ht.evict_rows
+        monkeypatch.setattr(ht, "evict_rows", lambda *a, chunk, **kw: whole(
+            *a, chunk=a[5].shape[0], **kw))
     ev = EvictionConfig(policy, epoch_steps=3, samples=samples)
     capacity, n = 2000, 1600
     n_slots = ht.num_slots_for(capacity, ev)

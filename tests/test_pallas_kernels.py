@@ -316,7 +316,8 @@ def test_the_gpu_insert_claims_in_order_where_asked(ordered):
     valid = jnp.ones(keys.shape, bool)
     claims = functools.partial(insert_claims, interpret=INTERPRET)
     got_table, got = jax.jit(claims)(table, jnp.asarray(keys), valid, jnp.asarray(ordered))
-    want_table, want = find_slots(table, jnp.asarray(keys), valid, insert=True)
+    want_table, want = find_slots(table, jnp.asarray(keys), valid, insert=True,
+                                  chunk=keys.shape[0])  # (one chunk on a GPU)
     got, got_table = np.asarray(got), np.asarray(got_table)
     np.testing.assert_array_equal(got_table[got[got >= 0]], keys[got >= 0])
     assert ((got >= 0).sum() == (np.asarray(want) >= 0).sum()

@@ -262,10 +262,12 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
     score = table.slot_score
     chunk = min(n, max(64, n // 8))
     width = eviction.samples
-    ar = jnp.arange(chunk, dtype=jnp.int32)
     offsets = jnp.arange(width, dtype=jnp.int32)
 
-    def reference(slot_keys, slot_rows, score, scratch, keys, slots, needy, clock):
+    def reference(slot_keys, slot_rows, score, scratch, keys, slots, needy, clock, *,
+                  chunk: int = chunk):
+        ar = jnp.arange(chunk, dtype=jnp.int32)
+
         def body(c):
             slot_keys, slot_rows, score, scratch, todo, placed, gone_keys = c
             idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]

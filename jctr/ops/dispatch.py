@@ -285,8 +285,9 @@ def insert_claims(slot_keys, keys, valid, ordered, *, interpret: bool = False):
     def pallas(c):
         return (False, *pallas_hash.insert_slots_kernel(c[1], keys, valid, interpret=interpret))
 
-    def xla(c):
-        return (False, *hashing.find_slots(c[1], keys, valid, insert=True))
+    def xla(c):  # one chunk: on a GPU each probe round is a few launch-bound kernels
+        return (False, *hashing.find_slots(c[1], keys, valid, insert=True,
+                                           chunk=keys.shape[0]))
 
     state = (~ordered, slot_keys, jnp.full(keys.shape, -1, jnp.int32))
     _, slot_keys, slots = jax.lax.while_loop(lambda c: c[0], pallas, state)
@@ -355,17 +356,26 @@ def rebuild_slots(reference, slot_keys, slot_rows, score):
     return _by_platform(*args, cpu=cpu_ffi.rebuild_slots, default=reference)
 
 
+# the most needy keys a GPU's eviction ranks together: its rounds are a few small kernels
+# each, launch-bound, so one chunk for a step's keys (chunks of n // 8, as on CPU, made a
+# uniform stream's step of 106,496 keys ~5x a step with room on an H200)
+GPU_EVICT_CHUNK = 1 << 18
+
+
 def evict_rows(reference, slot_keys, slot_rows, score, scratch, keys, slots, needy, clock, *,
                policy: str, epoch_steps: int, samples: int, chunk: int):
     """The rows a full table's new keys take (``reference``: the XLA formulation,
-    :func:`jctr.embedding.hash_table._evict`'s, called with the same arguments); on CPU the
-    native kernel (:func:`jctr.ops.cpu_ffi.evict`), which makes the same choices. ``scratch``
-    (int32 [slots], contents never matter) holds the XLA rounds' claims; the native kernel
-    claims in turn and passes it through. Returns (slot_keys, slot_rows, score, scratch,
-    placed, gone keys)."""
+    :func:`jctr.embedding.hash_table._evict`'s, called with the same arguments and the
+    ``chunk`` of needy keys it ranks together); on CPU the native kernel
+    (:func:`jctr.ops.cpu_ffi.evict`), which makes the same choices for the same ``chunk``; on
+    GPU the XLA formulation with chunks of up to ``GPU_EVICT_CHUNK`` keys (the choices of
+    that chunk: the same in every run). ``scratch`` (int32 [slots], contents never matter)
+    holds the XLA rounds' claims; the native kernel claims in turn and passes it through.
+    Returns (slot_keys, slot_rows, score, scratch, placed, gone keys)."""
     args = (slot_keys, slot_rows, score, scratch, keys, slots, needy, clock)
     if _mode() == "reference" or not cpu_ffi.AVAILABLE:
-        return reference(*args)
+        return reference(*args, chunk=chunk)
+    gpu_chunk = max(chunk, min(keys.shape[0], GPU_EVICT_CHUNK))
 
     def cpu(slot_keys, slot_rows, score, scratch, keys, slots, needy, clock):
         slot_keys, slot_rows, score, placed, gone = cpu_ffi.evict(
@@ -373,4 +383,4 @@ def evict_rows(reference, slot_keys, slot_rows, score, scratch, keys, slots, nee
             epoch_steps=epoch_steps, samples=samples, chunk=chunk)
         return slot_keys, slot_rows, score, scratch, placed, gone
 
-    return _by_platform(*args, cpu=cpu, default=reference)
+    return _by_platform(*args, cpu=cpu, default=functools.partial(reference, chunk=gpu_chunk))

@@ -222,6 +222,26 @@ def _evicting(tmp_path, policy="lru", capacity=60, **solver):
     return cfg
 
 
+def test_an_evicting_table_on_a_gpu_says_when_its_choices_may_differ(tmp_path, monkeypatch):
+    """On a GPU without XLA's deterministic ops an evicting table's inserts claim slots with
+    the insert kernel's racing atomics, so a resumed run may evict other keys than the
+    uninterrupted one (``jctr.ops.dispatch.find_slots``): the placement's description says
+    so, naming the tables, and says nothing on CPU or with the flag."""
+    from jctr.config import parse_config
+    from jctr.models.ctr import build_model
+    from jctr.sharding.placed_model import PlacedModel
+
+    cfg = parse_config(_evicting(tmp_path))
+    placed = PlacedModel(cfg, build_model(cfg)[0].specs)
+    assert "evict on a GPU" not in placed.describe()
+    monkeypatch.setattr(placed, "device", type("Gpu", (), {"platform": "gpu"})())
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    note = placed.describe().splitlines()[-1]
+    assert "sparse_embedding1 evict on a GPU" in note and "deterministic_ops=true" in note
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
+    assert "evict on a GPU" not in placed.describe()
+
+
 def test_a_full_table_trains_on_by_evicting_and_resumes_exactly(tmp_path):
     """A DLRM whose table holds 60 rows of a few hundred keys (Adam rows: state that an
     evicted key's successor must not inherit): training goes on where it would stop with

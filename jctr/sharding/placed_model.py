@@ -27,6 +27,7 @@ from jctr.data.batch import Batch
 from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.errors import UserError
 from jctr.models.ctr import TrainState
+from jctr.ops.dispatch import deterministic_gpu
 from jctr.sharding.mesh import (
     build_mesh,
     describe_mesh,
@@ -81,7 +82,15 @@ class PlacedModel:
                                               self.engine.shardings(), rep)
 
     def describe(self) -> str:
-        return describe_mesh(self.mesh) + "\n" + self.plan.describe()
+        lines = [describe_mesh(self.mesh), self.plan.describe()]
+        evicting = [s.name for s in self.specs if s.eviction is not None]
+        if evicting and self.device.platform == "gpu" and not deterministic_gpu():
+            # (the GPU insert kernel's claims race; ordered ones cost ~20x: docs/kernels.md)
+            lines.append(f"[jctr] note: {', '.join(evicting)} evict on a GPU without XLA's "
+                         "deterministic ops, so a resumed or repeated run may evict other "
+                         "keys than the uninterrupted one; XLA_FLAGS=--xla_gpu_deterministic_"
+                         "ops=true makes them the same, bit for bit (slower)")
+        return "\n".join(lines)
 
     # ---- abstract arrays: compile and size the steps before any table is allocated --------
 

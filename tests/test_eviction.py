@@ -67,7 +67,8 @@ class Model:
         epoch = last // ev.epoch_steps
         return {"lru": last, "lfu": (self.count[k] << 32) | last,
                 "epoch_lru": (epoch << 32) | last,
-                "epoch_lfu": (epoch << 32) | self.count[k]}[ev.policy]
+                "epoch_lfu": (epoch << 32) | self.count[k],
+                "score": (self.count[k] << 32) | last}[ev.policy]
 
     @staticmethod
     def window(k: int, rnd: int, n_slots: int) -> int:
@@ -128,6 +129,11 @@ class Model:
         self.overflow += len(needy)
         for j in needy:  # a refused key gives its slot back
             layout[slots[j]] = TOMBSTONE
+        if self.ev.policy == "score":  # (the second column: the caller's score)
+            for k in keys:
+                if k in self.rows:
+                    self.count[k] = (k * 7) % 5  # tests.score_fns:by_key
+            return layout
         for k in restart:
             self.count[k] = 0
         for k in keys:
@@ -149,17 +155,20 @@ def _check_scores(table, model: Model, at: str) -> None:
 
 
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
-@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu"])
+@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu", "score"])
 def test_eviction_equals_a_dictionary_model(policy, kernels, monkeypatch):
     """80 steps of 12 distinct keys (a hot set of 10 keys and a stream of cold ones) through
     a table of 24 rows: every step the table's key -> row map, its slot array, its eviction
     and overflow counts and every key's scores equal the model's; under lru and lfu most hot
-    keys stay. An erase midway frees rows that new keys take before any eviction. ``auto`` on
-    CPU runs the native kernels (``jctr_cpu_find_assign``, ``jctr_cpu_evict``),
-    ``reference`` the XLA formulations: both make the model's choices."""
+    keys stay; under ``score`` (``tests.score_fns:by_key``, HierarchicalKV's customized
+    scores) the keys held score higher than the keys seen. An erase midway frees rows that
+    new keys take before any eviction. ``auto`` on CPU runs the native kernels
+    (``jctr_cpu_find_assign``, ``jctr_cpu_evict``), ``reference`` the XLA formulations: both
+    make the model's choices."""
     monkeypatch.setenv("JCTR_KERNELS", kernels)
     capacity = 24
-    ev = EvictionConfig(policy, epoch_steps=5, samples=8)
+    ev = EvictionConfig(policy, epoch_steps=5, samples=8,
+                        score_fn="tests.score_fns:by_key" if policy == "score" else None)
     model = Model(capacity, ev)
     table = create_table(capacity, ev)
     step = jax.jit(lambda t, k: lookup(t, k, jnp.ones(k.shape, bool), capacity, insert=True,
@@ -197,6 +206,9 @@ def test_eviction_equals_a_dictionary_model(policy, kernels, monkeypatch):
     if policy in ("lru", "lfu"):  # the hot keys stay far more than the cold ones
         held_hot = np.mean(hot_held[10:])
         assert held_hot >= 0.6 > 4 * (capacity - 10 * held_hot) / 390, held_hot
+    if policy == "score":  # high scores stay: the held keys' mean score against all keys'
+        held = np.array(sorted(model.rows))
+        assert ((held * 7) % 5).mean() > 0.5 + ((np.arange(400) * 7) % 5).mean()
 
 
 def test_a_table_without_eviction_keeps_refusing_when_full():
@@ -240,6 +252,97 @@ def test_an_evicting_table_on_a_gpu_says_when_its_choices_may_differ(tmp_path, m
     assert "sparse_embedding1 evict on a GPU" in note and "deterministic_ops=true" in note
     monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_deterministic_ops=true")
     assert "evict on a GPU" not in placed.describe()
+
+
+@pytest.mark.parametrize("score_fn,error", [
+    (None, 'score_fn: the "score" policy takes its scores from a function'),
+    ("tests.score_fns", 'score_fn: expected "module:function", got \'tests.score_fns\''),
+    ("tests.no_such_module:f", "score_fn: No module named 'tests.no_such_module'"),
+    ("tests.score_fns:nothing", "score_fn: module 'tests.score_fns' has no 'nothing'"),
+    ("tests.score_fns:NOT_A_FUNCTION", "score_fn: 'tests.score_fns:NOT_A_FUNCTION' is not a "
+                                       "function (int)"),
+])
+def test_the_score_policy_names_what_is_wrong_with_its_function(tmp_path, score_fn, error):
+    """``"policy": "score"`` takes its scores from ``score_fn``, a ``"module:function"`` the
+    parser imports: a missing, malformed or wrong one is refused naming the JSON path; a
+    function that gives no score a key is refused when the step is traced; and only the
+    ``score`` policy takes one."""
+    from jctr.config import ConfigError, parse_config
+
+    cfg = _evicting(tmp_path, policy="score")
+    if score_fn is not None:
+        cfg["layers"][1]["eviction"]["score_fn"] = score_fn
+    with pytest.raises(ConfigError) as e:
+        parse_config(cfg)
+    assert f"layers[1].eviction.{error}" in str(e.value)
+
+
+def test_the_score_policy_keeps_the_keys_its_function_scores_high():
+    """A table of 3,000 rows under a stream of 500 keys a step over 20,000 keys, evicting by
+    the caller's scores (``tests.score_fns:odd_first``: odd keys 1000, even keys 0): it holds
+    far more odd keys than lru does with the same stream (a new key ranks the few keys of its
+    window not touched this step, as HierarchicalKV ranks a bucket, so the lowest score goes
+    where one is there to take), and its victims are mostly even keys."""
+    from jctr.config.schema import OptimizerConfig
+    from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding, lookup_keys
+
+    share = {}
+    for policy in ("score", "lru"):
+        spec = EmbeddingSpec("t", capacity=3000, dim=4, slot_num=1, max_features=1,
+                             one_hot=True, input_index=0,
+                             optimizer=OptimizerConfig("Adam", update_type="Local"),
+                             eviction=EvictionConfig(policy, score_fn="tests.score_fns:odd_first"
+                                                     if policy == "score" else None))
+        step = jax.jit(lambda s, k, spec=spec: lookup_keys(
+            spec, s, k, jnp.ones(k.shape, bool), jnp.zeros(k.shape, jnp.int32), train=True))
+        rng = np.random.default_rng(3)
+        state, gone = init_embedding(spec), []
+        for _ in range(40):
+            state, lk = step(state, jnp.asarray(rng.integers(0, 20_000, 500)))
+            evicted = np.asarray(lk.evicted)
+            gone.append(evicted[evicted != EMPTY_KEY])
+        keys, _ = export_items(state.table)
+        gone = np.concatenate(gone)
+        share[policy] = ((keys % 2 == 1).mean(), (gone % 2 == 0).mean(), gone.size)
+    (odd_held, even_gone, n), (lru_odd_held, lru_even_gone, lru_n) = share["score"], share["lru"]
+    assert n > 10_000 and lru_n > 10_000, share
+    assert odd_held > 0.7 and lru_odd_held < 0.55 and even_gone > 0.55 > lru_even_gone, share
+
+
+def test_a_trainer_evicts_by_the_callers_scores_and_keeps_them_in_checkpoints(tmp_path):
+    """A DLRM whose 60-row table meets hundreds of keys, evicting by the caller's scores
+    (``tests.score_fns:odd_first``): it trains on, every held key's second score column is
+    its function's score, and a checkpoint brings the scores back. A function that gives no
+    score a key stops the first step with its name; a ``score_fn`` on another policy is
+    refused."""
+    from jctr.config import ConfigError, parse_config
+    from jctr.errors import UserError
+    from jctr.train.trainer import Trainer
+
+    cfg = _evicting(tmp_path, policy="score", max_iter=20, snapshot=20)
+    cfg["layers"][1]["eviction"]["score_fn"] = "tests.score_fns:odd_first"
+    trainer = Trainer(parse_config(cfg), log=lambda s: None)
+    trainer.fit()
+    table = trainer.state.embeddings[0].table
+    assert int(table.evicted) > 20
+    held = np.asarray(table.slot_rows) >= 0
+    score = np.asarray(table.slot_score)[held]
+    assert score.shape[1] == 2 and held.sum() == 60
+    np.testing.assert_array_equal(score[:, 1], (np.asarray(table.slot_keys)[held] & 1) * 1000)
+    resumed = Trainer(parse_config(cfg), log=lambda s: None)
+    assert resumed.restore_checkpoint() == 20
+    back = resumed.state.embeddings[0].table
+    np.testing.assert_array_equal(np.asarray(back.slot_score)[np.asarray(back.slot_rows) >= 0],
+                                  score)
+
+    cfg["layers"][1]["eviction"]["score_fn"] = "tests.score_fns:one_number"
+    cfg["solver"]["snapshot_prefix"] = str(tmp_path / "other_")
+    with pytest.raises(UserError, match="score_fn 'tests.score_fns:one_number': expected one "
+                                        "number per key"):
+        Trainer(parse_config(cfg), log=lambda s: None).fit()
+    cfg["layers"][1]["eviction"] = {"policy": "lru", "score_fn": "tests.score_fns:by_key"}
+    with pytest.raises(ConfigError, match='score_fn: only the "score" policy takes scores'):
+        parse_config(cfg)
 
 
 def test_a_full_table_trains_on_by_evicting_and_resumes_exactly(tmp_path):

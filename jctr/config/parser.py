@@ -38,6 +38,7 @@ from jctr.config.schema import (
     SyntheticConfig,
     column_ref,
     default_mode,
+    load_function,
 )
 from jctr.config.slots import localized_slot_owners, rows_per_device
 
@@ -778,9 +779,6 @@ def parse_embedding(r: ObjectReader, etype: str, devices: int = 1) -> EmbeddingC
 
 def _parse_eviction(r: ObjectReader) -> EvictionConfig:
     """An embedding layer's ``eviction`` object."""
-    if r.raw("policy", None) == "score":
-        raise r.error("policy", '"score" (caller-given scores) is not built; give "lru", '
-                      '"lfu", "epoch_lru" or "epoch_lfu"')
     policy = r.choice("policy", EVICTION_POLICIES)
     epoch_steps = r.int("epoch_steps", 1000, min_value=1)
     if r.has("epoch_steps") and not policy.startswith("epoch_"):
@@ -791,8 +789,19 @@ def _parse_eviction(r: ObjectReader) -> EvictionConfig:
     spill = r.str("spill", None)
     if spill is not None and not spill.strip():
         raise r.error("spill", "expected a folder for the RocksDB database of evicted rows")
+    score_fn = r.str("score_fn", None)
+    if policy == "score":
+        if score_fn is None:
+            raise r.error("score_fn", 'the "score" policy takes its scores from a function: '
+                          'expected "module:function" (keys, step -> int32 scores)')
+        try:
+            load_function(score_fn)  # (imports the user's module now: its errors here)
+        except (ImportError, AttributeError, TypeError, ValueError) as e:
+            raise r.error("score_fn", str(e)) from None
+    elif score_fn is not None:
+        raise r.error("score_fn", f'only the "score" policy takes scores, not "{policy}"')
     r.finish()
-    return EvictionConfig(policy, epoch_steps, samples, spill)
+    return EvictionConfig(policy, epoch_steps, samples, spill, score_fn)
 
 
 def _parse_plan_file(r: ObjectReader) -> str | None:

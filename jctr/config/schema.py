@@ -6,8 +6,11 @@ Parse with :func:`jctr.config.load_config`; nothing downstream reads raw JSON.
 
 from __future__ import annotations
 
+import importlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from jctr.config.layer_types import LOSS_TYPES, NoParam
 
@@ -437,7 +440,25 @@ class DataConfig:
         raise KeyError(top)
 
 
-EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")
+EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu", "score")
+
+
+def load_function(spec: str) -> Callable:
+    """The function a ``"module:function"`` string names (``module`` imported, dotted
+    attributes followed), e.g. ``load_function("my_scores:by_age")``. Raises ValueError,
+    ImportError, AttributeError or TypeError with what was wrong."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module.strip() or not name.strip():
+        raise ValueError(f'expected "module:function", got {spec!r}')
+    obj: Any = importlib.import_module(module.strip())
+    for part in name.strip().split("."):
+        try:
+            obj = getattr(obj, part)
+        except AttributeError:
+            raise AttributeError(f"module {module.strip()!r} has no {name.strip()!r}") from None
+    if not callable(obj):
+        raise TypeError(f"{spec!r} is not a function ({type(obj).__name__})")
+    return obj
 
 
 @dataclass(frozen=True)
@@ -447,10 +468,14 @@ class EvictionConfig:
     ranking uses the table's own clock (one tick per training step): ``lru`` the step a row
     was last touched, ``lfu`` how often it was touched (ties: least recently), ``epoch_lru``
     and ``epoch_lfu`` first the epoch (``epoch_steps`` steps) of its last touch, then its
-    last step or its touches within that epoch. Rows the step touches are never taken."""
+    last step or its touches within that epoch; ``score`` the caller's scores (HierarchicalKV's
+    customized strategy): ``score_fn`` gives every key a step assigns its score, the lowest
+    score goes first (ties: least recently). Rows the step touches are never taken."""
 
     policy: str
-    """``"lru"``, ``"lfu"``, ``"epoch_lru"`` or ``"epoch_lfu"``."""
+    """``"lru"``, ``"lfu"``, ``"epoch_lru"``, ``"epoch_lfu"`` or ``"score"`` (the caller's
+    scores, from ``score_fn``: NVIDIA HierarchicalKV's customized strategy; the lowest score
+    goes first, ties least recently used)."""
     epoch_steps: int = 1000
     """Steps per epoch of the ``epoch_*`` policies."""
     samples: int = 8
@@ -463,11 +488,18 @@ class EvictionConfig:
     written there, and a key seen again takes its row back, so the table trains as if it had
     room for every key (``jctr.embedding.spill``). Checkpoints hold the spilled rows too.
     One device, one process."""
+    score_fn: str | None = None
+    """``score`` only (required there): ``"module:function"``, imported when the config is
+    read (as TFRA's ``gen_scores_fn``). Called inside the training step with the step's keys
+    (int64 [n]) and the table's step (int32 []), it returns each key's score (int32 [n], jnp
+    code); every key a step assigns gets its score (``jctr.embedding.hash_table.caller_scores``).
+    Example: ``def by_range(keys, step): return jnp.where(keys < 1_000_000, 1000, 0)``."""
 
     @property
     def score_columns(self) -> int:
-        """int32 columns kept per row: the last step touched, and touches for ``*lfu``."""
-        return 2 if self.policy.endswith("lfu") else 1
+        """int32 columns kept per row: the last step touched, and touches for ``*lfu`` or the
+        caller's score for ``score``."""
+        return 2 if self.policy.endswith("lfu") or self.policy == "score" else 1
 
 
 @dataclass(frozen=True)

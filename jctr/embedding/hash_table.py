@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jctr.config.schema import EvictionConfig
+from jctr.config.schema import EvictionConfig, load_function
 from jctr.errors import UserError
 from jctr.ops import (
     EMPTY_KEY,
@@ -186,8 +186,8 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
         missing = (rows < 0) & (slots >= 0)
         rows = jnp.where(missing, table.slot_rows.at[jnp.where(missing, slots, table.num_slots)]
                          .get(mode="fill", fill_value=-1), rows)
-        table = table._replace(slot_score=_count_touches(table, slots, rows, restart | placed,
-                                                         eviction))
+        table = table._replace(slot_score=_count_touches(table, keys, slots, rows,
+                                                         restart | placed, eviction))
     # refused: new keys left without a row, and keys that found no free slot at all (the
     # slots full of refused keys: each occurrence counts)
     refused = n_new - jnp.sum(granted, dtype=jnp.int32) + jnp.sum(valid & (slots < 0),
@@ -230,7 +230,7 @@ def _rank(score: jax.Array, clock: jax.Array, eviction: EvictionConfig) -> jax.A
     policy = eviction.policy
     if policy == "lru":
         rank = last
-    elif policy == "lfu":
+    elif policy in ("lfu", "score"):  # touches, or the caller's score; ties: least recently
         rank = (score[..., 1].astype(jnp.int64) << 32) | last
     elif policy == "epoch_lru":
         rank = ((last // eviction.epoch_steps) << 32) | last
@@ -329,17 +329,41 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
     return table, placed, gone_keys
 
 
-def _count_touches(table: HashTable, slots, rows, restart, eviction: EvictionConfig):
+def _count_touches(table: HashTable, keys, slots, rows, restart, eviction: EvictionConfig):
     """The step's touches in ``*lfu``'s second score column: one per occurrence of a key with
     a row (``rows`` >= 0, at its ``slots`` entry), counted from 0 for the keys of the
-    ``restart`` positions. (Every such key's last step is stamped already: before the
-    eviction, or as it took an evicted row.)"""
+    ``restart`` positions; ``score``'s: the caller's score of each such key (every key a step
+    assigns). (Every such key's last step is stamped already: before the eviction, or as it
+    took an evicted row.)"""
     score = table.slot_score
     if eviction.score_columns < 2:
         return score
     at = jnp.where(rows >= 0, slots, table.num_slots)
+    if eviction.policy == "score":
+        return score.at[at, 1].set(caller_scores(eviction, keys, table.clock), mode="drop")
     score = score.at[jnp.where(restart, at, table.num_slots), 1].set(0, mode="drop")
     return score.at[at, 1].add(1, mode="drop")
+
+
+def caller_scores(eviction: EvictionConfig, keys: jax.Array, step: jax.Array) -> jax.Array:
+    """The ``score`` policy's scores of ``keys`` (int32 [n]) from its ``score_fn``, called with
+    the keys (int64 [n]) and the table's step (int32 []) inside the traced step: jnp code
+    (HierarchicalKV's customized scores; TFRA's ``gen_scores_fn``). Example, keys of a
+    user-id range kept before others::
+
+        def by_range(keys, step):
+            return jnp.where(keys < 1_000_000, 1000, 0).astype(jnp.int32)
+    """
+    try:
+        fn = load_function(eviction.score_fn or "")
+    except (ImportError, AttributeError, TypeError, ValueError) as e:
+        raise UserError(f"eviction.score_fn: {e}") from None
+    out = jnp.asarray(fn(keys, step))
+    if out.shape != keys.shape or not (jnp.issubdtype(out.dtype, jnp.integer)
+                                       or jnp.issubdtype(out.dtype, jnp.floating)):
+        raise UserError(f"eviction.score_fn {eviction.score_fn!r}: expected one number per "
+                        f"key ({keys.shape[0]}), got {out.dtype} {tuple(out.shape)}")
+    return out.astype(jnp.int32)
 
 
 def scores_by_row(table: HashTable, rows: np.ndarray, capacity: int) -> np.ndarray:

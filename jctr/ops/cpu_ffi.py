@@ -1120,6 +1120,8 @@ def evict(slot_keys, slot_rows, score, keys, slots, needy, clock, *, policy: str
     the buffers are updated in place when they can be donated. CPU only."""
     _register()
     n = slots.shape[0]
+    if policy == "score":  # ranks as lfu: its second column holds the caller's scores
+        policy = "lfu"
     params = jnp.stack([clock.astype(jnp.int64), jnp.int64(EVICTION_POLICIES.index(policy)),
                         jnp.int64(epoch_steps), jnp.int64(samples), jnp.int64(chunk)])
     return jax.ffi.ffi_call(

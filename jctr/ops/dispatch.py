@@ -357,8 +357,8 @@ def rebuild_slots(reference, slot_keys, slot_rows, score):
 
 
 # the most needy keys a GPU's eviction ranks together: its rounds are a few small kernels
-# each, launch-bound, so one chunk for a step's keys (chunks of n // 8, as on CPU, made a
-# uniform stream's step of 106,496 keys ~5x a step with room on an H200)
+# each, launch-bound, so one chunk for a step's keys (in chunks of n // 8, as on CPU, a
+# uniform stream's step of 106,496 keys took ~5x a step with room on an H200)
 GPU_EVICT_CHUNK = 1 << 18
 
 

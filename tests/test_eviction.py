@@ -403,14 +403,19 @@ def test_a_full_table_trains_on_by_evicting_and_resumes_exactly(tmp_path):
     assert spec.eviction.policy == "lru" and int(init_embedding(spec).table.clock) == 0
 
 
-def test_eviction_on_eight_devices(tmp_path):
+@pytest.mark.parametrize("policy", ["lru", "score"])
+def test_eviction_on_eight_devices(tmp_path, policy):
     """The table spread over 8 host devices by key hash (each device's part evicts on its
-    own): training goes on past the capacity, each part full and evicting. A checkpoint
-    restores every part's keys into the slots they held, tombstones too."""
+    own): training goes on past the capacity, each part full and evicting (``score``: each
+    part's keys carry their function's scores). A checkpoint restores every part's keys into
+    the slots they held, tombstones too."""
     from jctr.config import parse_config
     from jctr.train.trainer import Trainer
 
-    cfg = _evicting(tmp_path, capacity=16, max_iter=12, eval_interval=100, snapshot=12)
+    cfg = _evicting(tmp_path, policy=policy, capacity=16, max_iter=12, eval_interval=100,
+                    snapshot=12)
+    if policy == "score":
+        cfg["layers"][1]["eviction"]["score_fn"] = "tests.score_fns:odd_first"
     cfg["solver"]["gpu"] = list(range(8))
     cfg["layers"][1]["sparse_embedding_hparam"]["replicated"] = False
     t = Trainer(parse_config(cfg), log=lambda s: None)
@@ -418,6 +423,10 @@ def test_eviction_on_eight_devices(tmp_path):
     table = t.state.embeddings[0].table
     assert np.asarray(table.size).tolist() == [16] * 8
     assert all(e > 0 for e in np.asarray(table.evicted).tolist())
+    if policy == "score":
+        held = np.asarray(table.slot_rows) >= 0
+        np.testing.assert_array_equal(np.asarray(table.slot_score)[..., 1][held],
+                                      (np.asarray(table.slot_keys)[held] & 1) * 1000)
     resumed = Trainer(parse_config(cfg), log=lambda s: None)
     assert resumed.restore_checkpoint() == 12
     back = resumed.state.embeddings[0].table

@@ -38,7 +38,6 @@ from jctr.config.schema import (
     SyntheticConfig,
     column_ref,
     default_mode,
-    load_function,
 )
 from jctr.config.slots import localized_slot_owners, rows_per_device
 
@@ -794,10 +793,9 @@ def _parse_eviction(r: ObjectReader) -> EvictionConfig:
         if score_fn is None:
             raise r.error("score_fn", 'the "score" policy takes its scores from a function: '
                           'expected "module:function" (keys, step -> int32 scores)')
-        try:
-            load_function(score_fn)  # (imports the user's module now: its errors here)
-        except (ImportError, AttributeError, TypeError, ValueError) as e:
-            raise r.error("score_fn", str(e)) from None
+        module, _, name = score_fn.partition(":")
+        if not module.strip() or not name.strip():  # (imported when the model is built)
+            raise r.error("score_fn", f'expected "module:function", got {describe(score_fn)}')
     elif score_fn is not None:
         raise r.error("score_fn", f'only the "score" policy takes scores, not "{policy}"')
     r.finish()

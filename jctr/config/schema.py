@@ -6,11 +6,8 @@ Parse with :func:`jctr.config.load_config`; nothing downstream reads raw JSON.
 
 from __future__ import annotations
 
-import importlib
 import re
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from jctr.config.layer_types import LOSS_TYPES, NoParam
 
@@ -443,24 +440,6 @@ class DataConfig:
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu", "score")
 
 
-def load_function(spec: str) -> Callable:
-    """The function a ``"module:function"`` string names (``module`` imported, dotted
-    attributes followed), e.g. ``load_function("my_scores:by_age")``. Raises ValueError,
-    ImportError, AttributeError or TypeError with what was wrong."""
-    module, sep, name = spec.partition(":")
-    if not sep or not module.strip() or not name.strip():
-        raise ValueError(f'expected "module:function", got {spec!r}')
-    obj: Any = importlib.import_module(module.strip())
-    for part in name.strip().split("."):
-        try:
-            obj = getattr(obj, part)
-        except AttributeError:
-            raise AttributeError(f"module {module.strip()!r} has no {name.strip()!r}") from None
-    if not callable(obj):
-        raise TypeError(f"{spec!r} is not a function ({type(obj).__name__})")
-    return obj
-
-
 @dataclass(frozen=True)
 class EvictionConfig:
     """An embedding layer's ``eviction`` object (jctr; NVIDIA HierarchicalKV's policies): a
@@ -489,8 +468,8 @@ class EvictionConfig:
     room for every key (``jctr.embedding.spill``). Checkpoints hold the spilled rows too.
     One device, one process."""
     score_fn: str | None = None
-    """``score`` only (required there): ``"module:function"``, imported when the config is
-    read (as TFRA's ``gen_scores_fn``). Called inside the training step with the step's keys
+    """``score`` only (required there): ``"module:function"``, imported when the model is
+    built (as TFRA's ``gen_scores_fn``). Called inside the training step with the step's keys
     (int64 [n]) and the table's step (int32 []), it returns each key's score (int32 [n], jnp
     code); every key a step assigns gets its score (``jctr.embedding.hash_table.caller_scores``).
     Example: ``def by_range(keys, step): return jnp.where(keys < 1_000_000, 1000, 0)``."""

@@ -16,13 +16,15 @@ them.
 
 from __future__ import annotations
 
+import pkgutil
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jctr.config.schema import EvictionConfig, load_function
+from jctr.config.schema import EvictionConfig
 from jctr.errors import UserError
 from jctr.ops import (
     EMPTY_KEY,
@@ -345,6 +347,20 @@ def _count_touches(table: HashTable, keys, slots, rows, restart, eviction: Evict
     return score.at[at, 1].add(1, mode="drop")
 
 
+def score_function(spec: str) -> Callable:
+    """The function a ``"module:function"`` string names (as entry points name objects:
+    :func:`pkgutil.resolve_name`), e.g. ``score_function("my_scores:by_age")``: the ``score``
+    policy's ``score_fn``. Raises ValueError, ImportError, AttributeError or TypeError with
+    what was wrong."""
+    module, sep, name = spec.partition(":")
+    if not sep or not module.strip() or not name.strip():
+        raise ValueError(f'expected "module:function", got {spec!r}')
+    obj = pkgutil.resolve_name(f"{module.strip()}:{name.strip()}")
+    if not callable(obj):
+        raise TypeError(f"{spec!r} is not a function ({type(obj).__name__})")
+    return obj
+
+
 def caller_scores(eviction: EvictionConfig, keys: jax.Array, step: jax.Array) -> jax.Array:
     """The ``score`` policy's scores of ``keys`` (int32 [n]) from its ``score_fn``, called with
     the keys (int64 [n]) and the table's step (int32 []) inside the traced step: jnp code
@@ -355,7 +371,7 @@ def caller_scores(eviction: EvictionConfig, keys: jax.Array, step: jax.Array) ->
             return jnp.where(keys < 1_000_000, 1000, 0).astype(jnp.int32)
     """
     try:
-        fn = load_function(eviction.score_fn or "")
+        fn = score_function(eviction.score_fn or "")
     except (ImportError, AttributeError, TypeError, ValueError) as e:
         raise UserError(f"eviction.score_fn: {e}") from None
     out = jnp.asarray(fn(keys, step))

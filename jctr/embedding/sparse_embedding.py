@@ -9,9 +9,17 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jctr.config import ConfigError
 from jctr.config.schema import EmbeddingConfig, EvictionConfig, ModelConfig, OptimizerConfig
 from jctr.embedding import row_optimizers as row_opt
-from jctr.embedding.hash_table import HashTable, Lookup, create_table, erase, lookup
+from jctr.embedding.hash_table import (
+    HashTable,
+    Lookup,
+    create_table,
+    erase,
+    lookup,
+    score_function,
+)
 from jctr.ops import (
     embedding_bag_backward,
     embedding_bag_forward,
@@ -67,6 +75,13 @@ class EmbeddingSpec:
         idx = next(i for i, s in enumerate(cfg.data.sparse) if s.top == emb.bottom)
         sp = cfg.data.sparse[idx]
         number = [e.name for e in cfg.embeddings].index(emb.name)
+        if emb.eviction is not None and emb.eviction.policy == "score":
+            try:  # the user's module imported here, its errors named by the layer's path
+                score_function(emb.eviction.score_fn or "")
+            except (ImportError, AttributeError, TypeError, ValueError) as e:
+                # (embedding layers come right after the Data layer)
+                raise ConfigError(f"layers[{number + 1}].eviction.score_fn", str(e),
+                                  cfg.source) from None
         return cls(name=emb.name, capacity=capacity or emb.max_vocabulary_size_per_gpu,
                    dim=emb.embedding_vec_size, slot_num=sp.slot_num,
                    max_features=sp.slot_num if sp.one_hot else sp.max_feature_num_per_sample,

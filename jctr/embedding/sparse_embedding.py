@@ -75,13 +75,6 @@ class EmbeddingSpec:
         idx = next(i for i, s in enumerate(cfg.data.sparse) if s.top == emb.bottom)
         sp = cfg.data.sparse[idx]
         number = [e.name for e in cfg.embeddings].index(emb.name)
-        if emb.eviction is not None and emb.eviction.policy == "score":
-            try:  # the user's module imported here, its errors named by the layer's path
-                score_function(emb.eviction.score_fn or "")
-            except (ImportError, AttributeError, TypeError, ValueError) as e:
-                # (embedding layers come right after the Data layer)
-                raise ConfigError(f"layers[{number + 1}].eviction.score_fn", str(e),
-                                  cfg.source) from None
         return cls(name=emb.name, capacity=capacity or emb.max_vocabulary_size_per_gpu,
                    dim=emb.embedding_vec_size, slot_num=sp.slot_num,
                    max_features=sp.slot_num if sp.one_hot else sp.max_feature_num_per_sample,
@@ -89,6 +82,21 @@ class EmbeddingSpec:
                    combiner=emb.combiner, init_range=emb.init_range,
                    seed=cfg.solver.seed * 1000 + number, l2=emb.l2_lambda, l1=emb.l1_lambda,
                    eviction=emb.eviction, l2_all=emb.l2_rows == "all")
+
+
+def check_score_functions(cfg: ModelConfig) -> None:
+    """Import the function of every table that evicts by the caller's scores (``"policy":
+    "score"``) now, before training, naming the layer of one that cannot be (serving and
+    export never call them: inference does not evict)."""
+    for number, emb in enumerate(cfg.embeddings):
+        if emb.eviction is None or emb.eviction.policy != "score":
+            continue
+        try:
+            score_function(emb.eviction.score_fn or "")
+        except (ImportError, AttributeError, TypeError, ValueError) as e:
+            # (embedding layers come right after the Data layer)
+            raise ConfigError(f"layers[{number + 1}].eviction.score_fn", str(e),
+                              cfg.source) from None
 
 
 class EmbeddingState(NamedTuple):

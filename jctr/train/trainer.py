@@ -25,6 +25,7 @@ from jctr.data.batch import Batch, check_batch
 from jctr.data.dataset import Dataset
 from jctr.data.loader import Prefetcher, ReaderPosition
 from jctr.data.tools.synthetic import generate_for_config
+from jctr.embedding.sparse_embedding import check_score_functions
 from jctr.errors import UserError
 from jctr.models.ctr import TrainState, build_model, make_eval_step, with_lr_scale
 from jctr.runtime.cpu import describe_cpu_setup
@@ -83,6 +84,7 @@ class Trainer:
             all_processes(lambda: generate_for_config(cfg) if jax.process_index() == 0
                           else None, "generate the synthetic data")
         self.step_config, init_model = build_model(cfg)
+        check_score_functions(cfg)
         self._dense_tx = dense_optimizer(cfg.optimizer)
         init_state = lambda: init_model(self._dense_tx)  # noqa: E731
         self.specs = self.step_config.specs

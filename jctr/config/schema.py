@@ -469,9 +469,10 @@ class EvictionConfig:
     One device, one process."""
     score_fn: str | None = None
     """``score`` only (required there): ``"module:function"``, imported when a trainer is
-    made (as TFRA's ``gen_scores_fn``; serving never calls it). Called inside the training step with the step's keys
-    (int64 [n]) and the table's step (int32 []), it returns each key's score (int32 [n], jnp
-    code); every key a step assigns gets its score (``jctr.embedding.hash_table.caller_scores``).
+    made (as TFRA's ``gen_scores_fn``; serving never calls it). Called inside the training
+    step with the step's keys (int64 [n]) and the table's step (int32 []), it returns each
+    key's score (int32 [n], jnp code); every key a step assigns gets its score
+    (``jctr.embedding.hash_table.caller_scores``).
     Example: ``def by_range(keys, step): return jnp.where(keys < 1_000_000, 1000, 0)``."""
 
     @property

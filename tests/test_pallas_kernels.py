@@ -376,7 +376,8 @@ def test_an_evicting_table_claims_in_order_in_a_deterministic_run(monkeypatch):
     assert not dispatch.deterministic_gpu()
     assert [bool(dispatch.claims_in_order(s, e)) for s, e in
             [(None, False), (False, True), (True, False)]] == [False, False, True]
-    for flag in ("--xla_gpu_deterministic_ops=true", "--xla_gpu_deterministic_ops 1"):
+    for flag in ("--xla_gpu_deterministic_ops=true", "--xla_gpu_deterministic_ops",
+                 "--xla_gpu_deterministic_ops=false --xla_gpu_deterministic_ops=1"):
         monkeypatch.setenv("XLA_FLAGS", f"--xla_force_host_platform_device_count=8 {flag}")
         assert dispatch.deterministic_gpu()
         assert [bool(dispatch.claims_in_order(s, e)) for s, e in

@@ -264,9 +264,12 @@ def deterministic_gpu() -> bool:
     """Whether XLA's deterministic GPU ops are asked for (``XLA_FLAGS`` holds
     ``--xla_gpu_deterministic_ops=true``): scatter-adds then sum in a fixed order, and
     inserts whose slots matter later claim in order (:func:`find_slots`)."""
-    flags = os.environ.get("XLA_FLAGS", "").replace("=", " ").split()
-    return any(f == "--xla_gpu_deterministic_ops" and nxt.lower() in ("true", "1")
-               for f, nxt in zip(flags, flags[1:]))
+    on = False
+    for flag in os.environ.get("XLA_FLAGS", "").split():  # (the last one given counts)
+        name, eq, value = flag.partition("=")
+        if name == "--xla_gpu_deterministic_ops":
+            on = not eq or value.lower() in ("true", "1")
+    return on
 
 
 def claims_in_order(scarce, exact: bool) -> jax.Array:

@@ -60,6 +60,11 @@ if jctr._x64.jax.default_backend() == "gpu":  # scripts/gpu_check.sh
     # off by default, and the trainer's steps follow it)
     jctr._x64.jax.config.update("jax_default_matmul_precision", "float32")
 
+# tests of the native CPU kernels themselves (jctr.ops.cpu_ffi): on a GPU machine the default
+# backend runs the Pallas kernels and XLA formulations instead
+native_cpu_only = pytest.mark.skipif(jctr._x64.jax.default_backend() != "cpu",
+                                     reason="native CPU kernel (jctr.ops.cpu_ffi)")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 

@@ -6,10 +6,7 @@ import pytest
 from jctr.embedding import create_table, export_items, lookup
 from jctr.embedding.hash_table import num_slots_for
 from jctr.ops.hashing import EMPTY_KEY, find_slots, home_slots
-
-# the native CPU kernels' own tests (on a GPU the default backend runs other kernels)
-cpu_only = pytest.mark.skipif(jax.default_backend() != "cpu",
-                              reason="native CPU kernel (jctr.ops.cpu_ffi)")
+from tests.conftest import native_cpu_only
 
 
 def _lookup(table, keys, capacity, insert, valid=None):
@@ -382,7 +379,7 @@ def test_a_synchronous_export_takes_views_and_the_default_copies():
 
 
 
-@cpu_only
+@native_cpu_only
 @pytest.mark.parametrize("no_empty_slot", [False, True])
 @pytest.mark.parametrize("evicting", [False, True])
 def test_the_native_rebuild_places_keys_as_the_native_insert_of_the_old_slots(
@@ -441,7 +438,7 @@ def test_the_native_rebuild_places_keys_as_the_native_insert_of_the_old_slots(
                                                         != EMPTY_KEY).any()
 
 
-@cpu_only
+@native_cpu_only
 @pytest.mark.parametrize("capacity,buckets", [(40, True), (203, False), (512, True)])
 def test_the_native_rebuild_equals_the_xla_one_over_random_erases_and_inserts(
         capacity, buckets, monkeypatch):

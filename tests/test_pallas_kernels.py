@@ -20,12 +20,12 @@ from jctr.ops.bag import (
     embedding_bag_forward_reference,
 )
 from jctr.ops.pallas_bag import bag_backward, bag_forward
+from tests.conftest import native_cpu_only
 
 # On a GPU (scripts/gpu_check.sh) the Pallas kernels run compiled by Triton; on CPU in
-# interpret mode. The native CPU kernels are tested on CPU only.
+# interpret mode. The native CPU kernels are tested on CPU only (``native_cpu_only``).
 ON_GPU = jax.default_backend() == "gpu"
 INTERPRET = not ON_GPU
-cpu_only = pytest.mark.skipif(ON_GPU, reason="native CPU kernel (jctr.ops.cpu_ffi)")
 
 
 def _case(rng, n, cap, dim, num_segments, kind):
@@ -192,8 +192,9 @@ def _lookup_impl(impl):
     return lambda t, k, v: _cpu_lookup(t, k, v, parts=int(impl[-1]))
 
 
-@pytest.mark.parametrize("impl", ["pallas", "dispatch", pytest.param("cpu_parts1", marks=cpu_only),
-                                  pytest.param("cpu_parts3", marks=cpu_only)])
+@pytest.mark.parametrize("impl", ["pallas", "dispatch",
+                                  pytest.param("cpu_parts1", marks=native_cpu_only),
+                                  pytest.param("cpu_parts3", marks=native_cpu_only)])
 @pytest.mark.parametrize("case", ["random", "all_colliding", "nearly_full", "full"])
 def test_hash_lookup_kernel_matches_reference(case, impl):
     from jctr.ops.hashing import EMPTY_KEY, find_slots, home_slots

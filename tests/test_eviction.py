@@ -257,7 +257,7 @@ def test_an_evicting_table_on_a_gpu_says_when_its_choices_may_differ(tmp_path, m
 
 @pytest.mark.parametrize("score_fn,error", [
     (None, 'score_fn: the "score" policy takes its scores from a function'),
-    ("tests.score_fns", 'score_fn: expected "module:function", got "tests.score_fns"'),
+    ("tests.score_fns", 'score_fn: expected "module:function", got \'tests.score_fns\''),
     ("tests.no_such_module:f", "score_fn: No module named 'tests.no_such_module'"),
     ("tests.score_fns:nothing", "score_fn: module 'tests.score_fns' has no attribute 'nothing'"),
     ("tests.score_fns:NOT_A_FUNCTION", "score_fn: 'tests.score_fns:NOT_A_FUNCTION' is not a "
@@ -265,9 +265,10 @@ def test_an_evicting_table_on_a_gpu_says_when_its_choices_may_differ(tmp_path, m
 ])
 def test_the_score_policy_names_what_is_wrong_with_its_function(tmp_path, score_fn, error):
     """``"policy": "score"`` takes its scores from ``score_fn``, a ``"module:function"``: a
-    missing or malformed one is refused when the config is read, one that cannot be imported
-    or is no function when a trainer is made (the config's schema imports nothing; serving
-    never calls it), each naming the JSON path; and only the ``score`` policy takes one."""
+    missing one is refused when the config is read, a malformed one, one that cannot be
+    imported or is no function when a trainer is made (the config's schema imports nothing;
+    serving never calls it), each naming the JSON path; and only the ``score`` policy takes
+    one."""
     from jctr.config import ConfigError, parse_config
     from jctr.models.ctr import build_model
     from jctr.train.trainer import Trainer

@@ -789,13 +789,10 @@ def _parse_eviction(r: ObjectReader) -> EvictionConfig:
     if spill is not None and not spill.strip():
         raise r.error("spill", "expected a folder for the RocksDB database of evicted rows")
     score_fn = r.str("score_fn", None)
-    if policy == "score":
+    if policy == "score":  # (its form and function checked when a trainer is made)
         if score_fn is None:
             raise r.error("score_fn", 'the "score" policy takes its scores from a function: '
                           'expected "module:function" (keys, step -> int32 scores)')
-        module, _, name = score_fn.partition(":")
-        if not module.strip() or not name.strip():  # (imported when the model is built)
-            raise r.error("score_fn", f'expected "module:function", got {describe(score_fn)}')
     elif score_fn is not None:
         raise r.error("score_fn", f'only the "score" policy takes scores, not "{policy}"')
     r.finish()

@@ -428,6 +428,85 @@ def test_a_poll_waiting_before_the_first_topic_exists_returns_its_first_update(b
         reader.close()
 
 
+def test_a_readers_backlog_counts_the_messages_its_polls_have_not_returned(broker):
+    """:meth:`UpdateReader.backlog` (what the persistent side yields to: the serving side
+    still has messages to read) counts the messages beyond those a poll returned, from the
+    high watermarks of the reader's fetches, and is 0 once everything is read."""
+    from jctr.stores.kafka import KafkaMessageSink, UpdateReader, update_topics
+
+    name = "dlrm_backlog"
+    sink = KafkaMessageSink(broker, name, report=lambda s: None)
+    for step in range(5):
+        sink.publish_rows("sparse_embedding1", step, np.arange(1, 9, dtype=np.int64),
+                          np.full((8, 4), step, np.float32))
+    assert sink.flush(10) == 0
+    reader = UpdateReader(broker, group="g-backlog", topics=update_topics([name]))
+    try:
+        got = reader.poll(2, 30.0)
+        assert [u.step for _, _, u in got] == [0, 1]
+        deadline = time.monotonic() + 10  # the watermark comes with a fetch's answer
+        while reader.backlog() != 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert reader.backlog() == 3
+        while len(got) < 5 and time.monotonic() < deadline:
+            got += reader.poll(5, 1.0)
+        assert [u.step for _, _, u in got] == [0, 1, 2, 3, 4]
+        assert reader.backlog() == 0
+    finally:
+        reader.close()
+
+
+def test_the_persistent_side_waits_while_the_serving_side_has_messages_to_read(
+        tmp_path, monkeypatch):
+    """The persistent side waits before it reads while the serving side has a batch in hand
+    or a backlog (at most ``_TRAIL_S``), and so do its write batches (at most ``_YIELD_S`` a
+    chunk in all): rocksdict holds the interpreter through a write, and writing meanwhile
+    halved the served rate of a burst (docs/performance.md). It is never starved."""
+    from jctr.config.hps import (
+        PersistentDatabaseParams,
+        UpdateSourceParams,
+        VolatileDatabaseParams,
+    )
+    from jctr.serving import updates
+    from jctr.serving.hps import Databases
+
+    dbs = Databases(VolatileDatabaseParams(type="hash_map"),
+                    PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "rocks"),
+                                             max_set_batch_size=100))
+    source = UpdateSourceParams(type="kafka_message_queue", brokers="127.0.0.1:9",
+                                max_batch_size=1000)
+
+    class Table:
+        key, dim = "hps_et.m.t", 4
+
+    class Model:
+        tables = [Table]
+
+    try:
+        applier = updates.UpdateApplier(source, dbs, {"m": Model})
+        lasting, serving = applier.lasting, applier.serving
+        monkeypatch.setattr(updates, "_TRAIL_S", 0.2)
+        for backlog, least, most in ((0, 0.0, 0.05), (3, 0.2, 1.0)):
+            serving.backlog = backlog
+            t0 = time.perf_counter()
+            lasting._yield_to_serving()
+            took = time.perf_counter() - t0
+            assert least <= took < most, (backlog, took)
+        keys = np.arange(1, 1001, dtype=np.int64)
+        rows = np.ones((1000, 4), np.float32)
+        for backlog, least, most in ((0, 0.0, 0.05), (7, 0.8 * updates._YIELD_S, 1.0)):
+            serving.backlog = backlog
+            t0 = time.perf_counter()
+            lasting._apply_rows(Model, 0, [(keys, rows, 3)])
+            took = time.perf_counter() - t0
+            assert least <= took < most, (backlog, took)
+        values, found = dbs.persistent.lookup(Table.key, keys, 4)
+        assert found.all() and lasting.applied_rows == 2000
+        assert serving.applied_rows == 0
+    finally:
+        dbs.close()
+
+
 @pytest.mark.parametrize("layers", ["hash_map", "hash_map+rocks_db"])
 def test_a_restarted_server_serves_what_it_was_sent(broker, tmp_path, layers):
     """A server that applied the trainer's updates (offsets committed) and stopped comes back

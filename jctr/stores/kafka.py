@@ -273,6 +273,10 @@ class UpdateReader:
             # (Tansu does): short, whatever a poll may wait, so that an update is seen
             # within tens of milliseconds (docs/performance.md, "Online updates")
             "fetch.wait.max.ms": min(poll_timeout_ms, FETCH_WAIT_MS),
+            # a reader whose queue of fetched messages filled (the persistent side waits for
+            # the serving side) fetched again only after librdkafka's 1 s back-off: the last
+            # messages of a burst then came ~0.3-1 s late (docs/performance.md)
+            "fetch.queue.backoff.ms": FETCH_WAIT_MS,
             **dict(security)}
         try:
             self.consumer = kafka.Consumer({**config, "group.id": group}, logger=_CLIENT_LOG)
@@ -403,6 +407,19 @@ class UpdateReader:
                     continue
             out.append((where, offset, update))
         return out
+
+    def backlog(self) -> int:
+        """Messages the broker holds beyond what :meth:`poll` has returned, by the high
+        watermarks of the last fetches (no request to the broker)."""
+        left = 0
+        for (t, p), at in self.assigned.items():
+            try:
+                _, high = self.consumer.get_watermark_offsets(
+                    self._kafka.TopicPartition(t, p), cached=True)
+            except Exception:  # noqa: BLE001 - not fetched yet
+                continue
+            left += max(0, high - at)
+        return left
 
     def mark_applied(self, where: tuple[str, int], offset: int) -> None:
         # in order per partition; lower again only when a restarted broker begins anew

@@ -322,23 +322,25 @@ def test_init_rows_writes_key_uniform_bit_for_bit(seed, zero_tail, per_column, d
 
 def test_init_rows_resets_the_optimizer_rows_of_fresh_rows_in_the_same_pass():
     """An evicting table's fresh rows held another key's optimizer state: ``init_rows`` sets
-    those rows of each array it is given (float32 rows of 16 and of 2, an int32 column) to
+    those rows of each array it is given (float32 rows of 16, 32 and 2, an int32 column) to
     the array's fill row in its one pass, as the XLA scatters do; other rows untouched, the
-    vectors and slots as without them."""
+    vectors and slots as without them. Rows of whole 64-byte lines (16 and 32 floats) are
+    written with non-temporal stores, a fill row of 32 distinct words included."""
     rng = np.random.default_rng(4)
     capacity, n, dim = 400, 250, 16
     values, row_slot, keys, rows, fresh, key_slots = _fresh_rows_case(rng, capacity, n, dim)
     arrays = (jnp.asarray(rng.random((capacity, dim), dtype=np.float32)),
+              jnp.asarray(rng.random((capacity, 32), dtype=np.float32)),
               jnp.asarray(rng.random((capacity, 2), dtype=np.float32)),
               jnp.asarray(rng.integers(1, 9, capacity).astype(np.int32)))
-    fills = (np.zeros(dim, np.float32), np.array([0.1, 0.25], np.float32),
-             np.array([0], np.int32))
+    fills = (np.zeros(dim, np.float32), np.linspace(-1, 1, 32, dtype=np.float32),
+             np.array([0.1, 0.25], np.float32), np.array([0], np.int32))
     call = jax.jit(lambda v, s, k, r, f, ks, *a: cpu_ffi.init_rows(
         v, s, k, r, f, ks, np.float32(0.05), 3, False, tuple(zip(a, fills))))
     got = call(values, row_slot, keys, rows, fresh, key_slots, *arrays)
     plain = cpu_ffi.init_rows(values, row_slot, keys, rows, fresh, key_slots,
                               np.float32(0.05), 3, False)
-    assert len(got) == 5
+    assert len(got) == 6
     for a, b in zip(got[:2], plain):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     at = jnp.where(fresh & (rows >= 0), rows, capacity)

@@ -350,14 +350,17 @@ def _count_touches(table: HashTable, keys, slots, rows, restart, eviction: Evict
 def score_function(spec: str) -> Callable:
     """The function a ``"module:function"`` string names (as entry points name objects:
     :func:`pkgutil.resolve_name`), e.g. ``score_function("my_scores:by_age")``: the ``score``
-    policy's ``score_fn``. Raises ValueError, ImportError, AttributeError or TypeError with
-    what was wrong."""
+    policy's ``score_fn``. Raises ValueError saying what was wrong (a malformed name, a
+    module that does not import, a missing or uncallable attribute)."""
     module, sep, name = spec.partition(":")
     if not sep or not module.strip() or not name.strip():
         raise ValueError(f'expected "module:function", got {spec!r}')
-    obj = pkgutil.resolve_name(f"{module.strip()}:{name.strip()}")
+    try:
+        obj = pkgutil.resolve_name(f"{module.strip()}:{name.strip()}")
+    except (ImportError, AttributeError) as e:
+        raise ValueError(str(e)) from None
     if not callable(obj):
-        raise TypeError(f"{spec!r} is not a function ({type(obj).__name__})")
+        raise ValueError(f"{spec!r} is not a function ({type(obj).__name__})")
     return obj
 
 
@@ -372,7 +375,7 @@ def caller_scores(eviction: EvictionConfig, keys: jax.Array, step: jax.Array) ->
     """
     try:
         fn = score_function(eviction.score_fn or "")
-    except (ImportError, AttributeError, TypeError, ValueError) as e:
+    except ValueError as e:
         raise UserError(f"eviction.score_fn: {e}") from None
     out = jnp.asarray(fn(keys, step))
     if out.shape != keys.shape or not (jnp.issubdtype(out.dtype, jnp.integer)

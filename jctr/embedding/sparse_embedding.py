@@ -93,8 +93,7 @@ def check_score_functions(cfg: ModelConfig) -> None:
             continue
         try:
             score_function(emb.eviction.score_fn or "")
-        except (ImportError, AttributeError, TypeError, ValueError) as e:
-            # (embedding layers come right after the Data layer)
+        except ValueError as e:  # (embedding layers come right after the Data layer)
             raise ConfigError(f"layers[{number + 1}].eviction.score_fn", str(e),
                               cfg.source) from None
 

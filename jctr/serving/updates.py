@@ -224,12 +224,10 @@ class _Consumer:
                     self._yield_to_serving()
                 batch = reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
             except (StoreUnavailable, StoreError) as e:
-                self.backlog = 0
                 self._down(str(e))
                 self._stop.wait(backoff)
                 continue
             except Exception as e:  # noqa: BLE001 - the client's errors: try again later
-                self.backlog = 0
                 self._down(f"update_source: {e}")
                 if reader is not None:
                     reader.close()
@@ -272,8 +270,10 @@ class _Consumer:
             reader.close()
 
     def _down(self, error: str) -> None:
-        """The source failed: said once (not at every retry), kept for readiness."""
+        """The source failed: said once (not at every retry), kept for readiness; its backlog
+        is unknown (the persistent side no longer waits for it)."""
         self.error = error
+        self.backlog = 0
         if self._said != error.split(" (")[0]:
             self._said = error.split(" (")[0]
             self._say(logging.WARNING, "%s; retrying every %.1f s (readiness says so meanwhile)",
@@ -359,13 +359,16 @@ class _Consumer:
         while busy() and time.monotonic() < end and not self._stop.is_set():
             time.sleep(0.002)
 
+    def has_work(self) -> bool:
+        """A batch in hand or messages left to read (what the persistent side waits for)."""
+        return self.busy or self.backlog > 0
+
     def _yield_to_serving(self) -> None:
         """Before it reads, the persistent side waits (at most _TRAIL_S) while the serving side
         has messages in hand or to read: its reading and decoding took this interpreter from
         the serving side (a burst served at 0.53-0.63x the broker's rate without this wait,
         0.63-0.80x with it)."""
-        serving = self.owner.serving
-        self._wait_while(lambda: serving.busy or serving.backlog > 0, _TRAIL_S)
+        self._wait_while(self.owner.serving.has_work, _TRAIL_S)
 
     def _trail(self, batch) -> None:
         """The persistent side waits (a while) until the serving side has applied ``batch``:
@@ -389,10 +392,9 @@ class _Consumer:
             # still writes a chunk every ~_YIELD_S)
             batch = self.dbs.persistent_params.max_set_batch_size
             share = _YIELD_S * min(1.0, batch / step)
-            serving = self.owner.serving
 
             def pause():
-                self._wait_while(lambda: serving.busy or serving.backlog > 0, share)
+                self._wait_while(self.owner.serving.has_work, share)
         for s in range(0, keys_all.size, step):
             keys = keys_all[s:s + step]
             values = np.ascontiguousarray(values_all[s:s + step])

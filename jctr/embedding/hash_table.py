@@ -7,7 +7,8 @@ training inserts unseen keys, evaluation never does.
 
 :func:`erase` deletes keys at a cost proportional to them: a deleted key's slot becomes a
 tombstone (``TOMBSTONE``: probes pass over it, inserts never take it) and its row goes on a free
-list that later inserts take first. Tombstones leave when the slots are built again
+list that later inserts take first (an evicted key is mostly replaced in place, leaving
+none: :func:`_evict`). Tombstones leave when the slots are built again
 (:func:`rebuild_slots`; on CPU one sweep in place): an evicting table's training lookup does it
 when keys and tombstones would pass ``MAX_OCCUPIED`` of the slots or tombstones alone
 ``MAX_TOMBSTONES``, the shrink (:func:`jctr.sharding.rows.drop_keys`) when a refill would crowd
@@ -168,20 +169,25 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
             jnp.where(rows >= 0, slots, table.num_slots), 0].set(table.clock, mode="drop"))
 
         def evict(t: HashTable):
-            t, placed, gone = _evict(t, keys, slots, rows, needy, eviction)
+            t, placed, gone, to = _evict(t, keys, slots, rows, needy, eviction)
             # a key left without a row gives its slot back (a tombstone: probes of keys
             # placed after it go on), or refused keys would fill the slots step by step
             left = needy & ~placed
             return t._replace(
                 slot_keys=t.slot_keys.at[jnp.where(left, slots, t.num_slots)].set(
                     TOMBSTONE, mode="drop"),
-                tombstones=t.tombstones + jnp.sum(left, dtype=jnp.int32)), placed, gone
+                tombstones=t.tombstones + jnp.sum(left, dtype=jnp.int32)), placed, gone, to
 
         # a step whose new keys all found free rows (a table not yet full) skips it all (a
         # loop run at most once: a cond would copy the table in its untaken branch)
-        _, table, placed, evicted = jax.lax.while_loop(
+        _, table, placed, evicted, to = jax.lax.while_loop(
             lambda c: c[0], lambda c: (False, *evict(c[1])),
-            (jnp.any(needy), table, jnp.zeros_like(needy), jnp.full(keys.shape, EMPTY_KEY)))
+            (jnp.any(needy), table, jnp.zeros_like(needy), jnp.full(keys.shape, EMPTY_KEY),
+             slots))
+        # a key that replaced another in place holds that key's slot: so do its repeats
+        # (their representative is its first position)
+        slots = to.at[jnp.where(rep >= 0, rep, jnp.arange(keys.shape[0], dtype=jnp.int32))
+                      ].get(mode="clip")
         granted = granted | placed
         # rows found or granted stay (no key of this step is evicted): only the positions of
         # keys that took an evicted row read theirs (a gather that skips the others' slots)
@@ -242,22 +248,31 @@ def _rank(score: jax.Array, clock: jax.Array, eviction: EvictionConfig) -> jax.A
 
 
 def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
-           ) -> tuple[HashTable, jax.Array, jax.Array]:
+           ) -> tuple[HashTable, jax.Array, jax.Array, jax.Array]:
     """Rows for the ``needy`` positions (new keys that found no free row, each in its slot
     already). A new key ranks the keys of the ``eviction.samples`` slots from the first slot
     of its home bucket on (where its probe began: keys of every age, their scores beside the
-    slots in one or two cache lines, as NVIDIA HierarchicalKV ranks a bucket; the bucket a new
-    key ends in is one with room, mostly this step's new keys) and takes the row of the
-    lowest-ranked one; that key leaves (its slot becomes a tombstone) and the row moves to the
-    new key's slot. Of new keys that chose the same key the first position wins; the others,
-    and keys whose slots held no key to take, rank ``samples`` slots from another bucket
-    in the next round (:func:`jctr.ops.hashing.window_start`; ``_ROUNDS`` rounds; a key
-    left without a row is refused, counted as overflow). Keys touched this step (found,
-    granted, placed) are never chosen. Compacted chunks: the cost follows the needy keys, not
-    the batch. On CPU a native kernel makes the same choices (:func:`jctr.ops.cpu_ffi.evict`).
-    Returns the table, which positions got a row and the key each of them evicted
-    (``EMPTY_KEY`` elsewhere). The keys with ``rows`` (found, granted) must carry this
-    step in their scores already (:func:`lookup` stamps them), so that none is chosen."""
+    slots in one or two cache lines, as NVIDIA HierarchicalKV ranks a bucket) and takes the
+    lowest-ranked one. Of new keys that chose the same key the first position wins; the
+    others, and keys whose slots held no key to take, rank ``samples`` slots from another
+    bucket in the next round (:func:`jctr.ops.hashing.window_start`; ``_ROUNDS`` rounds; a
+    key left without a row is refused, counted as overflow). Keys touched this step (found,
+    granted, placed) are never chosen.
+
+    Where the chosen key sits on the new key's probe before the slot the new key took (in
+    its home bucket, mostly), the new key replaces it in place, as HierarchicalKV does: it
+    takes the slot, the row and the scores stay, and the slot the new key had taken becomes a
+    tombstone, which goes back to empty with the run of tombstones it is in when an empty
+    slot ends the run (no probe passes it: :func:`_clear_runs`). Otherwise the chosen key's
+    slot becomes a tombstone and its row moves to the new key's slot. In place, a stream of
+    new keys leaves few tombstones, so the slots are built again far less often.
+
+    Compacted chunks: the cost follows the needy keys, not the batch. On CPU a native kernel
+    makes the same choices (:func:`jctr.ops.cpu_ffi.evict`). Returns the table, which
+    positions got a row, the key each of them evicted (``EMPTY_KEY`` elsewhere) and the slot
+    each position's key holds after it (``slots`` but where a key replaced another in
+    place). The keys with ``rows`` (found, granted) must carry this step in their scores
+    already (:func:`lookup` stamps them), so that none is chosen."""
     n = slots.shape[0]
     n_slots = table.num_slots
     clock = table.clock
@@ -271,15 +286,18 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
         ar = jnp.arange(chunk, dtype=jnp.int32)
 
         def body(c):
-            slot_keys, slot_rows, score, scratch, todo, placed, gone_keys = c
+            slot_keys, slot_rows, score, scratch, todo, placed, gone_keys, to_slots, added = c
             idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
             sub_slots = slots.at[idx].get(mode="fill", fill_value=0)
             sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
+            home = window_start(sub_keys, 0, n_slots)
+            # the slots of the key's probe before the one it took (none of them empty)
+            reach = (sub_slots - home) % n_slots
 
             def round_(rc):
                 # a round ranks again only for keys whose choice another key took (or that
                 # found no candidate): most chunks need one round
-                rnd, slot_keys, slot_rows, score, scratch, pending, got, gone = rc
+                rnd, slot_keys, slot_rows, score, scratch, pending, got, gone, to, added = rc
                 cand = (window_start(sub_keys, rnd, n_slots)[:, None] + offsets[None, :]
                         ) % n_slots
                 live = slot_rows.at[cand].get(mode="clip") >= 0
@@ -293,42 +311,97 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
                 at = jnp.where(ok, victim, n_slots)
                 scratch = scratch.at[at].set(chunk, mode="drop").at[at].min(ar, mode="drop")
                 win = ok & (scratch.at[at].get(mode="fill", fill_value=-1) == ar)
+                within = win & ((victim - home) % n_slots < reach)
+                moved = win & ~within
                 vs = jnp.where(win, victim, n_slots)
                 row = slot_rows.at[vs].get(mode="fill", fill_value=-1)
                 gone = jnp.where(win, slot_keys.at[vs].get(mode="fill", fill_value=EMPTY_KEY),
                                  gone)  # the evicted key (its row is the winner's now)
-                slot_keys = slot_keys.at[vs].set(TOMBSTONE, mode="drop")
-                slot_rows = slot_rows.at[vs].set(-1, mode="drop")
-                to = jnp.where(win, sub_slots, n_slots)
-                slot_rows = slot_rows.at[to].set(row, mode="drop")
-                score = score.at[to, 0].set(clock, mode="drop")  # taken: no later key takes it
+                # in place: the new key in the chosen key's slot (row and scores stay), its
+                # own slot given back; moved: the chosen slot a tombstone, its row moved
+                slot_keys = slot_keys.at[vs].set(jnp.where(within, sub_keys, TOMBSTONE),
+                                                 mode="drop")
+                slot_keys = slot_keys.at[jnp.where(within, sub_slots, n_slots)].set(
+                    TOMBSTONE, mode="drop")
+                slot_rows = slot_rows.at[jnp.where(moved, victim, n_slots)].set(-1, mode="drop")
+                to = jnp.where(within, victim, to)
+                slot_rows = slot_rows.at[jnp.where(moved, sub_slots, n_slots)].set(
+                    row, mode="drop")
+                # taken: no later key takes it
+                score = score.at[jnp.where(win, to, n_slots), 0].set(clock, mode="drop")
+                added = added + jnp.sum(win, dtype=jnp.int32)
                 return (rnd + 1, slot_keys, slot_rows, score, scratch, pending & ~win,
-                        got | win, gone)
+                        got | win, gone, to, added)
 
-            _, slot_keys, slot_rows, score, scratch, _, got, gone = jax.lax.while_loop(
-                lambda rc: (rc[0] < _ROUNDS) & jnp.any(rc[5]), round_,
-                (jnp.int32(0), slot_keys, slot_rows, score, scratch, idx < n,
-                 jnp.zeros((chunk,), bool), jnp.full((chunk,), EMPTY_KEY, jnp.int64)))
+            _, slot_keys, slot_rows, score, scratch, _, got, gone, to, added = \
+                jax.lax.while_loop(
+                    lambda rc: (rc[0] < _ROUNDS) & jnp.any(rc[5]), round_,
+                    (jnp.int32(0), slot_keys, slot_rows, score, scratch, idx < n,
+                     jnp.zeros((chunk,), bool), jnp.full((chunk,), EMPTY_KEY, jnp.int64),
+                     sub_slots, added))
+            # the chunk's slots given back in place: empty again where a run ends empty
+            slot_keys, scratch, cleared = _clear_runs(
+                slot_keys, scratch, jnp.where(got & (to != sub_slots), sub_slots, -1))
+            added = added - cleared
             todo = todo.at[idx].set(False, mode="drop")
             placed = placed.at[idx].set(got, mode="drop")
             gone_keys = gone_keys.at[idx].set(gone, mode="drop")
-            return slot_keys, slot_rows, score, scratch, todo, placed, gone_keys
+            to_slots = to_slots.at[idx].set(to, mode="drop")
+            return (slot_keys, slot_rows, score, scratch, todo, placed, gone_keys, to_slots,
+                    added)
 
-        slot_keys, slot_rows, score, scratch, _, placed, gone_keys = jax.lax.while_loop(
-            lambda c: jnp.any(c[4]), body,
-            (slot_keys, slot_rows, score, scratch, needy, jnp.zeros((n,), bool),
-             jnp.full((n,), EMPTY_KEY, jnp.int64)))
-        return slot_keys, slot_rows, score, scratch, placed, gone_keys
+        slot_keys, slot_rows, score, scratch, _, placed, gone_keys, to_slots, added = \
+            jax.lax.while_loop(
+                lambda c: jnp.any(c[4]), body,
+                (slot_keys, slot_rows, score, scratch, needy, jnp.zeros((n,), bool),
+                 jnp.full((n,), EMPTY_KEY, jnp.int64), slots, jnp.zeros((), jnp.int32)))
+        return slot_keys, slot_rows, score, scratch, placed, gone_keys, to_slots, added
 
-    slot_keys, slot_rows, score, scratch, placed, gone_keys = evict_rows(
+    slot_keys, slot_rows, score, scratch, placed, gone_keys, to_slots, added = evict_rows(
         reference, table.slot_keys, table.slot_rows, score, table.scratch, keys, slots, needy,
         clock,
         policy=eviction.policy, epoch_steps=eviction.epoch_steps, samples=width, chunk=chunk)
     n_placed = jnp.sum(placed, dtype=jnp.int32)
     table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, slot_score=score,
                            scratch=scratch, evicted=table.evicted + n_placed,
-                           tombstones=table.tombstones + n_placed)
-    return table, placed, gone_keys
+                           tombstones=table.tombstones + added)
+    return table, placed, gone_keys, to_slots
+
+
+def _clear_runs(slot_keys, scratch, starts):
+    """Empty again every run of tombstones that holds a slot of ``starts`` (int32 [n], -1:
+    none) and ends at an empty slot: no probe goes past an empty slot, so none needs the run
+    (linear probing's deletion without a tombstone, for a run at a time). The result follows
+    from the runs, not from the order of ``starts``. Returns (slot_keys, scratch, tombstones
+    cleared). The XLA formulation; the native eviction does the same after its rounds."""
+    n_slots = slot_keys.shape[0]
+    n = starts.shape[0]
+
+    def past(c):  # from each start, along tombstones, to the slot that ends the run
+        pos, on = c
+        on = on & (slot_keys.at[pos].get(mode="fill", fill_value=0) == TOMBSTONE)
+        return jnp.where(on, (pos + 1) % n_slots, pos), on
+
+    end = jax.lax.while_loop(lambda c: jnp.any(c[1]), past, (starts, starts >= 0))[0]
+    ends = (starts >= 0) & (slot_keys.at[jnp.where(starts >= 0, end, n_slots)].get(
+        mode="fill", fill_value=0) == EMPTY_KEY)
+    # one start clears a run (the first position among those that end at the same slot)
+    at = jnp.where(ends, end, n_slots)
+    ar = jnp.arange(n, dtype=jnp.int32)
+    scratch = scratch.at[at].set(n, mode="drop").at[at].min(ar, mode="drop")
+    first = ends & (scratch.at[at].get(mode="fill", fill_value=-1) == ar)
+    pos = jnp.where(first, (end - 1) % n_slots, -1)
+
+    def clear(c):
+        slot_keys, pos, cleared = c
+        on = (pos >= 0) & (slot_keys.at[jnp.maximum(pos, 0)].get() == TOMBSTONE)
+        slot_keys = slot_keys.at[jnp.where(on, pos, n_slots)].set(EMPTY_KEY, mode="drop")
+        return (slot_keys, jnp.where(on, (pos - 1) % n_slots, -1),
+                cleared + jnp.sum(on, dtype=jnp.int32))
+
+    slot_keys, _, cleared = jax.lax.while_loop(lambda c: jnp.any(c[1] >= 0), clear,
+                                               (slot_keys, pos, jnp.zeros((), jnp.int32)))
+    return slot_keys, scratch, cleared
 
 
 def _count_touches(table: HashTable, keys, slots, rows, restart, eviction: EvictionConfig):
@@ -487,11 +560,11 @@ def rebuild_slots(table: HashTable) -> HashTable:
 # keys and tombstones together in at most this share of the slots, or the slots are built
 # again (a plain table's keys fill at most MAX_LOAD of them; an evicting table's half)
 MAX_OCCUPIED = 0.92
-# tombstones in at most this share of an evicting table's slots, or its slots are built again:
-# a stream of new keys evicts a key (a tombstone) for nearly every one and probes lengthen as
-# they pile up, while the native rebuild of a 2M-row table takes about one such step (25-30
-# ms): uniform keys rebuild every ~6 steps, 0.80x the mean step of waiting for MAX_OCCUPIED
-# (docs/performance.md)
+# tombstones in at most this share of an evicting table's slots, or its slots are built again
+# (probes lengthen as they pile up; the native rebuild of a 2M-row table takes about one step,
+# 25-30 ms). Most evicted keys are replaced in place (:func:`_evict`): a uniform stream of new
+# keys leaves a tombstone for ~1 in 10 of them and rebuilds every ~40 steps (every ~6 when
+# each evicted key left one; docs/performance.md)
 MAX_TOMBSTONES = 0.15
 
 

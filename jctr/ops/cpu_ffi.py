@@ -689,7 +689,7 @@ if AVAILABLE:
         return ((last // epoch_steps) << 32) | np.int64(score[r, 1])  # epoch_lfu
 
     _EVICT_AHEAD = 8  # keys between the prefetch of their lines and their choice
-    _TAKEN = -2  # a row entry: its key was chosen earlier in this round (it had a row)
+    _TAKEN = -2  # a row entry at most this: its key was chosen earlier in this round
 
     @numba.njit(inline="always")
     def _window_start(key, rnd, n_slots):
@@ -702,22 +702,25 @@ if AVAILABLE:
     def _window_lines(first, new_slot, keys_at, rows_at, score_at, stride):
         """Prefetch what a new key's choice and claim read: its window's keys, row entries
         and scores (a bucket's, from ``first``: one line each for a window of eight), and its
-        own slot's row entry and score."""
+        own slot's key (given back when it replaces a key in place, as most do)."""
         _prefetch(keys_at + 8 * first)
         _prefetch(rows_at + 4 * first)
         _prefetch(score_at + stride * first)
-        _prefetch(rows_at + 4 * new_slot)
-        _prefetch(score_at + stride * new_slot)
+        _prefetch(keys_at + 8 * new_slot)
 
     @numba.njit(inline="always")
-    def _evict_all(slot_keys, slot_rows, score, keys, slots, needy, params, placed, gone):
+    def _evict_all(slot_keys, slot_rows, score, keys, slots, needy, params, placed, gone, to,
+                   added):
         """:func:`jctr.embedding.hash_table._evict` one chunk and round after the other, with
         its choices. XLA's round has every pending key choose from the state as the round
         starts, then the first position of each choice win; here each key chooses and claims
         in turn, which is the same: a key taken earlier in the round keeps its rank (its row
-        entry reads ``_TAKEN`` until the round ends), and a key whose best choice was taken
-        loses as the XLA round's later claimant does; the keys placed in the round rank as
-        touched this step, as they were rowless when it began."""
+        entry reads ``_TAKEN`` minus the taker's index, which holds the rank, until the round
+        ends), and a key whose best choice was taken loses as the XLA round's later claimant
+        does; the keys placed in the round rank as touched this step, as they were rowless
+        when it began. A key on the new key's probe is replaced in place (the new key takes
+        its slot, row and scores; the new key's own slot is a tombstone, empty again with its run
+        of tombstones where an empty slot ends the run); another moves its row."""
         clock, policy, epoch_steps = params[0], params[1], params[2]
         width, chunk = params[3], params[4]
         n = slots.shape[0]
@@ -727,17 +730,24 @@ if AVAILABLE:
         stride = score.shape[1] * 4
         order = np.flatnonzero(needy)
         victim = np.empty(chunk, np.int64)
+        victim_row = np.empty(chunk, np.int32)
+        victim_rank = np.empty(chunk, np.int64)
+        within = np.empty(chunk, np.bool_)
         pending = np.empty(chunk, np.bool_)
         first = np.empty(chunk, np.int64)
+        home = np.empty(chunk, np.int64)
         for i in range(n):
             placed[i] = False
             gone[i] = EMPTY_KEY
+            to[i] = slots[i]
+        made = 0
         for start in range(0, order.size, chunk):
             part = order[start:start + chunk]
             m = part.size
             for j in range(m):
                 pending[j] = True
                 first[j] = _window_start(keys[part[j]], 0, n_slots)
+                home[j] = first[j]
             for rnd in range(8):  # _ROUNDS
                 left = False
                 for j in range(m):
@@ -762,29 +772,79 @@ if AVAILABLE:
                         cand = w0 + k  # wrapping by a compare: a division costs ~40 cycles
                         if cand >= n_slots:
                             cand -= n_slots
-                        if slot_rows[cand] == -1:  # empty, a tombstone or a rowless key
+                        held = slot_rows[cand]
+                        if held == -1:  # empty, a tombstone or a rowless key
                             continue
-                        rank = _rank(score, cand, clock, policy, epoch_steps)
+                        if held <= _TAKEN:  # taken this round: its rank as the round began
+                            rank = victim_rank[_TAKEN - held]
+                        else:
+                            rank = _rank(score, cand, clock, policy, epoch_steps)
                         if rank < best_rank:
                             best, best_rank = cand, rank
-                    if best_rank == _NEVER or slot_rows[best] == _TAKEN:
+                    if best_rank == _NEVER or slot_rows[best] <= _TAKEN:
                         continue  # nothing to take, or taken by an earlier position
                     pos = part[j]
+                    own = slots[pos]
                     row = slot_rows[best]
                     gone[pos] = slot_keys[best]
-                    slot_keys[best] = _TOMBSTONE
-                    slot_rows[best] = _TAKEN
-                    slot_rows[slots[pos]] = row
-                    score[slots[pos], 0] = clock
+                    reach = own - home[j]  # the probe's slots before the key's own
+                    if reach < 0:
+                        reach += n_slots
+                    dist = best - home[j]
+                    if dist < 0:
+                        dist += n_slots
+                    within[j] = dist < reach
+                    if within[j]:  # in place: the slot, its row and (at the round's end) its
+                        slot_keys[best] = keys[pos]  # score are the new key's
+                        slot_keys[own] = _TOMBSTONE
+                        to[pos] = best
+                    else:
+                        slot_keys[best] = _TOMBSTONE
+                        slot_rows[own] = row
+                    made += 1
+                    victim_row[j] = row
+                    victim_rank[j] = best_rank
+                    slot_rows[best] = _TAKEN - j  # (which position took it: its rank)
+                    score[to[pos], 0] = clock
                     placed[pos] = True
                     pending[j] = False
                     victim[j] = best
-                for j in range(m):  # the round's taken keys: tombstones without a row
+                for j in range(m):  # the round's taken keys: replaced, or tombstones
                     if victim[j] >= 0:
-                        slot_rows[victim[j]] = -1
+                        if within[j]:
+                            slot_rows[victim[j]] = victim_row[j]
+                        else:
+                            slot_rows[victim[j]] = -1
                 for j in range(m):  # the next round's windows
                     if pending[j]:
                         first[j] = _window_start(keys[part[j]], rnd + 1, n_slots)
+            # hash_table._clear_runs, the chunk's: a run of tombstones with a slot given
+            # back in place that ends at an empty slot is empty again
+            for j in range(m):
+                pos = part[j]
+                ahead = j + _EVICT_AHEAD
+                if ahead < m:
+                    _prefetch(keys_at + 8 * slots[part[ahead]])
+                if to[pos] == slots[pos]:
+                    continue
+                end = slots[pos]
+                for _ in range(n_slots):
+                    if slot_keys[end] != _TOMBSTONE:
+                        break
+                    end += 1
+                    if end == n_slots:
+                        end = 0
+                if slot_keys[end] != EMPTY_KEY:
+                    continue
+                for _ in range(n_slots):
+                    end -= 1
+                    if end < 0:
+                        end = n_slots - 1
+                    if slot_keys[end] != _TOMBSTONE:
+                        break
+                    slot_keys[end] = EMPTY_KEY
+                    made -= 1
+        added[0] = made
 
     def _evict_rows(frame_pointer):
         frame = _address(frame_pointer)
@@ -802,7 +862,9 @@ if AVAILABLE:
                    carray(_pointer(needy_data), (n,), np.bool_),
                    carray(_pointer(param_data), (5,), np.int64),
                    carray(_pointer(_buffer(frame, _FRAME_RETS, 3)[0]), (n,), np.bool_),
-                   carray(_pointer(_buffer(frame, _FRAME_RETS, 4)[0]), (n,), np.int64))
+                   carray(_pointer(_buffer(frame, _FRAME_RETS, 4)[0]), (n,), np.int64),
+                   carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (n,), np.int32),
+                   carray(_pointer(_buffer(frame, _FRAME_RETS, 6)[0]), (1,), np.int32))
         return _pointer(0)
 
     @numba.njit(inline="always")
@@ -1149,8 +1211,9 @@ def evict(slot_keys, slot_rows, score, keys, slots, needy, clock, *, policy: str
           epoch_steps: int, samples: int, chunk: int):
     """:func:`jctr.embedding.hash_table._evict`'s choice of keys for the ``needy`` positions,
     in one native pass with the same choices (``score``: the keys' scores beside their slots,
-    with this step's keys stamped). Returns (slot_keys, slot_rows, score, placed, gone keys);
-    the buffers are updated in place when they can be donated. CPU only."""
+    with this step's keys stamped). Returns (slot_keys, slot_rows, score, placed, gone keys,
+    each position's slot after it, tombstones made [1]); the buffers are updated in place
+    when they can be donated. CPU only."""
     _register()
     n = slots.shape[0]
     if policy == "score":  # ranks as lfu: its second column holds the caller's scores
@@ -1162,7 +1225,8 @@ def evict(slot_keys, slot_rows, score, keys, slots, needy, clock, *, policy: str
         (jax.ShapeDtypeStruct(slot_keys.shape, jnp.int64),
          jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
          jax.ShapeDtypeStruct(score.shape, jnp.int32),
-         jax.ShapeDtypeStruct((n,), jnp.bool_), jax.ShapeDtypeStruct((n,), jnp.int64)),
+         jax.ShapeDtypeStruct((n,), jnp.bool_), jax.ShapeDtypeStruct((n,), jnp.int64),
+         jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)),
         input_output_aliases={0: 0, 1: 1, 2: 2})(
             slot_keys, slot_rows, score, keys.astype(jnp.int64), slots.astype(jnp.int32),
             needy.astype(jnp.bool_), params)

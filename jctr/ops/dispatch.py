@@ -374,16 +374,17 @@ def evict_rows(reference, slot_keys, slot_rows, score, scratch, keys, slots, nee
     GPU the XLA formulation with chunks of up to ``GPU_EVICT_CHUNK`` keys (the choices of
     that chunk: the same in every run). ``scratch`` (int32 [slots], contents never matter)
     holds the XLA rounds' claims; the native kernel claims in turn and passes it through.
-    Returns (slot_keys, slot_rows, score, scratch, placed, gone keys)."""
+    Returns (slot_keys, slot_rows, score, scratch, placed, gone keys, each position's slot
+    after it, tombstones made)."""
     args = (slot_keys, slot_rows, score, scratch, keys, slots, needy, clock)
     if _mode() == "reference" or not cpu_ffi.AVAILABLE:
         return reference(*args, chunk=chunk)
     gpu_chunk = max(chunk, min(keys.shape[0], GPU_EVICT_CHUNK))
 
     def cpu(slot_keys, slot_rows, score, scratch, keys, slots, needy, clock):
-        slot_keys, slot_rows, score, placed, gone = cpu_ffi.evict(
+        slot_keys, slot_rows, score, placed, gone, to, added = cpu_ffi.evict(
             slot_keys, slot_rows, score, keys, slots, needy, clock, policy=policy,
             epoch_steps=epoch_steps, samples=samples, chunk=chunk)
-        return slot_keys, slot_rows, score, scratch, placed, gone
+        return slot_keys, slot_rows, score, scratch, placed, gone, to, added[0]
 
     return _by_platform(*args, cpu=cpu, default=functools.partial(reference, chunk=gpu_chunk))

@@ -741,31 +741,26 @@ if AVAILABLE:
             gone[i] = EMPTY_KEY
             to[i] = slots[i]
         made = 0
+        cur = np.empty(chunk, np.int64)  # the round's pending positions, in batch order
         for start in range(0, order.size, chunk):
             part = order[start:start + chunk]
             m = part.size
             for j in range(m):
+                cur[j] = part[j]
                 pending[j] = True
                 first[j] = _window_start(keys[part[j]], 0, n_slots)
                 home[j] = first[j]
             for rnd in range(8):  # _ROUNDS
-                left = False
-                for j in range(m):
-                    left |= pending[j]
-                if not left:
+                if m == 0:
                     break
                 for j in range(min(_EVICT_AHEAD, m)):
-                    if pending[j]:
-                        _window_lines(first[j], slots[part[j]], keys_at, rows_at, score_at,
-                                      stride)
+                    _window_lines(first[j], slots[cur[j]], keys_at, rows_at, score_at, stride)
                 for j in range(m):
                     victim[j] = -1
                     ahead = j + _EVICT_AHEAD
-                    if ahead < m and pending[ahead]:
-                        _window_lines(first[ahead], slots[part[ahead]], keys_at, rows_at,
+                    if ahead < m:
+                        _window_lines(first[ahead], slots[cur[ahead]], keys_at, rows_at,
                                       score_at, stride)
-                    if not pending[j]:
-                        continue
                     w0 = first[j]
                     best, best_rank = np.int64(-1), _NEVER
                     for k in range(width):
@@ -783,7 +778,7 @@ if AVAILABLE:
                             best, best_rank = cand, rank
                     if best_rank == _NEVER or slot_rows[best] <= _TAKEN:
                         continue  # nothing to take, or taken by an earlier position
-                    pos = part[j]
+                    pos = cur[j]
                     own = slots[pos]
                     row = slot_rows[best]
                     gone[pos] = slot_keys[best]
@@ -815,9 +810,18 @@ if AVAILABLE:
                             slot_rows[victim[j]] = victim_row[j]
                         else:
                             slot_rows[victim[j]] = -1
-                for j in range(m):  # the next round's windows
+                # the next round ranks the keys left (the others are not passed over again),
+                # each from its next window
+                left = 0
+                for j in range(m):
                     if pending[j]:
-                        first[j] = _window_start(keys[part[j]], rnd + 1, n_slots)
+                        cur[left] = cur[j]
+                        home[left] = home[j]
+                        first[left] = _window_start(keys[cur[j]], rnd + 1, n_slots)
+                        pending[left] = True
+                        left += 1
+                m = left
+            m = part.size
             # hash_table._clear_runs, the chunk's: a run of tombstones with a slot given
             # back in place that ends at an empty slot is empty again
             for j in range(m):

@@ -858,12 +858,75 @@ def test_rocksdb_scan_answers_as_point_reads(tmp_path):
     rows.push(0, stored)
     scans = []
     real = rows.db.lookup_by_scan
-    rows.db.lookup_by_scan = lambda *a: scans.append(1) or real(*a)
+    rows.db.lookup_by_scan = lambda *a, **k: scans.append(1) or real(*a, **k)
     few, many = rows.pull(0, keys[200:220]), rows.pull(0, keys[100:4000])
     assert scans == [1]
     np.testing.assert_array_equal(few["values"], stored["values"][200:220])
     np.testing.assert_array_equal(many["keys"], keys[100:4000])
     np.testing.assert_array_equal(many["values"], stored["values"][100:4000])
+    rows.close()
+
+
+def test_a_row_stores_rows_hold_their_keys_and_an_older_database_is_kept_as_it_is(tmp_path):
+    """A RocksDB row store writes each row's key into its value too (two float32 columns
+    first), so a pass over the table reads values alone (``RocksDBStore.items(keyed=True)``:
+    half the interpreter's time a row); pulls by scan and by point reads, the rows of other
+    keys, the scaling of a slot's columns and an undo give what was pushed. A database a
+    row store wrote before rows held their keys (its width one key's columns short) is read
+    and written in its own layout."""
+    from types import SimpleNamespace
+
+    from jctr.online.row_store import RowStore
+
+    rng = np.random.default_rng(3)
+    specs, shapes = [SimpleNamespace(name="t", dim=3)], [{"accum": (2,)}]
+    keys = rng.choice(10**12, 4000, replace=False).astype(np.int64) - 10**11
+    stored = {"keys": keys, "values": rng.random((4000, 3)).astype(np.float32),
+              "accum": rng.random((4000, 2)).astype(np.float32),
+              "slot": rng.integers(0, 5, 4000).astype(np.int32)}
+
+    def check(rows, keyed):
+        assert rows.keyed == [keyed]
+        assert rows.db.dim("online.t") == rows.width(0) + 2 * keyed == 6 + 2 * keyed
+        few, many = rows.pull(0, keys[10:30]), rows.pull(0, keys[5:3500])
+        for got, part in ((few, slice(10, 30)), (many, slice(5, 3500))):
+            for name in stored:
+                np.testing.assert_array_equal(got[name], stored[name][part], err_msg=name)
+        held = KeySet()
+        held.add(keys[:1000])
+        other = rows.pull_except(0, held)
+        order = np.argsort(other["keys"])
+        want = np.argsort(keys[1000:]) + 1000
+        for name in stored:
+            np.testing.assert_array_equal(other[name][order], stored[name][want])
+
+    from jctr.ops.host_index import KeySet
+
+    rows = RowStore(str(tmp_path / "new"), specs, shapes)
+    rows.push(0, stored)
+    k, v = next(rows.db.items("online.t", keyed=True))
+    np.testing.assert_array_equal(v[:, :2].copy().view(np.int64).reshape(-1), k)
+    check(rows, True)
+    rows.save_undo(str(tmp_path / "undo.npz"), [rows.pull(0, keys[:50])], [keys[:0]],
+                   {"day": "d", "pass": 1})
+    rows.push(0, {**{n: a[:50] for n, a in stored.items()},
+                  "values": np.zeros((50, 3), np.float32)})
+    assert rows.undo(str(tmp_path / "undo.npz")) == ("d", 1)
+    rows.scale(0, "accum", (2.0, 0.5))
+    got = rows.pull(0, keys[:50])
+    np.testing.assert_array_equal(got["values"], stored["values"][:50])
+    np.testing.assert_array_equal(got["accum"], stored["accum"][:50] * [2.0, 0.5])
+    rows.scale(0, "accum", (0.5, 2.0))
+    check(rows, True)
+    rows.close()
+
+    old = RowStore(str(tmp_path / "old"), specs, shapes)
+    old.keyed = [False]  # as a row store wrote before rows held their keys
+    old.push(0, {n: a[:2000] for n, a in stored.items()})
+    old.close()
+    rows = RowStore(str(tmp_path / "old"), specs, shapes)
+    rows.push(0, {n: a[2000:] for n, a in stored.items()})
+    check(rows, False)
     rows.close()
 
 

@@ -21,6 +21,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -52,21 +53,41 @@ class RowStore:
             parts = [("values", (spec.dim,))] + [(name, shapes[name]) for name in sorted(shapes)]
             parts.append(("slot", ()))
             self.layouts.append(parts)
+        # a RocksDB row also holds its key (two float32 columns first): a pass over the
+        # table then reads values alone (RocksDBStore.items); a database written before
+        # rows held their keys (its width says so) is read and written as it is
+        self.keyed = [kind != "row_file" and self.db.dim(name) in (None, self.width(i) + 2)
+                      for i, name in enumerate(self.names)]
 
     def width(self, table: int) -> int:
+        """Floats of a row's vector, optimizer slots and slot id."""
         return sum(int(np.prod(shape)) for _, shape in self.layouts[table])
+
+    def stored_width(self, table: int) -> int:
+        """Floats of a stored row: :meth:`width`, and two more for its key where it holds
+        it."""
+        return self.width(table) + 2 * self.keyed[table]
 
     def _columns(self, table: int, stored: dict[str, np.ndarray]) -> list[np.ndarray]:
         n = stored["keys"].size
         return [np.asarray(stored[name], np.float32).reshape(n, -1)
                 for name, _ in self.layouts[table]]
 
+    def _stored_columns(self, table: int, stored: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """A stored row's column blocks: the key's (its 8 bytes as two float32) first where
+        rows hold their keys, then :meth:`_columns`."""
+        columns = self._columns(table, stored)
+        if self.keyed[table]:
+            keys = np.ascontiguousarray(stored["keys"], "<i8")
+            columns.insert(0, keys.view("<f4").reshape(keys.size, 2))
+        return columns
+
     def _pack(self, table: int, stored: dict[str, np.ndarray]) -> np.ndarray:
-        return np.concatenate(self._columns(table, stored), axis=1)
+        return np.concatenate(self._stored_columns(table, stored), axis=1)
 
     def _unpack(self, table: int, keys: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
         out = {"keys": keys}
-        at = 0
+        at = 2 * self.keyed[table]  # (the key's columns)
         for name, shape in self.layouts[table]:
             w = int(np.prod(shape))
             part = rows[:, at:at + w].reshape((keys.size, *shape))
@@ -84,8 +105,11 @@ class RowStore:
         keys = np.asarray(keys, np.int64)
         name = self.names[table]
         many = keys.size >= self.SCAN_SHARE * self.db.estimated_rows(name) > 0
-        read = self.db.lookup_by_scan if many else self.db.lookup
-        rows, found = read(name, keys, self.width(table))
+        width = self.stored_width(table)
+        if many and self.keyed[table]:
+            rows, found = self.db.lookup_by_scan(name, keys, width, keyed=True)
+        else:
+            rows, found = (self.db.lookup_by_scan if many else self.db.lookup)(name, keys, width)
         if found.all():  # e.g. a day's base model: no copy of every row
             return self._unpack(table, keys, rows)
         return self._unpack(table, keys[found], rows[found])
@@ -93,8 +117,11 @@ class RowStore:
     def pull_except(self, table: int, held) -> dict[str, np.ndarray]:
         """Every stored row but those of ``held``'s keys (a
         :class:`jctr.ops.host_index.KeySet`), in one pass over the table."""
-        keys, rows = [np.zeros(0, np.int64)], [np.zeros((0, self.width(table)), np.float32)]
-        for stored, vectors in self.db.items(self.names[table]):
+        keys = [np.zeros(0, np.int64)]
+        rows = [np.zeros((0, self.stored_width(table)), np.float32)]
+        scan = (functools.partial(self.db.items, keyed=True) if self.keyed[table]
+                else self.db.items)
+        for stored, vectors in scan(self.names[table]):
             other = ~held.contains(stored)
             keys.append(stored[other])
             rows.append(vectors[other])
@@ -116,7 +143,7 @@ class RowStore:
         laid out from the columns)."""
         if stored["keys"].size:
             self.db.ingest_columns(self.names[table], stored["keys"],
-                                   self._columns(table, stored))
+                                   self._stored_columns(table, stored))
 
     def erase(self, table: int, keys: np.ndarray) -> None:
         self.db.erase(self.names[table], np.asarray(keys, np.int64))
@@ -124,7 +151,7 @@ class RowStore:
     def scale(self, table: int, slot: str, factors: tuple[float, ...]) -> None:
         """Multiply a slot's columns in every stored row (the daily decay of admission counts;
         one pass over the table, as the shrink's)."""
-        at = 0
+        at = 2 * self.keyed[table]  # (the key's columns)
         for name, shape in self.layouts[table]:
             if name == slot:
                 break
@@ -160,7 +187,7 @@ class RowStore:
             arrays[f"{i}/added"] = np.asarray(new, np.int64)
             arrays[f"{i}/keys"] = old["keys"]
             arrays[f"{i}/rows"] = self._pack(i, old) if old["keys"].size else \
-                np.zeros((0, self.width(i)), np.float32)
+                np.zeros((0, self.stored_width(i)), np.float32)
         # synced before it replaces the old one: the write-back it undoes follows
         with replacing(path, path + ".tmp.npz") as tmp, DirectWriter(tmp, direct=False) as f:
             np.savez(f, **arrays)

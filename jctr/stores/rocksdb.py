@@ -314,7 +314,12 @@ class RocksDBStore:
             rows[:, at:at + f.size] *= f
             self.insert(table, keys, rows)
 
-    def items(self, table: str, chunk: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    def items(self, table: str, chunk: int = 65536, *, keyed: bool = False
+              ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(keys, rows) of every stored row, a chunk at a time. ``keyed``: each row holds
+        its key in its first two float32 columns (a row store's rows, :class:`jctr.online.
+        row_store.RowStore`): the pass reads values alone, and the keys come from them (half
+        the interpreter's time a row: 310-330 ns, not 570-650; docs/performance.md)."""
         cf = self._families.get(table)
         dim = self._dims.get(table)
         if cf is None or dim is None:  # no width recorded: no row was ever written
@@ -323,12 +328,16 @@ class RocksDBStore:
         # cache; the chunks are cut in C (islice), not by a Python step per row
         read = self._rd.ReadOptions()
         read.fill_cache(False)
-        rows = cf.items(read_opt=read)
+        rows = (cf.values if keyed else cf.items)(read_opt=read)
         while True:
             part = list(itertools.islice(rows, chunk))
             if not part:
                 return
-            yield _decode_pairs(part, dim)
+            if not keyed:
+                yield _decode_pairs(part, dim)
+                continue
+            values = np.frombuffer(b"".join(part), np.float32).reshape(-1, dim).copy()
+            yield values[:, :2].copy().view(np.int64).reshape(-1), values
 
     def size(self, table: str) -> int:
         return sum(k.size for k, _ in self.items(table))
@@ -347,10 +356,11 @@ class RocksDBStore:
         cf = self._families.get(table)
         return 0 if cf is None else int(cf.property_int_value("rocksdb.estimate-num-keys") or 0)
 
-    def lookup_by_scan(self, table: str, keys, dim: int) -> tuple[np.ndarray, np.ndarray]:
+    def lookup_by_scan(self, table: str, keys, dim: int, *, keyed: bool = False
+                       ) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`lookup`'s answer from one sequential pass over the table: cheaper than point
         reads when the keys are a large share of it (a read costs several times a scanned
-        row; ``docs/performance.md``)."""
+        row; ``docs/performance.md``). ``keyed``: see :meth:`items`."""
         keys, values, found = no_rows(keys, dim)
         if self._families.get(table) is None or not keys.size:
             return values, found
@@ -361,7 +371,7 @@ class RocksDBStore:
         n = host_index.upsert(index, distinct, 0, keys, at)
         rows = np.zeros((n, dim), np.float32)
         held = np.zeros(n, bool)
-        for stored, vectors in self.items(table):
+        for stored, vectors in self.items(table, keyed=keyed):
             r = host_index.find(index, distinct, stored)
             hit = r >= 0
             if hit.all():  # a day's base model: every stored key is asked for

@@ -373,7 +373,8 @@ def _clear_runs(slot_keys, scratch, starts):
     none) and ends at an empty slot: no probe goes past an empty slot, so none needs the run
     (linear probing's deletion without a tombstone, for a run at a time). The result follows
     from the runs, not from the order of ``starts``. Returns (slot_keys, scratch, tombstones
-    cleared). The XLA formulation; the native eviction does the same after its rounds."""
+    cleared). The XLA formulation; the native eviction does the same after each chunk's
+    rounds, as :func:`_evict` calls this."""
     n_slots = slot_keys.shape[0]
     n = starts.shape[0]
 
@@ -563,8 +564,9 @@ MAX_OCCUPIED = 0.92
 # tombstones in at most this share of an evicting table's slots, or its slots are built again
 # (probes lengthen as they pile up; the native rebuild of a 2M-row table takes about one step,
 # 25-30 ms). Most evicted keys are replaced in place (:func:`_evict`): a uniform stream of new
-# keys leaves a tombstone for ~1 in 10 of them and rebuilds every ~40 steps (every ~6 when
-# each evicted key left one; docs/performance.md)
+# keys through 2M rows leaves a tombstone for ~1 in 10 of them, and the benchmark's 40 steps
+# build the slots again not once (every ~6 steps when each evicted key left one;
+# docs/performance.md)
 MAX_TOMBSTONES = 0.15
 
 

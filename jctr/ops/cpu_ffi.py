@@ -719,8 +719,9 @@ if AVAILABLE:
         ends), and a key whose best choice was taken loses as the XLA round's later claimant
         does; the keys placed in the round rank as touched this step, as they were rowless
         when it began. A key on the new key's probe is replaced in place (the new key takes
-        its slot, row and scores; the new key's own slot is a tombstone, empty again with its run
-        of tombstones where an empty slot ends the run); another moves its row."""
+        its slot, row and scores; the new key's own slot is a tombstone, empty again with its
+        run of tombstones where an empty slot ends the run, after the chunk's rounds);
+        another moves its row."""
         clock, policy, epoch_steps = params[0], params[1], params[2]
         width, chunk = params[3], params[4]
         n = slots.shape[0]
@@ -789,8 +790,8 @@ if AVAILABLE:
                     if dist < 0:
                         dist += n_slots
                     within[j] = dist < reach
-                    if within[j]:  # in place: the slot, its row and (at the round's end) its
-                        slot_keys[best] = keys[pos]  # score are the new key's
+                    if within[j]:  # in place: the slot, its row and score are the new key's
+                        slot_keys[best] = keys[pos]
                         slot_keys[own] = _TOMBSTONE
                         to[pos] = best
                     else:

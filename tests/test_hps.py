@@ -918,6 +918,16 @@ def test_a_row_stores_rows_hold_their_keys_and_an_older_database_is_kept_as_it_i
     np.testing.assert_array_equal(got["accum"], stored["accum"][:50] * [2.0, 0.5])
     rows.scale(0, "accum", (0.5, 2.0))
     check(rows, True)
+    # an undo file an earlier jctr wrote (its rows joined in one array) is put back too
+    before = rows.pull(0, keys[:50])
+    packed = np.concatenate([keys[:50, None].view(np.float32), before["values"],
+                             before["accum"], before["slot"][:, None].astype(np.float32)], 1)
+    np.savez(str(tmp_path / "old_undo.npz"), day=np.array("d"), **{"pass": np.array(2)},
+             **{"0/added": keys[:0], "0/keys": keys[:50], "0/rows": packed})
+    rows.push(0, {**{n: a[:50] for n, a in stored.items()},
+                  "values": np.ones((50, 3), np.float32)})
+    assert rows.undo(str(tmp_path / "old_undo.npz")) == ("d", 2)
+    check(rows, True)
     rows.close()
 
     old = RowStore(str(tmp_path / "old"), specs, shapes)

@@ -173,21 +173,21 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
             # a key left without a row gives its slot back (a tombstone: probes of keys
             # placed after it go on), or refused keys would fill the slots step by step
             left = needy & ~placed
+            # a key that replaced another in place holds that key's slot: so do its repeats
+            # (their representative is its first position)
+            at = to.at[jnp.where(rep >= 0, rep, jnp.arange(keys.shape[0], dtype=jnp.int32))
+                       ].get(mode="clip")
             return t._replace(
                 slot_keys=t.slot_keys.at[jnp.where(left, slots, t.num_slots)].set(
                     TOMBSTONE, mode="drop"),
-                tombstones=t.tombstones + jnp.sum(left, dtype=jnp.int32)), placed, gone, to
+                tombstones=t.tombstones + jnp.sum(left, dtype=jnp.int32)), placed, gone, at
 
         # a step whose new keys all found free rows (a table not yet full) skips it all (a
         # loop run at most once: a cond would copy the table in its untaken branch)
-        _, table, placed, evicted, to = jax.lax.while_loop(
+        _, table, placed, evicted, slots = jax.lax.while_loop(
             lambda c: c[0], lambda c: (False, *evict(c[1])),
             (jnp.any(needy), table, jnp.zeros_like(needy), jnp.full(keys.shape, EMPTY_KEY),
              slots))
-        # a key that replaced another in place holds that key's slot: so do its repeats
-        # (their representative is its first position)
-        slots = to.at[jnp.where(rep >= 0, rep, jnp.arange(keys.shape[0], dtype=jnp.int32))
-                      ].get(mode="clip")
         granted = granted | placed
         # rows found or granted stay (no key of this step is evicted): only the positions of
         # keys that took an evicted row read theirs (a gather that skips the others' slots)

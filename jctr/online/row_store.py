@@ -21,7 +21,6 @@ Example::
 
 from __future__ import annotations
 
-import functools
 import os
 
 import numpy as np
@@ -82,6 +81,11 @@ class RowStore:
             columns.insert(0, keys.view("<f4").reshape(keys.size, 2))
         return columns
 
+    def _scan(self, table: int) -> dict:
+        """A pass over the table's rows reads values alone where rows hold their keys
+        (:meth:`jctr.stores.rocksdb.RocksDBStore.items`' ``keyed``)."""
+        return {"keyed": True} if self.keyed[table] else {}
+
     def _unpack(self, table: int, keys: np.ndarray, rows: np.ndarray) -> dict[str, np.ndarray]:
         out = {"keys": keys}
         at = 2 * self.keyed[table]  # (the key's columns)
@@ -103,10 +107,10 @@ class RowStore:
         name = self.names[table]
         many = keys.size >= self.SCAN_SHARE * self.db.estimated_rows(name) > 0
         width = self.stored_width(table)
-        if many and self.keyed[table]:
-            rows, found = self.db.lookup_by_scan(name, keys, width, keyed=True)
+        if many:
+            rows, found = self.db.lookup_by_scan(name, keys, width, **self._scan(table))
         else:
-            rows, found = (self.db.lookup_by_scan if many else self.db.lookup)(name, keys, width)
+            rows, found = self.db.lookup(name, keys, width)
         if found.all():  # e.g. a day's base model: no copy of every row
             return self._unpack(table, keys, rows)
         return self._unpack(table, keys[found], rows[found])
@@ -116,9 +120,7 @@ class RowStore:
         :class:`jctr.ops.host_index.KeySet`), in one pass over the table."""
         keys = [np.zeros(0, np.int64)]
         rows = [np.zeros((0, self.stored_width(table)), np.float32)]
-        scan = (functools.partial(self.db.items, keyed=True) if self.keyed[table]
-                else self.db.items)
-        for stored, vectors in scan(self.names[table]):
+        for stored, vectors in self.db.items(self.names[table], **self._scan(table)):
             other = ~held.contains(stored)
             keys.append(stored[other])
             rows.append(vectors[other])

@@ -709,6 +709,30 @@ if AVAILABLE:
         _prefetch(keys_at + 8 * new_slot)
 
     @numba.njit(inline="always")
+    def _clear_run(slot_keys, start):
+        """The run of tombstones holding slot ``start`` emptied if an empty slot ends it
+        (:func:`jctr.embedding.hash_table._clear_runs`); returns the tombstones cleared."""
+        n_slots = slot_keys.shape[0]
+        end = start
+        for _ in range(n_slots):
+            if slot_keys[end] != _TOMBSTONE:
+                break
+            end += 1
+            if end == n_slots:
+                end = 0
+        cleared = 0
+        if slot_keys[end] == EMPTY_KEY:
+            for _ in range(n_slots):
+                end -= 1
+                if end < 0:
+                    end = n_slots - 1
+                if slot_keys[end] != _TOMBSTONE:
+                    break
+                slot_keys[end] = EMPTY_KEY
+                cleared += 1
+        return cleared
+
+    @numba.njit(inline="always")
     def _evict_all(slot_keys, slot_rows, score, keys, slots, needy, params, placed, gone, to,
                    added):
         """:func:`jctr.embedding.hash_table._evict` one chunk and round after the other, with
@@ -830,25 +854,8 @@ if AVAILABLE:
                 ahead = j + _EVICT_AHEAD
                 if ahead < m:
                     _prefetch(keys_at + 8 * slots[part[ahead]])
-                if to[pos] == slots[pos]:
-                    continue
-                end = slots[pos]
-                for _ in range(n_slots):
-                    if slot_keys[end] != _TOMBSTONE:
-                        break
-                    end += 1
-                    if end == n_slots:
-                        end = 0
-                if slot_keys[end] != EMPTY_KEY:
-                    continue
-                for _ in range(n_slots):
-                    end -= 1
-                    if end < 0:
-                        end = n_slots - 1
-                    if slot_keys[end] != _TOMBSTONE:
-                        break
-                    slot_keys[end] = EMPTY_KEY
-                    made -= 1
+                if to[pos] != slots[pos]:
+                    made -= _clear_run(slot_keys, slots[pos])
         added[0] = made
 
     def _evict_rows(frame_pointer):

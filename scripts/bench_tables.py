@@ -157,27 +157,24 @@ def main() -> int:
         device_gather()  # compile
     gather = float(np.median([(np_gather if on_cpu else device_gather)() for _ in range(9)]))
     base = "np.take" if on_cpu else "a device gather"
-    warm = True
     for kind in ("uniform", "power-law"):
         feed = batches(kind, args.steps, n, args.vocab, seed=1)
         plain = make_step(spec_of(cap, args.dim, None))
         slots = num_slots_for(cap)
         arriving = np.unique(np.concatenate(feed)).size  # keys the timed steps insert
-        if warm:
-            # the process's first table paid the first touch of its memory in its first
-            # steps (steps of 30, 19 and 33 ms among 6 ms ones; the same table again, 5 ms
-            # from the first step: docs/performance.md), a cost a long run pays once: the
-            # first configuration runs once untimed
-            warm = False
-            state = fill(plain, init_embedding(spec_of(cap, args.dim, None)), cap,
-                         int(0.5 * slots) - arriving, n)
-            timed(plain, state, feed)
-            del state
-        for load in (0.5, 0.85):  # of the slots, at the end of the timed steps
+        # the process's first table paid the first touch of its memory in its first steps
+        # (steps of 30, 19 and 33 ms among 6 ms ones; the same table again, 5 ms from the
+        # first step: docs/performance.md), a cost a long run pays once: the first
+        # configuration runs once untimed
+        runs = [(0.5, False)] if kind == "uniform" else []
+        for load, report in runs + [(0.5, True), (0.85, True)]:  # of the slots, at the end
             keys_at_end = min(cap, int(load * slots))
             state = fill(plain, init_embedding(spec_of(cap, args.dim, None)), cap,
                          keys_at_end - arriving, n)
             s, state, _ = timed(plain, state, feed)
+            if not report:
+                del state
+                continue
             held = int(state.table.size)
             print(f"[{kind}] lookup+insert, slots {held / slots:.0%} full at the end "
                   f"({held:,} keys in {slots:,} slots; {slots * 16 / cap:.1f} slot bytes a "

@@ -76,11 +76,11 @@ def export_tables(state: TrainState, specs: tuple[EmbeddingSpec, ...], placement
     placements = placements or (None,) * len(specs)
     out = {s.name: export_placed(e, p, copy=copy)
            for s, e, p in zip(specs, state.embeddings, placements)}
-    for s, e in zip(specs, state.embeddings):
+    for s in specs:
         if s.eviction is not None and s.eviction.spill:  # and the rows in the database
             from jctr.embedding import spill
 
-            out[s.name] = spill.with_spilled(s, out[s.name], e.slots)
+            out[s.name] = spill.with_spilled(s, out[s.name])
     return out
 
 
@@ -564,7 +564,7 @@ class Checkpointer:
             if spec.eviction is not None and spec.eviction.spill:  # spilled rows to the database
                 from jctr.embedding import spill
 
-                stored = spill.restore_spilled(spec, stored, es.slots)
+                stored = spill.restore_spilled(spec, stored)
             try:
                 es = import_placed(spec, es, stored, placement, source=f"{where}/tables")
             except ValueError as e:

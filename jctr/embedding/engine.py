@@ -55,7 +55,7 @@ class LocalEmbeddings:
             lookups.append(lk)
             pooled.append(pool(spec, es.values, lk.rows, segs, b))
             if not train and spec.eviction is not None and spec.eviction.spill:
-                pooled[-1] = pooled[-1] + _spilled_pool(spec, es, keys, lk, segs, b)
+                pooled[-1] = pooled[-1] + spilled_pool(spec, es, keys, lk.rows, segs, b)
         return (tuple(new_embs) if train else embs), tuple(lookups), tuple(pooled)
 
     def apply(self, embs, lookups, batch: Batch, grads, lrs, count):
@@ -74,13 +74,14 @@ class LocalEmbeddings:
         return tuple(out)
 
 
-def _spilled_pool(spec, es, keys, lk, segs, b):
-    """The pooled vectors of the keys an evaluation did not find in the table but the spill
-    database holds (the mean combiner counts every key of a segment either way)."""
+def spilled_pool(spec, es, keys, rows, segs, b):
+    """The pooled vectors of the keys an evaluation did not find in the table (``rows`` -1)
+    but the spill database holds (the mean combiner counts every key of a segment either
+    way)."""
     from jctr.embedding import spill
 
-    missing = (lk.rows < 0) & (segs < b * spec.slot_num)
-    found, cols = spill.fetch_rows(spec, es.slots, keys, missing)
+    missing = (rows < 0) & (segs < b * spec.slot_num)
+    found, cols = spill.fetch_rows(spec, keys, missing)
     at = jnp.where(found, jnp.arange(keys.shape[0], dtype=jnp.int32), -1)
     return pool(spec, cols["values"], at, segs, b)
 

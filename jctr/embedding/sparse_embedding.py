@@ -130,8 +130,11 @@ def lookup_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array,
 
 
 def lookup_keys(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array, valid: jax.Array,
-                key_slots: jax.Array, *, train: bool) -> tuple[EmbeddingState, Lookup]:
-    """:func:`lookup_rows` for keys that are not laid out as a batch (e.g. routed to a shard)."""
+                key_slots: jax.Array, *, train: bool, spill_writes: jax.Array | None = None
+                ) -> tuple[EmbeddingState, Lookup]:
+    """:func:`lookup_rows` for keys that are not laid out as a batch (e.g. routed to a shard).
+    ``spill_writes`` (bool scalar): whether this copy of a spilling table writes its evicted
+    rows (:func:`jctr.embedding.spill.spill_rows`; default: it does)."""
     capacity = state.values.shape[0]
     dedupe = train and spec.sums_rows
     table, lk = lookup(state.table, keys, valid, capacity, insert=train, dedupe=dedupe,
@@ -142,7 +145,7 @@ def lookup_keys(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array, val
         if spills:  # evicted rows leave before the new keys' rows overwrite them
             from jctr.embedding import spill
 
-            written = spill.spill_rows(spec, state, lk)
+            written = spill.spill_rows(spec, state, lk, spill_writes)
         state = initialize_fresh_rows(spec, state, keys, lk, key_slots)
         if spills:  # new keys the database holds take their rows back
             state = spill.take_back(spec, state, keys, lk, written)

@@ -16,7 +16,12 @@ memory (:class:`jctr.ops.host_index.KeySet`), so rows a database holds from befo
 process are never read: a checkpoint restores the spilled rows it saved
 (:func:`with_spilled` / :func:`restore_spilled`).
 
-One device and one process (a sharded or multi-process table is refused by the plan).
+One process, any number of its devices (a table spread over several processes is refused by
+the plan). On a mesh every device writes the rows its own shard evicted and reads back its own
+new keys' (a key lives on one device); the devices of a replicated table make the same
+evictions, which the first device alone writes, and each reads back the same rows. The calls
+are :func:`jctr.ops.host_callback` (on CPU the step's buffers read in place: ``io_callback``'s
+copy onto CPU device 0 can wait forever on the other devices' collectives).
 
 Example (a layer's JSON)::
 
@@ -31,12 +36,17 @@ import threading
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import io_callback
 
 from jctr.config.hps import PersistentDatabaseParams
+from jctr.embedding import row_optimizers as row_opt
+from jctr.ops import host_callback
 from jctr.ops.host_index import KeySet
 
 _LOCK = threading.Lock()
+# the devices of a mesh call back from their own threads: a table's key set and its rows in
+# the database are read and written under this lock (KeySet's compiled code runs without the
+# interpreter's lock)
+_IO_LOCK = threading.RLock()
 _DATABASES: dict[str, object] = {}  # folder -> RocksDBStore (tables are column families)
 _HELD: dict[tuple[str, str], KeySet] = {}  # (folder, table) -> keys stored by this process
 
@@ -62,8 +72,10 @@ def _family(spec) -> str:
     return f"spill.{spec.name}"
 
 
-def _layout(spec, slots: dict) -> list[tuple[str, tuple[int, ...]]]:
-    """The columns of a stored row: vector, each optimizer slot (by name), the input slot."""
+def _layout(spec) -> list[tuple[str, tuple[int, ...]]]:
+    """The columns of a stored row: vector, each optimizer slot (by name, its shape a row), the
+    input slot (from the spec: a placed table's arrays may carry a device axis first)."""
+    slots = row_opt.init_slots(spec.optimizer, 1, spec.dim)
     return ([("values", (spec.dim,))] + [(name, tuple(slots[name].shape[1:]))
                                           for name in sorted(slots)] + [("row_slot", ())])
 
@@ -78,8 +90,9 @@ def _put(spec, layout, keys: np.ndarray, columns: dict[str, np.ndarray]) -> None
     n = keys.size
     packed = np.concatenate([np.asarray(columns[name], np.float32).reshape(n, -1)
                              for name, _ in layout], axis=1)
-    _database(spec.eviction.spill).insert(_family(spec), keys, packed)
-    _held(spec.eviction.spill, spec.name).add(keys)
+    with _IO_LOCK:
+        _database(spec.eviction.spill).insert(_family(spec), keys, packed)
+        _held(spec.eviction.spill, spec.name).add(keys)
 
 
 def _get(spec, layout, keys: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -88,10 +101,13 @@ def _get(spec, layout, keys: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarr
     found = np.zeros(n, bool)
     packed = np.zeros((n, _width(layout)), np.float32)
     if n:
-        held = _held(spec.eviction.spill, spec.name).contains(keys)
-        if held.any():
-            rows, ok = _database(spec.eviction.spill).lookup(_family(spec), keys[held],
-                                                              _width(layout))
+        with _IO_LOCK:
+            held = _held(spec.eviction.spill, spec.name).contains(keys)
+            rows = ok = None
+            if held.any():
+                rows, ok = _database(spec.eviction.spill).lookup(_family(spec), keys[held],
+                                                                  _width(layout))
+        if rows is not None:
             at = np.flatnonzero(held)
             found[at] = ok
             packed[at[ok]] = rows[ok]
@@ -103,9 +119,11 @@ def _get(spec, layout, keys: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarr
     return found, out
 
 
-def spill_rows(spec, state, lk):
+def spill_rows(spec, state, lk, writes=None):
     """Hand the rows this step's new keys evicted (``lk.evicted``) to the database, read
-    before the new keys' rows overwrite them. Returns a token the fetch waits on."""
+    before the new keys' rows overwrite them; ``writes`` (a bool scalar, default true): whether
+    this device writes them (a replicated table's copies evict alike: one writes). Returns a
+    token the fetch waits on."""
     capacity = state.values.shape[0]
     gone = lk.evicted != jnp.int64(np.iinfo(np.int64).min)
     at = jnp.where(gone, lk.rows, capacity)
@@ -113,48 +131,51 @@ def spill_rows(spec, state, lk):
     def take(arr):
         return arr.at[at].get(mode="fill", fill_value=0).astype(jnp.float32)
 
-    layout = _layout(spec, state.slots)
+    layout = _layout(spec)
     columns = {"values": take(state.values), "row_slot": take(state.row_slot),
                **{name: take(arr) for name, arr in state.slots.items()}}
 
-    def write(keys, gone, *cols):
-        gone = np.asarray(gone)
-        _put(spec, layout, np.asarray(keys)[gone],
-             {name: np.asarray(c)[gone] for (name, _), c in zip(layout, cols)})
-        return np.int32(0)
+    def write(writes, keys, gone, *cols):
+        if writes:
+            _put(spec, layout, keys[gone], {name: c[gone] for (name, _), c in zip(layout, cols)})
+        return (np.int32(0),)
 
-    return io_callback(
-        write, jax.ShapeDtypeStruct((), jnp.int32), lk.evicted, gone,
-        *[columns[name] for name, _ in layout])
+    return host_callback(write, [jax.ShapeDtypeStruct((), jnp.int32)],
+                         jnp.bool_(True) if writes is None else writes, lk.evicted, gone,
+                         *[columns[name] for name, _ in layout])[0]
 
 
-def fetch_rows(spec, slots: dict, keys, wanted, after=None):
+def fetch_rows(spec, keys, wanted, after=None):
     """(found [n], stored columns [n, ...] by name) for the ``wanted`` positions' keys the
     database holds; ``after`` (a token of :func:`spill_rows`) orders the read after the
     step's writes."""
-    layout = _layout(spec, slots)
+    layout = _layout(spec)
     n = keys.shape[0]
-    shapes = (jax.ShapeDtypeStruct((n,), jnp.bool_),) + tuple(
-        jax.ShapeDtypeStruct((n, *shape), jnp.float32) for _, shape in layout)
+    shapes = [jax.ShapeDtypeStruct((n,), jnp.bool_)] + [
+        jax.ShapeDtypeStruct((n, *shape), jnp.float32) for _, shape in layout]
 
     def read(keys, wanted, _after):
-        keys, wanted = np.asarray(keys), np.asarray(wanted)
         found, cols = _get(spec, layout, np.where(wanted, keys, 0))
         found &= wanted
-        return (found,) + tuple(np.where(found.reshape((n,) + (1,) * (cols[name].ndim - 1)),
-                                         cols[name], 0).astype(np.float32)
-                                for name, _ in layout)
+        return [found] + [np.where(found.reshape((n,) + (1,) * (cols[name].ndim - 1)),
+                                   cols[name], 0).astype(np.float32) for name, _ in layout]
 
-    out = io_callback(read, shapes, keys, wanted,
-                                       jnp.int32(0) if after is None else after)
+    out = host_callback(read, shapes, keys, wanted, jnp.int32(0) if after is None else after)
     return out[0], {name: col for (name, _), col in zip(layout, out[1:])}
+
+
+def stored_vectors(spec, keys, missing):
+    """float32 [n, dim]: the stored vector of each ``missing`` position's key (not in the
+    table) that the database holds, zeros elsewhere (an evaluation reads spilled keys)."""
+    found, cols = fetch_rows(spec, keys, missing)
+    return jnp.where(found[:, None], cols["values"], 0.0)
 
 
 def take_back(spec, state, keys, lk, after):
     """``state`` with the rows of this step's new keys that the database holds put back
     (vector, optimizer state, slot), over the initial rows they were given."""
     capacity = state.values.shape[0]
-    found, cols = fetch_rows(spec, state.slots, keys, lk.fresh, after)
+    found, cols = fetch_rows(spec, keys, lk.fresh, after)
     at = jnp.where(found, lk.rows, capacity)
     return state._replace(
         values=state.values.at[at].set(cols["values"], mode="drop"),
@@ -174,7 +195,7 @@ def forget(specs) -> None:
 SPILLED = "spilled"  # a stored-table column: 1 for a row that lives in the database
 
 
-def with_spilled(spec, stored: dict[str, np.ndarray], slots: dict) -> dict[str, np.ndarray]:
+def with_spilled(spec, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """An exported table (``jctr.sharding.rows`` stored-table dict) with the database's rows
     of keys outside the table appended, marked in a ``spilled`` column (a checkpoint then
     holds the whole model)."""
@@ -182,7 +203,7 @@ def with_spilled(spec, stored: dict[str, np.ndarray], slots: dict) -> dict[str, 
     table_keys = KeySet(max(1, stored["keys"].size))
     table_keys.add(stored["keys"])
     held = held[~table_keys.contains(held)] if held.size else held
-    layout = _layout(spec, slots)
+    layout = _layout(spec)
     found, cols = _get(spec, layout, held)
     held = held[found]
     n = stored["keys"].size
@@ -201,8 +222,7 @@ def with_spilled(spec, stored: dict[str, np.ndarray], slots: dict) -> dict[str, 
     return out
 
 
-def restore_spilled(spec, stored: dict[str, np.ndarray], slots: dict
-                    ) -> dict[str, np.ndarray]:
+def restore_spilled(spec, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The table's part of a checkpoint's stored table; the ``spilled`` rows go into the
     database (which from now on holds exactly them for this process)."""
     if SPILLED not in stored:
@@ -212,7 +232,8 @@ def restore_spilled(spec, stored: dict[str, np.ndarray], slots: dict
     out = {name: arr[~mark] for name, arr in stored.items() if name != SPILLED}
     _held(spec.eviction.spill, spec.name).clear()  # forget what this process wrote
     keys = stored["keys"][mark]
-    columns = {name: stored[name][mark] for name in stored if name in slots or name == "values"}
+    layout = _layout(spec)
+    columns = {name: stored[name][mark] for name, _ in layout if name in stored}
     columns["row_slot"] = stored["slot"][mark] if "slot" in stored else np.full(keys.size, -1)
-    _put(spec, _layout(spec, slots), keys, columns)
+    _put(spec, layout, keys, columns)
     return out

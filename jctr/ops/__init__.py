@@ -12,6 +12,7 @@ from jctr.ops.dispatch import (
     evict_rows,
     find_and_assign,
     find_slots,
+    host_callback,
     initialize_rows,
     linear,
     rebuild_slots,
@@ -32,7 +33,8 @@ from jctr.ops.interaction import dot_interaction_reference, interaction_output_d
 __all__ = [
     "EMPTY_KEY", "dot_interaction", "dot_interaction_reference", "embedding_bag",
     "embedding_bag_backward", "embedding_bag_forward", "every_platform", "evict_rows",
-    "find_and_assign", "find_slots", "gather_rows", "hash_keys", "home_slots", "initialize_rows",
+    "find_and_assign", "find_slots", "gather_rows", "hash_keys", "home_slots", "host_callback",
+    "initialize_rows",
     "interaction_output_dim", "key_gradients", "key_uniform", "linear", "mix64",
     "owner_shards", "owner_shards_host", "rebuild_slots", "representatives", "sgd_by_segment",
     "sum_at_representatives",

@@ -21,12 +21,14 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jctr.errors import UserError
 from jctr.ops import bag as ref
 from jctr.ops import (
     cpu_ffi,
     hashing,
+    host_call,
     interaction,
     pallas_hash,
     pallas_interaction,
@@ -79,6 +81,26 @@ def _by_platform(*args, cpu, default, cuda=None):
         return cpu(*args)
     more = {"cuda": cuda} if cuda is not None else {}
     return jax.lax.platform_dependent(*args, cpu=cpu, default=default, **more)
+
+
+def host_callback(fn, results, *operands) -> list:
+    """``fn(*numpy operands)`` called from a jitted step, its values the step's arrays of
+    ``results``' shapes and dtypes (a side effect: called once per execution, never dropped).
+    On CPU the step's buffers are read where they are (:mod:`jctr.ops.host_call`: no copy onto
+    CPU device 0, which on several CPU devices can wait forever on the others' collectives);
+    elsewhere ``jax.experimental.io_callback``."""
+    results = list(results)
+
+    def cpu(*xs):
+        return host_call.cpu_host_call(fn, results, *xs)
+
+    def default(*xs):
+        from jax.experimental import io_callback
+
+        return list(io_callback(lambda *a: tuple(fn(*(np.asarray(x) for x in a))),
+                                tuple(results), *xs))
+
+    return _by_platform(*operands, cpu=cpu, default=default)
 
 
 # The embedding bag: XLA's gather + segment sum on GPU, one native pass on CPU (the gathered

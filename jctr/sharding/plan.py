@@ -164,13 +164,12 @@ def plan_embeddings(cfg: ModelConfig, specs: tuple[EmbeddingSpec, ...], num_devi
     """
     tables = []
     for spec, emb in zip(specs, cfg.embeddings):
-        if spec.eviction is not None and spec.eviction.spill and (
-                num_devices > 1 or jax.process_count() > 1):
+        if spec.eviction is not None and spec.eviction.spill and jax.process_count() > 1:
             raise PlanError(
-                f"embedding \"{spec.name}\": eviction.spill keeps evicted rows for a table on "
-                f"one device of one process; this run has {num_devices} device(s) in "
-                f"{jax.process_count()} process(es) (spilling a table spread over devices is "
-                "not built): train it on one device (solver.gpu [0]) or drop \"spill\"")
+                f"embedding \"{spec.name}\": eviction.spill keeps evicted rows in one "
+                f"process's database; this run has {jax.process_count()} processes (spilling "
+                "a table spread over processes is not built): train it in one process (any "
+                "number of its devices) or drop \"spill\"")
         cap = spec.capacity
         one = table_bytes(spec, cap)
         if num_devices == 1:

@@ -32,7 +32,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jctr.embedding.engine import segment_clicks, segment_shows
+from jctr.embedding.engine import segment_clicks, segment_shows, spilled_pool
 from jctr.embedding.hash_table import Lookup
 from jctr.embedding.row_optimizers import admits
 from jctr.embedding.sparse_embedding import (
@@ -303,12 +303,18 @@ def _routed_lookup(spec: EmbeddingSpec, pl: Placement, es: EmbeddingState, keys,
     recv_valid = recv_segs < nseg
     es, lk = lookup_keys(spec, es, recv_keys, recv_valid, recv_segs % spec.slot_num,
                          train=train)
+    vectors = gather_rows(es.values, lk.rows)
+    if not train and _spills(spec):  # keys the table lost are read from the spill database
+        from jctr.embedding import spill
+
+        vectors = vectors + spill.stored_vectors(spec, recv_keys,
+                                                 (lk.rows < 0) & recv_valid)
     # The owner sums the vectors of each requester's (sample, slot) it holds and sends back
     # one partial sum per segment: for multi-hot bags this moves `hot` times less than
     # returning every key's vector, and the gradient comes back per segment the same way.
     source = jnp.arange(d * n, dtype=jnp.int32) // n
     target = jnp.where(recv_valid, source * nseg + recv_segs, d * nseg)
-    partial = jax.ops.segment_sum(gather_rows(es.values, lk.rows), target,
+    partial = jax.ops.segment_sum(vectors, target,
                                   num_segments=d * nseg)
     pooled = _exchange(partial.reshape(d, nseg, spec.dim)).sum(axis=0)
     if spec.combiner == "mean":
@@ -318,17 +324,26 @@ def _routed_lookup(spec: EmbeddingSpec, pl: Placement, es: EmbeddingState, keys,
                                                                     spec.dim)
 
 
+def _spills(spec: EmbeddingSpec) -> bool:
+    return spec.eviction is not None and spec.eviction.spill is not None
+
+
 def _replicated_lookup(spec: EmbeddingSpec, es: EmbeddingState, keys, segs, b: int, dev,
                        train: bool):
     n = keys.shape[0]
     valid = segs < b * spec.slot_num
     if not train:  # every copy is complete: look up locally
         _, lk = lookup_keys(spec, es, keys, valid, segs % spec.slot_num, train=False)
-        return es, (lk.rows, lk.rep, None), pool(spec, es.values, lk.rows, segs, b)
+        pooled = pool(spec, es.values, lk.rows, segs, b)
+        if _spills(spec):  # and keys the table lost in the spill database
+            pooled = pooled + spilled_pool(spec, es, keys, lk.rows, segs, b)
+        return es, (lk.rows, lk.rep, None), pooled
     all_keys = jax.lax.all_gather(keys, AXIS, tiled=True)
     all_valid = jax.lax.all_gather(valid, AXIS, tiled=True)
     all_slots = jax.lax.all_gather(segs % spec.slot_num, AXIS, tiled=True)
-    es, lk = lookup_keys(spec, es, all_keys, all_valid, all_slots, train=train)
+    # every copy evicts the same keys: the first device writes their rows to a spill database
+    es, lk = lookup_keys(spec, es, all_keys, all_valid, all_slots, train=train,
+                         spill_writes=dev == 0)
     rows = jax.lax.dynamic_slice_in_dim(lk.rows, dev * n, n)
     keys_kept = all_keys if admits(spec.optimizer) else None
     return es, (lk.rows, lk.rep, keys_kept), pool(spec, es.values, rows, segs, b)

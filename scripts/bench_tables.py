@@ -17,6 +17,10 @@ their optimizer rows and the scores) plus the gather of the rows' vectors.
    through a table with room for every key of the run, over ``--evict-steps`` steps (long
    enough for the table's own upkeep to be in the mean). Ratio: steps/s evicting over
    steps/s with room (goal >= 0.8x).
+3. With ``--spill-steps N``: the full table spilling its evicted rows (vector, Adam's
+   moments, slot) to a RocksDB folder (``"eviction": {..., "spill": ...}``, a temporary
+   folder) and taking back the rows of keys that return, over the first ``N`` steps of the
+   same stream, against the same table evicting in memory and the table with room.
 
 Steady state: the first configuration runs once untimed before any is timed (the process's
 first table paid the first touch of its memory in its first steps).
@@ -110,6 +114,31 @@ def timed(step, state, feed: list[np.ndarray]) -> tuple[float, object, float]:
     return float(np.mean(ts)), state, float(np.max(ts))
 
 
+def spill_run(kind: str, args, cap: int, n: int, feed, s_full: float, s_room: float) -> None:
+    """The full table spilling to RocksDB over ``feed`` (its first step untimed)."""
+    import dataclasses
+    import tempfile
+
+    from jctr.config.schema import EvictionConfig
+    from jctr.embedding import spill
+    from jctr.embedding.sparse_embedding import init_embedding
+
+    with tempfile.TemporaryDirectory(prefix="bench_spill_") as folder:
+        ev = dataclasses.replace(EvictionConfig(args.policy), spill=folder)
+        spec = spec_of(cap, args.dim, ev)
+        spilling = make_step(spec)
+        state = fill(spilling, init_embedding(spec), cap, cap, n)
+        spill.forget([spec])
+        s, state, slowest = timed(spilling, state, feed)
+        evicted = int(state.table.evicted)
+        del state
+        print(f"[{kind}] eviction spilling to RocksDB, table of {cap:,} rows full: "
+              f"{s * 1e3:.1f} ms/step, slowest {slowest * 1e3:.0f} ms over {len(feed) - 1} "
+              f"steps ({evicted:,} rows spilled); in memory "
+              f"{s_full * 1e3:.1f} ms/step ({s_full / s:.2f}x), with room {s_room * 1e3:.1f} "
+              f"ms/step ({s_room / s:.2f}x)")
+
+
 def main() -> int:
     from jctr.config.schema import EvictionConfig
     from jctr.embedding.hash_table import num_slots_for
@@ -127,6 +156,8 @@ def main() -> int:
                     help="steps of the eviction runs (a uniform stream through the default "
                          "table builds its slots again every ~6 steps, when tombstones pass "
                          "15%% of them)")
+    ap.add_argument("--spill-steps", type=int, default=0,
+                    help="also time this many steps of the full table spilling to RocksDB")
     args = ap.parse_args()
     # the same host memory setting as `python -m jctr.train` (JCTR_HOST_MEMORY_TUNING=0: off);
     # np.take's baseline runs under it too
@@ -202,6 +233,8 @@ def main() -> int:
               f"evicted, {refused:,} refused in {args.evict_steps - 1} steps; {tombstones:,} "
               f"tombstones at the end); with room: {s_room * 1e3:.1f} ms/step: "
               f"ratio {s_room / s_full:.2f}")
+        if args.spill_steps:
+            spill_run(kind, args, cap, n, feed[:args.spill_steps + 1], s_full, s_room)
     return 0
 
 

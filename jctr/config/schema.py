@@ -466,7 +466,7 @@ class EvictionConfig:
     """A RocksDB folder (jctr): every evicted row -- vector, optimizer state and slot -- is
     written there, and a key seen again takes its row back, so the table trains as if it had
     room for every key (``jctr.embedding.spill``). Checkpoints hold the spilled rows too.
-    One device, one process."""
+    One process, any number of its devices."""
     score_fn: str | None = None
     """``score`` only (required there): ``"module:function"``, imported when a trainer is
     made (as TFRA's ``gen_scores_fn``; serving never calls it). Called inside the training

@@ -18,9 +18,9 @@ their optimizer rows and the scores) plus the gather of the rows' vectors.
    enough for the table's own upkeep to be in the mean). Ratio: steps/s evicting over
    steps/s with room (goal >= 0.8x).
 3. With ``--spill-steps N``: the full table spilling its evicted rows (vector, Adam's
-   moments, slot) to a RocksDB folder (``"eviction": {..., "spill": ...}``, a temporary
-   folder) and taking back the rows of keys that return, over the first ``N`` steps of the
-   same stream, against the same table evicting in memory and the table with room.
+   moments, slot) to a temporary folder (``"eviction": {..., "spill": ...}``, RocksDB, then
+   ``"spill_type": "row_file"``) and taking back the rows of keys that return, over the first
+   ``N`` steps of the same stream, against the same table evicting in memory and with room.
 
 Steady state: the first configuration runs once untimed before any is timed (the process's
 first table paid the first touch of its memory in its first steps).
@@ -115,7 +115,8 @@ def timed(step, state, feed: list[np.ndarray]) -> tuple[float, object, float]:
 
 
 def spill_run(kind: str, args, cap: int, n: int, feed, s_full: float, s_room: float) -> None:
-    """The full table spilling to RocksDB over ``feed`` (its first step untimed)."""
+    """The full table spilling to RocksDB, then to row files, over ``feed`` (its first step
+    untimed)."""
     import dataclasses
     import tempfile
 
@@ -123,20 +124,21 @@ def spill_run(kind: str, args, cap: int, n: int, feed, s_full: float, s_room: fl
     from jctr.embedding import spill
     from jctr.embedding.sparse_embedding import init_embedding
 
-    with tempfile.TemporaryDirectory(prefix="bench_spill_") as folder:
-        ev = dataclasses.replace(EvictionConfig(args.policy), spill=folder)
-        spec = spec_of(cap, args.dim, ev)
-        spilling = make_step(spec)
-        state = fill(spilling, init_embedding(spec), cap, cap, n)
-        spill.forget([spec])
-        s, state, slowest = timed(spilling, state, feed)
-        evicted = int(state.table.evicted)
-        del state
-        print(f"[{kind}] eviction spilling to RocksDB, table of {cap:,} rows full: "
+    for spill_type in ("rocks_db", "row_file"):
+        with tempfile.TemporaryDirectory(prefix="bench_spill_") as folder:
+            ev = dataclasses.replace(EvictionConfig(args.policy), spill=folder,
+                                     spill_type=spill_type)
+            spec = spec_of(cap, args.dim, ev)
+            spilling = make_step(spec)
+            state = fill(spilling, init_embedding(spec), cap, cap, n)
+            spill.forget([spec])
+            s, state, slowest = timed(spilling, state, feed)
+            evicted = int(state.table.evicted)
+            del state
+        print(f"[{kind}] eviction spilling ({spill_type}), table of {cap:,} rows full: "
               f"{s * 1e3:.1f} ms/step, slowest {slowest * 1e3:.0f} ms over {len(feed) - 1} "
-              f"steps ({evicted:,} rows spilled); in memory "
-              f"{s_full * 1e3:.1f} ms/step ({s_full / s:.2f}x), with room {s_room * 1e3:.1f} "
-              f"ms/step ({s_room / s:.2f}x)")
+              f"steps ({evicted:,} rows spilled); in memory {s_full * 1e3:.1f} ms/step "
+              f"({s_full / s:.2f}x), with room {s_room * 1e3:.1f} ms/step ({s_room / s:.2f}x)")
 
 
 def main() -> int:

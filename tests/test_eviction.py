@@ -355,6 +355,47 @@ def test_the_score_policy_names_what_is_wrong_with_its_function(tmp_path, score_
         build_model(parse_config(cfg))
 
 
+@pytest.mark.parametrize("change,error", [
+    ({"spill_type": "redis"}, 'layers[1].eviction.spill_type: expected one of "rocks_db", '
+                              '"row_file"'),
+    ({"spill": None, "spill_type": "row_file"}, 'layers[1].eviction.spill_type: says where '
+                                                '"spill" keeps evicted rows: give "spill"'),
+    ({"spill": "  "}, "layers[1].eviction.spill: expected a folder for the database"),
+])
+def test_a_spill_setting_that_cannot_work_names_its_json_path(tmp_path, change, error):
+    """``eviction.spill_type`` is ``rocks_db`` (the default) or ``row_file``, and only with a
+    ``spill`` folder; two tables spilling to one folder as different kinds are refused too."""
+    from jctr.config import ConfigError, parse_config
+
+    cfg = _evicting(tmp_path)
+    cfg["layers"][1]["eviction"]["spill"] = str(tmp_path / "spill")
+    for key, value in change.items():
+        if value is None:
+            cfg["layers"][1]["eviction"].pop(key)
+        else:
+            cfg["layers"][1]["eviction"][key] = value
+    with pytest.raises(ConfigError) as e:
+        parse_config(cfg)
+    assert error in str(e.value)
+
+
+def test_two_tables_spilling_to_one_folder_as_different_kinds_are_refused(tmp_path):
+    from jctr.config import ConfigError, parse_config
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, "wdl")
+    embeddings = [layer for layer in cfg["layers"] if "sparse_embedding_hparam" in layer]
+    assert len(embeddings) == 2
+    for layer, kind in zip(embeddings, ("rocks_db", "row_file")):
+        layer["eviction"] = {"policy": "lru", "spill": str(tmp_path / "spill"),
+                             "spill_type": kind}
+    with pytest.raises(ConfigError, match=r'eviction.spill_type: "row_file", but an earlier '
+                                          r"table spills to .*spill as \"rocks_db\""):
+        parse_config(cfg)
+    embeddings[1]["eviction"]["spill"] = str(tmp_path / "spill2")
+    parse_config(cfg)
+
+
 def test_the_score_policy_keeps_the_keys_its_function_scores_high():
     """A table of 3,000 rows under a stream of 500 keys a step over 20,000 keys, evicting by
     the caller's scores (``tests.score_fns:odd_first``: odd keys 1000, even keys 0): it holds
@@ -540,11 +581,13 @@ def test_a_checkpoint_resumes_with_eviction_switched_on_or_off(tmp_path):
     off.fit(max_iter=10)
 
 
-def test_a_spilling_table_trains_the_model_of_a_table_with_room(tmp_path):
+@pytest.mark.parametrize("spill_type", ["rocks_db", "row_file"])
+def test_a_spilling_table_trains_the_model_of_a_table_with_room(tmp_path, spill_type):
     """Issue 36 point 2's spill: a 5,000-row table of 10,590 keys (every batch's keys fit;
     10k evictions in 30 steps) with
     ``"eviction": {"policy": "lru", "spill": <folder>}`` writes every evicted row (vector, Adam's
-    moments, slot) to RocksDB and a returning key takes it back, so it trains the model a
+    moments, slot) to RocksDB (or, ``"spill_type": "row_file"``, to mapped row files) and a
+    returning key takes it back, so it trains the model a
     table with room for every key trains: the same loss at every iteration and the same
     evaluations (the evaluation reads spilled keys' vectors from the database). A checkpoint
     holds the spilled rows too: a run resumed from iteration 13 (its database rewritten from
@@ -568,7 +611,7 @@ def test_a_spilling_table_trains_the_model_of_a_table_with_room(tmp_path):
 
     def spilling(**solver):
         cfg = _evicting(tmp_path, capacity=5000, **solver)
-        cfg["layers"][1]["eviction"]["spill"] = str(tmp_path / "spill")
+        cfg["layers"][1]["eviction"].update(spill=str(tmp_path / "spill"), spill_type=spill_type)
         return cfg
 
     small = run(spilling())
@@ -598,9 +641,10 @@ def test_a_spilling_table_trains_the_model_of_a_table_with_room(tmp_path):
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="eight devices (forced host devices on CPU)")
-@pytest.mark.parametrize("replicated", [False, True])
-def test_a_spilling_table_on_eight_devices_trains_the_model_of_a_table_with_room(tmp_path,
-                                                                                  replicated):
+@pytest.mark.parametrize("replicated,spill_type", [(False, "rocks_db"), (True, "rocks_db"),
+                                                   (False, "row_file")])
+def test_a_spilling_table_on_eight_devices_trains_the_model_of_a_table_with_room(
+        tmp_path, replicated, spill_type):
     """The spill on a mesh (issue 36 point 2): a table spread over eight devices (each key's
     rows on its owner: 700 rows a device for 10,590 keys) or replicated on them (5,000 rows,
     every copy evicting alike, the first device writing) spills and takes back rows inside
@@ -633,7 +677,7 @@ def test_a_spilling_table_on_eight_devices_trains_the_model_of_a_table_with_room
 
     def spilling(**solver):
         cfg = config(5000 if replicated else 700, **solver)
-        cfg["layers"][1]["eviction"]["spill"] = str(tmp_path / "spill")
+        cfg["layers"][1]["eviction"].update(spill=str(tmp_path / "spill"), spill_type=spill_type)
         return cfg
 
     small = run(spilling())

@@ -21,6 +21,7 @@ from jctr.config.schema import (
     OPTIMIZER_TYPES,
     ROW_ONLY_OPTIMIZERS,
     SPARSE_INPUT_TYPES,
+    SPILL_TYPES,
     UPDATE_TYPES,
     DataConfig,
     EarlyStoppingConfig,
@@ -787,7 +788,11 @@ def _parse_eviction(r: ObjectReader) -> EvictionConfig:
         raise r.error("samples", f"expected at most 64 slots ranked per new key, got {samples}")
     spill = r.str("spill", None)
     if spill is not None and not spill.strip():
-        raise r.error("spill", "expected a folder for the RocksDB database of evicted rows")
+        raise r.error("spill", "expected a folder for the database of evicted rows")
+    spill_type = r.choice("spill_type", SPILL_TYPES, "rocks_db")
+    if r.has("spill_type") and spill is None:
+        raise r.error("spill_type", 'says where "spill" keeps evicted rows: give "spill" (a '
+                      "folder) too")
     score_fn = r.str("score_fn", None)
     if policy == "score":  # (its form and function checked when a trainer is made)
         if score_fn is None:
@@ -796,7 +801,7 @@ def _parse_eviction(r: ObjectReader) -> EvictionConfig:
     elif score_fn is not None:
         raise r.error("score_fn", f'only the "score" policy takes scores, not "{policy}"')
     r.finish()
-    return EvictionConfig(policy, epoch_steps, samples, spill, score_fn)
+    return EvictionConfig(policy, epoch_steps, samples, spill, score_fn, spill_type)
 
 
 def _parse_plan_file(r: ObjectReader) -> str | None:
@@ -844,11 +849,19 @@ def validate_config(cfg: ModelConfig) -> None:
     sparse_tops = {s.top for s in cfg.data.sparse}
     available = {cfg.data.label_top, cfg.data.dense_top, *sparse_tops}
     names = set()
+    spill_types: dict[str, str] = {}  # a spill folder holds one kind of store
     for i, emb in enumerate(cfg.embeddings):
         path = f"layers[{1 + i}]"
         if emb.name in names:
             raise ConfigError(f"{path}.name", f"duplicate layer name \"{emb.name}\"", src)
         names.add(emb.name)
+        ev = emb.eviction
+        if ev is not None and ev.spill:
+            kind = spill_types.setdefault(os.path.abspath(ev.spill), ev.spill_type)
+            if kind != ev.spill_type:
+                raise ConfigError(f"{path}.eviction.spill_type", f'"{ev.spill_type}", but an '
+                                  f"earlier table spills to {ev.spill} as \"{kind}\": give "
+                                  "each kind its own folder", src)
         if emb.bottom not in sparse_tops:
             raise ConfigError(f"{path}.bottom", f"\"{emb.bottom}\" is not a sparse input of the "
                               f"Data layer; expected one of {sorted(sparse_tops)}", src)

@@ -438,6 +438,7 @@ class DataConfig:
 
 
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu", "score")
+SPILL_TYPES = ("rocks_db", "row_file")
 
 
 @dataclass(frozen=True)
@@ -474,6 +475,11 @@ class EvictionConfig:
     key's score (int32 [n], jnp code); every key a step assigns gets its score
     (``jctr.embedding.hash_table.caller_scores``).
     Example: ``def by_range(keys, step): return jnp.where(keys < 1_000_000, 1000, 0)``."""
+    spill_type: str = "rocks_db"
+    """Where ``spill`` keeps the rows (jctr): ``"rocks_db"`` a RocksDB database, ``"row_file"``
+    plain memory-mapped files (:mod:`jctr.stores.row_file`: a gather and a scatter a step,
+    paged out by the operating system when larger than memory). Either way the folder is the
+    run's scratch: a checkpoint holds the spilled rows and a restore writes them again."""
 
     @property
     def score_columns(self) -> int:

@@ -146,6 +146,10 @@ def lookup_keys(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array, val
             from jctr.embedding import spill
 
             written = spill.spill_rows(spec, state, lk, spill_writes)
+            # the rows below are written in place after the spill read them: the write
+            # depends on its token (else XLA copied every table array to keep the rows
+            # for the read, ~22 ms a step at 2M rows; an optimization barrier did not do)
+            lk = lk._replace(fresh=lk.fresh & (written == 0))
         state = initialize_fresh_rows(spec, state, keys, lk, key_slots)
         if spills:  # new keys the database holds take their rows back
             state = spill.take_back(spec, state, keys, lk, written)

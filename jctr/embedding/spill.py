@@ -1,14 +1,17 @@
-"""Evicted rows written to a RocksDB database and taken back when their key returns (an
-embedding layer's ``"eviction": {..., "spill": "<folder>"}``; issue 36).
+"""Evicted rows written to a database and taken back when their key returns (an embedding
+layer's ``"eviction": {..., "spill": "<folder>"}``; issue 36).
 
 A table that evicts (:func:`jctr.embedding.hash_table.lookup`) gives a new key the row of a
 key its policy ranks lowest. With a spill folder, the step hands every evicted key's row --
 its vector, optimizer state and slot -- to the host before the new key's row overwrites it
-(:func:`spill_rows`, an ``io_callback``), and a new key the database holds takes its stored
-row instead of an initial vector (:func:`fetch_rows`). A row is the same whether it stayed in
-the table or went through the database, so a small table trains the model a table with room
-for every key trains. Evaluation reads the stored vector of a key that is not in the table.
+(:func:`spill_rows`), and a new key the database holds takes its stored row instead of an
+initial vector (:func:`fetch_rows`). A row is the same whether it stayed in the table or went
+through the database, so a small table trains the model a table with room for every key
+trains. Evaluation reads the stored vector of a key that is not in the table.
 
+The database is RocksDB (``spill_type`` ``"rocks_db"``, the default; a table is a column
+family) or plain memory-mapped row files (``"row_file"``, :mod:`jctr.stores.row_file`, not
+flushed after each write: the folder is the run's scratch, a checkpoint holds its rows).
 The database holds every key evicted so far, each as of its last eviction (a key that came
 back keeps its stale stored row until it is evicted again; only keys outside the table are
 ever read, and those were stored at their last eviction). Which keys it holds is kept in
@@ -39,6 +42,7 @@ import numpy as np
 
 from jctr.config.hps import PersistentDatabaseParams
 from jctr.embedding import row_optimizers as row_opt
+from jctr.errors import UserError
 from jctr.ops import host_callback
 from jctr.ops.host_index import KeySet
 
@@ -47,20 +51,31 @@ _LOCK = threading.Lock()
 # the database are read and written under this lock (KeySet's compiled code runs without the
 # interpreter's lock)
 _IO_LOCK = threading.RLock()
-_DATABASES: dict[str, object] = {}  # folder -> RocksDBStore (tables are column families)
+_DATABASES: dict[str, tuple[str, object]] = {}  # folder -> (spill_type, its store)
 _HELD: dict[tuple[str, str], KeySet] = {}  # (folder, table) -> keys stored by this process
 
 
-def _database(folder: str):
-    from jctr.stores.rocksdb import RocksDBStore
-
-    folder = os.path.abspath(folder)
+def _database(spec):
+    """The store of ``spec``'s spill folder (one per folder and process)."""
+    folder, kind = os.path.abspath(spec.eviction.spill), spec.eviction.spill_type
     with _LOCK:
         if folder not in _DATABASES:
-            _DATABASES[folder] = RocksDBStore(
-                PersistentDatabaseParams(type="rocks_db", path=folder),
-                label="eviction.spill", bulk=True)
-        return _DATABASES[folder]
+            if kind == "row_file":
+                from jctr.stores.row_file import RowFileStore
+
+                store = RowFileStore(folder, label="eviction.spill", durable=False)
+            else:
+                from jctr.stores.rocksdb import RocksDBStore
+
+                store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=folder),
+                                     label="eviction.spill", bulk=True)
+            _DATABASES[folder] = (kind, store)
+        have, store = _DATABASES[folder]
+        if have != kind:
+            raise UserError(f"embedding \"{spec.name}\": eviction.spill {folder} is a "
+                            f"{have} folder of another table; spill_type \"{kind}\" needs a "
+                            "folder of its own")
+        return store
 
 
 def _held(folder: str, table: str) -> KeySet:
@@ -84,14 +99,22 @@ def _width(layout) -> int:
     return sum(int(np.prod(shape)) for _, shape in layout)
 
 
-def _put(spec, layout, keys: np.ndarray, columns: dict[str, np.ndarray]) -> None:
+def _put(spec, layout, keys: np.ndarray, columns: dict[str, np.ndarray],
+         at: np.ndarray | None = None) -> None:
+    """Store ``keys``' rows: each column's rows (its positions ``at`` where given) packed
+    side by side, one gather a column."""
     if not keys.size:
         return
     n = keys.size
-    packed = np.concatenate([np.asarray(columns[name], np.float32).reshape(n, -1)
-                             for name, _ in layout], axis=1)
+    packed = np.empty((n, _width(layout)), np.float32)
+    col = 0
+    for name, _ in layout:
+        c = np.asarray(columns[name])
+        c = c.reshape(c.shape[0], -1)
+        packed[:, col:col + c.shape[1]] = c if at is None else np.take(c, at, axis=0)
+        col += c.shape[1]
     with _IO_LOCK:
-        _database(spec.eviction.spill).insert(_family(spec), keys, packed)
+        _database(spec).insert(_family(spec), keys, packed)
         _held(spec.eviction.spill, spec.name).add(keys)
 
 
@@ -105,8 +128,7 @@ def _get(spec, layout, keys: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarr
             held = _held(spec.eviction.spill, spec.name).contains(keys)
             rows = ok = None
             if held.any():
-                rows, ok = _database(spec.eviction.spill).lookup(_family(spec), keys[held],
-                                                                  _width(layout))
+                rows, ok = _database(spec).lookup(_family(spec), keys[held], _width(layout))
         if rows is not None:
             at = np.flatnonzero(held)
             found[at] = ok
@@ -137,7 +159,8 @@ def spill_rows(spec, state, lk, writes=None):
 
     def write(writes, keys, gone, *cols):
         if writes:
-            _put(spec, layout, keys[gone], {name: c[gone] for (name, _), c in zip(layout, cols)})
+            at = np.flatnonzero(gone)
+            _put(spec, layout, keys[at], dict(zip((name for name, _ in layout), cols)), at)
         return (np.int32(0),)
 
     return host_callback(write, [jax.ShapeDtypeStruct((), jnp.int32)],
@@ -155,10 +178,17 @@ def fetch_rows(spec, keys, wanted, after=None):
         jax.ShapeDtypeStruct((n, *shape), jnp.float32) for _, shape in layout]
 
     def read(keys, wanted, _after):
-        found, cols = _get(spec, layout, np.where(wanted, keys, 0))
-        found &= wanted
-        return [found] + [np.where(found.reshape((n,) + (1,) * (cols[name].ndim - 1)),
-                                   cols[name], 0).astype(np.float32) for name, _ in layout]
+        at = np.flatnonzero(wanted)  # only these keys are looked up
+        got, cols = _get(spec, layout, keys[at])
+        hit = at[got]
+        found = np.zeros(n, bool)
+        found[hit] = True
+        out = [found]
+        for name, shape in layout:
+            column = np.zeros((n, *shape), np.float32)
+            column[hit] = cols[name][got]
+            out.append(column)
+        return out
 
     out = host_callback(read, shapes, keys, wanted, jnp.int32(0) if after is None else after)
     return out[0], {name: col for (name, _), col in zip(layout, out[1:])}

@@ -142,8 +142,9 @@ class _Table:
             self.keys[old:] = FREE
         self.capacity = rows
 
-    def place(self, keys: np.ndarray) -> np.ndarray:
-        """Each key's row (new keys get one, the files grown as needed)."""
+    def place(self, keys: np.ndarray, record: bool = True) -> np.ndarray:
+        """Each key's row (new keys get one, the files grown as needed); ``record``: the
+        rows handed out written to ``table.json`` at once."""
         need = self.count + keys.size
         if need > self.capacity or 2 * (self.count + self.stale + keys.size) > self.index.size:
             if need > self.capacity:
@@ -157,8 +158,9 @@ class _Table:
         self.live += (before - self.n_free) + (count - self.count)
         if count != self.count:  # the count first: rows beyond it are never read again
             self.count = count
-            replace_json(os.path.join(self.folder, "table.json"),
-                         {"width": self.width, "count": count})
+            if record:
+                replace_json(os.path.join(self.folder, "table.json"),
+                             {"width": self.width, "count": count})
         return out
 
     def find(self, keys: np.ndarray) -> np.ndarray:
@@ -189,8 +191,11 @@ class RowFileStore:
     holds the store's lock: the streaming runner reads ahead and writes back on another
     thread."""
 
-    def __init__(self, path: str, *, label: str = "path"):
+    def __init__(self, path: str, *, label: str = "path", durable: bool = True):
         self.path = path
+        # durable False (an eviction's spill: the run's scratch, its rows in every
+        # checkpoint): writes stay in the page cache, not flushed or counted on disk each time
+        self.durable = durable
         marker = os.path.join(path, MARKER)
         if os.path.isdir(path) and os.listdir(path) and not os.path.exists(marker):
             raise StoreError(f"{label} {path}: holds files that are not a jctr row_file store "
@@ -228,9 +233,10 @@ class RowFileStore:
         if keys.size:
             with self._lock:
                 t = self._table(table, rows.shape[1])
-                at = t.place(keys)  # first: it may map grown files
+                at = t.place(keys, record=self.durable)  # first: it may map grown files
                 scatter_rows(t.rows, at, rows)  # 1.8x numpy's row scatter into the map
-                t.flush()
+                if self.durable:
+                    t.flush()
 
     def ingest_columns(self, table: str, keys, columns: list[np.ndarray]) -> None:
         """:meth:`insert` of rows given as float32 column blocks side by side (a row

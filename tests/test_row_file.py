@@ -122,3 +122,32 @@ def test_row_file_refuses_to_grow_onto_a_full_disk(tmp_path, monkeypatch):
     np.testing.assert_array_equal(again.lookup("t", keys, 3)[0], rows)
     again.insert("t", np.arange(1000, 5000), np.ones((4000, 3), np.float32))
     assert again.size("t") == 5000
+
+
+def test_a_scratch_row_file_neither_flushes_nor_records_each_write(tmp_path, monkeypatch):
+    """``durable=False`` (an eviction's spill, whose rows every checkpoint holds): writes
+    land in the mapped files and read back, growing the files as needed, with no flush and no
+    ``table.json`` rewrite per write (a durable store does both)."""
+    import json
+
+    from jctr.stores import row_file
+
+    flushes = []
+    monkeypatch.setattr(row_file._Table, "flush", lambda self: flushes.append(1))
+    rng = np.random.default_rng(3)
+    model = {}
+    store = RowFileStore(str(tmp_path / "scratch"), durable=False)
+    for _ in range(6):  # past the first mapping's 1,024 rows: the files grow
+        keys = rng.integers(1, 10**12, 700)
+        rows = rng.random((700, 5), dtype=np.float32)
+        store.insert("spill.t", keys, rows)
+        model.update(zip(keys.tolist(), rows))
+    _check(store, "spill.t", model, 5)
+    info = tmp_path / "scratch" / "tables" / "spill.t" / "table.json"
+    assert json.loads(info.read_text())["count"] == 0
+    writes_flushed = len(flushes)
+    durable = RowFileStore(str(tmp_path / "durable"))
+    durable.insert("t", np.arange(1, 11), np.ones((10, 5), np.float32))
+    assert len(flushes) == writes_flushed + 1
+    info = tmp_path / "durable" / "tables" / "t" / "table.json"
+    assert json.loads(info.read_text())["count"] == 10

@@ -464,10 +464,10 @@ class EvictionConfig:
     HierarchicalKV ranks a bucket); a key whose choice another new key of the same step took,
     or whose slots held none to take, ranks as many slots of another bucket (eight rounds)."""
     spill: str | None = None
-    """A RocksDB folder (jctr): every evicted row -- vector, optimizer state and slot -- is
-    written there, and a key seen again takes its row back, so the table trains as if it had
-    room for every key (``jctr.embedding.spill``). Checkpoints hold the spilled rows too.
-    One process, any number of its devices."""
+    """A folder (jctr): every evicted row -- vector, optimizer state and slot -- is written
+    to a database there (``spill_type``), and a key seen again takes its row back, so the
+    table trains as if it had room for every key (``jctr.embedding.spill``). Checkpoints hold
+    the spilled rows too. One process, any number of its devices."""
     score_fn: str | None = None
     """``score`` only (required there): ``"module:function"``, imported when a trainer is
     made (as TFRA's ``gen_scores_fn``; serving never calls it). Called inside the training
@@ -477,7 +477,7 @@ class EvictionConfig:
     Example: ``def by_range(keys, step): return jnp.where(keys < 1_000_000, 1000, 0)``."""
     spill_type: str = "rocks_db"
     """Where ``spill`` keeps the rows (jctr): ``"rocks_db"`` a RocksDB database, ``"row_file"``
-    plain memory-mapped files (:mod:`jctr.stores.row_file`: a gather and a scatter a step,
+    plain memory-mapped files (``jctr.stores.row_file``: a gather and a scatter a step,
     paged out by the operating system when larger than memory). Either way the folder is the
     run's scratch: a checkpoint holds the spilled rows and a restore writes them again."""
 

@@ -10,7 +10,9 @@ while the files sit in the page cache (RocksDB goes through a Python object a ro
 operating system pages a table larger than memory in and out. An erased row's key becomes
 ``FREE`` and new keys take freed rows first.
 
-A write is flushed to disk before it returns. It is not atomic by itself: the streaming
+A write is flushed to disk before it returns (``durable=False``, an eviction's spill whose
+folder is the run's scratch: left to the page cache, the row count not recorded each time). It
+is not atomic by itself: the streaming
 runner saves what a pass's write-back overwrites first (an undo file) and puts it back when a
 run stops in between, as it does for RocksDB; rows written beyond the recorded count before a
 crash are not read again.

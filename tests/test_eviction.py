@@ -581,6 +581,58 @@ def test_a_checkpoint_resumes_with_eviction_switched_on_or_off(tmp_path):
     off.fit(max_iter=10)
 
 
+def _spill_trains_as_room(tmp_path, spill_type: str, capacity: int, devices: int = 1,
+                          replicated: bool = False) -> dict:
+    """Train the tiny DLRM with a table of ``capacity`` rows spilling to ``spill_type`` and
+    with one of 100,000 rows; assert the same loss at every iteration and the same
+    evaluations, then a run resumed from iteration 13's checkpoint going on to the same
+    losses. Returns the spilling config."""
+    from jctr.config import parse_config
+    from jctr.train.trainer import Trainer
+
+    def config(rows, **solver):
+        cfg = _evicting(tmp_path, capacity=rows, **solver)
+        if devices > 1:
+            cfg["solver"]["gpu"] = list(range(devices))
+            cfg["layers"][1]["sparse_embedding_hparam"]["replicated"] = replicated
+        return cfg
+
+    def run(cfg):
+        t = Trainer(parse_config(cfg), log=lambda s: None)
+        t.fit()
+        return t
+
+    def losses(t, kind="train"):
+        key = "loss" if kind == "train" else "metrics"
+        return {h["iter"]: h.get(key) for h in t.history if h["kind"] == kind}
+
+    roomy = config(100_000, snapshot_prefix=str(tmp_path / "roomy_"))
+    roomy["layers"][1].pop("eviction")
+    room = run(roomy)
+
+    def spilling(**solver):
+        cfg = config(capacity, **solver)
+        cfg["layers"][1]["eviction"].update(spill=str(tmp_path / "spill"), spill_type=spill_type)
+        return cfg
+
+    small = run(spilling())
+    table = small.state.embeddings[0].table
+    evicted = np.asarray(table.evicted)  # one count a device for a table spread over them
+    assert evicted.shape == (() if devices == 1 or replicated else (devices,))
+    assert int(evicted.sum()) > 5000 and int(np.asarray(table.overflow).sum()) == 0
+    assert losses(small) == losses(room)
+    evals = losses(small, "eval")
+    assert evals and evals == losses(room, "eval")
+
+    run(spilling(max_iter=13, snapshot=13))
+    resumed = Trainer(parse_config(spilling()), log=lambda s: None)
+    assert resumed.restore_checkpoint() == 13
+    resumed.fit()
+    got, want = losses(resumed), losses(room)
+    assert sorted(got) == list(range(14, 31)) and [got[i] for i in got] == [want[i] for i in got]
+    return spilling()
+
+
 @pytest.mark.parametrize("spill_type", ["rocks_db", "row_file"])
 def test_a_spilling_table_trains_the_model_of_a_table_with_room(tmp_path, spill_type):
     """Issue 36 point 2's spill: a 5,000-row table of 10,590 keys (every batch's keys fit;
@@ -593,47 +645,10 @@ def test_a_spilling_table_trains_the_model_of_a_table_with_room(tmp_path, spill_
     holds the spilled rows too: a run resumed from iteration 13 (its database rewritten from
     the checkpoint) goes on to the same losses. A run of several processes is refused."""
     from jctr.config import parse_config
-    from jctr.sharding.plan import PlanError
-    from jctr.train.trainer import Trainer
-
-    def run(cfg, **kw):
-        t = Trainer(parse_config(cfg), log=lambda s: None, **kw)
-        t.fit()
-        return t
-
-    def losses(t, kind="train"):
-        key = "loss" if kind == "train" else "metrics"
-        return {h["iter"]: h.get(key) for h in t.history if h["kind"] == kind}
-
-    roomy = _evicting(tmp_path, capacity=100_000, snapshot_prefix=str(tmp_path / "roomy_"))
-    roomy["layers"][1].pop("eviction")
-    room = run(roomy)
-
-    def spilling(**solver):
-        cfg = _evicting(tmp_path, capacity=5000, **solver)
-        cfg["layers"][1]["eviction"].update(spill=str(tmp_path / "spill"), spill_type=spill_type)
-        return cfg
-
-    small = run(spilling())
-    table = small.state.embeddings[0].table
-    assert int(np.asarray(table.evicted)) > 5000 and int(np.asarray(table.overflow)) == 0
-    assert losses(small) == losses(room)
-    evals = losses(small, "eval")
-    assert evals and evals == losses(room, "eval")
-
-    run(spilling(max_iter=13, snapshot=13))
-    resumed = Trainer(parse_config(spilling()), log=lambda s: None)
-    assert resumed.restore_checkpoint() == 13
-    resumed.fit()
-    got = losses(resumed)
-    assert sorted(got) == list(range(14, 31))
-    want = losses(room)
-    assert [got[i] for i in got] == [want[i] for i in got]
-
     from jctr.models.ctr import build_model
-    from jctr.sharding.plan import plan_embeddings
+    from jctr.sharding.plan import PlanError, plan_embeddings
 
-    cfg = parse_config(spilling())
+    cfg = parse_config(_spill_trains_as_room(tmp_path, spill_type, 5000))
     specs = build_model(cfg)[0].specs
     with mock.patch("jax.process_count", return_value=2):  # rows of one process's database
         with pytest.raises(PlanError, match="eviction.spill.*one process.*2 processes"):
@@ -653,48 +668,8 @@ def test_a_spilling_table_on_eight_devices_trains_the_model_of_a_table_with_room
     keys the table lost). A checkpoint holds the spilled rows: a run resumed from iteration
     13 goes on to the same losses. On CPU the devices call back through
     :mod:`jctr.ops.host_call` (``io_callback`` hung here: tests/test_host_call.py)."""
-    from jctr.config import parse_config
-    from jctr.train.trainer import Trainer
-
-    def config(capacity, **solver):
-        cfg = _evicting(tmp_path, capacity=capacity, **solver)
-        cfg["solver"]["gpu"] = list(range(8))
-        cfg["layers"][1]["sparse_embedding_hparam"]["replicated"] = replicated
-        return cfg
-
-    def run(cfg):
-        t = Trainer(parse_config(cfg), log=lambda s: None)
-        t.fit()
-        return t
-
-    def losses(t, kind="train"):
-        key = "loss" if kind == "train" else "metrics"
-        return {h["iter"]: h.get(key) for h in t.history if h["kind"] == kind}
-
-    roomy = config(100_000, snapshot_prefix=str(tmp_path / "roomy_"))
-    roomy["layers"][1].pop("eviction")
-    room = run(roomy)
-
-    def spilling(**solver):
-        cfg = config(5000 if replicated else 700, **solver)
-        cfg["layers"][1]["eviction"].update(spill=str(tmp_path / "spill"), spill_type=spill_type)
-        return cfg
-
-    small = run(spilling())
-    table = small.state.embeddings[0].table
-    evicted = np.asarray(table.evicted)
-    assert evicted.shape == (() if replicated else (8,))
-    assert int(evicted.sum()) > 5000 and int(np.asarray(table.overflow).sum()) == 0
-    assert losses(small) == losses(room)
-    evals = losses(small, "eval")
-    assert evals and evals == losses(room, "eval")
-
-    run(spilling(max_iter=13, snapshot=13))
-    resumed = Trainer(parse_config(spilling()), log=lambda s: None)
-    assert resumed.restore_checkpoint() == 13
-    resumed.fit()
-    got, want = losses(resumed), losses(room)
-    assert sorted(got) == list(range(14, 31)) and [got[i] for i in got] == [want[i] for i in got]
+    _spill_trains_as_room(tmp_path, spill_type, 5000 if replicated else 700, devices=8,
+                          replicated=replicated)
 
 
 # (a GPU ranks its needy keys in one chunk: there only the one-chunk comparison is the same)

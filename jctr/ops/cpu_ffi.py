@@ -1079,11 +1079,16 @@ if AVAILABLE:
         AVAILABLE = False
 
 
-@functools.cache
-def _register() -> None:
+def ffi_capsule(address: int):
+    """A handler's address as ``jax.ffi.register_ffi_target`` takes it (a PyCapsule)."""
     new_capsule = ctypes.pythonapi.PyCapsule_New
     new_capsule.restype = ctypes.py_object
     new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+    return new_capsule(address, b"xla._CUSTOM_CALL_TARGET", None)
+
+
+@functools.cache
+def _register() -> None:
     for name, handler in (("jctr_cpu_hash_lookup", _hash_lookup_handler),
                           ("jctr_cpu_hash_insert", _hash_insert_handler),
                           ("jctr_cpu_find_assign", _find_assign_handler),
@@ -1094,8 +1099,7 @@ def _register() -> None:
                           ("jctr_cpu_rebuild_slots", _rebuild_handler),
                           ("jctr_cpu_pair_dots", _pair_dots_handler),
                           ("jctr_cpu_pair_dots_grad", _pair_dots_grad_handler)):
-        capsule = new_capsule(handler.address, b"xla._CUSTOM_CALL_TARGET", None)
-        jax.ffi.register_ffi_target(name, capsule, platform="cpu")
+        jax.ffi.register_ffi_target(name, ffi_capsule(handler.address), platform="cpu")
 
 
 def lookup_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array,

@@ -35,19 +35,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-# Offsets in XLA's FFI C structs (xla/ffi/api/c_api.h, shipped in jax.ffi.include_dir()):
-# XLA_FFI_CallFrame: struct_size, extension, api, ctx, stage, args {struct_size, extension,
-# size, types, pointers}, rets {...}; XLA_FFI_Buffer: struct_size, extension, dtype, data, ...
-_FRAME_EXTENSION, _FRAME_API, _FRAME_ARGS, _FRAME_RETS = 8, 16, 40, 80
-_LIST_POINTERS = 32
-_BUFFER_DATA = 24
-# XLA_FFI_Metadata_Extension: struct_size, extension type, next, metadata*; XLA_FFI_Metadata:
-# struct_size, extension, api_version {major, minor at 16 and 20 of it}, traits
-_EXTENSION_TYPE, _METADATA_POINTER, _METADATA_TYPE = 8, 24, 1
-_API_VERSION_NUMBERS = 32  # XLA_FFI_Api: struct_size, extension, api_version{..., major, minor}
-_METADATA_VERSION_NUMBERS, _METADATA_TRAITS = 24, 32
-_API_ERROR_CREATE = 48  # XLA_FFI_Api: ..., internal_api, XLA_FFI_Error_Create
-_ERROR_INTERNAL = 13
+# the call frame's layout as the native kernels read it (xla/ffi/api/c_api.h)
+from jctr.ops.cpu_ffi import (
+    _API_VERSION,
+    _BUFFER_DATA,
+    _EXTENSION_TYPE,
+    _FRAME_API,
+    _FRAME_ARGS,
+    _FRAME_EXTENSION,
+    _FRAME_RETS,
+    _LIST_POINTERS,
+    _METADATA_POINTER,
+    _METADATA_TRAITS,
+    _METADATA_TYPE,
+    _METADATA_VERSION,
+    ffi_capsule,
+)
+
+_API_ERROR_CREATE = 48  # XLA_FFI_Api: ..., api_version, internal_api, XLA_FFI_Error_Create
+_ERROR_INTERNAL = 13  # XLA_FFI_Error_Code_INTERNAL
 
 
 class _ErrorCreateArgs(ctypes.Structure):
@@ -85,9 +91,9 @@ def _answer_metadata(frame: int) -> bool:
             != _METADATA_TYPE:
         return False
     metadata = _word(extension + _METADATA_POINTER)
-    version = _word(frame + _FRAME_API) + _API_VERSION_NUMBERS
+    version = _word(frame + _FRAME_API) + _API_VERSION
     for i in (0, 4):
-        ctypes.c_int32.from_address(metadata + _METADATA_VERSION_NUMBERS + i).value = \
+        ctypes.c_int32.from_address(metadata + _METADATA_VERSION + i).value = \
             ctypes.c_int32.from_address(version + i).value
     ctypes.c_uint32.from_address(metadata + _METADATA_TRAITS).value = 0
     return True
@@ -134,12 +140,9 @@ _HANDLER = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)(_handle)
 
 @functools.cache
 def _register() -> None:
-    new_capsule = ctypes.pythonapi.PyCapsule_New
-    new_capsule.restype = ctypes.py_object
-    new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-    capsule = new_capsule(ctypes.cast(_HANDLER, ctypes.c_void_p).value,
-                          b"xla._CUSTOM_CALL_TARGET", None)
-    jax.ffi.register_ffi_target("jctr_host_call", capsule, platform="cpu")
+    jax.ffi.register_ffi_target("jctr_host_call",
+                                ffi_capsule(ctypes.cast(_HANDLER, ctypes.c_void_p).value),
+                                platform="cpu")
 
 
 def cpu_host_call(fn: Callable[..., Sequence[np.ndarray]], results: Sequence[jax.ShapeDtypeStruct],

@@ -13,8 +13,6 @@ one not touched in the step, the first position wins a contested key and the oth
 table's placement before each step's eviction and checks the whole slot array after it.
 """
 
-from unittest import mock
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -643,16 +641,9 @@ def test_a_spilling_table_trains_the_model_of_a_table_with_room(tmp_path, spill_
     table with room for every key trains: the same loss at every iteration and the same
     evaluations (the evaluation reads spilled keys' vectors from the database). A checkpoint
     holds the spilled rows too: a run resumed from iteration 13 (its database rewritten from
-    the checkpoint) goes on to the same losses. A run of several processes is refused."""
-    from jctr.config import parse_config
-    from jctr.models.ctr import build_model
-    from jctr.sharding.plan import PlanError, plan_embeddings
-
-    cfg = parse_config(_spill_trains_as_room(tmp_path, spill_type, 5000))
-    specs = build_model(cfg)[0].specs
-    with mock.patch("jax.process_count", return_value=2):  # rows of one process's database
-        with pytest.raises(PlanError, match="eviction.spill.*one process.*2 processes"):
-            plan_embeddings(cfg, specs, 1)
+    the checkpoint) goes on to the same losses (two processes:
+    tests/test_sharding.py::test_two_processes_spill_as_one_process_with_room_trains)."""
+    _spill_trains_as_room(tmp_path, spill_type, 5000)
 
 
 @pytest.mark.skipif(len(jax.devices()) < 8, reason="eight devices (forced host devices on CPU)")

@@ -392,6 +392,70 @@ def test_two_processes_agree_with_one_process(tmp_path):
                                rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("replicated", [False, True])
+def test_two_processes_spill_as_one_process_with_room_trains(tmp_path, replicated):
+    """A spilling table (issue 36 point 2) across two jax.distributed processes of two devices
+    each: spread over the four devices (1,400 rows each for ~8,000 keys) every device spills
+    into and takes back from its own process's database, replicated (5,000 rows) each
+    process's first device writes; a checkpoint gathers both processes' spilled rows, a resume
+    gives each database its own devices' keys back. The losses of the first ten steps and of
+    the resumed ten, and the evaluation after them, are those of one process training a table
+    with room for every key on four devices."""
+    cfg = _config(tmp_path, "dlrm", [0, 1, 2, 3], TYPES[1])
+    cfg["solver"].update(batchsize=512, batchsize_eval=512)  # a batch's keys fit the table
+    emb = cfg["layers"][1]
+    emb["optimizer"] = {"type": "Adam", "update_type": "Local",
+                        "adam_hparam": {"learning_rate": 0.01}}
+    hparam = emb["sparse_embedding_hparam"]
+    hparam.update(max_vocabulary_size_per_gpu=10_000, replicated=replicated)
+    ref = Trainer(load_config(cfg), log=lambda s: None)  # room for every key
+    c = ref.cfg
+    shares = [open_dataset(c.data.source, c.data, c.solver.input_key_type, process_index=p,
+                           process_count=2).batches(256) for p in range(2)]
+    slot_nums = tuple(s.slot_num for s in c.data.sparse)
+    ref_losses = []
+    for _ in range(STEPS):
+        parts = [globalize_segments(next(it), slot_nums, p, 2) for p, it in enumerate(shares)]
+        batch = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+        ref.state, m = ref.train_step(ref.state, ref.placed.to_devices(batch, False))
+        ref_losses.append(float(m["loss"]))
+    ref_auc = ref.evaluate()["AUC"]
+
+    hparam["max_vocabulary_size_per_gpu"] = 5000 if replicated else 1400
+    emb["eviction"] = {"policy": "lru", "spill": str(tmp_path / "spill")}
+
+    def launch(name, *flags, **solver):
+        cfg["solver"].update(gpu=[[0, 1], [0, 1]], log_dir=str(tmp_path / name), **solver)
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps(cfg))
+        env = {**os.environ, "XLA_FLAGS": xla_flags(2), "PYTHON": sys.executable}
+        proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2",
+                               str(path), *flags], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text()
+                 .splitlines()]
+        return ([x["loss"] for x in lines if x["kind"] == "train"],
+                [x["AUC"] for x in lines if x["kind"] == "eval"], proc.stderr)
+
+    prefix = str(tmp_path / "ck") + "/"
+    losses, _, err = launch("first", "--max-iter", "10", snapshot=10, snapshot_prefix=prefix)
+    np.testing.assert_allclose(losses, ref_losses[:10], rtol=2e-6)
+    resumed, aucs, err = launch("second", "--resume", "--max-iter", str(STEPS), snapshot=10,
+                                snapshot_prefix=prefix)
+    assert "resumed from iter 10" in err
+    np.testing.assert_allclose(resumed, ref_losses[10:], rtol=2e-6)
+    assert aucs[-1] == pytest.approx(ref_auc, abs=1e-5)
+
+    from jctr.checkpoint.manager import read_rows
+    from jctr.embedding.spill import SPILLED
+
+    saved = read_rows(str(tmp_path / "ck" / "checkpoints" / "10" / "rows"))["sparse_embedding1"]
+    spilled = saved["keys"][saved[SPILLED].astype(bool)]
+    assert spilled.size > 200 and np.unique(spilled).size == spilled.size
+    assert not np.isin(spilled, saved["keys"][~saved[SPILLED].astype(bool)]).any()
+
+
 def test_cli_gpu_flag(tmp_path, capsys):
     from jctr.train.cli import main
 

@@ -48,7 +48,13 @@ from jctr.runtime.direct_io import replace_file, replace_json, write_file
 from jctr.runtime.folder_lock import FolderLock
 from jctr.sharding.mesh import to_host
 from jctr.sharding.plan import format_bytes
-from jctr.sharding.rows import export_placed, import_placed, restore_layout, slot_layout
+from jctr.sharding.rows import (
+    export_placed,
+    held_here,
+    import_placed,
+    restore_layout,
+    slot_layout,
+)
 
 FORMAT = "jctr-checkpoint"
 VERSION = 3  # 2: sealed from .pending/ with jctr_integrity.json inside; 3: rows/ by jctr
@@ -76,11 +82,12 @@ def export_tables(state: TrainState, specs: tuple[EmbeddingSpec, ...], placement
     placements = placements or (None,) * len(specs)
     out = {s.name: export_placed(e, p, copy=copy)
            for s, e, p in zip(specs, state.embeddings, placements)}
-    for s in specs:
-        if s.eviction is not None and s.eviction.spill:  # and the rows in the database
+    for s, p in zip(specs, placements):
+        if s.eviction is not None and s.eviction.spill:  # and the rows in the database(s)
             from jctr.embedding import spill
 
-            out[s.name] = spill.with_spilled(s, out[s.name])
+            spread = p is not None and p.sharded and jax.process_count() > 1
+            out[s.name] = spill.with_spilled(s, out[s.name], gather=spread)
     return out
 
 
@@ -564,7 +571,8 @@ class Checkpointer:
             if spec.eviction is not None and spec.eviction.spill:  # spilled rows to the database
                 from jctr.embedding import spill
 
-                stored = spill.restore_spilled(spec, stored)
+                stored = spill.restore_spilled(spec, stored, held_here(
+                    spec, es, stored, placement, source=f"{where}/tables"))
             try:
                 es = import_placed(spec, es, stored, placement, source=f"{where}/tables")
             except ValueError as e:

@@ -467,7 +467,8 @@ class EvictionConfig:
     """A folder (jctr): every evicted row -- vector, optimizer state and slot -- is written
     to a database there (``spill_type``), and a key seen again takes its row back, so the
     table trains as if it had room for every key (``jctr.embedding.spill``). Checkpoints hold
-    the spilled rows too. One process, any number of its devices."""
+    the spilled rows too. Any number of devices and processes (a database each process,
+    ``<folder>/process<i>``)."""
     score_fn: str | None = None
     """``score`` only (required there): ``"module:function"``, imported when a trainer is
     made (as TFRA's ``gen_scores_fn``; serving never calls it). Called inside the training

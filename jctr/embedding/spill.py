@@ -19,10 +19,12 @@ memory (:class:`jctr.ops.host_index.KeySet`), so rows a database holds from befo
 process are never read: a checkpoint restores the spilled rows it saved
 (:func:`with_spilled` / :func:`restore_spilled`).
 
-One process, any number of its devices (a table spread over several processes is refused by
-the plan). On a mesh every device writes the rows its own shard evicted and reads back its own
-new keys' (a key lives on one device); the devices of a replicated table make the same
-evictions, which the first device alone writes, and each reads back the same rows. The calls
+Any number of devices and processes: on a mesh every device writes the rows its own shard
+evicted and reads back its own new keys' (a key lives on one device), into its process's
+database (``<folder>/process<i>`` with several processes); the devices of a replicated
+table make the same evictions, which each process's first device writes, and each reads
+back the same rows. A checkpoint gathers every process's
+spilled rows; a restore gives each process's database its own devices' keys. The calls
 are :func:`jctr.ops.host_callback` (on CPU the step's buffers read in place: ``io_callback``'s
 copy onto CPU device 0 can wait forever on the other devices' collectives).
 
@@ -58,6 +60,8 @@ _HELD: dict[tuple[str, str], KeySet] = {}  # (folder, table) -> keys stored by t
 def _database(spec):
     """The store of ``spec``'s spill folder (one per folder and process)."""
     folder, kind = os.path.abspath(spec.eviction.spill), spec.eviction.spill_type
+    if jax.process_count() > 1:  # a database each: processes hold their own devices' keys
+        folder = os.path.join(folder, f"process{jax.process_index()}")
     with _LOCK:
         if folder not in _DATABASES:
             if kind == "row_file":
@@ -225,10 +229,12 @@ def forget(specs) -> None:
 SPILLED = "spilled"  # a stored-table column: 1 for a row that lives in the database
 
 
-def with_spilled(spec, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def with_spilled(spec, stored: dict[str, np.ndarray], *, gather: bool = False
+                 ) -> dict[str, np.ndarray]:
     """An exported table (``jctr.sharding.rows`` stored-table dict) with the database's rows
     of keys outside the table appended, marked in a ``spilled`` column (a checkpoint then
-    holds the whole model)."""
+    holds the whole model). ``gather``: every process's database rows (a table spread over
+    several processes: each spilled its own devices' keys; called by every process)."""
     held = _held(spec.eviction.spill, spec.name).keys()
     table_keys = KeySet(max(1, stored["keys"].size))
     table_keys.add(stored["keys"])
@@ -236,15 +242,24 @@ def with_spilled(spec, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     layout = _layout(spec)
     found, cols = _get(spec, layout, held)
     held = held[found]
+    packed = np.concatenate([cols[name][found].reshape(held.size, -1) for name, _ in layout],
+                            axis=1)
+    if gather:
+        held, packed = _from_every_process(held, packed)
+    cols, col = {}, 0
+    for name, shape in layout:
+        w = int(np.prod(shape))
+        cols[name] = packed[:, col:col + w].reshape((held.size, *shape))
+        col += w
     n = stored["keys"].size
     out = {"keys": np.concatenate([stored["keys"], held])}
     for name, arr in stored.items():
         if name == "keys":
             continue
         if name == "slot":
-            extra = cols["row_slot"][found].astype(arr.dtype)
+            extra = cols["row_slot"].astype(arr.dtype)
         elif name in cols:
-            extra = cols[name][found].astype(arr.dtype)
+            extra = cols[name].astype(arr.dtype)
         else:  # eviction scores: a key that comes back starts as new
             extra = np.zeros((held.size, *arr.shape[1:]), arr.dtype)
         out[name] = np.concatenate([arr, extra])
@@ -252,15 +267,41 @@ def with_spilled(spec, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def restore_spilled(spec, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def _from_every_process(keys: np.ndarray, packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Every process's (keys, rows), concatenated in process order, each key once."""
+    from jax.experimental import multihost_utils
+
+    counts = np.asarray(multihost_utils.process_allgather(np.array([keys.size], np.int64)))
+    counts = counts.reshape(-1)
+    top = max(1, int(counts.max()))
+    padded_keys = np.zeros(top, np.int64)
+    padded_keys[:keys.size] = keys
+    padded_rows = np.zeros((top, packed.shape[1]), np.float32)
+    padded_rows[:keys.size] = packed
+    all_keys = np.asarray(multihost_utils.process_allgather(padded_keys)).reshape(-1, top)
+    all_rows = np.asarray(multihost_utils.process_allgather(padded_rows)).reshape(
+        -1, top, packed.shape[1])
+    keys = np.concatenate([all_keys[p, :c] for p, c in enumerate(counts)])
+    packed = np.concatenate([all_rows[p, :c] for p, c in enumerate(counts)])
+    _, first = np.unique(keys, return_index=True)  # (a key is one process's: kept once)
+    first.sort()
+    return keys[first], packed[first]
+
+
+def restore_spilled(spec, stored: dict[str, np.ndarray], held_here: np.ndarray | None = None
+                    ) -> dict[str, np.ndarray]:
     """The table's part of a checkpoint's stored table; the ``spilled`` rows go into the
-    database (which from now on holds exactly them for this process)."""
+    database (which from now on holds exactly them for this process); ``held_here`` (bool
+    per stored key): those this process's devices hold (a table spread over several
+    processes: each database takes back its own devices' keys)."""
     if SPILLED not in stored:
         _held(spec.eviction.spill, spec.name).clear()
         return stored
     mark = np.asarray(stored[SPILLED]).astype(bool)
     out = {name: arr[~mark] for name, arr in stored.items() if name != SPILLED}
     _held(spec.eviction.spill, spec.name).clear()  # forget what this process wrote
+    if held_here is not None:
+        mark = mark & held_here
     keys = stored["keys"][mark]
     layout = _layout(spec)
     columns = {name: stored[name][mark] for name, _ in layout if name in stored}

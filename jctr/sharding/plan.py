@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import jax
 import numpy as np
 
 from jctr.config.schema import ModelConfig
@@ -164,12 +163,6 @@ def plan_embeddings(cfg: ModelConfig, specs: tuple[EmbeddingSpec, ...], num_devi
     """
     tables = []
     for spec, emb in zip(specs, cfg.embeddings):
-        if spec.eviction is not None and spec.eviction.spill and jax.process_count() > 1:
-            raise PlanError(
-                f"embedding \"{spec.name}\": eviction.spill keeps evicted rows in one "
-                f"process's database; this run has {jax.process_count()} processes (spilling "
-                "a table spread over processes is not built): train it in one process (any "
-                "number of its devices) or drop \"spill\"")
         cap = spec.capacity
         one = table_bytes(spec, cap)
         if num_devices == 1:

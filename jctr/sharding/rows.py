@@ -249,6 +249,21 @@ def import_placed(spec: EmbeddingSpec, state: EmbeddingState, stored: dict[str, 
     if placement is None or not placement.sharded:
         local = jax.tree.map(lambda x: jnp.asarray(to_host(x)), state)
         return _like(import_table(spec, local, stored, source=source, owned=True), state)
+    owner = _owners(spec, stored, placement, source)
+    host = jax.tree.map(to_host, state)
+    parts = []
+    for i in range(placement.num_shards):
+        part = jax.tree.map(lambda x, i=i: jnp.asarray(x[i]), host)
+        pick = owner == i
+        parts.append(import_table(spec, part, {k: np.asarray(v)[pick] for k, v in stored.items()},
+                                  source=f"{source} (device {i})", owned=True))
+    stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *parts)
+    return _like(stacked, state)
+
+
+def _owners(spec: EmbeddingSpec, stored: dict[str, np.ndarray], placement, source: str
+            ) -> np.ndarray:
+    """The part of a sharded table each stored key belongs to."""
     keys = np.asarray(stored["keys"], np.int64)
     if placement.kind == "localized":
         if "slot" not in stored:
@@ -259,18 +274,19 @@ def import_placed(spec: EmbeddingSpec, state: EmbeddingState, stored: dict[str, 
         if slot.size and (slot.min() < 0 or slot.max() >= spec.slot_num):
             raise ValueError(f"{source}: embedding \"{spec.name}\": slot ids outside "
                              f"[0, {spec.slot_num})")
-        owner = np.asarray(placement.slot_owner, np.int64)[slot]
-    else:  # the same owner function the routing uses
-        owner = owner_shards_host(keys, placement.num_shards)
-    host = jax.tree.map(to_host, state)
-    parts = []
-    for i in range(placement.num_shards):
-        part = jax.tree.map(lambda x, i=i: jnp.asarray(x[i]), host)
-        pick = owner == i
-        parts.append(import_table(spec, part, {k: np.asarray(v)[pick] for k, v in stored.items()},
-                                  source=f"{source} (device {i})", owned=True))
-    stacked = jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *parts)
-    return _like(stacked, state)
+        return np.asarray(placement.slot_owner, np.int64)[slot]
+    return owner_shards_host(keys, placement.num_shards)  # the routing's owner function
+
+
+def held_here(spec: EmbeddingSpec, state: EmbeddingState, stored: dict[str, np.ndarray],
+              placement=None, *, source: str = "<table>") -> np.ndarray:
+    """bool [n]: which stored keys this process's devices hold (every key of a table each
+    device holds whole; of a sharded one, those of the parts on this process's devices)."""
+    n = np.asarray(stored["keys"]).size
+    if placement is None or not placement.sharded or jax.process_count() == 1:
+        return np.ones(n, bool)
+    local = sorted({s.index[0].start or 0 for s in state.values.addressable_shards})
+    return np.isin(_owners(spec, stored, placement, source), local)
 
 
 def slot_layout(state: EmbeddingState) -> np.ndarray:

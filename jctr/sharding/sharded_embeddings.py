@@ -128,6 +128,14 @@ class ShardedEmbeddings:
         # batch's routing fits them
         self.capacity_factor = capacity_factor
         self.state_specs = tuple(P(AXIS) if p.sharded else P() for p in placements)
+        # each process's first device (a replicated spilling table's copies evict alike: one
+        # a process writes its database)
+        devices = list(mesh.devices.flat)
+        firsts = {}
+        for i, d in enumerate(devices):
+            firsts.setdefault(d.process_index, i)
+        self._first_of_process = np.array([firsts[d.process_index] == i
+                                           for i, d in enumerate(devices)])
 
     # ---- state ---------------------------------------------------------------------------
 
@@ -201,7 +209,8 @@ class ShardedEmbeddings:
             for spec, pl, es, k, sg in zip(self.specs, self.placements, embs, keys, segs):
                 sg = local_segments(sg, dev, b, spec.slot_num)
                 if pl.kind == "replicated":
-                    es, res, pooled = _replicated_lookup(spec, es, k, sg, b, dev, train)
+                    writer = jnp.asarray(self._first_of_process)[dev]
+                    es, res, pooled = _replicated_lookup(spec, es, k, sg, b, dev, train, writer)
                 else:
                     es, res, pooled = _routed_lookup(spec, pl, _squeeze(es), k, sg, b, train,
                                                      self.buffer_rows(k.shape[0]))
@@ -329,7 +338,7 @@ def _spills(spec: EmbeddingSpec) -> bool:
 
 
 def _replicated_lookup(spec: EmbeddingSpec, es: EmbeddingState, keys, segs, b: int, dev,
-                       train: bool):
+                       train: bool, writer):
     n = keys.shape[0]
     valid = segs < b * spec.slot_num
     if not train:  # every copy is complete: look up locally
@@ -341,9 +350,10 @@ def _replicated_lookup(spec: EmbeddingSpec, es: EmbeddingState, keys, segs, b: i
     all_keys = jax.lax.all_gather(keys, AXIS, tiled=True)
     all_valid = jax.lax.all_gather(valid, AXIS, tiled=True)
     all_slots = jax.lax.all_gather(segs % spec.slot_num, AXIS, tiled=True)
-    # every copy evicts the same keys: the first device writes their rows to a spill database
+    # every copy evicts the same keys: each process's first device writes their rows to its
+    # spill database
     es, lk = lookup_keys(spec, es, all_keys, all_valid, all_slots, train=train,
-                         spill_writes=dev == 0)
+                         spill_writes=writer)
     rows = jax.lax.dynamic_slice_in_dim(lk.rows, dev * n, n)
     keys_kept = all_keys if admits(spec.optimizer) else None
     return es, (lk.rows, lk.rep, keys_kept), pool(spec, es.values, rows, segs, b)

@@ -321,6 +321,57 @@ def test_checkpoint_written_on_8_devices_resumes_on_1_and_2(data_dir):
 # ---- two processes with jax.distributed -------------------------------------------------------
 
 
+def _as_two_processes(cfg) -> tuple[Trainer, list[float], float]:
+    """One process training ``cfg`` (four devices) on the batches two processes would see:
+    each global batch process 0's share, then process 1's. Returns the trainer, its STEPS
+    losses and its evaluation's AUC."""
+    ref = Trainer(load_config(cfg), log=lambda s: None)
+    c = ref.cfg
+    shares = [open_dataset(c.data.source, c.data, c.solver.input_key_type, process_index=p,
+                           process_count=2).batches(c.solver.batchsize // 2) for p in range(2)]
+    slot_nums = tuple(s.slot_num for s in c.data.sparse)
+    losses = []
+    for _ in range(STEPS):
+        parts = [globalize_segments(next(it), slot_nums, p, 2) for p, it in enumerate(shares)]
+        batch = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+        ref.state, m = ref.train_step(ref.state, ref.placed.to_devices(batch, False))
+        losses.append(float(m["loss"]))
+    return ref, losses, ref.evaluate()["AUC"]
+
+
+def _launch_two(tmp_path, cfg, name, *flags, **solver) -> tuple[list, list, str]:
+    """``cfg`` trained by two jax.distributed processes of two devices each
+    (scripts/launch_local.sh): their train losses, evaluation AUCs and stderr."""
+    cfg["solver"].update(gpu=[[0, 1], [0, 1]], log_dir=str(tmp_path / name), **solver)
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2), "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2",
+                           str(path), *flags], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "mesh: 4 devices on 2 process(es)" in proc.stderr
+    lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text()
+             .splitlines()]
+    return ([x["loss"] for x in lines if x["kind"] == "train"],
+            [x["AUC"] for x in lines if x["kind"] == "eval"], proc.stderr)
+
+
+def _ten_then_resumed(tmp_path, cfg, ref_losses: list[float], ref_auc: float) -> None:
+    """Two processes train ten steps and checkpoint (``tmp_path/ck``), then resume from that
+    checkpoint to STEPS: together their losses, and the evaluation at the end, must be the
+    reference's."""
+    prefix = str(tmp_path / "ck") + "/"
+    losses, _, _ = _launch_two(tmp_path, cfg, "first", "--max-iter", "10", snapshot=10,
+                               snapshot_prefix=prefix)
+    np.testing.assert_allclose(losses, ref_losses[:10], rtol=2e-6)
+    resumed, aucs, err = _launch_two(tmp_path, cfg, "second", "--resume", "--max-iter",
+                                     str(STEPS), snapshot=10, snapshot_prefix=prefix)
+    assert "resumed from iter 10" in err
+    np.testing.assert_allclose(resumed, ref_losses[10:], rtol=2e-6)
+    assert aucs[-1] == pytest.approx(ref_auc, abs=1e-5)
+
+
 def test_two_processes_agree_with_one_process(tmp_path):
     """Two jax.distributed processes of two devices each train, checkpoint, resume and export
     as one process of four devices does. The table is full and evicts (issue 36): the
@@ -331,46 +382,8 @@ def test_two_processes_agree_with_one_process(tmp_path):
     emb = cfg["layers"][1]
     emb["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 150  # 600 of 2,000 keys
     emb["eviction"] = {"policy": "lru"}
-    ref = Trainer(load_config(cfg), log=lambda s: None)  # also generates the data
-    c = ref.cfg
-    # the 4-device reference sees each global batch as process 0's share, then process 1's
-    shares = [open_dataset(c.data.source, c.data, c.solver.input_key_type, process_index=p,
-                           process_count=2).batches(128) for p in range(2)]
-    slot_nums = tuple(s.slot_num for s in c.data.sparse)
-    ref_losses = []
-    for _ in range(STEPS):
-        parts = [globalize_segments(next(it), slot_nums, p, 2) for p, it in enumerate(shares)]
-        batch = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
-        ref.state, m = ref.train_step(ref.state, ref.placed.to_devices(batch, False))
-        ref_losses.append(float(m["loss"]))
-    ref_auc = ref.evaluate()["AUC"]
-
-    def launch(name, *flags, **solver):
-        cfg["solver"].update(gpu=[[0, 1], [0, 1]], log_dir=str(tmp_path / name), **solver)
-        path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps(cfg))
-        env = {**os.environ, "XLA_FLAGS": xla_flags(2),
-               "PYTHON": sys.executable}
-        proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2",
-                               str(path), *flags], env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "mesh: 4 devices on 2 process(es)" in proc.stderr
-        lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text()
-                 .splitlines()]
-        return ([x["loss"] for x in lines if x["kind"] == "train"],
-                [x["AUC"] for x in lines if x["kind"] == "eval"], proc.stderr)
-
-    # the first ten steps, then a resume from the checkpoint the two processes wrote: together
-    # they must be the reference's twenty
-    prefix = str(tmp_path / "ck") + "/"
-    losses, _, _ = launch("first", "--max-iter", "10", snapshot=10, snapshot_prefix=prefix)
-    np.testing.assert_allclose(losses, ref_losses[:10], rtol=2e-6)
-    resumed, aucs, err = launch("second", "--resume", "--max-iter", str(STEPS), snapshot=10,
-                                snapshot_prefix=prefix)
-    assert "resumed from iter 10" in err
-    np.testing.assert_allclose(resumed, ref_losses[10:], rtol=2e-6)
-    assert aucs[-1] == pytest.approx(ref_auc, abs=1e-5)
+    ref, ref_losses, ref_auc = _as_two_processes(cfg)  # (ref also generates the data)
+    _ten_then_resumed(tmp_path, cfg, ref_losses, ref_auc)
     meta = json.loads((tmp_path / "ck" / "checkpoints" / "10" / "meta" / "metadata").read_text())
     assert len(meta["readers"]) == 2 and meta["processes"] == 2
 
@@ -408,44 +421,12 @@ def test_two_processes_spill_as_one_process_with_room_trains(tmp_path, replicate
                         "adam_hparam": {"learning_rate": 0.01}}
     hparam = emb["sparse_embedding_hparam"]
     hparam.update(max_vocabulary_size_per_gpu=10_000, replicated=replicated)
-    ref = Trainer(load_config(cfg), log=lambda s: None)  # room for every key
-    c = ref.cfg
-    shares = [open_dataset(c.data.source, c.data, c.solver.input_key_type, process_index=p,
-                           process_count=2).batches(256) for p in range(2)]
-    slot_nums = tuple(s.slot_num for s in c.data.sparse)
-    ref_losses = []
-    for _ in range(STEPS):
-        parts = [globalize_segments(next(it), slot_nums, p, 2) for p, it in enumerate(shares)]
-        batch = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
-        ref.state, m = ref.train_step(ref.state, ref.placed.to_devices(batch, False))
-        ref_losses.append(float(m["loss"]))
-    ref_auc = ref.evaluate()["AUC"]
+    _, ref_losses, ref_auc = _as_two_processes(cfg)  # room for every key
 
     hparam["max_vocabulary_size_per_gpu"] = 5000 if replicated else 1400
     emb["eviction"] = {"policy": "lru", "spill": str(tmp_path / "spill")}
 
-    def launch(name, *flags, **solver):
-        cfg["solver"].update(gpu=[[0, 1], [0, 1]], log_dir=str(tmp_path / name), **solver)
-        path = tmp_path / f"{name}.json"
-        path.write_text(json.dumps(cfg))
-        env = {**os.environ, "XLA_FLAGS": xla_flags(2), "PYTHON": sys.executable}
-        proc = subprocess.run(["bash", os.path.join(ROOT, "scripts", "launch_local.sh"), "2",
-                               str(path), *flags], env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text()
-                 .splitlines()]
-        return ([x["loss"] for x in lines if x["kind"] == "train"],
-                [x["AUC"] for x in lines if x["kind"] == "eval"], proc.stderr)
-
-    prefix = str(tmp_path / "ck") + "/"
-    losses, _, err = launch("first", "--max-iter", "10", snapshot=10, snapshot_prefix=prefix)
-    np.testing.assert_allclose(losses, ref_losses[:10], rtol=2e-6)
-    resumed, aucs, err = launch("second", "--resume", "--max-iter", str(STEPS), snapshot=10,
-                                snapshot_prefix=prefix)
-    assert "resumed from iter 10" in err
-    np.testing.assert_allclose(resumed, ref_losses[10:], rtol=2e-6)
-    assert aucs[-1] == pytest.approx(ref_auc, abs=1e-5)
+    _ten_then_resumed(tmp_path, cfg, ref_losses, ref_auc)
 
     from jctr.checkpoint.manager import read_rows
     from jctr.embedding.spill import SPILLED

@@ -646,7 +646,6 @@ def test_a_spilling_table_trains_the_model_of_a_table_with_room(tmp_path, spill_
     _spill_trains_as_room(tmp_path, spill_type, 5000)
 
 
-@pytest.mark.skipif(len(jax.devices()) < 8, reason="eight devices (forced host devices on CPU)")
 @pytest.mark.parametrize("replicated,spill_type", [(False, "rocks_db"), (True, "rocks_db"),
                                                    (False, "row_file")])
 def test_a_spilling_table_on_eight_devices_trains_the_model_of_a_table_with_room(

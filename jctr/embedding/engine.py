@@ -81,9 +81,8 @@ def spilled_pool(spec, es, keys, rows, segs, b):
     from jctr.embedding import spill
 
     missing = (rows < 0) & (segs < b * spec.slot_num)
-    found, cols = spill.fetch_rows(spec, keys, missing)
-    at = jnp.where(found, jnp.arange(keys.shape[0], dtype=jnp.int32), -1)
-    return pool(spec, cols["values"], at, segs, b)
+    return pool(spec, spill.stored_vectors(spec, keys, missing),
+                jnp.arange(keys.shape[0], dtype=jnp.int32), segs, b)
 
 
 def _segment_column(label, dense, column: tuple[str, int], slot_num: int):

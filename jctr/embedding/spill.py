@@ -122,8 +122,8 @@ def _put(spec, layout, keys: np.ndarray, columns: dict[str, np.ndarray],
         _held(spec.eviction.spill, spec.name).add(keys)
 
 
-def _get(spec, layout, keys: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-    """(found [n], columns of the found keys' rows, zeros elsewhere)."""
+def _get(spec, layout, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(found [n], the found keys' stored rows packed [n, width], zeros elsewhere)."""
     n = keys.size
     found = np.zeros(n, bool)
     packed = np.zeros((n, _width(layout)), np.float32)
@@ -137,12 +137,17 @@ def _get(spec, layout, keys: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarr
             at = np.flatnonzero(held)
             found[at] = ok
             packed[at[ok]] = rows[ok]
+    return found, packed
+
+
+def _split(layout, packed: np.ndarray) -> dict[str, np.ndarray]:
+    """Packed rows [n, width] as their columns by name (views)."""
     out, col = {}, 0
     for name, shape in layout:
         w = int(np.prod(shape))
-        out[name] = packed[:, col:col + w].reshape((n, *shape))
+        out[name] = packed[:, col:col + w].reshape((packed.shape[0], *shape))
         col += w
-    return found, out
+    return out
 
 
 def spill_rows(spec, state, lk, writes=None):
@@ -183,16 +188,13 @@ def fetch_rows(spec, keys, wanted, after=None):
 
     def read(keys, wanted, _after):
         at = np.flatnonzero(wanted)  # only these keys are looked up
-        got, cols = _get(spec, layout, keys[at])
+        got, packed = _get(spec, layout, keys[at])
         hit = at[got]
         found = np.zeros(n, bool)
         found[hit] = True
-        out = [found]
-        for name, shape in layout:
-            column = np.zeros((n, *shape), np.float32)
-            column[hit] = cols[name][got]
-            out.append(column)
-        return out
+        rows = np.zeros((n, packed.shape[1]), np.float32)
+        rows[hit] = packed[got]
+        return [found, *_split(layout, rows).values()]
 
     out = host_callback(read, shapes, keys, wanted, jnp.int32(0) if after is None else after)
     return out[0], {name: col for (name, _), col in zip(layout, out[1:])}
@@ -240,17 +242,11 @@ def with_spilled(spec, stored: dict[str, np.ndarray], *, gather: bool = False
     table_keys.add(stored["keys"])
     held = held[~table_keys.contains(held)] if held.size else held
     layout = _layout(spec)
-    found, cols = _get(spec, layout, held)
-    held = held[found]
-    packed = np.concatenate([cols[name][found].reshape(held.size, -1) for name, _ in layout],
-                            axis=1)
+    found, packed = _get(spec, layout, held)
+    held, packed = held[found], packed[found]
     if gather:
         held, packed = _from_every_process(held, packed)
-    cols, col = {}, 0
-    for name, shape in layout:
-        w = int(np.prod(shape))
-        cols[name] = packed[:, col:col + w].reshape((held.size, *shape))
-        col += w
+    cols = _split(layout, packed)
     n = stored["keys"].size
     out = {"keys": np.concatenate([stored["keys"], held])}
     for name, arr in stored.items():

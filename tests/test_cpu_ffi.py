@@ -202,8 +202,8 @@ def test_find_assign_equals_a_first_occurrence_model(free, dedupe):
         valid = rng.random(30) < 0.9
         scratch_before = np.asarray(scratch)
         (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size2,
-         free2) = fused(slot_keys, slot_rows, scratch, free_rows, size, free_count,
-                        jnp.asarray(keys), jnp.asarray(valid), capacity, dedupe)
+         free2, counts) = fused(slot_keys, slot_rows, scratch, free_rows, size, free_count,
+                                jnp.asarray(keys), jnp.asarray(valid), capacity, dedupe)
         if not dedupe:
             refused = np.asarray(slots)[np.asarray(new) & ~np.asarray(granted)]
             untouched = np.ones(num_slots, bool)
@@ -238,6 +238,10 @@ def test_find_assign_equals_a_first_occurrence_model(free, dedupe):
                                   size, free_count, jnp.asarray(np.where(np.asarray(new), slots,
                                                                          -1)), capacity)
         assert (int(size2), int(free2)) == (int(ref[6]), int(ref[7]))
+        # the batch's counts come with it: new keys, those granted a row, keys with no slot
+        assert np.asarray(counts).tolist() == [int(np.asarray(new).sum()),
+                                               int(np.asarray(granted).sum()),
+                                               int((valid & (slots < 0)).sum())]
         model = {k: r for k, r in model.items() if r >= 0}  # refused keys try again later
         size, free_count = size2, free2
 
@@ -318,6 +322,26 @@ def test_init_rows_writes_key_uniform_bit_for_bit(seed, zero_tail, per_column, d
                                   np.asarray(want).view(np.uint32))
     np.testing.assert_array_equal(np.asarray(got_slots),
                                   np.asarray(row_slot.at[at].set(key_slots, mode="drop")))
+
+
+def test_init_rows_takes_each_new_rows_slot_from_its_segment():
+    """Given segments (sample * slot_num + slot) and ``slot_num``, ``init_rows`` records each
+    fresh row's slot as the segment's remainder, as the XLA formulation's ``segments %
+    slot_num`` of the whole batch does (the native pass computes it for the new rows only);
+    the vectors are those it writes given the slots themselves."""
+    rng = np.random.default_rng(11)
+    capacity, n, dim, slot_num = 500, 300, 16, 26
+    values, row_slot, keys, rows, fresh, _ = _fresh_rows_case(rng, capacity, n, dim)
+    segments = jnp.asarray(rng.integers(0, 64 * slot_num, n).astype(np.int32))
+    got = cpu_ffi.init_rows(values, row_slot, keys, rows, fresh, segments, np.float32(0.05),
+                            3, False, slot_num=slot_num)
+    want = cpu_ffi.init_rows(values, row_slot, keys, rows, fresh, segments % slot_num,
+                             np.float32(0.05), 3, False)
+    at = jnp.where(fresh & (rows >= 0), rows, capacity)
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(
+        row_slot.at[at].set(segments % slot_num, mode="drop")))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_init_rows_resets_the_optimizer_rows_of_fresh_rows_in_the_same_pass():
@@ -433,25 +457,33 @@ def test_native_bag_forward_equals_the_reference_and_its_gradient(dim, combiner)
 
 
 @pytest.mark.parametrize("dim,combiner", [(16, "sum"), (16, "mean"), (12, "sum")])
-def test_native_sgd_by_segment_equals_the_scatter_add_of_key_gradients(dim, combiner):
+def test_native_sgd_by_segment_equals_the_scatter_add_of_key_gradients(dim, combiner,
+                                                                        monkeypatch):
     """Plain SGD on a bag's rows (``jctr_cpu_add_by_segment``: each key's row gets its
-    segment's gradient times -lr, duplicates adding up in batch order, rows out of range and
-    segments past the last skipped) is bit for bit XLA's scatter-add of the per-key gradients
-    (``key_gradients``, ``mean`` dividing by the segment's positions), without them."""
+    segment's gradient times -lr, duplicates adding up in batch order, rows -1 or past the
+    last and segments past the last skipped) is bit for bit XLA's scatter-add of the per-key
+    gradients (``key_gradients``, ``mean`` dividing by the segment's positions), without
+    them; the jnp reference (``JCTR_KERNELS=reference``) drops rows -1 too (the lookup's
+    unknown keys reach both as -1)."""
     from jctr.ops import sgd_by_segment
     from jctr.ops.bag import key_gradients
 
     rng = np.random.default_rng(dim)
     capacity, n, segments = 400, 3000, 300
     values = jnp.asarray(rng.normal(size=(capacity, dim)).astype(np.float32))
-    rows = jnp.asarray(np.where(rng.random(n) < 0.1, capacity, rng.integers(0, capacity, n))
-                       .astype(np.int32))  # duplicates, and dropped positions
+    drop = rng.random(n)
+    rows = jnp.asarray(np.where(drop < 0.1, capacity, np.where(drop < 0.2, -1, rng.integers(
+        0, capacity, n))).astype(np.int32))  # duplicates, and dropped positions (-1 or past)
     segs = jnp.asarray(np.sort(rng.integers(0, segments + 5, n)).astype(np.int32))
     grad = jnp.asarray(rng.normal(size=(segments, dim)).astype(np.float32))
     lr = jnp.float32(0.1)
     native = jax.jit(lambda v, r, s, g: sgd_by_segment(v, r, s, g, -lr, segments, combiner))
     assert "jctr_cpu_add_by_segment" in native.lower(values, rows, segs, grad).as_text()
-    want = values.at[rows].add(-lr * key_gradients(grad, segs, segments, combiner),
-                               mode="drop")
+    want = values.at[jnp.where(rows >= 0, rows, capacity)].add(
+        -lr * key_gradients(grad, segs, segments, combiner), mode="drop")
     np.testing.assert_array_equal(np.asarray(native(values, rows, segs, grad)).view(np.uint32),
                                   np.asarray(want).view(np.uint32))
+    monkeypatch.setenv("JCTR_KERNELS", "reference")
+    np.testing.assert_array_equal(
+        np.asarray(sgd_by_segment(values, rows, segs, grad, -lr, segments, combiner)),
+        np.asarray(want))

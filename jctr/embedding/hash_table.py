@@ -149,9 +149,9 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
         scratch, rep = representatives(table.scratch, slots)
         return table._replace(scratch=scratch), Lookup(
             rows=rows, rep=jnp.where(rows >= 0, rep, -1), fresh=jnp.zeros(keys.shape, bool))
-    table, slots, rows, rep, new, granted = _place(table, keys, valid, arriving, capacity,
-                                                   evicting, dedupe)
-    n_new = jnp.sum(new, dtype=jnp.int32)
+    table, slots, rows, rep, new, granted, counts = _place(table, keys, valid, arriving,
+                                                           capacity, evicting, dedupe)
+    n_new, n_granted, unslotted = counts[0], counts[1], counts[2]
     if evicting:
         # *lfu counts start again for keys new to their row, and (epoch_lfu) for found keys
         # last touched in an earlier epoch (read before this step stamps them)
@@ -189,6 +189,7 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
             (jnp.any(needy), table, jnp.zeros_like(needy), jnp.full(keys.shape, EMPTY_KEY),
              slots))
         granted = granted | placed
+        n_granted = n_granted + jnp.sum(placed, dtype=jnp.int32)
         # rows found or granted stay (no key of this step is evicted): only the positions of
         # keys that took an evicted row read theirs (a gather that skips the others' slots)
         missing = (rows < 0) & (slots >= 0)
@@ -198,8 +199,7 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
                                                          restart | placed, eviction))
     # refused: new keys left without a row, and keys that found no free slot at all (the
     # slots full of refused keys: each occurrence counts)
-    refused = n_new - jnp.sum(granted, dtype=jnp.int32) + jnp.sum(valid & (slots < 0),
-                                                                   dtype=jnp.int32)
+    refused = n_new - n_granted + unslotted
     table = table._replace(overflow=table.overflow + refused)
     rep = jnp.where(rows >= 0, rep, -1) if dedupe else jnp.full(slots.shape, -1, jnp.int32)
     return table, Lookup(rows=rows, rep=rep, fresh=granted,
@@ -210,20 +210,21 @@ def _place(table: HashTable, keys, valid, arriving, capacity: int, evicting: boo
            dedupe: bool):
     """A training lookup's find-or-insert: every valid key's slot, and rows for new keys
     while free ones last (``arriving``: the valid keys). Returns (table, slots, rows, rep,
-    new, granted)."""
+    new, granted, counts): the new keys, those granted a row, and the valid keys that found
+    no slot (:func:`jctr.ops.find_and_assign`)."""
     # the slots taken (keys with rows, tombstones and, in a plain table, refused keys) and
     # the batch's keys may exceed the slots: which keys get one must not follow a GPU's race;
     # nor, in a deterministic run, where an evicting table's keys sit (which windows rank them)
     taken = table.size - table.free_count + table.tombstones
     if not evicting:
         taken = taken + table.overflow
-    slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size, free_count = \
+    slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size, free_count, counts = \
         find_and_assign(table.slot_keys, table.slot_rows, table.scratch, table.free_rows,
                         table.size, table.free_count, keys, valid, capacity, dedupe=dedupe,
                         scarce=taken + arriving > table.num_slots, exact=table.evicts)
     table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, scratch=scratch,
                            size=size, free_count=free_count)
-    return table, slots, rows, rep, new, granted
+    return table, slots, rows, rep, new, granted, counts
 
 
 # -- eviction ----------------------------------------------------------------------------------

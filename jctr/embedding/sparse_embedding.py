@@ -126,13 +126,16 @@ def lookup_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array,
                 ) -> tuple[EmbeddingState, Lookup]:
     """Rows of a batch's keys, inserting unseen ones when ``train`` (-1: padding, unknown)."""
     valid = segments < batch_size * spec.slot_num
-    return lookup_keys(spec, state, keys, valid, segments % spec.slot_num, train=train)
+    # the segments stand for the slots (lookup_keys): only new rows need theirs
+    return lookup_keys(spec, state, keys, valid, segments, train=train)
 
 
 def lookup_keys(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.Array, valid: jax.Array,
                 key_slots: jax.Array, *, train: bool, spill_writes: jax.Array | None = None
                 ) -> tuple[EmbeddingState, Lookup]:
     """:func:`lookup_rows` for keys that are not laid out as a batch (e.g. routed to a shard).
+    ``key_slots``: each key's input slot, or any number whose remainder by the table's
+    ``slot_num`` is (its segment: sample * slot_num + slot); a new row records it.
     ``spill_writes`` (bool scalar): whether this copy of a spilling table writes its evicted
     rows (:func:`jctr.embedding.spill.spill_rows`; default: it does)."""
     capacity = state.values.shape[0]
@@ -204,13 +207,15 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
                                                        at.shape + arr.shape[1:]), mode="drop")
                  for name, arr in arrays.items()}
         return (values.at[at].set(vectors, mode="drop"),
-                row_slot.at[at].set(key_slots, mode="drop"), reset)
+                row_slot.at[at].set(key_slots % spec.slot_num, mode="drop"), reset)
 
+    # the native pass takes each new row's slot from its segment (a remainder of the whole
+    # batch in XLA took ~4 ms of a 10-hot step: docs/performance.md)
     values, row_slot, reset = initialize_rows(
         state.values, state.row_slot, keys, lk.rows, lk.fresh, key_slots,
         scales=row_opt.initial_scales(spec.optimizer, spec.dim, spec.init_bound),
         seed=spec.seed, zero_tail=row_opt.admits(spec.optimizer), reference=dense,
-        resets=resets)
+        resets=resets, slot_num=spec.slot_num)
     return state._replace(values=values, row_slot=row_slot, slots={**state.slots, **reset})
 
 
@@ -242,8 +247,7 @@ def apply_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
     if not spec.sums_rows:  # plain SGD: each key's row moves by its segment's gradient
         values, _ = _decay_all(spec, state.values, lr)
         return state._replace(values=sgd_by_segment(
-            values, _safe_rows(lk.rows, values.shape[0]), segments, flat, -lr,
-            b * spec.slot_num, spec.combiner))
+            values, lk.rows, segments, flat, -lr, b * spec.slot_num, spec.combiner))
     g = embedding_bag_backward(flat, segments, lk.rep, b * spec.slot_num, spec.combiner,
                                one_hot=spec.one_hot)
     return _apply_rows(spec, state, lk, g, lr, count, keys, clicks, shows)

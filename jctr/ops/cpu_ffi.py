@@ -135,6 +135,7 @@ if AVAILABLE:
 
     _BUCKET = BUCKET
     _AHEAD = 24  # keys between a home slot's prefetch and its probe (covers memory latency)
+    _HOMES = 32  # a power of two above _AHEAD: the homes hashed ahead, kept until the probe
     # positions between a row's prefetch and its use in the bag and the SGD row update: a
     # 10-hot batch's rows are in cache but for its large slots' (7 of Kaggle's 26), so 24
     # positions kept ~6 misses in flight; 64: the bag 0.83x, the update 0.80x their time on
@@ -356,14 +357,20 @@ if AVAILABLE:
         scratch_at = scratch.ctypes.data
         n_new = 0
         n_granted = 0
+        unslotted = 0  # valid keys that found no slot (the slots full)
         # the bucket after a key's home is fetched too only where buckets overflow often: at
         # half load 1% of the keys sit outside their home bucket, and that line a key is
         # bandwidth the other keys' lines wait for (docs/performance.md)
         crowded = (size0 - free0) * 100 > num_slots * _CROWDED_PERCENT
+        # each key's home, hashed once when its lines are fetched and kept until its probe
+        homes = np.empty(_HOMES, np.int64)
+        for i in range(min(_AHEAD, n)):
+            homes[i] = _home(keys[i], buckets, width)
         for i in range(n):
             ahead = i + _AHEAD
             if ahead < n and valid[ahead]:
                 h = _home(keys[ahead], buckets, width)
+                homes[ahead & (_HOMES - 1)] = h
                 _prefetch(keys_at + 8 * h)
                 if crowded or width != _BUCKET:
                     _prefetch(keys_at + 8 * h + 64)
@@ -372,7 +379,12 @@ if AVAILABLE:
                     _prefetch(scratch_at + 4 * h)
             s = -1
             if valid[i]:
-                s = _probe_slots(slot_keys, keys_at, keys[i], buckets, width, num_slots, True)
+                pos = homes[i & (_HOMES - 1)]
+                if width == _BUCKET:
+                    s = _probe_buckets(slot_keys, keys_at, keys[i], pos, num_slots, True)
+                else:
+                    s = _probe(slot_keys, keys[i], pos, num_slots, True)
+                unslotted += s < 0
             slots[i] = s
             n_new, n_granted = _take_row(i, s, slots, slot_rows, scratch, free_rows, size0,
                                          free0, capacity, n_new, n_granted, rows, rep, new,
@@ -380,6 +392,10 @@ if AVAILABLE:
         taken = min(n_new, free0)
         counters_out[0] = size0 + n_granted - taken
         counters_out[1] = free0 - taken
+        # the lookup's counts of the batch, so that XLA does not sum masks of the batch
+        counters_out[2] = n_new
+        counters_out[3] = n_granted
+        counters_out[4] = unslotted
 
     def _find_assign_rows(frame_pointer):
         frame = _address(frame_pointer)
@@ -412,7 +428,7 @@ if AVAILABLE:
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (n,), np.int32),
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 6)[0]), (n,), np.bool_),
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 7)[0]), (n,), np.bool_),
-                     carray(_pointer(_buffer(frame, _FRAME_RETS, 8)[0]), (2,), np.int32))
+                     carray(_pointer(_buffer(frame, _FRAME_RETS, 8)[0]), (5,), np.int32))
         return _pointer(0)
 
     _WORDS16 = ir.VectorType(ir.IntType(64), 16)
@@ -455,10 +471,11 @@ if AVAILABLE:
 
     @numba.njit(inline="always")
     def _init_rows(values, row_slot, keys, rows, fresh, key_slots, scales, salt, zero_tail,
-                   extra_at, extra_width, fill_at):
+                   slot_num, extra_at, extra_width, fill_at):
         """Each fresh position's row gets its key's initial vector
         (:func:`jctr.ops.hashing.key_uniform` times ``scales``, bit for bit; with
-        ``zero_tail`` every column but the first is 0) and its slot, and its row of each
+        ``zero_tail`` every column but the first is 0) and its slot (``key_slots``, modulo
+        ``slot_num`` where it is not 0: a segment gives its slot), and its row of each
         extra array (4-byte elements, ``extra_width`` a row, at ``extra_at``: an evicting
         table's optimizer rows) the fill row at ``fill_at``; one pass over the batch, the rows
         written in place (the lines of a position ``_AHEAD`` on fetched first)."""
@@ -508,7 +525,7 @@ if AVAILABLE:
                     u = np.float32(bits) * UNIT_24
                     v = (np.float32(2.0) * u - np.float32(1.0)) * scales[c]
                     values[r, c] = np.float32(0.0) if zero_tail and c > 0 else v
-            row_slot[r] = key_slots[i]
+            row_slot[r] = key_slots[i] % slot_num if slot_num else key_slots[i]
         if streamed.any():  # the streamed lines reach memory before another thread reads
             _store_fence()
 
@@ -519,7 +536,7 @@ if AVAILABLE:
         values_in, value_dims = _buffer(frame, _FRAME_ARGS, 0)
         slot_in, _ = _buffer(frame, _FRAME_ARGS, 1)
         key_data, key_dims = _buffer(frame, _FRAME_ARGS, 2)
-        params = carray(_pointer(_buffer(frame, _FRAME_ARGS, 7)[0]), (2,), np.int64)
+        params = carray(_pointer(_buffer(frame, _FRAME_ARGS, 7)[0]), (3,), np.int64)
         shape = carray(_pointer(value_dims), (2,), np.int64)
         capacity, dim, n = shape[0], shape[1], _word(key_dims)
         values_at = _buffer(frame, _FRAME_RETS, 0)[0]
@@ -545,7 +562,8 @@ if AVAILABLE:
                    carray(_pointer(_buffer(frame, _FRAME_ARGS, 4)[0]), (n,), np.bool_),
                    carray(_pointer(_buffer(frame, _FRAME_ARGS, 5)[0]), (n,), np.int32),
                    carray(_pointer(_buffer(frame, _FRAME_ARGS, 6)[0]), (dim,), np.float32),
-                   np.uint64(params[0]), params[1] != 0, extra_at, extra_width, fill_at)
+                   np.uint64(params[0]), params[1] != 0, params[2], extra_at, extra_width,
+                   fill_at)
         return _pointer(0)
 
     _ROW16 = ir.VectorType(ir.FloatType(), 16)
@@ -1146,7 +1164,8 @@ def find_assign(slot_keys: jax.Array, slot_rows: jax.Array, scratch: jax.Array,
     other, in batch order. Without ``dedupe`` (the caller drops the representatives) a
     position whose key has a row by the time it is reached gets none (-1) and no scratch is
     touched for it. Returns (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted,
-    size, free_count). CPU only."""
+    size, free_count, counts): ``counts`` int32 [3] the new keys, those granted a row and the
+    valid keys that found no slot. CPU only."""
     _register()
     n = keys.shape[0]
     counters = jnp.stack([size, free_count, jnp.int32(capacity),
@@ -1158,25 +1177,27 @@ def find_assign(slot_keys: jax.Array, slot_rows: jax.Array, scratch: jax.Array,
         (jax.ShapeDtypeStruct(slot_keys.shape, jnp.int64),
          jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
          jax.ShapeDtypeStruct(scratch.shape, jnp.int32), positions, positions, positions,
-         flags, flags, jax.ShapeDtypeStruct((2,), jnp.int32)),
+         flags, flags, jax.ShapeDtypeStruct((5,), jnp.int32)),
         input_output_aliases={0: 0, 1: 1, 2: 2})(
             slot_keys.astype(jnp.int64), slot_rows, scratch, free_rows, counters,
             keys.astype(jnp.int64), valid.astype(jnp.bool_))
     return (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, counts[0],
-            counts[1])
+            counts[1], counts[2:])
 
 
 def init_rows(values: jax.Array, row_slot: jax.Array, keys: jax.Array, rows: jax.Array,
               fresh: jax.Array, key_slots: jax.Array, scales: jax.Array, seed: int,
-              zero_tail: bool, resets: tuple = ()) -> tuple:
+              zero_tail: bool, resets: tuple = (), slot_num: int = 0) -> tuple:
     """(values, row_slot, *reset arrays) with each ``fresh`` position's row (``rows``) set to
     its key's initial vector (:func:`jctr.ops.hashing.key_uniform` of ``seed`` times
     ``scales`` [dim], bit for bit; ``zero_tail``: columns after the first 0), ``row_slot`` to
-    its ``key_slots``, and its row of each array in ``resets`` ((array [capacity] or
-    [capacity, width] of float32 or int32, fill row [width]) pairs) to the fill row; in one
+    its ``key_slots`` (modulo ``slot_num`` where it is not 0: segments give their slots,
+    computed for the fresh positions only), and its row of each array in ``resets`` ((array
+    [capacity] or [capacity, width] of float32 or int32, fill row [width]) pairs) to the fill
+    row; in one
     native pass, in place when the buffers can be donated. float32 values. CPU only."""
     _register()
-    params = jnp.asarray([seed_salt(seed), int(zero_tail)], jnp.int64)
+    params = jnp.asarray([seed_salt(seed), int(zero_tail), slot_num], jnp.int64)
     extra_args, extra_out = [], []
     for arr, fill in resets:
         width = arr.shape[1] if arr.ndim == 2 else 1

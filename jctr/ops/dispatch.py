@@ -160,14 +160,16 @@ def embedding_bag_backward(grad_out, segments, rep, num_segments: int, combiner:
 
 def sgd_by_segment(values, rows, segments, grad_out, factor, num_segments: int,
                    combiner: str = "sum"):
-    """``values`` after plain SGD on a bag's rows: each key's row (``rows``, out of range:
-    dropped) moves by ``factor`` (-lr) times its segment's gradient (over the segment's
-    positions for ``mean``), duplicates adding up. On CPU the segment rows are added in one
-    native pass (:func:`jctr.ops.cpu_ffi.add_by_segment`) without the [n, dim] per-key
-    gradients; elsewhere XLA's scatter-add of them."""
+    """``values`` after plain SGD on a bag's rows: each key's row (``rows``; negative or
+    past the last row: dropped) moves by ``factor`` (-lr) times its segment's gradient (over
+    the segment's positions for ``mean``), duplicates adding up. On CPU the segment rows are
+    added in one native pass (:func:`jctr.ops.cpu_ffi.add_by_segment`, which skips the
+    dropped rows itself: no pass of XLA over the batch's rows first) without the [n, dim]
+    per-key gradients; elsewhere XLA's scatter-add of them."""
     def reference(values, rows, segments, grad_out):
         g = ref.key_gradients(grad_out, segments, num_segments, combiner)
-        return values.at[rows].add(factor * g, mode="drop")
+        at = jnp.where(rows >= 0, rows, values.shape[0])  # -1 would index the last row
+        return values.at[at].add(factor * g, mode="drop")
 
     args = (values, rows, segments, grad_out)
     if not _native_rows(values):
@@ -326,13 +328,18 @@ def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, 
     :func:`jctr.ops.hashing.assign_rows`. On CPU one native pass
     (:func:`jctr.ops.cpu_ffi.find_assign`). ``scarce``, ``exact``: see :func:`find_slots`.
     Returns (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size,
-    free_count)."""
+    free_count, counts): ``counts`` int32 [3] the new keys, those granted a row and the valid
+    keys that found no slot (the native pass counts them as it goes: sums of the batch's
+    masks in XLA took ~5 ms of a 10-hot step, docs/performance.md)."""
     def reference(slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid):
         slot_keys, slots = find_slots(slot_keys, keys, valid, insert=True, scarce=scarce,
                                       exact=exact)
-        return (slot_keys, slots) + hashing.assign_rows(slot_rows, scratch, free_rows, size,
-                                                        free_count, slots, capacity,
-                                                        dedupe=dedupe)
+        out = hashing.assign_rows(slot_rows, scratch, free_rows, size, free_count, slots,
+                                  capacity, dedupe=dedupe)
+        new, granted = out[4], out[5]
+        counts = jnp.stack([jnp.sum(new, dtype=jnp.int32), jnp.sum(granted, dtype=jnp.int32),
+                            jnp.sum(valid & (slots < 0), dtype=jnp.int32)])
+        return (slot_keys, slots) + out + (counts,)
 
     args = (slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid)
     if _mode() == "reference" or not cpu_ffi.AVAILABLE:
@@ -345,14 +352,16 @@ def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, 
 
 
 def initialize_rows(values, row_slot, keys, rows, fresh, key_slots, *, scales, seed: int,
-                    zero_tail: bool, reference, resets: dict | None = None):
+                    zero_tail: bool, reference, resets: dict | None = None, slot_num: int = 0):
     """(values, row_slot, resets) with the initial vectors and slots of the rows a training
     lookup created (``fresh`` positions), and those rows of each array in ``resets`` (name ->
     (array, fill row): an evicting table's optimizer rows) set to its fill row;
     ``reference``: the XLA formulation, called with the same six arrays and the dict of
-    arrays. On CPU one native pass (:func:`jctr.ops.cpu_ffi.init_rows`, bit for bit
-    :func:`jctr.ops.hashing.key_uniform` times ``scales``) for float32 tables, the resets in
-    the same pass where their elements are 4 bytes."""
+    arrays. A row's slot is its position's ``key_slots`` modulo ``slot_num`` (where not 0;
+    the reference takes it as it takes ``key_slots``). On CPU one native pass
+    (:func:`jctr.ops.cpu_ffi.init_rows`, bit for bit :func:`jctr.ops.hashing.key_uniform`
+    times ``scales``) for float32 tables, the resets in the same pass where their elements
+    are 4 bytes."""
     resets = resets or {}
     names = sorted(resets)
     arrays = {name: resets[name][0] for name in names}
@@ -363,7 +372,8 @@ def initialize_rows(values, row_slot, keys, rows, fresh, key_slots, *, scales, s
 
     def cpu(values, row_slot, keys, rows, fresh, key_slots, arrays):
         out = cpu_ffi.init_rows(values, row_slot, keys, rows, fresh, key_slots, scales, seed,
-                                zero_tail, tuple((arrays[n], resets[n][1]) for n in names))
+                                zero_tail, tuple((arrays[n], resets[n][1]) for n in names),
+                                slot_num)
         return out[0], out[1], dict(zip(names, out[2:]))
 
     return _by_platform(*args, cpu=cpu, default=reference)

@@ -310,8 +310,7 @@ def _routed_lookup(spec: EmbeddingSpec, pl: Placement, es: EmbeddingState, keys,
     recv_keys = _exchange(send_keys).reshape(-1)
     recv_segs = _exchange(send_segs).reshape(-1)
     recv_valid = recv_segs < nseg
-    es, lk = lookup_keys(spec, es, recv_keys, recv_valid, recv_segs % spec.slot_num,
-                         train=train)
+    es, lk = lookup_keys(spec, es, recv_keys, recv_valid, recv_segs, train=train)
     vectors = gather_rows(es.values, lk.rows)
     if not train and _spills(spec):  # keys the table lost are read from the spill database
         from jctr.embedding import spill
@@ -342,14 +341,14 @@ def _replicated_lookup(spec: EmbeddingSpec, es: EmbeddingState, keys, segs, b: i
     n = keys.shape[0]
     valid = segs < b * spec.slot_num
     if not train:  # every copy is complete: look up locally
-        _, lk = lookup_keys(spec, es, keys, valid, segs % spec.slot_num, train=False)
+        _, lk = lookup_keys(spec, es, keys, valid, segs, train=False)
         pooled = pool(spec, es.values, lk.rows, segs, b)
         if _spills(spec):  # and keys the table lost in the spill database
             pooled = pooled + spilled_pool(spec, es, keys, lk.rows, segs, b)
         return es, (lk.rows, lk.rep, None), pooled
     all_keys = jax.lax.all_gather(keys, AXIS, tiled=True)
     all_valid = jax.lax.all_gather(valid, AXIS, tiled=True)
-    all_slots = jax.lax.all_gather(segs % spec.slot_num, AXIS, tiled=True)
+    all_slots = jax.lax.all_gather(segs, AXIS, tiled=True)  # (slots: see lookup_keys)
     # every copy evicts the same keys: each process's first device writes their rows to its
     # spill database
     es, lk = lookup_keys(spec, es, all_keys, all_valid, all_slots, train=train,

@@ -40,16 +40,16 @@ EXPORTED = ("jctr", "scripts/bench_train.py", "scripts/bench_tables.py",
             "scripts/bench_hps.py", "scripts/make_configs.py")
 
 
-def export(rev: str) -> str:
-    """The folder holding the revision's tree as ``jctr_rev`` and ``rev_scripts`` (made once
-    per commit)."""
+def export(rev: str, base: str = "/tmp") -> str:
+    """The folder in ``base`` holding the revision's tree as ``jctr_rev`` and
+    ``rev_scripts`` (made once per commit)."""
     commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", f"{rev}^{{commit}}"],
                             capture_output=True, text=True)
     if commit.returncode:
         raise SystemExit(f"bench_revision: {rev!r} is not a commit of {ROOT}: "
                          f"{commit.stderr.strip()}")
     sha = commit.stdout.strip()
-    folder = f"/tmp/jctr-revision-{sha}"
+    folder = os.path.join(base, f"jctr-revision-{sha}")
     if os.path.isdir(os.path.join(folder, "jctr_rev")):
         return folder
     tar = subprocess.run(["git", "-C", ROOT, "archive", sha, *EXPORTED], capture_output=True)

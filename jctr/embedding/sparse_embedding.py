@@ -209,8 +209,8 @@ def initialize_fresh_rows(spec: EmbeddingSpec, state: EmbeddingState, keys: jax.
         return (values.at[at].set(vectors, mode="drop"),
                 row_slot.at[at].set(key_slots % spec.slot_num, mode="drop"), reset)
 
-    # the native pass takes each new row's slot from its segment (a remainder of the whole
-    # batch in XLA took ~4 ms of a 10-hot step: docs/performance.md)
+    # the native pass takes each new row's slot from its segment (XLA's remainder of the
+    # whole batch was ~6 ms of events in a 10-hot step: docs/performance.md)
     values, row_slot, reset = initialize_rows(
         state.values, state.row_slot, keys, lk.rows, lk.fresh, key_slots,
         scales=row_opt.initial_scales(spec.optimizer, spec.dim, spec.init_bound),

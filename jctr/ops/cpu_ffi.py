@@ -1194,8 +1194,8 @@ def init_rows(values: jax.Array, row_slot: jax.Array, keys: jax.Array, rows: jax
     its ``key_slots`` (modulo ``slot_num`` where it is not 0: segments give their slots,
     computed for the fresh positions only), and its row of each array in ``resets`` ((array
     [capacity] or [capacity, width] of float32 or int32, fill row [width]) pairs) to the fill
-    row; in one
-    native pass, in place when the buffers can be donated. float32 values. CPU only."""
+    row; in one native pass, in place when the buffers can be donated. float32 values. CPU
+    only."""
     _register()
     params = jnp.asarray([seed_salt(seed), int(zero_tail), slot_num], jnp.int64)
     extra_args, extra_out = [], []

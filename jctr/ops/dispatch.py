@@ -329,8 +329,8 @@ def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, 
     (:func:`jctr.ops.cpu_ffi.find_assign`). ``scarce``, ``exact``: see :func:`find_slots`.
     Returns (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size,
     free_count, counts): ``counts`` int32 [3] the new keys, those granted a row and the valid
-    keys that found no slot (the native pass counts them as it goes: sums of the batch's
-    masks in XLA took ~5 ms of a 10-hot step, docs/performance.md)."""
+    keys that found no slot (the native pass counts them as it goes: XLA's sums of the
+    batch's masks were ~7 ms of events in a 10-hot step, docs/performance.md)."""
     def reference(slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid):
         slot_keys, slots = find_slots(slot_keys, keys, valid, insert=True, scarce=scarce,
                                       exact=exact)

@@ -24,6 +24,7 @@ import importlib
 import io
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,15 +56,15 @@ def export(rev: str, base: str = "/tmp") -> str:
     tar = subprocess.run(["git", "-C", ROOT, "archive", sha, *EXPORTED], capture_output=True)
     if tar.returncode:
         raise SystemExit(f"bench_revision: git archive {sha[:12]}: {tar.stderr.decode().strip()}")
-    work = folder + f".part{os.getpid()}"
-    with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
-        t.extractall(work, filter="data")
-    os.rename(os.path.join(work, "jctr"), os.path.join(work, "jctr_rev"))
-    os.rename(os.path.join(work, "scripts"), os.path.join(work, "rev_scripts"))
-    for base, _, names in os.walk(work):
-        for name in names:
-            if name.endswith(".py"):
-                path = os.path.join(base, name)
+    work = folder + f".part{os.getpid()}"  # renamed into place whole, or removed
+    try:
+        with tarfile.open(fileobj=io.BytesIO(tar.stdout)) as t:
+            t.extractall(work, filter="data")
+        os.rename(os.path.join(work, "jctr"), os.path.join(work, "jctr_rev"))
+        os.rename(os.path.join(work, "scripts"), os.path.join(work, "rev_scripts"))
+        for where, _, names in os.walk(work):
+            for name in (n for n in names if n.endswith(".py")):
+                path = os.path.join(where, name)
                 with open(path) as f:
                     text = f.read()
                 text = re.sub(r"\bjctr\b", "jctr_rev", text)
@@ -71,7 +72,9 @@ def export(rev: str, base: str = "/tmp") -> str:
                 text = re.sub(r"\bscripts\.", "rev_scripts.", text)
                 with open(path, "w") as f:
                     f.write(text)
-    os.rename(work, folder)
+        os.rename(work, folder)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return folder
 
 

@@ -10,7 +10,11 @@ native kernels' XLA targets renamed, so that both trees register theirs), once p
 
 Printed: each tree's step (median over the rounds for training, mean for tables, as their
 benchmarks report), the ratio this tree / the revision (below 1: this tree is faster) and
-the ratio of each round's pair, so that the spread shows.
+the ratio of each round's pair, so that the spread shows. The harness has a spread of its
+own: run the revision against itself first (``HEAD`` with a clean tree). On a shared
+2-core VM such runs read 0.99-1.04 over 6-20 rounds, and once 1.25 over 4 rounds of
+``evict-room`` (whose new rows are memory touched for the first time in the timed steps):
+take 10 rounds or more.
 
     python scripts/bench_revision.py HEAD train --hot 10 --keys uniform
     python scripts/bench_revision.py HEAD~3 tables --table evict --keys uniform

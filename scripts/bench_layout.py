@@ -57,12 +57,11 @@ def kernels():
 
     from jctr.ops import cpu_ffi
 
-    mix, bucket_code, prefetch = cpu_ffi._mix, cpu_ffi._bucket_code, cpu_ffi._prefetch
+    bucket_code, prefetch = cpu_ffi._bucket_code, cpu_ffi._prefetch
 
     @numba.njit(inline="always")
-    def home(key, buckets):
-        z = mix(np.uint64(key))
-        return np.int64(((z >> np.uint64(32)) * np.uint64(buckets)) >> np.uint64(32))
+    def home(key, buckets):  # the key's bucket, as jctr's table finds it
+        return cpu_ffi._home(key, buckets, 1)
 
     @numba.njit
     def insert_apart(slot_keys, slot_rows, keys, rows, size):

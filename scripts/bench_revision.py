@@ -35,6 +35,8 @@ import sys
 import tarfile
 import time
 
+import numpy as np
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -45,19 +47,19 @@ EXPORTED = ("jctr", "scripts/bench_train.py", "scripts/bench_tables.py",
             "scripts/bench_hps.py", "scripts/make_configs.py")
 
 
-def export(rev: str, base: str = "/tmp") -> str:
-    """The folder in ``base`` holding the revision's tree as ``jctr_rev`` and
-    ``rev_scripts`` (made once per commit)."""
-    commit = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", f"{rev}^{{commit}}"],
+def export(rev: str, base: str = "/tmp", root: str = ROOT) -> str:
+    """The folder in ``base`` holding the revision of the repository at ``root`` as
+    ``jctr_rev`` and ``rev_scripts`` (made once per commit)."""
+    commit = subprocess.run(["git", "-C", root, "rev-parse", "--verify", f"{rev}^{{commit}}"],
                             capture_output=True, text=True)
     if commit.returncode:
-        raise SystemExit(f"bench_revision: {rev!r} is not a commit of {ROOT}: "
+        raise SystemExit(f"bench_revision: {rev!r} is not a commit of {root}: "
                          f"{commit.stderr.strip()}")
     sha = commit.stdout.strip()
     folder = os.path.join(base, f"jctr-revision-{sha}")
     if os.path.isdir(os.path.join(folder, "jctr_rev")):
         return folder
-    tar = subprocess.run(["git", "-C", ROOT, "archive", sha, *EXPORTED], capture_output=True)
+    tar = subprocess.run(["git", "-C", root, "archive", sha, *EXPORTED], capture_output=True)
     if tar.returncode:
         raise SystemExit(f"bench_revision: git archive {sha[:12]}: {tar.stderr.decode().strip()}")
     work = folder + f".part{os.getpid()}"  # renamed into place whole, or removed
@@ -103,8 +105,8 @@ def table_pair(args, rev):
     cap, n = args.capacity, args.batch_keys
     steps = args.rounds * args.block + 1
     feed = here.batches(args.keys, steps, n, 100_000_000, seed=2)
-    arriving = len(set().union(*(set(f.tolist()) for f in feed)))
     if args.table == "insert":  # the run's new keys fill at most half the table
+        arriving = np.unique(np.concatenate(feed)).size
         cap = args.capacity = max(cap, 2 * arriving)
         print(f"insert: {arriving:,} keys arrive over the run; slots {args.load:.0%} full "
               "at its end")

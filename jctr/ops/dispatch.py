@@ -334,12 +334,12 @@ def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, 
     def reference(slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid):
         slot_keys, slots = find_slots(slot_keys, keys, valid, insert=True, scarce=scarce,
                                       exact=exact)
-        out = hashing.assign_rows(slot_rows, scratch, free_rows, size, free_count, slots,
-                                  capacity, dedupe=dedupe)
-        new, granted = out[4], out[5]
+        slot_rows, scratch, rows, rep, new, granted, size, free_count = hashing.assign_rows(
+            slot_rows, scratch, free_rows, size, free_count, slots, capacity, dedupe=dedupe)
         counts = jnp.stack([jnp.sum(new, dtype=jnp.int32), jnp.sum(granted, dtype=jnp.int32),
                             jnp.sum(valid & (slots < 0), dtype=jnp.int32)])
-        return (slot_keys, slots) + out + (counts,)
+        return (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size,
+                free_count, counts)
 
     args = (slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid)
     if _mode() == "reference" or not cpu_ffi.AVAILABLE:

@@ -83,9 +83,10 @@ def test_rebuild_of_distinct_keys_finds_what_rebuild_finds():
 
 def test_the_radix_argsort_is_numpys_stable_argsort():
     """:func:`jctr.ops.host_sort.argsort_u64` (the stores' sorted writes) equals
-    ``np.argsort(kind="stable")`` -- ties in their positions' order -- on full-range keys,
-    many repeats, keys whose low or high digits are all equal (passes skipped: an odd and an
-    even number of moves), and sizes below and above the radix threshold."""
+    ``np.argsort(kind="stable")`` (and its ``stable=False`` sorts) -- ties in their
+    positions' order -- on full-range keys, many repeats, keys whose low or high digits are
+    all equal (passes skipped: an odd and an even number of moves), and sizes below and above
+    the radix threshold."""
     from jctr.ops.host_sort import argsort_u64
 
     rng = np.random.default_rng(5)
@@ -97,6 +98,10 @@ def test_the_radix_argsort_is_numpys_stable_argsort():
              rng.integers(0, 2**64, 100, dtype=np.uint64), np.zeros(0, np.uint64)]
     for keys in cases:
         np.testing.assert_array_equal(argsort_u64(keys), np.argsort(keys, kind="stable"))
+        # unstable (numpy's vectorized sort on AVX-512): sorted, ties in any order
+        order = argsort_u64(keys, stable=False)
+        np.testing.assert_array_equal(np.sort(order), np.arange(keys.size))
+        np.testing.assert_array_equal(keys[order], np.sort(keys))
 
 
 def test_rows_gathered_into_their_columns_equal_numpys_take():

@@ -145,17 +145,27 @@ def bytewise_order(kcols: np.ndarray) -> np.ndarray:
 
 
 def _last_by_value(values: np.ndarray) -> np.ndarray:
-    """Positions of uint64 ``values`` in ascending order (a stable radix sort), a value given
-    more than once by its last position only (a key's latest row)."""
+    """Positions of uint64 ``values`` in ascending order, a value given more than once by
+    its last position only (a key's latest row)."""
+    # distinct values (a pass's write-back, mostly) need no stable sort: their order is
+    # the only one; with a value given twice the stable sort decides which comes last
+    order = argsort_u64(values, stable=False)
+    last = _last_of_runs(np.take(values, order))
+    if last is None:
+        return order
     order = argsort_u64(values)
-    ordered = np.take(values, order)
-    if ordered.size > 1:
-        last = np.empty(ordered.size, bool)
-        last[-1] = True
-        np.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
-        if not last.all():
-            return order[last]
-    return order
+    last = _last_of_runs(np.take(values, order))
+    return order if last is None else order[last]
+
+
+def _last_of_runs(ordered: np.ndarray) -> np.ndarray | None:
+    """Of sorted values, which end a run of equal ones; None when all are distinct."""
+    if ordered.size < 2:
+        return None
+    last = np.empty(ordered.size, bool)
+    last[-1] = True
+    np.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
+    return None if last.all() else last
 
 
 def scatter_rows(dest: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:

@@ -27,6 +27,7 @@ import os
 import shutil
 import tempfile
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterator
 
@@ -48,6 +49,7 @@ from jctr.stores.base import (
     row_bytes,
     scatter_rows,
 )
+from jctr.stores.sst_file import write_table_file
 
 MARKER_KEY = b"jctr.hps.format"
 MARKER = b"jctr-hps-rocksdb 1"
@@ -262,34 +264,56 @@ class RocksDBStore:
     def _ingest(self, table: str, keys: np.ndarray, columns: list[np.ndarray]) -> None:
         """:meth:`insert` as RocksDB's bulk load: the rows sorted by their key bytes (the
         database's order; a key given twice keeps its last row, as a write batch would),
-        written into one table file beside the database and moved into it."""
-        kcols = key_columns(keys)
-        order = bytewise_order(kcols)
+        written into one table file beside the database and moved into it. The file is laid
+        out by :func:`jctr.stores.sst_file.write_table_file` (compiled, the interpreter let
+        go; rocksdict's writer takes a Python call and two bytes objects a row;
+        ``docs/performance.md``); a RocksDB that would not take its file gets rocksdict's
+        from then on (with a warning)."""
+        order = bytewise_order(key_columns(keys))
         dim = sum(c.shape[1] for c in columns)
-        rows = np.empty((order.size, dim), "<f4")
-        at = 0
-        for c in columns:  # each block gathered into its place: one pass over the rows
-            gather_rows(rows, at, c, order)
-            at += c.shape[1]
-        kb = row_bytes(key_columns(np.take(keys, order)))
-        vb = row_bytes(rows.view(np.uint8))
-        del rows
+        kcols = key_columns(np.take(keys, order))
         with self._lock:
             self._check_dim(table, dim)
             self._family(table, create_dim=dim)
             folder = self._shadow or self.path
             path = os.path.join(folder, f"jctr-ingest-{os.getpid()}-{threading.get_ident()}.sst")
+            ingest = self._rd.IngestExternalFileOptions()
+            ingest.set_move_files(True)
+            family = self.db.get_column_family(table)
             try:
+                if RocksDBStore._own_files:
+                    try:
+                        # each row gathered from its columns straight into the file's blocks
+                        write_table_file(path, kcols, columns, order)
+                        family.ingest_external_file([path], ingest)
+                        return
+                    except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exception
+                        if isinstance(e, (OSError, MemoryError)):
+                            raise
+                        RocksDBStore._own_files = False
+                        warnings.warn(f"rocks_db {self.path}: RocksDB did not take a table "
+                                      f"file jctr wrote ({e}); bulk loads go through "
+                                      "rocksdict's writer from now on", stacklevel=2)
+                        if os.path.exists(path):
+                            os.remove(path)
+                rows = np.empty((order.size, dim), "<f4")
+                at = 0
+                for c in columns:  # each block gathered into its place: one pass over the rows
+                    gather_rows(rows, at, c, order)
+                    at += c.shape[1]
                 writer = self._rd.SstFileWriter(options=self._options())
                 writer.open(path)
-                deque(map(writer.__setitem__, kb, vb), maxlen=0)  # in C: no frame per key
+                # in C: no frame per key
+                deque(map(writer.__setitem__, row_bytes(kcols), row_bytes(rows.view(np.uint8))),
+                      maxlen=0)
                 writer.finish()
-                ingest = self._rd.IngestExternalFileOptions()
-                ingest.set_move_files(True)
-                self.db.get_column_family(table).ingest_external_file([path], ingest)
+                family.ingest_external_file([path], ingest)
             finally:
                 if os.path.exists(path):
                     os.remove(path)
+
+    # whether bulk loads write their table files themselves (False once RocksDB refused one)
+    _own_files = True
 
     def erase(self, table: str, keys) -> None:
         keys = as_keys(keys)
@@ -329,15 +353,40 @@ class RocksDBStore:
         read = self._rd.ReadOptions()
         read.fill_cache(False)
         rows = (cf.values if keyed else cf.items)(read_opt=read)
+        last = None  # the last key read, in the database's bytes
         while True:
             part = list(itertools.islice(rows, chunk))
             if not part:
+                self._check_scan_end(table, cf, read, last)
                 return
             if not keyed:
-                yield _decode_pairs(part, dim)
-                continue
-            values = np.frombuffer(b"".join(part), np.float32).reshape(-1, dim).copy()
-            yield values[:, :2].copy().view(np.int64).reshape(-1), values
+                keys, values = _decode_pairs(part, dim)
+            else:
+                values = np.frombuffer(b"".join(part), np.float32).reshape(-1, dim).copy()
+                keys = values[:, :2].copy().view(np.int64).reshape(-1)
+            last = key_columns(keys[-1:]).tobytes()
+            yield keys, values
+
+    def _check_scan_end(self, table: str, cf, read, last: bytes | None) -> None:
+        """A pass over a table stopped where it should: rocksdict's iteration ends quietly at
+        a block it cannot read (a damaged file: half the rows, no error), so the place after
+        the last key read is looked at again and an error there raised."""
+        it = cf.iter(read)
+        try:
+            if last is None:
+                it.seek_to_first()
+            else:
+                it.seek(last)
+                if it.valid():
+                    it.next()
+            ended = not it.valid()
+            it.status()
+        except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exception
+            raise StoreError(f"rocks_db {self.path} table {table}: the database cannot be "
+                             f"read past key bytes {last!r}: {e}") from None
+        if not ended:
+            raise StoreError(f"rocks_db {self.path} table {table}: a pass over it stopped "
+                             f"before its end (after key bytes {last!r})")
 
     def size(self, table: str) -> int:
         return sum(k.size for k, _ in self.items(table))

@@ -1,0 +1,175 @@
+"""RocksDB table files written by jctr (:mod:`jctr.stores.sst_file`) and their CRC-32C
+(:mod:`jctr.ops.checksum`), checked against RocksDB itself (rocksdict's build of RocksDB
+9.8.4) reading and ingesting them.
+
+The layout follows RocksDB's source at v9.8.4: ``table/format.cc`` (``Footer::EncodeTo``:
+checksum type, meta-index and index handles padded to 41 bytes, format version, magic;
+``ComputeBuiltinChecksumWithLastByte``: a block's masked CRC-32C covers its type byte),
+``table/block_based/block_builder.cc`` (entries of shared / unshared / value lengths, restart
+points, their count), ``table/meta_blocks.cc`` (``PropertyBlockBuilder::AddTableProperty``:
+numbers as varints, sorted names) and ``db/external_sst_file_ingestion_job.cc``
+(``GetIngestedFileInfo`` / ``SanityCheckTableProperties``: the writer's version 2 with a global
+sequence number, sequence numbers 0, the column family unknown)."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import pytest
+
+from jctr.config.hps import PersistentDatabaseParams
+from jctr.ops import checksum
+from jctr.stores.base import bytewise_order, key_columns
+from jctr.stores.rocksdb import RocksDBStore
+from jctr.stores.sst_file import write_table_file
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_crc32c_of_known_vectors(portable):
+    """RFC 3720 (iSCSI) B.4's CRC-32C vectors and the "123456789" check value; the CPU's
+    instruction and the portable loop agree on every length and alignment."""
+    crc = lambda b: checksum.crc32c(b, portable=portable)  # noqa: E731
+    assert crc(b"123456789") == 0xE3069283
+    assert crc(bytes(32)) == 0x8A9136AA
+    assert crc(b"\xff" * 32) == 0x62A8AB43
+    assert crc(bytes(range(32))) == 0x46DD794E
+    assert crc(bytes(range(31, -1, -1))) == 0x113FDB5C
+    assert crc(b"") == 0
+    data = np.random.default_rng(0).integers(0, 256, 1000, dtype=np.uint8)
+    for start in range(9):
+        for stop in (start, start + 1, start + 7, start + 8, start + 9, 1000):
+            assert checksum.crc32c(data[start:stop]) == \
+                checksum.crc32c(data[start:stop], portable=True)
+    assert checksum.masked(0) == 0xA282EAD8  # crc32c::Mask
+
+
+def _ingested(tmp_path, name, keys, columns, order=None, **kwargs):
+    """A bulk RocksDB store whose table ``t`` is one table file jctr wrote."""
+    store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / name)),
+                         bulk=True)
+    dim = sum(c.shape[1] for c in columns)
+    store._family("t", create_dim=dim)
+    path = str(tmp_path / f"{name}.sst")
+    write_table_file(path, keys, columns, order, **kwargs)
+    options = store._rd.IngestExternalFileOptions()
+    options.set_move_files(True)
+    store.db.get_column_family("t").ingest_external_file([path], options)
+    return store
+
+
+@pytest.mark.parametrize("width,block_size", [(1, 4096), (61, 4096), (3000, 4096), (16, 256)])
+def test_rocksdb_reads_and_ingests_the_table_files_jctr_writes(tmp_path, width, block_size):
+    """Keys over int64's whole range (negative, extremes) in RocksDB's byte order, values of
+    one float to wider than a block, gathered from two column blocks through an order: every
+    key reads back its row by point reads and by a scan, absent keys are absent, and keys
+    written later (a write batch) and before (an older file) sort among them."""
+    rng = np.random.default_rng(width)
+    n = 20_000 if width < 1000 else 600
+    keys = np.unique(np.concatenate([rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64),
+                                     [-2**63, -1, 0, 1, 2**63 - 1]]))
+    rng.shuffle(keys)
+    values = rng.random((keys.size, width)).astype(np.float32)
+    order = bytewise_order(key_columns(keys))
+    columns = [values[:, :width // 2 + 1], values[:, width // 2 + 1:]]
+    columns = [c.copy() for c in columns if c.shape[1]]
+    store = _ingested(tmp_path, "db", key_columns(keys[order]), columns, order,
+                      block_size=block_size, direct=width != 1)
+    got, found = store.lookup("t", keys, width)
+    assert found.all()
+    np.testing.assert_array_equal(got, values)
+    scanned = {k: v for ks, vs in store.items("t") for k, v in zip(ks.tolist(), vs)}
+    assert sorted(scanned) == sorted(keys.tolist())
+    np.testing.assert_array_equal(np.stack([scanned[k] for k in keys.tolist()]), values)
+    absent = rng.integers(-2**63, 2**63 - 1, 500, dtype=np.int64)
+    absent = absent[~np.isin(absent, keys)]
+    assert not store.lookup("t", absent, width)[1].any()
+    store.insert("t", keys[:10], values[:10] + 1)  # a write batch over ingested rows
+    np.testing.assert_array_equal(store.lookup("t", keys[:12], width)[0][:10], values[:10] + 1)
+    np.testing.assert_array_equal(store.lookup("t", keys[:12], width)[0][10:], values[10:12])
+    store.close()
+
+
+def test_a_damaged_block_is_found_by_its_checksum(tmp_path):
+    """Every block carries a real CRC: one flipped byte in the middle of the file makes
+    RocksDB refuse the rows it holds: point reads raise, and a pass over the table raises a
+    StoreError (rocksdict's own iteration would just end there, half the rows read)."""
+    from jctr.stores.base import StoreError
+
+    rng = np.random.default_rng(3)
+    keys = np.sort(rng.choice(2**40, 50_000, replace=False)).astype(np.int64)
+    values = rng.random((keys.size, 16)).astype(np.float32)
+    order = bytewise_order(key_columns(keys))
+    path = str(tmp_path / "a.sst")
+    write_table_file(path, key_columns(keys[order]), [values], order)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db")),
+                         bulk=True)
+    store._family("t", create_dim=16)
+    options = store._rd.IngestExternalFileOptions()
+    store.db.get_column_family("t").ingest_external_file([path], options)
+    with pytest.raises(Exception, match="checksum mismatch"):
+        store.lookup("t", keys, 16)
+    for keyed in (False, True):
+        with pytest.raises(StoreError, match="table t: (the database cannot be read past|a "
+                                             "pass over it stopped before its end)"):
+            for _ in store.items("t", keyed=keyed):
+                pass
+    store.close()
+
+
+def test_keys_out_of_order_are_refused_and_no_file_is_left(tmp_path):
+    keys = key_columns(np.array([3, 1, 2], np.int64))  # little-endian bytes: 3 > 1 bytewise
+    values = np.zeros((3, 4), np.float32)
+    path = tmp_path / "bad.sst"
+    with pytest.raises(ValueError, match="key 1 is not above"):
+        write_table_file(str(path), keys, [values])
+    assert not path.exists()
+    twice = key_columns(np.array([1, 1], np.int64))
+    with pytest.raises(ValueError, match="key 1 is not above"):
+        write_table_file(str(path), twice, [values[:2]])
+    with pytest.raises(ValueError, match="no rows"):
+        write_table_file(str(path), twice[:0], [values[:0]])
+    assert not path.exists()
+
+
+def test_a_bulk_load_uses_jctrs_file_and_falls_back_to_rocksdicts_writer(tmp_path,
+                                                                          monkeypatch):
+    """A bulk store's large insert goes through jctr's table file (no warning, nothing left
+    beside the database); a RocksDB that refuses such a file (here: a damaged footer) gets
+    rocksdict's writer, with a warning, and the rows are the same either way."""
+    import jctr.stores.rocksdb as rocksdb
+
+    monkeypatch.setattr(RocksDBStore, "INGEST_ROWS", 1)
+    monkeypatch.setattr(RocksDBStore, "_own_files", True)
+    rng = np.random.default_rng(4)
+    keys = rng.choice(10**9, 5000, replace=False).astype(np.int64)
+    values = rng.random((keys.size, 8)).astype(np.float32)
+    answers = []
+    for name in ("own", "fallback"):
+        path = str(tmp_path / name)
+        store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path), bulk=True)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            if name == "fallback":
+                def damaged(path, *args, **kwargs):
+                    write_table_file(path, *args, **kwargs)
+                    with open(path, "r+b") as f:  # the magic number
+                        f.seek(-3, os.SEEK_END)
+                        f.write(b"\0\0\0")
+                monkeypatch.setattr(rocksdb, "write_table_file", damaged)
+            store.insert("t", keys, values)
+        assert (name == "fallback") == any("rocksdict's writer" in str(w.message)
+                                           for w in seen)
+        assert RocksDBStore._own_files == (name == "own")
+        assert not [f for f in os.listdir(path) if f.startswith("jctr-ingest")]
+        answers.append(store.lookup("t", keys, 8))
+        store.close()
+    for got, found in answers:
+        assert found.all()
+        np.testing.assert_array_equal(got, values)

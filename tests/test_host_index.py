@@ -62,6 +62,42 @@ def test_upsert_values_keeps_the_last_row_of_a_key_as_a_dictionary_does():
     np.testing.assert_array_equal(stamps[rows], [last[k][1] for k in probe.tolist()])
 
 
+def test_a_scans_rows_go_to_the_rows_of_the_keys_asked_for_and_the_others_are_kept_apart():
+    """``scatter_found`` (a scan of a RocksDB table into the rows of the keys a pass asks
+    for) and ``KeySet.absent_rows`` (a scan's rows but those of the held keys), in chunks,
+    against numpy's find, mask and scatter / compress: colliding small keys, int64's
+    extremes, keys asked for that no chunk holds."""
+    rng = np.random.default_rng(7)
+    asked = np.unique(np.concatenate([rng.integers(-500, 500, 400),
+                                      [np.iinfo(np.int64).min, np.iinfo(np.int64).max]]))
+    index = np.full(host_index.index_size(asked.size), -1, np.int64)
+    distinct = np.empty(asked.size, np.int64)
+    at = np.empty(asked.size, np.int64)
+    assert host_index.upsert(index, distinct, 0, asked, at) == asked.size
+    held_set = host_index.KeySet()
+    held_set.add(asked)
+    dest = np.zeros((asked.size, 3), np.float32)
+    held = np.zeros(asked.size, bool)
+    want_dest, want_held = dest.copy(), held.copy()
+    for _ in range(5):  # chunks of stored keys, each key stored once
+        stored = np.unique(np.concatenate([rng.choice(asked, 60, replace=False),
+                                           rng.integers(600, 10**6, 90)]))
+        rng.shuffle(stored)
+        src = rng.normal(size=(stored.size, 3)).astype(np.float32)
+        rows = host_index.find(index, distinct, stored)
+        hit = rows >= 0
+        want_dest[rows[hit]] = src[hit]
+        want_held[rows[hit]] = True
+        found = host_index.scatter_found(index, distinct, stored, src, dest, held)
+        assert found == hit.sum()
+        keys_out, rows_out = held_set.absent_rows(stored, src)
+        np.testing.assert_array_equal(keys_out, stored[~hit])
+        np.testing.assert_array_equal(rows_out, src[~hit])
+    np.testing.assert_array_equal(dest, want_dest)
+    np.testing.assert_array_equal(held, want_held)
+    assert 0 < held.sum() < asked.size
+
+
 def test_rebuild_of_distinct_keys_finds_what_rebuild_finds():
     """``rebuild_distinct`` (no key compared while probing) gives an index in which every row
     is found at its key, as ``rebuild``'s; keys crowding the last slots wrap to the first."""

@@ -121,9 +121,9 @@ class RowStore:
         keys = [np.zeros(0, np.int64)]
         rows = [np.zeros((0, self.stored_width(table)), np.float32)]
         for stored, vectors in self.db.items(self.names[table], **self._scan(table)):
-            other = ~held.contains(stored)
-            keys.append(stored[other])
-            rows.append(vectors[other])
+            other_keys, other_rows = held.absent_rows(stored, vectors)
+            keys.append(other_keys)
+            rows.append(other_rows)
         return self._unpack(table, np.concatenate(keys), np.concatenate(rows))
 
     def as_stored(self, table: int, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

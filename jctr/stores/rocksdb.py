@@ -47,7 +47,6 @@ from jctr.stores.base import (
     no_rows,
     put_found,
     row_bytes,
-    scatter_rows,
 )
 from jctr.stores.sst_file import write_table_file
 
@@ -361,8 +360,8 @@ class RocksDBStore:
                 return
             if not keyed:
                 keys, values = _decode_pairs(part, dim)
-            else:
-                values = np.frombuffer(b"".join(part), np.float32).reshape(-1, dim).copy()
+            else:  # joined into a bytearray: a writable array without another copy
+                values = np.frombuffer(bytearray().join(part), np.float32).reshape(-1, dim)
                 keys = values[:, :2].copy().view(np.int64).reshape(-1)
             last = key_columns(keys[-1:]).tobytes()
             yield keys, values
@@ -421,14 +420,7 @@ class RocksDBStore:
         rows = np.zeros((n, dim), np.float32)
         held = np.zeros(n, bool)
         for stored, vectors in self.items(table, keyed=keyed):
-            r = host_index.find(index, distinct, stored)
-            hit = r >= 0
-            if hit.all():  # a day's base model: every stored key is asked for
-                scatter_rows(rows, r, vectors)
-                held[r] = True
-            else:
-                scatter_rows(rows, r[hit], vectors[hit])
-                held[r[hit]] = True
+            host_index.scatter_found(index, distinct, stored, vectors, rows, held)
         if n == keys.size:  # no key given twice: each is its own distinct one, in order
             return rows, held
         return np.take(rows, at, axis=0), held[at]

@@ -38,7 +38,6 @@ CRC32C = 1  # ChecksumType kCRC32c
 NO_COMPRESSION = 0
 RESTART_INTERVAL = 16
 UNKNOWN_FAMILY = 0x7FFFFFFF  # TablePropertiesCollectorFactory::Context::kUnknownColumnFamily
-KEY_SUFFIX = struct.pack("<Q", 1)  # an internal key's (sequence 0 << 8) | kTypeValue
 CHUNK_BYTES = 32 << 20  # written to the file a chunk at a time (stays in the CPU's caches)
 
 
@@ -254,10 +253,10 @@ def write_table_file(path: str, keys: np.ndarray, columns: list[np.ndarray],
         with (DirectWriter(path) if direct else open(path, "wb")) as f, \
                 ThreadPoolExecutor(1, thread_name_prefix="jctr-table-file") as pool:
             writing = None
+            handles = np.empty((most, 2), np.int64)
+            last_rows = np.empty(most, np.int64)
             while done < n:
                 buf = bufs[len(handles_parts) % 2]  # its last write was waited for below
-                handles = np.empty((most, 2), np.int64)
-                last_rows = np.empty(most, np.int64)
                 done, used, nb, bad = _data_blocks(keys, blocks, order, done, buf, offset,
                                                    block_size, TABLES, handles, last_rows)
                 if bad >= 0:
@@ -267,8 +266,8 @@ def write_table_file(path: str, keys: np.ndarray, columns: list[np.ndarray],
                     writing.result()
                 writing = pool.submit(f.write, memoryview(buf)[:used])
                 offset += used
-                handles_parts.append(handles[:nb])
-                last_parts.append(last_rows[:nb])
+                handles_parts.append(handles[:nb].copy())
+                last_parts.append(last_rows[:nb].copy())
             writing.result()
             data_size = offset
             handles = np.concatenate(handles_parts)

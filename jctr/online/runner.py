@@ -103,7 +103,7 @@ class OnlineRun:
         self._written: list[dict] = []
         self._wanted: list = []  # the KeySets of the keys the last pass pulled
         self._ahead: Future | None = None
-        # ... and its write-back, written on the prefetch thread once the next pass has its
+        # ... and its write-back, written on the store thread once the next pass has its
         # rows (_deferred, then _behind), with the checkpoint that waits for it to be
         # recorded (_settle)
         self._pool: ThreadPoolExecutor | None = None
@@ -293,9 +293,15 @@ class OnlineRun:
         pool = ThreadPoolExecutor(1, thread_name_prefix="jctr-prefetch",
                                   initializer=_yield_to_training) \
             if self.cfg.prefetch else None
+        # the database's work (write-backs, reads ahead) on a thread of its own, in the order
+        # given, so that the next pass's data is read meanwhile: a read ahead of rows waited
+        # for the last pass's write-back and then for the data read after it
+        store_pool = ThreadPoolExecutor(1, thread_name_prefix="jctr-store",
+                                        initializer=_yield_to_training) \
+            if self.cfg.prefetch else None
         halt = threading.Event()  # ends a prefetch that waits for data when the run ends
         ahead: Future | None = None
-        self._pool = pool
+        self._pool = store_pool
         try:
             for i, (day, n) in enumerate(todo):
                 if ahead is not None:  # read while the previous pass trained
@@ -335,8 +341,9 @@ class OnlineRun:
         finally:
             halt.set()
             self._pool = None
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+            for executor in (pool, store_pool):
+                if executor is not None:
+                    executor.shutdown(wait=False, cancel_futures=True)
             self._rows_ahead()  # a read of the database in flight ends before it closes
             self._take_unheld()
         return self.passes_trained
@@ -546,8 +553,8 @@ class OnlineRun:
                     halt: threading.Event) -> dict | None:
         """The stored rows of the following pass's keys that this pass does not hold
         (``wanted``: the KeySets of its pulled keys; its write-back leaves the others as they
-        are), read while this pass trains; runs on the prefetch thread, after the following
-        pass's data (``following``) is read there."""
+        are), read while this pass trains; runs on the store thread, after the following
+        pass's data (``following``) is read on the prefetch thread."""
         try:
             upcoming = following.result()["keys"]
         except Exception:  # noqa: BLE001 - the main thread meets the error itself
@@ -613,7 +620,7 @@ class OnlineRun:
     def _read_unheld(self, held: list) -> list[dict[str, np.ndarray]]:
         """Every stored row of the keys the day's last pass does not hold (``held``: its
         pulled keys' KeySets; its write-back leaves those rows as they are), read on the
-        prefetch thread while it trains, for the day's base model (:meth:`_model_rows`)."""
+        store thread while it trains, for the day's base model (:meth:`_model_rows`)."""
         return [self.store.pull_except(i, keys) for i, keys in enumerate(held)]
 
     def _take_unheld(self) -> list[dict[str, np.ndarray]] | None:
@@ -681,7 +688,7 @@ class OnlineRun:
         """The working set back into the database (undoable until the pass's checkpoint);
         the tables are empty again. ``keep``: the rows written are kept for the next pass's
         pull (:meth:`_pulled_rows`) and its models (:meth:`_model_rows`);
-        ``behind``: written on the prefetch thread once the next pass has its rows
+        ``behind``: written on the store thread once the next pass has its rows
         (:meth:`_write_behind`; the pass's checkpoint is recorded once they are written:
         :meth:`_settle`)."""
         from jctr.sharding.distributed import process_owns
@@ -723,7 +730,7 @@ class OnlineRun:
             self.store.push(i, tb)
 
     def _write_behind(self) -> None:
-        """The last pass's write-back onto the prefetch thread (once this pass's tables are
+        """The last pass's write-back onto the store thread (once this pass's tables are
         filled: the two would share the cores), its checkpoint recorded there as soon as it
         is done (a run stopped later resumes after that pass); the thread's read ahead of the
         next pass's other rows follows it."""
@@ -877,7 +884,7 @@ class OnlineRun:
         if self.store is not None:
             t0 = time.perf_counter()
             behind = self._ahead is not None
-            # the day's last pass: its write-back on the prefetch thread at once, while its
+            # the day's last pass: its write-back on the store thread at once, while its
             # checkpoint is written (the day's end waits for it before the shrink)
             last = not behind and self._unheld is not None
             self._push(day, n, keep=behind or last, behind=behind or last)
@@ -1037,7 +1044,8 @@ class OnlineRun:
 
 
 def _yield_to_training() -> None:
-    """The prefetch thread runs at a lower priority than the training step's threads: its
+    """The prefetch and store threads run at a lower priority than the training step's
+    threads: their
     reads and write-backs fill the step's gaps instead of taking cores from it (where the
     system lets a thread lower its own priority)."""
     try:
@@ -1047,7 +1055,7 @@ def _yield_to_training() -> None:
 
 
 def _result_or_none(future: Future | None):
-    """A read done on the prefetch thread, once done; None if there was none or it failed
+    """A read done on the store thread, once done; None if there was none or it failed
     (its caller then reads the usual way)."""
     if future is None:
         return None
@@ -1129,9 +1137,9 @@ def _rows_note(rows_s: dict) -> str:
     return (f"; sparse_store rows read in {rows_s['store_read_s']:.2f} s"
             + ("" if ahead is None else f" (+{ahead:.2f} s read ahead, while the last pass "
                "trained)") + f", written back in {rows_s['store_write_s']:.2f} s"
-            + {"next_pass": " (handed to the prefetch thread: written while the next pass "
+            + {"next_pass": " (handed to the store thread: written while the next pass "
                             "trains)",
-               "checkpoint": " (handed to the prefetch thread: written while the pass's "
+               "checkpoint": " (handed to the store thread: written while the pass's "
                              "checkpoint is)"}.get(rows_s["store_write_overlaps"], ""))
 
 

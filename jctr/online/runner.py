@@ -1045,9 +1045,8 @@ class OnlineRun:
 
 def _yield_to_training() -> None:
     """The prefetch and store threads run at a lower priority than the training step's
-    threads: their
-    reads and write-backs fill the step's gaps instead of taking cores from it (where the
-    system lets a thread lower its own priority)."""
+    threads: their reads and write-backs fill the step's gaps instead of taking cores from
+    it (where the system lets a thread lower its own priority)."""
     try:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
     except (AttributeError, OSError):

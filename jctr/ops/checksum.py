@@ -36,7 +36,7 @@ def _tables() -> np.ndarray:
     return t
 
 
-_TABLES = _tables()
+TABLES = _tables()  # for the portable loop; passed to every kernel (unused with the instruction)
 
 
 def _has_sse42() -> bool:
@@ -123,9 +123,6 @@ def mask(crc):
     then not a CRC of them)."""
     c = np.uint32(crc)
     return np.uint32(((c >> np.uint32(15)) | (c << np.uint32(17))) + np.uint32(0xA282EAD8))
-
-
-TABLES = _TABLES
 
 
 @host_kernel

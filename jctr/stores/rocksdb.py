@@ -373,7 +373,6 @@ class RocksDBStore:
         and read without error was written after the pass began: a pass reads the table as
         it was when it started.)"""
         it = cf.iter(read)
-        key = None
         try:
             if last is None:
                 it.seek_to_first()
@@ -382,8 +381,7 @@ class RocksDBStore:
                 if it.valid():
                     it.next()
             if it.valid():
-                key = it.key()
-                cf.get(key)  # reads (and checks) the block the pass could not
+                cf.get(it.key())  # reads (and checks) the block the pass could not
             it.status()
         except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exception
             raise StoreError(f"rocks_db {self.path} table {table}: the database cannot be "

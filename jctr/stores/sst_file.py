@@ -246,7 +246,7 @@ def write_table_file(path: str, keys: np.ndarray, columns: list[np.ndarray],
     # write) while the compiled loop fills the other
     bufs = (np.empty(chunk, np.uint8), np.empty(chunk, np.uint8))
     handles_parts, last_parts = [], []
-    most = chunk // 16 + 1
+    most = chunk // (12 + width) + 1  # blocks in a chunk: each holds an entry of >= 12 + w bytes
     offset = 0
     done = 0
     try:

@@ -307,6 +307,75 @@ def test_a_rocksdb_table_whose_width_was_never_written_reads_as_empty(tmp_path):
     store.close()
 
 
+def test_a_closed_rocksdb_opens_again_whatever_still_refers_to_it(tmp_path, monkeypatch):
+    """rocksdict keeps a database open (its ``LOCK`` held: "lock hold by current process"
+    on the next open) while any column family, handle or iterator of it lives, whatever
+    ``close()`` said. A streaming run stopped by Ctrl-C and started again in the same process
+    met that (tests/test_online.py's sparse_store test, now and then): a pass over a table
+    left half done, or a traceback keeping a write's frame, kept the old one open. Now the
+    database opens again at once after each; the half-done pass raises ``StoreError`` if
+    resumed; ``close`` waits for a call in flight on another thread."""
+    import threading
+
+    import jctr.stores.rocksdb as rocksdb_module
+
+    params = PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db"))
+    keys = np.arange(200_000, dtype=np.int64)
+
+    def reopen():
+        store = RocksDBStore(params, bulk=True)
+        assert store.size("t") == keys.size
+        return store
+
+    store = RocksDBStore(params, bulk=True)
+    store.insert("t", keys, np.zeros((keys.size, 2), np.float32))
+    for keyed in (False, True):
+        half_done = store.items("t", chunk=65536, keyed=keyed)
+        next(half_done)
+        store.close()
+        store = reopen()
+        with pytest.raises(StoreError, match="database is closed"):
+            next(half_done)
+    # a write batch and a bulk load that failed, their tracebacks (and frames) kept
+    kept = []
+    with pytest.raises(ValueError, match="bytes") as batch:
+        store._write_batch("t", "put", [b"12345678"], [12345])
+    kept.append(batch.value)
+
+    def failing_file(*args, **kwargs):
+        raise OSError("disk full")
+    monkeypatch.setattr(rocksdb_module, "write_table_file", failing_file)
+    with pytest.raises(OSError) as load:
+        store.ingest_columns("t", keys[:10], [np.zeros((10, 2), np.float32)])
+    kept.append(load.value)
+    store.close()
+    store = reopen()
+    monkeypatch.undo()
+    # a call in flight on another thread: close waits for it, then nothing starts
+    entered, release, closed_at = threading.Event(), threading.Event(), []
+
+    def in_flight():
+        with store._use():
+            entered.set()
+            release.wait(10)
+            assert not closed_at
+    worker = threading.Thread(target=in_flight)
+    worker.start()
+    entered.wait(10)
+    closer = threading.Thread(target=lambda: (store.close(), closed_at.append(1)))
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive()  # waiting for the call in flight
+    release.set()
+    worker.join(10)
+    closer.join(10)
+    assert closed_at == [1]
+    with pytest.raises(StoreError, match="the database is closed"):
+        store.lookup("t", keys[:3], 2)
+    reopen().close()
+    del kept
+
+
 def test_a_rocksdb_insert_pauses_between_its_write_batches_and_writes_every_row(tmp_path):
     """``pause`` (the online updates' persistent side yields to the serving side there) is
     called between the write batches of ``max_set_batch_size`` rows, never before the first

@@ -749,10 +749,12 @@ class OnlineRun:
         raised."""
         deferred, self._deferred = self._deferred, None
         behind, self._behind = self._behind, None
-        if deferred is not None:
-            deferred[0](*deferred[1:])
-        if behind is not None:
-            behind.result()
+        try:
+            if deferred is not None:
+                deferred[0](*deferred[1:])
+        finally:  # one in flight ends before anything else touches the database
+            if behind is not None:
+                behind.result()
 
     def _settle(self) -> None:
         """The last pass's write-back finished, and the checkpoint that waited for it

@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import operator
@@ -97,6 +98,15 @@ class RocksDBStore:
         self.label = label  # the setting that named the folder, for errors
         self.path = os.path.abspath(params.path)
         self._lock = threading.Lock()
+        # rocksdict keeps the database open (and its LOCK held: an open in this process is
+        # refused) while any family, handle or iterator of it lives, whatever close() said:
+        # close() waits for the calls in flight, ends the passes left half done and closes
+        # every family it lent (see _use, items, _handle)
+        self._in_use = threading.Condition()
+        self._busy = 0
+        self._closed = False
+        self._scans: dict[int, list] = {}  # each unfinished pass's iterator, in a cell
+        self._handles: dict[str, object] = {}
         self._dims: dict[str, int] = {}
         self._shadow: str | None = None
         exists = os.path.isdir(self.path) and bool(os.listdir(self.path))
@@ -205,15 +215,16 @@ class RocksDBStore:
 
     def lookup(self, table: str, keys, dim: int) -> tuple[np.ndarray, np.ndarray]:
         keys, values, found = no_rows(keys, dim)
-        cf = self._families.get(table)
-        if cf is None or not keys.size:
-            return values, found
-        self._check_dim(table, dim)
-        kb = _key_bytes(keys)
-        step = self.params.max_get_batch_size
-        positions = np.arange(keys.size)
-        for start in range(0, keys.size, step):
-            put_found(values, found, positions[start:start + step], cf.get(kb[start:start + step]))
+        with self._use():  # (first: a closed store raises, never reads as empty)
+            if self._families.get(table) is None or not keys.size:
+                return values, found
+            self._check_dim(table, dim)
+            kb = _key_bytes(keys)
+            step = self.params.max_get_batch_size
+            positions = np.arange(keys.size)
+            for start in range(0, keys.size, step):
+                put_found(values, found, positions[start:start + step],
+                          self._families[table].get(kb[start:start + step]))
         return values, found
 
     # a bulk store's inserts of at least this many rows (a restore of many rows, not an
@@ -240,15 +251,28 @@ class RocksDBStore:
         for start in range(0, keys.size, step):
             if pause is not None and start:
                 pause()
-            with self._lock:  # (checked each batch: the lock is let go between them)
+            with self._use(), self._lock:  # (each batch: the lock is let go between)
                 self._check_dim(table, dim)
                 self._family(table, create_dim=dim)
-                wb = self._rd.WriteBatch(raw_mode=True)
-                wb.set_default_column_family(self.db.get_column_family_handle(table))
-                # the batch is filled by map in C: no Python frame per key
-                deque(map(wb.put, kb[start:start + step], vb[start:start + step]), maxlen=0)
-                self.db.write(wb)
+                self._write_batch(table, "put", kb[start:start + step], vb[start:start + step])
         self._settle()
+
+    def _write_batch(self, table: str, op: str, *columns: list[bytes]) -> None:
+        """One write batch of ``op`` (``put`` / ``delete``) over the byte strings given, into
+        ``table``'s family (filled by map in C: no Python frame per key)."""
+        wb = self._rd.WriteBatch(raw_mode=True)
+        try:
+            wb.set_default_column_family(self._handle(table))
+            deque(map(getattr(wb, op), *columns), maxlen=0)
+            self.db.write(wb)
+        finally:
+            del wb  # a traceback keeping this frame would keep the database open (the handle)
+
+    def _handle(self, table: str):
+        """``table``'s column-family handle (a write batch's target), kept here alone."""
+        if table not in self._handles:
+            self._handles[table] = self.db.get_column_family_handle(table)
+        return self._handles[table]
 
     def ingest_columns(self, table: str, keys, columns: list[np.ndarray]) -> None:
         """:meth:`insert` of rows given as float32 column blocks side by side (``columns[i]``:
@@ -271,14 +295,16 @@ class RocksDBStore:
         order = bytewise_order(key_columns(keys))
         dim = sum(c.shape[1] for c in columns)
         kcols = key_columns(np.take(keys, order))
-        with self._lock:
+        with self._use(), self._lock:
             self._check_dim(table, dim)
             self._family(table, create_dim=dim)
             folder = self._shadow or self.path
             path = os.path.join(folder, f"jctr-ingest-{os.getpid()}-{threading.get_ident()}.sst")
             ingest = self._rd.IngestExternalFileOptions()
             ingest.set_move_files(True)
-            family = self.db.get_column_family(table)
+            # the family close() closes (a handle of its own would keep the database open
+            # from a traceback that keeps this frame)
+            family = self._families[table]
             try:
                 if RocksDBStore._own_files:
                     try:
@@ -316,15 +342,10 @@ class RocksDBStore:
 
     def erase(self, table: str, keys) -> None:
         keys = as_keys(keys)
-        cf = self._families.get(table)
-        if cf is None or not keys.size:
-            return
-        with self._lock:
-            handle = self.db.get_column_family_handle(table)
-            wb = self._rd.WriteBatch(raw_mode=True)
-            wb.set_default_column_family(handle)
-            deque(map(wb.delete, _key_bytes(keys)), maxlen=0)
-            self.db.write(wb)
+        with self._use(), self._lock:
+            if self._families.get(table) is None or not keys.size:
+                return
+            self._write_batch(table, "delete", _key_bytes(keys))
         self._settle()
 
     def scale_columns(self, table: str, at: int, factors: np.ndarray) -> None:
@@ -343,36 +364,48 @@ class RocksDBStore:
         its key in its first two float32 columns (a row store's rows, :class:`jctr.online.
         row_store.RowStore`): the pass reads values alone, and the keys come from them (half
         the interpreter's time a row: 310-330 ns, not 570-650; docs/performance.md)."""
-        cf = self._families.get(table)
-        dim = self._dims.get(table)
-        if cf is None or dim is None:  # no width recorded: no row was ever written
-            return
         # a whole-table pass: its blocks would only push the point reads' blocks out of the
         # cache; the chunks are cut in C (islice), not by a Python step per row
         read = self._rd.ReadOptions()
         read.fill_cache(False)
-        rows = (cf.values if keyed else cf.items)(read_opt=read)
-        last = None  # the last key read, in the database's bytes
-        while True:
-            part = list(itertools.islice(rows, chunk))
-            if not part:
-                self._check_scan_end(table, cf, read, last)
+        with self._use():
+            dim = self._dims.get(table)
+            if self._families.get(table) is None or dim is None:  # no width: no row written
                 return
-            if not keyed:
-                keys, values = _decode_pairs(part, dim)
-            else:  # joined into a bytearray: a writable array without another copy
-                values = np.frombuffer(bytearray().join(part), np.float32).reshape(-1, dim)
-                keys = values[:, :2].copy().view(np.int64).reshape(-1)
-            last = key_columns(keys[-1:]).tobytes()
-            yield keys, values
+            cf = self._families[table]
+            cell = [(cf.values if keyed else cf.items)(read_opt=read)]
+            del cf
+        self._scans[id(cell)] = cell  # the iterator lives in the cell alone: close() empties it
+        last = None  # the last key read, in the database's bytes
+        try:
+            while True:
+                with self._use():
+                    if not cell:
+                        raise StoreError(f"rocks_db {self.path} table {table}: the database "
+                                         "was closed during a pass over the table")
+                    part = list(itertools.islice(cell[0], chunk))
+                    if not part:
+                        cell.clear()
+                        self._check_scan_end(table, read, last)
+                        return
+                if not keyed:
+                    keys, values = _decode_pairs(part, dim)
+                else:  # joined into a bytearray: a writable array without another copy
+                    values = np.frombuffer(bytearray().join(part), np.float32).reshape(-1, dim)
+                    keys = values[:, :2].copy().view(np.int64).reshape(-1)
+                last = key_columns(keys[-1:]).tobytes()
+                yield keys, values
+        finally:
+            cell.clear()
+            self._scans.pop(id(cell), None)
 
-    def _check_scan_end(self, table: str, cf, read, last: bytes | None) -> None:
+    def _check_scan_end(self, table: str, read, last: bytes | None) -> None:
         """A pass over a table stopped where it should: rocksdict's iteration ends quietly at
         a block it cannot read (a damaged file: half the rows, no error), so the key after
         the last one read is looked up again: an error there is raised. (A key found there
         and read without error was written after the pass began: a pass reads the table as
         it was when it started.)"""
-        it = cf.iter(read)
+        it = self._families[table].iter(read)
         try:
             if last is None:
                 it.seek_to_first()
@@ -380,12 +413,14 @@ class RocksDBStore:
                 it.seek(last)
                 if it.valid():
                     it.next()
-            if it.valid():
-                cf.get(it.key())  # reads (and checks) the block the pass could not
+            if it.valid():  # reads (and checks) the block the pass could not
+                self._families[table].get(it.key())
             it.status()
         except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exception
             raise StoreError(f"rocks_db {self.path} table {table}: the database cannot be "
                              f"read past key bytes {last!r}: {e}") from None
+        finally:
+            del it  # (a traceback keeping this frame would keep the database open)
 
     def size(self, table: str) -> int:
         return sum(k.size for k, _ in self.items(table))
@@ -394,15 +429,18 @@ class RocksDBStore:
         """A bulk store's write ends with every memtable on disk: a read of an unflushed
         vector memtable would sort it."""
         if self._bulk:
-            with self._lock:
+            with self._use(), self._lock:
                 self.db.flush()
                 for cf in self._families.values():
                     cf.flush()
 
     def estimated_rows(self, table: str) -> int:
         """RocksDB's estimate of a table's keys (no pass over it)."""
-        cf = self._families.get(table)
-        return 0 if cf is None else int(cf.property_int_value("rocksdb.estimate-num-keys") or 0)
+        with self._use():
+            if self._families.get(table) is None:
+                return 0
+            return int(self._families[table].property_int_value("rocksdb.estimate-num-keys")
+                       or 0)
 
     def lookup_by_scan(self, table: str, keys, dim: int, *, keyed: bool = False
                        ) -> tuple[np.ndarray, np.ndarray]:
@@ -410,8 +448,9 @@ class RocksDBStore:
         reads when the keys are a large share of it (a read costs several times a scanned
         row; ``docs/performance.md``). ``keyed``: see :meth:`items`."""
         keys, values, found = no_rows(keys, dim)
-        if self._families.get(table) is None or not keys.size:
-            return values, found
+        with self._use():  # (a closed store raises, never reads as empty)
+            if self._families.get(table) is None or not keys.size:
+                return values, found
         self._check_dim(table, dim)
         index = np.full(host_index.index_size(keys.size), -1, np.int64)
         distinct = np.empty(keys.size, np.int64)
@@ -432,7 +471,8 @@ class RocksDBStore:
         return sorted(self._families)
 
     def get_meta(self, table: str) -> dict | None:
-        raw = self.db.get(_meta_key(table))
+        with self._use():
+            raw = self.db.get(_meta_key(table))
         if raw is None:
             return None
         try:
@@ -444,7 +484,7 @@ class RocksDBStore:
     def set_meta(self, table: str, meta: dict | None) -> None:
         if self.params.read_only:
             raise StoreError(f"rocks_db {self.path}: read-only, cannot write table {table}")
-        with self._lock:
+        with self._use(), self._lock:
             if meta is None:
                 self.db.delete(_meta_key(table))
             else:
@@ -456,16 +496,53 @@ class RocksDBStore:
     def drop_table(self, table: str) -> None:
         if self.params.read_only:
             raise StoreError(f"rocks_db {self.path}: read-only, cannot drop table {table}")
-        with self._lock:
+        with self._use(), self._lock:
             self.db.delete(_meta_key(table))  # first: a half-dropped table is not complete
             if table in self._families:
+                self._handles.pop(table, None)
+                self._families.pop(table).close()
                 self.db.drop_column_family(table)
-                del self._families[table]
             self.db.delete(_dim_key(table))
             self._dims.pop(table, None)
         self._settle()
 
+    # how long close() waits for calls in flight on other threads (a chunk of a pass, a
+    # write batch, a bulk load) before it closes what it can anyway
+    CLOSE_WAIT_S = 120.0
+
+    @contextlib.contextmanager
+    def _use(self) -> Iterator[None]:
+        """A call into the database, counted: :meth:`close` waits for it; none starts after
+        close."""
+        with self._in_use:
+            if self._closed:
+                raise StoreError(f"rocks_db {self.path}: the database is closed")
+            self._busy += 1
+        try:
+            yield
+        finally:
+            with self._in_use:
+                self._busy -= 1
+                self._in_use.notify_all()
+
     def close(self) -> None:
+        """Closes the database once the calls in flight are done; a pass over a table left
+        half done (its generator still referenced) raises :class:`StoreError` if resumed. A
+        database closed here opens again at once in this process."""
+        with self._in_use:
+            if self._closed:
+                return
+            self._closed = True
+            if not self._in_use.wait_for(lambda: self._busy == 0, self.CLOSE_WAIT_S):
+                warnings.warn(f"rocks_db {self.path}: closed while {self._busy} call(s) on "
+                              f"other threads had not ended after {self.CLOSE_WAIT_S:.0f} s; "
+                              "the database stays locked until they do", stacklevel=2)
+        for cell in list(self._scans.values()):
+            cell.clear()
+        self._scans.clear()
+        self._handles.clear()
+        for family in self._families.values():
+            family.close()
         self._families.clear()
         self.db.close()
         self._drop_shadow()

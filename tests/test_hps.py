@@ -1033,13 +1033,16 @@ def test_rows_go_to_rocksdb_in_its_key_order_each_key_with_its_last_row():
         assert vcols.tobytes() == values[want].astype("<f4").tobytes()
 
 
-def test_a_bulk_stores_large_insert_is_ingested_as_a_write_batch_would_write_it(tmp_path,
-                                                                               monkeypatch):
-    """A bulk store (the streaming row store) writes a large insert as one sorted table file
-    and ingests it (RocksDB's bulk load): the database then answers exactly as after the
-    write-batch path -- a key given twice keeps its last row, earlier rows of a key are
-    overwritten, erased keys come back when written again, negative keys sort as bytes --
-    and no file is left beside the database."""
+@pytest.mark.parametrize("bulk", [True, False])
+def test_a_large_insert_is_ingested_as_a_write_batch_would_write_it(tmp_path, monkeypatch,
+                                                                    bulk):
+    """A large insert is written as one sorted table file and ingested (RocksDB's bulk load)
+    by a bulk store (the streaming row store, ``INGEST_ROWS``) and by a served database
+    (``INGEST_ROWS_LIVE``: a model load, a poll's online updates): the database then answers
+    exactly as after the write-batch path -- a key given twice keeps its last row, earlier
+    rows of a key are overwritten (in the served database's memtable too), erased keys come
+    back when written again, negative keys sort as bytes -- and no file is left beside the
+    database (one left by a process killed while writing it goes at the next open)."""
     import os
 
     from jctr.stores.rocksdb import RocksDBStore
@@ -1052,9 +1055,10 @@ def test_a_bulk_stores_large_insert_is_ingested_as_a_write_batch_would_write_it(
     query = np.concatenate([old, new, [-1, 0, 2**62]]).astype(np.int64)
     answers = []
     for name, ingest_from in (("batches", 10**9), ("ingested", 1)):
-        monkeypatch.setattr(RocksDBStore, "INGEST_ROWS", ingest_from)
+        monkeypatch.setattr(RocksDBStore, "INGEST_ROWS" if bulk else "INGEST_ROWS_LIVE",
+                            ingest_from)
         path = str(tmp_path / name)
-        store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path), bulk=True)
+        store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path), bulk=bulk)
         store.insert("t", old, rows_old)
         store.erase("t", old[:5])
         store.insert("t", new, rows_new)
@@ -1062,6 +1066,12 @@ def test_a_bulk_stores_large_insert_is_ingested_as_a_write_batch_would_write_it(
                         sorted(k for ks, _ in store.items("t") for k in ks.tolist())))
         assert not [f for f in os.listdir(path) if f.startswith("jctr-ingest")]
         store.close()
+    # a table file left by a process killed while writing it is removed at the next open
+    left = os.path.join(path, "jctr-ingest-4242-1.sst")
+    with open(left, "wb") as f:
+        f.write(b"half a file")
+    RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=path), bulk=bulk).close()
+    assert not os.path.exists(left)
     (point, scan, listed), (point2, scan2, listed2) = answers
     for a, b in ((point, point2), (scan, scan2), (point, scan2)):
         np.testing.assert_array_equal(a[1], b[1])

@@ -746,15 +746,18 @@ def test_two_training_processes_publish_into_one_server(broker, tmp_path):
     dbs.close()
 
 
-def test_a_tables_rows_of_the_messages_read_apply_together_as_one_after_the_other(tmp_path):
+@pytest.mark.parametrize("bulk_load", [False, True])
+def test_a_tables_rows_of_the_messages_read_apply_together_as_one_after_the_other(
+        tmp_path, monkeypatch, bulk_load):
     """The applier writes a table's rows of every message of a poll together, in chunks of
     ``max_batch_size`` keys (HugeCTR's meaning: "the maximum number of keys and values from
     messages to consume before dispatching updates to the database ... in chunks"; its HPS
-    configuration docs, ``update_source``), and RocksDB takes each chunk in its key order.
-    The layers must end as if each message had been applied after the other: a key given by
-    two messages (and twice in one) holds the last row, the table's step is the last
-    message's, rows of NaN stay refused. No broker: the poll's decoded messages are applied
-    as the consumer thread would."""
+    configuration docs, ``update_source``), and RocksDB takes the poll's rows in one write,
+    in its key order (``bulk_load``: as one table file, as a poll of many rows is; the model's
+    load too). The layers must end as if each message had been applied after the other: a
+    key given by two messages (and twice in one) holds the last row, the table's step is the
+    last message's, rows of NaN stay refused. No broker: the poll's decoded messages are
+    applied as the consumer thread would."""
     from jctr.config import load_config
     from jctr.config.hps import parse_ps_config
     from jctr.serving.bundle import export_bundle
@@ -777,6 +780,10 @@ def test_a_tables_rows_of_the_messages_read_apply_together_as_one_after_the_othe
         "models": [{"model": name, "bundle": str(tmp_path / "bundle"),
                     "max_batch_size": 64, "gpucache": True, "gpucacheper": 0.5}]},
         str(tmp_path / "ps.json"))
+    if bulk_load:
+        from jctr.stores.rocksdb import RocksDBStore
+
+        monkeypatch.setattr(RocksDBStore, "INGEST_ROWS_LIVE", 1)
     dbs = Databases(ps.volatile_db, ps.persistent_db)
     model = HPSModel(ps.models[0], dbs)
     model.load_databases()

@@ -380,7 +380,8 @@ class _Consumer:
 
     def _apply_rows(self, model, i: int, parts: list) -> None:
         """One table's rows of the messages read, ``parts`` [(keys, values, step)] in their
-        order, to this side's layers in chunks of ``max_batch_size``."""
+        order, to this side's layers in chunks of ``max_batch_size`` (the persistent side: in
+        one write, see below)."""
         step = self.params.max_batch_size
         t = model.tables[i]
         keys_all = np.concatenate([k for k, _, _ in parts])
@@ -395,6 +396,10 @@ class _Consumer:
 
             def pause():
                 self._wait_while(self.owner.serving.has_work, share)
+            # and all in one write: the database's insert yields between its write batches,
+            # and takes many rows as one bulk load (a burst read together: the interpreter
+            # let go while the file is laid out)
+            step = max(step, keys_all.size)
         for s in range(0, keys_all.size, step):
             keys = keys_all[s:s + step]
             values = np.ascontiguousarray(values_all[s:s + step])

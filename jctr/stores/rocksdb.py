@@ -52,6 +52,7 @@ from jctr.stores.base import (
 from jctr.stores.sst_file import write_table_file
 
 MARKER_KEY = b"jctr.hps.format"
+_INGEST_PREFIX = "jctr-ingest-"  # a bulk load's table file, beside the database until moved in
 MARKER = b"jctr-hps-rocksdb 1"
 
 
@@ -155,6 +156,13 @@ class RocksDBStore:
                 from None
         if not exists:
             self.db.put(MARKER_KEY, MARKER)
+        if not params.read_only:
+            # a bulk load's table file left by a process killed while writing it: the
+            # database's lock (now ours) says no one else is writing one
+            for name in os.listdir(self.path):
+                if name.startswith(_INGEST_PREFIX) and name.endswith(".sst"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(os.path.join(self.path, name))
         self._families = {name: self.db.get_column_family(name)
                           for name in families if name != "default"}
         for name in self._families:
@@ -233,13 +241,19 @@ class RocksDBStore:
     # per second; 2.5x at 436k rows). A streaming pass's write-back always is
     # (:meth:`ingest_columns`)
     INGEST_ROWS = 500_000
+    # any other store's of at least this many (a served database's model load, the online
+    # updates of a poll read together) are too: the file is laid out with the interpreter let
+    # go, where rocksdict's write batches hold it (65,536-row updates of 16 floats into a
+    # served database: 1.9-3.3M rows/s against 1.1-1.2M; docs/performance.md)
+    INGEST_ROWS_LIVE = 32_768
 
     def insert(self, table: str, keys, values, *, pause: Callable[[], None] | None = None
                ) -> None:
-        """Insert or overwrite rows in write batches of ``max_set_batch_size``, in key order.
-        ``pause`` is called between the batches, outside the store's lock (online updates'
-        persistent side yields there: rocksdict holds the interpreter through a write)."""
-        if self._bulk and np.size(keys) >= self.INGEST_ROWS:
+        """Insert or overwrite rows in write batches of ``max_set_batch_size``, in key order
+        (``INGEST_ROWS`` / ``INGEST_ROWS_LIVE`` rows or more: one bulk load). ``pause`` is
+        called between the batches, outside the store's lock (online updates' persistent side
+        yields there: rocksdict holds the interpreter through a write)."""
+        if np.size(keys) >= (self.INGEST_ROWS if self._bulk else self.INGEST_ROWS_LIVE):
             self._ingest(table, as_keys(keys), [as_values(values, np.size(keys))])
             return
         keys, kcols, vcols = encoded_rows(keys, values, key_order=True)
@@ -299,7 +313,8 @@ class RocksDBStore:
             self._check_dim(table, dim)
             self._family(table, create_dim=dim)
             folder = self._shadow or self.path
-            path = os.path.join(folder, f"jctr-ingest-{os.getpid()}-{threading.get_ident()}.sst")
+            path = os.path.join(folder, f"{_INGEST_PREFIX}{os.getpid()}-{threading.get_ident()}"
+                                        ".sst")
             ingest = self._rd.IngestExternalFileOptions()
             ingest.set_move_files(True)
             # the family close() closes (a handle of its own would keep the database open

@@ -173,3 +173,48 @@ def test_a_model_file_of_a_mapped_rows_file_is_a_link_else_a_copy(tmp_path, monk
     model_files.write_sparse_model(str(tmp_path / "nolink"), mk, mv)
     check(tmp_path / "nolink", False)
     assert not [p for p in tmp_path.rglob("*.tmp*")]
+
+
+def test_buffers_are_kept_for_the_next_writer_and_never_shared(tmp_path):
+    """A direct writer's staging buffer and a table file's chunks are kept for the next one
+    (a new buffer's pages fault in again; jctr.runtime.buffers): given back, a buffer is
+    taken again by the next caller asking for as much or less, never by two at once; past
+    KEEP buffers the smallest goes. Writers that overlap (two files written at once, a
+    second thread) each write exactly their bytes."""
+    import threading
+
+    from jctr.runtime import buffers
+
+    a = buffers.take(3 << 20)
+    b = buffers.take(3 << 20)
+    assert a is not b and len(a) >= 3 << 20 and len(a) % 4096 == 0
+    buffers.give(a)
+    assert buffers.take(1 << 20) is a  # the kept one, not a new one
+    buffers.give(a)
+    buffers.give(b)
+    big = buffers.take(64 << 20)  # larger than any kept: a new one
+    assert big is not a and big is not b
+    buffers.give(big)
+    kept = [buffers.take(1) for _ in range(buffers.KEEP + 2)]
+    for m in kept:
+        buffers.give(m)
+    assert len(buffers._free) == buffers.KEEP
+    with buffers.reused(4096) as arr:
+        assert arr.dtype == np.uint8 and arr.size == 4096 and arr.ctypes.data % 4096 == 0
+    rng = np.random.default_rng(5)
+    datas = [rng.integers(0, 256, (9 << 20) + i, dtype=np.uint8) for i in range(4)]
+    with DirectWriter(str(tmp_path / "0")) as f0, DirectWriter(str(tmp_path / "1")) as f1:
+        for part in range(0, datas[1].size, 1 << 20):  # interleaved, as two writers would
+            f0.write(datas[0][part:part + (1 << 20)])
+            f1.write(datas[1][part:part + (1 << 20)])
+
+    def write(i):
+        with DirectWriter(str(tmp_path / str(i))) as f:
+            f.write(datas[i])
+    threads = [threading.Thread(target=write, args=(i,)) for i in (2, 3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i, data in enumerate(datas):
+        assert np.array_equal(np.fromfile(str(tmp_path / str(i)), np.uint8), data)

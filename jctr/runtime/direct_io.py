@@ -18,9 +18,10 @@ import contextlib
 import errno
 import io
 import json
-import mmap
 import os
 import zlib
+
+from jctr.runtime import buffers
 
 MIN_BYTES = 16 << 20
 """Files from this size on are worth writing directly (smaller ones: ordinary writes)."""
@@ -103,7 +104,8 @@ class DirectWriter:
                     raise
         if self._fd < 0:
             self._fd = os.open(path, flags, 0o666)
-        self._stage = mmap.mmap(-1, _STAGE) if self._direct else None  # page aligned
+        # page aligned, and kept for the next file (a new one's pages fault in again)
+        self._stage = buffers.take(_STAGE) if self._direct else None
         self._used = 0  # bytes staged, not yet written
         self._pos = 0  # bytes accepted
 
@@ -199,10 +201,7 @@ class DirectWriter:
             os.close(self._fd)
             self._fd = -1
             if self._stage is not None:
-                # a failed write's traceback may still hold a view of it: then it is freed
-                # with the last view
-                with contextlib.suppress(BufferError):
-                    self._stage.close()
+                buffers.give(self._stage)
                 self._stage = None
 
     def __enter__(self) -> DirectWriter:

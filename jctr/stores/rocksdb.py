@@ -194,6 +194,11 @@ class RocksDBStore:
         if getattr(self, "_cache", None) is None:
             self._cache = self._rd.Cache(self.BLOCK_CACHE_BYTES)
         table = self._rd.BlockBasedOptions()
+        if getattr(self, "_bulk", False):
+            # the table-file layout jctr reads itself (whole-table passes,
+            # jctr.stores.table_scan; RocksDB 9's defaults: format 6, XXH3 checksums)
+            table.set_format_version(5)
+            table.set_checksum_type(self._rd.ChecksumType.crc32c())
         table.set_bloom_filter(10, False)
         table.set_block_cache(self._cache)
         opts.set_block_based_table_factory(table)
@@ -324,7 +329,7 @@ class RocksDBStore:
                 if RocksDBStore._own_files:
                     try:
                         # each row gathered from its columns straight into the file's blocks
-                        write_table_file(path, kcols, columns, order)
+                        write_table_file(path, kcols, columns, order, family=table)
                         family.ingest_external_file([path], ingest)
                         return
                     except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exception
@@ -378,7 +383,16 @@ class RocksDBStore:
         """(keys, rows) of every stored row, a chunk at a time. ``keyed``: each row holds
         its key in its first two float32 columns (a row store's rows, :class:`jctr.online.
         row_store.RowStore`): the pass reads values alone, and the keys come from them (half
-        the interpreter's time a row: 310-330 ns, not 570-650; docs/performance.md)."""
+        the interpreter's time a row: 310-330 ns, not 570-650; docs/performance.md). A bulk
+        store's pass reads the table's files itself where it can (:meth:`_table_files`,
+        :mod:`jctr.stores.table_scan`), else, or from a file it cannot follow on, through
+        RocksDB's iterator."""
+        files = self._table_files(table) if self._bulk else None
+        start = None
+        if files is not None:
+            start = yield from self._scan_files(table, files, chunk, keyed)
+            if start is None:
+                return
         # a whole-table pass: its blocks would only push the point reads' blocks out of the
         # cache; the chunks are cut in C (islice), not by a Python step per row
         read = self._rd.ReadOptions()
@@ -388,7 +402,7 @@ class RocksDBStore:
             if self._families.get(table) is None or dim is None:  # no width: no row written
                 return
             cf = self._families[table]
-            cell = [(cf.values if keyed else cf.items)(read_opt=read)]
+            cell = [(cf.values if keyed else cf.items)(from_key=start or None, read_opt=read)]
             del cf
         self._scans[id(cell)] = cell  # the iterator lives in the cell alone: close() empties it
         last = None  # the last key read, in the database's bytes
@@ -413,6 +427,61 @@ class RocksDBStore:
         finally:
             cell.clear()
             self._scans.pop(id(cell), None)
+
+    def _table_files(self, table: str) -> list | None:
+        """``table``'s files, mapped, newest first (:mod:`jctr.stores.table_scan`), when a
+        pass can read them instead of RocksDB's iterator: no row in a memtable (a bulk store
+        flushes every write) and every live file one that module reads; else None. The list
+        is one version of the database: a file compacted away before it was mapped makes the
+        list be taken again."""
+        from jctr.stores import table_scan
+
+        with self._use():
+            if self._families.get(table) is None or table not in self._dims:
+                return None
+            cf = self._families[table]
+            if any(cf.property_int_value(f"rocksdb.num-entries-{m}") for m in
+                   ("active-mem-table", "imm-mem-tables")):
+                return None
+            for _ in range(3):
+                try:
+                    # (a file's family is in its properties: rocksdict's list leaves it out)
+                    files = [table_scan.open_file(os.path.join(self.path, f["name"].lstrip("/")),
+                                                  table) for f in self.db.live_files()]
+                except FileNotFoundError:
+                    continue
+                except table_scan.Unreadable:
+                    return None
+                except table_scan.TableCorrupt as e:
+                    raise StoreError(f"rocks_db {self.path} table {table}: {e}") from None
+                return [f for f in files if f.family == table]
+        return None
+
+    def _scan_files(self, table: str, files: list, chunk: int, keyed: bool):
+        """:meth:`items` from the table's files (checked block by block). Returns None when
+        done, or, at an entry the reader does not follow, the key bytes from which RocksDB's
+        iterator goes on (b"" for the start)."""
+        from jctr.stores import table_scan
+
+        dim = self._dims[table]
+        last = None
+        try:
+            for keys, rows in table_scan.scan(files, 4 * dim, chunk):
+                if self._closed:
+                    raise StoreError(f"rocks_db {self.path}: the database is closed")
+                last = int(keys[-1])
+                yield keys, rows.view(np.float32)
+        except table_scan.TableCorrupt as e:
+            raise StoreError(f"rocks_db {self.path} table {table}: the database cannot be "
+                             f"read: {e}") from None
+        except table_scan.Unreadable:
+            if last is None:
+                return b""
+            after = int.from_bytes(key_columns(np.array([last], np.int64)).tobytes(), "big")
+            if after == (1 << 64) - 1:  # the last key there is: nothing after it
+                return None
+            return (after + 1).to_bytes(8, "big")  # the next key in bytewise order
+        return None
 
     def _check_scan_end(self, table: str, read, last: bytes | None) -> None:
         """A pass over a table stopped where it should: rocksdict's iteration ends quietly at

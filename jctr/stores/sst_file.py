@@ -219,7 +219,7 @@ def _session_id() -> bytes:
 
 def write_table_file(path: str, keys: np.ndarray, columns: list[np.ndarray],
                      order: np.ndarray | None = None, *, block_size: int = 4096,
-                     direct: bool = True) -> None:
+                     direct: bool = True, family: str = "") -> None:
     """A RocksDB table file at ``path`` (created; not synced: RocksDB syncs a file it
     ingests) whose ``i``-th entry maps ``keys[i]`` to the value ``columns[0][order[i]]``,
     ``columns[1][order[i]]``, ... laid side by side (``order`` None: ``i``): ``keys`` [n, 8]
@@ -227,8 +227,10 @@ def write_table_file(path: str, keys: np.ndarray, columns: list[np.ndarray],
     are the value's parts (their bytes, as laid out in memory). Written past the page cache
     (``direct``: as ``SstFileWriter``, which drops what it wrote from the cache, and on VMs
     that fault in every newly cached page, 0.98 s against 1.25 s for 660 MB;
-    ``docs/performance.md``). Raises ValueError (the file removed) if a key is not above the
-    one before it."""
+    ``docs/performance.md``). ``family``: the column family it is for, named in its
+    properties as RocksDB's own files name theirs (ingestion checks only the family's id,
+    left unknown; :mod:`jctr.stores.table_scan` reads the name). Raises ValueError (the file
+    removed) if a key is not above the one before it."""
     keys = np.ascontiguousarray(keys, np.uint8)
     n = keys.shape[0]
     order = np.arange(n) if order is None else np.ascontiguousarray(order, np.int64)
@@ -248,12 +250,12 @@ def write_table_file(path: str, keys: np.ndarray, columns: list[np.ndarray],
     # fault in: 116k rows of 16 floats 40 ms a file with new ones, ~30 with these)
     with buffers.reused(chunk) as one, buffers.reused(chunk) as other:
         _write_table_file(path, keys, blocks, order, block_size, direct, chunk, width,
-                          (one, other))
+                          (one, other), family)
 
 
 def _write_table_file(path: str, keys: np.ndarray, blocks: tuple, order: np.ndarray,
                       block_size: int, direct: bool, chunk: int, width: int,
-                      bufs: tuple[np.ndarray, np.ndarray]) -> None:
+                      bufs: tuple[np.ndarray, np.ndarray], family: str) -> None:
     n = keys.shape[0]
     handles_parts, last_parts = [], []
     most = chunk // (12 + width) + 1  # blocks in a chunk: each holds an entry of >= 12 + w bytes
@@ -288,7 +290,7 @@ def _write_table_file(path: str, keys: np.ndarray, blocks: tuple, order: np.ndar
             f.write(memoryview(index_buf)[:index_size + 5])
             offset += index_size + 5
             props = _properties(n, width, data_size, index_size + 5, handles.shape[0],
-                                data_size)
+                                data_size, family)
             props_handle = _handle(offset, len(props))
             f.write(_sealed(props))
             offset += len(props) + 5
@@ -305,7 +307,7 @@ def _write_table_file(path: str, keys: np.ndarray, blocks: tuple, order: np.ndar
 
 
 def _properties(n: int, width: int, data_size: int, index_size: int, blocks: int,
-                tail_start: int) -> bytes:
+                tail_start: int, family: str = "") -> bytes:
     """The properties block: RocksDB's table properties (numbers as varints) and the user
     properties SstFileWriter adds (fixed-width), sorted by name."""
     num = _varint_bytes
@@ -339,4 +341,6 @@ def _properties(n: int, width: int, data_size: int, index_size: int, blocks: int
         b"rocksdb.raw.value.size": num(width * n),
         b"rocksdb.tail.start.offset": num(tail_start),
     }
+    if family:
+        props[b"rocksdb.column.family.name"] = family.encode()
     return _small_block(sorted(props.items()))

@@ -52,8 +52,8 @@ from jctr.stores.base import (
 from jctr.stores.sst_file import write_table_file
 
 MARKER_KEY = b"jctr.hps.format"
-_INGEST_PREFIX = "jctr-ingest-"  # a bulk load's table file, beside the database until moved in
 MARKER = b"jctr-hps-rocksdb 1"
+_INGEST_PREFIX = "jctr-ingest-"  # a bulk load's table file, beside the database until moved in
 
 
 def _dim_key(table: str) -> bytes:
@@ -390,7 +390,7 @@ class RocksDBStore:
         files = self._table_files(table) if self._bulk else None
         start = None
         if files is not None:
-            start = yield from self._scan_files(table, files, chunk, keyed)
+            start = yield from self._scan_files(table, files, chunk)
             if start is None:
                 return
         # a whole-table pass: its blocks would only push the point reads' blocks out of the
@@ -457,8 +457,9 @@ class RocksDBStore:
                 return [f for f in files if f.family == table]
         return None
 
-    def _scan_files(self, table: str, files: list, chunk: int, keyed: bool):
-        """:meth:`items` from the table's files (checked block by block). Returns None when
+    def _scan_files(self, table: str, files: list, chunk: int):
+        """:meth:`items` from the table's files (checked block by block; a keyed row's key
+        columns are its file key's bytes, so both layouts read alike). Returns None when
         done, or, at an entry the reader does not follow, the key bytes from which RocksDB's
         iterator goes on (b"" for the start)."""
         from jctr.stores import table_scan

@@ -182,6 +182,17 @@ def _read_varint(data, pos, end):
 
 
 @numba.njit(inline="always")
+def _two_varints(data, pos, end):
+    """Two varints one after the other (a key's shared and own lengths, a block handle);
+    position -1 if they run past ``end``."""
+    a, pos = _read_varint(data, pos, end)
+    if pos < 0:
+        return a, a, pos
+    b, pos = _read_varint(data, pos, end)
+    return a, b, pos
+
+
+@numba.njit(inline="always")
 def _be8(buf):
     v = np.uint64(0)
     for b in range(8):
@@ -210,10 +221,7 @@ def _index(data, offset, size, delta, user_keys, handles, last):
     prev_off = np.int64(0)
     prev_size = np.int64(0)
     while pos < stop:
-        shared, pos = _read_varint(data, pos, stop)
-        if pos < 0:
-            return -1
-        own, pos = _read_varint(data, pos, stop)
+        shared, own, pos = _two_varints(data, pos, stop)
         if pos < 0:
             return -1
         if not delta:
@@ -236,10 +244,7 @@ def _index(data, offset, size, delta, user_keys, handles, last):
             off = prev_off + prev_size + 5
             sz = prev_size + d
         else:
-            uo, pos = _read_varint(data, pos, stop)
-            if pos < 0:
-                return -1
-            us, pos = _read_varint(data, pos, stop)
+            uo, us, pos = _two_varints(data, pos, stop)
             if pos < 0:
                 return -1
             off = np.int64(uo)
@@ -298,10 +303,7 @@ def _blocks_entries(data, handles, first, stop_block, value_bytes, tables, keys,
             return n, 2, j
         pos = off
         while pos < stop:
-            shared, pos = _read_varint(data, pos, stop)
-            if pos < 0:
-                return n, 2, j
-            own, pos = _read_varint(data, pos, stop)
+            shared, own, pos = _two_varints(data, pos, stop)
             if pos < 0:
                 return n, 2, j
             vlen, pos = _read_varint(data, pos, stop)

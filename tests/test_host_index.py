@@ -159,6 +159,21 @@ def test_rows_gathered_into_their_columns_equal_numpys_take():
         gather_rows(out, 16, b, np.full(7_000, 5_000))
 
 
+def test_take_rows_equals_numpys_take_for_every_kind_of_block():
+    """``take_rows`` (the streaming runner's gather of the last pass's written rows): the
+    compiled gather for float32 row blocks, ``np.take`` for keys and other dtypes; both as
+    numpy's take."""
+    from jctr.ops.host_sort import take_rows
+
+    rng = np.random.default_rng(7)
+    order = rng.integers(0, 3_000, 4_000)
+    for src in (rng.random((3_000, 57)).astype(np.float32), rng.integers(0, 9, 3_000),
+                rng.random((3_000, 4)), rng.random((3_000, 2, 3)).astype(np.float32)):
+        out = np.empty((order.size, *src.shape[1:]), src.dtype)
+        take_rows(src, order, out)
+        np.testing.assert_array_equal(out, np.take(src, order, axis=0))
+
+
 def test_last_occurrences_equal_a_dictionary():
     """The stores' dedupe of a batch (the last row of a key wins) by the radix sort of the
     keys' bits: negative keys and the int64 extremes group like any other."""

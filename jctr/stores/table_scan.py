@@ -38,10 +38,9 @@ import numpy as np
 
 from jctr.ops.checksum import TABLES, crc32c_range, mask
 from jctr.ops.host_index import host_kernel
+from jctr.stores.sst_file import CRC32C, MAGIC
 
-MAGIC = 0x88E241B785F4CFF7  # kBlockBasedTableMagicNumber
 FOOTER_BYTES = 53  # format versions 1-5: checksum type, two handles padded to 41, version, magic
-CRC32C = 1
 
 
 class Unreadable(Exception):
@@ -80,13 +79,11 @@ def _varint(buf, pos: int) -> tuple[int, int]:
 
 
 def _checked_block(data: np.ndarray, offset: int, size: int, path: str) -> bytes:
-    if offset < 0 or size < 4 or offset + size + 5 > data.size:
-        raise Unreadable(f"{path}: a block handle outside the file")
-    if data[offset + size] != 0:
-        raise Unreadable(f"{path}: a compressed block")
-    stored = struct.unpack_from("<I", data, offset + size + 1)[0]
-    if mask(crc32c_range(data, offset, offset + size + 1, TABLES)) != stored:
+    fault = _block_fault(data, offset, size, TABLES)
+    if fault == 1:
         raise TableCorrupt(f"{path}: the block at byte {offset} does not match its checksum")
+    if fault:
+        raise Unreadable(f"{path}: a block outside the file, or compressed")
     return bytes(data[offset:offset + size])
 
 
@@ -182,6 +179,26 @@ def _read_varint(data, pos, end):
 
 
 @numba.njit(inline="always")
+def _u32_at(data, pos):
+    """The little-endian 32-bit number at ``pos`` (a restart count, a stored checksum)."""
+    return np.int64(data[pos]) | (np.int64(data[pos + 1]) << 8) | \
+        (np.int64(data[pos + 2]) << 16) | (np.int64(data[pos + 3]) << 24)
+
+
+@host_kernel
+def _block_fault(data, off, size, tables):
+    """0 if the block at ``off`` of ``size`` bytes is in the file, uncompressed and matches its
+    trailer's masked CRC-32C; 1 if its checksum does not match; 2 if it is outside the file
+    or compressed."""
+    end = off + size
+    if off < 0 or size < 4 or end + 5 > data.size or data[end] != 0:
+        return 2
+    if np.int64(mask(crc32c_range(data, off, end + 1, tables))) != _u32_at(data, end + 1):
+        return 1
+    return 0
+
+
+@numba.njit(inline="always")
 def _two_varints(data, pos, end):
     """Two varints one after the other (a key's shared and own lengths, a block handle);
     position -1 if they run past ``end``."""
@@ -210,8 +227,7 @@ def _index(data, offset, size, delta, user_keys, handles, last):
     Returns the blocks read, or -1 if the entries are malformed or the blocks do not follow
     one another from byte 0."""
     end = offset + size
-    restarts = np.int64(data[end - 4]) | (np.int64(data[end - 3]) << 8) | \
-        (np.int64(data[end - 2]) << 16) | (np.int64(data[end - 1]) << 24)
+    restarts = _u32_at(data, end - 4)
     stop = end - 4 * (restarts + 1)
     if restarts <= 0 or stop < offset:
         return -1
@@ -290,14 +306,10 @@ def _blocks_entries(data, handles, first, stop_block, value_bytes, tables, keys,
         end = off + size
         if n + size // 4 + 1 > keys.size:  # an entry takes 4 bytes or more
             return n, 3, j
-        if end + 5 > data.size or data[end] != 0:
-            return n, 2, j
-        stored = np.uint32(data[end + 1]) | (np.uint32(data[end + 2]) << 8) | \
-            (np.uint32(data[end + 3]) << 16) | (np.uint32(data[end + 4]) << 24)
-        if mask(crc32c_range(data, off, end + 1, tables)) != stored:
-            return n, 1, j
-        restarts = np.int64(data[end - 4]) | (np.int64(data[end - 3]) << 8) | \
-            (np.int64(data[end - 2]) << 16) | (np.int64(data[end - 1]) << 24)
+        fault = _block_fault(data, off, size, tables)
+        if fault:
+            return n, fault, j
+        restarts = _u32_at(data, end - 4)
         stop = end - 4 * (restarts + 1)
         if restarts <= 0 or restarts >= 1 << 31 or stop < off:
             return n, 2, j

@@ -940,7 +940,8 @@ def test_a_row_stores_rows_hold_their_keys_and_an_older_database_is_kept_as_it_i
     """A RocksDB row store writes each row's key into its value too (two float32 columns
     first), so a pass over the table reads values alone (``RocksDBStore.items(keyed=True)``:
     half the interpreter's time a row); pulls by scan and by point reads, the rows of other
-    keys, the scaling of a slot's columns and an undo give what was pushed. A database a
+    keys, the scaling of a slot's columns and an undo (the written keys erased, the pulled rows put
+    back) give what was pushed. A database a
     row store wrote before rows held their keys (its width one key's columns short) is read
     and written in its own layout."""
     from types import SimpleNamespace
@@ -976,11 +977,18 @@ def test_a_row_stores_rows_hold_their_keys_and_an_older_database_is_kept_as_it_i
     k, v = next(rows.db.items("online.t", keyed=True))
     np.testing.assert_array_equal(v[:, :2].copy().view(np.int64).reshape(-1), k)
     check(rows, True)
-    rows.save_undo(str(tmp_path / "undo.npz"), [rows.pull(0, keys[:50])], [keys[:0]],
+    # the undo saves every key the write-back writes: those the database did not hold are
+    # erased again, the pulled rows put back
+    fresh = rng.choice(10**12, 30, replace=False).astype(np.int64) + 10**12
+    rows.save_undo(str(tmp_path / "undo.npz"), [rows.pull(0, keys[:50])],
+                   [np.concatenate([fresh[:10], keys[:50], fresh[10:]])],
                    {"day": "d", "pass": 1})
-    rows.push(0, {**{n: a[:50] for n, a in stored.items()},
-                  "values": np.zeros((50, 3), np.float32)})
+    rows.push(0, {"keys": np.concatenate([keys[:50], fresh]),
+                  "values": np.zeros((80, 3), np.float32),
+                  "accum": np.ones((80, 2), np.float32), "slot": np.ones(80, np.int32)})
+    assert rows.size(0) == 4030
     assert rows.undo(str(tmp_path / "undo.npz")) == ("d", 1)
+    assert rows.size(0) == 4000 and rows.pull(0, fresh)["keys"].size == 0
     rows.scale(0, "accum", (2.0, 0.5))
     got = rows.pull(0, keys[:50])
     np.testing.assert_array_equal(got["values"], stored["values"][:50])

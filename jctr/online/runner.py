@@ -713,16 +713,9 @@ class OnlineRun:
             if keep else []
 
     def _write_back(self, undo: str, pulled: list, tables: list, marker: dict) -> None:
-        """What the database held of a pass's keys saved to ``undo`` (with the keys it
-        brought: the database did not hold them), then the pass's rows written over them."""
-        from jctr.ops.host_index import KeySet
-
-        added = []
-        for tb, old in zip(tables, pulled):
-            held = KeySet(old["keys"].size)
-            held.add(old["keys"])
-            added.append(tb["keys"][~held.contains(tb["keys"])])
-        self.store.save_undo(undo, pulled, added, marker)
+        """What the database held of a pass's keys saved to ``undo`` (with the keys written),
+        then the pass's rows written over them."""
+        self.store.save_undo(undo, pulled, [tb["keys"] for tb in tables], marker)
         for i, tb in enumerate(tables):
             self.store.push(i, tb)
 

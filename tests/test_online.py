@@ -1072,16 +1072,16 @@ def test_a_table_larger_than_the_device_table_through_a_sparse_store(tmp_path, m
 
 
 def _rows_given(monkeypatch, method: str) -> list[int]:
-    """``OnlineRun.<method>(self, i, keys, rows)`` wrapped: each call's count of ``rows``
-    (None for None) appended to the list returned."""
+    """``OnlineRun.<method>(self, i, keys, rows, ...)`` wrapped: each call's count of
+    ``rows`` (None for None) appended to the list returned."""
     from jctr.online.runner import OnlineRun
 
     sizes = []
     real = getattr(OnlineRun, method)
 
-    def counted(self, i, keys, rows):
+    def counted(self, i, keys, rows, *rest):
         sizes.append(None if rows is None else rows["keys"].size)
-        return real(self, i, keys, rows)
+        return real(self, i, keys, rows, *rest)
 
     monkeypatch.setattr(OnlineRun, method, counted)
     return sizes

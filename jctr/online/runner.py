@@ -559,30 +559,34 @@ class OnlineRun:
         if halt.is_set() or upcoming is None:
             return None
         t0 = time.perf_counter()
-        rows = [self.store.pull(i, keys[~wanted[i].contains(keys)])
-                for i, keys in enumerate(s.keys() for s in upcoming)]
-        return {"rows": rows, "seconds": time.perf_counter() - t0}
+        rows, held_at = [], []
+        for i, keys in enumerate(s.keys() for s in upcoming):
+            held_at.append(wanted[i].positions(keys))
+            rows.append(self.store.pull(i, keys[held_at[-1] < 0]))
+        return {"rows": rows, "held_at": held_at, "seconds": time.perf_counter() - t0}
 
     def _rows_ahead(self) -> dict | None:
-        """What :meth:`_pull_ahead` read (``rows``, and the ``seconds`` it took; None if it
-        did not run), once it is done."""
+        """What :meth:`_pull_ahead` read (``rows``; ``held_at``: each following key's place
+        among this pass's pulled keys, -1 where absent; and the ``seconds`` it took; None if
+        it did not run), once it is done."""
         ahead, self._ahead = self._ahead, None
         return _result_or_none(ahead)  # failed: the pass pulls the usual way
 
-    def _pulled_rows(self, i: int, want: np.ndarray, ahead: dict) -> dict[str, np.ndarray]:
+    def _pulled_rows(self, i: int, want: np.ndarray, ahead: dict, at_held: np.ndarray
+                     ) -> dict[str, np.ndarray]:
         """The rows ``store.pull(i, want)`` gives after the last pass's write-back: the rows
         it wrote (``_written``) of ``want``'s keys, those read ahead (the stored rows of the
         keys it did not hold: all wanted, :meth:`_pull_ahead` read them for this very key
         set) and, read now, rows of keys the last pass held but did not write (validation keys
-        it never trained). The three sets of keys are apart, so the parts are laid side by
-        side, each row copied once; in place, not in ``want``'s order (a table takes its rows
-        in any order and trains them alike)."""
+        it never trained). ``at_held``: each key's place among the last pass's pulled keys
+        (``_wanted``), -1 where absent (found by the read ahead). The three sets of keys are
+        apart, so the parts are laid side by side, each row copied once; in place, not in
+        ``want``'s order (a table takes its rows in any order and trains them alike)."""
         last = self._last_written(i)
         if last is None:
             self._written_back()
             return self.store.pull(i, want)
         written, row_of = last
-        at_held = self._wanted[i].positions(want)
         from_written = row_of[at_held]
         late = self.store.pull(i, want[(at_held >= 0) & (from_written < 0)])
         take = np.zeros(written["keys"].size, bool)
@@ -673,7 +677,7 @@ class OnlineRun:
                                 f"(with the validation set's) does not fit embedding "
                                 f'"{spec.name}" ({spec.capacity:,} rows): raise '
                                 "max_vocabulary_size_per_gpu or make passes smaller")
-            own = (self._pulled_rows(i, want, ahead["rows"][i]) if after
+            own = (self._pulled_rows(i, want, ahead["rows"][i], ahead["held_at"][i]) if after
                    else self.store.pull(i, self._mine(want)))
             pulled.append(own)
             wanted.append(union)

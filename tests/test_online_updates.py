@@ -627,6 +627,62 @@ def test_the_serving_side_is_not_held_back_by_rocksdb_and_restarts_from_what_it_
         _close(applier, models, dbs)
 
 
+def test_the_persistent_side_takes_the_serving_sides_batches_and_reads_only_to_catch_up(
+        broker, tmp_path, monkeypatch):
+    """The persistent side applies the serving side's batches, handed over decoded once
+    applied, and fetches nothing from the broker while they follow what it applied (the
+    broker serves and the interpreter decodes each message once). A batch not handed over
+    (past the handoff's limit) sends it to the broker until it holds everything the serving
+    side applied; then it takes handed batches again. RocksDB ends with the hash map's rows
+    and the dense weights of the last step either way."""
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.updates import UpdateApplier, wait_for
+    from jctr.sharding.rows import export_placed
+
+    name = "dlrm_handoff"
+    t = _trainer(tmp_path, broker, name, every_n_steps=2)
+    export_bundle(t.cfg, t.state, str(tmp_path / "bundle"), t.placements)
+    ps, dbs, model = _hps(tmp_path, name, tmp_path / "bundle", broker)
+    table = f"hps_et.{name}.sparse_embedding1"
+    fetched = []  # the persistent side's polls of the broker that returned messages
+    applier = UpdateApplier(ps.update_source, dbs, {name: model}, group="g-handoff")
+    lasting = applier.lasting
+
+    def same_rows():
+        keys = export_placed(t.state.embeddings[0], t.placements[0])["keys"]
+        dim = model.tables[0].dim
+        held, found = dbs.persistent.lookup(table, keys, dim)
+        served, served_found = dbs.volatile.lookup(table, keys, dim)
+        assert found.all() and served_found.all()
+        np.testing.assert_array_equal(held, served)
+
+    applier.start()
+    try:
+        for step, limit in ((4, None), (8, 0), (12, None)):
+            if limit is not None:  # nothing handed over: the broker it is
+                monkeypatch.setattr(lasting.handoff, "limit_bytes", limit)
+            else:
+                monkeypatch.undo()
+            t.fit(step)
+            assert _sink(t).flush(10) == 0
+            assert wait_for(applier, lambda a: _applied(a, t, name) and
+                            not a.lasting.from_broker, 60), applier.stats()
+            same_rows()
+            fetched.append(dict(lasting.batches))
+        # the first steps handed over, none read; then read, none handed; then handed again
+        assert fetched[0]["handed"] > 0 and fetched[0]["read"] == 0, fetched
+        assert fetched[1]["read"] > 0 and lasting.handoff.dropped > 0, fetched
+        assert fetched[1]["handed"] == fetched[0]["handed"], fetched
+        assert fetched[2]["handed"] > fetched[1]["handed"], fetched
+        assert fetched[2]["read"] == fetched[1]["read"], fetched
+        batch = next(t.data.eval.batches(256, epochs=1))
+        np.testing.assert_allclose(model.predict(batch), t.predict(batch), **TOL)
+        kept = dbs.load_dense(f"hps_dense.{name}")
+        assert kept is not None and kept[0]["step"] == 12
+    finally:
+        _close(applier, {name: model}, dbs)
+
+
 def test_a_server_killed_while_it_applies_updates_comes_back_with_them(broker, tmp_path):
     """``python -m jctr.serve`` (hash map, RocksDB, device cache) is SIGKILLed as soon as it
     serves some of the trainer's updates, with more on their way: the server started again

@@ -5,14 +5,17 @@ and apply each message to every layer whose ``update_filters`` match the table
 cache (rows it holds are refreshed in place); a table's rows of one poll go in together, in
 chunks of ``max_batch_size`` keys; dense weights are swapped between two requests.
 
-With a persistent database that takes updates, each side reads in a consumer group of its own,
-as HugeCTR's HPS does (one message source per layer): the serving side (volatile database,
+With a persistent database that takes updates, each side commits in a consumer group of its
+own, as HugeCTR's HPS does (one message source per layer): the serving side (volatile database,
 device cache, dense swap; group ``<group>.serving``) is not held back by RocksDB's writes, which
 the persistent side (group ``<group>``; it also keeps the dense weights a restart serves)
-makes only while the serving side has nothing in hand (both run in one Python process: a
-RocksDB write holds the interpreter). A restarted serving side reads from the lower of the two
-groups' commits: a hash map that starts from RocksDB's rows holds what the persistent group
-committed, no more.
+makes after it. The persistent side takes the serving side's batches once they are applied,
+decoded (the broker serves and the interpreter decodes each message once), and reads from the
+broker itself only to catch up: when it misses messages (a batch not handed over, past
+``_HANDOFF_BYTES`` held; a failed write) or while the serving side fails. A restarted serving
+side reads from the lower of the two groups' commits: a hash map that starts from RocksDB's
+rows holds what the persistent group committed, no more (and the persistent side misses
+nothing).
 
 Delivery is at least once and applying is idempotent (a row is set, never added to; a table's
 messages come in order), so a restarted consumer that reads some messages again ends in the
@@ -31,6 +34,7 @@ Example::
 
 from __future__ import annotations
 
+import collections
 import logging
 import threading
 import time
@@ -53,6 +57,67 @@ log = logging.getLogger("jctr.serving")
 # of 1.7-1.9M, docs/performance.md "Online updates: the serving side first")
 _TRAIL_S = 1.0
 _YIELD_S = 0.1
+# the serving side's applied batches held for the persistent side at most (bytes of rows and
+# dense weights): one that would pass it is not handed over, and the persistent side reads
+# what it misses from the broker
+_HANDOFF_BYTES = 256 << 20
+
+
+class _Handoff:
+    """The serving side's applied batches, decoded, on their way to the persistent side (which
+    then neither fetches nor decodes them again): each with the offset its range of every
+    partition starts at (the serving side's next offset before it; messages the reader
+    skipped lie between), so that the persistent side sees whether it misses messages."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit_bytes = limit_bytes
+        self._items: collections.deque = collections.deque()
+        self._bytes = 0
+        self._ready = threading.Condition()
+        self.dropped = 0  # batches not handed over (the limit passed)
+        self.missed = False  # one was dropped since the persistent side last looked
+
+    @staticmethod
+    def _size(batch) -> int:
+        return sum(u.keys.nbytes + u.values.nbytes if u.kind == "rows" else len(u.dense)
+                   for _, _, u in batch)
+
+    def put(self, batch: list, starts: dict[tuple[str, int], int]) -> None:
+        size = self._size(batch)
+        with self._ready:
+            if self._bytes + size > self.limit_bytes:
+                self.dropped += 1
+                self.missed = True
+                return
+            self._items.append((batch, starts, size))
+            self._bytes += size
+            self._ready.notify()
+
+    def take(self, timeout_s: float) -> tuple[list, dict] | None:
+        """The oldest batch handed over (waiting at most ``timeout_s``), or None."""
+        with self._ready:
+            if not self._items:
+                self._ready.wait(timeout_s)
+            if not self._items:
+                return None
+            batch, starts, size = self._items.popleft()
+            self._bytes -= size
+            return batch, starts
+
+    def drop_applied(self, applied: dict[tuple[str, int], int]) -> None:
+        """Batches whose every message is below ``applied`` (read from the broker) gone."""
+        with self._ready:
+            while self._items and all(o < applied.get(w, 0) for w, o, _ in self._items[0][0]):
+                self._bytes -= self._items.popleft()[2]
+
+    def starts(self) -> dict[tuple[str, int], int]:
+        """Where the batches held begin, each partition's lowest."""
+        with self._ready:
+            out: dict[tuple[str, int], int] = {}
+            for _, starts, _ in self._items:
+                for w, at in starts.items():
+                    out[w] = min(at, out.get(w, at))
+            return out
 
 
 class UpdateApplier:
@@ -175,6 +240,11 @@ class _Consumer:
         self.dense_steps: list[int] = []  # the step of each dense message applied
         self.error: str | None = None
         self.caught_up = False  # what the topics held at start is applied
+        # the persistent side: the serving side's batches handed over, and whether it reads
+        # from the broker instead (to catch up); batches taken each way
+        self.handoff = _Handoff(_HANDOFF_BYTES) if role == "lasting" else None
+        self.from_broker = False
+        self.batches = {"handed": 0, "read": 0}
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"hps-updates-{self.role}",
@@ -191,7 +261,8 @@ class _Consumer:
     def stats(self) -> dict:
         return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,
                 "failures": self.failures, "error": self.error,
-                "last_step": dict(self.last_step), "caught_up": self.caught_up}
+                "last_step": dict(self.last_step), "caught_up": self.caught_up,
+                "batches": dict(self.batches)}
 
     def _say(self, level: int, message: str, *args) -> None:
         """Log on the serving side only: the persistent side reads the same messages and
@@ -220,9 +291,13 @@ class _Consumer:
                                           poll_timeout_ms=p.poll_timeout_ms,
                                           security=p.security, from_start=self.from_start,
                                           behind=self.behind)
+                    if self.role == "lasting":  # the serving side's batches, to begin with
+                        self.from_broker = False
+                        reader.stop_fetching()
                 if self.role == "lasting":
-                    self._yield_to_serving()
-                batch = reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
+                    batch = self._lasting_batch(reader)
+                else:
+                    batch = reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
             except (StoreUnavailable, StoreError) as e:
                 self._down(str(e))
                 self._stop.wait(backoff)
@@ -242,7 +317,7 @@ class _Consumer:
             if not batch:
                 self.caught_up = self.caught_up or reader.caught_up()
                 continue
-            if self.role == "lasting":
+            if self.role == "lasting" and self.from_broker:
                 self._trail(batch)
             self.busy = True
             try:
@@ -254,12 +329,19 @@ class _Consumer:
                 self.error = f"applying updates failed ({e}); retrying"
                 log.warning("update_source: %s", self.error)
                 self._stop.wait(backoff)
+                self.from_broker = True  # (a handed batch is gone: the broker has it)
                 reader.rewind()
                 continue
             self.busy = False
+            starts = {}
             for topic, offset, _ in batch:
+                starts.setdefault(topic, reader.applied.get(topic, offset))
                 reader.mark_applied(topic, offset)
                 self.offsets[topic] = offset + 1
+            if self.role == "serving":  # the persistent side takes it from here
+                self.owner.lasting.handoff.put(batch, starts)
+            elif self.role == "lasting" and self.from_broker:
+                self._back_to_handoff(reader)
             self.caught_up = self.caught_up or reader.caught_up()
             try:
                 reader.commit()
@@ -268,6 +350,57 @@ class _Consumer:
                 self.error = f"commit failed ({e}); the next commit covers it"
         if reader is not None:
             reader.close()
+
+    def _lasting_batch(self, reader: UpdateReader) -> list:
+        """The persistent side's next batch: the serving side's, handed over once it applied
+        it (the messages below what this side applied left out), or, to catch up, read from
+        the broker: when a handed batch starts past what this side applied (it missed
+        messages: its start, a batch not handed over, a failed write), or while the serving
+        side fails."""
+        p = self.params
+        if not self.from_broker:
+            reader.refresh()  # every partition's starting offset (the group's commit)
+            handed = None if self.handoff.missed else \
+                self.handoff.take(p.poll_timeout_ms / 1000.0)
+            if handed is None:
+                if self.owner.serving.error is None and not self.handoff.missed:
+                    return []
+            else:
+                batch, starts = handed
+                if any(w not in reader.applied for w in starts):  # a topic new since
+                    reader.refresh(force=True)
+                if all(at <= reader.applied.get(w, -1) for w, at in starts.items()):
+                    self.batches["handed"] += 1
+                    return [m for m in batch if m[1] >= reader.applied[m[0]]]
+            self.from_broker = True
+            self.handoff.missed = False  # (what it missed is read now)
+            reader.rewind()
+        self._yield_to_serving()
+        batch = reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
+        if batch:
+            self.batches["read"] += 1
+        else:
+            self._back_to_handoff(reader)
+        return batch
+
+    def _back_to_handoff(self, reader: UpdateReader) -> None:
+        """After a batch read from the broker: the handed batches it covered dropped, and the
+        broker left once this side holds every message the serving side applied but the
+        handed batches held (read before them: an offset the serving side moved before
+        handing its batch over keeps this side reading)."""
+        self.handoff.drop_applied(reader.applied)
+        serving = self.owner.serving
+        if serving.error is not None:
+            return
+        # a batch dropped from here on is seen in handoff mode; one dropped before moved the
+        # serving side's offsets first, read below
+        self.handoff.missed = False
+        need = dict(serving.offsets)  # (a copy: the serving thread moves them)
+        for w, at in self.handoff.starts().items():
+            need[w] = min(at, need.get(w, at))
+        if all(reader.applied.get(w, -1) >= at for w, at in need.items()):
+            self.from_broker = False
+            reader.stop_fetching()
 
     def _down(self, error: str) -> None:
         """The source failed: said once (not at every retry), kept for readiness; its backlog

@@ -297,6 +297,9 @@ class UpdateReader:
         self._config = config
         self.targets: dict[tuple[str, int], int] = {}  # the end of each topic when first seen
         self._listed = False  # the topics were listed once
+        # whether the client fetches (off: the messages come another way, see
+        # stop_fetching; the offsets are still kept and committed)
+        self.fetching = True
 
     def _refresh(self, force: bool = False) -> None:
         now = time.monotonic()
@@ -322,7 +325,7 @@ class UpdateReader:
                if self.pattern.search(t) and t not in known for p in meta.partitions]
         self._listed = True
         if not new:
-            if gone:
+            if gone and self.fetching:
                 self._assign(self.assigned)
             return
         bound = self._behind_offsets(new)
@@ -334,7 +337,14 @@ class UpdateReader:
             self.assigned[where] = start
             self.applied[where] = start
             self.targets.setdefault(where, high)
-        self._assign(self.assigned)
+        if self.fetching:
+            self._assign(self.assigned)
+
+    def refresh(self, force: bool = False) -> None:
+        """The topics looked up (at most once every ``metadata_refresh_interval_ms`` unless
+        ``force``) and each new partition's starting offset taken, as a poll does first: what
+        a reader that does not fetch needs to know where it stands."""
+        self._refresh(force)
 
     def _behind_offsets(self, parts: list) -> dict[tuple[str, int], int] | None:
         """The ``behind`` group's commits of ``parts`` (-1: none), or None without one."""
@@ -424,12 +434,24 @@ class UpdateReader:
     def mark_applied(self, where: tuple[str, int], offset: int) -> None:
         # in order per partition; lower again only when a restarted broker begins anew
         self.applied[where] = offset + 1
+        if not self.fetching:  # applied from messages read another way: read up to there
+            self.assigned[where] = offset + 1
 
     def rewind(self) -> None:
-        """Read again from what was applied (after a failed write)."""
+        """Read again from what was applied (after a failed write); a reader that stopped
+        fetching fetches again."""
         self._parts.clear()
         self.assigned = dict(self.applied)
+        self.fetching = True
         self._assign(self.assigned)
+
+    def stop_fetching(self) -> None:
+        """No more fetches from the broker (the messages come another way, and are marked
+        applied all the same); :meth:`rewind` fetches again from what was applied."""
+        self.fetching = False
+        self._parts.clear()
+        self.assigned = dict(self.applied)
+        self.consumer.assign([])
 
     def commit(self) -> None:
         """Commit what :meth:`mark_applied` recorded (never what was only read)."""

@@ -43,6 +43,8 @@ def test_crc32c_of_known_vectors(portable):
             assert checksum.crc32c(data[start:stop]) == \
                 checksum.crc32c(data[start:stop], portable=True)
     assert checksum.masked(0) == 0xA282EAD8  # crc32c::Mask
+    for crc in (1, 0x80000000, 0xFFFFFFFF, 0x5D7A_31C4, 0xE3069283):  # = the compiled mask
+        assert checksum.masked(crc) == int(checksum.mask(np.uint32(crc)))
 
 
 def _ingested(tmp_path, name, keys, columns, order=None, **kwargs):

@@ -536,7 +536,7 @@ class _Consumer:
         for s in range(0, keys_all.size, step):
             keys = keys_all[s:s + step]
             values = np.ascontiguousarray(values_all[s:s + step])
-            if pause is not None:
+            if pause is not None and s:  # (its first: the serving side applied it first)
                 pause()
             for layer in layers:
                 self.dbs.write_rows(layer, t.key, keys, values, pause=pause)

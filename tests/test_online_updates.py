@@ -633,11 +633,13 @@ def test_the_persistent_side_takes_the_serving_sides_batches_and_reads_only_to_c
     applied, and fetches nothing from the broker while they follow what it applied (the
     broker serves and the interpreter decodes each message once). A batch not handed over
     (past the handoff's limit) sends it to the broker until it holds everything the serving
-    side applied; then it takes handed batches again. RocksDB ends with the hash map's rows
-    and the dense weights of the last step either way."""
+    side applied; then it takes handed batches again. While the serving side fails, RocksDB
+    is kept fresh from the broker. RocksDB ends with the hash map's rows and the dense
+    weights of the last step either way."""
     from jctr.serving.bundle import export_bundle
     from jctr.serving.updates import UpdateApplier, wait_for
     from jctr.sharding.rows import export_placed
+    from jctr.stores import StoreUnavailable
 
     name = "dlrm_handoff"
     t = _trainer(tmp_path, broker, name, every_n_steps=2)
@@ -679,6 +681,25 @@ def test_the_persistent_side_takes_the_serving_sides_batches_and_reads_only_to_c
         np.testing.assert_allclose(model.predict(batch), t.predict(batch), **TOL)
         kept = dbs.load_dense(f"hps_dense.{name}")
         assert kept is not None and kept[0]["step"] == 12
+        # the serving side fails (its hash map refuses writes): RocksDB is kept fresh from
+        # the broker all the same, and the serving side catches up once it can write again
+        real_insert = dbs.volatile.insert
+
+        def refused(*a, **k):
+            raise StoreUnavailable("volatile_db: injected failure")
+
+        monkeypatch.setattr(dbs.volatile, "insert", refused)
+        t.fit(16)
+        assert _sink(t).flush(10) == 0
+        assert wait_for(applier, lambda a: a.lasting.last_step.get(table) == 16, 60), \
+            applier.stats()
+        assert applier.serving.last_step.get(table) == 12 and applier.serving.failures > 0
+        assert lasting.batches["read"] > fetched[2]["read"]
+        monkeypatch.setattr(dbs.volatile, "insert", real_insert)
+        assert wait_for(applier, lambda a: _applied(a, t, name) and
+                        not a.lasting.from_broker, 60), applier.stats()
+        same_rows()
+        np.testing.assert_allclose(model.predict(batch), t.predict(batch), **TOL)
     finally:
         _close(applier, {name: model}, dbs)
 

@@ -627,6 +627,34 @@ def test_the_serving_side_is_not_held_back_by_rocksdb_and_restarts_from_what_it_
         _close(applier, models, dbs)
 
 
+def test_the_handoff_holds_batches_up_to_its_limit_and_says_where_they_start():
+    """The serving side's batches wait for the persistent side up to a limit in bytes (one
+    that would pass it is dropped and marked missed); the batches a read from the broker
+    covered are dropped, and the bytes held count down to zero."""
+    from jctr.serving.updates import _Handoff
+    from jctr.stores.update_messages import Update
+
+    def rows(n):
+        return Update("rows", "m", "t", 1, np.arange(n, dtype=np.int64),
+                      np.zeros((n, 4), np.float32))
+
+    w, d = ("hps_et.m.t", 0), ("hps_dense.m", 0)
+    h = _Handoff(limit_bytes=3 * 10 * 24)  # three batches of 10 rows (8 + 16 bytes a row)
+    h.put([(w, 5, rows(10))], {w: 5})
+    h.put([(w, 7, rows(10)), (d, 2, Update("dense", "m", "", 1, dense=b""))], {w: 6, d: 0})
+    h.put([(w, 9, rows(10))], {w: 8})
+    assert h.dropped == 0 and not h.missed and h._bytes == 720
+    h.put([(w, 10, rows(1))], {w: 10})  # past the limit: not held
+    assert h.dropped == 1 and h.missed
+    assert h.starts() == {w: 5, d: 0}
+    h.drop_applied({w: 6})  # the first batch read from the broker meanwhile
+    assert h.starts() == {w: 6, d: 0}
+    batch, starts = h.take(0.01)
+    assert [m[1] for m in batch] == [7, 2] and starts == {w: 6, d: 0}
+    h.drop_applied({w: 10, d: 3})
+    assert h.take(0.01) is None and h._bytes == 0 and h.starts() == {}
+
+
 def test_the_persistent_side_takes_the_serving_sides_batches_and_reads_only_to_catch_up(
         broker, tmp_path, monkeypatch):
     """The persistent side applies the serving side's batches, handed over decoded once

@@ -333,12 +333,16 @@ class _Consumer:
                 reader.rewind()
                 continue
             self.busy = False
-            starts = {}
+            # where the batch's range of each partition starts (the persistent side, which
+            # takes it from here, sees whether it follows what it applied)
+            starts: dict[tuple[str, int], int] = {}
+            if self.role == "serving":
+                for topic, offset, _ in batch:
+                    starts.setdefault(topic, reader.applied.get(topic, offset))
             for topic, offset, _ in batch:
-                starts.setdefault(topic, reader.applied.get(topic, offset))
                 reader.mark_applied(topic, offset)
                 self.offsets[topic] = offset + 1
-            if self.role == "serving":  # the persistent side takes it from here
+            if self.role == "serving":
                 self.owner.lasting.handoff.put(batch, starts)
             elif self.role == "lasting" and self.from_broker:
                 self._back_to_handoff(reader)
@@ -521,23 +525,21 @@ class _Consumer:
         values_all = np.concatenate([v for _, v, _ in parts])
         layers = self._layers(t.key)
         pause = None
-        if self.role == "lasting":  # each write batch after the serving side's batch in hand
-            # (at most _YIELD_S a chunk in all: under a steady stream the persistent side
-            # still writes a chunk every ~_YIELD_S)
+        if self.role == "lasting":
+            # all in one write (the serving side applied these rows first): the database's
+            # insert takes many rows as one bulk load (the interpreter let go while the file
+            # is laid out) and yields between its write batches while the serving side has
+            # work (at most _YIELD_S for max_batch_size rows in all: under a steady stream
+            # the persistent side still writes)
             batch = self.dbs.persistent_params.max_set_batch_size
             share = _YIELD_S * min(1.0, batch / step)
 
             def pause():
                 self._wait_while(self.owner.serving.has_work, share)
-            # and all in one write: the database's insert yields between its write batches,
-            # and takes many rows as one bulk load (a burst read together: the interpreter
-            # let go while the file is laid out)
             step = max(step, keys_all.size)
         for s in range(0, keys_all.size, step):
             keys = keys_all[s:s + step]
             values = np.ascontiguousarray(values_all[s:s + step])
-            if pause is not None and s:  # (its first: the serving side applied it first)
-                pause()
             for layer in layers:
                 self.dbs.write_rows(layer, t.key, keys, values, pause=pause)
             if self.role != "lasting":

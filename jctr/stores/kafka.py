@@ -301,7 +301,11 @@ class UpdateReader:
         # stop_fetching; the offsets are still kept and committed)
         self.fetching = True
 
-    def _refresh(self, force: bool = False) -> None:
+    def refresh(self, force: bool = False) -> None:
+        """The topics looked up (at most once every ``metadata_refresh_interval_ms`` unless
+        ``force``) and each new partition's starting offset taken (assigned to the client
+        while it fetches), as a poll does first: also what a reader that does not fetch
+        needs to know where it stands."""
         now = time.monotonic()
         if not force and now - self._looked < min(self.refresh_s, 1.0) and self.assigned:
             return
@@ -340,12 +344,6 @@ class UpdateReader:
         if self.fetching:
             self._assign(self.assigned)
 
-    def refresh(self, force: bool = False) -> None:
-        """The topics looked up (at most once every ``metadata_refresh_interval_ms`` unless
-        ``force``) and each new partition's starting offset taken, as a poll does first: what
-        a reader that does not fetch needs to know where it stands."""
-        self._refresh(force)
-
     def _behind_offsets(self, parts: list) -> dict[tuple[str, int], int] | None:
         """The ``behind`` group's commits of ``parts`` (-1: none), or None without one."""
         if self.behind is None:
@@ -371,14 +369,14 @@ class UpdateReader:
                                                                       Update]]:
         """Up to ``max_messages`` decoded updates ``((topic, partition), offset, update)``, in
         order per topic; messages that are not jctr updates are logged and skipped."""
-        self._refresh()
+        self.refresh()
         deadline = time.monotonic() + timeout_s
         while not self.assigned:  # (a refresh with nothing assigned always lists the topics)
             left = deadline - time.monotonic()
             if left <= 0:
                 return []
             time.sleep(min(left, LOOK_FOR_TOPICS_S))
-            self._refresh()
+            self.refresh()
         timeout_s = max(0.0, deadline - time.monotonic())
         out = []
         # wait (up to timeout_s) for the first message only, then take what is there: a

@@ -142,13 +142,13 @@ class UpdateApplier:
         split = any("persistent_db" in dbs.update_layers(t.key) for m in models.values()
                     for t in m.tables)
         if split:
-            self.lasting: _Consumer | None = _Consumer(self, "lasting", group, from_start)
-            self.serving = _Consumer(self, "serving", f"{group}.serving", from_start,
-                                     behind=group)
-            self.consumers = [self.serving, self.lasting]
+            self.lasting: _LastingSide | None = _LastingSide(self, group, from_start)
+            self.serving: _Consumer = _ServingSide(self, f"{group}.serving", from_start,
+                                                   behind=group)
+            self.consumers: list[_Consumer] = [self.serving, self.lasting]
         else:
             self.lasting = None
-            self.serving = _Consumer(self, "all", group, from_start)
+            self.serving = _Consumer(self, group, from_start)
             self.consumers = [self.serving]
 
     def start(self) -> None:
@@ -207,17 +207,20 @@ class UpdateApplier:
 
 
 class _Consumer:
-    """One consumer group's thread and the layers it writes: ``role`` ``all`` (every layer),
-    ``serving`` (volatile database, device cache, dense swap) or ``lasting`` (the persistent
-    database and the kept dense weights)."""
+    """One consumer group's thread: it reads a batch, applies it to its layers, then commits.
+    This one writes every layer (no persistent database takes updates); where one does,
+    :class:`_ServingSide` and :class:`_LastingSide` split the layers between two groups."""
 
-    def __init__(self, owner: UpdateApplier, role: str, group: str, from_start: bool, *,
+    name = "all"
+    serves = True  # writes the volatile database and the device cache, swaps dense weights
+    keeps = True  # writes the persistent database and keeps the dense weights a restart serves
+
+    def __init__(self, owner: UpdateApplier, group: str, from_start: bool, *,
                  behind: str | None = None):
         self.owner = owner
         self.params = owner.params
         self.dbs = owner.dbs
         self.models = owner.models
-        self.role = role
         self.group = group
         self.behind = behind
         self.from_start = from_start
@@ -240,14 +243,9 @@ class _Consumer:
         self.dense_steps: list[int] = []  # the step of each dense message applied
         self.error: str | None = None
         self.caught_up = False  # what the topics held at start is applied
-        # the persistent side: the serving side's batches handed over, and whether it reads
-        # from the broker instead (to catch up); batches taken each way
-        self.handoff = _Handoff(_HANDOFF_BYTES) if role == "lasting" else None
-        self.from_broker = False
-        self.batches = {"handed": 0, "read": 0}
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name=f"hps-updates-{self.role}",
+        self._thread = threading.Thread(target=self._run, name=f"hps-updates-{self.name}",
                                         daemon=True)
         self._thread.start()
 
@@ -261,20 +259,49 @@ class _Consumer:
     def stats(self) -> dict:
         return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,
                 "failures": self.failures, "error": self.error,
-                "last_step": dict(self.last_step), "caught_up": self.caught_up,
-                "batches": dict(self.batches)}
+                "last_step": dict(self.last_step), "caught_up": self.caught_up}
+
+    def has_work(self) -> bool:
+        """A batch in hand or messages left to read (what the persistent side waits for)."""
+        return self.busy or self.backlog > 0
 
     def _say(self, level: int, message: str, *args) -> None:
-        """Log on the serving side only: the persistent side reads the same messages and
-        would say everything twice."""
-        if self.role != "lasting":
-            log.log(level, message, *args)
+        log.log(level, message, *args)
 
+    # -- what the sides do differently ---------------------------------------------------------
+    def _opened(self, reader: UpdateReader) -> None:
+        """A reader was made (at start, or after the client failed)."""
+
+    def _next_batch(self, reader: UpdateReader) -> list:
+        p = self.params
+        return reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
+
+    def _polled(self, reader: UpdateReader) -> None:
+        """After every poll, whatever it returned."""
+
+    def _applying(self, batch: list) -> None:
+        """Before a batch is applied."""
+
+    def _failed(self, reader: UpdateReader) -> None:
+        """A batch failed to apply: read again from the last commit."""
+        reader.rewind()
+
+    def _mark(self, reader: UpdateReader, batch: list) -> None:
+        """A batch applied: its offsets are what the next commit covers."""
+        for topic, offset, _ in batch:
+            reader.mark_applied(topic, offset)
+            self.offsets[topic] = offset + 1
+
+    def _write_plan(self, rows: int) -> tuple[int, object]:
+        """(rows a write, a callback the database calls between its write batches)."""
+        return self.params.max_batch_size, None
+
+    # -- the loop ------------------------------------------------------------------------------
     def _run(self) -> None:
         p = self.params
         backoff = p.failure_backoff_ms / 1000.0
         reader = None
-        if self.role != "lasting":
+        if self.serves:
             for name, model in self.models.items():  # before the first update, on this thread
                 try:
                     model.compile_refresh()
@@ -291,13 +318,8 @@ class _Consumer:
                                           poll_timeout_ms=p.poll_timeout_ms,
                                           security=p.security, from_start=self.from_start,
                                           behind=self.behind)
-                    if self.role == "lasting":  # the serving side's batches, to begin with
-                        self.from_broker = False
-                        reader.stop_fetching()
-                if self.role == "lasting":
-                    batch = self._lasting_batch(reader)
-                else:
-                    batch = reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
+                    self._opened(reader)
+                batch = self._next_batch(reader)
             except (StoreUnavailable, StoreError) as e:
                 self._down(str(e))
                 self._stop.wait(backoff)
@@ -309,16 +331,14 @@ class _Consumer:
                 reader = None
                 self._stop.wait(max(backoff, 1.0))
                 continue
-            if self.role == "serving":  # (cached watermarks: no request to the broker)
-                self.backlog = reader.backlog()
+            self._polled(reader)
             if self.error is not None and self._said is not None:
                 self._say(logging.WARNING, "update_source: the broker answers again")
                 self._said = None
             if not batch:
                 self.caught_up = self.caught_up or reader.caught_up()
                 continue
-            if self.role == "lasting" and self.from_broker:
-                self._trail(batch)
+            self._applying(batch)
             self.busy = True
             try:
                 self._apply(batch)
@@ -329,23 +349,10 @@ class _Consumer:
                 self.error = f"applying updates failed ({e}); retrying"
                 log.warning("update_source: %s", self.error)
                 self._stop.wait(backoff)
-                self.from_broker = True  # (a handed batch is gone: the broker has it)
-                reader.rewind()
+                self._failed(reader)
                 continue
             self.busy = False
-            # where the batch's range of each partition starts (the persistent side, which
-            # takes it from here, sees whether it follows what it applied)
-            starts: dict[tuple[str, int], int] = {}
-            if self.role == "serving":
-                for topic, offset, _ in batch:
-                    starts.setdefault(topic, reader.applied.get(topic, offset))
-            for topic, offset, _ in batch:
-                reader.mark_applied(topic, offset)
-                self.offsets[topic] = offset + 1
-            if self.role == "serving":
-                self.owner.lasting.handoff.put(batch, starts)
-            elif self.role == "lasting" and self.from_broker:
-                self._back_to_handoff(reader)
+            self._mark(reader, batch)
             self.caught_up = self.caught_up or reader.caught_up()
             try:
                 reader.commit()
@@ -354,57 +361,6 @@ class _Consumer:
                 self.error = f"commit failed ({e}); the next commit covers it"
         if reader is not None:
             reader.close()
-
-    def _lasting_batch(self, reader: UpdateReader) -> list:
-        """The persistent side's next batch: the serving side's, handed over once it applied
-        it (the messages below what this side applied left out), or, to catch up, read from
-        the broker: when a handed batch starts past what this side applied (it missed
-        messages: its start, a batch not handed over, a failed write), or while the serving
-        side fails."""
-        p = self.params
-        if not self.from_broker:
-            reader.refresh()  # every partition's starting offset (the group's commit)
-            handed = None if self.handoff.missed else \
-                self.handoff.take(p.poll_timeout_ms / 1000.0)
-            if handed is None:
-                if self.owner.serving.error is None and not self.handoff.missed:
-                    return []
-            else:
-                batch, starts = handed
-                if any(w not in reader.applied for w in starts):  # a topic new since
-                    reader.refresh(force=True)
-                if all(at <= reader.applied.get(w, -1) for w, at in starts.items()):
-                    self.batches["handed"] += 1
-                    return [m for m in batch if m[1] >= reader.applied[m[0]]]
-            self.from_broker = True
-            self.handoff.missed = False  # (what it missed is read now)
-            reader.rewind()
-        self._yield_to_serving()
-        batch = reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
-        if batch:
-            self.batches["read"] += 1
-        else:
-            self._back_to_handoff(reader)
-        return batch
-
-    def _back_to_handoff(self, reader: UpdateReader) -> None:
-        """After a batch read from the broker: the handed batches it covered dropped, and the
-        broker left once this side holds every message the serving side applied but the
-        handed batches held (read before them: an offset the serving side moved before
-        handing its batch over keeps this side reading)."""
-        self.handoff.drop_applied(reader.applied)
-        serving = self.owner.serving
-        if serving.error is not None:
-            return
-        # a batch dropped from here on is seen in handoff mode; one dropped before moved the
-        # serving side's offsets first, read below
-        self.handoff.missed = False
-        need = dict(serving.offsets)  # (a copy: the serving thread moves them)
-        for w, at in self.handoff.starts().items():
-            need[w] = min(at, need.get(w, at))
-        if all(reader.applied.get(w, -1) >= at for w, at in need.items()):
-            self.from_broker = False
-            reader.stop_fetching()
 
     def _down(self, error: str) -> None:
         """The source failed: said once (not at every retry), kept for readiness; its backlog
@@ -438,16 +394,16 @@ class _Consumer:
                     continue
                 self._apply_pending(pending)  # the rows read before it are served with it
                 try:
-                    if self.role == "lasting":
-                        model.check_dense(u.dense, u.non_trainable)
-                    else:
+                    if self.serves:
                         model.swap_dense(u.dense, u.non_trainable)
+                    else:
+                        model.check_dense(u.dense, u.non_trainable)
                 except ModelFileError as e:  # poison: retrying cannot help
                     self.refused["dense"] += 1
                     self._say(logging.ERROR, "update_source: dense update of %s at step %d "
                               "refused: %s", u.model, u.step, e)
                     continue
-                if self.role != "serving":
+                if self.keeps:
                     # kept where it outlives the process: a restart serves it, not the files'
                     self.dbs.save_dense(dense_topic(u.model), u.dense,
                                         {"step": u.step, "non_trainable": u.non_trainable,
@@ -484,68 +440,169 @@ class _Consumer:
         pending.clear()
 
     def _layers(self, table: str) -> list[str]:
-        layers = self.dbs.update_layers(table)
-        if self.role == "all":
-            return layers
-        return [x for x in layers if (x == "persistent_db") == (self.role == "lasting")]
-
-    def _wait_while(self, busy, limit_s: float) -> None:
-        """Wait while ``busy()`` holds, at most ``limit_s`` (the persistent side yields to the
-        serving side, never starves)."""
-        end = time.monotonic() + limit_s
-        while busy() and time.monotonic() < end and not self._stop.is_set():
-            time.sleep(0.002)
-
-    def has_work(self) -> bool:
-        """A batch in hand or messages left to read (what the persistent side waits for)."""
-        return self.busy or self.backlog > 0
-
-    def _yield_to_serving(self) -> None:
-        """Before it reads, the persistent side waits (at most _TRAIL_S) while the serving side
-        has messages in hand or to read: its reading and decoding took this interpreter from
-        the serving side (a burst served at 0.53-0.63x the broker's rate without this wait,
-        0.63-0.80x with it)."""
-        self._wait_while(self.owner.serving.has_work, _TRAIL_S)
-
-    def _trail(self, batch) -> None:
-        """The persistent side waits (a while) until the serving side has applied ``batch``:
-        what it writes then never delays a served update (one interpreter runs both)."""
-        serving = self.owner.serving
-        last = {where: offset for where, offset, _ in batch}
-        self._wait_while(lambda: serving.error is None and any(
-            serving.offsets.get(w, -1) <= o for w, o in last.items()), _TRAIL_S)
+        return [x for x in self.dbs.update_layers(table)
+                if (self.keeps if x == "persistent_db" else self.serves)]
 
     def _apply_rows(self, model, i: int, parts: list) -> None:
         """One table's rows of the messages read, ``parts`` [(keys, values, step)] in their
-        order, to this side's layers in chunks of ``max_batch_size`` (the persistent side: in
-        one write, see below)."""
-        step = self.params.max_batch_size
+        order, to this consumer's layers in chunks (:meth:`_write_plan`)."""
         t = model.tables[i]
         keys_all = np.concatenate([k for k, _, _ in parts])
         values_all = np.concatenate([v for _, v, _ in parts])
         layers = self._layers(t.key)
-        pause = None
-        if self.role == "lasting":
-            # all in one write (the serving side applied these rows first): the database's
-            # insert takes many rows as one bulk load (the interpreter let go while the file
-            # is laid out) and yields between its write batches while the serving side has
-            # work (at most _YIELD_S for max_batch_size rows in all: under a steady stream
-            # the persistent side still writes)
-            batch = self.dbs.persistent_params.max_set_batch_size
-            share = _YIELD_S * min(1.0, batch / step)
-
-            def pause():
-                self._wait_while(self.owner.serving.has_work, share)
-            step = max(step, keys_all.size)
+        step, pause = self._write_plan(keys_all.size)
         for s in range(0, keys_all.size, step):
             keys = keys_all[s:s + step]
             values = np.ascontiguousarray(values_all[s:s + step])
             for layer in layers:
                 self.dbs.write_rows(layer, t.key, keys, values, pause=pause)
-            if self.role != "lasting":
+            if self.serves:
                 model.refresh_rows(i, keys, values)
         self.applied_rows += int(keys_all.size)
         self.last_step[t.key] = parts[-1][2]
+
+
+class _ServingSide(_Consumer):
+    """The volatile database, the device cache and the dense swap (group ``<group>.serving``),
+    read first; each batch it applied goes on to the persistent side, decoded."""
+
+    name = "serving"
+    keeps = False
+
+    def _polled(self, reader: UpdateReader) -> None:
+        self.backlog = reader.backlog()  # (cached watermarks: no request to the broker)
+
+    def _mark(self, reader: UpdateReader, batch: list) -> None:
+        # where the batch's range of each partition starts (the persistent side, which
+        # takes it from here, sees whether it follows what it applied)
+        starts: dict[tuple[str, int], int] = {}
+        for topic, offset, _ in batch:
+            starts.setdefault(topic, reader.applied.get(topic, offset))
+        super()._mark(reader, batch)
+        self.owner.lasting.handoff.put(batch, starts)
+
+
+class _LastingSide(_Consumer):
+    """The persistent database and the kept dense weights (group ``<group>``): it loads the
+    serving side's batches as they are handed over, and reads from the broker itself only to
+    catch up (``from_broker``); ``batches`` counts the batches taken each way. It yields to
+    the serving side (one interpreter runs both) and says nothing the serving side says."""
+
+    name = "lasting"
+    serves = False
+
+    def __init__(self, owner: UpdateApplier, group: str, from_start: bool):
+        super().__init__(owner, group, from_start)
+        self.handoff = _Handoff(_HANDOFF_BYTES)
+        self.from_broker = False
+        self.batches = {"handed": 0, "read": 0}
+
+    def stats(self) -> dict:
+        return {**super().stats(), "batches": dict(self.batches)}
+
+    def _say(self, level: int, message: str, *args) -> None:
+        """Silent: it reads the same messages as the serving side, which says everything."""
+
+    def _opened(self, reader: UpdateReader) -> None:
+        self.from_broker = False  # the serving side's batches, to begin with
+        reader.stop_fetching()
+
+    def _applying(self, batch: list) -> None:
+        if self.from_broker:
+            self._trail(batch)
+
+    def _failed(self, reader: UpdateReader) -> None:
+        self.from_broker = True  # (a handed batch is gone: the broker has it)
+        super()._failed(reader)
+
+    def _mark(self, reader: UpdateReader, batch: list) -> None:
+        super()._mark(reader, batch)
+        if self.from_broker:
+            self._back_to_handoff(reader)
+
+    def _write_plan(self, rows: int) -> tuple[int, object]:
+        # all in one write (the serving side applied these rows first): the database's
+        # insert takes many rows as one bulk load (the interpreter let go while the file is
+        # laid out) and yields between its write batches while the serving side has work
+        # (at most _YIELD_S for max_batch_size rows in all: under a steady stream the
+        # persistent side still writes)
+        step = self.params.max_batch_size
+        share = _YIELD_S * min(1.0, self.dbs.persistent_params.max_set_batch_size / step)
+
+        def pause():
+            self._wait_while(self.owner.serving.has_work, share)
+        return max(step, rows), pause
+
+    def _next_batch(self, reader: UpdateReader) -> list:
+        """The serving side's next batch, handed over once it applied it (the messages below
+        what this side applied left out), or, to catch up, read from the broker: when a
+        handed batch starts past what this side applied (it missed messages: its start, a
+        batch not handed over, a failed write), or while the serving side fails."""
+        p = self.params
+        if not self.from_broker:
+            reader.refresh()  # every partition's starting offset (the group's commit)
+            handed = None if self.handoff.missed else \
+                self.handoff.take(p.poll_timeout_ms / 1000.0)
+            if handed is None:
+                if self.owner.serving.error is None and not self.handoff.missed:
+                    return []
+            else:
+                batch, starts = handed
+                if any(w not in reader.applied for w in starts):  # a topic new since
+                    reader.refresh(force=True)
+                if all(at <= reader.applied.get(w, -1) for w, at in starts.items()):
+                    self.batches["handed"] += 1
+                    return [m for m in batch if m[1] >= reader.applied[m[0]]]
+            self.from_broker = True
+            self.handoff.missed = False  # (what it missed is read now)
+            reader.rewind()
+        self._yield_to_serving()
+        batch = super()._next_batch(reader)
+        if batch:
+            self.batches["read"] += 1
+        else:
+            self._back_to_handoff(reader)
+        return batch
+
+    def _back_to_handoff(self, reader: UpdateReader) -> None:
+        """After a batch read from the broker: the handed batches it covered dropped, and the
+        broker left once this side holds every message the serving side applied but the
+        handed batches held (read before them: an offset the serving side moved before
+        handing its batch over keeps this side reading)."""
+        self.handoff.drop_applied(reader.applied)
+        serving = self.owner.serving
+        if serving.error is not None:
+            return
+        # a batch dropped from here on is seen in handoff mode; one dropped before moved the
+        # serving side's offsets first, read below
+        self.handoff.missed = False
+        need = dict(serving.offsets)  # (a copy: the serving thread moves them)
+        for w, at in self.handoff.starts().items():
+            need[w] = min(at, need.get(w, at))
+        if all(reader.applied.get(w, -1) >= at for w, at in need.items()):
+            self.from_broker = False
+            reader.stop_fetching()
+
+    def _wait_while(self, busy, limit_s: float) -> None:
+        """Wait while ``busy()`` holds, at most ``limit_s`` (it yields, never starves)."""
+        end = time.monotonic() + limit_s
+        while busy() and time.monotonic() < end and not self._stop.is_set():
+            time.sleep(0.002)
+
+    def _yield_to_serving(self) -> None:
+        """Before it reads, wait (at most _TRAIL_S) while the serving side has messages in
+        hand or to read: reading and decoding here took the interpreter from the serving
+        side (a burst served at 0.53-0.63x the broker's rate without this wait, 0.63-0.80x
+        with it)."""
+        self._wait_while(self.owner.serving.has_work, _TRAIL_S)
+
+    def _trail(self, batch) -> None:
+        """Wait (a while) until the serving side has applied ``batch``: what this side writes
+        then never delays a served update (one interpreter runs both)."""
+        serving = self.owner.serving
+        last = {where: offset for where, offset, _ in batch}
+        self._wait_while(lambda: serving.error is None and any(
+            serving.offsets.get(w, -1) <= o for w, o in last.items()), _TRAIL_S)
 
 
 def wait_for(applier: UpdateApplier, predicate, timeout_s: float = 30.0) -> bool:

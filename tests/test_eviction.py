@@ -291,6 +291,56 @@ def test_a_table_without_eviction_keeps_refusing_when_full():
     assert np.asarray(lk.rows).tolist()[4:] == [-1, -1] and int(table.overflow) == 2
 
 
+@pytest.mark.parametrize("policy", ["lfu", "epoch_lfu"])
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+def test_a_hot_keys_touch_count_saturates_instead_of_wrapping(policy, kernels, monkeypatch):
+    """*lfu's touch counts are int32 beside each slot (HierarchicalKV keeps 64-bit scores,
+    ``merlin/hkv``): a hot key's count stops short of 2**31 - 1 instead of wrapping to the
+    lowest score, where the next new key would evict the hottest key first. A key in a sixth
+    of a power-law stream's lookups gets there in ~1.5M steps of 8,192 samples
+    (``hash_table._count_touches``)."""
+    monkeypatch.setenv("JCTR_KERNELS", kernels)
+    top = np.iinfo(np.int32).max
+    ev, capacity = EvictionConfig(policy, epoch_steps=1000), 8
+    step = jax.jit(lambda t, k: lookup(t, k, jnp.ones(k.shape, bool), capacity, insert=True,
+                                       eviction=ev))
+    table, _ = step(create_table(capacity, ev), jnp.arange(1, 9, dtype=jnp.int64))
+    hot = 3
+    slot = int(np.flatnonzero(np.asarray(table.slot_keys) == hot)[0])
+    table = table._replace(slot_score=table.slot_score.at[slot, 1].set(top - 3))
+    table, _ = step(table, jnp.full(8, hot, jnp.int64))  # eight touches past the end
+    assert top - 16 < int(table.slot_score[slot, 1]) <= top
+    for new in range(100, 110):  # one new key a step evicts a key touched 1 or 8 times
+        table, lk = step(table, jnp.full(8, new, jnp.int64))
+        assert int(np.asarray(lk.rows)[0]) >= 0
+        held, _ = export_items(table)
+        assert hot in held and new in held, (new, sorted(held))
+    assert int(table.evicted) == 10
+
+
+def test_eviction_counts_pass_int32_and_resume():
+    """The evicted and refused counts are 64-bit (an evicting table under a stream of new
+    keys passes 2**31 evictions in hours): a snapshot's counts past it go back into the
+    table (a 32-bit buffer made the restore fail) and count on
+    (``checkpoint.manager._with_eviction_counts``)."""
+    from jctr.checkpoint.manager import _eviction_counts, _with_eviction_counts
+    from jctr.config.schema import OptimizerConfig
+    from jctr.embedding.sparse_embedding import EmbeddingSpec, init_embedding, lookup_keys
+
+    spec = EmbeddingSpec("t", capacity=8, dim=4, slot_num=1, max_features=1, one_hot=True,
+                         input_index=0, optimizer=OptimizerConfig("Adam", update_type="Local"),
+                         eviction=EvictionConfig("lru"))
+    saved = {"evicted": 5 * 2**31 + 7, "refused": 2**31 + 1}
+    state = _with_eviction_counts(spec, init_embedding(spec), saved)
+    assert _eviction_counts(spec, state) == saved
+    step = jax.jit(lambda s, k: lookup_keys(spec, s, k, jnp.ones(k.shape, bool),
+                                            jnp.zeros(k.shape, jnp.int32), train=True))
+    for first in (0, 8, 16):  # 8 keys fill the table, 16 more evict
+        state, _ = step(state, jnp.arange(first, first + 8, dtype=jnp.int64))
+    assert _eviction_counts(spec, state) == {"evicted": saved["evicted"] + 16,
+                                             "refused": saved["refused"]}
+
+
 def _evicting(tmp_path, policy="lru", capacity=60, **solver):
     from tests.conftest import tiny_config
 

@@ -159,7 +159,7 @@ def _with_eviction_counts(spec: EmbeddingSpec, es, stored: dict[str, Any]):
         return es
 
     def put(x, total: int):
-        now = np.zeros(np.shape(x), np.int32)
+        now = np.zeros(np.shape(x), x.dtype)
         now.flat[0] = total
         return jax.device_put(now, x.sharding)
 

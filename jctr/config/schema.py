@@ -455,7 +455,8 @@ class EvictionConfig:
     policy: str
     """``"lru"``, ``"lfu"``, ``"epoch_lru"``, ``"epoch_lfu"`` or ``"score"`` (the caller's
     scores, from ``score_fn``: NVIDIA HierarchicalKV's customized strategy; the lowest score
-    goes first, ties least recently used)."""
+    goes first, ties least recently used). The ``*lfu`` touch counts are 32-bit and stop
+    short of 2**31 - 1 (a hot key's count saturates; it never wraps to the lowest)."""
     epoch_steps: int = 1000
     """Steps per epoch of the ``epoch_*`` policies."""
     samples: int = 8

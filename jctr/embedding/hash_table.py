@@ -55,14 +55,16 @@ class HashTable(NamedTuple):
     slot_rows: jax.Array  # int32 [num_slots], -1 where free
     scratch: jax.Array  # int32 [num_slots], dedupe workspace (contents never matter)
     size: jax.Array  # int32 [], rows handed out so far (in use, or freed and listed below)
-    overflow: jax.Array  # int32 [], keys refused because the table was full (sticky)
+    # the two counts are 64-bit: an evicting table under a stream of new keys passes 2**31
+    # evictions within hours (100k a step: ~21k steps)
+    overflow: jax.Array  # int64 [], keys refused because the table was full (sticky)
     free_rows: jax.Array  # int32 [capacity], a stack of rows freed by erase
     free_count: jax.Array  # int32 [], rows on that stack
     # eviction (an empty [0, 1] array for a table without it): what the policy ranks keys
     # by, kept beside their slots (a bucket's keys rank from one or two cache lines)
     slot_score: jax.Array  # int32 [num_slots, columns], last step touched (and touches: *lfu)
     clock: jax.Array  # int32 [], training lookups so far (the steps the scores count in)
-    evicted: jax.Array  # int32 [], keys evicted so far
+    evicted: jax.Array  # int64 [], keys evicted so far
     tombstones: jax.Array  # int32 [], erased or evicted keys' slots since the last rehash
 
     @property
@@ -90,20 +92,20 @@ def create_table(capacity: int, eviction: EvictionConfig | None = None) -> HashT
     n = num_slots_for(capacity, eviction)
     tracked = n if eviction is not None else 0
     columns = eviction.score_columns if eviction is not None else 1
-    def zero():  # a buffer each: a donated state must not hold one array twice
-        return jnp.zeros((), jnp.int32)
+    def zero(dtype=jnp.int32):  # a buffer each: a donated state must not hold one array twice
+        return jnp.zeros((), dtype)
 
     return HashTable(
         slot_keys=jnp.full((n,), EMPTY_KEY, jnp.int64),
         slot_rows=jnp.full((n,), -1, jnp.int32),
         scratch=jnp.zeros((n,), jnp.int32),
         size=zero(),
-        overflow=zero(),
+        overflow=zero(jnp.int64),
         free_rows=jnp.zeros((capacity,), jnp.int32),
         free_count=zero(),
         slot_score=jnp.zeros((tracked, columns), jnp.int32),
         clock=zero(),
-        evicted=zero(),
+        evicted=zero(jnp.int64),
         tombstones=zero(),
     )
 
@@ -406,6 +408,9 @@ def _clear_runs(slot_keys, scratch, starts):
     return slot_keys, scratch, cleared
 
 
+_TOUCHES_MAX = np.iinfo(np.int32).max
+
+
 def _count_touches(table: HashTable, keys, slots, rows, restart, eviction: EvictionConfig):
     """The step's touches in ``*lfu``'s second score column: one per occurrence of a key with
     a row (``rows`` >= 0, at its ``slots`` entry), counted from 0 for the keys of the
@@ -419,6 +424,10 @@ def _count_touches(table: HashTable, keys, slots, rows, restart, eviction: Evict
     if eviction.policy == "score":
         return score.at[at, 1].set(caller_scores(eviction, keys, table.clock), mode="drop")
     score = score.at[jnp.where(restart, at, table.num_slots), 1].set(0, mode="drop")
+    # a hot key's count stops short of int32's end (this step adds at most one a position):
+    # wrapped, it would rank lowest and be evicted first (a key in a sixth of a power-law
+    # stream's lookups passes 2**31 touches in ~1.5M steps of 8,192 samples)
+    score = score.at[at, 1].min(_TOUCHES_MAX - keys.shape[0], mode="drop")
     return score.at[at, 1].add(1, mode="drop")
 
 

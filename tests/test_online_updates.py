@@ -480,6 +480,44 @@ def test_a_readers_backlog_counts_the_messages_its_polls_have_not_returned(broke
         reader.close()
 
 
+def test_a_server_keeps_the_steps_of_its_last_dense_updates_only():
+    """A server lives for months, a dense update every few seconds: ``dense_steps`` (the
+    serving side's, for readiness and tests) holds the last ``_DENSE_STEPS_KEPT``, not every
+    step since it started."""
+    from jctr.config.hps import (
+        PersistentDatabaseParams,
+        UpdateSourceParams,
+        VolatileDatabaseParams,
+    )
+    from jctr.serving import updates
+    from jctr.serving.hps import Databases
+    from jctr.stores.update_messages import Update
+
+    class Model:
+        tables = []
+
+        @staticmethod
+        def swap_dense(dense, non_trainable):
+            pass
+
+        @staticmethod
+        def base_link():
+            return None
+
+    dbs = Databases(VolatileDatabaseParams(type="hash_map"), PersistentDatabaseParams())
+    source = UpdateSourceParams(type="kafka_message_queue", brokers="127.0.0.1:9")
+    try:
+        applier = updates.UpdateApplier(source, dbs, {"m": Model})
+        assert applier.lasting is None  # one consumer writes every layer
+        n = updates._DENSE_STEPS_KEPT + 500
+        for step in range(n):
+            applier.serving._apply([(("t", 0), step, Update("dense", "m", "", step,
+                                                             dense=b"w"))])
+        assert applier.dense_steps == list(range(500, n)) and applier.applied_dense == n
+    finally:
+        dbs.close()
+
+
 def test_the_persistent_side_waits_while_the_serving_side_has_messages_to_read(
         tmp_path, monkeypatch):
     """The persistent side waits before it reads while the serving side has a batch in hand

@@ -61,6 +61,7 @@ _YIELD_S = 0.1
 # dense weights): one that would pass it is not handed over, and the persistent side reads
 # what it misses from the broker
 _HANDOFF_BYTES = 256 << 20
+_DENSE_STEPS_KEPT = 1024
 
 
 class _Handoff:
@@ -186,7 +187,8 @@ class UpdateApplier:
 
     @property
     def dense_steps(self) -> list[int]:
-        return self.serving.dense_steps
+        """The steps of the last dense messages the serving side applied, oldest first."""
+        return list(self.serving.dense_steps)
 
     @property
     def caught_up(self) -> bool:
@@ -240,7 +242,9 @@ class _Consumer:
         self._strangers: set[str] = set()  # model names of messages not for us, said once
         self._said: str | None = None  # the source's failure last said
         self.last_step: dict[str, int] = {}  # table key / dense topic -> step applied
-        self.dense_steps: list[int] = []  # the step of each dense message applied
+        # the step of each dense message applied, the last _DENSE_STEPS_KEPT (a server
+        # lives for months)
+        self.dense_steps: collections.deque[int] = collections.deque(maxlen=_DENSE_STEPS_KEPT)
         self.error: str | None = None
         self.caught_up = False  # what the topics held at start is applied
 

@@ -318,6 +318,44 @@ def test_a_hot_keys_touch_count_saturates_instead_of_wrapping(policy, kernels, m
     assert int(table.evicted) == 10
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu"])
+@pytest.mark.parametrize("kernels", ["auto", "reference"])
+@pytest.mark.parametrize("near", [1 << 30, (1 << 31) - 1])
+def test_the_clock_goes_back_before_it_wraps_and_evicts_as_before(policy, kernels, near,
+                                                                   monkeypatch):
+    """The clock and stamps are int32: 2**31 steps (~8 months at 100 steps a second) would
+    wrap them and rank the newest keys lowest. A table whose clock and stamps sit just below
+    ``_CLOCK_LIMIT``, or just below 2**31 (a table saved before the limit existed), the same
+    table as one at its start moved on by whole epochs, steps on: its clock goes back by
+    ``clock_shift`` and it makes the same choices, step by step, as the table that never
+    came near (``hash_table._turn_clock_back``)."""
+    monkeypatch.setenv("JCTR_KERNELS", kernels)
+    ev, capacity = EvictionConfig(policy, epoch_steps=4), 64
+    step = jax.jit(lambda t, k: lookup(t, k, jnp.ones(k.shape, bool), capacity, insert=True,
+                                       eviction=ev))
+    rng = np.random.default_rng(11)
+    young = create_table(capacity, ev)
+    for _ in range(12):  # a full table with keys of different ages and touches
+        young, _ = step(young, jnp.asarray(rng.integers(0, 120, 16)))
+    clock = int(young.clock)
+    offset = (near - clock - 3) // 4 * 4  # whole epochs
+    live = np.asarray(young.slot_rows) >= 0
+    score = np.asarray(young.slot_score).copy()
+    score[live, 0] += offset
+    old = young._replace(clock=jnp.asarray(clock + offset, jnp.int32),
+                         slot_score=jnp.asarray(score))
+    for i in range(10):
+        keys = jnp.asarray(rng.integers(0, 400, 16))
+        young, a = step(young, keys)
+        old, b = step(old, keys)
+        np.testing.assert_array_equal(np.asarray(a.rows), np.asarray(b.rows), err_msg=str(i))
+        np.testing.assert_array_equal(np.asarray(a.evicted), np.asarray(b.evicted))
+        np.testing.assert_array_equal(export_items(young)[0], export_items(old)[0])
+    assert int(young.evicted) > 20
+    back = int(young.clock) + offset - int(old.clock)  # once, or a step a time till below
+    assert back > 0 and back % ht.clock_shift(ev) == 0 and int(old.clock) < ht._CLOCK_LIMIT
+
+
 def test_eviction_counts_pass_int32_and_resume():
     """The evicted and refused counts are 64-bit (an evicting table under a stream of new
     keys passes 2**31 evictions in hours): a snapshot's counts past it go back into the
@@ -401,6 +439,20 @@ def test_the_score_policy_names_what_is_wrong_with_its_function(tmp_path, score_
     assert f"layers[1].eviction.{error}" in str(e.value)
     if score_fn is not None and ":" in score_fn:  # a model for inference builds without it
         build_model(parse_config(cfg))
+
+
+def test_an_epoch_longer_than_the_clock_can_turn_back_is_refused(tmp_path):
+    """The clock goes back by whole epochs past 2**30 steps: ``epoch_steps`` is at most
+    2**28, said with its JSON path."""
+    from jctr.config import ConfigError, parse_config
+
+    cfg = _evicting(tmp_path, policy="epoch_lru")
+    cfg["layers"][1]["eviction"]["epoch_steps"] = (1 << 28) + 1
+    with pytest.raises(ConfigError, match=r"layers\[1\]\.eviction\.epoch_steps: expected at "
+                                          r"most 268,435,456 steps an epoch"):
+        parse_config(cfg)
+    cfg["layers"][1]["eviction"]["epoch_steps"] = 1 << 28
+    assert parse_config(cfg).embeddings[0].eviction.epoch_steps == 1 << 28
 
 
 @pytest.mark.parametrize("change,error", [

@@ -781,6 +781,9 @@ def _parse_eviction(r: ObjectReader) -> EvictionConfig:
     """An embedding layer's ``eviction`` object."""
     policy = r.choice("policy", EVICTION_POLICIES)
     epoch_steps = r.int("epoch_steps", 1000, min_value=1)
+    if epoch_steps > 1 << 28:  # the table's clock goes back by whole epochs past 2**30
+        raise r.error("epoch_steps", f"expected at most {1 << 28:,} steps an epoch, got "
+                      f"{epoch_steps:,}")
     if r.has("epoch_steps") and not policy.startswith("epoch_"):
         raise r.error("epoch_steps", f'only the epoch_* policies have epochs, not "{policy}"')
     samples = r.int("samples", 8, min_value=1)

@@ -458,7 +458,8 @@ class EvictionConfig:
     goes first, ties least recently used). The ``*lfu`` touch counts are 32-bit and stop
     short of 2**31 - 1 (a hot key's count saturates; it never wraps to the lowest)."""
     epoch_steps: int = 1000
-    """Steps per epoch of the ``epoch_*`` policies."""
+    """Steps per epoch of the ``epoch_*`` policies (at most 2**28: the table's 32-bit clock
+    goes back by whole epochs once past 2**30 steps, its stamps with it)."""
     samples: int = 8
     """Slots whose keys a new key ranks to choose its victim: those from the first slot of
     its home bucket on (eight: the bucket, its scores in one cache line, as NVIDIA

@@ -63,7 +63,8 @@ class HashTable(NamedTuple):
     # eviction (an empty [0, 1] array for a table without it): what the policy ranks keys
     # by, kept beside their slots (a bucket's keys rank from one or two cache lines)
     slot_score: jax.Array  # int32 [num_slots, columns], last step touched (and touches: *lfu)
-    clock: jax.Array  # int32 [], training lookups so far (the steps the scores count in)
+    clock: jax.Array  # int32 [], training lookups so far (the steps the scores count in; it
+    # goes back by half a billion once past a billion, its stamps with it: _turn_clock_back)
     evicted: jax.Array  # int64 [], keys evicted so far
     tombstones: jax.Array  # int32 [], erased or evicted keys' slots since the last rehash
 
@@ -140,6 +141,7 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
     arriving = jnp.sum(valid, dtype=jnp.int32)
     if evicting:  # a plain table's tombstones come from erase, whose caller rebuilds
         table = _rehash_if_crowded(table, arriving)
+        table = _turn_clock_back(table, eviction)
         table = table._replace(clock=table.clock + 1)
     if not insert:
         _, slots = find_slots(table.slot_keys, keys, valid, insert=False)
@@ -232,6 +234,36 @@ def _place(table: HashTable, keys, valid, arriving, capacity: int, evicting: boo
 # -- eviction ----------------------------------------------------------------------------------
 _ROUNDS = 8  # windows per new key: a key whose choice another took ranks other slots
 _NEVER = np.int64(np.iinfo(np.int64).max)
+
+
+# the clock and the stamps beside the slots are 32-bit: past 2**31 steps (~8 months at 100
+# steps a second) the clock would wrap and the newest keys rank lowest. Once it reaches
+# _CLOCK_LIMIT it goes back by a whole number of epochs near _CLOCK_SHIFT, every stamp with
+# it (stamps older than that become 0, the oldest there is): the ranking is unchanged but
+# among keys untouched for half a billion steps.
+_CLOCK_LIMIT = 1 << 30
+_CLOCK_SHIFT = 1 << 29
+
+
+def clock_shift(eviction: EvictionConfig) -> int:
+    """How far the clock goes back at :data:`_CLOCK_LIMIT`: whole epochs (the epoch
+    policies' epochs stay aligned)."""
+    return max(1, _CLOCK_SHIFT // eviction.epoch_steps) * eviction.epoch_steps
+
+
+def _turn_clock_back(table: HashTable, eviction: EvictionConfig) -> HashTable:
+    """``table`` with its clock and stamps moved back once its clock reaches _CLOCK_LIMIT (a
+    loop run at most once: a cond would copy the scores in its untaken branch)."""
+    shift = clock_shift(eviction)
+
+    def back(c):
+        _, score, clock = c
+        last = jnp.maximum(score[:, 0] - shift, 0).astype(score.dtype)
+        return False, score.at[:, 0].set(last), clock - shift
+
+    _, score, clock = jax.lax.while_loop(
+        lambda c: c[0], back, (table.clock >= _CLOCK_LIMIT, table.slot_score, table.clock))
+    return table._replace(slot_score=score, clock=clock)
 
 
 def _rank(score: jax.Array, clock: jax.Array, eviction: EvictionConfig) -> jax.Array:

@@ -479,6 +479,37 @@ def test_device_cache_hits_lru_within_a_set_and_refresh():
     np.testing.assert_array_equal(np.asarray(values)[:many.size][hit], _vectors(many[hit], 2))
 
 
+@pytest.mark.parametrize("near", [0, 1 << 30, (1 << 31) - 1])
+def test_device_cache_keeps_its_lru_order_as_its_clock_turns_back(near):
+    """A busy server calls a table's cache thousands of times a second: its 32-bit clock
+    passed 2**31 within days, and from then on every stamp read as empty (no hits). The
+    clock turns back by ``_CLOCK_SHIFT`` at ``_CLOCK_LIMIT``, its stamps with it: a cache
+    moved on to just below the limit, or to 2**31, hits and evicts as a fresh one
+    (``device_cache._tick``)."""
+    import jax.numpy as jnp
+
+    from jctr.serving import device_cache
+
+    cache = DeviceCache(capacity=WAYS, dim=2)  # one set: every key competes
+    keys = np.arange(1, WAYS + 1, dtype=np.int64)
+    cache.insert(keys, _vectors(keys, 2))
+    cache.query(keys[keys != 1])  # 1 is the oldest
+    if near:
+        st = cache.state
+        offset = near - int(st.clock) - 2
+        stamps = np.asarray(st.stamps)
+        cache.state = st._replace(
+            stamps=jnp.asarray(np.where(stamps >= 0, stamps + offset, -1), jnp.int32),
+            clock=jnp.asarray(int(st.clock) + offset, jnp.int32))
+    for _ in range(4):  # across the limit (or 2**31)
+        hit, _ = cache.query(keys[keys != 1])
+        assert hit.all()
+    cache.insert(np.array([50], np.int64), _vectors([50], 2))
+    hit, _ = cache.query(np.concatenate([keys, [50]]))
+    assert hit.tolist() == [False] + [True] * (WAYS - 1) + [True]
+    assert cache.size() == WAYS and 0 < int(cache.state.clock) < device_cache._CLOCK_LIMIT
+
+
 def test_update_refreshes_of_any_size_compile_once_and_ahead():
     """Online updates come in any number of rows; each refresh shape first met compiled for
     ~0.2 s while holding the cache's lock, which requests wait on. ``refresh_rows`` refreshes

@@ -33,7 +33,7 @@ class CacheState(NamedTuple):
     keys: jax.Array  # int64 [sets, WAYS]
     stamps: jax.Array  # int32 [sets, WAYS], last use; -1 where empty
     values: jax.Array  # float32 [sets, WAYS, dim]
-    clock: jax.Array  # int32 [], advances once per call
+    clock: jax.Array  # int32 [], advances once per call (turned back at _CLOCK_LIMIT)
 
 
 def _sets_of(keys: jax.Array, num_sets: int) -> jax.Array:
@@ -47,14 +47,36 @@ def _find(state: CacheState, keys: jax.Array, valid: jax.Array):
     return sets, jnp.any(match, axis=1), jnp.argmax(match, axis=1).astype(jnp.int32)
 
 
+# the clock and stamps are 32-bit, and a busy server calls a table's cache thousands of times
+# a second (2**31 calls within days; past them every stamp would read as empty): once the
+# clock reaches _CLOCK_LIMIT it goes back by _CLOCK_SHIFT, every stamp with it (stamps older
+# than that become 0, still cached): the LRU order is unchanged but among ways untouched for
+# half a billion calls
+_CLOCK_LIMIT = 1 << 30
+_CLOCK_SHIFT = 1 << 29
+
+
+def _tick(state: CacheState) -> CacheState:
+    """``state`` with its clock advanced (turned back first at _CLOCK_LIMIT: a loop run at
+    most once, as a cond would copy the stamps in its untaken branch)."""
+    def back(c):
+        _, stamps, clock = c
+        return (False, jnp.where(stamps >= 0, jnp.maximum(stamps - _CLOCK_SHIFT, 0), -1),
+                clock - _CLOCK_SHIFT)
+
+    _, stamps, clock = jax.lax.while_loop(
+        lambda c: c[0], back, (state.clock >= _CLOCK_LIMIT, state.stamps, state.clock))
+    return state._replace(stamps=stamps, clock=clock + 1)
+
+
 @partial(jax.jit, donate_argnums=0)
 def _query(state: CacheState, keys: jax.Array, valid: jax.Array):
     sets, hit, way = _find(state, keys, valid)
     values = jnp.where(hit[:, None], state.values[sets, way], 0.0)
-    clock = state.clock + 1
+    state = _tick(state)
     stamps = state.stamps.at[jnp.where(hit, sets, state.keys.shape[0]), way].set(
-        clock, mode="drop")
-    return state._replace(stamps=stamps, clock=clock), hit, values
+        state.clock, mode="drop")
+    return state._replace(stamps=stamps), hit, values
 
 
 @partial(jax.jit, donate_argnums=0)
@@ -62,7 +84,8 @@ def _insert(state: CacheState, keys: jax.Array, values: jax.Array, valid: jax.Ar
     num_sets = state.keys.shape[0]
     sets = _sets_of(keys, num_sets)
     idx = jnp.arange(keys.shape[0], dtype=jnp.int32)
-    clock = state.clock + 1
+    state = _tick(state)
+    clock = state.clock
 
     def round_(_, carry):
         st, pending = carry
@@ -78,7 +101,7 @@ def _insert(state: CacheState, keys: jax.Array, values: jax.Array, valid: jax.Ar
         return st, pending & ~won
 
     state, _ = jax.lax.fori_loop(0, WAYS, round_, (state, valid))
-    return state._replace(clock=clock)
+    return state
 
 
 @partial(jax.jit, donate_argnums=0)

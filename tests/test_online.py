@@ -943,6 +943,56 @@ def test_ten_days_of_a_drifting_stream_through_a_small_table(tmp_path):
         OnlineRun(online("kept", 30), log=lambda s: None).run()
 
 
+def test_a_streaming_run_compiles_nothing_once_its_first_shrink_is_done(tmp_path,
+                                                                         monkeypatch):
+    """A streaming run lives for months, a pass an hour: a program compiled in a pass stays in
+    the process for good. Five days of a drifting stream (two passes a day, the shrink
+    erasing keys from the third day's end): once a shrink has run, a pass and its day end
+    compile nothing. Each pass's checkpoint gathered the table's rows with an index of the
+    table's size, a new program (and ~3.5 MB more memory a day) for every size met."""
+    import json
+
+    import jax
+
+    from jctr.config import parse_config
+    from jctr.data.tools.synthetic import generate_for_config
+    from jctr.online import runner
+    from jctr.online.synthetic_stream import write_stream
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, "dlrm", display=1000, eval_batches=2, batchsize=256,
+                      batchsize_eval=256, eval_interval=10**6)
+    cfg["layers"][0]["synthetic"].update(num_samples=512, eval_num_samples=512, num_files=1)
+    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 32000
+    generate_for_config(parse_config(cfg))
+    days = [f"201907{20 + d}" for d in range(5)]
+    write_stream(parse_config(cfg), str(tmp_path / "stream"), days, split_interval=720,
+                 files_per_slice=1, samples_per_file=2048, drift=0.3, vocab=[6000] * 8)
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(cfg))
+    compiles: list[int] = [0]  # a count each pass (its training, its checkpoint, its day end)
+    real = runner.OnlineRun._train_pass
+
+    def counted(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        compiles.append(0)
+        return out
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles[-1] += 1
+
+    monkeypatch.setattr(runner.OnlineRun, "_train_pass", counted)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        oc = _online(tmp_path, model, tmp_path / "save", start_day=days[0], end_day=days[-1],
+                     table_parameters={"delete_after_unseen_days": 1})
+        assert runner.OnlineRun(oc, log=lambda s: None).run() == 10
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert compiles[0] > 0 and compiles[6:10] == [0, 0, 0, 0], compiles
+
+
 def test_show_and_click_from_named_inputs(tmp_path):
     """show_click_entry: each key's show is the sum of its samples' dense[0] and its click the
     sum of label[0] (counted here from the files); a column the model lacks is refused."""

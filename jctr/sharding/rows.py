@@ -48,17 +48,25 @@ def export_table(state: EmbeddingState, *, copy: bool = True) -> dict[str, np.nd
 def _rows_of(state: EmbeddingState, keys: np.ndarray, rows: np.ndarray, *, copy: bool = True
              ) -> dict[str, np.ndarray]:
     """A stored-table dict of ``keys`` held at ``rows``: vectors, slot ids, optimizer rows."""
-    idx = jnp.asarray(rows)
     # rows 0 .. n-1 (a table that never freed one): leading slices, not a gather
     leading = rows.size and int(rows[0]) == 0 and int(rows[-1]) == rows.size - 1 and \
         bool(np.all(np.diff(rows) == 1))
+    idx = None
 
     def take(arr) -> np.ndarray:
+        nonlocal idx
         if isinstance(arr, np.ndarray):  # on the host already: no trip through a device
             if leading:
                 return arr[: rows.size].copy() if copy else arr[: rows.size]
             return np.take(arr, rows, axis=0)
-        return np.asarray(jnp.take(arr, idx, axis=0))
+        if idx is None:
+            # padded to a power of two: a run that exports every pass (streaming) compiles
+            # a gather for a few sizes, not one for each table size it meets (each compiled
+            # program stays in memory for the life of the process)
+            idx = np.zeros(1 << max(0, int(rows.size) - 1).bit_length(), np.int32)
+            idx[:rows.size] = rows
+            idx = jnp.asarray(idx)
+        return np.asarray(jnp.take(arr, idx, axis=0))[:rows.size]
 
     out = {"keys": keys, "values": take(state.values), "slot": take(state.row_slot)}
     for name, arr in state.slots.items():

@@ -899,17 +899,14 @@ def test_admission_in_a_streaming_run(tmp_path):
                           table_parameters={"embedx_dim": 5}), log=lambda s: None).run()
 
 
-def test_ten_days_of_a_drifting_stream_through_a_small_table(tmp_path):
-    """Ten simulated days of power-law keys whose popular keys drift every day (a generated
-    tree): with the shrink (keys unseen for more than a day go, Paddle's order: at the end of
-    the second day after they were last seen) the table never holds more than about three days
-    of keys and the pass AUC (each pass's predictions before it learns from them) climbs and
-    holds; the same stream without a shrink fills the table."""
+def _drifting_stream(tmp_path, days: list[str], samples_per_file: int = 4096):
+    """The tiny DLRM (a 32,000-row table) and a generated tree of ``days`` (two passes a
+    day) of power-law keys whose popular keys drift every day; returns the model config's
+    path."""
     import json
 
     from jctr.config import parse_config
-    from jctr.embedding.hash_table import TableFullError
-    from jctr.online.runner import OnlineRun
+    from jctr.data.tools.synthetic import generate_for_config
     from jctr.online.synthetic_stream import write_stream
     from tests.conftest import tiny_config
 
@@ -918,14 +915,28 @@ def test_ten_days_of_a_drifting_stream_through_a_small_table(tmp_path):
     cfg["layers"][0]["synthetic"].update(num_samples=512, eval_num_samples=512, num_files=1)
     # three days of keys fit (27.7k), ten do not (46.4k): each slot draws from 6,000 keys
     cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 32000
-    from jctr.data.tools.synthetic import generate_for_config
-
     generate_for_config(parse_config(cfg))  # the validation set
-    days = [f"201907{20 + d}" for d in range(10)]
     write_stream(parse_config(cfg), str(tmp_path / "stream"), days, split_interval=720,
-                 files_per_slice=1, samples_per_file=4096, drift=0.3, vocab=[6000] * 8)
+                 files_per_slice=1, samples_per_file=samples_per_file, drift=0.3,
+                 vocab=[6000] * 8)
     model = tmp_path / "model.json"
     model.write_text(json.dumps(cfg))
+    return model
+
+
+def test_ten_days_of_a_drifting_stream_through_a_small_table(tmp_path):
+    """Ten simulated days of power-law keys whose popular keys drift every day (a generated
+    tree): with the shrink (keys unseen for more than a day go, Paddle's order: at the end of
+    the second day after they were last seen) the table never holds more than about three days
+    of keys and the pass AUC (each pass's predictions before it learns from them) climbs and
+    holds; the same stream without a shrink fills the table."""
+    import json
+
+    from jctr.embedding.hash_table import TableFullError
+    from jctr.online.runner import OnlineRun
+
+    days = [f"201907{20 + d}" for d in range(10)]
+    model = _drifting_stream(tmp_path, days)
 
     def online(name, unseen_days):
         return _online(tmp_path, model, tmp_path / name, start_day=days[0], end_day=days[-1],
@@ -950,26 +961,12 @@ def test_a_streaming_run_compiles_nothing_once_its_first_shrink_is_done(tmp_path
     erasing keys from the third day's end): once a shrink has run, a pass and its day end
     compile nothing. Each pass's checkpoint gathered the table's rows with an index of the
     table's size, a new program (and ~3.5 MB more memory a day) for every size met."""
-    import json
-
     import jax
 
-    from jctr.config import parse_config
-    from jctr.data.tools.synthetic import generate_for_config
     from jctr.online import runner
-    from jctr.online.synthetic_stream import write_stream
-    from tests.conftest import tiny_config
 
-    cfg = tiny_config(tmp_path, "dlrm", display=1000, eval_batches=2, batchsize=256,
-                      batchsize_eval=256, eval_interval=10**6)
-    cfg["layers"][0]["synthetic"].update(num_samples=512, eval_num_samples=512, num_files=1)
-    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 32000
-    generate_for_config(parse_config(cfg))
     days = [f"201907{20 + d}" for d in range(5)]
-    write_stream(parse_config(cfg), str(tmp_path / "stream"), days, split_interval=720,
-                 files_per_slice=1, samples_per_file=2048, drift=0.3, vocab=[6000] * 8)
-    model = tmp_path / "model.json"
-    model.write_text(json.dumps(cfg))
+    model = _drifting_stream(tmp_path, days, samples_per_file=2048)
     compiles: list[int] = [0]  # a count each pass (its training, its checkpoint, its day end)
     real = runner.OnlineRun._train_pass
 
@@ -991,6 +988,44 @@ def test_a_streaming_run_compiles_nothing_once_its_first_shrink_is_done(tmp_path
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles[0] > 0 and compiles[6:10] == [0, 0, 0, 0], compiles
+
+
+def test_checkpoint_keep_days_bounds_a_long_runs_checkpoints(tmp_path):
+    """``checkpoint_keep_days: 1``: at each day's end the pass checkpoints and batch models of
+    days before the one that ended go (a run that lives for months fills no disk); the base
+    models stay, and the run resumes from its progress record and goes on to the next day.
+    Without it (PaddlePaddle's way) every checkpoint stays."""
+    import json
+
+    from jctr.online.runner import OnlineRun
+
+    days = [f"201907{20 + d}" for d in range(5)]
+    model = _drifting_stream(tmp_path, days, samples_per_file=1024)
+
+    def online(save, end, keep):
+        return _online(tmp_path, model, tmp_path / save, start_day=days[0], end_day=end,
+                       checkpoint_keep_days=keep)
+
+    lines = []
+    assert OnlineRun(online("kept", days[3], 1), log=lines.append).run() == 8
+    save = tmp_path / "kept"
+
+    def held(day):
+        folder = save / day
+        return sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+
+    assert [held(d) for d in days[:3]] == [[], ["base"], ["base"]]  # (day one's folder gone)
+    assert not (save / days[0]).exists()
+    assert held(days[3]) == ["0", "1", "2", "base"] and held(days[4]) == ["0", "base"]
+    assert any("checkpoint(s) of days before 20190723 removed" in x for x in lines), lines
+    progress = json.loads((save / "progress.json").read_text())
+    assert (save / progress["checkpoint"]).is_dir() and progress["day"] == days[3]
+    assert OnlineRun(online("kept", days[4], 1), log=lambda s: None).run() == 2
+    assert held(days[3]) == ["base"]
+    assert held(days[4]) == ["0", "1", "2", "base"]
+    assert OnlineRun(online("all", days[2], 0), log=lambda s: None).run() == 6
+    assert [sorted(p.name for p in (tmp_path / "all" / d).iterdir()) for d in days[:3]] == \
+        [["1", "2"], ["0", "1", "2", "base"], ["0", "1", "2", "base"]]  # (day one: no 0)
 
 
 def test_show_and_click_from_named_inputs(tmp_path):

@@ -129,6 +129,11 @@ class OnlineConfig:
     checkpoint_per_pass: int = 1
     """A checkpoint every this many passes; after a day's last pass and its shrink the batch
     model ``<save_model_path>/<next day>/0/`` is the checkpoint."""
+    checkpoint_keep_days: int = 0
+    """0 (the default, PaddlePaddle's way): every checkpoint stays. N: at each day's end the
+    pass checkpoints and batch models of days more than N days before the new batch model's
+    are removed (base and delta models stay, and so does the checkpoint a run would resume
+    from): a run that lives for months keeps a bounded disk."""
     save_delta_frequency: int = 0
     """An inference delta model ``<save_model_path>/<day>/delta-<pass>/`` every this many
     passes (0: none). The base model ``<next day>/base/`` is written after every day's
@@ -185,6 +190,7 @@ def parse_online_config(raw: Any, source: str | None = None) -> OnlineConfig:
         data_sleep_second=r.float("data_sleep_second", 30.0, min_value=0.0),
         prefetch=r.bool("prefetch", True),
         checkpoint_per_pass=r.int("checkpoint_per_pass", 1, min_value=1),
+        checkpoint_keep_days=r.int("checkpoint_keep_days", 0, min_value=0),
         save_delta_frequency=r.int("save_delta_frequency", 0, min_value=0),
         kafka_sink=_kafka_sink(r),
         sparse_store=store, sparse_store_type=store_type,

@@ -954,6 +954,39 @@ class OnlineRun:
         self._checkpoint(folder, day, len(self.passes), day_end=True, meanwhile=beside,
                          then=linked if whole else None, statistics=False)
         self._written = []  # the day's last rows, kept for its base model
+        self._prune_checkpoints(following)
+
+    def _prune_checkpoints(self, newest: str) -> None:
+        """``checkpoint_keep_days`` N: the pass checkpoints and batch models (``<day>/<n>/``)
+        of days more than N days before ``newest`` (the batch model just started) removed;
+        base and delta models stay, and so does the checkpoint the progress record names.
+        Days that old were sealed long before (a snapshot in flight is this day's)."""
+        import shutil
+
+        import jax
+
+        keep = self.cfg.checkpoint_keep_days
+        if not keep or jax.process_index() != 0:
+            return
+        cutoff = next_day(newest, -keep)
+        root = self.cfg.save_model_path
+        record = self.progress()
+        named = os.path.abspath(record["checkpoint"]) if record else None
+        removed = 0
+        for day in sorted(os.listdir(root)):
+            if not (len(day) == 8 and day.isdigit() and day < cutoff
+                    and os.path.isdir(os.path.join(root, day))):
+                continue
+            for entry in os.listdir(os.path.join(root, day)):
+                path = os.path.abspath(os.path.join(root, day, entry))
+                if entry.isdigit() and not (named and named.startswith(path + os.sep)):
+                    shutil.rmtree(path)
+                    removed += 1
+            with contextlib.suppress(OSError):  # a day left with nothing goes too
+                os.rmdir(os.path.join(root, day))
+        if removed:
+            self.log(f"[jctr] checkpoint_keep_days {keep}: {removed} checkpoint(s) of days "
+                     f"before {cutoff} removed (base and delta models kept)")
 
     def _checkpoint(self, folder: str, day: str, n: int, *, day_end: bool,
                     meanwhile=None, then=None, statistics: bool = True) -> None:

@@ -65,9 +65,9 @@ def days(start_day: str, end_day: str) -> list[str]:
             for i in range((last - first).days + 1)]
 
 
-def next_day(day: str) -> str:
-    """The ``YYYYMMDD`` day after ``day``."""
-    d = datetime.datetime.strptime(day, "%Y%m%d").date() + datetime.timedelta(days=1)
+def next_day(day: str, by: int = 1) -> str:
+    """The ``YYYYMMDD`` day ``by`` days after ``day`` (before it where ``by`` < 0)."""
+    d = datetime.datetime.strptime(day, "%Y%m%d").date() + datetime.timedelta(days=by)
     return d.strftime("%Y%m%d")
 
 

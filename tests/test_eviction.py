@@ -293,23 +293,33 @@ def test_a_table_without_eviction_keeps_refusing_when_full():
 
 @pytest.mark.parametrize("policy", ["lfu", "epoch_lfu"])
 @pytest.mark.parametrize("kernels", ["auto", "reference"])
-def test_a_hot_keys_touch_count_saturates_instead_of_wrapping(policy, kernels, monkeypatch):
+def test_a_hot_keys_touch_count_never_wraps(policy, kernels, monkeypatch):
     """*lfu's touch counts are int32 beside each slot (HierarchicalKV keeps 64-bit scores,
-    ``merlin/hkv``): a hot key's count stops short of 2**31 - 1 instead of wrapping to the
-    lowest score, where the next new key would evict the hottest key first. A key in a sixth
-    of a power-law stream's lookups gets there in ~1.5M steps of 8,192 samples
-    (``hash_table._count_touches``)."""
+    ``merlin/hkv``): wrapped, a hot key's count ranked lowest and the next new key evicted
+    the hottest key first (a key in a sixth of a power-law stream's lookups passes 2**31
+    in ~1.5M steps of 8,192 samples). Every ``touch_cut_steps`` steps the counts are cut to
+    ``touches_cap``: a hot key at the cap (as right after a cut) touched at every position
+    of a step for two cuts' worth of steps and more stays positive and within int32, and
+    new keys evict the others, never it (``hash_table._keep_scores_in_range``)."""
     monkeypatch.setenv("JCTR_KERNELS", kernels)
     top = np.iinfo(np.int32).max
-    ev, capacity = EvictionConfig(policy, epoch_steps=1000), 8
+    ev, capacity, n = EvictionConfig(policy, epoch_steps=1000), 8, 8
+    every, cap = ht.touch_cut_steps(n), ht.touches_cap(n)
     step = jax.jit(lambda t, k: lookup(t, k, jnp.ones(k.shape, bool), capacity, insert=True,
                                        eviction=ev))
     table, _ = step(create_table(capacity, ev), jnp.arange(1, 9, dtype=jnp.int64))
     hot = 3
     slot = int(np.flatnonzero(np.asarray(table.slot_keys) == hot)[0])
-    table = table._replace(slot_score=table.slot_score.at[slot, 1].set(top - 3))
-    table, _ = step(table, jnp.full(8, hot, jnp.int64))  # eight touches past the end
-    assert top - 16 < int(table.slot_score[slot, 1]) <= top
+    # just after a cut: the clock at a multiple of the cut's steps, the count at the cap
+    # (touched at that step: the same epoch)
+    clock = 5 * every
+    score = table.slot_score.at[slot].set(jnp.asarray([clock, cap], jnp.int32))
+    table = table._replace(slot_score=score, clock=jnp.asarray(clock, jnp.int32))
+    counts = []
+    for _ in range(2 * every + 4):  # without the cut: past int32 at step 2 * every + 1
+        table, _ = step(table, jnp.full(n, hot, jnp.int64))
+        counts.append(int(table.slot_score[slot, 1]))
+    assert 0 < min(counts) and max(counts) <= top and max(counts) > cap, (min(counts), cap)
     for new in range(100, 110):  # one new key a step evicts a key touched 1 or 8 times
         table, lk = step(table, jnp.full(8, new, jnp.int64))
         assert int(np.asarray(lk.rows)[0]) >= 0
@@ -328,7 +338,7 @@ def test_the_clock_goes_back_before_it_wraps_and_evicts_as_before(policy, kernel
     ``_CLOCK_LIMIT``, or just below 2**31 (a table saved before the limit existed), the same
     table as one at its start moved on by whole epochs, steps on: its clock goes back by
     ``clock_shift`` and it makes the same choices, step by step, as the table that never
-    came near (``hash_table._turn_clock_back``)."""
+    came near (``hash_table._keep_scores_in_range``)."""
     monkeypatch.setenv("JCTR_KERNELS", kernels)
     ev, capacity = EvictionConfig(policy, epoch_steps=4), 64
     step = jax.jit(lambda t, k: lookup(t, k, jnp.ones(k.shape, bool), capacity, insert=True,

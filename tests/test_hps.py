@@ -485,7 +485,7 @@ def test_device_cache_keeps_its_lru_order_as_its_clock_turns_back(near):
     passed 2**31 within days, and from then on every stamp read as empty (no hits). The
     clock turns back by ``_CLOCK_SHIFT`` at ``_CLOCK_LIMIT``, its stamps with it: a cache
     moved on to just below the limit, or to 2**31, hits and evicts as a fresh one
-    (``device_cache._tick``)."""
+    (``device_cache._turned_back``)."""
     import jax.numpy as jnp
 
     from jctr.serving import device_cache

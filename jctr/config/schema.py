@@ -455,8 +455,9 @@ class EvictionConfig:
     policy: str
     """``"lru"``, ``"lfu"``, ``"epoch_lru"``, ``"epoch_lfu"`` or ``"score"`` (the caller's
     scores, from ``score_fn``: NVIDIA HierarchicalKV's customized strategy; the lowest score
-    goes first, ties least recently used). The ``*lfu`` touch counts are 32-bit and stop
-    short of 2**31 - 1 (a hot key's count saturates; it never wraps to the lowest)."""
+    goes first, ties least recently used). The ``*lfu`` touch counts are 32-bit: every
+    256 steps they are cut to 2**31 - 1 less two cuts' worth of touches, so a hot key's
+    count never wraps to the lowest."""
     epoch_steps: int = 1000
     """Steps per epoch of the ``epoch_*`` policies (at most 2**28: the table's 32-bit clock
     goes back by whole epochs once past 2**30 steps, its stamps with it)."""

@@ -64,7 +64,8 @@ class HashTable(NamedTuple):
     # by, kept beside their slots (a bucket's keys rank from one or two cache lines)
     slot_score: jax.Array  # int32 [num_slots, columns], last step touched (and touches: *lfu)
     clock: jax.Array  # int32 [], training lookups so far (the steps the scores count in; it
-    # goes back by half a billion once past a billion, its stamps with it: _turn_clock_back)
+    # goes back by half a billion once past a billion, its stamps with it:
+    # _keep_scores_in_range)
     evicted: jax.Array  # int64 [], keys evicted so far
     tombstones: jax.Array  # int32 [], erased or evicted keys' slots since the last rehash
 
@@ -141,7 +142,6 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
     arriving = jnp.sum(valid, dtype=jnp.int32)
     if evicting:  # a plain table's tombstones come from erase, whose caller rebuilds
         table = _rehash_if_crowded(table, arriving)
-        table = _turn_clock_back(table, eviction)
         table = table._replace(clock=table.clock + 1)
     if not insert:
         _, slots = find_slots(table.slot_keys, keys, valid, insert=False)
@@ -201,6 +201,8 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
                          .get(mode="fill", fill_value=-1), rows)
         table = table._replace(slot_score=_count_touches(table, keys, slots, rows,
                                                          restart | placed, eviction))
+        # after the step's writes to the scores (no copy of them)
+        table = _keep_scores_in_range(table, eviction, keys.shape[0])
     # refused: new keys left without a row, and keys that found no free slot at all (the
     # slots full of refused keys: each occurrence counts)
     refused = n_new - n_granted + unslotted
@@ -243,6 +245,14 @@ _NEVER = np.int64(np.iinfo(np.int64).max)
 # among keys untouched for half a billion steps.
 _CLOCK_LIMIT = 1 << 30
 _CLOCK_SHIFT = 1 << 29
+# *lfu's touch counts are int32 too, and a step adds at most one a key position: wrapped, a
+# hot key's count ranks lowest and the key is the next evicted (a key in a sixth of a
+# power-law stream's lookups passes 2**31 in ~1.5M steps of 8,192 samples). Every
+# _CUT_STEPS steps a pass over the counts cuts them to touches_cap (the ranking unchanged
+# but among keys touched over ~2 billion times); a saturating add in each step's scatter,
+# or a second pass over the batch's slots, cost an lfu step 9-20% (docs/performance.md)
+_CUT_STEPS = 256
+_TOUCHES_MAX = int(np.iinfo(np.int32).max)
 
 
 def clock_shift(eviction: EvictionConfig) -> int:
@@ -251,18 +261,41 @@ def clock_shift(eviction: EvictionConfig) -> int:
     return max(1, _CLOCK_SHIFT // eviction.epoch_steps) * eviction.epoch_steps
 
 
-def _turn_clock_back(table: HashTable, eviction: EvictionConfig) -> HashTable:
-    """``table`` with its clock and stamps moved back once its clock reaches _CLOCK_LIMIT (a
-    loop run at most once: a cond would copy the scores in its untaken branch)."""
+def touch_cut_steps(n: int) -> int:
+    """Steps between two cuts of ``*lfu``'s touch counts for a lookup of ``n`` keys."""
+    return max(1, min(_CUT_STEPS, (1 << 28) // max(n, 1)))
+
+
+def touches_cap(n: int) -> int:
+    """Where the cut leaves ``*lfu``'s touch counts for a lookup of ``n`` keys: low enough
+    that two cuts' worth of steps (the clock's turn-back may stretch one gap to that) of
+    one touch a position stay within int32."""
+    return _TOUCHES_MAX - 2 * touch_cut_steps(n) * n
+
+
+def _keep_scores_in_range(table: HashTable, eviction: EvictionConfig, n: int) -> HashTable:
+    """``table`` with its clock and stamps moved back once its clock reached _CLOCK_LIMIT,
+    and ``*lfu``'s touch counts cut to :func:`touches_cap` every :func:`touch_cut_steps`
+    steps (a loop run at most once: a cond would copy the scores in its untaken branch;
+    called after the step's writes to the scores, as one before them made XLA copy them)."""
     shift = clock_shift(eviction)
+    counting = eviction.policy.endswith("lfu")
+    every, cap = touch_cut_steps(n), touches_cap(n)
 
-    def back(c):
+    def upkeep(c):
         _, score, clock = c
-        last = jnp.maximum(score[:, 0] - shift, 0).astype(score.dtype)
-        return False, score.at[:, 0].set(last), clock - shift
+        turn = clock >= _CLOCK_LIMIT
+        last = jnp.where(turn, jnp.maximum(score[:, 0] - shift, 0), score[:, 0])
+        score = score.at[:, 0].set(last.astype(score.dtype))
+        if counting:
+            score = score.at[:, 1].set(jnp.minimum(score[:, 1], cap))
+        return False, score, jnp.where(turn, clock - shift, clock)
 
-    _, score, clock = jax.lax.while_loop(
-        lambda c: c[0], back, (table.clock >= _CLOCK_LIMIT, table.slot_score, table.clock))
+    due = table.clock >= _CLOCK_LIMIT
+    if counting:
+        due = due | (table.clock % every == 0)
+    _, score, clock = jax.lax.while_loop(lambda c: c[0], upkeep,
+                                         (due, table.slot_score, table.clock))
     return table._replace(slot_score=score, clock=clock)
 
 
@@ -440,9 +473,6 @@ def _clear_runs(slot_keys, scratch, starts):
     return slot_keys, scratch, cleared
 
 
-_TOUCHES_MAX = np.iinfo(np.int32).max
-
-
 def _count_touches(table: HashTable, keys, slots, rows, restart, eviction: EvictionConfig):
     """The step's touches in ``*lfu``'s second score column: one per occurrence of a key with
     a row (``rows`` >= 0, at its ``slots`` entry), counted from 0 for the keys of the
@@ -456,10 +486,7 @@ def _count_touches(table: HashTable, keys, slots, rows, restart, eviction: Evict
     if eviction.policy == "score":
         return score.at[at, 1].set(caller_scores(eviction, keys, table.clock), mode="drop")
     score = score.at[jnp.where(restart, at, table.num_slots), 1].set(0, mode="drop")
-    # a hot key's count stops short of int32's end (this step adds at most one a position):
-    # wrapped, it would rank lowest and be evicted first (a key in a sixth of a power-law
-    # stream's lookups passes 2**31 touches in ~1.5M steps of 8,192 samples)
-    score = score.at[at, 1].min(_TOUCHES_MAX - keys.shape[0], mode="drop")
+    # (kept within int32 by a cut every few steps: _keep_scores_in_range)
     return score.at[at, 1].add(1, mode="drop")
 
 

@@ -971,10 +971,9 @@ def test_a_row_stores_rows_hold_their_keys_and_an_older_database_is_kept_as_it_i
     """A RocksDB row store writes each row's key into its value too (two float32 columns
     first), so a pass over the table reads values alone (``RocksDBStore.items(keyed=True)``:
     half the interpreter's time a row); pulls by scan and by point reads, the rows of other
-    keys, the scaling of a slot's columns and an undo (the written keys erased, the pulled rows put
-    back) give what was pushed. A database a
-    row store wrote before rows held their keys (its width one key's columns short) is read
-    and written in its own layout."""
+    keys, the scaling of a slot's columns and an undo (the written keys erased, the pulled
+    rows put back) give what was pushed. A database a row store wrote before rows held their
+    keys (its width one key's columns short) is read and written in its own layout."""
     from types import SimpleNamespace
 
     from jctr.online.row_store import RowStore

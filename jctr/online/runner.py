@@ -973,7 +973,7 @@ class OnlineRun:
         record = self.progress()
         named = os.path.abspath(record["checkpoint"]) if record else None
         removed = 0
-        for day in sorted(os.listdir(root)):
+        for day in os.listdir(root):
             if not (len(day) == 8 and day.isdigit() and day < cutoff
                     and os.path.isdir(os.path.join(root, day))):
                 continue

@@ -230,3 +230,51 @@ def test_cli_resume(tmp_path):
     assert second.returncode == 0, second.stderr
     assert "resumed from iter 6" in second.stderr and "iter 12/12" in second.stderr
     assert "iter 6/12" not in second.stderr
+
+
+def _at_step(t: Trainer, step: int, dtype=None) -> None:
+    """Move ``t``'s state to iteration ``step`` (a run that has trained that long), its
+    count of the state's own type unless ``dtype``."""
+    import jax
+
+    count = np.asarray(step, dtype or t.state.step.dtype)
+    t.state = t.state._replace(step=jax.device_put(count, t.state.step.sharding))
+
+
+def test_a_run_trains_past_two_to_the_31_iterations_and_resumes(tmp_path):
+    """The iteration count was int32: at 2**31 updates (~8 months at 100 steps a second; a
+    streaming run resumed day after day gets there) it wrapped, the warm-up schedule's
+    ``t <= warmup_steps`` held for the negative count and gave a negative learning rate
+    (gradient ascent), and the snapshots' folders, named by the count, sorted the newest
+    last-but-old (resume picked an old one; ``keep`` removed the new ones). A run moved to
+    just below 2**31 trains on with the losses a run at iteration 10**6 has on the same
+    batches (both past warm-up, no decay; the dropout key folds the count's low 32 bits),
+    its snapshots are named by the true count and the newest resumes; a snapshot written
+    with the old int32 count still restores."""
+    near, far = 2**31 - 4, 10**6
+    losses = []
+    for start in (near, far):
+        t = Trainer.from_config(_cfg(tmp_path, max_iter=start + 6, snapshot=2, display=1,
+                                     snapshot_prefix=str(tmp_path / f"run{start}_")))
+        _at_step(t, start)
+        summary = t.fit()
+        assert summary.step == start + 6 and t.state.step.dtype == np.int64
+        losses.append([h["loss"] for h in t.history if h["kind"] == "train"])
+    assert losses[0] == losses[1]
+    ckpt = Checkpointer(str(tmp_path / f"run{near}_checkpoints"))
+    assert ckpt.steps()[-2:] == [near + 4, near + 6]  # 2**31 and past it, newest last
+    resumed = Trainer.from_config(_cfg(tmp_path, max_iter=near + 8,
+                                       snapshot_prefix=str(tmp_path / f"run{near}_")))
+    assert resumed.restore_checkpoint() == near + 6
+    assert resumed.fit().step == near + 8
+    # a snapshot saved by a jctr whose count was int32 restores as the 64-bit count
+    old = Trainer.from_config(_cfg(tmp_path, max_iter=12, snapshot=12,
+                                   snapshot_prefix=str(tmp_path / "old_")))
+    old.fit(10)
+    _at_step(old, 11, np.int32)
+    old.save_checkpoint()
+    old.checkpoints.finish()
+    back = Trainer.from_config(_cfg(tmp_path, max_iter=12,
+                                    snapshot_prefix=str(tmp_path / "old_")))
+    assert back.restore_checkpoint() == 11 and back.state.step.dtype == np.int64
+    assert back.fit().step == 12

@@ -102,6 +102,27 @@ def test_lazy_global_applies_missed_decay():
     assert int(slots["last_step"][7]) == 5
 
 
+@pytest.mark.parametrize("first", [1, 2**31 - 2, 2**32 - 2, 5 * 2**32 + 7])
+def test_lazy_global_counts_missed_steps_across_the_32_bit_wrap(first):
+    """A row's ``last_step`` is int32 (4 bytes a row) while the run's count is 64-bit: past
+    2**31 iterations the stored count wraps, and ``count - 1 - last_step`` read billions of
+    missed steps, zeroing the moments of every row touched again
+    (``row_optimizers.apply_rows``). The gap is taken modulo 2**32: a row skipped three
+    steps decays by beta**3 at any count."""
+    opt = OptimizerConfig("Adam", update_type="LazyGlobal", learning_rate=0.01, beta1=0.9,
+                          beta2=0.99)
+    slots = row_opt.init_slots(opt, CAP, DIM)
+    values, g, rows = jnp.zeros((CAP, DIM), jnp.float32), jnp.ones((1, DIM)), jnp.array([7])
+    m, v = 0.1, 0.01
+    for count in (first, first + 4, first + 8):
+        values, slots = row_opt.apply_rows(opt, values, slots, rows, g, jnp.float32(0.01),
+                                           jnp.asarray(count, jnp.int64))
+        if count > first:
+            m, v = 0.9 * m * 0.9 ** 3 + 0.1, 0.99 * v * 0.99 ** 3 + 0.01
+        np.testing.assert_allclose(np.asarray(slots["m"][7]), m, rtol=1e-5)
+        np.testing.assert_allclose(np.asarray(slots["v"][7]), v, rtol=1e-5)
+
+
 @pytest.mark.parametrize("opt", OPTS, ids=lambda o: o.type)
 def test_duplicate_keys_sum_their_gradients(opt):
     spec = EmbeddingSpec("e", capacity=CAP, dim=DIM, slot_num=3, max_features=6,

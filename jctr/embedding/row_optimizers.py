@@ -177,8 +177,11 @@ def apply_rows(opt: OptimizerConfig, values: jax.Array, slots: dict, rows: jax.A
                  for k, v in slots.items() if k != "last_step"}
         new_slots = dict(slots)
         if "last_step" in slots:
-            missed = count - 1 - slots["last_step"].at[rows].get(mode="fill", fill_value=0)
-            missed = jnp.maximum(missed, 0).astype(jnp.float32)[:, None]
+            # last_step keeps the count's low 32 bits (4 bytes a row): the gap modulo 2**32
+            # is the true one past 2**31 iterations too (a gap of 2**32 has no moment left)
+            last = slots["last_step"].at[rows].get(mode="fill", fill_value=0)
+            missed = (jnp.asarray(count, jnp.int64) - 1 - last) % 2**32
+            missed = missed.astype(jnp.float32)[:, None]
             if opt.type == "Adam":
                 state = {"m": state["m"] * jnp.float32(opt.beta1) ** missed,
                          "v": state["v"] * jnp.float32(opt.beta2) ** missed}

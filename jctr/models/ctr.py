@@ -35,7 +35,9 @@ COMPUTE_DTYPES = {"float32": jnp.float32, "float16": jnp.float16, "bfloat16": jn
 class TrainState(NamedTuple):
     """Everything that changes during training, as one pytree."""
 
-    step: jax.Array  # int32 [], updates done
+    # int64 [], updates done (int32 wrapped at 2**31: a negative count, a negative warm-up
+    # learning rate; a snapshot of int32 restores into it)
+    step: jax.Array
     rng: jax.Array  # uint32 [2], base key; step keys are folded from it
     params: Any  # nnx.State of nnx.Param
     batch_stats: Any  # nnx.State of the rest (BatchNorm running statistics)
@@ -123,7 +125,7 @@ def build_model(cfg: ModelConfig, capacities: dict[str, int] | None = None,
 
     def init_state(dense_tx=None) -> TrainState:
         return TrainState(
-            step=jnp.zeros((), jnp.int32), rng=jax.random.PRNGKey(cfg.solver.seed),
+            step=jnp.zeros((), jnp.int64), rng=jax.random.PRNGKey(cfg.solver.seed),
             params=params, batch_stats=batch_stats,
             opt_state=None if dense_tx is None else dense_tx.init(params),
             embeddings=tuple(init_embedding(s) for s in specs),

@@ -284,6 +284,52 @@ def test_synthetic_formats_hold_the_same_samples(tmp_path, fmt):
     np.testing.assert_array_equal(keys, ref.keys)
 
 
+@pytest.mark.parametrize("fmt", ["Raw", "Parquet", "Norm"])
+def test_a_cache_keeps_what_memory_has_room_for_and_reads_the_rest(tmp_path, monkeypatch, fmt):
+    """``Dataset.cache_all`` keeps each unit while the machine has room for it (a file read
+    whole: the bytes it will take; a decoded unit, Parquet's: what is left after decoding it)
+    and reads the units past the first that has none from their files: the batches are the
+    same, shuffled too."""
+    import jctr.data.dataset as ds
+    from jctr.data import raw
+    from jctr.data.tools.synthetic import write_dataset
+
+    monkeypatch.setattr(raw, "UNIT_RECORDS", 200)  # Raw's units: record ranges of its file
+    if fmt == "Norm":  # one record a slot: read as fixed records
+        path = write_dataset(str(tmp_path / fmt), 600, num_files=3, key_type="I64", **_kw())
+    else:
+        path = str(tmp_path / fmt / ("d.bin" if fmt == "Raw" else "_file_list.txt"))
+        write_format(fmt, path, 600, num_files=3, **_kw())
+    extra = {"num_samples": 600, "eval_num_samples": 600, "float_label_dense": True} \
+        if fmt == "Raw" else {}
+    cfg = parse_config(_data_cfg(fmt, path, **extra))
+    unit_bytes = 600 // 3 * (4 + 13 * 4 + SLOTS * (4 + 8))  # a Norm record at most
+    room = [10 * unit_bytes]  # decoded units and read ones spend it alike here
+
+    def room_left(reserve=0):
+        return room[0] - reserve
+
+    def spend(unit):
+        room[0] -= unit.load_bytes() if hasattr(unit, "load_bytes") else unit_bytes
+        return unit
+
+    monkeypatch.setattr(ds, "room_left", room_left)
+    for seed in (None, 5):
+        whole = open_dataset(path, cfg.data, "I64", seed=seed)
+        assert whole.cache_all() == whole.num_units()
+        units = whole.num_units()
+        room[0] = (1 if fmt == "Raw" else 2) * unit_bytes + unit_bytes // 2
+        tight = open_dataset(path, cfg.data, "I64", seed=seed)
+        monkeypatch.setattr(tight, "_read_unit", lambda i, f=tight._read_unit: spend(f(i)))
+        kept = tight.cache_all(reserve=unit_bytes // 4)
+        assert 0 < kept < units and len(tight._cache) == kept
+        for a, b in zip(whole.batches(64, epochs=2), tight.batches(64, epochs=2),
+                        strict=True):
+            np.testing.assert_array_equal(a.keys[0], b.keys[0])
+            np.testing.assert_array_equal(a.dense, b.dense)
+        room[0] = 10 * unit_bytes
+
+
 def test_shuffle_is_seeded_and_hosts_do_not_overlap(tmp_path):
     path = str(tmp_path / "pq" / "_file_list.txt")
     write_format("Parquet", path, 800, num_files=4, **_kw())

@@ -512,6 +512,8 @@ def test_memory_plan_figures():
     # the never-trimmed heap may hold every device's temporaries a second time
     assert plan.total == 2 * (gib + gib // 8 + 2 * gib) + 4 * gib + gib // 4 + gib // 2
     assert "heap reserve 4.00 GiB" in plan.describe()
+    # what data kept in memory beside the run leaves room for: all but the state and process
+    assert plan.transient == 2 * (gib // 8 + 2 * gib) + 4 * gib + gib // 4
     assert "= 11.00 GiB in all" in plan.describe()
     plan.check()
     tight = dataclasses.replace(plan, available=11 * gib)  # 5% stays free: 10.45 < 11 - 0.5

@@ -1537,3 +1537,60 @@ def test_the_shrink_in_place_equals_the_masked_columns(monkeypatch):
     assert stats.shrink(ShrinkRule(delete_after_unseen_days=4)).size == 5
     with pytest.raises(MemoryError, match="no room"):
         stats.rows_of(keys[:3])
+
+
+def _tight_memory(monkeypatch, keep: int):
+    """The machine as one with room for ``keep`` data files of each set a run keeps in
+    memory (``jctr.runtime.host_memory.room_left`` as :meth:`Dataset.cache_all` sees it):
+    room while fewer are kept, none after."""
+    from jctr.data import dataset as ds
+
+    real, asked = ds.Dataset.cache_all, threading.local()  # (the prefetch has a thread)
+
+    def cache_all(self, reserve=0):
+        asked.count = 0
+        return real(self, reserve)
+
+    def room_left(reserve=0):
+        asked.count += 1
+        return 1 << 40 if asked.count <= keep else -1
+
+    monkeypatch.setattr(ds.Dataset, "cache_all", cache_all)
+    monkeypatch.setattr(ds, "room_left", room_left)
+
+
+def test_a_pass_too_large_for_memory_trains_from_its_files(tmp_path, monkeypatch):
+    """A streaming pass's data is read into memory ahead of it, while the pass before trains
+    (Paddle's ``preload_into_memory``): a pass of an hour of a production stream is tens of
+    GB, and two of them beside the tables were a process the kernel killed mid-day. Each file
+    is kept only while the machine has room for it beside the step's peak
+    (``MemoryPlan.transient``) and a margin (``Dataset.cache_all``); the others are read from
+    disk as the pass trains. The model is the one the run with every file in memory trains;
+    the pass's line and record say how many files it read from disk."""
+    import json
+    import shutil
+
+    import jax
+
+    from jctr.online.runner import OnlineRun
+    from tests.test_epochs import leaves_equal
+
+    model = _stream(tmp_path, days=("20190720",))
+    for folder in sorted((tmp_path / "stream").glob("*/*")):  # three files a pass
+        for k in (1, 2):
+            shutil.copy(folder / "part-0.data", folder / f"part-{k}.data")
+        (folder / "DONE").touch()
+    whole = OnlineRun(_online(tmp_path, model, tmp_path / "whole", end_day="20190720"),
+                      log=lambda s: None)
+    assert whole.run() == 2
+    _tight_memory(monkeypatch, keep=1)
+    lines = []
+    tight = OnlineRun(_online(tmp_path, model, tmp_path / "tight", end_day="20190720"),
+                      log=lines.append)
+    assert tight.run() == 2
+    assert any("pass 2/2: 3 file(s)" in x and "2 file(s) read from disk as it trained" in x
+               for x in lines)
+    records = [json.loads(x) for x in open(tmp_path / "tight" / "passes.jsonl")]
+    assert [r["uncached_files"] for r in records if "pass" in r] == [0, 2]
+    a, b = (jax.tree.map(np.asarray, r.trainer.state.params) for r in (whole, tight))
+    assert leaves_equal(a, b)

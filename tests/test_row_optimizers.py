@@ -112,7 +112,8 @@ def test_lazy_global_counts_missed_steps_across_the_32_bit_wrap(first):
     opt = OptimizerConfig("Adam", update_type="LazyGlobal", learning_rate=0.01, beta1=0.9,
                           beta2=0.99)
     slots = row_opt.init_slots(opt, CAP, DIM)
-    values, g, rows = jnp.zeros((CAP, DIM), jnp.float32), jnp.ones((1, DIM)), jnp.array([7])
+    values, g = jnp.zeros((CAP, DIM), jnp.float32), jnp.ones((1, DIM), jnp.float32)
+    rows = jnp.array([7])
     m, v = 0.1, 0.01
     for count in (first, first + 4, first + 8):
         values, slots = row_opt.apply_rows(opt, values, slots, rows, g, jnp.float32(0.01),

@@ -415,7 +415,8 @@ class DataConfig:
     """Raw: labels and dense values are float32 (else int32, dense taken as log(x + 1))."""
     cache_eval_data: int = 0
     """``true`` or a batch count: keep the parsed evaluation set in memory between
-    evaluations."""
+    evaluations (each file while the machine has room for it beside the training step; the
+    rest is read from disk, with a line saying so)."""
     synthetic: SyntheticConfig | None = None
     """jctr: generate a power-law dataset where ``source`` / ``eval_source`` do not exist yet
     (object below)."""

@@ -16,6 +16,7 @@ from jctr.data.batch import Batch
 from jctr.data.fixed import FixedChunk, FixedRecords, decode_batch
 from jctr.data.records import DataError, RecordBlock
 from jctr.data.varlen import VarChunk, VarRecords, decode_var_batch
+from jctr.runtime.host_memory import room_left
 
 
 def build_batch(block: RecordBlock, batch_size: int, sparse: tuple[SparseInputConfig, ...],
@@ -157,11 +158,24 @@ class Dataset(abc.ABC):
                 return unit.slice(0, len(unit)).to_block()
         return unit
 
-    def cache_all(self) -> None:
-        """Keep every unit's records in memory (small evaluation sets)."""
+    def cache_all(self, reserve: int = 0) -> int:
+        """Keep the units' records in memory (evaluation sets, a streaming pass), each while
+        the machine has room for it beside ``reserve`` bytes (what the work under way still
+        takes at its peak) and a margin (:func:`jctr.runtime.host_memory.room_left`); from
+        the first unit that has none on, units are read from their files as they are needed,
+        as without a cache (slower, but a pass larger than memory trains instead of the
+        process being killed). Returns how many of this process's units are kept."""
+        kept = 0
         for i in self.host_units():
             unit = self._read_unit(i)
-            self._cache[i] = unit.load() if isinstance(unit, (FixedRecords, VarRecords)) else unit
+            lazy = isinstance(unit, (FixedRecords, VarRecords))
+            room = room_left(reserve)
+            # a decoded block (Parquet, ...) holds its memory already: kept while room is left
+            if room is not None and (unit.load_bytes() > room if lazy else room < 0):
+                break
+            self._cache[i] = unit.load() if lazy else unit
+            kept += 1
+        return kept
 
     def check_units(self) -> int:
         """Open every unit this process reads, so that a broken header or a missing file is

@@ -147,6 +147,10 @@ class FixedRecords:
     def __len__(self) -> int:
         return self.n
 
+    def load_bytes(self) -> int:
+        """The memory :meth:`load` takes (nothing once loaded)."""
+        return 0 if self._rows is not None else self.n * self.layout.record_bytes
+
     # -- reading
     def _read(self, start: int, stop: int) -> np.ndarray:
         rec = self.layout.record_bytes

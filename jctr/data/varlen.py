@@ -79,6 +79,10 @@ class VarRecords:
     def __len__(self) -> int:
         return self.n
 
+    def load_bytes(self) -> int:
+        """The memory :meth:`load` takes (nothing once loaded)."""
+        return 0 if self.body is not None else self.body_size
+
     @property
     def fixed(self) -> int:
         return 4 * (self.label_dim + self.dense_dim)

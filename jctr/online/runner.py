@@ -103,6 +103,9 @@ class OnlineRun:
         # rows of the next pass's other keys, read while this pass trains (_pull_ahead)
         self._written: list[dict] = []
         self._wanted: list = []  # the KeySets of the keys the last pass pulled
+        # per table, _last_written's place of each pulled key among _written (found once for
+        # the pass's models and the next pull: a find of every written key, ~0.3 s a pass)
+        self._written_at: dict[int, np.ndarray] = {}
         self._ahead: Future | None = None
         # ... and its write-back, written on the store thread once the next pass has its
         # rows (_deferred, then _behind), with the checkpoint that waits for it to be
@@ -359,14 +362,18 @@ class OnlineRun:
         file_list = self._file_list(lists, day, n)
         write_file_list(file_list, files)
         dataset = keys = None
+        uncached = 0
         if read and self.trainer is not None:
             dataset = open_training_set(self.trainer.cfg, file_list)
-            dataset.cache_all()
+            # what does not fit beside the run (the pass training now holds its own data) is
+            # read from its files as the pass trains
+            units = len(dataset.host_units())
+            uncached = units - dataset.cache_all(self.trainer.memory_plan.transient)
             if self.cfg.sparse_store:
                 keys = self._working_keys(dataset)
         return {"files": len(files), "list": file_list, "dataset": dataset, "keys": keys,
                 "read_s": time.perf_counter() - t0 if dataset is not None else None,
-                "wait_s": None}
+                "wait_s": None, "uncached": uncached}
 
     @staticmethod
     def _file_list(folder: str, day: str, n: int) -> str:
@@ -611,11 +618,14 @@ class OnlineRun:
         if it wrote keys it did not hold (not so in practice: a pass's tables hold only its
         keys)."""
         written = self._written[i]
-        was = self._wanted[i].positions(written["keys"])
-        if (was < 0).any():
-            return None
-        row_of = np.full(len(self._wanted[i]) + 1, -1, np.int64)
-        row_of[was] = np.arange(was.size)
+        row_of = self._written_at.get(i)
+        if row_of is None:
+            was = self._wanted[i].positions(written["keys"])
+            if (was < 0).any():
+                return None
+            row_of = np.full(len(self._wanted[i]) + 1, -1, np.int64)
+            row_of[was] = np.arange(was.size)
+            self._written_at[i] = row_of
         return written, row_of
 
     def _read_unheld(self, held: list) -> list[dict[str, np.ndarray]]:
@@ -684,6 +694,7 @@ class OnlineRun:
             self._set_table(i, put_rows(spec, t.state.embeddings[i], t.placements[i],
                                         self._everyones(own), replace=True, consume=True))
         self._pulled, self._wanted, self._written = pulled, wanted, []
+        self._written_at = {}
 
     def _push(self, day: str, n: int, *, keep: bool = False, behind: bool = False) -> None:
         """The working set back into the database (undoable until the pass's checkpoint);
@@ -715,6 +726,7 @@ class OnlineRun:
         # as a pull would give them back (read by the next pass and by this pass's models)
         self._written = [self.store.as_stored(i, tb) for i, tb in enumerate(tables)] \
             if keep else []
+        self._written_at = {}
 
     def _write_back(self, undo: str, pulled: list, tables: list, marker: dict) -> None:
         """What the database held of a pass's keys saved to ``undo`` (with the keys written),
@@ -897,6 +909,9 @@ class OnlineRun:
         num_files = data["files"]
         read = ("" if data["read_s"] is None else f", read ahead in {data['read_s']:.2f} s "
                 f"(waited {data['wait_s']:.2f} s for it)")
+        if data.get("uncached"):
+            read += (f", {data['uncached']} file(s) read from disk as it trained (no room to "
+                     "keep them in memory beside the run)")
         self.log(f"[jctr] day {day} pass {n}/{len(self.passes)}: {num_files} file(s), {iters} "
                  f"iterations, {rate:,.0f} samples/s"
                  + (f", loss {loss:.5f}" if loss is not None else "")
@@ -906,7 +921,8 @@ class OnlineRun:
         self._record({"day": day, "pass": n, "files": num_files, "iterations": iters,
                       "samples_per_s": rate, "loss": loss,
                       "pass_auc": pass_auc, "validation": validation,
-                      "read_ahead_s": data["read_s"], "read_wait_s": data["wait_s"], **rows_s})
+                      "read_ahead_s": data["read_s"], "read_wait_s": data["wait_s"],
+                      "uncached_files": data.get("uncached", 0), **rows_s})
         self.passes_trained += 1
         freq = self.cfg.save_delta_frequency
         if freq and n % freq == 0:
@@ -953,7 +969,7 @@ class OnlineRun:
 
         self._checkpoint(folder, day, len(self.passes), day_end=True, meanwhile=beside,
                          then=linked if whole else None, statistics=False)
-        self._written = []  # the day's last rows, kept for its base model
+        self._written, self._written_at = [], {}  # the day's last rows, kept for its base model
         self._prune_checkpoints(following)
 
     def _prune_checkpoints(self, newest: str) -> None:

@@ -101,3 +101,79 @@ def give_back_big_blocks() -> bool:
     m_mmap_threshold, m_mmap_max = -3, -4  # malloc.h
     return bool(mallopt(m_mmap_max, 65536)) and bool(mallopt(m_mmap_threshold, 32 << 20))
 
+
+
+def host_memory() -> tuple[int | None, int | None]:
+    """(total, available) bytes of this machine's memory, from ``/proc/meminfo``."""
+    found: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name in ("MemTotal", "MemAvailable"):
+                    found[name] = int(rest.split()[0]) << 10
+    except (OSError, ValueError):
+        return None, None
+    return found.get("MemTotal"), found.get("MemAvailable")
+
+
+def address_space_left() -> int | None:
+    """Bytes this process may still map under its address-space limit (``ulimit -v``,
+    RLIMIT_AS), None when unlimited: allocations past it fail wherever they happen (a thread
+    that cannot start, a table half made)."""
+    try:
+        import resource
+
+        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+        if soft == resource.RLIM_INFINITY:
+            return None
+        with open("/proc/self/statm", encoding="ascii") as f:
+            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (ImportError, OSError, ValueError, IndexError):
+        return None
+    return max(0, soft - mapped)
+
+
+def headroom_bytes(available: int | None) -> int:
+    """Memory left to the system and to estimates' error: 5% of what is available, at least
+    512 MiB (a run the kernel kills loses more than one that holds back)."""
+    return max(512 << 20, (available or 0) // 20)
+
+
+def malloc_free_bytes() -> int:
+    """Bytes malloc holds free in its heaps (glibc's ``mallinfo2``: ``fordblks``), 0 where it
+    cannot be told. With jctr's never-trimmed heap every freed block stays there, counted by
+    the process but reused before the system is asked for more."""
+    import ctypes
+
+    class _MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+            "uordblks", "fordblks", "keepcost")]
+
+    try:
+        call = ctypes.CDLL(None).mallinfo2  # glibc 2.33+
+    except (OSError, AttributeError):
+        return 0
+    call.restype = _MallInfo2
+    return int(call().fordblks)
+
+
+def room_left(reserve: int = 0) -> int | None:
+    """Bytes this process may still take for data it can also do without (a cache): the
+    machine's available memory (or what ``ulimit -v`` leaves, if less) and malloc's free heap,
+    less :func:`headroom_bytes` and ``reserve`` (what the work under way still takes at its
+    peak, e.g. a training step's temporaries). None where the machine does not say.
+
+    Example::
+
+        if (room := room_left(reserve=step_bytes)) is None or need <= room:
+            cache[i] = load(i)
+    """
+    _, available = host_memory()
+    left = address_space_left()
+    if left is not None and (available is None or left < available):
+        available = left
+    if available is None:
+        return None
+    return available + malloc_free_bytes() - headroom_bytes(available) - reserve

@@ -28,6 +28,7 @@ from jctr.embedding.hash_table import num_slots_for
 from jctr.embedding.row_optimizers import init_slots
 from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.errors import UserError
+from jctr.runtime.host_memory import address_space_left, headroom_bytes, host_memory
 
 
 class PlanError(UserError, ValueError):
@@ -206,20 +207,6 @@ def plan_embeddings(cfg: ModelConfig, specs: tuple[EmbeddingSpec, ...], num_devi
     return plan
 
 
-def _host_memory() -> tuple[int | None, int | None]:
-    """(total, available) bytes of this machine's memory, from ``/proc/meminfo``."""
-    found: dict[str, int] = {}
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name in ("MemTotal", "MemAvailable"):
-                    found[name] = int(rest.split()[0]) << 10
-    except (OSError, ValueError):
-        return None, None
-    return found.get("MemTotal"), found.get("MemAvailable")
-
-
 def process_resident_bytes() -> int:
     """This process's resident memory now (Python, JAX, compiled code, data read so far)."""
     try:
@@ -268,6 +255,15 @@ class MemoryPlan:
     @property
     def per_device(self) -> int:
         return self.state + self.steps_in_flight * (self.batch + self.temp)
+
+    @property
+    def transient(self) -> int:
+        """Host memory a step takes at its peak beyond the state and the process: the reader's
+        queue and, on CPU, every device's steps in flight and the heap reserve (what data
+        kept in memory on the side must leave room for)."""
+        if self.platform != "cpu":
+            return self.reader
+        return self.total - self.devices * self.state - self.process
 
     @property
     def total(self) -> int:
@@ -338,7 +334,7 @@ class MemoryPlan:
         """Memory left to the system and the plan's error: 5% of what is available, at
         least 512 MiB (the measured peaks stay within a few percent of most plans, but a run
         the kernel kills loses more than one refused)."""
-        return max(512 << 20, (self.available or 0) // 20)
+        return headroom_bytes(self.available)
 
     def _parts(self) -> str:
         return (f"state {format_bytes(self.state)}, batch {format_bytes(self.batch)}, step "
@@ -359,7 +355,7 @@ def memory_plan(steps: list, state_bytes: int, devices: int, reader_bytes: int,
         temp = max(temp, int(m.temp_size_in_bytes)
                    + max(0, int(m.output_size_in_bytes) - int(m.alias_size_in_bytes)))
         batch = max(batch, int(m.argument_size_in_bytes) - state_bytes)
-    _, available = _host_memory() if platform == "cpu" else (None, None)
+    _, available = host_memory() if platform == "cpu" else (None, None)
     bound = "the machine"
     left = address_space_left()
     if platform == "cpu" and left is not None and (available is None or left < available):
@@ -368,20 +364,3 @@ def memory_plan(steps: list, state_bytes: int, devices: int, reader_bytes: int,
                       reader=reader_bytes, process=process_resident_bytes(), platform=platform,
                       device_limit=device_memory if platform != "cpu" else None,
                       available=available, heap_reserve=heap_reserve, bound=bound)
-
-
-def address_space_left() -> int | None:
-    """Bytes this process may still map under its address-space limit (``ulimit -v``,
-    RLIMIT_AS), None when unlimited: allocations past it fail wherever they happen (a thread
-    that cannot start, a table half made)."""
-    try:
-        import resource
-
-        soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-        if soft == resource.RLIM_INFINITY:
-            return None
-        with open("/proc/self/statm", encoding="ascii") as f:
-            mapped = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-    except (ImportError, OSError, ValueError, IndexError):
-        return None
-    return max(0, soft - mapped)

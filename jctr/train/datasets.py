@@ -12,7 +12,7 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import jax
 import numpy as np
@@ -46,8 +46,12 @@ def open_eval_set(cfg: ModelConfig, source: str) -> Dataset:
 class RunData:
     """The run's data sets, each opened when first used."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, *, cache_reserve: int = 0,
+                 report: Callable[[str], None] | None = None):
         self.cfg = cfg
+        # what a cached evaluation set leaves room for (the steps' peak, MemoryPlan.transient)
+        self.cache_reserve = cache_reserve
+        self._report = report
         self._train: Dataset | None = None
         self._eval: Dataset | None = None
         self._tests: dict[str, Dataset] = {}
@@ -68,7 +72,12 @@ class RunData:
         if self._eval is None:
             self._eval = open_eval_set(self.cfg, self.cfg.data.eval_source)
             if self.cfg.data.cache_eval_data:  # keep the parsed evaluation set in memory
-                self._eval.cache_all()
+                kept = self._eval.cache_all(self.cache_reserve)
+                units = len(self._eval.host_units())
+                if kept < units and self._report is not None:
+                    self._report(f"[jctr] cache_eval_data: {units - kept} of {units} "
+                                 f"evaluation file(s) do not fit in memory beside the run: "
+                                 "read from disk at each evaluation")
         return self._eval
 
     def test(self, name: str) -> Dataset:

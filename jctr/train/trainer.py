@@ -100,7 +100,7 @@ class Trainer:
         self.memory_plan = plan_step_memory(self.placed, cfg, self.train_step,
                                             self.eval_step, init_state, self._print)
         self.state: TrainState = self.placed.create(init_state)
-        self.data = RunData(cfg)
+        self.data = RunData(cfg, cache_reserve=self.memory_plan.transient, report=report)
         self.run_log = RunLog(cfg.solver.log_dir, source=cfg.source, report=report)
         self.checkpoints = RunCheckpoints(cfg, self.step_config, self.placed, force=force,
                                           report=report, record=self.run_log.record)

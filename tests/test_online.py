@@ -1594,3 +1594,65 @@ def test_a_pass_too_large_for_memory_trains_from_its_files(tmp_path, monkeypatch
     assert [r["uncached_files"] for r in records if "pass" in r] == [0, 2]
     a, b = (jax.tree.map(np.asarray, r.trainer.state.params) for r in (whole, tight))
     assert leaves_equal(a, b)
+
+
+@pytest.mark.parametrize("kind", ["rocks_db", "row_file"])
+def test_a_base_model_of_a_table_larger_than_memory_is_written_a_part_at_a_time(
+        tmp_path, monkeypatch, kind):
+    """sparse_store keeps a table larger than memory, but the day's base model gathered every
+    stored row in memory twice (read while the last pass trained, then joined for the
+    bundle): a store several times memory killed the run at its first day end. Where those
+    rows (twice) do not fit beside the step's peak (``OnlineRun._unheld_fits``), the base
+    model reads the database a part at a time and writes each part's chosen rows as it
+    goes (``RowStore.pull_except_parts``, ``model_files.write_sparse_model_parts``): the
+    same keys and vectors as the run that held them, files that pass the bundle's
+    checksums, and a line saying so."""
+    import json
+
+    from jctr.checkpoint.model_files import read_sparse_model
+    from jctr.config import parse_config
+    from jctr.data.tools.synthetic import generate_for_config
+    from jctr.online import runner
+    from jctr.online.runner import OnlineRun
+    from jctr.online.synthetic_stream import write_stream
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, "dlrm", display=1000, eval_batches=1, batchsize=256,
+                      batchsize_eval=256, eval_interval=10**6)
+    cfg["layers"][0]["synthetic"].update(num_samples=128, eval_num_samples=128, num_files=1)
+    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 3000
+    generate_for_config(parse_config(cfg))
+    days = ["20190720", "20190721"]
+    write_stream(parse_config(cfg), str(tmp_path / "stream"), days, split_interval=720,
+                 files_per_slice=1, samples_per_file=512, drift=0.37)
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(cfg))
+
+    def run(name, lines):
+        doc = _online(tmp_path, model, tmp_path / name, start_day=days[0], end_day=days[-1],
+                      sparse_store={"type": kind, "path": f"rows-{name}"})
+        assert OnlineRun(doc, log=lines.append).run() == 4
+
+    run("room", [])
+    read_ahead, real = [], OnlineRun._read_unheld
+    monkeypatch.setattr(runner, "room_left", lambda reserve=0: 1 << 10)  # 1 KiB to spare
+    monkeypatch.setattr(OnlineRun, "_read_unheld",
+                        lambda self, held: read_ahead.append(1) or real(self, held))
+    lines = []
+    run("tight", lines)
+    assert not read_ahead
+    said = [x for x in lines if "read from the database a part at a time" in x]
+    assert len(said) == 2 and "20190722/base" in said[-1], lines
+    for day in ("20190721", "20190722"):
+        got = []
+        for name in ("room", "tight"):
+            folder = tmp_path / name / day / "base"
+            keys, vectors = read_sparse_model(
+                str(folder / "sparse" / "sparse_embedding1.model"), 8)
+            manifest = json.loads((folder / "manifest.json").read_text())
+            assert manifest["embeddings"]["sparse_embedding1"]["keys"] == keys.size > 2000
+            order = np.argsort(keys)
+            got.append((keys[order], vectors[order]))
+        np.testing.assert_array_equal(got[0][0], got[1][0])
+        np.testing.assert_array_equal(got[0][1], got[1][1])
+    assert got[0][0].size > 3000  # the second day's: more keys than the device table holds

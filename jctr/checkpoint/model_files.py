@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -29,7 +30,7 @@ from flax import nnx
 from jctr.checkpoint.integrity import check_files, note_written
 from jctr.errors import UserError
 from jctr.models import layers as L
-from jctr.runtime.direct_io import replacing, write_file
+from jctr.runtime.direct_io import DirectWriter, replacing, write_file
 from jctr.sharding.mesh import to_host
 from jctr.sharding.rows import export_keys, export_placed, import_placed
 
@@ -130,6 +131,26 @@ def write_sparse_model(path: str, keys: np.ndarray, vectors: np.ndarray,
     _link_or_write(os.path.join(path, "emb_vector"), vectors, "<f4")
     if slots is not None:
         _atomic_write(os.path.join(path, "slot_id"), _le_bytes(slots, "<i8"))
+
+
+def write_sparse_model_parts(path: str, parts: Iterable[dict[str, np.ndarray]]) -> int:
+    """:func:`write_sparse_model` of rows that come a part at a time (dicts with ``keys``
+    and ``values``: e.g. a pass over a table larger than memory), the ``key`` and
+    ``emb_vector`` files written part after part; no part is held after its write. Returns
+    the key count."""
+    os.makedirs(path, exist_ok=True)
+    kp, vp = os.path.join(path, "key"), os.path.join(path, "emb_vector")
+    n = 0
+    with replacing(kp) as kt, replacing(vp) as vt:
+        with DirectWriter(kt, checksum=True) as kf, DirectWriter(vt, checksum=True) as vf:
+            for part in parts:
+                kf.write(_le_bytes(part["keys"], "<i8"))
+                vf.write(_le_bytes(part["values"], "<f4"))
+                n += int(part["keys"].shape[0])
+        digests = ((kp, kf.tell(), kf.crc), (vp, vf.tell(), vf.crc))
+    for written in digests:  # a bundle's manifest records them without reading them back
+        note_written(*written)
+    return n
 
 
 def read_slot_ids(path: str, num_keys: int) -> np.ndarray | None:
@@ -251,13 +272,14 @@ def host_network(step_config: StepConfig, state: TrainState):
 def write_model_files(step_config: StepConfig, state: TrainState, placements, dense: str,
                       non_trainable_json: str, sparse: list[str], *,
                       slot_ids: bool = True, keys: list[np.ndarray] | None = None,
-                      tables: list[dict[str, np.ndarray]] | None = None) -> list[int]:
+                      tables: list | None = None) -> list[int]:
     """Write the dense model file, the BatchNorm JSON and one sparse model folder per
     embedding (with ``slot_id`` files unless ``slot_ids`` is False) at the given paths; with
     ``keys`` (one array per embedding) only the rows of those keys the tables hold;
-    ``tables`` (stored-table dicts, one per embedding) are written instead of the state's.
-    Every process takes part (tables are gathered); process 0 writes. Returns each table's
-    key count."""
+    ``tables`` (stored-table dicts, one per embedding; or a list or iterator of such dicts,
+    the table's parts: written one after the other, none held after its write) are written
+    instead of the state's. Every process takes part (tables are gathered); process 0
+    writes. Returns each table's key count."""
     placements = placements or (None,) * len(step_config.specs)
     if tables is None and keys is None:
         # written here and dropped: views of the state, no copy
@@ -268,8 +290,14 @@ def write_model_files(step_config: StepConfig, state: TrainState, placements, de
         net = host_network(step_config, state)
         write_dense_model(dense, net)
         write_non_trainable(non_trainable_json, net)
+        counts = []
         for path, t in zip(sparse, tables):
-            write_sparse_model(path, t["keys"], t["values"], t["slot"] if slot_ids else None)
+            if isinstance(t, dict):
+                write_sparse_model(path, t["keys"], t["values"], t["slot"] if slot_ids else None)
+                counts.append(int(t["keys"].shape[0]))
+            else:  # parts: no slot ids (an inference bundle's tables)
+                counts.append(write_sparse_model_parts(path, t))
+        return counts
     return [int(t["keys"].shape[0]) for t in tables]
 
 

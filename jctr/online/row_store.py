@@ -22,6 +22,7 @@ Example::
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 
 import numpy as np
 
@@ -120,11 +121,27 @@ class RowStore:
         :class:`jctr.ops.host_index.KeySet`), in one pass over the table."""
         keys = [np.zeros(0, np.int64)]
         rows = [np.zeros((0, self.stored_width(table)), np.float32)]
-        for stored, vectors in self.db.items(self.names[table], **self._scan(table)):
-            other_keys, other_rows = held.absent_rows(stored, vectors)
+        for other_keys, other_rows in self._absent(table, held):
             keys.append(other_keys)
             rows.append(other_rows)
         return self._unpack(table, np.concatenate(keys), np.concatenate(rows))
+
+    def pull_except_parts(self, table: int, held=None) -> Iterator[dict[str, np.ndarray]]:
+        """:meth:`pull_except` a part at a time (a stored-table dict per chunk of the pass;
+        ``held`` None: every row): a table larger than memory, never whole in memory."""
+        for keys, rows in self._absent(table, held):
+            if keys.size:
+                yield self._unpack(table, keys, rows)
+
+    def _absent(self, table: int, held) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        for stored, vectors in self.db.items(self.names[table], **self._scan(table)):
+            yield (stored, vectors) if held is None else held.absent_rows(stored, vectors)
+
+    def stored_bytes(self, table: int, more: int = 0) -> int:
+        """About the memory the table's stored rows (and ``more`` rows) take when read: keys
+        and rows."""
+        rows = self.db.estimated_rows(self.names[table]) + more
+        return rows * (8 + 4 * self.stored_width(table))
 
     def as_stored(self, table: int, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Rows as a :meth:`pull` would give them back after a :meth:`push` of them (the

@@ -40,7 +40,7 @@ import math
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -53,6 +53,8 @@ from jctr.online.feature_stats import FeatureStats, ScoreRule, ShrinkRule
 from jctr.online.schedule import data_files, days, next_day, pass_folders, wait_ready
 from jctr.ops.host_sort import take_rows
 from jctr.runtime.direct_io import DirectWriter, replace_file, replace_json, replacing
+from jctr.runtime.host_memory import room_left
+from jctr.sharding.plan import format_bytes
 from jctr.sharding.rows import drop_keys, export_placed, put_rows, scale_slot
 from jctr.train.datasets import open_training_set
 from jctr.train.hooks import Hook, PredictionCounts
@@ -634,6 +636,29 @@ class OnlineRun:
         store thread while it trains, for the day's base model (:meth:`_model_rows`)."""
         return [self.store.pull_except(i, keys) for i, keys in enumerate(held)]
 
+    def _unheld_fits(self) -> bool:
+        """Whether the stored rows (and the base model's joined copy of them) fit in memory
+        beside the run, to be read while the day's last pass trains; else the base model reads
+        the database a part at a time (:meth:`_streamed_rows`), as a table larger than memory
+        must."""
+        # (the last pass's write-back may still be on its way in: as many rows as this
+        # pass pulls counted as new)
+        need = 2 * sum(self.store.stored_bytes(i, more=len(held))
+                       for i, held in enumerate(self._wanted))
+        room = room_left(self.trainer.memory_plan.transient)
+        return room is None or need <= room
+
+    def _streamed_rows(self, i: int, keys: np.ndarray) -> Iterator[dict[str, np.ndarray]]:
+        """A base model's rows of ``keys`` (chosen by the statistics) a part at a time, by
+        one pass over the database once the last pass's write-back is in: never the whole
+        table in memory (the same keys and vectors as :meth:`_store_rows`, in another
+        order)."""
+        self._written_back()
+        stats = self.stats[i]
+        chosen = _chosen(stats, keys)
+        for part in self.store.pull_except_parts(i):
+            yield _rows_among({"keys": part["keys"], "values": part["values"]}, stats, chosen)
+
     def _take_unheld(self) -> list[dict[str, np.ndarray]] | None:
         """What :meth:`_read_unheld` read, once done (None if it did not run or failed: the
         base model then reads the database)."""
@@ -884,7 +909,8 @@ class OnlineRun:
             if data.get("next") is not None:  # the next pass's other rows, meanwhile
                 following, halt = data["next"]
                 self._ahead = self._pool.submit(self._pull_ahead, following, self._wanted, halt)
-            elif n == len(self.passes) and self._pool is not None and self._pulls_ahead():
+            elif n == len(self.passes) and self._pool is not None and self._pulls_ahead() \
+                    and self._unheld_fits():
                 # the day's last pass: the base model's rows of the keys it does not hold
                 self._unheld = self._pool.submit(self._read_unheld, self._wanted)
         summary = t.fit(data=dataset)
@@ -1068,8 +1094,15 @@ class OnlineRun:
             unheld = self._take_unheld() if kind == "base" else None
             # the last pass's rows kept (perhaps still being written back): from memory
             kept = len(self._written) == len(t.specs)
-            tables = [self._model_rows(i, k, None if unheld is None else unheld[i]) if kept
-                      else self._store_rows(i, k) for i, k in enumerate(keys)]
+            if kind == "base" and unheld is None and self._pulls_ahead():  # no room for it
+                tables = [self._streamed_rows(i, k) for i, k in enumerate(keys)]
+                stored = sum(self.store.stored_bytes(i) for i in range(len(keys)))
+                self.log(f"[jctr] base model {folder}: the stored rows (~{format_bytes(stored)})"
+                         " read from the database a part at a time (no room to hold them "
+                         "beside the run)")
+            else:
+                tables = [self._model_rows(i, k, None if unheld is None else unheld[i])
+                          if kept else self._store_rows(i, k) for i, k in enumerate(keys)]
         path = export_bundle(t.cfg, t.state, folder, t.placements, keys=keys,
                              about={"kind": kind, "day": day, "pass": n}, tables=tables)
         self.log(f"[jctr] {kind} model -> {path} ("

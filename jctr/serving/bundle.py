@@ -76,14 +76,15 @@ _BUNDLE_ENTRIES = {"manifest.json", "config.json", "dense.model", "non_trainable
 
 def export_bundle(cfg, state, output: str, placements=None, *,
                   keys: list[np.ndarray] | None = None, about: dict | None = None,
-                  tables: list[dict[str, np.ndarray]] | None = None) -> str:
+                  tables: list | None = None) -> str:
     """Write an inference bundle of a model (its parsed config and :class:`TrainState`; the
     optimizer state is not needed) into ``output``: a new or empty folder, or a previous
     bundle, replaced only once the new one is complete. ``placements`` say how the state's
     tables lie on devices (the trainer's plan; default: one device). ``keys`` (one array per
     embedding) keeps only those keys' rows (streaming training's base and delta models);
     ``about`` joins the manifest (e.g. ``{"kind": "delta", "day": ..., "pass": ...}``);
-    ``tables`` (stored-table dicts with ``keys`` and ``values``) replace the state's tables.
+    ``tables`` (stored-table dicts with ``keys`` and ``values``, or per table a list or
+    iterator of such parts, written one after the other) replace the state's tables.
 
     Example::
 

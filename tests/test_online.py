@@ -1635,7 +1635,9 @@ def test_a_base_model_of_a_table_larger_than_memory_is_written_a_part_at_a_time(
 
     run("room", [])
     read_ahead, real = [], OnlineRun._read_unheld
-    monkeypatch.setattr(runner, "room_left", lambda reserve=0: 1 << 10)  # 1 KiB to spare
+    # room for the passes' rows (the plan at start), then 1 KiB: a machine filled meanwhile
+    room = iter([1 << 40])
+    monkeypatch.setattr(runner, "room_left", lambda reserve=0: next(room, 1 << 10))
     monkeypatch.setattr(OnlineRun, "_read_unheld",
                         lambda self, held: read_ahead.append(1) or real(self, held))
     lines = []
@@ -1656,3 +1658,68 @@ def test_a_base_model_of_a_table_larger_than_memory_is_written_a_part_at_a_time(
         np.testing.assert_array_equal(got[0][0], got[1][0])
         np.testing.assert_array_equal(got[0][1], got[1][1])
     assert got[0][0].size > 3000  # the second day's: more keys than the device table holds
+
+
+def test_sparse_store_plans_a_pass_s_rows_and_refuses_what_does_not_fit(tmp_path,
+                                                                        monkeypatch):
+    """A sparse_store pass keeps copies of its rows on the host beside the planned step (its
+    pulled rows for the undo, the last pass's written rows, the next pass's read ahead, their
+    join: ~4.4 working sets at the peak, measured), none of it in the memory plan: a table
+    sized to the plan was killed mid-pass. The run prints their plan at start, at most a full
+    table's stored rows a copy (``OnlineRun._plan_store_memory``); without room for the read
+    ahead's copies each pass reads its rows when it starts (the same model); without room for
+    two it is refused, with the figures, before any pass."""
+    import json
+
+    import jax
+
+    from jctr.config import parse_config
+    from jctr.data.tools.synthetic import generate_for_config
+    from jctr.online import runner
+    from jctr.online.runner import OnlineRun
+    from jctr.online.synthetic_stream import write_stream
+    from jctr.sharding.plan import PlanError
+    from tests.conftest import tiny_config
+    from tests.test_epochs import leaves_equal
+
+    cfg = tiny_config(tmp_path, "dlrm", display=1000, eval_batches=1, batchsize=256,
+                      batchsize_eval=256, eval_interval=10**6)
+    cfg["layers"][0]["synthetic"].update(num_samples=128, eval_num_samples=128, num_files=1)
+    generate_for_config(parse_config(cfg))
+    write_stream(parse_config(cfg), str(tmp_path / "stream"), ["20190720"],
+                 split_interval=480, files_per_slice=1, samples_per_file=512)
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(cfg))
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+    def run(name):
+        lines = []
+        doc = _online(tmp_path, model, tmp_path / name, end_day="20190720",
+                      split_interval=480, sparse_store={"path": f"rows-{name}"})
+        r = OnlineRun(doc, log=lines.append)
+        return r, r.run(), lines
+
+    roomy, passes, lines = run("roomy")
+    plan = next(x for x in lines if "sparse_store memory plan" in x)
+    copies, size, unit = plan.split("up to ")[1].split(" (")[0].replace(" x", "").split()
+    assert copies == "5" and passes == 3
+    per_copy = float(size) * units[unit]
+    ahead = []
+    real = OnlineRun._pull_ahead
+    monkeypatch.setattr(OnlineRun, "_pull_ahead", lambda self, *a: ahead.append(1) or
+                        real(self, *a))
+    monkeypatch.setattr(runner, "room_left", lambda reserve=0: int(3.5 * per_copy))
+    tight, passes, lines = run("tight")
+    assert passes == 3 and not ahead
+    assert any("no room to read a pass's rows ahead" in x for x in lines)
+    assert any("sparse_store memory plan: a pass's rows beside the tables, up to 2 x" in x
+               for x in lines)
+    a, b = (jax.tree.map(np.asarray, r.trainer.state.params) for r in (roomy, tight))
+    assert leaves_equal(a, b)
+    monkeypatch.setattr(runner, "room_left", lambda reserve=0: int(per_copy))
+    with pytest.raises(PlanError, match=r"sparse_store: a pass's rows need up to 2 x .* of "
+                                        r"host memory beside the training step, and .* are "
+                                        r"to spare: lower the tables' "
+                                        r"max_vocabulary_size_per_gpu"):
+        run("refused")
+    assert not (tmp_path / "refused" / "20190720").exists()  # no pass began

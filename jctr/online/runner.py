@@ -54,7 +54,7 @@ from jctr.online.schedule import data_files, days, next_day, pass_folders, wait_
 from jctr.ops.host_sort import take_rows
 from jctr.runtime.direct_io import DirectWriter, replace_file, replace_json, replacing
 from jctr.runtime.host_memory import room_left
-from jctr.sharding.plan import format_bytes
+from jctr.sharding.plan import PlanError, format_bytes
 from jctr.sharding.rows import drop_keys, export_placed, put_rows, scale_slot
 from jctr.train.datasets import open_training_set
 from jctr.train.hooks import Hook, PredictionCounts
@@ -118,6 +118,7 @@ class OnlineRun:
         # a day's last pass: the stored rows of the keys it does not hold, read meanwhile for
         # the day's base model (_read_unheld)
         self._unheld: Future | None = None
+        self._ahead_ok = True  # room to read a pass's rows ahead (_plan_store_memory)
         self._unrecorded: tuple | None = None
 
     # -- where a run stands ---------------------------------------------------------------
@@ -413,6 +414,39 @@ class OnlineRun:
         all_processes(lambda: self._open_own_store(done), "open their part of the "
                       "sparse_store")
         self._eval_keys = [s.keys() for s in self._working_keys(self.trainer.data.eval)]
+        self._plan_store_memory()
+
+    # copies of a pass's rows on the host beside the tables (measured: ~4.4 working sets at
+    # the peak with the read ahead, docs/performance.md): with the read ahead the pass's
+    # pulled rows kept for its undo, the last pass's written rows, the next pass's rows read
+    # ahead and their join; without it the pulled rows and the written ones
+    _COPIES_AHEAD, _COPIES = 5, 2
+
+    def _plan_store_memory(self) -> None:
+        """The host memory a pass's rows take beside the planned step, at most a full table's
+        rows a copy (a pass's keys must fit the table), printed and checked: where the copies
+        of reading ahead do not fit, passes read their rows when they start; where not even
+        those fit, the run is refused with the figures."""
+        t = self.trainer
+        per_copy = sum(spec.capacity * t.placed.local_devices()
+                       * (8 + 4 * self.store.stored_width(i)) for i, spec in enumerate(t.specs))
+        room = room_left(t.memory_plan.transient)
+        least = self._COPIES
+        copies = self._COPIES_AHEAD if self._pulls_ahead() else least
+        if room is not None and copies * per_copy > room:
+            if least * per_copy > room:
+                raise PlanError(f"sparse_store: a pass's rows need up to {least} x "
+                                f"{format_bytes(per_copy)} = {format_bytes(least * per_copy)} "
+                                "of host memory beside the training step, and "
+                                f"{format_bytes(max(room, 0))} are to spare: lower the tables' "
+                                "max_vocabulary_size_per_gpu (a pass's keys must fit them)")
+            self._ahead_ok, copies = False, least
+            self.log("[jctr] sparse_store: no room to read a pass's rows ahead beside the "
+                     "run; each pass reads them when it starts")
+        spare = "" if room is None else f"; {format_bytes(room)} to spare"
+        self.log(f"[jctr] sparse_store memory plan: a pass's rows beside the tables, up to "
+                 f"{copies} x {format_bytes(per_copy)} (a full table's stored rows) = "
+                 f"{format_bytes(copies * per_copy)}{spare}")
 
     def _store_path(self) -> str:
         """This process's database: the path itself for one process, else its part's folder
@@ -553,7 +587,7 @@ class OnlineRun:
         one process (several processes gather rows collectively, on the main thread)."""
         import jax
 
-        return self.store is not None and jax.process_count() == 1
+        return self.store is not None and jax.process_count() == 1 and self._ahead_ok
 
     def _pull_ahead(self, following: Future, wanted: list,
                     halt: threading.Event) -> dict | None:
@@ -1077,6 +1111,8 @@ class OnlineRun:
         (``keys``, chosen by :meth:`_inference_keys` unless given). ``exported``: every
         table's rows on the host already (the day end's snapshot), the base model's taken
         from them."""
+        import jax
+
         from jctr.serving.bundle import export_bundle
 
         t = self.trainer
@@ -1094,7 +1130,7 @@ class OnlineRun:
             unheld = self._take_unheld() if kind == "base" else None
             # the last pass's rows kept (perhaps still being written back): from memory
             kept = len(self._written) == len(t.specs)
-            if kind == "base" and unheld is None and self._pulls_ahead():  # no room for it
+            if kind == "base" and unheld is None and jax.process_count() == 1:  # no room
                 tables = [self._streamed_rows(i, k) for i, k in enumerate(keys)]
                 stored = sum(self.store.stored_bytes(i) for i in range(len(keys)))
                 self.log(f"[jctr] base model {folder}: the stored rows (~{format_bytes(stored)})"
@@ -1108,8 +1144,6 @@ class OnlineRun:
         self.log(f"[jctr] {kind} model -> {path} ("
                  + ", ".join(f"{spec.name}: {k.size:,} keys" for spec, k in zip(t.specs, keys))
                  + ")")
-        import jax
-
         if self._converter is not None and jax.process_index() == 0:
             try:
                 self._converter(path, kind, day, n)

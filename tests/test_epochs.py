@@ -329,3 +329,32 @@ def test_early_stopping_saves_the_restored_best_and_export_takes_it(tiny, tmp_pa
     err = capsys.readouterr().err
     assert f"exporting the checkpoint of iter {STEPS_PER_EPOCH} (early stopping's best" in err
     assert json.loads((bundle / "manifest.json").read_text())["step"] == STEPS_PER_EPOCH
+
+
+def test_shuffling_a_file_larger_than_memory_is_refused_before_training(tiny, monkeypatch):
+    """A seeded epoch permutes each unit's records in memory: a Norm file read whole and its
+    permuted copy, twice its size. A 30 GB file on a 24 GB machine was a process killed at
+    its first epoch; now the largest unit's need is checked with the files' headers before
+    the first step (``RunData.check``, ``Dataset.check_units``) and refused, naming the
+    file, its need and what is to spare."""
+    import os
+    import re
+
+    from jctr.data.records import DataError
+    from jctr.train import datasets
+
+    cfg = tiny(max_iter=2, display=1, eval_interval=10**6, eval_batches=1)
+    cfg["layers"][0]["shuffle"] = True
+    t = Trainer.from_config(cfg)
+    t.data.train.check_units()
+    need, unit = t.data.train.shuffle_need
+    size = os.path.getsize(unit)  # a Norm file: its header, then its records
+    assert 2 * (size - 1024) <= need <= 2 * size
+    monkeypatch.setattr(datasets, "room_left", lambda reserve=0: need - 1)
+    with pytest.raises(DataError, match=re.escape(unit) + r": shuffling it .* holds its "
+                       r"records and their permuted copy, [0-9.]+ [KMG]iB, in memory, and "
+                       r".* are to spare beside the training step: split it into smaller "
+                       r"files, or set shuffle to false"):
+        t.fit()
+    monkeypatch.setattr(datasets, "room_left", lambda reserve=0: need)
+    assert t.fit().iterations == 2

@@ -421,7 +421,9 @@ class DataConfig:
     """jctr: generate a power-law dataset where ``source`` / ``eval_source`` do not exist yet
     (object below)."""
     shuffle: bool = False
-    """jctr: permute the file (unit) and record order every epoch, seeded."""
+    """jctr: permute the file (unit) and record order every epoch, seeded (a file's records
+    and their permuted copy are held in memory: a Norm or Raw file too large for that beside
+    the training step is refused before the first step)."""
     test_sources: tuple[tuple[str, str], ...] = ()
     """jctr, JSON key ``test_source``: a source, a list, or an object of name -> source; each
     test set is scored after training like ``eval_source`` and reported apart (never used to

@@ -110,6 +110,17 @@ class ReaderPosition:
         return self.epoch - 1 if at_start else self.epoch
 
 
+def _shuffle_bytes(unit) -> int:
+    """The memory a unit takes while a seeded epoch permutes its records
+    (:meth:`Dataset._records`): a read unit in memory and its permuted copy; a Norm file of
+    variable records, its body and the permuted offsets."""
+    if isinstance(unit, VarRecords):
+        return unit.body_size + 8 * len(unit)
+    if isinstance(unit, FixedRecords):
+        return 2 * unit.n * unit.layout.record_bytes
+    return 2 * sum(a.nbytes for a in (unit.label, unit.dense, unit.nnz, unit.keys))
+
+
 class Dataset(abc.ABC):
     """Fixed-shape batches from a sequence of *units* (files, or record ranges of one file).
 
@@ -130,6 +141,8 @@ class Dataset(abc.ABC):
             raise ValueError(f"labels: expected one of {sorted(LABEL_RULES, key=str)}")
         self.label_rule = labels  # what the loss accepts: a key of LABEL_RULES
         self._cache: dict[int, RecordBlock] = {}
+        # (bytes, unit name): the largest unit's memory while shuffled, by check_units
+        self.shuffle_need: tuple[int, str] = (0, "")
 
     @abc.abstractmethod
     def num_units(self) -> int:
@@ -180,8 +193,16 @@ class Dataset(abc.ABC):
     def check_units(self) -> int:
         """Open every unit this process reads, so that a broken header or a missing file is
         found before training rather than when it is reached (records are checked as read).
-        Returns the records of those units (what one epoch of this process reads)."""
-        return sum(len(self._unit(i)) for i in self.host_units())
+        Returns the records of those units (what one epoch of this process reads); with
+        shuffling, :attr:`shuffle_need` is then known."""
+        records, self.shuffle_need = 0, (0, "")
+        for i in self.host_units():
+            unit = self._unit(i)
+            records += len(unit)
+            need = _shuffle_bytes(unit) if self.seed is not None else 0
+            if need > self.shuffle_need[0]:
+                self.shuffle_need = (need, self.unit_name(i))
+        return records
 
     def host_units(self) -> list[int]:
         units = list(range(self.num_units()))[self.process_index::self.process_count]

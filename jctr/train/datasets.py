@@ -22,6 +22,9 @@ from jctr.config.schema import DataConfig
 from jctr.data.batch import Batch
 from jctr.data.dataset import Dataset
 from jctr.data.loader import ReaderPosition, open_dataset
+from jctr.data.records import DataError
+from jctr.runtime.host_memory import room_left
+from jctr.sharding.plan import format_bytes
 
 
 def _label_rule(cfg: ModelConfig) -> str:
@@ -108,6 +111,13 @@ class RunData:
     def check(self) -> None:
         """Every file's header, before training (raises :class:`jctr.data.records.DataError`)."""
         self.train_records = self.train.check_units()
+        need, unit = self.train.shuffle_need
+        room = room_left(self.cache_reserve) if need else None
+        if room is not None and need > room:
+            raise DataError(f"{unit}: shuffling it (the Data layer's shuffle) holds its records "
+                            f"and their permuted copy, {format_bytes(need)}, in memory, and "
+                            f"{format_bytes(max(room, 0))} are to spare beside the training "
+                            "step: split it into smaller files, or set shuffle to false")
         self.eval.check_units()
         for name, _ in self.cfg.data.test_sources:
             self.test(name).check_units()

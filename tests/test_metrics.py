@@ -1,4 +1,5 @@
 import numpy as np
+import pytest
 
 from jctr.train.metrics import auc, log_loss
 
@@ -76,3 +77,29 @@ def test_trainer_counts_training_predictions_per_bucket(tmp_path):
                      np.bincount(idx[y > 0.5], minlength=32)])
     np.testing.assert_array_equal(got, want)
     assert counts.take().sum() == 0  # taken: they start again
+
+
+def test_eval_tally_equals_the_joined_arrays_auc_and_loss():
+    """``EvalTally`` (an evaluation's metrics from batches, each sample one uint64 sorted in
+    place: ``jctr.ops.host_metrics``) gives the AUC of the joined float32 scores exactly,
+    ties (and -0.0 against +0.0) shared, and their log loss; one class: NaN."""
+    from jctr.train.metrics import EvalTally
+
+    rng = np.random.default_rng(3)
+    for n, batches in ((7, 1), (3000, 5), (200_000, 13)):
+        y = (rng.random(n) < 0.3).astype(np.float32)
+        s = np.round(rng.random(n) * 0.8 + 0.2 * y, 2).astype(np.float32)  # many ties
+        s[: n // 7] = -0.0 if n < 10 else s[: n // 7]
+        s[n // 7: 2 * (n // 7)] = 0.0
+        tally = EvalTally()
+        for part in np.array_split(np.arange(n), batches):
+            tally.add(y[part], s[part])
+        assert tally.count == n
+        assert tally.auc() == auc(y, s)
+        if n < 5000:
+            assert abs(tally.auc() - _brute_auc(y, s)) < 1e-12
+        assert tally.log_loss() == pytest.approx(log_loss(y, s), rel=1e-12)
+        assert tally.auc() == auc(y, s)  # asked twice: the same
+    one = EvalTally()
+    one.add(np.ones(4), np.float32([0.1, 0.2, 0.3, 0.4]))
+    assert np.isnan(one.auc())

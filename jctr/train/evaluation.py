@@ -29,7 +29,7 @@ from jctr.models.ctr import TrainState
 from jctr.sharding.mesh import to_host
 from jctr.sharding.placed_model import PlacedModel
 from jctr.train.datasets import RunData, open_eval_set
-from jctr.train.metrics import auc, log_loss
+from jctr.train.metrics import EvalTally
 from jctr.train.monitors import EarlyStopping, PlateauSchedule
 
 
@@ -44,19 +44,16 @@ def evaluate(eval_step, placed: PlacedModel, state: TrainState, data: Dataset,
              where: str = "the dataset") -> dict[str, float]:
     """The solver's ``eval_metrics`` over ``data`` (its first ``num_batches`` batches, if
     given); padding samples never count. ``where`` names ``data`` in errors."""
-    labels, preds = [], []
+    tally = EvalTally()  # 8 bytes a sample (a set of 100M samples: 0.8 GB, not 6.6)
     for i, batch in enumerate(data.batches(solver.batchsize_eval, epochs=1)):
         if num_batches is not None and i >= num_batches:
             break
         pred = predict_all(eval_step, placed, state, batch)
         m = batch.mask
-        labels.append(batch.label[m, 0])
-        preds.append(pred[m] if pred.ndim == 1 else pred[m, 0])
-    if not labels:
+        tally.add(batch.label[m, 0], pred[m] if pred.ndim == 1 else pred[m, 0])
+    if not tally.count:
         raise DataError(f"{where}: no samples to evaluate")
-    y = np.concatenate(labels)
-    p = np.concatenate(preds)
-    return {metric.name: auc(y, p) if metric.name == "AUC" else log_loss(y, p)
+    return {metric.name: tally.auc() if metric.name == "AUC" else tally.log_loss()
             for metric in solver.eval_metrics}
 
 

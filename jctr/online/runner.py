@@ -119,6 +119,7 @@ class OnlineRun:
         # the day's base model (_read_unheld)
         self._unheld: Future | None = None
         self._ahead_ok = True  # room to read a pass's rows ahead (_plan_store_memory)
+        self._store_copies = 0  # host bytes planned for a pass's rows (_plan_store_memory)
         self._unrecorded: tuple | None = None
 
     # -- where a run stands ---------------------------------------------------------------
@@ -371,7 +372,7 @@ class OnlineRun:
             # what does not fit beside the run (the pass training now holds its own data) is
             # read from its files as the pass trains
             units = len(dataset.host_units())
-            uncached = units - dataset.cache_all(self.trainer.memory_plan.transient)
+            uncached = units - dataset.cache_all(self._busy_bytes())
             if self.cfg.sparse_store:
                 keys = self._working_keys(dataset)
         return {"files": len(files), "list": file_list, "dataset": dataset, "keys": keys,
@@ -422,6 +423,12 @@ class OnlineRun:
     # ahead and their join; without it the pulled rows and the written ones
     _COPIES_AHEAD, _COPIES = 5, 2
 
+    def _busy_bytes(self) -> int:
+        """What data kept in memory on the side (a pass read ahead, a base model's rows) must
+        leave room for: the step's peak beyond the state and, with sparse_store, its planned
+        copies of a pass's rows (counted whole, though some may be in memory already)."""
+        return self.trainer.memory_plan.transient + self._store_copies
+
     def _plan_store_memory(self) -> None:
         """The host memory a pass's rows take beside the planned step, at most a full table's
         rows a copy (a pass's keys must fit the table), printed and checked: where the copies
@@ -443,6 +450,7 @@ class OnlineRun:
             self._ahead_ok, copies = False, least
             self.log("[jctr] sparse_store: no room to read a pass's rows ahead beside the "
                      "run; each pass reads them when it starts")
+        self._store_copies = copies * per_copy
         spare = "" if room is None else f"; {format_bytes(room)} to spare"
         self.log(f"[jctr] sparse_store memory plan: a pass's rows beside the tables, up to "
                  f"{copies} x {format_bytes(per_copy)} (a full table's stored rows) = "
@@ -679,7 +687,7 @@ class OnlineRun:
         # pass pulls counted as new)
         need = 2 * sum(self.store.stored_bytes(i, more=len(held))
                        for i, held in enumerate(self._wanted))
-        room = room_left(self.trainer.memory_plan.transient)
+        room = room_left(self._busy_bytes())
         return room is None or need <= room
 
     def _streamed_rows(self, i: int, keys: np.ndarray) -> Iterator[dict[str, np.ndarray]]:

@@ -415,7 +415,7 @@ class OnlineRun:
         all_processes(lambda: self._open_own_store(done), "open their part of the "
                       "sparse_store")
         self._eval_keys = [s.keys() for s in self._working_keys(self.trainer.data.eval)]
-        self._plan_store_memory()
+        all_processes(self._plan_store_memory, "fit a pass's sparse_store rows in memory")
 
     # copies of a pass's rows on the host beside the tables (measured: ~4.4 working sets at
     # the peak with the read ahead, docs/performance.md): with the read ahead the pass's

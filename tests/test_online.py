@@ -924,6 +924,30 @@ def _drifting_stream(tmp_path, days: list[str], samples_per_file: int = 4096):
     return model
 
 
+def _small_stream(tmp_path, days: list[str], capacity: int, *, split_interval: int = 720,
+                  samples_per_file: int = 512):
+    """The tiny DLRM with a ``capacity``-row table (128 validation samples) and a generated
+    tree of ``days`` of drifting keys, one file a pass; returns the model config's path."""
+    import json
+
+    from jctr.config import parse_config
+    from jctr.data.tools.synthetic import generate_for_config
+    from jctr.online.synthetic_stream import write_stream
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config(tmp_path, "dlrm", display=1000, eval_batches=1, batchsize=256,
+                      batchsize_eval=256, eval_interval=10**6)
+    cfg["layers"][0]["synthetic"].update(num_samples=128, eval_num_samples=128, num_files=1)
+    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = capacity
+    generate_for_config(parse_config(cfg))
+    write_stream(parse_config(cfg), str(tmp_path / "stream"), days,
+                 split_interval=split_interval, files_per_slice=1,
+                 samples_per_file=samples_per_file, drift=0.37)
+    model = tmp_path / "model.json"
+    model.write_text(json.dumps(cfg))
+    return model
+
+
 def test_ten_days_of_a_drifting_stream_through_a_small_table(tmp_path):
     """Ten simulated days of power-law keys whose popular keys drift every day (a generated
     tree): with the shrink (keys unseen for more than a day go, Paddle's order: at the end of
@@ -1193,23 +1217,11 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
     checkpoint drops that pass's write-back, not begun: nothing to put back."""
     import json
 
-    from jctr.config import parse_config
-    from jctr.data.tools.synthetic import generate_for_config
     from jctr.online.row_store import RowStore
     from jctr.online.runner import OnlineRun
-    from jctr.online.synthetic_stream import write_stream
-    from tests.conftest import tiny_config
 
-    cfg = tiny_config(tmp_path, "dlrm", display=1000, eval_batches=1, batchsize=256,
-                      batchsize_eval=256, eval_interval=10**6)
-    cfg["layers"][0]["synthetic"].update(num_samples=128, eval_num_samples=128, num_files=1)
-    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 4000
-    generate_for_config(parse_config(cfg))
     days = ["20190720", "20190721"]
-    write_stream(parse_config(cfg), str(tmp_path / "stream"), days, split_interval=360,
-                 files_per_slice=1, samples_per_file=384, drift=0.37)
-    model = tmp_path / "model.json"
-    model.write_text(json.dumps(cfg))
+    model = _small_stream(tmp_path, days, 4000, split_interval=360, samples_per_file=384)
     took = _rows_given(monkeypatch, "_pulled_rows")  # rows read ahead
     # models' rows, the pass's from memory (None: the others read now, for the deltas; else
     # those read while a day's last pass trained, for its base model)
@@ -1610,23 +1622,11 @@ def test_a_base_model_of_a_table_larger_than_memory_is_written_a_part_at_a_time(
     import json
 
     from jctr.checkpoint.model_files import read_sparse_model
-    from jctr.config import parse_config
-    from jctr.data.tools.synthetic import generate_for_config
     from jctr.online import runner
     from jctr.online.runner import OnlineRun
-    from jctr.online.synthetic_stream import write_stream
-    from tests.conftest import tiny_config
 
-    cfg = tiny_config(tmp_path, "dlrm", display=1000, eval_batches=1, batchsize=256,
-                      batchsize_eval=256, eval_interval=10**6)
-    cfg["layers"][0]["synthetic"].update(num_samples=128, eval_num_samples=128, num_files=1)
-    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 3000
-    generate_for_config(parse_config(cfg))
     days = ["20190720", "20190721"]
-    write_stream(parse_config(cfg), str(tmp_path / "stream"), days, split_interval=720,
-                 files_per_slice=1, samples_per_file=512, drift=0.37)
-    model = tmp_path / "model.json"
-    model.write_text(json.dumps(cfg))
+    model = _small_stream(tmp_path, days, 3000)
 
     def run(name, lines):
         doc = _online(tmp_path, model, tmp_path / name, start_day=days[0], end_day=days[-1],
@@ -1669,27 +1669,15 @@ def test_sparse_store_plans_a_pass_s_rows_and_refuses_what_does_not_fit(tmp_path
     table's stored rows a copy (``OnlineRun._plan_store_memory``); without room for the read
     ahead's copies each pass reads its rows when it starts (the same model); without room for
     two it is refused, with the figures, before any pass."""
-    import json
 
     import jax
 
-    from jctr.config import parse_config
-    from jctr.data.tools.synthetic import generate_for_config
     from jctr.online import runner
     from jctr.online.runner import OnlineRun
-    from jctr.online.synthetic_stream import write_stream
     from jctr.sharding.plan import PlanError
-    from tests.conftest import tiny_config
     from tests.test_epochs import leaves_equal
 
-    cfg = tiny_config(tmp_path, "dlrm", display=1000, eval_batches=1, batchsize=256,
-                      batchsize_eval=256, eval_interval=10**6)
-    cfg["layers"][0]["synthetic"].update(num_samples=128, eval_num_samples=128, num_files=1)
-    generate_for_config(parse_config(cfg))
-    write_stream(parse_config(cfg), str(tmp_path / "stream"), ["20190720"],
-                 split_interval=480, files_per_slice=1, samples_per_file=512)
-    model = tmp_path / "model.json"
-    model.write_text(json.dumps(cfg))
+    model = _small_stream(tmp_path, ["20190720"], 16000, split_interval=480)
     units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
 
     def run(name):

@@ -1138,12 +1138,12 @@ class OnlineRun:
             unheld = self._take_unheld() if kind == "base" else None
             # the last pass's rows kept (perhaps still being written back): from memory
             kept = len(self._written) == len(t.specs)
-            if kind == "base" and unheld is None and jax.process_count() == 1:  # no room
+            if kind == "base" and unheld is None and jax.process_count() == 1:
+                # not read while the last pass trained (no room for them, or no prefetch)
                 tables = [self._streamed_rows(i, k) for i, k in enumerate(keys)]
                 stored = sum(self.store.stored_bytes(i) for i in range(len(keys)))
                 self.log(f"[jctr] base model {folder}: the stored rows (~{format_bytes(stored)})"
-                         " read from the database a part at a time (no room to hold them "
-                         "beside the run)")
+                         " read from the database a part at a time")
             else:
                 tables = [self._model_rows(i, k, None if unheld is None else unheld[i])
                           if kept else self._store_rows(i, k) for i, k in enumerate(keys)]

@@ -1,4 +1,5 @@
-"""Host memory settings for XLA:CPU: glibc malloc tunables for big, recycled buffers.
+"""Host memory settings for XLA:CPU (glibc malloc tunables for big, recycled buffers), and
+what the machine has left (:func:`room_left`: what a cache kept on the side may take).
 
 XLA's CPU buffers come from malloc. Two costs show up in a training step on CPU:
 
@@ -100,7 +101,6 @@ def give_back_big_blocks() -> bool:
         return False
     m_mmap_threshold, m_mmap_max = -3, -4  # malloc.h
     return bool(mallopt(m_mmap_max, 65536)) and bool(mallopt(m_mmap_threshold, 32 << 20))
-
 
 
 def host_memory() -> tuple[int | None, int | None]:

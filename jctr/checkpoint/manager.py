@@ -363,7 +363,9 @@ class Checkpointer:
             self._saver.save(pending, args=ocp.args.Composite(**items))
         except BaseException as e:
             self._abandon()
-            raise _not_written(pending, step, e) from e
+            if isinstance(e, Exception):  # Ctrl-C and SIGTERM go on as themselves
+                raise _not_written(pending, step, e) from e
+            raise
         if jax.process_index() == 0 and self._async:
             self._seal_error = None
             self._sealer = threading.Thread(target=self._seal_when_written, daemon=True)

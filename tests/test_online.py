@@ -1711,3 +1711,27 @@ def test_sparse_store_plans_a_pass_s_rows_and_refuses_what_does_not_fit(tmp_path
                                         r"max_vocabulary_size_per_gpu"):
         run("refused")
     assert not (tmp_path / "refused" / "20190720").exists()  # no pass began
+
+
+def test_a_streaming_run_keeps_one_pass_of_log_records_in_memory(tmp_path):
+    """The trainer's log kept every record in memory (``Trainer.history``): a streaming run,
+    one fit a pass with a record a display, gathers millions over months. Each pass now
+    starts with the log's memory empty (``RunLog.forget``); ``metrics.jsonl`` holds every
+    pass's records."""
+    import json
+
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path, days=("20190720",))
+    cfg = json.loads(model.read_text())
+    cfg["solver"].update(log_dir=str(tmp_path / "logs"), display=1)
+    model.write_text(json.dumps(cfg))
+    for folder in sorted((tmp_path / "stream").glob("*/*")):
+        (folder / "DONE").touch()
+    run = OnlineRun(_online(tmp_path, model, tmp_path / "save", end_day="20190720"),
+                    log=lambda s: None)
+    assert run.run() == 2
+    kinds = [h["kind"] for h in run.trainer.history]
+    assert kinds.count("start") == 1 and kinds.count("train") >= 2  # the last pass's
+    logged = [json.loads(x)["kind"] for x in open(tmp_path / "logs" / "metrics.jsonl")]
+    assert logged.count("start") == 2 and logged.count("train") >= 2 * kinds.count("train")

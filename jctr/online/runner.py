@@ -955,6 +955,7 @@ class OnlineRun:
                     and self._unheld_fits():
                 # the day's last pass: the base model's rows of the keys it does not hold
                 self._unheld = self._pool.submit(self._read_unheld, self._wanted)
+        t.run_log.forget()  # the last pass's records stay in memory, the rest in the log file
         summary = t.fit(data=dataset)
         self._sync_statistics()
         if self.store is not None:

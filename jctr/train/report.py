@@ -58,18 +58,44 @@ def as_trained(records: list[dict]) -> list[dict]:
     its checkpoint's iteration, and what the interrupted run logged after that iteration was
     trained again, so its records are dropped (else the plots draw those iterations twice)."""
     out: list[dict] = []
+    top = None  # the highest iteration among out's records
     for r in records:
-        if r.get("kind") == "start" and isinstance(r.get("iter"), int):
-            out = [o for o in out if not (isinstance(o.get("iter"), (int, float))
-                                          and o["iter"] > r["iter"])]
+        start = r.get("iter") if r.get("kind") == "start" else None
+        # only a start below what was logged drops records: a streaming run starts every
+        # pass where the last one ended, and a pass over all records at each start took
+        # the report of a months-old run hours
+        if isinstance(start, int) and top is not None and top > start:
+            out = [o for o in out if not (_iteration(o) is not None and o["iter"] > start)]
+            top = max((o["iter"] for o in out if _iteration(o) is not None), default=None)
         out.append(r)
+        if _iteration(r) is not None and (top is None or r["iter"] > top):
+            top = r["iter"]
     return out
+
+
+def _iteration(record: dict) -> int | float | None:
+    it = record.get("iter")
+    return it if isinstance(it, (int, float)) else None
 
 
 def _series(records, kind, key, x="iter"):
     pts = [(r[x], r[key]) for r in records if r.get("kind") == kind
            and isinstance(r.get(key), (int, float)) and isinstance(r.get(x), (int, float))]
-    return [p[0] for p in pts], [p[1] for p in pts]
+    return _thinned([p[0] for p in pts], [p[1] for p in pts])
+
+
+POINTS = 4000  # a line's points at most: a plot 860 pixels wide shows no more
+
+
+def _thinned(x: list, y: list) -> tuple[list, list]:
+    """Every k-th point of a long series (a months-long run logs millions), the last kept."""
+    k = -(-len(x) // POINTS)
+    if k <= 1:
+        return x, y
+    keep = list(range(0, len(x), k))
+    if keep[-1] != len(x) - 1:
+        keep.append(len(x) - 1)
+    return [x[i] for i in keep], [y[i] for i in keep]
 
 
 def _figure():
@@ -122,7 +148,8 @@ def _plots(records: list[dict], out: str) -> list[tuple[str, str]]:
     if trains:
         t0 = trains[0]["time"]
         plt, fig, ax = _figure()
-        ax.plot([r["time"] - t0 for r in trains], [r["samples_per_s"] for r in trains], lw=1)
+        ax.plot(*_thinned([r["time"] - t0 for r in trains],
+                          [r["samples_per_s"] for r in trains]), lw=1)
         ax.set_xlabel("seconds since the first display")
         ax.set_ylabel("samples/s")
         _save(plt, fig, os.path.join(out, "throughput.png"))

@@ -81,6 +81,11 @@ class RunLog:
             self._board.write(entry)
         return entry
 
+    def forget(self) -> None:
+        """Drop the records kept in memory (``metrics.jsonl`` keeps them): a streaming run,
+        one fit a pass for months, calls it before each pass (a record a display: millions)."""
+        self.history.clear()
+
     def validation(self, at: int | None = None) -> tuple[int | None, dict[str, float]]:
         """(iteration, metrics) of the validation at iteration ``at`` if logged, else of the
         last ((None, {}) without one)."""

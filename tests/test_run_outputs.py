@@ -314,3 +314,24 @@ def test_a_months_long_log_is_reported_in_time_linear_in_its_records():
     long = [{"kind": "train", "iter": i, "loss": 1.0} for i in range(1, 10 * POINTS + 3)]
     x, _ = _series(long, "train", "loss")
     assert len(x) <= POINTS + 1 and x[0] == 1 and x[-1] == 10 * POINTS + 2
+
+
+def test_a_long_run_keeps_its_last_display_records_in_memory(monkeypatch):
+    """A record a display, each a dict in ``Trainer.history``: a run of days at a display a
+    second gathered hundreds of thousands (~1 KB each). Past twice ``KEPT_DISPLAYS`` the
+    oldest display records leave memory (``metrics.jsonl`` keeps them), every other kind and
+    the order stay."""
+    from jctr.train.run_log import RunLog
+
+    monkeypatch.setattr(RunLog, "KEPT_DISPLAYS", 5)
+    log = RunLog(None, source=None, report=print)
+    for i in range(1, 41):
+        log.record("train", iter=i, loss=1.0)
+        if i % 4 == 0:
+            log.record("eval", iter=i, AUC=0.7)
+    trains = [h["iter"] for h in log.history if h["kind"] == "train"]
+    assert 5 <= len(trains) <= 10 and trains == list(range(41 - len(trains), 41))
+    assert [h["iter"] for h in log.history if h["kind"] == "eval"] == list(range(4, 41, 4))
+    assert [h["iter"] for h in log.history] == sorted(h["iter"] for h in log.history)
+    log.forget()
+    assert log.history == []

@@ -37,6 +37,7 @@ class RunLog:
         self.source = source
         self.report = report
         self.history: list[dict[str, Any]] = []
+        self._displays = 0  # train records in history
         self._file = None
         self._board: TensorBoardLog | None = None
         self._writes = bool(log_dir) and jax.process_index() == 0
@@ -71,6 +72,10 @@ class RunLog:
         """Append one record (``kind``, the time, ``fields``); returns it."""
         entry = {"kind": kind, "time": round(time.time(), 3), **fields}
         self.history.append(entry)
+        if kind == "train":
+            self._displays += 1
+            if self._displays > 2 * self.KEPT_DISPLAYS:
+                self._drop_old_displays()
         if self._writes:
             if self._file is None:
                 self.open(continues=True, force=False)
@@ -81,10 +86,28 @@ class RunLog:
             self._board.write(entry)
         return entry
 
+    # display records kept in memory at most (a record every display of a run of days: a
+    # dict each, ~1 KB); the older ones are in metrics.jsonl only
+    KEPT_DISPLAYS = 100_000
+
+    def _drop_old_displays(self) -> None:
+        """The oldest ``train`` records past the last :attr:`KEPT_DISPLAYS` leave memory (in
+        one pass once the history doubles: amortized O(1) a record); every other kind stays."""
+        drop = self._displays - self.KEPT_DISPLAYS
+        self._displays = self.KEPT_DISPLAYS
+        kept = []
+        for h in self.history:
+            if drop and h["kind"] == "train":
+                drop -= 1
+                continue
+            kept.append(h)
+        self.history[:] = kept
+
     def forget(self) -> None:
         """Drop the records kept in memory (``metrics.jsonl`` keeps them): a streaming run,
         one fit a pass for months, calls it before each pass (a record a display: millions)."""
         self.history.clear()
+        self._displays = 0
 
     def validation(self, at: int | None = None) -> tuple[int | None, dict[str, float]]:
         """(iteration, metrics) of the validation at iteration ``at`` if logged, else of the

@@ -62,8 +62,8 @@ def as_trained(records: list[dict]) -> list[dict]:
     for r in records:
         start = r.get("iter") if r.get("kind") == "start" else None
         # only a start below what was logged drops records: a streaming run starts every
-        # pass where the last one ended, and a pass over all records at each start took
-        # the report of a months-old run hours
+        # pass where the last one ended, and a pass over all records at each start made a
+        # months-old run's report take minutes every pass
         if isinstance(start, int) and top is not None and top > start:
             out = [o for o in out if not (_iteration(o) is not None and o["iter"] > start)]
             top = max((o["iter"] for o in out if _iteration(o) is not None), default=None)

@@ -134,6 +134,16 @@ def address_space_left() -> int | None:
     return max(0, soft - mapped)
 
 
+def available_bytes() -> tuple[int | None, str]:
+    """(bytes this process may still take, what bounds them): the machine's available
+    memory, or what ``ulimit -v`` leaves where that is less; (None, ...) where neither says."""
+    _, available = host_memory()
+    left = address_space_left()
+    if left is not None and (available is None or left < available):
+        return left, "this process's address-space limit (ulimit -v)"
+    return available, "the machine"
+
+
 def headroom_bytes(available: int | None) -> int:
     """Memory left to the system and to estimates' error: 5% of what is available, at least
     512 MiB (a run the kernel kills loses more than one that holds back)."""
@@ -170,10 +180,7 @@ def room_left(reserve: int = 0) -> int | None:
         if (room := room_left(reserve=step_bytes)) is None or need <= room:
             cache[i] = load(i)
     """
-    _, available = host_memory()
-    left = address_space_left()
-    if left is not None and (available is None or left < available):
-        available = left
+    available, _ = available_bytes()
     if available is None:
         return None
     return available + malloc_free_bytes() - headroom_bytes(available) - reserve

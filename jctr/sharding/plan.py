@@ -28,7 +28,7 @@ from jctr.embedding.hash_table import num_slots_for
 from jctr.embedding.row_optimizers import init_slots
 from jctr.embedding.sparse_embedding import EmbeddingSpec
 from jctr.errors import UserError
-from jctr.runtime.host_memory import address_space_left, headroom_bytes, host_memory
+from jctr.runtime.host_memory import available_bytes, headroom_bytes
 
 
 class PlanError(UserError, ValueError):
@@ -355,11 +355,7 @@ def memory_plan(steps: list, state_bytes: int, devices: int, reader_bytes: int,
         temp = max(temp, int(m.temp_size_in_bytes)
                    + max(0, int(m.output_size_in_bytes) - int(m.alias_size_in_bytes)))
         batch = max(batch, int(m.argument_size_in_bytes) - state_bytes)
-    _, available = host_memory() if platform == "cpu" else (None, None)
-    bound = "the machine"
-    left = address_space_left()
-    if platform == "cpu" and left is not None and (available is None or left < available):
-        available, bound = left, "this process's address-space limit (ulimit -v)"
+    available, bound = available_bytes() if platform == "cpu" else (None, "the machine")
     return MemoryPlan(devices=devices, state=state_bytes, batch=max(batch, 0), temp=temp,
                       reader=reader_bytes, process=process_resident_bytes(), platform=platform,
                       device_limit=device_memory if platform != "cpu" else None,

@@ -36,6 +36,8 @@ class RunLog:
         self.log_dir = log_dir
         self.source = source
         self.report = report
+        # every record, but display records past the last KEPT_DISPLAYS (metrics.jsonl keeps
+        # them) and those before a forget() (a streaming run's earlier passes)
         self.history: list[dict[str, Any]] = []
         self._displays = 0  # train records in history
         self._file = None

@@ -120,9 +120,7 @@ class Trainer:
     # where the state lives (jctr.sharding.placed_model)
     mesh = property(lambda self: self.placed.mesh)
     placements = property(lambda self: self.placed.placements)
-    history = property(lambda self: self.run_log.history,
-                       doc="every record logged so far (of display records, the last 100,000 "
-                           "to 200,000; a streaming run: its last pass's)")
+    history = property(lambda self: self.run_log.history, doc="the records kept (RunLog)")
 
     @classmethod
     def from_config(cls, config: str | os.PathLike | dict, *, generate_data: bool = True,

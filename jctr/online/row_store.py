@@ -137,11 +137,13 @@ class RowStore:
         for stored, vectors in self.db.items(self.names[table], **self._scan(table)):
             yield (stored, vectors) if held is None else held.absent_rows(stored, vectors)
 
+    def row_bytes(self, table: int) -> int:
+        """The memory a stored row takes when read: its key and its floats."""
+        return 8 + 4 * self.stored_width(table)
+
     def stored_bytes(self, table: int, more: int = 0) -> int:
-        """About the memory the table's stored rows (and ``more`` rows) take when read: keys
-        and rows."""
-        rows = self.db.estimated_rows(self.names[table]) + more
-        return rows * (8 + 4 * self.stored_width(table))
+        """About the memory the table's stored rows (and ``more`` rows) take when read."""
+        return (self.db.estimated_rows(self.names[table]) + more) * self.row_bytes(table)
 
     def as_stored(self, table: int, stored: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Rows as a :meth:`pull` would give them back after a :meth:`push` of them (the

@@ -435,8 +435,8 @@ class OnlineRun:
         of reading ahead do not fit, passes read their rows when they start; where not even
         those fit, the run is refused with the figures."""
         t = self.trainer
-        per_copy = sum(spec.capacity * t.placed.local_devices()
-                       * (8 + 4 * self.store.stored_width(i)) for i, spec in enumerate(t.specs))
+        per_copy = sum(spec.capacity * t.placed.local_devices() * self.store.row_bytes(i)
+                       for i, spec in enumerate(t.specs))
         room = room_left(t.memory_plan.transient)
         least = self._COPIES
         copies = self._COPIES_AHEAD if self._pulls_ahead() else least

@@ -335,7 +335,7 @@ def test_the_clock_goes_back_before_it_wraps_and_evicts_as_before(policy, kernel
                                                                    monkeypatch):
     """The clock and stamps are int32: 2**31 steps (~8 months at 100 steps a second) would
     wrap them and rank the newest keys lowest. A table whose clock and stamps sit just below
-    ``_CLOCK_LIMIT``, or just below 2**31 (a table saved before the limit existed), the same
+    ``CLOCK_LIMIT``, or just below 2**31 (a table saved before the limit existed), the same
     table as one at its start moved on by whole epochs, steps on: its clock goes back by
     ``clock_shift`` and it makes the same choices, step by step, as the table that never
     came near (``hash_table._keep_scores_in_range``)."""
@@ -363,7 +363,7 @@ def test_the_clock_goes_back_before_it_wraps_and_evicts_as_before(policy, kernel
         np.testing.assert_array_equal(export_items(young)[0], export_items(old)[0])
     assert int(young.evicted) > 20
     back = int(young.clock) + offset - int(old.clock)  # once, or a step a time till below
-    assert back > 0 and back % ht.clock_shift(ev) == 0 and int(old.clock) < ht._CLOCK_LIMIT
+    assert back > 0 and back % ht.clock_shift(ev) == 0 and int(old.clock) < ht.CLOCK_LIMIT
 
 
 def test_eviction_counts_pass_int32_and_resume():

@@ -483,12 +483,12 @@ def test_device_cache_hits_lru_within_a_set_and_refresh():
 def test_device_cache_keeps_its_lru_order_as_its_clock_turns_back(near):
     """A busy server calls a table's cache thousands of times a second: its 32-bit clock
     passed 2**31 within days, and from then on every stamp read as empty (no hits). The
-    clock turns back by ``_CLOCK_SHIFT`` at ``_CLOCK_LIMIT``, its stamps with it: a cache
+    clock turns back by ``CLOCK_SHIFT`` at ``CLOCK_LIMIT``, its stamps with it: a cache
     moved on to just below the limit, or to 2**31, hits and evicts as a fresh one
     (``device_cache._turned_back``)."""
     import jax.numpy as jnp
 
-    from jctr.serving import device_cache
+    from jctr.ops.clocks import CLOCK_LIMIT
 
     cache = DeviceCache(capacity=WAYS, dim=2)  # one set: every key competes
     keys = np.arange(1, WAYS + 1, dtype=np.int64)
@@ -507,7 +507,7 @@ def test_device_cache_keeps_its_lru_order_as_its_clock_turns_back(near):
     cache.insert(np.array([50], np.int64), _vectors([50], 2))
     hit, _ = cache.query(np.concatenate([keys, [50]]))
     assert hit.tolist() == [False] + [True] * (WAYS - 1) + [True]
-    assert cache.size() == WAYS and 0 < int(cache.state.clock) < device_cache._CLOCK_LIMIT
+    assert cache.size() == WAYS and 0 < int(cache.state.clock) < CLOCK_LIMIT
 
 
 def test_update_refreshes_of_any_size_compile_once_and_ahead():

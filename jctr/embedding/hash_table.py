@@ -37,6 +37,7 @@ from jctr.ops import (
 from jctr.ops import (
     rebuild_slots as rebuild,  # this module's rebuild_slots wraps it
 )
+from jctr.ops.clocks import CLOCK_LIMIT, CLOCK_SHIFT, at_most_once
 from jctr.ops.hashing import BUCKET, MAX_LOAD, rebuild_start, window_start
 
 # an erased key's slot: neither empty (probes go on past it) nor any real key (keys equal to
@@ -240,11 +241,9 @@ _NEVER = np.int64(np.iinfo(np.int64).max)
 
 # the clock and the stamps beside the slots are 32-bit: past 2**31 steps (~8 months at 100
 # steps a second) the clock would wrap and the newest keys rank lowest. Once it reaches
-# _CLOCK_LIMIT it goes back by a whole number of epochs near _CLOCK_SHIFT, every stamp with
-# it (stamps older than that become 0, the oldest there is): the ranking is unchanged but
-# among keys untouched for half a billion steps.
-_CLOCK_LIMIT = 1 << 30
-_CLOCK_SHIFT = 1 << 29
+# CLOCK_LIMIT it goes back by a whole number of epochs near CLOCK_SHIFT, every stamp with it
+# (stamps older than that become 0, the oldest there is): the ranking is unchanged but among
+# keys untouched for half a billion steps (jctr.ops.clocks).
 # *lfu's touch counts are int32 too, and a step adds at most one a key position: wrapped, a
 # hot key's count ranks lowest and the key is the next evicted (a key in a sixth of a
 # power-law stream's lookups passes 2**31 in ~1.5M steps of 8,192 samples). Every
@@ -256,9 +255,9 @@ _TOUCHES_MAX = int(np.iinfo(np.int32).max)
 
 
 def clock_shift(eviction: EvictionConfig) -> int:
-    """How far the clock goes back at :data:`_CLOCK_LIMIT`: whole epochs (the epoch
+    """How far the clock goes back at ``CLOCK_LIMIT``: whole epochs (the epoch
     policies' epochs stay aligned)."""
-    return max(1, _CLOCK_SHIFT // eviction.epoch_steps) * eviction.epoch_steps
+    return max(1, CLOCK_SHIFT // eviction.epoch_steps) * eviction.epoch_steps
 
 
 def touch_cut_steps(n: int) -> int:
@@ -274,28 +273,26 @@ def touches_cap(n: int) -> int:
 
 
 def _keep_scores_in_range(table: HashTable, eviction: EvictionConfig, n: int) -> HashTable:
-    """``table`` with its clock and stamps moved back once its clock reached _CLOCK_LIMIT,
-    and ``*lfu``'s touch counts cut to :func:`touches_cap` every :func:`touch_cut_steps`
-    steps (a loop run at most once: a cond would copy the scores in its untaken branch;
-    called after the step's writes to the scores, as one before them made XLA copy them)."""
+    """``table`` with its clock and stamps moved back once its clock reached
+    ``CLOCK_LIMIT``, and ``*lfu``'s touch counts cut to :func:`touches_cap` every
+    :func:`touch_cut_steps` steps (:func:`jctr.ops.clocks.at_most_once`, after the step's
+    writes to the scores)."""
     shift = clock_shift(eviction)
     counting = eviction.policy.endswith("lfu")
     every, cap = touch_cut_steps(n), touches_cap(n)
 
-    def upkeep(c):
-        _, score, clock = c
-        turn = clock >= _CLOCK_LIMIT
+    def upkeep(score, clock):
+        turn = clock >= CLOCK_LIMIT
         last = jnp.where(turn, jnp.maximum(score[:, 0] - shift, 0), score[:, 0])
         score = score.at[:, 0].set(last.astype(score.dtype))
         if counting:
             score = score.at[:, 1].set(jnp.minimum(score[:, 1], cap))
-        return False, score, jnp.where(turn, clock - shift, clock)
+        return score, jnp.where(turn, clock - shift, clock)
 
-    due = table.clock >= _CLOCK_LIMIT
+    due = table.clock >= CLOCK_LIMIT
     if counting:
         due = due | (table.clock % every == 0)
-    _, score, clock = jax.lax.while_loop(lambda c: c[0], upkeep,
-                                         (due, table.slot_score, table.clock))
+    score, clock = at_most_once(due, upkeep, (table.slot_score, table.clock))
     return table._replace(slot_score=score, clock=clock)
 
 

@@ -25,6 +25,7 @@ import numpy as np
 
 import jctr._x64  # noqa: F401  (64-bit keys on before JAX makes an array)
 from jctr.ops import hash_keys
+from jctr.ops.clocks import CLOCK_LIMIT, CLOCK_SHIFT, at_most_once
 
 WAYS = 8
 
@@ -33,7 +34,7 @@ class CacheState(NamedTuple):
     keys: jax.Array  # int64 [sets, WAYS]
     stamps: jax.Array  # int32 [sets, WAYS], last use; -1 where empty
     values: jax.Array  # float32 [sets, WAYS, dim]
-    clock: jax.Array  # int32 [], advances once per call (turned back at _CLOCK_LIMIT)
+    clock: jax.Array  # int32 [], advances once per call (turned back at CLOCK_LIMIT)
 
 
 def _sets_of(keys: jax.Array, num_sets: int) -> jax.Array:
@@ -49,25 +50,20 @@ def _find(state: CacheState, keys: jax.Array, valid: jax.Array):
 
 # the clock and stamps are 32-bit, and a busy server calls a table's cache thousands of times
 # a second (2**31 calls within days; past them every stamp would read as empty): once the
-# clock reaches _CLOCK_LIMIT it goes back by _CLOCK_SHIFT, every stamp with it (stamps older
+# clock reaches CLOCK_LIMIT it goes back by CLOCK_SHIFT, every stamp with it (stamps older
 # than that become 0, still cached): the LRU order is unchanged but among ways untouched for
-# half a billion calls
-_CLOCK_LIMIT = 1 << 30
-_CLOCK_SHIFT = 1 << 29
+# half a billion calls (jctr.ops.clocks)
 
 
 def _turned_back(state: CacheState) -> CacheState:
-    """``state``, its clock and stamps turned back once the clock reached _CLOCK_LIMIT: a
-    loop run at most once, after the call's own writes to the stamps (a cond would copy the
-    stamps in its untaken branch; before the writes, the loop cost a query of 8,192 keys a
-    third more)."""
-    def back(c):
-        _, stamps, clock = c
-        return (False, jnp.where(stamps >= 0, jnp.maximum(stamps - _CLOCK_SHIFT, 0), -1),
-                clock - _CLOCK_SHIFT)
-
-    _, stamps, clock = jax.lax.while_loop(
-        lambda c: c[0], back, (state.clock >= _CLOCK_LIMIT, state.stamps, state.clock))
+    """``state``, its clock and stamps turned back once the clock reached ``CLOCK_LIMIT``
+    (after the call's own writes to the stamps: before them, the loop cost a query of 8,192
+    keys a third more)."""
+    stamps, clock = at_most_once(
+        state.clock >= CLOCK_LIMIT,
+        lambda stamps, clock: (jnp.where(stamps >= 0, jnp.maximum(stamps - CLOCK_SHIFT, 0), -1),
+                               clock - CLOCK_SHIFT),
+        (state.stamps, state.clock))
     return state._replace(stamps=stamps, clock=clock)
 
 

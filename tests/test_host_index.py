@@ -140,6 +140,27 @@ def test_the_radix_argsort_is_numpys_stable_argsort():
         np.testing.assert_array_equal(keys[order], np.sort(keys))
 
 
+def test_sorted_set_operations_equal_numpys():
+    """:func:`jctr.ops.host_sort.unique`, ``isin`` and ``first_repeat`` (numpy 2.3+ hashes a
+    plain ``np.unique``, 30-70x slower for int64 keys) equal ``np.unique`` and ``np.isin`` on
+    signed and unsigned keys, repeats, full-range keys, empty and one-element arrays."""
+    from jctr.ops.host_sort import first_repeat, isin, unique
+
+    rng = np.random.default_rng(9)
+    cases = [rng.integers(-50, 50, 3_000), rng.integers(-2**63, 2**63 - 1, 20_000),
+             rng.integers(0, 2**64, 5_000, dtype=np.uint64), np.arange(1_000)[::-1],
+             np.zeros(0, np.int64), np.array([7]), rng.integers(0, 9, (40, 3))]
+    for values in cases:
+        np.testing.assert_array_equal(unique(values), np.unique(values))
+        for test in (values[::3], rng.permutation(np.ravel(values))[:50], values[:0]):
+            got = isin(values, test)
+            assert got.shape == values.shape
+            np.testing.assert_array_equal(got, np.isin(values, test))
+        flat = np.ravel(values)
+        repeats = np.unique(flat)[np.unique(flat, return_counts=True)[1] > 1]
+        assert first_repeat(values) == (int(repeats[0]) if repeats.size else None)
+
+
 def test_rows_gathered_into_their_columns_equal_numpys_take():
     from jctr.ops.host_sort import gather_rows
 

@@ -606,12 +606,21 @@ def test_lookup_order_fallbacks_and_defaults(tmp_path):
     dbs.close()
     dbs = Databases(VolatileDatabaseParams(type="hash_map", initial_cache_rate=0.25),
                     PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db2")))
+    # a base read in parts, then a delta whose rows win (the volatile layer takes the base's
+    # first rows and every delta row: none of its rows is older than the persistent one's)
     keys = np.arange(100)
-    manifest = {"identity": "x", "dim": 4}
-    assert dbs.load("u", keys, _vectors(keys), manifest) == {"volatile_db": 25,
-                                                             "persistent_db": 100}
+    manifest = {"identity": "x", "dim": 4, "rows": 100}
+    base = lambda: ((keys[s:s + 30], _vectors(keys[s:s + 30])) for s in range(0, 100, 30))
+    delta_keys = np.array([5, 60, 200])
+    delta = lambda: ((delta_keys, _vectors(delta_keys) + 1000),)
+    assert dbs.load("u", [base, delta], manifest) == {"volatile_db": 28, "persistent_db": 103}
     assert dbs.persistent.get_meta("u") == manifest == dbs.volatile.get_meta("u")
-    assert dbs.volatile.size("u") == 25 and dbs.persistent.size("u") == 100
+    assert dbs.volatile.size("u") == 27 and dbs.persistent.size("u") == 101
+    for store in (dbs.volatile, dbs.persistent):
+        values, found = store.lookup("u", np.array([5, 60, 200, 7]), 4)
+        assert found.all()
+        np.testing.assert_array_equal(values[:3], _vectors(delta_keys) + 1000)
+    assert not dbs.volatile.lookup("u", np.array([30]), 4)[1].any()
     dbs.close()
 
 
@@ -793,6 +802,87 @@ def test_bad_model_files_and_sizes_are_clear_errors(trained, tmp_path):
                 HPSModel(ps.models[0], dbs, where="models[0]")
     finally:
         dbs.close()
+
+
+def test_a_model_larger_than_memory_loads_a_part_at_a_time(trained, tmp_path, monkeypatch):
+    """HugeCTR's HPS reads a whole table into memory before it fills a database
+    (``RawModelLoader::load``, HugeCTR/hps/modelloader.cpp): a table larger than memory, the
+    kind RocksDB is there for, cannot be served. jctr reads each sparse file
+    ``LOAD_PART_BYTES`` at a time (here 1,024 rows) into RocksDB and the hash map, and serves
+    what the trainer predicts; a non-finite row in the last part, or a key given twice, is
+    refused before any database is written (the table loaded before stays whole); a hash map
+    that would need more memory than is left is refused with the figures."""
+    import shutil
+
+    from jctr.serving import hps_model
+
+    tmp, reference = trained("dlrm")
+    shutil.copytree(tmp / "bundle", tmp_path / "bundle")
+    folder = tmp_path / "bundle" / "sparse" / "sparse_embedding1.model"
+    rows = (folder / "key").stat().st_size // 8
+    assert rows > 2 * 1024  # the table is read in three parts or more
+    monkeypatch.setattr(hps_model, "LOAD_PART_BYTES", 1)  # the least: 1,024 rows a part
+    seen = []
+    real = hps_model.sparse_model_parts
+
+    def parts(*args, **kwargs):
+        for keys, values in real(*args, **kwargs):
+            seen.append(keys.size)
+            yield keys, values
+
+    monkeypatch.setattr(hps_model, "sparse_model_parts", parts)
+    doc = {"volatile_db": {"type": "hash_map", "initial_cache_rate": 0.5},
+           "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
+           "models": [{"model": "big", "bundle": "bundle", "max_batch_size": 256,
+                       "gpucache": False}]}
+    (tmp_path / "ps.json").write_text(json.dumps(doc))
+    ps = load_ps_config(tmp_path / "ps.json")
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    m = HPSModel(ps.models[0], dbs)
+    try:
+        written = m.load_databases()[m.tables[0].key]
+        assert written == {"persistent_db": rows, "volatile_db": round(rows * 0.5)}
+        # read to check, to write RocksDB, and the parts the hash map's half takes
+        assert max(seen) == 1024 and sum(seen) == 2 * rows + -(-rows // 2 // 1024) * 1024
+        for batch, expected in reference:
+            np.testing.assert_allclose(m.predict(batch), expected, **TOL)
+    finally:
+        m.close()
+        dbs.close()
+    # a NaN in the last row: refused, and RocksDB still holds the table loaded above
+    vectors = np.fromfile(folder / "emb_vector", "<f4")
+    vectors[-1] = np.nan
+    vectors.tofile(folder / "emb_vector")
+    manifest = json.loads((tmp_path / "bundle" / "manifest.json").read_text())
+    del manifest["files"]  # changed by hand: the checksums no longer apply
+    (tmp_path / "bundle" / "manifest.json").write_text(json.dumps(manifest))
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    with pytest.raises(ModelFileError, match=r"emb_vector: 1 row\(s\) with non-finite values"):
+        HPSModel(ps.models[0], dbs).load_databases(replace=True)
+    # ... and so is a key given twice (named)
+    vectors[-1] = 0.0
+    vectors.tofile(folder / "emb_vector")
+    keys = np.fromfile(folder / "key", "<i8")
+    keys[-1] = keys[1]
+    keys.tofile(folder / "key")
+    with pytest.raises(ModelFileError, match=rf"key: duplicate keys \(key {keys[1]},"):
+        HPSModel(ps.models[0], dbs).load_databases(replace=True)
+    table = "hps_et.big.sparse_embedding1"
+    meta = dbs.persistent.get_meta(table)
+    assert meta is not None and not meta.get("incomplete")
+    assert dbs.persistent.size(table) == rows
+    dbs.close()
+    # the hash map alone must hold every row: refused where memory has no room for them
+    monkeypatch.setattr(hps_model, "room_left", lambda reserve=0: 1 << 10)
+    doc = {"volatile_db": {"type": "hash_map"}, "persistent_db": {"type": "disabled"},
+           "models": [{"model": "big", "bundle": "bundle", "max_batch_size": 256}]}
+    ps = parse_ps_config(doc, str(tmp_path / "ps2.json"))
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    with pytest.raises(StoreError, match=r"volatile_db \(hash_map\) of model big: its tables' "
+                                         r"rows would take \d+\.\d+ KiB .* but 1\.00 KiB are "
+                                         "left; lower initial_cache_rate or set overflow_margin"):
+        HPSModel(ps.models[0], dbs).load_databases()
+    dbs.close()
 
 
 def test_seed_valid_settings_work(trained, tmp_path):

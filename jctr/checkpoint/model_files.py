@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -30,6 +30,7 @@ from flax import nnx
 from jctr.checkpoint.integrity import check_files, note_written
 from jctr.errors import UserError
 from jctr.models import layers as L
+from jctr.ops.host_sort import first_repeat
 from jctr.runtime.direct_io import DirectWriter, replacing, write_file
 from jctr.sharding.mesh import to_host
 from jctr.sharding.rows import export_keys, export_placed, import_placed
@@ -167,6 +168,49 @@ def read_slot_ids(path: str, num_keys: int) -> np.ndarray | None:
 def read_sparse_model(path: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
     """(keys [n], vectors [n, dim]) of a sparse model folder, checked against each other, and
     against the checksums of the jctr bundle that holds it, if one does."""
+    kp, vp, n = _sparse_model_files(path, dim)
+    keys = np.fromfile(kp, dtype="<i8")
+    vectors = np.fromfile(vp, dtype="<f4").reshape(n, dim)
+    _check_finite(vp, keys, vectors)
+    _check_unique(kp, keys)
+    return keys.astype(np.int64), vectors
+
+
+def sparse_model_parts(path: str, dim: int, part_rows: int, *, unique: bool = True
+                       ) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """:func:`read_sparse_model`'s rows, ``part_rows`` at a time and in the files' order, for
+    a model larger than memory (the HPS loading it into RocksDB). The sizes and a bundle's
+    checksums are checked first, each part's vectors as it is read; with ``unique`` the keys
+    are checked for duplicates where three copies of them fit in memory beside the rest (a
+    key given twice otherwise keeps its last row, as HugeCTR's loader does).
+
+    Example::
+
+        for keys, vectors in sparse_model_parts("base/sparse/emb.model", 16, 1 << 20):
+            store.insert("emb", keys, vectors)
+    """
+    from jctr.runtime.host_memory import room_left
+
+    kp, vp, n = _sparse_model_files(path, dim)
+    room = room_left() if unique else None
+    if unique and (room is None or 3 * 8 * n <= room):
+        _check_unique(kp, np.fromfile(kp, dtype="<i8"))
+    part_rows = max(1, int(part_rows))
+    with open(kp, "rb") as fk, open(vp, "rb") as fv:
+        for s in range(0, n, part_rows):
+            m = min(part_rows, n - s)
+            keys = np.fromfile(fk, dtype="<i8", count=m)
+            vectors = np.fromfile(fv, dtype="<f4", count=m * dim).reshape(m, dim)
+            if keys.size != m or vectors.shape[0] != m:
+                raise ModelFileError(f"{kp}: shorter than it was a moment ago (changed while "
+                                     "it was read)")
+            _check_finite(vp, keys, vectors)
+            yield keys.astype(np.int64), vectors
+
+
+def _sparse_model_files(path: str, dim: int) -> tuple[str, str, int]:
+    """The ``key`` and ``emb_vector`` files of a sparse model folder and its rows, their sizes
+    checked against each other (and a bundle's checksums)."""
     kp, vp = os.path.join(path, "key"), os.path.join(path, "emb_vector")
     for p in (kp, vp):
         if not os.path.isfile(p):
@@ -176,20 +220,26 @@ def read_sparse_model(path: str, dim: int) -> tuple[np.ndarray, np.ndarray]:
     if os.path.getsize(kp) % 8:
         raise ModelFileError(f"{kp}: size {os.path.getsize(kp)} is not a multiple of 8 "
                              "(int64 keys)")
-    keys = np.fromfile(kp, dtype="<i8")
-    want = keys.size * dim * 4
+    n = os.path.getsize(kp) // 8
+    want = n * dim * 4
     if os.path.getsize(vp) != want:
-        raise ModelFileError(f"{vp}: holds {os.path.getsize(vp)} bytes; {keys.size} keys of "
+        raise ModelFileError(f"{vp}: holds {os.path.getsize(vp)} bytes; {n} keys of "
                              f"embedding_vec_size {dim} need {want}")
-    vectors = np.fromfile(vp, dtype="<f4").reshape(keys.size, dim)
+    return kp, vp, n
+
+
+def _check_finite(vp: str, keys: np.ndarray, vectors: np.ndarray) -> None:
     bad = np.flatnonzero(~np.isfinite(vectors).all(axis=1))
     if bad.size:
         raise ModelFileError(f"{vp}: {bad.size} row(s) with non-finite values (NaN or "
                              f"infinity), the first of key {int(keys[bad[0]])}; export the "
                              "model again from a sound checkpoint")
-    if np.unique(keys).size != keys.size:
-        raise ModelFileError(f"{kp}: duplicate keys")
-    return keys.astype(np.int64), vectors
+
+
+def _check_unique(kp: str, keys: np.ndarray) -> None:
+    twice = first_repeat(keys)
+    if twice is not None:
+        raise ModelFileError(f"{kp}: duplicate keys (key {twice}, maybe others)")
 
 
 def non_trainable(net) -> dict:

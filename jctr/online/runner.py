@@ -51,7 +51,7 @@ from jctr.config.schema import column_ref
 from jctr.data.records import DataError, write_file_list
 from jctr.online.feature_stats import FeatureStats, ScoreRule, ShrinkRule
 from jctr.online.schedule import data_files, days, next_day, pass_folders, wait_ready
-from jctr.ops.host_sort import take_rows
+from jctr.ops.host_sort import take_rows, unique
 from jctr.runtime.direct_io import DirectWriter, replace_file, replace_json, replacing
 from jctr.runtime.host_memory import room_left
 from jctr.sharding.plan import PlanError, format_bytes
@@ -748,7 +748,7 @@ class OnlineRun:
             union = keys[i]
             want = union.keys()
             if jax.process_count() > 1:  # every process's keys: the tables are global
-                want = np.unique(self._everyones({"keys": want})["keys"])
+                want = unique(self._everyones({"keys": want})["keys"])
             if want.size > spec.capacity:
                 raise DataError(f"sparse_store: a pass's working set of {want.size:,} keys "
                                 f"(with the validation set's) does not fit embedding "

@@ -22,7 +22,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -69,6 +69,9 @@ def open_persistent(params: PersistentDatabaseParams) -> KeyValueStore | None:
 
 
 _DENSE_ROW = 1024  # floats per stored row of dense weights
+_WRITE_ROWS = 1 << 18  # rows one insert call takes (a load, a delta, an update)
+# a table's rows for a load: called once per pass over them, (keys, values) parts in order
+RowParts = Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]]
 
 class Databases:
     """The volatile and persistent databases of one parameter server, looked up in order.
@@ -305,34 +308,49 @@ class Databases:
         raise TableMismatch(f"{layer} ({kind}) table {table} {why}; run `python -m jctr.serve "
                             "load --config <file>` to load this export into it")
 
-    def load(self, table: str, keys: np.ndarray, values: np.ndarray, manifest: dict, *,
+    def load(self, table: str, links: Sequence[RowParts], manifest: dict, *,
              into_persistent: bool = True, into_volatile: bool = True) -> dict[str, int]:
-        """Replace a table: every row into the persistent database (unless it is read-only),
-        the first ``initial_cache_rate`` of the rows into the volatile one (all of them when
-        there is no persistent database to fall back on). In each layer the old table and
-        its manifest go first and the new manifest is written last, so a load stopped half
-        way leaves a table that ``serve`` refuses. Returns rows written per layer."""
+        """Replace a table with the rows of ``links`` (a base and its deltas, each read a part
+        at a time, a later row of a key winning): every row into the persistent database
+        (unless it is read-only); into the volatile one the first ``initial_cache_rate`` of
+        the base's rows (``manifest["rows"]``) and every later link's (all rows when there is
+        no persistent database to fall back on). In each layer the old table and its manifest
+        go first and the new manifest is written last, so a load stopped half way leaves a
+        table that ``serve`` refuses. Returns rows written per layer."""
         written = {"volatile_db": 0, "persistent_db": 0}
         if (into_persistent and self.persistent is not None
                 and not self.persistent_params.read_only):
             self.persistent.drop_table(table)
             step = self.persistent_params.max_set_batch_size * 16
-            for s in range(0, keys.size, step):
-                self.persistent.insert(table, keys[s:s + step], values[s:s + step])
+            for read in links:
+                for keys, values in read():
+                    for s in range(0, keys.size, step):
+                        self.persistent.insert(table, keys[s:s + step], values[s:s + step])
+                    written["persistent_db"] += int(keys.size)
             self.persistent.set_meta(table, manifest)
-            written["persistent_db"] = int(keys.size)
         if into_volatile and self.volatile is not None:
             rate = self.volatile_params.initial_cache_rate if self.persistent else 1.0
-            n = int(round(keys.size * rate))
+            first = int(round(int(manifest["rows"]) * rate)) if rate < 1.0 else None
             self.volatile.drop_table(table)
-            step = 1 << 18
-            for s in range(0, n, step):
-                e = min(n, s + step)
-                self.volatile.insert(table, keys[s:e], values[s:e])
+            for j, read in enumerate(links):
+                if j == 0 and first == 0:
+                    continue
+                for keys, values in read():
+                    if j == 0 and first is not None:  # the base's first rows only
+                        keys, values = keys[:first - written["volatile_db"]], \
+                            values[:first - written["volatile_db"]]
+                    self._write_volatile(table, keys, values)
+                    written["volatile_db"] += int(keys.size)
+                    if j == 0 and written["volatile_db"] == first:
+                        break
             self.volatile.set_meta(table, manifest)
             self._volatile_skip.discard(table)
-            written["volatile_db"] = n
         return written
+
+    def _write_volatile(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
+        step = _WRITE_ROWS
+        for s in range(0, keys.size, step):
+            self.volatile.insert(table, keys[s:s + step], values[s:s + step])
 
     def links_held(self, layer: str, table: str, expected: dict) -> int | None:
         """How many first links of ``expected``'s base + delta chain ``layer`` holds of
@@ -356,27 +374,40 @@ class Databases:
     def write_rows(self, layer: str, table: str, keys: np.ndarray, values: np.ndarray,
                    manifest: dict | None = None, *, pause: Callable[[], None] | None = None
                    ) -> int:
-        """Write rows over ``layer``'s table (kept rows stay): a delta bundle's, with its
-        ``manifest`` (the table is marked incomplete until every row is in), or an online
-        update's (rows only). ``pause``: called between the persistent database's write
-        batches (:meth:`jctr.stores.rocksdb.RocksDBStore.insert`). A volatile database that
-        is down raises :class:`StoreUnavailable`. Returns rows written."""
+        """Write rows over ``layer``'s table (kept rows stay): an online update's (rows only;
+        see :meth:`write_links` for a delta bundle's). ``pause``: called between the
+        persistent database's write batches (:meth:`jctr.stores.rocksdb.RocksDBStore.
+        insert`). A volatile database that is down raises :class:`StoreUnavailable`.
+        Returns rows written."""
+        return self.write_links(layer, table, [lambda: ((keys, values),)], manifest,
+                                pause=pause)
+
+    def write_links(self, layer: str, table: str, links: Sequence[RowParts],
+                    manifest: dict | None = None, *, pause: Callable[[], None] | None = None
+                    ) -> int:
+        """:meth:`write_rows` of every part of ``links`` in order: delta bundles' rows over a
+        table holding the chain's first links, with their ``manifest`` (the table is marked
+        incomplete until every row is in)."""
         store = self.volatile if layer == "volatile_db" else self.persistent
         if store is None:
             raise StoreUnavailable(f"{layer} down: {self.volatile_error}")
         if manifest is not None:
             store.set_meta(table, incomplete(store.get_meta(table) or {}))
-        step = 1 << 18
+        step = _WRITE_ROWS
         between = {"pause": pause} if pause is not None and store is self.persistent else {}
-        for s in range(0, keys.size, step):
-            if between and s:
-                pause()
-            store.insert(table, keys[s:s + step], values[s:s + step], **between)
+        written = 0
+        for read in links:
+            for keys, values in read():
+                for s in range(0, keys.size, step):
+                    if between and written + s:
+                        pause()
+                    store.insert(table, keys[s:s + step], values[s:s + step], **between)
+                written += int(keys.size)
         if manifest is not None:
             store.set_meta(table, manifest)
             if layer == "volatile_db":
                 self._volatile_skip.discard(table)
-        return int(keys.size)
+        return written
 
     # -- what online updates leave behind ------------------------------------------------------
     @property
@@ -441,13 +472,10 @@ class Databases:
             return None
         return meta, np.ascontiguousarray(rows, "<f4").tobytes()[:int(meta["bytes"])]
 
-    def persistent_rows(self, table: str) -> tuple[np.ndarray, np.ndarray]:
-        """Every row the persistent database holds of ``table`` (keys, values)."""
-        parts = list(self.persistent.items(table))
-        if not parts:
-            return np.zeros(0, np.int64), np.zeros((0, 0), np.float32)
-        return (np.concatenate([k for k, _ in parts]),
-                np.concatenate([v for _, v in parts]))
+    def persistent_rows(self, table: str) -> RowParts:
+        """Every row the persistent database holds of ``table``, a chunk at a time (for
+        :meth:`load`)."""
+        return lambda: self.persistent.items(table, _WRITE_ROWS)
 
     def close(self) -> None:
         self._closed.set()

@@ -35,7 +35,7 @@ from jctr.checkpoint.model_files import (
     ModelFileError,
     dense_from_bytes,
     load_model_files,
-    read_sparse_model,
+    sparse_model_parts,
 )
 from jctr.config import ConfigError
 from jctr.config.hps import MODEL_JSON_KEYS, InferenceParams, dense_name
@@ -43,12 +43,16 @@ from jctr.config.parser import load_config
 from jctr.data.batch import Batch, batch_from_features, check_batch
 from jctr.embedding.sparse_embedding import pool
 from jctr.models.ctr import StepConfig, build_model, forward
+from jctr.runtime.host_memory import room_left
 from jctr.serving.device_cache import WAYS, DeviceCache
-from jctr.serving.hps import LAYERS, Databases, LayerUnavailable
+from jctr.serving.hps import LAYERS, Databases, LayerUnavailable, RowParts
 from jctr.serving.table_manifest import table_manifest
-from jctr.stores.base import StoreError, first_beyond_int32, last_occurrences
+from jctr.sharding.plan import format_bytes
+from jctr.stores.base import StoreError, first_beyond_int32
+from jctr.stores.hash_map import hash_map_bytes
 
 _JSON_NAMES = {v: k for k, v in MODEL_JSON_KEYS.items()}
+LOAD_PART_BYTES = 64 << 20  # a sparse model's rows read at a time by a load
 
 
 class _Table:
@@ -189,25 +193,53 @@ class HPSModel:
         return tuple(os.path.join(d, "sparse", f"{name}.model")
                      for d in self.params.delta_bundles)
 
-    def _rows(self, i: int, first_link: int) -> tuple[np.ndarray, np.ndarray]:
-        """Keys and vectors of table ``i`` from link ``first_link`` of its chain on (0: the
-        base, then every delta), a later link's row winning."""
-        t = self.tables[i]
-        parts = [read_sparse_model(p, t.dim) for p in
-                 ((self.params.sparse_model_files[i],) + self._delta_files(i))[first_link:]]
-        if len(parts) == 1:
-            keys, values = parts[0]
-        else:
-            keys = np.concatenate([k for k, _ in parts])
-            values = np.concatenate([v for _, v in parts])
-            last = last_occurrences(keys)
-            keys, values = keys[last], values[last]
-        wide = None if self.params.i64_input_key else first_beyond_int32(keys)
-        if wide is not None:
-            raise StoreError(f"{self.params.sparse_model_files[i]}: key {wide} (or a delta's) "
-                             "does not fit in int32, but supportlonglong is false (requests "
-                             "send INT32 keys); set supportlonglong to true")
-        return keys, values
+    def _row_links(self, i: int, first_link: int) -> list[RowParts]:
+        """The rows of table ``i``'s chain from link ``first_link`` on (0: the base, then
+        every delta; a later link's row of a key wins), each link read ``LOAD_PART_BYTES`` at
+        a time: a model larger than memory loads into RocksDB. Every link is read through
+        once here, so that a bad file is refused before any database is written."""
+        dim = self.tables[i].dim
+        paths = ((self.params.sparse_model_files[i],) + self._delta_files(i))[first_link:]
+        part_rows = max(1024, LOAD_PART_BYTES // (8 + 4 * dim))
+
+        def link(path: str, check: bool):  # check: the first read's checks besides finiteness
+            def parts():
+                for keys, values in sparse_model_parts(path, dim, part_rows, unique=check):
+                    if check and not self.params.i64_input_key:
+                        wide = first_beyond_int32(keys)
+                        if wide is not None:
+                            raise StoreError(
+                                f"{path}: key {wide} does not fit in int32, but "
+                                "supportlonglong is false (requests send INT32 keys); set "
+                                "supportlonglong to true")
+                    yield keys, values
+            return parts
+
+        for path in paths:
+            for _ in link(path, True)():
+                pass
+        return [link(path, False) for path in paths]
+
+    def _check_hash_map_room(self) -> None:
+        """An in-process hash map takes its share of every table, all of them without a
+        persistent database: refused here, with the figures, where that would not fit."""
+        if not self.dbs.in_process_volatile:
+            return
+        v = self.dbs.volatile_params
+        rate = v.initial_cache_rate if self.dbs.persistent is not None else 1.0
+        need = 0
+        for i, t in enumerate(self.tables):
+            delta_rows = sum(_stored_rows(d) for d in self._delta_files(i))
+            rows = round(_stored_rows(self.params.sparse_model_files[i]) * rate) + delta_rows
+            rows = min(rows, v.partitions * v.overflow_margin)
+            need += hash_map_bytes(rows, t.dim)
+        room = room_left()
+        if room is not None and need > room:
+            raise StoreError(
+                f"volatile_db ({v.type}) of model {self.name}: its tables' rows would take "
+                f"{format_bytes(need)} of this process's memory at their peak, but "
+                f"{format_bytes(max(room, 0))} are left; lower initial_cache_rate or set "
+                "overflow_margin with a persistent_db (rocks_db) holding every row")
 
     def load_databases(self, *, replace: bool = False) -> dict[str, dict[str, int]]:
         """Fill the databases from the sparse model files (and delta models). ``replace``
@@ -219,6 +251,7 @@ class HPSModel:
         deltas it lacks. Returns rows written per table and layer."""
         out = {}
         in_process = self.dbs.in_process_volatile
+        self._check_hash_map_room()
         for i, t in enumerate(self.tables):
             manifest = self.table_manifest(i)
             self.dbs.expected[t.key] = manifest
@@ -230,22 +263,23 @@ class HPSModel:
                     and self.dbs.updates_last(t.key)):
                 # the persistent database holds this export with the updates applied since:
                 # the hash map starts from its rows, not the files' older ones
-                keys, values = self.dbs.persistent_rows(t.key)
                 written["volatile_db"] = self.dbs.load(
-                    t.key, keys, values, manifest, into_persistent=False)["volatile_db"]
+                    t.key, [self.dbs.persistent_rows(t.key)], manifest,
+                    into_persistent=False)["volatile_db"]
                 plan["volatile_db"] = None
             full = [layer for layer, step in plan.items() if step == 0]
+            links = self._row_links(i, 0) if full else None  # checked before any write
             if "persistent_db" in full or (self.dbs.persistent is None and full):
                 self.dbs.forget_dense(dense_name(self.name))  # rows from the files again
             if full:
-                keys, values = self._rows(i, 0)
                 written.update({k: v for k, v in self.dbs.load(
-                    t.key, keys, values, manifest, into_persistent="persistent_db" in full,
+                    t.key, links, manifest,
+                    into_persistent="persistent_db" in full,
                     into_volatile="volatile_db" in full).items() if k in full})
             for layer, first in plan.items():
                 if first:  # the same chain's first links are there: the rest over them
-                    keys, values = self._rows(i, first)
-                    written[layer] = self.dbs.write_rows(layer, t.key, keys, values, manifest)
+                    written[layer] = self.dbs.write_links(layer, t.key,
+                                                          self._row_links(i, first), manifest)
             out[t.key] = written
         return out
 

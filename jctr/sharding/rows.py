@@ -33,6 +33,7 @@ from jctr.embedding.sparse_embedding import (
     init_embedding,
 )
 from jctr.ops import owner_shards_host
+from jctr.ops.host_sort import isin
 from jctr.sharding.mesh import to_host
 
 _INSERT_CHUNK = 1 << 18
@@ -106,7 +107,7 @@ def export_keys(state: EmbeddingState, keys: np.ndarray, placement=None
     keys = np.asarray(keys, np.int64)
     if jax.process_count() > 1:  # other processes' shards are not addressable here
         stored = export_placed(state, placement)
-        keep = np.isin(stored["keys"], keys)
+        keep = isin(stored["keys"], keys)
         return {name: arr[keep] for name, arr in stored.items()}
     if placement is None or not placement.sharded:
         return _lookup_rows(state, keys)

@@ -100,6 +100,12 @@ class HostTable:
         return self._sizes
 
 
+def hash_map_bytes(rows: int, dim: int) -> int:
+    """Bytes a :class:`HostTable` of ``rows`` rows of ``dim`` floats takes at its peak: its
+    columns twice (a growth copies them) and its index (at most half full)."""
+    return int(rows) * (2 * (8 + 4 * dim + 8 + 4) + 2 * 2 * 8)
+
+
 def _grown(arr: np.ndarray, rows: int) -> np.ndarray:
     out = np.empty((rows,) + arr.shape[1:], arr.dtype)
     out[:arr.shape[0]] = arr

@@ -37,6 +37,7 @@ import numpy as np
 
 from jctr.ops import host_index
 from jctr.ops.host_index import host_kernel, slot_of
+from jctr.ops.host_sort import unique
 from jctr.runtime.direct_io import replace_json
 from jctr.stores.base import (
     StoreError,
@@ -170,7 +171,7 @@ class _Table:
 
     def erase(self, keys: np.ndarray) -> int:
         rows = self.find(keys)
-        rows = np.unique(rows[rows >= 0])
+        rows = unique(rows[rows >= 0])
         if rows.size:
             self.keys[rows] = FREE
             if self.n_free + rows.size > self.free.size:

@@ -26,6 +26,7 @@ from jctr.config import ModelConfig
 from jctr.data.batch import Batch
 from jctr.errors import UserError
 from jctr.models.ctr import StepConfig, TrainState
+from jctr.ops.host_sort import unique
 from jctr.sharding.distributed import gather_rows
 from jctr.sharding.mesh import to_host
 from jctr.sharding.rows import export_own_keys
@@ -62,7 +63,7 @@ class KafkaPublisher(Hook):
 
     def on_batch(self, batch: Batch) -> list[np.ndarray]:
         """The keys this batch's step updates, per table."""
-        return [np.unique(batch.valid_keys(s.input_index, s.slot_num)) for s in self.specs]
+        return [unique(batch.valid_keys(s.input_index, s.slot_num)) for s in self.specs]
 
     def on_step(self, step: int, state: TrainState, metrics, note: list[np.ndarray]) -> None:
         for seen, keys in zip(self._touched, note):
@@ -100,13 +101,13 @@ class KafkaPublisher(Hook):
         rows = 0
         resend = self.sink.broker_restarted()  # it lost what it had: all trained so far
         for i, spec in enumerate(self.specs):
-            keys = (np.unique(np.concatenate(self._touched[i])) if self._touched[i]
+            keys = (unique(np.concatenate(self._touched[i])) if self._touched[i]
                     else np.zeros(0, np.int64))
             self._touched[i] = []
             if jax.process_count() > 1:  # every process's keys: each sends the rows it holds
-                keys = np.unique(np.concatenate([p["keys"] for p in gather_rows(
+                keys = unique(np.concatenate([p["keys"] for p in gather_rows(
                     {"keys": keys})]))
-            self._published[i] = np.union1d(self._published[i], keys)
+            self._published[i] = unique(np.concatenate([self._published[i], keys]))
             if resend:
                 keys = self._published[i]
             if not keys.size:

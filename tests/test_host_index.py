@@ -141,10 +141,11 @@ def test_the_radix_argsort_is_numpys_stable_argsort():
 
 
 def test_sorted_set_operations_equal_numpys():
-    """:func:`jctr.ops.host_sort.unique`, ``isin`` and ``first_repeat`` (numpy 2.3+ hashes a
-    plain ``np.unique``, 30-70x slower for int64 keys) equal ``np.unique`` and ``np.isin`` on
-    signed and unsigned keys, repeats, full-range keys, empty and one-element arrays."""
-    from jctr.ops.host_sort import first_repeat, isin, unique
+    """:func:`jctr.ops.host_sort.unique`, ``isin``, ``first_repeat`` and ``union_sorted``
+    (numpy 2.3+ hashes a plain ``np.unique``, 30-70x slower for int64 keys) equal
+    ``np.unique``, ``np.isin`` and ``np.union1d`` on signed and unsigned keys, repeats,
+    full-range keys, empty and one-element arrays."""
+    from jctr.ops.host_sort import first_repeat, isin, union_sorted, unique
 
     rng = np.random.default_rng(9)
     cases = [rng.integers(-50, 50, 3_000), rng.integers(-2**63, 2**63 - 1, 20_000),
@@ -159,6 +160,13 @@ def test_sorted_set_operations_equal_numpys():
         flat = np.ravel(values)
         repeats = np.unique(flat)[np.unique(flat, return_counts=True)[1] > 1]
         assert first_repeat(values) == (int(repeats[0]) if repeats.size else None)
+    # union_sorted: a growing set joined with new ones, some already in it
+    for a, b in [(np.unique(rng.integers(0, 1_000, 400)), np.unique(rng.integers(0, 1_200, 300))),
+                 (np.arange(5), np.zeros(0, np.int64)), (np.zeros(0, np.int64), np.arange(3)),
+                 (np.array([10, 20]), np.array([0, 15, 20, 30]))]:
+        got = union_sorted(a, b)
+        np.testing.assert_array_equal(got, np.union1d(a, b))
+        assert got is not a and got is not b
 
 
 def test_rows_gathered_into_their_columns_equal_numpys_take():

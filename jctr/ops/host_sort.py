@@ -162,3 +162,14 @@ def isin(values: np.ndarray, test: np.ndarray) -> np.ndarray:
     at = np.searchsorted(t, values)
     np.minimum(at, t.size - 1, out=at)
     return t[at] == values
+
+
+def union_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """The union of two ascending arrays of distinct values (``np.union1d``), ascending: ``b``'s
+    new values inserted into ``a`` in one pass over it, not a sort of both (a set that only
+    grows, joined with a few new keys at a time)."""
+    if not a.size or not b.size:
+        return (b if not a.size else a).copy()
+    at = np.searchsorted(a, b)
+    new = a[np.minimum(at, a.size - 1)] != b
+    return np.insert(a, at[new], b[new])

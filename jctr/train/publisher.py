@@ -26,7 +26,7 @@ from jctr.config import ModelConfig
 from jctr.data.batch import Batch
 from jctr.errors import UserError
 from jctr.models.ctr import StepConfig, TrainState
-from jctr.ops.host_sort import unique
+from jctr.ops.host_sort import union_sorted, unique
 from jctr.sharding.distributed import gather_rows
 from jctr.sharding.mesh import to_host
 from jctr.sharding.rows import export_own_keys
@@ -107,7 +107,7 @@ class KafkaPublisher(Hook):
             if jax.process_count() > 1:  # every process's keys: each sends the rows it holds
                 keys = unique(np.concatenate([p["keys"] for p in gather_rows(
                     {"keys": keys})]))
-            self._published[i] = unique(np.concatenate([self._published[i], keys]))
+            self._published[i] = union_sorted(self._published[i], keys)
             if resend:
                 keys = self._published[i]
             if not keys.size:

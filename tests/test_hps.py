@@ -872,6 +872,34 @@ def test_a_model_larger_than_memory_loads_a_part_at_a_time(trained, tmp_path, mo
     assert meta is not None and not meta.get("incomplete")
     assert dbs.persistent.size(table) == rows
     dbs.close()
+    # a model of two tables: the second's bad file leaves the first's database table as
+    # it was too (every table's files are checked before any is written)
+    wide, _ = trained("wdl")
+    shutil.copytree(wide / "bundle", tmp_path / "wdl")
+    doc = {"persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks_wdl")},
+           "models": [{"model": "w", "bundle": "wdl", "max_batch_size": 64}]}
+    (tmp_path / "ps_w.json").write_text(json.dumps(doc))
+    ps = load_ps_config(tmp_path / "ps_w.json")
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    m = HPSModel(ps.models[0], dbs)
+    m.load_databases()
+    first = m.tables[0].key
+    folder = tmp_path / "wdl" / "sparse" / f"{m.tables[-1].spec.name}.model"
+    vectors = np.fromfile(folder / "emb_vector", "<f4")
+    vectors[-1] = np.inf
+    vectors.tofile(folder / "emb_vector")
+    manifest = json.loads((tmp_path / "wdl" / "manifest.json").read_text())
+    del manifest["files"]
+    (tmp_path / "wdl" / "manifest.json").write_text(json.dumps(manifest))
+    held = dbs.persistent.get_meta(first)
+    mark = np.full((1, m.tables[0].dim), 7.0, np.float32)  # gone if the table were loaded
+    dbs.persistent.insert(first, np.array([-7], np.int64), mark)
+    with pytest.raises(ModelFileError, match="non-finite"):
+        HPSModel(ps.models[0], dbs).load_databases(replace=True)
+    assert dbs.persistent.get_meta(first) == held and not held.get("incomplete")
+    assert dbs.persistent.lookup(first, np.array([-7], np.int64), m.tables[0].dim)[1].all()
+    m.close()
+    dbs.close()
     # the hash map alone must hold every row: refused where memory has no room for them
     monkeypatch.setattr(hps_model, "room_left", lambda reserve=0: 1 << 10)
     doc = {"volatile_db": {"type": "hash_map"}, "persistent_db": {"type": "disabled"},

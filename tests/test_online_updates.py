@@ -374,6 +374,92 @@ def test_poison_updates_are_refused_counted_and_never_block_the_stream(broker, t
     dbs.close()
 
 
+def test_updates_the_broker_deleted_before_a_server_read_them_are_said_and_counted(
+        broker, tmp_path, monkeypatch, caplog):
+    """A server away longer than its topics keep messages (Kafka's retention) finds its
+    groups' committed offsets below the first message kept. It started there without a word
+    (``UpdateReader.refresh``: ``max(offset, low)``), the rows those messages changed left old
+    until the next base model. Now each reader says so (an error naming the topic and the
+    offsets) and counts them once, however often it is made again: the applier's stats,
+    ``/metrics`` (``jctr_updates_expired``). Tansu, the tests' broker, keeps every message (no
+    retention, no DeleteRecords): its answer for the first message kept is moved here."""
+    import logging
+
+    import confluent_kafka
+
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.server import Metrics
+    from jctr.serving.updates import UpdateApplier, wait_for
+    from jctr.stores import kafka
+    from jctr.stores.kafka import KafkaMessageSink
+
+    name = "dlrm_expired"
+    topic = f"hps_et.{name}.sparse_embedding1"
+    t = _trainer(tmp_path, broker, name)
+    export_bundle(t.cfg, t.state, str(tmp_path / "bundle"), t.placements)
+    ps, dbs, model = _hps(tmp_path, name, tmp_path / "bundle", broker)
+    dim = t.specs[0].dim
+    sink = KafkaMessageSink(broker, name)
+    for step in range(6):  # offsets 0-5, key 100 + step each
+        sink.publish_rows("sparse_embedding1", step, np.array([100 + step], np.int64),
+                          np.full((1, dim), step, np.float32))
+    assert sink.flush(10) == 0
+    # both groups (the persistent side's and the serving side's) read offsets 0 and 1 before
+    for group in ("g-expired", "g-expired.serving"):
+        c = confluent_kafka.Consumer({"bootstrap.servers": broker, "group.id": group})
+        c.commit(offsets=[confluent_kafka.TopicPartition(topic, 0, 2)], asynchronous=False)
+        c.close()
+
+    class Retention:  # the broker deleted offsets 2 and 3 meanwhile
+        def __init__(self, consumer):
+            self._consumer = consumer
+
+        def __getattr__(self, name):
+            return getattr(self._consumer, name)
+
+        def get_watermark_offsets(self, tp, *args, **kwargs):
+            low, high = self._consumer.get_watermark_offsets(tp, *args, **kwargs)
+            return max(low, 4) if tp.topic == topic else low, high
+
+    made = kafka.UpdateReader.__init__
+
+    def reader(self, *args, **kwargs):
+        made(self, *args, **kwargs)
+        self.consumer = Retention(self.consumer)
+
+    monkeypatch.setattr(kafka.UpdateReader, "__init__", reader)
+    applier = UpdateApplier(ps.update_source, dbs, {name: model}, group="g-expired")
+    caplog.set_level(logging.ERROR, logger="jctr.updates")
+    applier.start()
+    try:
+        assert wait_for(applier, lambda a: a.last_step.get(topic) == 5), applier.stats()
+    finally:
+        applier.close()
+    st = applier.stats()
+    assert (st["expired_messages"], st["expired_jumps"]) == (2, 0), st
+    assert all(c["expired_messages"] == 2 for c in st["consumers"].values())
+    said = [r.getMessage() for r in caplog.records if "expired" in r.getMessage()]
+    assert len(said) == 2 and all(f"{topic} partition 0: 2 update message(s) (offsets 2 to 3) "
+                                  "expired before this server read them" in m for m in said)
+    got, found, _ = dbs.lookup(topic, np.arange(100, 106, dtype=np.int64), dim, 0.0)
+    assert found[4:].all()  # offsets 4 and 5 applied; 2 and 3 never were
+    np.testing.assert_allclose(got[4:, 0], [4.0, 5.0])
+    text = Metrics({name: model}, applier).render().decode()
+    assert 'jctr_updates_expired_total{kind="messages"} 2.0' in text
+    # a reader made again before its group commits counts nothing twice
+    expired = kafka.ExpiredMessages()
+    for _ in range(2):
+        r = kafka.UpdateReader(broker, group="g-expired-again", topics=topic, expired=expired)
+        c = confluent_kafka.Consumer({"bootstrap.servers": broker, "group.id": "g-expired-again"})
+        c.commit(offsets=[confluent_kafka.TopicPartition(topic, 0, 1)], asynchronous=False)
+        c.close()
+        r.refresh(force=True)
+        r.close()
+    assert expired.messages == {(topic, 0): 3} and expired.total == 3
+    model.close()
+    dbs.close()
+
+
 def test_kafka_security_settings_pass_through(broker, tmp_path):
     """``security`` (update_source and kafka_sink): librdkafka's security.protocol, sasl.* and
     ssl.* settings reach the clients as given (here PLAINTEXT, what the local broker speaks:

@@ -333,24 +333,22 @@ class Databases:
             first = int(round(int(manifest["rows"]) * rate)) if rate < 1.0 else None
             self.volatile.drop_table(table)
             for j, read in enumerate(links):
-                if j == 0 and first == 0:
+                left = first if j == 0 else None  # the base's first rows only
+                if left == 0:
                     continue
                 for keys, values in read():
-                    if j == 0 and first is not None:  # the base's first rows only
-                        keys, values = keys[:first - written["volatile_db"]], \
-                            values[:first - written["volatile_db"]]
-                    self._write_volatile(table, keys, values)
+                    if left is not None:
+                        keys, values = keys[:left], values[:left]
+                        left -= keys.size
+                    for s in range(0, keys.size, _WRITE_ROWS):
+                        self.volatile.insert(table, keys[s:s + _WRITE_ROWS],
+                                             values[s:s + _WRITE_ROWS])
                     written["volatile_db"] += int(keys.size)
-                    if j == 0 and written["volatile_db"] == first:
+                    if left == 0:
                         break
             self.volatile.set_meta(table, manifest)
             self._volatile_skip.discard(table)
         return written
-
-    def _write_volatile(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
-        step = _WRITE_ROWS
-        for s in range(0, keys.size, step):
-            self.volatile.insert(table, keys[s:s + step], values[s:s + step])
 
     def links_held(self, layer: str, table: str, expected: dict) -> int | None:
         """How many first links of ``expected``'s base + delta chain ``layer`` holds of

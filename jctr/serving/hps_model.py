@@ -249,37 +249,43 @@ class HPSModel:
         export or an incomplete load; an in-process hash map is always filled. Either way a
         layer holding the first links of this model's base + delta chain gets only the
         deltas it lacks. Returns rows written per table and layer."""
-        out = {}
         in_process = self.dbs.in_process_volatile
         self._check_hash_map_room()
+        work = []  # every table's plan and files, checked before any database is written
         for i, t in enumerate(self.tables):
             manifest = self.table_manifest(i)
             self.dbs.expected[t.key] = manifest
             plan = {layer: self._plan(layer, t.key, manifest, replace,
                                       in_process and layer == "volatile_db")
                     for layer in ("persistent_db", "volatile_db")}
+            # the persistent database holds this export with the updates applied since: the
+            # hash map starts from its rows, not the files' older ones
+            from_persistent = (in_process and plan["persistent_db"] is None
+                               and self.dbs.persistent is not None
+                               and self.dbs.updates_last(t.key))
+            if from_persistent:
+                plan["volatile_db"] = None
+            links = {first: self._row_links(i, first) for first in set(plan.values())
+                     if first is not None}
+            work.append((t, manifest, plan, from_persistent, links))
+        out = {}
+        for t, manifest, plan, from_persistent, links in work:
             written = {"volatile_db": 0, "persistent_db": 0}
-            if (in_process and plan["persistent_db"] is None and self.dbs.persistent is not None
-                    and self.dbs.updates_last(t.key)):
-                # the persistent database holds this export with the updates applied since:
-                # the hash map starts from its rows, not the files' older ones
+            if from_persistent:
                 written["volatile_db"] = self.dbs.load(
                     t.key, [self.dbs.persistent_rows(t.key)], manifest,
                     into_persistent=False)["volatile_db"]
-                plan["volatile_db"] = None
             full = [layer for layer, step in plan.items() if step == 0]
-            links = self._row_links(i, 0) if full else None  # checked before any write
             if "persistent_db" in full or (self.dbs.persistent is None and full):
                 self.dbs.forget_dense(dense_name(self.name))  # rows from the files again
             if full:
                 written.update({k: v for k, v in self.dbs.load(
-                    t.key, links, manifest,
-                    into_persistent="persistent_db" in full,
+                    t.key, links[0], manifest, into_persistent="persistent_db" in full,
                     into_volatile="volatile_db" in full).items() if k in full})
             for layer, first in plan.items():
                 if first:  # the same chain's first links are there: the rest over them
-                    written[layer] = self.dbs.write_links(layer, t.key,
-                                                          self._row_links(i, first), manifest)
+                    written[layer] = self.dbs.write_links(layer, t.key, links[first],
+                                                          manifest)
             out[t.key] = written
         return out
 

@@ -335,9 +335,17 @@ class Metrics:
                     failed = CounterMetricFamily("jctr_updates_failures", "failed writes of "
                                                  "online updates (retried)")
                     failed.add_metric([], st["failures"])
+                    expired = CounterMetricFamily(
+                        "jctr_updates_expired", "update messages the broker deleted (the "
+                        "topic's retention) before this server read them (messages: counted "
+                        "at start; jumps: the client's skips while it read, count unknown)",
+                        labels=["kind"])
+                    expired.add_metric(["messages"], st["expired_messages"])
+                    expired.add_metric(["jumps"], st["expired_jumps"])
                     yield applied
                     yield refused
                     yield failed
+                    yield expired
 
         self.registry.register(Tables())
 
@@ -394,6 +402,9 @@ def build_app(models: dict, updates=None):
         if updates is not None:
             body["updates_caught_up"] = updates.caught_up
             body["update_source"] = "ok" if updates.error is None else updates.error
+            messages, jumps = updates.expired
+            if messages or jumps:  # still ready: older rows beat none, but it is said
+                body["updates_expired"] = {"messages": messages, "jumps": jumps}
         return JSONResponse(body, status_code=200 if ok else 503)
 
     async def server_meta(request):

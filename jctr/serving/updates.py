@@ -45,7 +45,7 @@ from jctr.checkpoint.model_files import ModelFileError
 from jctr.config.hps import UpdateSourceParams
 from jctr.serving.hps import Databases
 from jctr.stores.base import StoreError, StoreUnavailable
-from jctr.stores.kafka import UpdateReader, dense_topic, update_topics
+from jctr.stores.kafka import ExpiredMessages, UpdateReader, dense_topic, update_topics
 
 log = logging.getLogger("jctr.serving")
 
@@ -199,12 +199,20 @@ class UpdateApplier:
     def error(self) -> str | None:
         return next((c.error for c in self.consumers if c.error is not None), None)
 
+    @property
+    def expired(self) -> tuple[int, int]:
+        """(messages, jumps) the broker deleted before a layer read them: the most any
+        side missed (both read the same topics)."""
+        return (max(c.expired.total for c in self.consumers),
+                max(c.expired.jumps for c in self.consumers))
+
     def stats(self) -> dict:
         return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,
                 "served_rows": self.serving.applied_rows,
                 "served_dense": self.serving.applied_dense,
                 "failures": self.failures, "refused": dict(self.refused),
                 "error": self.error, "last_step": self.last_step,
+                "expired_messages": self.expired[0], "expired_jumps": self.expired[1],
                 "consumers": {c.group: c.stats() for c in self.consumers}}
 
 
@@ -247,6 +255,7 @@ class _Consumer:
         self.dense_steps: collections.deque[int] = collections.deque(maxlen=_DENSE_STEPS_KEPT)
         self.error: str | None = None
         self.caught_up = False  # what the topics held at start is applied
+        self.expired = ExpiredMessages()  # what the broker deleted before it was read
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name=f"hps-updates-{self.name}",
@@ -263,7 +272,8 @@ class _Consumer:
     def stats(self) -> dict:
         return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,
                 "failures": self.failures, "error": self.error,
-                "last_step": dict(self.last_step), "caught_up": self.caught_up}
+                "last_step": dict(self.last_step), "caught_up": self.caught_up,
+                "expired_messages": self.expired.total, "expired_jumps": self.expired.jumps}
 
     def has_work(self) -> bool:
         """A batch in hand or messages left to read (what the persistent side waits for)."""
@@ -321,7 +331,7 @@ class _Consumer:
                                           receive_buffer_size=p.receive_buffer_size,
                                           poll_timeout_ms=p.poll_timeout_ms,
                                           security=p.security, from_start=self.from_start,
-                                          behind=self.behind)
+                                          behind=self.behind, expired=self.expired)
                     self._opened(reader)
                 batch = self._next_batch(reader)
             except (StoreUnavailable, StoreError) as e:

@@ -244,6 +244,22 @@ class KafkaMessageSink:
             return {"sent": self.sent, "dropped": self.dropped, "failed": self.failed}
 
 
+class ExpiredMessages:
+    """Update messages the broker deleted (its retention) before a consumer group read them:
+    ``messages`` per (topic, partition) found where the group's committed offset lies below
+    the first message kept, ``jumps`` the client's own skips past deleted messages while it
+    read (a server further behind than the retention; their count is not known)."""
+
+    def __init__(self):
+        self.messages: dict[tuple[str, int], int] = {}
+        self.upto: dict[tuple[str, int], int] = {}  # where the deleted ones counted end
+        self.jumps = 0
+
+    @property
+    def total(self) -> int:
+        return sum(self.messages.values())
+
+
 class UpdateReader:
     """Reads update messages from every topic matching ``topics`` (a regex), in order per
     topic, from the group's committed offsets (see the module docstring)."""
@@ -251,7 +267,8 @@ class UpdateReader:
     def __init__(self, brokers: str, *, group: str, topics: str,
                  metadata_refresh_interval_ms: int = 30000, receive_buffer_size: int = 262144,
                  poll_timeout_ms: int = 500, security: tuple[tuple[str, str], ...] = (),
-                 from_start: bool = False, behind: str | None = None):
+                 from_start: bool = False, behind: str | None = None,
+                 expired: ExpiredMessages | None = None):
         kafka = _kafka()
         self._kafka = kafka
         self.pattern = re.compile(topics)
@@ -293,6 +310,9 @@ class UpdateReader:
         # behind: another group whose commits this one must not start past (the serving side
         # of a server whose hash map starts from what the persistent side committed)
         self.behind = behind
+        # what the broker deleted before this group read it: the caller's, so that a reader
+        # made again counts on
+        self.expired = ExpiredMessages() if expired is None else expired
         self._behind_consumer = None
         self._config = config
         self.targets: dict[tuple[str, int], int] = {}  # the end of each topic when first seen
@@ -337,12 +357,29 @@ class UpdateReader:
             where = (tp.topic, tp.partition)
             low, high = self.consumer.get_watermark_offsets(tp, timeout=5.0)
             offset = tp.offset if bound is None else min(tp.offset, bound.get(where, -1))
+            if not self.from_start and 0 <= offset < low:
+                self._expired_below(where, offset, low)
             start = low if self.from_start or offset < 0 else max(offset, low)
             self.assigned[where] = start
             self.applied[where] = start
             self.targets.setdefault(where, high)
         if self.fetching:
             self._assign(self.assigned)
+
+    def _expired_below(self, where: tuple[str, int], offset: int, low: int) -> None:
+        """Messages ``offset`` to ``low - 1`` were deleted by the broker (the topic's
+        retention) before this group read them: said, and counted in :attr:`expired`."""
+        upto = self.expired.upto.get(where, 0)
+        new = low - max(offset, upto)
+        if new <= 0:  # counted already (a reader made again before the next commit)
+            return
+        self.expired.messages[where] = self.expired.messages.get(where, 0) + new
+        self.expired.upto[where] = low
+        log.error("update_source: %s partition %d: %d update message(s) (offsets %d to %d) "
+                  "expired before this server read them (the topic keeps messages for less "
+                  "time than the server was away); the rows they changed keep older values "
+                  "until later updates or the next base or delta model (python -m jctr.serve "
+                  "load)", where[0], where[1], new, max(offset, upto), low - 1)
 
     def _behind_offsets(self, parts: list) -> dict[tuple[str, int], int] | None:
         """The ``behind`` group's commits of ``parts`` (-1: none), or None without one."""
@@ -391,6 +428,12 @@ class UpdateReader:
                             self._kafka.KafkaError._ALL_BROKERS_DOWN):
                     self._reconnected = True
                     self._looked = 0.0
+                elif code == self._kafka.KafkaError._AUTO_OFFSET_RESET:
+                    # the next message to read was deleted while the server read (it fell
+                    # further behind than the topic's retention): the client skipped on
+                    self.expired.jumps += 1
+                    log.error("update_source: %s; the messages skipped are lost to this "
+                              "server until the next base or delta model", msg.error())
                 elif code != self._kafka.KafkaError._PARTITION_EOF:
                     log.warning("update_source: %s", msg.error())
                 continue

@@ -808,10 +808,11 @@ def test_a_model_larger_than_memory_loads_a_part_at_a_time(trained, tmp_path, mo
     """HugeCTR's HPS reads a whole table into memory before it fills a database
     (``RawModelLoader::load``, HugeCTR/hps/modelloader.cpp): a table larger than memory, the
     kind RocksDB is there for, cannot be served. jctr reads each sparse file
-    ``LOAD_PART_BYTES`` at a time (here 1,024 rows) into RocksDB and the hash map, and serves
-    what the trainer predicts; a non-finite row in the last part, or a key given twice, is
-    refused before any database is written (the table loaded before stays whole); a hash map
-    that would need more memory than is left is refused with the figures."""
+    ``LOAD_PART_BYTES`` at a time (here 1,024 rows) into RocksDB and the hash map, saying how
+    far it is, and serves what the trainer predicts; a non-finite row in the last part, or a
+    key given twice, is refused before any database is written (the table loaded before stays
+    whole); a hash map that would need more memory than is left is refused with the
+    figures."""
     import shutil
 
     from jctr.serving import hps_model
@@ -839,9 +840,19 @@ def test_a_model_larger_than_memory_loads_a_part_at_a_time(trained, tmp_path, mo
     ps = load_ps_config(tmp_path / "ps.json")
     dbs = Databases(ps.volatile_db, ps.persistent_db)
     m = HPSModel(ps.models[0], dbs)
+    monkeypatch.setattr(hps_model._LoadMeter, "EVERY_S", 0.0)  # a line every part
+    lines = []
     try:
-        written = m.load_databases()[m.tables[0].key]
+        written = m.load_databases(progress=lines.append)[m.tables[0].key]
         assert written == {"persistent_db": rows, "volatile_db": round(rows * 0.5)}
+        # how far the load is, for a long one: every phase, rows done of how many, the rate
+        table = m.tables[0].key
+        for what, total in (("checking its files", rows),
+                            ("into persistent_db (rocks_db)", rows),
+                            ("into volatile_db (hash_map)", round(rows * 0.5))):
+            said = [x for x in lines if x.startswith(f"[jctr] {table}: {what}: ")]
+            assert said and f": 1,024 of {total:,} rows (" in said[0] and \
+                "M rows/s" in said[0], lines
         # read to check, to write RocksDB, and the parts the hash map's half takes
         assert max(seen) == 1024 and sum(seen) == 2 * rows + -(-rows // 2 // 1024) * 1024
         for batch, expected in reference:

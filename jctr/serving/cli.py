@@ -37,7 +37,7 @@ def open_models(ps: ParameterServerConfig, *, load: bool = True, log=print):
                                                  source=ps.source)
         if load:
             for name, model in models.items():
-                for table, written in model.load_databases().items():
+                for table, written in model.load_databases(progress=log).items():
                     if any(written.values()):
                         log(f"[jctr] {name}: {table}: {written['persistent_db']:,} rows into "
                             f"the persistent db, {written['volatile_db']:,} into the volatile "
@@ -83,7 +83,8 @@ def _load(args) -> None:
     dbs, models = open_models(ps, load=False)
     try:
         for name, model in models.items():
-            for table, written in model.load_databases(replace=True).items():
+            for table, written in model.load_databases(
+                    replace=True, progress=lambda line: print(line, flush=True)).items():
                 print(f"{name}: {table}: {written['persistent_db']:,} rows into "
                       f"{ps.persistent_db.type}, {written['volatile_db']:,} into "
                       f"{ps.volatile_db.type}")

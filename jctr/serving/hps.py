@@ -309,15 +309,18 @@ class Databases:
                             "load --config <file>` to load this export into it")
 
     def load(self, table: str, links: Sequence[RowParts], manifest: dict, *,
-             into_persistent: bool = True, into_volatile: bool = True) -> dict[str, int]:
+             into_persistent: bool = True, into_volatile: bool = True,
+             progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
         """Replace a table with the rows of ``links`` (a base and its deltas, each read a part
         at a time, a later row of a key winning): every row into the persistent database
         (unless it is read-only); into the volatile one the first ``initial_cache_rate`` of
         the base's rows (``manifest["rows"]``) and every later link's (all rows when there is
         no persistent database to fall back on). In each layer the old table and its manifest
         go first and the new manifest is written last, so a load stopped half way leaves a
-        table that ``serve`` refuses. Returns rows written per layer."""
+        table that ``serve`` refuses. ``progress(layer, rows)``: called after each part
+        written. Returns rows written per layer."""
         written = {"volatile_db": 0, "persistent_db": 0}
+        progress = progress or (lambda layer, rows: None)
         if (into_persistent and self.persistent is not None
                 and not self.persistent_params.read_only):
             self.persistent.drop_table(table)
@@ -327,6 +330,7 @@ class Databases:
                     for s in range(0, keys.size, step):
                         self.persistent.insert(table, keys[s:s + step], values[s:s + step])
                     written["persistent_db"] += int(keys.size)
+                    progress("persistent_db", int(keys.size))
             self.persistent.set_meta(table, manifest)
         if into_volatile and self.volatile is not None:
             rate = self.volatile_params.initial_cache_rate if self.persistent else 1.0
@@ -344,6 +348,7 @@ class Databases:
                         self.volatile.insert(table, keys[s:s + _WRITE_ROWS],
                                              values[s:s + _WRITE_ROWS])
                     written["volatile_db"] += int(keys.size)
+                    progress("volatile_db", int(keys.size))
                     if left == 0:
                         break
             self.volatile.set_meta(table, manifest)
@@ -381,11 +386,11 @@ class Databases:
                                 pause=pause)
 
     def write_links(self, layer: str, table: str, links: Sequence[RowParts],
-                    manifest: dict | None = None, *, pause: Callable[[], None] | None = None
-                    ) -> int:
+                    manifest: dict | None = None, *, pause: Callable[[], None] | None = None,
+                    progress: Callable[[str, int], None] | None = None) -> int:
         """:meth:`write_rows` of every part of ``links`` in order: delta bundles' rows over a
         table holding the chain's first links, with their ``manifest`` (the table is marked
-        incomplete until every row is in)."""
+        incomplete until every row is in); ``progress`` as :meth:`load`'s."""
         store = self.volatile if layer == "volatile_db" else self.persistent
         if store is None:
             raise StoreUnavailable(f"{layer} down: {self.volatile_error}")
@@ -401,6 +406,8 @@ class Databases:
                         pause()
                     store.insert(table, keys[s:s + step], values[s:s + step], **between)
                 written += int(keys.size)
+                if progress is not None:
+                    progress(layer, int(keys.size))
         if manifest is not None:
             store.set_meta(table, manifest)
             if layer == "volatile_db":

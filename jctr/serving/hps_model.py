@@ -24,6 +24,8 @@ import json
 import math
 import os
 import threading
+import time
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import jax
@@ -193,7 +195,8 @@ class HPSModel:
         return tuple(os.path.join(d, "sparse", f"{name}.model")
                      for d in self.params.delta_bundles)
 
-    def _row_links(self, i: int, first_link: int) -> list[RowParts]:
+    def _row_links(self, i: int, first_link: int, meter: _LoadMeter | None = None
+                   ) -> list[RowParts]:
         """The rows of table ``i``'s chain from link ``first_link`` on (0: the base, then
         every delta; a later link's row of a key wins), each link read ``LOAD_PART_BYTES`` at
         a time: a model larger than memory loads into RocksDB. Every link is read through
@@ -215,9 +218,12 @@ class HPSModel:
                     yield keys, values
             return parts
 
+        meter = meter or _LoadMeter(None)
+        meter.begin(f"{self.tables[i].key}: checking its files",
+                    sum(_stored_rows(p) for p in paths))
         for path in paths:
-            for _ in link(path, True)():
-                pass
+            for keys, _ in link(path, True)():
+                meter.add(keys.size)
         return [link(path, False) for path in paths]
 
     def _check_hash_map_room(self) -> None:
@@ -241,14 +247,18 @@ class HPSModel:
                 f"{format_bytes(max(room, 0))} are left; lower initial_cache_rate or set "
                 "overflow_margin with a persistent_db (rocks_db) holding every row")
 
-    def load_databases(self, *, replace: bool = False) -> dict[str, dict[str, int]]:
+    def load_databases(self, *, replace: bool = False,
+                       progress: Callable[[str], None] | None = None
+                       ) -> dict[str, dict[str, int]]:
         """Fill the databases from the sparse model files (and delta models). ``replace``
         (``python -m jctr.serve load``): every table into every layer. Otherwise (``serve``
         starting) a layer's table is loaded where the layer lacks it, kept where it holds this
         export, and refused (:class:`jctr.serving.hps.TableMismatch`) where it holds another
         export or an incomplete load; an in-process hash map is always filled. Either way a
         layer holding the first links of this model's base + delta chain gets only the
-        deltas it lacks. Returns rows written per table and layer."""
+        deltas it lacks. ``progress``: where a long load says how far it is (a line at most
+        every ``_LoadMeter.EVERY_S``). Returns rows written per table and layer."""
+        meter = _LoadMeter(progress)
         in_process = self.dbs.in_process_volatile
         self._check_hash_map_room()
         work = []  # every table's plan and files, checked before any database is written
@@ -265,27 +275,29 @@ class HPSModel:
                                and self.dbs.updates_last(t.key))
             if from_persistent:
                 plan["volatile_db"] = None
-            links = {first: self._row_links(i, first) for first in set(plan.values())
+            links = {first: self._row_links(i, first, meter) for first in set(plan.values())
                      if first is not None}
             work.append((t, manifest, plan, from_persistent, links))
         out = {}
-        for t, manifest, plan, from_persistent, links in work:
+        for i, (t, manifest, plan, from_persistent, links) in enumerate(work):
+            counted = meter.layers(self, i, manifest)
             written = {"volatile_db": 0, "persistent_db": 0}
             if from_persistent:
                 written["volatile_db"] = self.dbs.load(
                     t.key, [self.dbs.persistent_rows(t.key)], manifest,
-                    into_persistent=False)["volatile_db"]
+                    into_persistent=False, progress=counted)["volatile_db"]
             full = [layer for layer, step in plan.items() if step == 0]
             if "persistent_db" in full or (self.dbs.persistent is None and full):
                 self.dbs.forget_dense(dense_name(self.name))  # rows from the files again
             if full:
                 written.update({k: v for k, v in self.dbs.load(
                     t.key, links[0], manifest, into_persistent="persistent_db" in full,
-                    into_volatile="volatile_db" in full).items() if k in full})
+                    into_volatile="volatile_db" in full, progress=counted).items()
+                    if k in full})
             for layer, first in plan.items():
                 if first:  # the same chain's first links are there: the rest over them
                     written[layer] = self.dbs.write_links(layer, t.key, links[first],
-                                                          manifest)
+                                                          manifest, progress=counted)
             out[t.key] = written
         return out
 
@@ -532,6 +544,54 @@ class HPSModel:
     def close(self) -> None:
         self._stop.set()
         self._workers.shutdown(wait=True)
+
+
+class _LoadMeter:
+    """How far a long load is: a line at most every ``EVERY_S`` seconds with the table, what
+    is done to it, rows done of how many, the rate and the time left (``say`` None: quiet)."""
+
+    EVERY_S = 10.0
+
+    def __init__(self, say: Callable[[str], None] | None):
+        self.say = say
+        self.begin("", 0)
+
+    def begin(self, what: str, total: int) -> None:
+        self.what, self.total, self.done = what, total, 0
+        self.t0 = self.last = time.monotonic()
+
+    def add(self, rows: int) -> None:
+        self.done += int(rows)
+        now = time.monotonic()
+        if self.say is None or now - self.last < self.EVERY_S:
+            return
+        self.last = now
+        rate = self.done / max(now - self.t0, 1e-9)
+        left = (f", {(self.total - self.done) / rate:,.0f} s left"
+                if rate and self.total > self.done else "")
+        self.say(f"[jctr] {self.what}: {self.done:,} of {self.total:,} rows "
+                 f"({rate / 1e6:.2f}M rows/s{left})")
+
+    def layers(self, model: HPSModel, i: int, manifest: dict) -> Callable[[str, int], None]:
+        """A :meth:`Databases.load` ``progress`` for table ``i`` of ``model``: each layer's
+        rows counted against what it takes (a share of the base's in a volatile layer with
+        a persistent one below, and every delta row)."""
+        base = int(manifest["rows"])
+        deltas = sum(_stored_rows(d) for d in model._delta_files(i))
+        dbs = model.dbs
+        rate = dbs.volatile_params.initial_cache_rate if dbs.persistent is not None else 1.0
+        totals = {"persistent_db": base + deltas, "volatile_db": round(base * rate) + deltas}
+        kinds = {"persistent_db": dbs.persistent_params.type,
+                 "volatile_db": dbs.volatile_params.type}
+        at = [None]
+
+        def counted(layer: str, rows: int) -> None:
+            if at[0] != layer:
+                at[0] = layer
+                self.begin(f"{model.tables[i].key}: into {layer} ({kinds[layer]})",
+                           totals[layer])
+            self.add(rows)
+        return counted
 
 
 def _has_batchnorm(cfg) -> bool:

@@ -370,6 +370,7 @@ def test_poison_updates_are_refused_counted_and_never_block_the_stream(broker, t
     assert 'jctr_updates_refused_total{reason="rows_nonfinite"} 1.0' in text
     assert 'jctr_updates_applied_total{kind="rows"} 3.0' in text
     assert 'jctr_updates_applied_total{kind="rows_served"} 3.0' in text
+    assert st["backlog"] == 0 and "\njctr_updates_backlog 0.0\n" in text  # all read
     model.close()
     dbs.close()
 

@@ -342,10 +342,15 @@ class Metrics:
                         labels=["kind"])
                     expired.add_metric(["messages"], st["expired_messages"])
                     expired.add_metric(["jumps"], st["expired_jumps"])
+                    backlog = GaugeMetricFamily(
+                        "jctr_updates_backlog", "update messages the broker holds that the "
+                        "serving side has not read yet (the last fetch's high watermarks)")
+                    backlog.add_metric([], st["backlog"])
                     yield applied
                     yield refused
                     yield failed
                     yield expired
+                    yield backlog
 
         self.registry.register(Tables())
 

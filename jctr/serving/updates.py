@@ -212,7 +212,8 @@ class UpdateApplier:
                 "served_dense": self.serving.applied_dense,
                 "failures": self.failures, "refused": dict(self.refused),
                 "error": self.error, "last_step": self.last_step,
-                "expired_messages": self.expired[0], "expired_jumps": self.expired[1],
+                "backlog": self.serving.backlog, "expired_messages": self.expired[0],
+                "expired_jumps": self.expired[1],
                 "consumers": {c.group: c.stats() for c in self.consumers}}
 
 
@@ -291,7 +292,9 @@ class _Consumer:
         return reader.poll(p.max_commit_interval, p.poll_timeout_ms / 1000.0)
 
     def _polled(self, reader: UpdateReader) -> None:
-        """After every poll, whatever it returned."""
+        """After every poll, whatever it returned: what the serving side has left to read."""
+        if self.serves:
+            self.backlog = reader.backlog()  # (cached watermarks: no request to the broker)
 
     def _applying(self, batch: list) -> None:
         """Before a batch is applied."""
@@ -482,9 +485,6 @@ class _ServingSide(_Consumer):
 
     name = "serving"
     keeps = False
-
-    def _polled(self, reader: UpdateReader) -> None:
-        self.backlog = reader.backlog()  # (cached watermarks: no request to the broker)
 
     def _mark(self, reader: UpdateReader, batch: list) -> None:
         # where the batch's range of each partition starts (the persistent side, which

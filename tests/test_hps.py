@@ -924,6 +924,32 @@ def test_a_model_larger_than_memory_loads_a_part_at_a_time(trained, tmp_path, mo
     dbs.close()
 
 
+def test_device_caches_larger_than_the_device_has_left_are_refused(trained, tmp_path,
+                                                                    monkeypatch):
+    """``gpucacheper`` of a table's rows on the device: on CPU, host memory. HugeCTR's HPS
+    allocates its embedding cache and fails in CUDA when it does not fit; a cache too large
+    is refused when the model is made, naming the JSON field and both figures."""
+    import jax
+
+    from jctr.serving import hps_model
+    from jctr.sharding.plan import device_room_bytes
+
+    assert device_room_bytes(jax.local_devices()[0]) > 0  # CPU: what the host has left
+    tmp, _ = trained("dlrm")
+    ps = _ps(tmp, "dlrm_cache_room", {"type": "hash_map"}, persistent=False,
+             gpucacheper=0.5)
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    monkeypatch.setattr(hps_model, "device_room_bytes", lambda device: 1 << 10)
+    with pytest.raises(ConfigError, match=r"models\[0\]\.gpucacheper: 0\.5: the device caches "
+                                          r"of this model's tables would take \d+\.\d+ KiB, "
+                                          r"but the host's memory has 1\.00 KiB left; lower "
+                                          "gpucacheper or set gpucache false"):
+        HPSModel(ps.models[0], dbs, where="models[0]", source=ps.source)
+    monkeypatch.setattr(hps_model, "device_room_bytes", lambda device: 1 << 40)
+    HPSModel(ps.models[0], dbs, where="models[0]", source=ps.source).close()
+    dbs.close()
+
+
 def test_seed_valid_settings_work(trained, tmp_path):
     """hit_rate_threshold above 1 (never asynchronous), embedding_vecsize_per_table as a
     maximum, supportlonglong false (INT32 keys; a model with wider keys is refused)."""

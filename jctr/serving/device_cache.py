@@ -138,6 +138,12 @@ class DeviceCache:
                 clock=jnp.zeros((), jnp.int32))
 
     @staticmethod
+    def bytes_for(capacity: int, dim: int) -> int:
+        """Device memory a cache of ``capacity`` rows of ``dim`` floats holds (its updates
+        donate it: no second copy)."""
+        return max(1, -(-int(capacity) // WAYS)) * WAYS * (8 + 4 + 4 * int(dim))
+
+    @staticmethod
     def _padded(keys: np.ndarray, values: np.ndarray | None = None, dim: int = 0,
                 size: int | None = None):
         n = keys.size

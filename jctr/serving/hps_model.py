@@ -49,7 +49,7 @@ from jctr.runtime.host_memory import room_left
 from jctr.serving.device_cache import WAYS, DeviceCache
 from jctr.serving.hps import LAYERS, Databases, LayerUnavailable, RowParts
 from jctr.serving.table_manifest import table_manifest
-from jctr.sharding.plan import format_bytes
+from jctr.sharding.plan import device_room_bytes, format_bytes
 from jctr.stores.base import StoreError, first_beyond_int32
 from jctr.stores.hash_map import hash_map_bytes
 
@@ -117,10 +117,13 @@ class HPSModel:
         self._params, self._stats = state.params, state.batch_stats
         self.batch_size = params.max_batchsize
         self.tables = []
+        caching = params.use_gpu_embedding_cache and params.cache_size_percentage > 0
+        if caching:
+            self._check_cache_room(step_config.specs)
         for i, spec in enumerate(step_config.specs):
             rows = _stored_rows(params.sparse_model_files[i])
             cache = None
-            if params.use_gpu_embedding_cache and params.cache_size_percentage > 0:
+            if caching:
                 cache = DeviceCache(max(1, math.ceil(rows * params.cache_size_percentage)),
                                     spec.dim)
             self.tables.append(_Table(params.table_key(i), spec,
@@ -137,6 +140,24 @@ class HPSModel:
         self.requests = 0
 
     # -- construction -------------------------------------------------------------------------
+    def _check_cache_room(self, specs) -> None:
+        """The device caches (``gpucacheper`` of each table's rows) must fit what the device
+        has left (on CPU, the host's memory): refused here, with the figures, not killed
+        while they are made."""
+        p = self.params
+        need = sum(DeviceCache.bytes_for(
+            max(1, math.ceil(_stored_rows(p.sparse_model_files[i]) * p.cache_size_percentage)),
+            spec.dim) for i, spec in enumerate(specs))
+        device = jax.local_devices()[0]
+        room = device_room_bytes(device)
+        if room is not None and need > room:
+            where = "the host's memory" if device.platform == "cpu" else str(device)
+            raise self._error("cache_size_percentage",
+                              f"{p.cache_size_percentage}: the device caches of this model's "
+                              f"tables would take {format_bytes(need)}, but {where} has "
+                              f"{format_bytes(max(room, 0))} left; lower gpucacheper or set "
+                              "gpucache false (the databases answer)")
+
     def _error(self, field: str, message: str) -> ConfigError:
         return _model_error(self._where, self._source, field, message)
 

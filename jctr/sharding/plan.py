@@ -140,6 +140,23 @@ def device_memory_bytes(device) -> int | None:
     return None
 
 
+def device_room_bytes(device) -> int | None:
+    """Memory a device has left: its allocator's limit less what it holds, on accelerators;
+    on CPU what the host has left (:func:`jctr.runtime.host_memory.room_left`). None where
+    it does not say."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+    if device.platform == "cpu":
+        from jctr.runtime.host_memory import room_left
+
+        return room_left()
+    return None
+
+
 def _slot_sizes(cfg: ModelConfig, emb, spec: EmbeddingSpec) -> list[int] | None:
     if emb.slot_size_array:  # the embedding's own sizes (HugeCTR's LocalizedSlot* hparam)
         return list(emb.slot_size_array)

@@ -32,6 +32,7 @@ from jctr.errors import UserError
 from jctr.models import layers as L
 from jctr.ops.host_sort import first_repeat
 from jctr.runtime.direct_io import DirectWriter, replacing, write_file
+from jctr.runtime.host_memory import room_left
 from jctr.sharding.mesh import to_host
 from jctr.sharding.rows import export_keys, export_placed, import_placed
 
@@ -189,8 +190,6 @@ def sparse_model_parts(path: str, dim: int, part_rows: int, *, unique: bool = Tr
         for keys, vectors in sparse_model_parts("base/sparse/emb.model", 16, 1 << 20):
             store.insert("emb", keys, vectors)
     """
-    from jctr.runtime.host_memory import room_left
-
     kp, vp, n = _sparse_model_files(path, dim)
     room = room_left() if unique else None
     if unique and (room is None or 3 * 8 * n <= room):

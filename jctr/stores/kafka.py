@@ -257,7 +257,7 @@ class ExpiredMessages:
 
     @property
     def total(self) -> int:
-        return sum(self.messages.values())
+        return sum(list(self.messages.values()))  # (read while the reader's thread adds)
 
 
 class UpdateReader:

@@ -1713,6 +1713,42 @@ def test_sparse_store_plans_a_pass_s_rows_and_refuses_what_does_not_fit(tmp_path
     assert not (tmp_path / "refused" / "20190720").exists()  # no pass began
 
 
+def test_a_streaming_run_reports_at_most_every_ten_minutes_into_one_event_file(
+        tmp_path, monkeypatch):
+    """Every fit wrote report.html from the whole ``metrics.jsonl`` (3.8 s for a 30-day log)
+    and closed its TensorBoard event file: a streaming run, one fit a pass for months, paid
+    that each pass and left a file a pass. Its report now comes at most every
+    ``REPORT_EVERY_S`` (600 s), at each day's end and at the run's end, and one event file
+    takes every pass."""
+    import json
+
+    from jctr.online.runner import OnlineRun
+    from jctr.train import run_log
+
+    model = _stream(tmp_path, days=("20190720", "20190721"))
+    cfg = json.loads(model.read_text())
+    cfg["solver"].update(log_dir=str(tmp_path / "logs"), display=1)
+    model.write_text(json.dumps(cfg))
+    for folder in sorted((tmp_path / "stream").glob("*/*")):
+        (folder / "DONE").touch()
+    reports = []
+    real = run_log.write_report
+
+    def counted(log_dir):
+        reports.append(sum(1 for _ in open(tmp_path / "logs" / "metrics.jsonl")))
+        return real(log_dir)
+
+    monkeypatch.setattr(run_log, "write_report", counted)
+    run = OnlineRun(_online(tmp_path, model, tmp_path / "save", end_day="20190721"),
+                    log=lambda s: None)
+    assert run.run() == 4
+    lines = sum(1 for _ in open(tmp_path / "logs" / "metrics.jsonl"))
+    # the first pass's and each day's end (four fits); nothing came after the last
+    assert len(reports) == 3 and reports[-1] == lines, (reports, lines)
+    assert (tmp_path / "logs" / "report.html").is_file()
+    assert len(os.listdir(tmp_path / "logs" / "tensorboard")) == 1
+
+
 def test_a_streaming_run_keeps_one_pass_of_log_records_in_memory(tmp_path):
     """The trainer's log kept every record in memory (``Trainer.history``): a streaming run,
     one fit a pass with a record a display, gathers millions over months. Each pass now

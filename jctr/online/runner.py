@@ -67,6 +67,8 @@ PASS_LOG = "passes.jsonl"  # one JSON record per trained pass
 class OnlineRun:
     """One streaming-training run (see the module docstring)."""
 
+    REPORT_EVERY_S = 600.0  # the run's report.html at most this often (and at each day's end)
+
     def __init__(self, cfg: OnlineConfig, *, log: Callable[[str], None] | None = None,
                  stop: threading.Event | None = None, force: bool = False):
         self.cfg = cfg
@@ -265,6 +267,7 @@ class OnlineRun:
             if self.trainer is not None:
                 from jctr.train.hooks import end_run
 
+                self.trainer.run_log.write_report(force=True)  # what came since the last
                 end_run(self.trainer.hooks)  # e.g. the Kafka sink's last delivery
             return trained
         finally:
@@ -391,6 +394,9 @@ class OnlineRun:
     def _start(self, done: dict | None) -> None:
         """The trainer and statistics, from the last checkpoint."""
         self.trainer = self._trainer()
+        # a pass is a fit: its report (the whole log read) at most every REPORT_EVERY_S, and
+        # at each day's end and the run's
+        self.trainer.run_log.report_every_s = self.REPORT_EVERY_S
         self._start_statistics()
         if done is not None:
             folder = os.path.dirname(done["checkpoint"])
@@ -1040,6 +1046,7 @@ class OnlineRun:
                          then=linked if whole else None, statistics=False)
         self._written, self._written_at = [], {}  # the day's last rows, kept for its base model
         self._prune_checkpoints(following)
+        t.run_log.write_report(force=True)
 
     def _prune_checkpoints(self, newest: str) -> None:
         """``checkpoint_keep_days`` N: the pass checkpoints and batch models (``<day>/<n>/``)

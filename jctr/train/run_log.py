@@ -43,6 +43,12 @@ class RunLog:
         self._file = None
         self._board: TensorBoardLog | None = None
         self._writes = bool(log_dir) and jax.process_index() == 0
+        # None: a report at the end of every fit. A number of seconds: at most that often
+        # (a streaming run, one fit a pass for months: each report reads the whole log), the
+        # TensorBoard event file kept open across fits; write_report(force=True) at once
+        self.report_every_s: float | None = None
+        self._reported_at: float | None = None
+        self._unreported = 0  # records since the last report
 
     def open(self, *, continues: bool, force: bool) -> None:
         """Open ``<log_dir>/metrics.jsonl`` for appending. A log of another run is refused
@@ -74,6 +80,7 @@ class RunLog:
         """Append one record (``kind``, the time, ``fields``); returns it."""
         entry = {"kind": kind, "time": round(time.time(), 3), **fields}
         self.history.append(entry)
+        self._unreported += 1
         if kind == "train":
             self._displays += 1
             if self._displays > 2 * self.KEPT_DISPLAYS:
@@ -120,14 +127,21 @@ class RunLog:
         return shown.get("iter"), {k: v for k, v in shown.items()
                                    if isinstance(v, float) and k not in ("time", "lr")}
 
-    def write_report(self) -> None:
+    def write_report(self, *, force: bool = False) -> None:
         """report.html of the log folder; a failure is reported, never fatal: the model is
-        trained and saved by now."""
+        trained and saved by now. With :attr:`report_every_s`, only if that long has passed
+        since the last one (or ``force``, where records came since)."""
         if not self._writes:
             return
-        if self._board is not None:  # the event file is complete; a later fit opens another
+        now = time.monotonic()
+        if self.report_every_s is not None:
+            if not self._unreported or (not force and self._reported_at is not None
+                                        and now - self._reported_at < self.report_every_s):
+                return
+        elif self._board is not None:  # the event file is complete; a later fit opens another
             self._board.close()
             self._board = None
+        self._reported_at, self._unreported = now, 0
         try:
             self.report(f"[jctr] report: {write_report(self.log_dir)}")
         except (UserError, OSError) as e:

@@ -461,6 +461,40 @@ def test_updates_the_broker_deleted_before_a_server_read_them_are_said_and_count
     dbs.close()
 
 
+def test_a_publishers_record_of_sent_keys_stays_within_twice_its_table(broker, tmp_path):
+    """The publisher keeps every key it sent, to send again what a restarted broker lost. A
+    table that evicts (or a streaming run's shrink) meets many times its rows over a run of
+    months, and that record held every key ever sent (8 bytes each, never freed). Once it
+    passes twice the table's rows it now keeps only the keys the table still holds (the
+    only rows a resend can send)."""
+    from jctr.config import load_config
+    from jctr.train.publisher import KafkaPublisher
+    from jctr.train.trainer import Trainer
+
+    capacity = 600
+    cfg = tiny_config(tmp_path, "dlrm", max_iter=40, display=100, eval_interval=10_000,
+                      eval_batches=1, batchsize=256)
+    cfg["solver"]["kafka_sink"] = {"model_name": "dlrm_record", "brokers": broker,
+                                   "every_n_steps": 2}
+    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = capacity
+    cfg["layers"][1]["eviction"] = {"policy": "lru"}
+    t = Trainer(load_config(cfg), log=lambda s: None)
+    pub = next(h for h in t.hooks if isinstance(h, KafkaPublisher))
+    seen, sizes = [], []
+    on_batch, publish = pub.on_batch, pub.publish
+    pub.on_batch = lambda batch: seen.append(on_batch(batch)[0]) or [seen[-1]]
+
+    def published(state):
+        rows = publish(state)
+        sizes.append(pub._published[0].size)
+        return rows
+
+    pub.publish = published
+    t.fit()
+    assert np.unique(np.concatenate(seen)).size > 3 * capacity  # keys sent over the run
+    assert max(sizes) <= 2 * capacity  # after each publish (it grew to every key before)
+
+
 def test_kafka_security_settings_pass_through(broker, tmp_path):
     """``security`` (update_source and kafka_sink): librdkafka's security.protocol, sasl.* and
     ssl.* settings reach the clients as given (here PLAINTEXT, what the local broker speaks:

@@ -108,6 +108,12 @@ class KafkaPublisher(Hook):
                 keys = unique(np.concatenate([p["keys"] for p in gather_rows(
                     {"keys": keys})]))
             self._published[i] = union_sorted(self._published[i], keys)
+            if self._published[i].size > 2 * spec.capacity:
+                # keys the table no longer holds (shrunk, evicted: a run of months meets
+                # many times its rows) go, so the set stays within twice the table's rows;
+                # a resend sends only rows this process holds anyway
+                self._published[i] = unique(export_own_keys(
+                    state.embeddings[i], self._published[i], self.placements[i])["keys"])
             if resend:
                 keys = self._published[i]
             if not keys.size:

@@ -39,6 +39,7 @@ sys.path.insert(0, ROOT)
 import jctr._x64  # noqa: E402,F401  (64-bit keys)
 from jctr.config.hps import PersistentDatabaseParams, VolatileDatabaseParams  # noqa: E402
 from jctr.data.tools.synthetic import power_law_ranks  # noqa: E402
+from jctr.ops.host_sort import unique  # noqa: E402  (numpy's np.unique hashes: slow)
 from jctr.serving.device_cache import DeviceCache  # noqa: E402
 from jctr.stores.hash_map import HashMapStore  # noqa: E402
 from jctr.stores.redis_cluster import RedisClusterStore  # noqa: E402
@@ -88,7 +89,7 @@ def query_batches(rng, keys: np.ndarray, rounds: int, law: str) -> list[np.ndarr
             old = rng.choice(keys, n_old * 2)
         else:
             old = order[power_law_ranks(rng, n_old * 4, keys.size, 1.05)]
-        old = np.unique(old)[:n_old]
+        old = unique(old)[:n_old]
         rng.shuffle(old)
         new = rng.integers(2 ** 62, 2 ** 63 - 1, QUERY - old.size, dtype=np.int64)
         out.append(np.concatenate([old, new]))
@@ -126,7 +127,7 @@ def redis_benchmark(port: int) -> float:
 
 
 def bench_layers(args, rng, work: str, cluster_address: str | None, redis_port: int | None):
-    keys = np.unique(rng.integers(0, 2 ** 62, args.rows, dtype=np.int64))
+    keys = unique(rng.integers(0, 2 ** 62, args.rows, dtype=np.int64))
     values = rng.standard_normal((keys.size, DIM)).astype(np.float32)
     results = {}
     for law in ("uniform", "power-law"):
@@ -145,7 +146,7 @@ def bench_law(args, rng, work, keys, values, law, cluster_address, redis_port, r
         rows = np.fromiter((index.get(k, -1) for k in q.tolist()), np.int64, q.size)
         return values[np.where(rows >= 0, rows, 0)]
 
-    sorted_keys = keys  # np.unique sorted them
+    sorted_keys = keys  # unique sorted them
 
     def by_searchsorted(q):
         pos = np.minimum(np.searchsorted(sorted_keys, q), sorted_keys.size - 1)
@@ -228,7 +229,7 @@ def bench_infer(args, rng, work: str, cluster_address: str) -> dict:
     _, init_state = build_model(cfg, capacities={e.name: 1 for e in cfg.embeddings})
     bundle = export_bundle(cfg, init_state(), os.path.join(work, "dlrm_bundle"))
     rows = args.infer_rows
-    keys = np.unique(rng.integers(0, 2 ** 62, rows, dtype=np.int64))
+    keys = unique(rng.integers(0, 2 ** 62, rows, dtype=np.int64))
     sparse = os.path.join(work, "dlrm_sparse.model")
     write_sparse_model(sparse, keys, rng.standard_normal((keys.size, DIM)).astype(np.float32)
                        * 0.05)

@@ -613,7 +613,9 @@ def test_lookup_order_fallbacks_and_defaults(tmp_path):
     base = lambda: ((keys[s:s + 30], _vectors(keys[s:s + 30])) for s in range(0, 100, 30))
     delta_keys = np.array([5, 60, 200])
     delta = lambda: ((delta_keys, _vectors(delta_keys) + 1000),)
-    assert dbs.load("u", [base, delta], manifest) == {"volatile_db": 28, "persistent_db": 103}
+    assert dbs.load("u", [base, delta], manifest, rows=103) == {"volatile_db": 28,
+                                                                 "persistent_db": 103}
+    assert dbs.volatile._tables["u"].keys.size == 28  # its share's room made once, not grown
     assert dbs.persistent.get_meta("u") == manifest == dbs.volatile.get_meta("u")
     assert dbs.volatile.size("u") == 27 and dbs.persistent.size("u") == 101
     for store in (dbs.volatile, dbs.persistent):
@@ -621,6 +623,9 @@ def test_lookup_order_fallbacks_and_defaults(tmp_path):
         assert found.all()
         np.testing.assert_array_equal(values[:3], _vectors(delta_keys) + 1000)
     assert not dbs.volatile.lookup("u", np.array([30]), 4)[1].any()
+    more = np.arange(500, 540)  # past the room made: grown as before
+    dbs.volatile.insert("u", more, _vectors(more))
+    assert dbs.volatile.lookup("u", np.concatenate([more, [0, 200]]), 4)[1].all()
     dbs.close()
 
 

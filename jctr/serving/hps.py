@@ -310,6 +310,7 @@ class Databases:
 
     def load(self, table: str, links: Sequence[RowParts], manifest: dict, *,
              into_persistent: bool = True, into_volatile: bool = True,
+             rows: int | None = None,
              progress: Callable[[str, int], None] | None = None) -> dict[str, int]:
         """Replace a table with the rows of ``links`` (a base and its deltas, each read a part
         at a time, a later row of a key winning): every row into the persistent database
@@ -317,8 +318,9 @@ class Databases:
         the base's rows (``manifest["rows"]``) and every later link's (all rows when there is
         no persistent database to fall back on). In each layer the old table and its manifest
         go first and the new manifest is written last, so a load stopped half way leaves a
-        table that ``serve`` refuses. ``progress(layer, rows)``: called after each part
-        written. Returns rows written per layer."""
+        table that ``serve`` refuses. ``rows``: what the links hold in all (a volatile
+        database in this process makes room for its share at once). ``progress(layer,
+        rows)``: called after each part written. Returns rows written per layer."""
         written = {"volatile_db": 0, "persistent_db": 0}
         progress = progress or (lambda layer, rows: None)
         if (into_persistent and self.persistent is not None
@@ -336,6 +338,10 @@ class Databases:
             rate = self.volatile_params.initial_cache_rate if self.persistent else 1.0
             first = int(round(int(manifest["rows"]) * rate)) if rate < 1.0 else None
             self.volatile.drop_table(table)
+            reserve = getattr(self.volatile, "reserve", None)
+            if reserve is not None and rows is not None:
+                share = rows if first is None else first + rows - int(manifest["rows"])
+                reserve(table, max(share, 0), int(manifest["dim"]))
             for j, read in enumerate(links):
                 left = first if j == 0 else None  # the base's first rows only
                 if left == 0:

@@ -216,6 +216,11 @@ class HPSModel:
         return tuple(os.path.join(d, "sparse", f"{name}.model")
                      for d in self.params.delta_bundles)
 
+    def _chain_rows(self, i: int) -> tuple[int, int]:
+        """(rows of table ``i``'s base, rows of its deltas together), from the files' sizes."""
+        return (_stored_rows(self.params.sparse_model_files[i]),
+                sum(_stored_rows(d) for d in self._delta_files(i)))
+
     def _row_links(self, i: int, first_link: int, meter: _LoadMeter | None = None
                    ) -> list[RowParts]:
         """The rows of table ``i``'s chain from link ``first_link`` on (0: the base, then
@@ -256,8 +261,8 @@ class HPSModel:
         rate = v.initial_cache_rate if self.dbs.persistent is not None else 1.0
         need = 0
         for i, t in enumerate(self.tables):
-            delta_rows = sum(_stored_rows(d) for d in self._delta_files(i))
-            rows = round(_stored_rows(self.params.sparse_model_files[i]) * rate) + delta_rows
+            base, deltas = self._chain_rows(i)
+            rows = round(base * rate) + deltas
             rows = min(rows, v.partitions * v.overflow_margin)
             need += hash_map_bytes(rows, t.dim)
         room = room_left()
@@ -306,14 +311,16 @@ class HPSModel:
             if from_persistent:
                 written["volatile_db"] = self.dbs.load(
                     t.key, [self.dbs.persistent_rows(t.key)], manifest,
-                    into_persistent=False, progress=counted)["volatile_db"]
+                    into_persistent=False, rows=int(manifest["rows"]),
+                    progress=counted)["volatile_db"]
             full = [layer for layer, step in plan.items() if step == 0]
             if "persistent_db" in full or (self.dbs.persistent is None and full):
                 self.dbs.forget_dense(dense_name(self.name))  # rows from the files again
             if full:
                 written.update({k: v for k, v in self.dbs.load(
                     t.key, links[0], manifest, into_persistent="persistent_db" in full,
-                    into_volatile="volatile_db" in full, progress=counted).items()
+                    into_volatile="volatile_db" in full, rows=sum(self._chain_rows(i)),
+                    progress=counted).items()
                     if k in full})
             for layer, first in plan.items():
                 if first:  # the same chain's first links are there: the rest over them
@@ -598,7 +605,7 @@ class _LoadMeter:
         rows counted against what it takes (a share of the base's in a volatile layer with
         a persistent one below, and every delta row)."""
         base = int(manifest["rows"])
-        deltas = sum(_stored_rows(d) for d in model._delta_files(i))
+        _, deltas = model._chain_rows(i)
         dbs = model.dbs
         rate = dbs.volatile_params.initial_cache_rate if dbs.persistent is not None else 1.0
         totals = {"persistent_db": base + deltas, "volatile_db": round(base * rate) + deltas}

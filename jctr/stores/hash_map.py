@@ -84,6 +84,15 @@ class HostTable:
         self.parts[old:self.size] = new_parts
         self._sizes += np.bincount(new_parts, minlength=self.num_partitions)
 
+    def reserve(self, rows: int) -> None:
+        """Room for ``rows`` rows in all, made at once: a load that knows its rows grows no
+        column again and again (each growth copies them all; its peak holds two sets)."""
+        if rows > self.keys.size:
+            for name in ("keys", "values", "stamps", "parts"):
+                setattr(self, name, _grown(getattr(self, name), rows))
+        if 2 * rows > self.index.size:
+            self._rebuild_slots(rows)
+
     def remove_rows(self, drop: np.ndarray) -> None:
         """Remove the rows where ``drop`` (bool [size]) and compact the rest."""
         keep = ~drop
@@ -101,9 +110,9 @@ class HostTable:
 
 
 def hash_map_bytes(rows: int, dim: int) -> int:
-    """Bytes a :class:`HostTable` of ``rows`` rows of ``dim`` floats takes at its peak: its
-    columns twice (a growth copies them) and its index (at most half full)."""
-    return int(rows) * (2 * (8 + 4 * dim + 8 + 4) + 2 * 2 * 8)
+    """Bytes a :class:`HostTable` of ``rows`` rows of ``dim`` floats takes, made at once
+    (:meth:`HostTable.reserve`): its columns and its index (at most half full)."""
+    return int(rows) * (8 + 4 * dim + 8 + 4) + 8 * host_index.index_size(int(rows))
 
 
 def _grown(arr: np.ndarray, rows: int) -> np.ndarray:
@@ -157,6 +166,16 @@ class HashMapStore:
             return fn(keys)
         parts = np.array_split(keys, min(self.num_partitions, keys.size // _PARALLEL_MIN))
         return np.concatenate(list(self._pool.map(fn, parts)))
+
+    def reserve(self, table: str, rows: int, dim: int) -> None:
+        """Room for ``rows`` rows of ``table`` made now (a load: see
+        :meth:`HostTable.reserve`)."""
+        with self._lock:
+            t = self._table(table, dim)
+            if t is None:
+                t = self._tables[table] = HostTable(dim, self.params.allocation_rate,
+                                                    self.num_partitions)
+            t.reserve(int(rows))
 
     def insert(self, table: str, keys, values) -> None:
         keys = as_keys(keys)

@@ -181,6 +181,11 @@ def test_hash_map_insert_lookup_overwrite_erase(kind):
     with pytest.raises(StoreError, match="holds vectors of size 4, asked for size 8"):
         store.lookup("t", keys[:3], 8)
     assert store.lookup("other", keys[:3], 8)[1].sum() == 0
+    # the index holds int32 rows (half the bytes) until a table could pass 2**31 rows
+    from jctr.stores.hash_map import _index_dtype
+
+    assert store._tables["t"].index.dtype == np.int32
+    assert _index_dtype(2**31) == np.int32 and _index_dtype(2**32) == np.int64
 
 
 def test_overflow_keeps_partitions_under_the_margin_and_evicts_oldest():

@@ -54,7 +54,7 @@ class HostTable:
         self._alloc_slots(16)
 
     def _alloc_slots(self, n: int) -> None:
-        self.index = np.full(n, -1, np.int64)
+        self.index = np.full(n, -1, _index_dtype(n))
 
     # -- probing (compiled: jctr.ops.host_index) ------------------------------------------------
     def find(self, keys: np.ndarray) -> np.ndarray:
@@ -62,7 +62,8 @@ class HostTable:
         return host_index.find(self.index, self.keys, keys)
 
     def _rebuild_slots(self, min_rows: int) -> None:
-        self.index = np.empty(host_index.index_size(min_rows), np.int64)
+        slots = host_index.index_size(min_rows)
+        self.index = np.empty(slots, _index_dtype(slots))
         host_index.rebuild_distinct(self.index, self.keys, self.size)  # keys distinct
 
     # -- updates ------------------------------------------------------------------------------
@@ -109,10 +110,17 @@ class HostTable:
         return self._sizes
 
 
+def _index_dtype(slots: int):
+    """Row numbers of an index of ``slots`` slots (it holds at most half as many rows before
+    it is rebuilt larger): int32 below 2**31 rows, half the bytes of int64."""
+    return np.int32 if slots // 2 < 2**31 - 1 else np.int64
+
+
 def hash_map_bytes(rows: int, dim: int) -> int:
     """Bytes a :class:`HostTable` of ``rows`` rows of ``dim`` floats takes, made at once
     (:meth:`HostTable.reserve`): its columns and its index (at most half full)."""
-    return int(rows) * (8 + 4 * dim + 8 + 4) + 8 * host_index.index_size(int(rows))
+    slots = host_index.index_size(int(rows))
+    return int(rows) * (8 + 4 * dim + 8 + 4) + np.dtype(_index_dtype(slots)).itemsize * slots
 
 
 def _grown(arr: np.ndarray, rows: int) -> np.ndarray:

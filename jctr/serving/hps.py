@@ -335,13 +335,14 @@ class Databases:
                     progress("persistent_db", int(keys.size))
             self.persistent.set_meta(table, manifest)
         if into_volatile and self.volatile is not None:
-            rate = self.volatile_params.initial_cache_rate if self.persistent else 1.0
-            first = int(round(int(manifest["rows"]) * rate)) if rate < 1.0 else None
+            base = int(manifest["rows"])
+            first = self.volatile_share(base, 0)
+            first = None if first == base else first  # None: the base's every row
             self.volatile.drop_table(table)
             reserve = getattr(self.volatile, "reserve", None)
             if reserve is not None and rows is not None:
-                share = rows if first is None else first + rows - int(manifest["rows"])
-                reserve(table, max(share, 0), int(manifest["dim"]))
+                reserve(table, self.volatile_share(base, max(rows - base, 0)),
+                        int(manifest["dim"]))
             for j, read in enumerate(links):
                 left = first if j == 0 else None  # the base's first rows only
                 if left == 0:
@@ -360,6 +361,14 @@ class Databases:
             self.volatile.set_meta(table, manifest)
             self._volatile_skip.discard(table)
         return written
+
+    def volatile_share(self, base_rows: int, delta_rows: int) -> int:
+        """Rows a load writes into the volatile database of a table of ``base_rows`` rows and
+        deltas of ``delta_rows``: ``initial_cache_rate`` of the base's and every delta row
+        (every row when there is no persistent database to fall back on)."""
+        if self.persistent is None:
+            return base_rows + delta_rows
+        return int(round(base_rows * self.volatile_params.initial_cache_rate)) + delta_rows
 
     def links_held(self, layer: str, table: str, expected: dict) -> int | None:
         """How many first links of ``expected``'s base + delta chain ``layer`` holds of

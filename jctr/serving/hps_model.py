@@ -258,12 +258,10 @@ class HPSModel:
         if not self.dbs.in_process_volatile:
             return
         v = self.dbs.volatile_params
-        rate = v.initial_cache_rate if self.dbs.persistent is not None else 1.0
         need = 0
         for i, t in enumerate(self.tables):
-            base, deltas = self._chain_rows(i)
-            rows = round(base * rate) + deltas
-            rows = min(rows, v.partitions * v.overflow_margin)
+            rows = min(self.dbs.volatile_share(*self._chain_rows(i)),
+                       v.partitions * v.overflow_margin)
             need += hash_map_bytes(rows, t.dim)
         room = room_left()
         if room is not None and need > room:
@@ -604,11 +602,10 @@ class _LoadMeter:
         """A :meth:`Databases.load` ``progress`` for table ``i`` of ``model``: each layer's
         rows counted against what it takes (a share of the base's in a volatile layer with
         a persistent one below, and every delta row)."""
-        base = int(manifest["rows"])
-        _, deltas = model._chain_rows(i)
+        base, deltas = int(manifest["rows"]), model._chain_rows(i)[1]
         dbs = model.dbs
-        rate = dbs.volatile_params.initial_cache_rate if dbs.persistent is not None else 1.0
-        totals = {"persistent_db": base + deltas, "volatile_db": round(base * rate) + deltas}
+        totals = {"persistent_db": base + deltas,
+                  "volatile_db": dbs.volatile_share(base, deltas)}
         kinds = {"persistent_db": dbs.persistent_params.type,
                  "volatile_db": dbs.volatile_params.type}
         at = [None]

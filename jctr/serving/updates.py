@@ -207,13 +207,14 @@ class UpdateApplier:
                 max(c.expired.jumps for c in self.consumers))
 
     def stats(self) -> dict:
+        expired_messages, expired_jumps = self.expired
         return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,
                 "served_rows": self.serving.applied_rows,
                 "served_dense": self.serving.applied_dense,
                 "failures": self.failures, "refused": dict(self.refused),
                 "error": self.error, "last_step": self.last_step,
-                "backlog": self.serving.backlog, "expired_messages": self.expired[0],
-                "expired_jumps": self.expired[1],
+                "backlog": self.serving.backlog, "expired_messages": expired_messages,
+                "expired_jumps": expired_jumps,
                 "consumers": {c.group: c.stats() for c in self.consumers}}
 
 

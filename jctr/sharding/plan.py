@@ -126,11 +126,8 @@ def table_bytes(spec: EmbeddingSpec, capacity: int) -> int:
 def device_memory_bytes(device) -> int | None:
     """Memory a device may use: the allocator's limit on accelerators; on CPU the host's
     memory, which all CPU devices share (:func:`plan_embeddings` checks their sum)."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - backends without memory stats
-        stats = None
-    if stats and stats.get("bytes_limit"):
+    stats = _memory_stats(device)
+    if stats.get("bytes_limit"):
         return int(stats["bytes_limit"])
     if device.platform == "cpu":
         try:
@@ -140,15 +137,19 @@ def device_memory_bytes(device) -> int | None:
     return None
 
 
+def _memory_stats(device) -> dict:
+    try:
+        return device.memory_stats() or {}
+    except Exception:  # noqa: BLE001 - backends without memory stats
+        return {}
+
+
 def device_room_bytes(device) -> int | None:
     """Memory a device has left: its allocator's limit less what it holds, on accelerators;
     on CPU what the host has left (:func:`jctr.runtime.host_memory.room_left`). None where
     it does not say."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - backends without memory stats
-        stats = None
-    if stats and stats.get("bytes_limit"):
+    stats = _memory_stats(device)
+    if stats.get("bytes_limit"):
         return int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
     if device.platform == "cpu":
         from jctr.runtime.host_memory import room_left

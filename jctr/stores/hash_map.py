@@ -69,12 +69,9 @@ class HostTable:
     # -- updates ------------------------------------------------------------------------------
     def upsert(self, keys: np.ndarray, values: np.ndarray, now: int) -> None:
         need = self.size + keys.size  # room for every key to be new
-        if need > self.keys.size:
-            cap = max(need, self.keys.size + min(max(self.keys.size, 1024), self.grow_rows))
-            self.keys = _grown(self.keys, cap)
-            self.values = _grown(self.values, cap)
-            self.stamps = _grown(self.stamps, cap)
-            self.parts = _grown(self.parts, cap)
+        if need > self.keys.size:  # allocation_rate at a time
+            self._grow_columns(max(need, self.keys.size + min(max(self.keys.size, 1024),
+                                                              self.grow_rows)))
         if 2 * need > self.index.size:
             self._rebuild_slots(need)
         old = self.size
@@ -89,10 +86,13 @@ class HostTable:
         """Room for ``rows`` rows in all, made at once: a load that knows its rows grows no
         column again and again (each growth copies them all; its peak holds two sets)."""
         if rows > self.keys.size:
-            for name in ("keys", "values", "stamps", "parts"):
-                setattr(self, name, _grown(getattr(self, name), rows))
+            self._grow_columns(rows)
         if 2 * rows > self.index.size:
             self._rebuild_slots(rows)
+
+    def _grow_columns(self, rows: int) -> None:
+        for name in ("keys", "values", "stamps", "parts"):
+            setattr(self, name, _grown(getattr(self, name), rows))
 
     def remove_rows(self, drop: np.ndarray) -> None:
         """Remove the rows where ``drop`` (bool [size]) and compact the rest."""

@@ -960,6 +960,82 @@ def test_device_caches_larger_than_the_device_has_left_are_refused(trained, tmp_
     dbs.close()
 
 
+def test_a_restart_takes_the_digests_its_last_load_recorded(trained, tmp_path, monkeypatch):
+    """``serve`` names the export a database table holds by the SHA-256 of its model files
+    (~1.1 GB/s here: a 50 GB model read whole before the first answer at every start). A
+    table's manifest records each file's size, mtime, ctime, inode and digest; a restart
+    takes the digest of a file that still has all of them and was written ``RACY_NS``
+    before its hashing began (git's index check, Documentation/technical/racy-git.txt). A
+    file written again, even with the same size and its mtime set back, has a new ctime: it
+    is hashed, and a changed export is refused as before; one rewritten with the same bytes
+    is hashed once more and its new record kept for the next start."""
+    import shutil
+
+    from jctr.serving import table_manifest
+    from jctr.serving.hps import TableMismatch
+
+    tmp, reference = trained("dlrm")
+    shutil.copytree(tmp / "bundle", tmp_path / "bundle")
+    time.sleep(0.05)
+    monkeypatch.setattr(table_manifest, "RACY_NS", 20_000_000)  # the files are 50 ms old
+    hashed = []
+    real = table_manifest._hash_file
+    monkeypatch.setattr(table_manifest, "_hash_file",
+                        lambda path: hashed.append(path) or real(path))
+    files = 3  # the dense file, the table's key and emb_vector
+
+    def start(replace=False):
+        """A new process's start: nothing hashed in memory; the files hashed now."""
+        table_manifest._digests.clear()
+        hashed.clear()
+        doc = {"volatile_db": {"type": "hash_map", "initial_cache_rate": 0.5},
+               "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
+               "models": [{"model": "m", "bundle": "bundle", "max_batch_size": 256,
+                           "gpucache": False}]}
+        (tmp_path / "ps.json").write_text(json.dumps(doc))
+        ps = load_ps_config(tmp_path / "ps.json")
+        dbs = Databases(ps.volatile_db, ps.persistent_db)
+        m = HPSModel(ps.models[0], dbs)
+        try:
+            written = m.load_databases(replace=replace)[m.tables[0].key]
+            batch, expected = reference[0]
+            np.testing.assert_allclose(m.predict(batch), expected, **TOL)
+            meta = dbs.persistent.get_meta(m.tables[0].key)
+            return written["persistent_db"], len(hashed), meta
+        finally:
+            m.close()
+            dbs.close()
+
+    rows, n, meta = start(replace=True)
+    assert rows > 0 and n == files and len(meta["files"]) == files
+    assert start() == (0, 0, meta)  # the restart reads no file and keeps the table
+    # a file written again with the same bytes: hashed again, the table kept, its new
+    # record stored (now old enough to be taken at the next start)
+    key = tmp_path / "bundle" / "sparse" / "sparse_embedding1.model" / "key"
+    key.write_bytes(key.read_bytes())
+    time.sleep(0.05)
+    rows, n, after = start()
+    assert (rows, n) == (0, 1) and after["files"] != meta["files"]
+    assert after["identity"] == meta["identity"]
+    assert start() == (0, 0, after)
+    # written just before its hashing: a later write in the same tick of the file system's
+    # clock would keep its mtime, so its record is not taken
+    monkeypatch.setattr(table_manifest, "RACY_NS", 60_000_000_000)
+    assert start()[1] == files
+    monkeypatch.setattr(table_manifest, "RACY_NS", 20_000_000)
+    # another export's bytes with the same size, the mtime set back: the ctime tells
+    vectors = key.parent / "emb_vector"
+    st = vectors.stat()
+    data = bytearray(vectors.read_bytes())
+    data[:4] = np.float32(7.5).tobytes()
+    vectors.write_bytes(bytes(data))
+    os.utime(vectors, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert vectors.stat().st_mtime_ns == st.st_mtime_ns
+    time.sleep(0.05)
+    with pytest.raises(TableMismatch, match="holds export .* but the model files give export"):
+        start()
+
+
 def test_seed_valid_settings_work(trained, tmp_path):
     """hit_rate_threshold above 1 (never asynchronous), embedding_vecsize_per_table as a
     maximum, supportlonglong false (INT32 keys; a model with wider keys is refused)."""

@@ -370,6 +370,28 @@ class Databases:
             return base_rows + delta_rows
         return int(round(base_rows * self.volatile_params.initial_cache_rate)) + delta_rows
 
+    def stored_manifests(self, table: str) -> list[dict]:
+        """The manifests of ``table`` the layers up now hold (to take their files' digests)."""
+        out = []
+        for store in (self.persistent, self.volatile):
+            try:
+                meta = store.get_meta(table) if store is not None else None
+            except StoreError:
+                meta = None  # a layer down says so where it is checked
+            if meta:
+                out.append(meta)
+        return out
+
+    def refresh_manifest(self, layer: str, table: str, expected: dict) -> None:
+        """A layer holding ``expected``'s export keeps its files' record as this start took
+        it (new times after a copy; digests a later start can take without hashing)."""
+        store = self.volatile if layer == "volatile_db" else self.persistent
+        if store is None or (store is self.persistent and self.persistent_params.read_only):
+            return
+        meta = store.get_meta(table)
+        if meta and mismatch(meta, expected) is None and meta.get("files") != expected["files"]:
+            store.set_meta(table, {**meta, "files": expected["files"]})
+
     def links_held(self, layer: str, table: str, expected: dict) -> int | None:
         """How many first links of ``expected``'s base + delta chain ``layer`` holds of
         ``table`` when it holds fewer than all (see

@@ -48,7 +48,7 @@ from jctr.models.ctr import StepConfig, build_model, forward
 from jctr.runtime.host_memory import room_left
 from jctr.serving.device_cache import WAYS, DeviceCache
 from jctr.serving.hps import LAYERS, Databases, LayerUnavailable, RowParts
-from jctr.serving.table_manifest import table_manifest
+from jctr.serving.table_manifest import remember, table_manifest
 from jctr.sharding.plan import device_room_bytes, format_bytes
 from jctr.stores.base import StoreError, first_beyond_int32
 from jctr.stores.hash_map import hash_map_bytes
@@ -205,6 +205,8 @@ class HPSModel:
         """What table ``i`` must hold (see :mod:`jctr.serving.table_manifest`)."""
         if self._manifests[i] is None:
             path = self.params.sparse_model_files[i]
+            for stored in self.dbs.stored_manifests(self.tables[i].key):
+                remember(stored)  # the files' digests as the last load or start took them
             self._manifests[i] = table_manifest(self.params.dense_model_file, path,
                                                 rows=_stored_rows(path),
                                                 dim=self.tables[i].dim,
@@ -321,7 +323,9 @@ class HPSModel:
                     progress=counted).items()
                     if k in full})
             for layer, first in plan.items():
-                if first:  # the same chain's first links are there: the rest over them
+                if first is None:
+                    self.dbs.refresh_manifest(layer, t.key, manifest)
+                elif first:  # the same chain's first links are there: the rest over them
                     written[layer] = self.dbs.write_links(layer, t.key, links[first],
                                                           manifest, progress=counted)
             out[t.key] = written

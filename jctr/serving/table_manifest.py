@@ -9,6 +9,12 @@ completely (a load stopped half way); a table whose identity differs holds anoth
 the model. Either would serve
 wrong rows under the new dense weights, so ``serve`` refuses both.
 
+Hashing is the slow part of a restart (a 50 GB model takes ~50 s), so a manifest also keeps,
+under ``files``, each file's size, times, inode and digest; a later start takes a stored
+digest instead of reading the file again where all of those still match and the file was
+last written well before it was hashed (:func:`remember`, git's index check). A file changed
+since changes its ``ctime``, which no program can set back.
+
 Example::
 
     expected = table_manifest(dense_path, sparse_folder, rows=n, dim=16)
@@ -20,27 +26,74 @@ from __future__ import annotations
 import hashlib
 import os
 import threading
+import time
 
 _CHUNK = 1 << 22
-_digests: dict[tuple[str, int, int], str] = {}  # (path, size, mtime) -> sha256: hashed once
+# a file written this close to the start of its hashing may have been written again in the
+# same tick of the file system's clock (a few ms; seconds on some network file systems)
+RACY_NS = 2_000_000_000
+# (path, size, mtime, ctime, inode) -> (sha256, when its hashing began): hashed once
+_digests: dict[tuple[str, int, int, int, int], tuple[str, int]] = {}
 _lock = threading.Lock()
 
 
-def file_digest(path: str) -> str:
-    """SHA-256 of a file's bytes (remembered while the file keeps its size and time)."""
+def _stat_key(path: str) -> tuple[str, int, int, int, int]:
     st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    return (os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+
+
+def _digest(path: str) -> tuple[tuple, str, int]:
+    """(the file's stat key, its SHA-256, when the hashing began), hashed once a key."""
+    key = _stat_key(path)
     with _lock:
         if key in _digests:
-            return _digests[key]
+            return (key, *_digests[key])
+    began = time.time_ns()
+    digest = _hash_file(path)
+    if _stat_key(path) == key:  # written while read: not remembered
+        with _lock:
+            _digests[key] = (digest, began)
+    return key, digest, began
+
+
+def _hash_file(path: str) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while chunk := f.read(_CHUNK):
             h.update(chunk)
-    digest = h.hexdigest()
-    with _lock:
-        _digests[key] = digest
-    return digest
+    return h.hexdigest()
+
+
+def file_digest(path: str) -> str:
+    """SHA-256 of a file's bytes (remembered while the file keeps its size, times and inode)."""
+    return _digest(path)[1]
+
+
+def remember(stored: dict | None) -> int:
+    """Take the digests a stored manifest recorded (its ``files``) for the files that are
+    still as they were then and were written ``RACY_NS`` or more before their hashing began;
+    returns how many were taken."""
+    taken = 0
+    for path, f in ((stored or {}).get("files") or {}).items():
+        try:
+            key = (path, int(f["size"]), int(f["mtime_ns"]), int(f["ctime_ns"]),
+                   int(f["ino"]))
+            digest, began = str(f["sha256"]), int(f["hashed_ns"])
+            if (_stat_key(path) != key or max(key[2], key[3]) > began - RACY_NS
+                    or len(digest) != 64):
+                continue
+        except (OSError, KeyError, TypeError, ValueError, AttributeError):
+            continue
+        with _lock:
+            _digests.setdefault(key, (digest, began))
+        taken += 1
+    return taken
+
+
+def _file_record(path: str) -> tuple[str, dict]:
+    key, digest, began = _digest(path)
+    return key[0], {"size": key[1], "mtime_ns": key[2], "ctime_ns": key[3], "ino": key[4],
+                    "sha256": digest, "hashed_ns": began}
 
 
 def table_manifest(dense_file: str, sparse_folder: str, *, rows: int, dim: int,
@@ -53,6 +106,10 @@ def table_manifest(dense_file: str, sparse_folder: str, *, rows: int, dim: int,
              "key_sha256": file_digest(os.path.join(sparse_folder, "key")),
              "emb_vector_sha256": file_digest(os.path.join(sparse_folder, "emb_vector"))}
     links = [_link(sparse_folder)] + [_link(d) for d in deltas]
+    files = dict(_file_record(p) for p in
+                 [dense_file] + [os.path.join(folder, name) for folder in (sparse_folder,
+                                                                           *deltas)
+                                 for name in ("key", "emb_vector")])
     if deltas:
         identity = _sha("chain" + parts["dense_sha256"] + "".join(links))
     else:
@@ -60,7 +117,7 @@ def table_manifest(dense_file: str, sparse_folder: str, *, rows: int, dim: int,
     return {"identity": identity, "rows": int(rows), "dim": int(dim), **parts,
             "links": links, "dense_file": os.path.abspath(dense_file),
             "sparse_file": os.path.abspath(sparse_folder),
-            "delta_files": [os.path.abspath(d) for d in deltas]}
+            "delta_files": [os.path.abspath(d) for d in deltas], "files": files}
 
 
 def _sha(text: str) -> str:

@@ -1018,7 +1018,10 @@ def test_checkpoint_keep_days_bounds_a_long_runs_checkpoints(tmp_path):
     """``checkpoint_keep_days: 1``: at each day's end the pass checkpoints and batch models of
     days before the one that ended go (a run that lives for months fills no disk); the base
     models stay, and the run resumes from its progress record and goes on to the next day.
-    Without it (PaddlePaddle's way) every checkpoint stays."""
+    ``model_keep_days: 1`` does the same for the base and delta models (each day's base holds
+    every row: months of them would fill the disk as surely). Without them (PaddlePaddle's
+    way: ``SaveBase`` / ``SaveDelta`` in fleet_util write a folder a day and a pass and
+    nothing removes one) every checkpoint and model stays."""
     import json
 
     from jctr.online.runner import OnlineRun
@@ -1050,6 +1053,18 @@ def test_checkpoint_keep_days_bounds_a_long_runs_checkpoints(tmp_path):
     assert OnlineRun(online("all", days[2], 0), log=lambda s: None).run() == 6
     assert [sorted(p.name for p in (tmp_path / "all" / d).iterdir()) for d in days[:3]] == \
         [["1", "2"], ["0", "1", "2", "base"], ["0", "1", "2", "base"]]  # (day one: no 0)
+    # base and delta models: those of days before the day that ended go, checkpoints stay
+    lines.clear()
+    models = _online(tmp_path, model, tmp_path / "models", start_day=days[0], end_day=days[3],
+                     save_delta_frequency=1, model_keep_days=1)
+    assert OnlineRun(models, log=lines.append).run() == 8
+    save = tmp_path / "models"
+    assert [held(d) for d in days] == [
+        ["1", "2"], ["0", "1", "2"], ["0", "1", "2"],
+        ["0", "1", "2", "base", "delta-1", "delta-2"], ["0", "base"]]
+    said = [x for x in lines if x.startswith("[jctr] model_keep_days")]
+    assert said == [f"[jctr] model_keep_days 1: {n} base and delta model(s) of days before "
+                    f"{day} removed" for n, day in ((2, days[1]), (3, days[2]), (3, days[3]))]
 
 
 def test_show_and_click_from_named_inputs(tmp_path):

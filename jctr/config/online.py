@@ -134,6 +134,11 @@ class OnlineConfig:
     pass checkpoints and batch models of days more than N days before the new batch model's
     are removed (base and delta models stay, and so does the checkpoint a run would resume
     from): a run that lives for months keeps a bounded disk."""
+    model_keep_days: int = 0
+    """0 (the default, PaddlePaddle's way): every base and delta model stays. N: at each
+    day's end the base and delta models of days more than N days before the new base model's
+    are removed (with N = 1, those before the day that just ended: a server still on that
+    day's chain keeps it until it takes the new base)."""
     save_delta_frequency: int = 0
     """An inference delta model ``<save_model_path>/<day>/delta-<pass>/`` every this many
     passes (0: none). The base model ``<next day>/base/`` is written after every day's
@@ -191,6 +196,7 @@ def parse_online_config(raw: Any, source: str | None = None) -> OnlineConfig:
         prefetch=r.bool("prefetch", True),
         checkpoint_per_pass=r.int("checkpoint_per_pass", 1, min_value=1),
         checkpoint_keep_days=r.int("checkpoint_keep_days", 0, min_value=0),
+        model_keep_days=r.int("model_keep_days", 0, min_value=0),
         save_delta_frequency=r.int("save_delta_frequency", 0, min_value=0),
         kafka_sink=_kafka_sink(r),
         sparse_store=store, sparse_store_type=store_type,

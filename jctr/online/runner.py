@@ -1045,40 +1045,56 @@ class OnlineRun:
         self._checkpoint(folder, day, len(self.passes), day_end=True, meanwhile=beside,
                          then=linked if whole else None, statistics=False)
         self._written, self._written_at = [], {}  # the day's last rows, kept for its base model
-        self._prune_checkpoints(following)
+        self._prune_days(following)
         t.run_log.write_report(force=True)
 
-    def _prune_checkpoints(self, newest: str) -> None:
+    def _prune_days(self, newest: str) -> None:
         """``checkpoint_keep_days`` N: the pass checkpoints and batch models (``<day>/<n>/``)
-        of days more than N days before ``newest`` (the batch model just started) removed;
-        base and delta models stay, and so does the checkpoint the progress record names.
-        Days that old were sealed long before (a snapshot in flight is this day's)."""
+        of days more than N days before ``newest`` (the batch model just started) removed,
+        but for the checkpoint the progress record names; ``model_keep_days`` M: the base and
+        delta models (``<day>/base/``, ``<day>/delta-<pass>/``) of days more than M days
+        before ``newest`` (the base model just written). Days that old were sealed long
+        before (a snapshot or model in flight is this day's)."""
         import shutil
 
         import jax
 
-        keep = self.cfg.checkpoint_keep_days
-        if not keep or jax.process_index() != 0:
+        keep = {"checkpoint": self.cfg.checkpoint_keep_days,
+                "model": self.cfg.model_keep_days}
+        if not any(keep.values()) or jax.process_index() != 0:
             return
-        cutoff = next_day(newest, -keep)
+        cutoff = {kind: next_day(newest, -n) if n else "" for kind, n in keep.items()}
         root = self.cfg.save_model_path
         record = self.progress()
         named = os.path.abspath(record["checkpoint"]) if record else None
-        removed = 0
+        removed = {"checkpoint": 0, "model": 0}
         for day in os.listdir(root):
-            if not (len(day) == 8 and day.isdigit() and day < cutoff
+            if not (len(day) == 8 and day.isdigit() and day < max(cutoff.values())
                     and os.path.isdir(os.path.join(root, day))):
                 continue
             for entry in os.listdir(os.path.join(root, day)):
                 path = os.path.abspath(os.path.join(root, day, entry))
-                if entry.isdigit() and not (named and named.startswith(path + os.sep)):
+                if entry.isdigit():
+                    kind = "checkpoint"
+                    if named and named.startswith(path + os.sep):
+                        continue
+                elif entry == "base" or (entry.startswith("delta-") and entry[6:].isdigit()):
+                    kind = "model"
+                else:
+                    continue
+                if day < cutoff[kind]:
                     shutil.rmtree(path)
-                    removed += 1
+                    removed[kind] += 1
             with contextlib.suppress(OSError):  # a day left with nothing goes too
                 os.rmdir(os.path.join(root, day))
-        if removed:
-            self.log(f"[jctr] checkpoint_keep_days {keep}: {removed} checkpoint(s) of days "
-                     f"before {cutoff} removed (base and delta models kept)")
+        if removed["checkpoint"]:
+            self.log(f"[jctr] checkpoint_keep_days {keep['checkpoint']}: "
+                     f"{removed['checkpoint']} checkpoint(s) of days before "
+                     f"{cutoff['checkpoint']} removed"
+                     + ("" if removed["model"] else " (base and delta models kept)"))
+        if removed["model"]:
+            self.log(f"[jctr] model_keep_days {keep['model']}: {removed['model']} base and "
+                     f"delta model(s) of days before {cutoff['model']} removed")
 
     def _checkpoint(self, folder: str, day: str, n: int, *, day_end: bool,
                     meanwhile=None, then=None, statistics: bool = True) -> None:

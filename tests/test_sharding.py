@@ -534,6 +534,11 @@ def test_exporting_some_keys_of_a_sharded_table_copies_only_their_rows(data_dir,
     assert set(got) == set(whole) and got["keys"].size == 300
     for name in whole:
         np.testing.assert_array_equal(got[name][order_got], whole[name][keep][order_want])
+    # which of them the table holds, no row leaving a device (the publisher's pruning)
+    monkeypatch.setattr(rows_mod, "_rows_of", lambda *a, **k: pytest.fail("rows read"))
+    held = rows_mod.export_own_keys(es, want, pl, keys_only=True)
+    assert set(held) == {"keys"}
+    np.testing.assert_array_equal(np.sort(held["keys"]), np.sort(got["keys"]))
 
 
 @pytest.mark.parametrize("kind", ["DistributedSlotSparseEmbeddingHash",

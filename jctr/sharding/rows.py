@@ -114,17 +114,18 @@ def export_keys(state: EmbeddingState, keys: np.ndarray, placement=None
     return _shards_rows(state, keys, placement, range(placement.num_shards))
 
 
-def export_own_keys(state: EmbeddingState, keys: np.ndarray, placement=None
-                    ) -> dict[str, np.ndarray]:
+def export_own_keys(state: EmbeddingState, keys: np.ndarray, placement=None, *,
+                    keys_only: bool = False) -> dict[str, np.ndarray]:
     """The rows of ``keys`` this process holds: of a sharded table, those in the shards on
     its devices (every process exports its own: together each row once); of a table every
-    device holds whole, process 0's. A multi-process run's Kafka publisher sends these."""
+    device holds whole, process 0's. A multi-process run's Kafka publisher sends these.
+    ``keys_only``: just ``{"keys": ...}``, no row leaves the device."""
     keys = np.asarray(keys, np.int64)
     if placement is None or not placement.sharded:
         mine = keys if jax.process_index() == 0 else keys[:0]
-        return _lookup_rows(jax.tree.map(_first_local, state), mine)
+        return _lookup_rows(jax.tree.map(_first_local, state), mine, keys_only)
     shards = sorted({s.index[0].start or 0 for s in state.values.addressable_shards})
-    return _shards_rows(state, keys, placement, shards)
+    return _shards_rows(state, keys, placement, shards, keys_only)
 
 
 def _first_local(x: jax.Array) -> jax.Array:
@@ -139,19 +140,22 @@ def _shard(x: jax.Array, j: int) -> jax.Array:
     return next(s.data for s in x.addressable_shards if (s.index[0].start or 0) == j)[0]
 
 
-def _shards_rows(state: EmbeddingState, keys: np.ndarray, placement, shards
-                 ) -> dict[str, np.ndarray]:
+def _shards_rows(state: EmbeddingState, keys: np.ndarray, placement, shards,
+                 keys_only: bool = False) -> dict[str, np.ndarray]:
     """``keys``' rows from ``shards`` of a sharded table, each key looked up on the device
     that owns it (slot-wise tables: on each, a key's device follows its slot)."""
     owner = (None if placement.kind == "localized"
              else owner_shards_host(keys, placement.num_shards))
     parts = [_lookup_rows(jax.tree.map(lambda x, j=j: _shard(x, j), state),
-                          keys if owner is None else keys[owner == j]) for j in shards]
+                          keys if owner is None else keys[owner == j], keys_only)
+             for j in shards]
     return {name: np.concatenate([p[name] for p in parts]) for name in parts[0]}
 
 
-def _lookup_rows(state: EmbeddingState, keys: np.ndarray) -> dict[str, np.ndarray]:
-    """The stored rows of those of ``keys`` a one-device table holds, in ``keys``' order."""
+def _lookup_rows(state: EmbeddingState, keys: np.ndarray, keys_only: bool = False
+                 ) -> dict[str, np.ndarray]:
+    """The stored rows of those of ``keys`` a one-device table holds, in ``keys``' order
+    (``keys_only``: those keys alone)."""
     capacity = state.values.shape[0]
     rows = np.empty(keys.size, np.int32)
     for start in range(0, keys.size, _INSERT_CHUNK):
@@ -162,6 +166,8 @@ def _lookup_rows(state: EmbeddingState, keys: np.ndarray) -> dict[str, np.ndarra
         rows[start:start + chunk.size] = np.asarray(
             _find(state.table, jnp.asarray(pad), jnp.asarray(valid), capacity))[:chunk.size]
     held = rows >= 0
+    if keys_only:
+        return {"keys": keys[held]}
     return _rows_of(state, keys[held], rows[held])
 
 

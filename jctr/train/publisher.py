@@ -113,7 +113,8 @@ class KafkaPublisher(Hook):
                 # many times its rows) go, so the set stays within twice the table's rows;
                 # a resend sends only rows this process holds anyway
                 self._published[i] = unique(export_own_keys(
-                    state.embeddings[i], self._published[i], self.placements[i])["keys"])
+                    state.embeddings[i], self._published[i], self.placements[i],
+                    keys_only=True)["keys"])
             if resend:
                 keys = self._published[i]
             if not keys.size:

@@ -158,6 +158,52 @@ def test_statistics_saved_before_delta_scores_load():
     np.testing.assert_allclose(stats.delta_score, [1.1, 0.0])
 
 
+def test_statistics_changes_over_the_days_base_give_the_statistics():
+    """A pass's checkpoint saves the statistics' changes since the day's batch model (its
+    whole statistics): over random days of pushes (old and new keys), delta saves, shrinks
+    and ageing, the day's base with any pass's changes applied is the statistics, bit for
+    bit, storage order included; the changes are the day's keys, not every key; changes that
+    do not fit their base are refused."""
+    rng = np.random.default_rng(3)
+    stats = FeatureStats()
+    base, sizes = None, []
+    for day in range(6):
+        for _ in range(3):  # passes
+            keys = np.concatenate([rng.integers(0, 40_000, 3_000),  # old and new keys
+                                   rng.integers(20_000 * day, 20_000 * day + 15_000, 3_000)])
+            stats.observe(keys, show=1.0, click=rng.random(keys.size) < 0.2)
+            if rng.random() < 0.6:
+                stats.delta_keys(0.0, float(rng.random()), 3)
+            if base is not None:
+                changes = stats.changes()
+                sizes.append((changes["positions"].size, len(stats)))
+                copy = FeatureStats()
+                copy.apply_changes(base, changes)
+                for name, value in stats.state_dict().items():
+                    np.testing.assert_array_equal(getattr(copy, name), value, err_msg=name)
+                # and the changes of the copy, made on: those of the statistics
+                copy.observe(keys[:50], show=1.0, click=0.0)
+                stats.observe(keys[:50], show=1.0, click=0.0)
+                again = FeatureStats()
+                again.apply_changes(base, copy.changes())
+                for name, value in stats.state_dict().items():
+                    np.testing.assert_array_equal(getattr(again, name), value, err_msg=name)
+        # the day's end: the shrink, the base model, the keys age, the whole saved
+        stats.shrink(ShrinkRule(show_click_decay_rate=0.9, delete_threshold=0.15,
+                                delete_after_unseen_days=4))
+        stats.base_keys(0.0, 3)
+        stats.age()
+        base = {k: v.copy() for k, v in stats.state_dict().items()}
+        stats.mark_base()
+    assert all(changed < total for changed, total in sizes)
+    assert sizes[-1][0] < 0.5 * sizes[-1][1], sizes[-1]  # a day's keys of many days'
+    bad = stats.changes()
+    with pytest.raises(ValueError, match=r"changes of \d+ row\(s\) to \d+ rows do not fit a "
+                                         r"base of \d+ rows"):
+        FeatureStats().apply_changes({k: v[:-1] for k, v in base.items()},
+                                     dict(bad, positions=bad["positions"][:-1]))
+
+
 def test_statistics_made_for_the_tables_keys_grow_nothing_while_a_pass_trains(monkeypatch):
     """FeatureStats(expected_keys=...) (the runner passes the table's capacity) has room for
     that many keys from the start: adding them replaces no column and rebuilds no index (the
@@ -1012,6 +1058,71 @@ def test_a_streaming_run_compiles_nothing_once_its_first_shrink_is_done(tmp_path
     finally:
         jax.monitoring.unregister_event_duration_listener(listen)
     assert compiles[0] > 0 and compiles[6:10] == [0, 0, 0, 0], compiles
+
+
+def test_a_pass_saves_the_statistics_changed_since_its_days_batch_model(tmp_path):
+    """Every checkpoint had every key's statistics beside it: a table that lives for months
+    (keys of many days) wrote them all at every pass, where its table rows are a pass's
+    (sparse_store). A pass's ``feature_stats.npz`` now holds the rows changed since the
+    day's batch model (which holds them all) and names it; a run stopped after such a pass
+    resumes from both to the statistics and model of a run that never stopped. (Paddle's
+    accessor keeps show and click in the table's rows and saves them with each table save:
+    ``CtrCommonAccessor::Save``.)"""
+    import json
+    import shutil
+
+    import jax
+
+    from jctr.data.records import DataError
+    from jctr.online.runner import OnlineRun
+    from tests.test_epochs import leaves_equal
+
+    days = [f"201907{20 + d}" for d in range(3)]
+    model = _drifting_stream(tmp_path, days, samples_per_file=1024)
+    whole = OnlineRun(_online(tmp_path, model, tmp_path / "whole", start_day=days[0],
+                              end_day=days[-1]), log=lambda s: None)
+    assert whole.run() == 6
+    save = tmp_path / "whole"
+
+    def stats_file(day, folder):
+        with np.load(save / day / folder / "feature_stats.npz") as f:
+            return {k: f[k] for k in f.files}
+
+    assert "base" not in stats_file(days[0], "1")  # day one: no batch model before it
+    # (the second day's second pass met more than half of two days' keys: written whole)
+    for day, n in ((days[1], "1"), (days[2], "1"), (days[2], "2")):
+        base, changes = stats_file(day, "0"), stats_file(day, n)
+        assert "base" not in base and str(changes["base"]) == f"{day}/0/feature_stats.npz"
+        assert changes["base_rows"].tolist() == [base["0/keys"].size]
+        assert 0 < changes["0/positions"].size < 0.5 * changes["0/rows"]
+    # stopped after the last day's first pass (its record written, nothing after it)
+    stopped = tmp_path / "stopped"
+    shutil.copytree(save, stopped)
+    shutil.rmtree(stopped / days[-1] / "2")
+    shutil.rmtree(stopped / "20190723")
+    step = int(next((stopped / days[-1] / "1").glob("[0-9]*")).name)
+    (stopped / "progress.json").write_text(json.dumps(
+        {"day": days[-1], "pass": 1, "step": step,
+         "checkpoint": f"{days[-1]}/1/{step}", "day_end": False}))
+    lines = []
+    again = OnlineRun(_online(tmp_path, model, stopped, start_day=days[0], end_day=days[-1]),
+                      log=lines.append)
+    assert again.run() == 1
+    assert any(f"resuming after day {days[-1]} pass 1" in x for x in lines), lines
+    for name, value in whole.stats[0].state_dict().items():
+        np.testing.assert_array_equal(again.stats[0].state_dict()[name], value, err_msg=name)
+    assert leaves_equal(jax.tree.map(np.asarray, whole.trainer.state.params),
+                        jax.tree.map(np.asarray, again.trainer.state.params))
+    # the day's batch model gone: said, naming both files
+    (stopped / "progress.json").write_text(json.dumps(
+        {"day": days[-1], "pass": 1, "step": step,
+         "checkpoint": f"{days[-1]}/1/{step}", "day_end": False}))
+    os.remove(stopped / days[-1] / "0" / "feature_stats.npz")
+    with pytest.raises(DataError, match=rf"{days[-1]}/1/feature_stats.npz: feature statistics "
+                                        rf"unreadable \(changes over .*{days[-1]}/0/"
+                                        r"feature_stats.npz\)"):
+        OnlineRun(_online(tmp_path, model, stopped, start_day=days[0], end_day=days[-1]),
+                  log=lambda s: None).run()
 
 
 def test_checkpoint_keep_days_bounds_a_long_runs_checkpoints(tmp_path):

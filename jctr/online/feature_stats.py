@@ -99,6 +99,9 @@ class FeatureStats:
         self._indexing = None  # a shrink's index rebuild still running (a Future)
         self._index = np.full(key_index.index_size(0), -1, np.int32)
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        # storage rows a delta save changed since the last mark_base (rows stay where they
+        # are between two shrinks, and a base is marked after each shrink)
+        self._saved_since: list[np.ndarray] = []
         # room for the keys the table can hold (``expected_keys``, at most PRESIZE_MAX): the
         # first day then grows no column and rebuilds no index on the reader thread while
         # the pass trains (each doubling copied every column and re-inserted every key:
@@ -266,7 +269,49 @@ class FeatureStats:
     def _saved(self, take: np.ndarray) -> np.ndarray:
         self.delta_score[take] = 0.0
         self.since_delta[take] = False
+        self._saved_since.append(np.flatnonzero(take))
         return np.sort(self.keys[take])
+
+    def mark_base(self) -> None:
+        """The statistics as they are now were saved whole (after a day's shrink and
+        :meth:`age`): :meth:`changes` are counted from here."""
+        self._saved_since = []
+
+    def changes(self) -> dict[str, np.ndarray]:
+        """The rows that differ from the statistics at the last :meth:`mark_base`, by storage
+        position: those pushed since (unseen 0: the base was marked after every key aged) and
+        those a delta save set back. ``{"positions", "rows" (the row count), and each
+        column at the positions}``; :meth:`apply_changes` over the base's state gives these
+        statistics. A long-lived table meets a day's keys, not all its keys, between two
+        bases: a pass's checkpoint writes these, not every key's statistics."""
+        self.flush()
+        changed = self.unseen_days == 0
+        for saved in self._saved_since:
+            changed[saved] = True
+        pos = np.flatnonzero(changed)
+        return {"positions": pos, "rows": np.int64(self._n),
+                **{name: self._cols[name][pos] for name in self._FIELDS}}
+
+    def apply_changes(self, base: dict[str, np.ndarray], changes: dict[str, np.ndarray]
+                      ) -> None:
+        """These statistics become ``base`` (a :meth:`state_dict`) with ``changes`` (a
+        :meth:`changes` made over it) applied; the changed rows count as changed until the
+        next :meth:`mark_base`."""
+        rows, pos = int(changes["rows"]), np.asarray(changes["positions"], np.int64)
+        n = np.asarray(base["keys"]).size
+        if rows < n or (pos.size and (pos[0] < 0 or pos[-1] >= rows)) or \
+                np.any(pos[1:] <= pos[:-1]) or np.count_nonzero(pos >= n) != rows - n:
+            raise ValueError(f"feature statistics: changes of {pos.size} row(s) to {rows} rows "
+                             f"do not fit a base of {n} rows (ascending positions, every "
+                             "row past the base among them)")
+        whole = {}
+        for name, dtype in zip(self._FIELDS, self._DTYPES):
+            col = np.zeros(rows, dtype)
+            col[:n] = np.asarray(base[name], dtype)
+            col[pos] = np.asarray(changes[name], dtype)
+            whole[name] = col
+        self.load_state_dict(whole)
+        self._saved_since = [pos]
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Plain arrays in storage order (for a checkpoint; no pickle)."""
@@ -295,3 +340,4 @@ class FeatureStats:
         if again >= 0:
             raise ValueError(f"feature statistics: key {cols['keys'][again]} is there twice")
         self._cols, self._n, self._pending, self._index = cols, n, [], index
+        self._saved_since = []

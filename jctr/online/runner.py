@@ -62,6 +62,7 @@ from jctr.train.metrics import bucket_auc
 
 PROGRESS = "progress.json"
 PASS_LOG = "passes.jsonl"  # one JSON record per trained pass
+STATS_FILE = "feature_stats.npz"  # beside each checkpoint: whole, or the changes since the day's
 
 
 class OnlineRun:
@@ -99,6 +100,9 @@ class OnlineRun:
                                   delete_threshold=tp.delete_threshold,
                                   delete_after_unseen_days=tp.delete_after_unseen_days)
         self.stats: list[FeatureStats] = []  # per embedding table, once the trainer exists
+        # the day's whole statistics (its batch model's file, relative to save_model_path,
+        # and each table's rows in it): a pass's checkpoint saves the changes since
+        self._stats_base: tuple[str, list[int]] | None = None
         self._converter = _converter(cfg)
         self.store = None  # the row database (sparse_store), once the trainer exists
         self._pulled: list[dict] = []
@@ -401,7 +405,7 @@ class OnlineRun:
         if done is not None:
             folder = os.path.dirname(done["checkpoint"])
             self.trainer.restore_checkpoint(directory=folder)
-            self._load_statistics(folder)
+            self._load_statistics(folder, done["day_end"])
         if self.cfg.sparse_store:
             self._open_store(done)
 
@@ -885,27 +889,70 @@ class OnlineRun:
             for part in gather_rows({"keys": keys, "show": show, "click": click}):
                 st.merge(part["keys"], part["show"], part["click"])
 
-    def _save_statistics(self, folder: str) -> None:
+    def _save_statistics(self, folder: str, *, whole: bool = False) -> None:
+        """``feature_stats.npz`` beside a checkpoint in ``folder``: a day's batch model
+        (``whole``) holds every key's statistics; a pass's checkpoint the rows changed since
+        (``"base"`` names that file), unless no such file is known or most rows changed
+        (then every key's). A table that lives for months holds many days of keys and meets
+        a day's: its passes write a day's keys, not all of them."""
         import numpy as np
 
-        arrays = {f"{i}/{k}": v for i, st in enumerate(self.stats)
-                  for k, v in st.state_dict().items()}
-        path = os.path.join(folder, "feature_stats.npz")
+        arrays = None
+        if not whole and self._stats_base is not None:
+            changes = [st.changes() for st in self.stats]
+            if 2 * sum(c["positions"].size for c in changes) < sum(map(len, self.stats)):
+                arrays = {f"{i}/{k}": v for i, c in enumerate(changes) for k, v in c.items()}
+                arrays["base"] = np.array(self._stats_base[0])
+                arrays["base_rows"] = np.asarray(self._stats_base[1], np.int64)
+        if arrays is None:
+            arrays = {f"{i}/{k}": v for i, st in enumerate(self.stats)
+                      for k, v in st.state_dict().items()}
+        path = os.path.join(folder, STATS_FILE)
         with replacing(path, os.path.join(folder, "feature_stats.tmp.npz")) as tmp, \
                 DirectWriter(tmp) as f:  # hundreds of MB a day: past the page cache
             np.savez(f, **arrays)
 
-    def _load_statistics(self, folder: str) -> None:
+    def _mark_statistics_base(self, folder: str) -> None:
+        """The statistics were saved whole into ``folder`` (a day's batch model): the day's
+        pass checkpoints save the changes since."""
+        for st in self.stats:
+            st.mark_base()
+        self._stats_base = (os.path.relpath(os.path.join(folder, STATS_FILE),
+                                            self.cfg.save_model_path),
+                            [len(st) for st in self.stats])
+
+    def _load_statistics(self, folder: str, day_end: bool) -> None:
         import numpy as np
 
-        path = os.path.join(folder, "feature_stats.npz")
+        path = os.path.join(folder, STATS_FILE)
+        base_path = None
         try:
             with np.load(path, allow_pickle=False) as f:
-                for i, st in enumerate(self.stats):
-                    st.load_state_dict({k.split("/", 1)[1]: f[k] for k in f.files
-                                        if k.startswith(f"{i}/")})
-        except (OSError, KeyError, ValueError) as e:
-            raise DataError(f"{path}: feature statistics unreadable ({e})") from None
+                table = lambda z, i: {k.split("/", 1)[1]: z[k] for k in z.files  # noqa: E731
+                                      if k.startswith(f"{i}/")}
+                if "base" not in f.files:
+                    for i, st in enumerate(self.stats):
+                        st.load_state_dict(table(f, i))
+                    self._stats_base = None
+                    if day_end:
+                        self._mark_statistics_base(folder)
+                    return
+                base, rows = str(f["base"]), [int(x) for x in f["base_rows"]]
+                base_path = os.path.join(self.cfg.save_model_path, base)
+                with np.load(base_path, allow_pickle=False) as b:
+                    if "base" in b.files:
+                        raise ValueError(f"its base {base_path} is itself a file of changes")
+                    for i, st in enumerate(self.stats):
+                        whole = table(b, i)
+                        if whole["keys"].size != rows[i]:
+                            raise ValueError(f"its base {base_path} holds "
+                                             f"{whole['keys'].size:,} keys of table {i}, the "
+                                             f"changes were made over {rows[i]:,}")
+                        st.apply_changes(whole, table(f, i))
+                self._stats_base = (base, rows)
+        except (OSError, KeyError, ValueError, IndexError) as e:
+            where = f" (changes over {base_path})" if base_path else ""
+            raise DataError(f"{path}: feature statistics unreadable{where} ({e})") from None
 
     def _shrink_day(self, day: str) -> None:
         """The end of a day: statistics decay; deleted keys leave the tables."""
@@ -1032,7 +1079,7 @@ class OnlineRun:
 
         def beside(exported) -> None:  # while the batch model's snapshot is written
             with ThreadPoolExecutor(1) as pool:  # the (aged) statistics go with it
-                saved = pool.submit(self._save_statistics, folder) \
+                saved = pool.submit(self._save_statistics, folder, whole=True) \
                     if jax.process_index() == 0 else None
                 if not whole:
                     self._save_inference("base", following, None, exported, keys=keys)
@@ -1044,6 +1091,7 @@ class OnlineRun:
 
         self._checkpoint(folder, day, len(self.passes), day_end=True, meanwhile=beside,
                          then=linked if whole else None, statistics=False)
+        self._mark_statistics_base(folder)
         self._written, self._written_at = [], {}  # the day's last rows, kept for its base model
         self._prune_days(following)
         t.run_log.write_report(force=True)
@@ -1051,7 +1099,8 @@ class OnlineRun:
     def _prune_days(self, newest: str) -> None:
         """``checkpoint_keep_days`` N: the pass checkpoints and batch models (``<day>/<n>/``)
         of days more than N days before ``newest`` (the batch model just started) removed,
-        but for the checkpoint the progress record names; ``model_keep_days`` M: the base and
+        but for the checkpoint the progress record names and its day's batch model (its
+        statistics' base); ``model_keep_days`` M: the base and
         delta models (``<day>/base/``, ``<day>/delta-<pass>/``) of days more than M days
         before ``newest`` (the base model just written). Days that old were sealed long
         before (a snapshot or model in flight is this day's)."""
@@ -1067,6 +1116,8 @@ class OnlineRun:
         root = self.cfg.save_model_path
         record = self.progress()
         named = os.path.abspath(record["checkpoint"]) if record else None
+        # and its statistics' base: its day's batch model
+        kept = () if not named else (named, os.path.dirname(os.path.dirname(named)) + "/0")
         removed = {"checkpoint": 0, "model": 0}
         for day in os.listdir(root):
             if not (len(day) == 8 and day.isdigit() and day < max(cutoff.values())
@@ -1076,7 +1127,7 @@ class OnlineRun:
                 path = os.path.abspath(os.path.join(root, day, entry))
                 if entry.isdigit():
                     kind = "checkpoint"
-                    if named and named.startswith(path + os.sep):
+                    if any(k == path or k.startswith(path + os.sep) for k in kept):
                         continue
                 elif entry == "base" or (entry.startswith("delta-") and entry[6:].isdigit()):
                     kind = "model"

@@ -475,6 +475,12 @@ def test_device_cache_hits_lru_within_a_set_and_refresh():
     np.testing.assert_array_equal(np.asarray(cache.query(np.array([50]))[1])[0], [7.0, 7.0])
     assert cache.size() == WAYS and sorted(cache.cached_keys(0, 1).tolist()) == \
         sorted(list(range(2, WAYS + 1)) + [50])
+    # keys erased from the model: no longer cached; their ways are the next inserts'
+    cache.forget_rows(np.array([50, 3, 777], np.int64))
+    assert cache.query(np.array([50, 3, 2], np.int64))[0].tolist() == [False, False, True]
+    assert cache.size() == WAYS - 2
+    cache.insert(np.array([60, 61], np.int64), _vectors([60, 61], 2))
+    assert cache.size() == WAYS and cache.query(np.arange(2, WAYS + 1))[0].sum() == WAYS - 2
     # more keys than ways in one insert: the set keeps WAYS of them, nothing breaks
     big = DeviceCache(capacity=64, dim=2)
     many = np.arange(1000, 1500, dtype=np.int64)
@@ -1100,12 +1106,13 @@ def test_seed_valid_settings_work(trained, tmp_path):
 
 
 def test_update_messages_round_trip_and_refuse_garbage():
-    """The documented binary layout of online updates: rows and dense weights come back as
-    they went in; anything else is a clear MessageError, never a crash."""
+    """The documented binary layout of online updates: rows, erased keys and dense weights
+    come back as they went in; anything else is a clear MessageError, never a crash."""
     from jctr.stores.update_messages import (
         MessageError,
         decode,
         encode_dense,
+        encode_erase,
         encode_rows,
         join_dense,
         rows_per_message,
@@ -1136,6 +1143,14 @@ def test_update_messages_round_trip_and_refuse_garbage():
     with pytest.raises(MessageError, match="rows of 4 need"):
         decode(data[:-1])
     assert rows_per_message(16, 262144) * (8 + 64) < 262144
+    erased = encode_erase("dlrm", "sparse_embedding1", 43, keys)
+    assert len(erased) == 32 + 4 + 17 + 8 * 3
+    e = decode(erased)
+    assert (e.kind, e.table, e.step, e.values) == ("erase", "sparse_embedding1", 43, None)
+    np.testing.assert_array_equal(e.keys, keys)
+    with pytest.raises(MessageError, match="bytes of erased keys, 3 keys need"):
+        decode(erased + b"\0")
+    assert rows_per_message(0, 262144) * 8 < 262144
 
 
 def test_dense_weights_kept_from_the_update_stream(tmp_path):

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
@@ -244,10 +245,14 @@ def test_a_sink_without_a_broker_says_so_and_never_blocks_training(tmp_path):
 
 def test_streaming_training_publishes_every_pass(broker, tmp_path):
     """python -m jctr.online's kafka_sink: after each pass the rows it changed and the dense
-    weights reach the HPS, which then predicts what the streaming trainer predicts."""
+    weights reach the HPS, which then predicts what the streaming trainer predicts; the keys
+    the day's shrink deleted reach it as erased keys, so it holds the keys the trainer's
+    table holds, no more (it kept every key ever trained, and served their old rows)."""
     from jctr.online.runner import OnlineRun
     from jctr.serving.bundle import export_bundle
     from jctr.serving.updates import UpdateApplier, wait_for
+    from jctr.sharding.rows import export_placed
+    from jctr.train.publisher import KafkaPublisher
     from tests.test_online import _online, _stream
 
     name = "dlrm_stream"
@@ -255,10 +260,13 @@ def test_streaming_training_publishes_every_pass(broker, tmp_path):
     for folder in (tmp_path / "stream").glob("*/*"):
         (folder / "DONE").touch()
     run = OnlineRun(_online(tmp_path, model, tmp_path / "save", end_day="20190720",
-                            kafka_sink={"model_name": name, "brokers": broker}),
+                            kafka_sink={"model_name": name, "brokers": broker},
+                            table_parameters={"delete_threshold": 0.25}),
                     log=lambda s: None)
     assert run.run() == 2
     t = run.trainer
+    pub = next(h for h in t.hooks if isinstance(h, KafkaPublisher))
+    assert pub.erased > 0  # the shrink deleted keys shown without a click
     assert _sink(t).flush(10) == 0 and _sink(t).stats()["sent"] >= 4  # rows + dense, each pass
     # an HPS that starts from the untrained model and follows the published updates
     from jctr.config import load_config
@@ -269,8 +277,15 @@ def test_streaming_training_publishes_every_pass(broker, tmp_path):
     ps, dbs, hps = _hps(tmp_path, name, tmp_path / "bundle", broker)
     applier = UpdateApplier(ps.update_source, dbs, {name: hps}, group="g-stream")
     applier.start()
-    assert wait_for(applier, lambda a: _applied(a, t, name)), applier.stats()
+    ends = _ends(broker, name)
+    assert wait_for(applier, lambda a: _applied(a, t, name) and _all_read(a, ends)), \
+        applier.stats()
     applier.close()
+    assert applier.stats()["applied_erased"] == pub.erased
+    held = export_placed(t.state.embeddings[0], t.placements[0])["keys"]
+    for store in (dbs.volatile, dbs.persistent):
+        served = np.concatenate([k for k, _ in store.items(hps.tables[0].key)])
+        np.testing.assert_array_equal(np.sort(served), np.sort(held))
     # published after pass 1 and pass 2; read in one batch, only the newer is swapped in
     assert applier.dense_steps[-1] == 4 and set(applier.dense_steps) <= {2, 4}
     batch = next(t.data.eval.batches(256, epochs=1))
@@ -466,19 +481,31 @@ def test_a_publishers_record_of_sent_keys_stays_within_twice_its_table(broker, t
     table that evicts (or a streaming run's shrink) meets many times its rows over a run of
     months, and that record held every key ever sent (8 bytes each, never freed). Once it
     passes twice the table's rows it now keeps only the keys the table still holds (the
-    only rows a resend can send)."""
+    only rows a resend can send), and sends the others as erased keys: a server that
+    follows the updates held every key ever trained (its databases grew for months and
+    served rows the model had evicted); it now holds at most the record's keys, every held
+    key with the trainer's row, and none of those erased. (HugeCTR's HPS applies only rows
+    from Kafka, ``MessageSource``/``KafkaMessageSource`` in HugeCTR/hps: its databases keep
+    what they were sent.)"""
     from jctr.config import load_config
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.updates import UpdateApplier, wait_for
+    from jctr.sharding.rows import export_placed
     from jctr.train.publisher import KafkaPublisher
     from jctr.train.trainer import Trainer
 
-    capacity = 600
+    capacity, name = 600, "dlrm_record"
     cfg = tiny_config(tmp_path, "dlrm", max_iter=40, display=100, eval_interval=10_000,
                       eval_batches=1, batchsize=256)
-    cfg["solver"]["kafka_sink"] = {"model_name": "dlrm_record", "brokers": broker,
+    cfg["solver"]["kafka_sink"] = {"model_name": name, "brokers": broker,
                                    "every_n_steps": 2}
     cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = capacity
     cfg["layers"][1]["eviction"] = {"policy": "lru"}
     t = Trainer(load_config(cfg), log=lambda s: None)
+    export_bundle(t.cfg, t.state, str(tmp_path / "bundle"), t.placements)  # no rows yet
+    ps, dbs, hps = _hps(tmp_path, name, tmp_path / "bundle", broker)
+    applier = UpdateApplier(ps.update_source, dbs, {name: hps}, group="g-record")
+    applier.start()
     pub = next(h for h in t.hooks if isinstance(h, KafkaPublisher))
     seen, sizes = [], []
     on_batch, publish = pub.on_batch, pub.publish
@@ -490,9 +517,39 @@ def test_a_publishers_record_of_sent_keys_stays_within_twice_its_table(broker, t
         return rows
 
     pub.publish = published
-    t.fit()
-    assert np.unique(np.concatenate(seen)).size > 3 * capacity  # keys sent over the run
-    assert max(sizes) <= 2 * capacity  # after each publish (it grew to every key before)
+    try:
+        t.fit()
+        assert _sink(t).flush(10) == 0
+        ends = _ends(broker, name)
+        assert wait_for(applier, lambda a: _all_read(a, ends)), applier.stats()
+        trained = np.unique(np.concatenate(seen))
+        assert trained.size > 3 * capacity  # keys sent over the run
+        assert max(sizes) <= 2 * capacity  # after each publish (it grew to every key before)
+        assert pub.erased > trained.size - 2 * capacity and \
+            applier.stats()["applied_erased"] == pub.erased
+        table = hps.tables[0].key
+        held = export_placed(t.state.embeddings[0], t.placements[0])
+        for store in (dbs.volatile, dbs.persistent):
+            served = {}
+            for keys, values in store.items(table):
+                served.update(zip(keys.tolist(), values))
+            assert set(served) <= set(pub._published[0].tolist())  # the erased ones gone
+            assert set(held["keys"].tolist()) <= set(served)
+            np.testing.assert_array_equal(
+                np.stack([served[k] for k in held["keys"].tolist()]), held["values"])
+        # keys a shrink deleted: those sent go; where a pass's rows alone are on the device
+        # (streaming's sparse_store, ``partial``) a key sent may have left the record: all go
+        sent = []
+        pub.sink = types.SimpleNamespace(
+            publish_erase=lambda table, step, keys: sent.append(keys.tolist()))
+        first = int(pub._published[0][0])
+        pub.on_keys_erased(0, np.array([first, -12345]), t.state)
+        assert sent == [[first]] and first not in pub._published[0]
+        pub.partial = True
+        pub.on_keys_erased(0, np.array([-12345]), t.state)
+        assert sent[-1] == [-12345]
+    finally:
+        _close(applier, {name: hps}, dbs)
 
 
 def test_kafka_security_settings_pass_through(broker, tmp_path):

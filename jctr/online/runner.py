@@ -59,6 +59,7 @@ from jctr.sharding.rows import drop_keys, export_placed, put_rows, scale_slot
 from jctr.train.datasets import open_training_set
 from jctr.train.hooks import Hook, PredictionCounts
 from jctr.train.metrics import bucket_auc
+from jctr.train.publisher import KafkaPublisher
 
 PROGRESS = "progress.json"
 PASS_LOG = "passes.jsonl"  # one JSON record per trained pass
@@ -398,6 +399,9 @@ class OnlineRun:
     def _start(self, done: dict | None) -> None:
         """The trainer and statistics, from the last checkpoint."""
         self.trainer = self._trainer()
+        for hook in self.trainer.hooks:  # with sparse_store a pass's rows are on the device
+            if isinstance(hook, KafkaPublisher):
+                hook.partial = self.cfg.sparse_store is not None
         # a pass is a fit: its report (the whole log read) at most every REPORT_EVERY_S, and
         # at each day's end and the run's
         self.trainer.run_log.report_every_s = self.REPORT_EVERY_S
@@ -961,6 +965,8 @@ class OnlineRun:
         for i, (spec, stats) in enumerate(zip(t.specs, self.stats)):
             decays = "accessor" in t.state.embeddings[i].slots and rate != 1.0
             deleted = stats.shrink(self._shrink)
+            for hook in t.hooks:  # a Kafka publisher sends them as erased keys
+                hook.on_keys_erased(i, deleted, t.state)
             if self.store is not None:
                 self._shrink_store(i, day, deleted, rate if decays else None)
                 rows = None

@@ -109,6 +109,14 @@ def _refresh(state: CacheState, keys: jax.Array, values: jax.Array, valid: jax.A
     return state._replace(values=state.values.at[row, way].set(values, mode="drop"))
 
 
+@partial(jax.jit, donate_argnums=0)
+def _forget(state: CacheState, keys: jax.Array, valid: jax.Array):
+    """Keys still cached made empty ways (the set's least recent: the next insert's)."""
+    sets, hit, way = _find(state, keys, valid)
+    row = jnp.where(hit, sets, state.keys.shape[0])
+    return state._replace(stamps=state.stamps.at[row, way].set(-1, mode="drop"))
+
+
 def _pad(n: int) -> int:
     """Padded key count: the next power of two (few compiled shapes)."""
     return max(64, 1 << (max(n, 1) - 1).bit_length())
@@ -188,6 +196,14 @@ class DeviceCache:
         shape whatever the sizes of the updates that come)."""
         for s in range(0, keys.size, REFRESH_ROWS):
             self.refresh(keys[s:s + REFRESH_ROWS], values[s:s + REFRESH_ROWS], REFRESH_ROWS)
+
+    def forget_rows(self, keys: np.ndarray) -> None:
+        """Those of ``keys`` that are cached, no longer (erased from the model), in calls of
+        ``REFRESH_ROWS`` keys."""
+        for s in range(0, keys.size, REFRESH_ROWS):
+            k, valid, _ = self._padded(keys[s:s + REFRESH_ROWS], size=REFRESH_ROWS)
+            with self._lock:
+                self.state = _forget(self.state, k, valid)
 
     def compile_refresh(self) -> None:
         """Compile :meth:`refresh_rows`' step now, without holding the lock requests take

@@ -451,6 +451,15 @@ class Databases:
                 self._volatile_skip.discard(table)
         return written
 
+    def erase_rows(self, layer: str, table: str, keys: np.ndarray) -> None:
+        """Forget ``keys`` in ``layer``'s table (an online update's erased keys). A volatile
+        database that is down raises :class:`StoreUnavailable`."""
+        store = self.volatile if layer == "volatile_db" else self.persistent
+        if store is None:
+            raise StoreUnavailable(f"{layer} down: {self.volatile_error}")
+        for s in range(0, keys.size, _WRITE_ROWS):
+            store.erase(table, keys[s:s + _WRITE_ROWS])
+
     # -- what online updates leave behind ------------------------------------------------------
     @property
     def in_process_volatile(self) -> bool:

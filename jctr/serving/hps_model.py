@@ -487,6 +487,13 @@ class HPSModel:
         if cache is not None:
             cache.refresh_rows(keys, values)
 
+    def forget_rows(self, i: int, keys: np.ndarray) -> None:
+        """Those of ``keys`` the device cache holds, no longer cached (an online update's
+        erased keys; the databases are written by the caller)."""
+        cache = self.tables[i].cache
+        if cache is not None:
+            cache.forget_rows(keys)
+
     def compile_refresh(self) -> None:
         """Compile :meth:`refresh_rows`' device step ahead (changes nothing; see
         :meth:`jctr.serving.device_cache.DeviceCache.compile_refresh`)."""

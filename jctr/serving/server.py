@@ -319,12 +319,14 @@ class Metrics:
                 if updates is not None:
                     st = updates.stats()
                     applied = CounterMetricFamily("jctr_updates_applied", "online updates "
-                                                  "applied to every layer (rows, dense) and "
+                                                  "applied to every layer (rows, dense, "
+                                                  "erased: keys forgotten) and "
                                                   "served (rows_served, dense_served: the "
                                                   "serving side, ahead of the persistent "
                                                   "database's)", labels=["kind"])
                     applied.add_metric(["rows"], st["applied_rows"])
                     applied.add_metric(["dense"], st["applied_dense"])
+                    applied.add_metric(["erased"], st["applied_erased"])
                     applied.add_metric(["rows_served"], st["served_rows"])
                     applied.add_metric(["dense_served"], st["served_dense"])
                     refused = CounterMetricFamily(

@@ -80,7 +80,8 @@ class _Handoff:
 
     @staticmethod
     def _size(batch) -> int:
-        return sum(u.keys.nbytes + u.values.nbytes if u.kind == "rows" else len(u.dense)
+        return sum(len(u.dense) if u.keys is None
+                   else u.keys.nbytes + (0 if u.values is None else u.values.nbytes)
                    for _, _, u in batch)
 
     def put(self, batch: list, starts: dict[tuple[str, int], int]) -> None:
@@ -168,6 +169,10 @@ class UpdateApplier:
         return min(c.applied_rows for c in self.consumers)
 
     @property
+    def applied_erased(self) -> int:
+        return min(c.applied_erased for c in self.consumers)
+
+    @property
     def applied_dense(self) -> int:
         return min(c.applied_dense for c in self.consumers)
 
@@ -209,6 +214,7 @@ class UpdateApplier:
     def stats(self) -> dict:
         expired_messages, expired_jumps = self.expired
         return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,
+                "applied_erased": self.applied_erased,
                 "served_rows": self.serving.applied_rows,
                 "served_dense": self.serving.applied_dense,
                 "failures": self.failures, "refused": dict(self.refused),
@@ -245,6 +251,7 @@ class _Consumer:
         self.backlog = 0
         self.offsets: dict[tuple[str, int], int] = {}  # (topic, partition) -> next to apply
         self.applied_rows = 0
+        self.applied_erased = 0  # keys forgotten (erase messages)
         self.applied_dense = 0
         self.failures = 0
         self.refused = {"dense": 0, "rows_width": 0, "rows_nonfinite": 0,
@@ -273,6 +280,7 @@ class _Consumer:
 
     def stats(self) -> dict:
         return {"applied_rows": self.applied_rows, "applied_dense": self.applied_dense,
+                "applied_erased": self.applied_erased,
                 "failures": self.failures, "error": self.error,
                 "last_step": dict(self.last_step), "caught_up": self.caught_up,
                 "expired_messages": self.expired.total, "expired_jumps": self.expired.jumps}
@@ -436,6 +444,10 @@ class _Consumer:
                           u.model, u.table)
                 continue
             t = model.tables[i]
+            if u.kind == "erase":  # after the rows read before it; rows after bring keys back
+                self._apply_pending(pending)
+                self._apply_erase(model, i, u.keys, u.step)
+                continue
             if u.values.shape[1] != t.dim:
                 self.refused["rows_width"] += int(u.keys.size)
                 self._say(logging.ERROR, "update_source: %s rows of size %d, the table has %d; "
@@ -478,6 +490,22 @@ class _Consumer:
                 model.refresh_rows(i, keys, values)
         self.applied_rows += int(keys_all.size)
         self.last_step[t.key] = parts[-1][2]
+
+
+    def _apply_erase(self, model, i: int, keys: np.ndarray, step: int) -> None:
+        """Keys the trained table no longer holds, forgotten by this consumer's layers. The
+        persistent side, which follows the serving side, forgets them in the volatile
+        database and the device cache again: a request that missed them there meanwhile
+        read the persistent row back (``cache_missed_embeddings``)."""
+        t = model.tables[i]
+        layers = self._layers(t.key)
+        if self.keeps and not self.serves:
+            layers += [x for x in self.dbs.update_layers(t.key) if x != "persistent_db"]
+        for layer in layers:
+            self.dbs.erase_rows(layer, t.key, keys)
+        model.forget_rows(i, keys)
+        self.applied_erased += int(keys.size)
+        self.last_step[t.key] = step
 
 
 class _ServingSide(_Consumer):

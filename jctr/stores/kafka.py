@@ -33,6 +33,7 @@ from jctr.stores.update_messages import (
     Update,
     decode,
     encode_dense,
+    encode_erase,
     encode_rows,
     join_dense,
     rows_per_message,
@@ -224,6 +225,16 @@ class KafkaMessageSink:
             queued += self._produce(rows_topic(self.model, table),
                                     encode_rows(self.model, table, step, keys[s:s + per],
                                                 values[s:s + per]))
+        return queued
+
+    def publish_erase(self, table: str, step: int, keys: np.ndarray) -> int:
+        """Keys ``table`` no longer holds, on its rows topic (after the rows sent before),
+        in messages of at most ``send_buffer_size`` bytes; returns the messages queued."""
+        per = rows_per_message(0, self.send_buffer_size)
+        queued = 0
+        for s in range(0, keys.size, per):
+            queued += self._produce(rows_topic(self.model, table),
+                                    encode_erase(self.model, table, step, keys[s:s + per]))
         return queued
 
     def publish_dense(self, step: int, dense: bytes, non_trainable: str) -> bool:

@@ -1,25 +1,30 @@
 """The binary layout of online model updates (training publishes them to Kafka, the HPS applies
 them). Never pickle: a fixed header and little-endian arrays.
 
-One message is one table's rows or one model's dense weights::
+One message is one table's rows, one table's erased keys, or one model's dense weights::
 
     offset  size  field
     0       8     magic b"JCTRUPD1"
-    8       1     kind: 1 embedding rows, 2 dense weights
+    8       1     kind: 1 embedding rows, 2 dense weights, 3 erased keys
     9       1     reserved (0)
     10      2     model name length M (uint16)
     12      2     table name length T (uint16; 0 for dense weights)
     14      2     rows: 0; dense weights: the number of parts P
     16      8     step: the training iteration the values are from (int64)
     24      4     rows N (uint32; dense weights: this part's index, 0..P-1)
-    28      4     vector size D (uint32; dense weights: bytes of the dense model file)
+    28      4     vector size D (uint32; dense weights: bytes of the dense model file;
+                  erased keys: 0)
     32      M     model name (UTF-8)
     32+M    T     table name (UTF-8)
     then    8N    keys (int64)            | dense: this part's bytes of the dense model file
+                  (erased keys: nothing more)
             4ND   vectors (float32 [N,D]) | (the parts in order make D bytes); the last part
                                           | ends with the BatchNorm JSON (UTF-8)
 
 Dense weights larger than one message travel in P consecutive messages of the same step.
+Erased keys are keys the trained table no longer holds (the streaming shrink deleted them, or
+an evicting table evicted them without spilling): a server forgets their rows, in the order
+the messages of the table's topic come (a later row of a key brings it back).
 
 Example::
 
@@ -35,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"JCTRUPD1"
-ROWS, DENSE = 1, 2
+ROWS, DENSE, ERASE = 1, 2, 3
 _HEADER = struct.Struct("<8sBBHHHqII")
 
 
@@ -45,7 +50,7 @@ class MessageError(ValueError):
 
 @dataclass(frozen=True)
 class Update:
-    kind: str  # "rows", "dense" (whole) or "dense_part" (see join_dense)
+    kind: str  # "rows", "erase", "dense" (whole) or "dense_part" (see join_dense)
     model: str
     table: str
     step: int
@@ -76,6 +81,14 @@ def encode_rows(model: str, table: str, step: int, keys: np.ndarray,
     head = _HEADER.pack(MAGIC, ROWS, 0, len(m), len(t), 0, int(step), keys.size,
                         values.shape[1])
     return b"".join((head, m, t, keys.tobytes(), values.tobytes()))
+
+
+def encode_erase(model: str, table: str, step: int, keys: np.ndarray) -> bytes:
+    """One message of keys ``table`` no longer holds (int64 [N])."""
+    keys = np.ascontiguousarray(keys, "<i8")
+    m, t = _names(model, table)
+    head = _HEADER.pack(MAGIC, ERASE, 0, len(m), len(t), 0, int(step), keys.size, 0)
+    return b"".join((head, m, t, keys.tobytes()))
 
 
 def encode_dense(model: str, step: int, dense: bytes, non_trainable: str, *,
@@ -130,6 +143,12 @@ def decode(data: bytes) -> Update:
         keys = np.frombuffer(data, "<i8", n, at).astype(np.int64)
         values = np.frombuffer(data, "<f4", n * d, at + 8 * n).reshape(n, d).astype(np.float32)
         return Update("rows", model, table, step, keys, values)
+    if kind == ERASE:
+        if d != 0 or len(data) != at + 8 * n:
+            raise MessageError(f"{model}/{table}: {len(data)} bytes of erased keys, {n} keys "
+                               f"need {at + 8 * n}")
+        return Update("erase", model, table, step, np.frombuffer(data, "<i8", n, at)
+                      .astype(np.int64))
     if kind == DENSE:
         if nparts < 1 or n >= nparts:
             raise MessageError(f"{model}: dense part {n} of {nparts}")
@@ -149,5 +168,6 @@ def decode(data: bytes) -> Update:
 
 
 def rows_per_message(dim: int, send_buffer_size: int) -> int:
-    """How many rows of size ``dim`` fit one message of at most ``send_buffer_size`` bytes."""
+    """How many rows of size ``dim`` fit one message of at most ``send_buffer_size`` bytes
+    (``dim`` 0: erased keys)."""
     return max(1, (send_buffer_size - _HEADER.size - 512) // (8 + 4 * dim))

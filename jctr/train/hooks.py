@@ -61,6 +61,10 @@ class Hook:
         """The model's steps and placement were built again (a table grew: other
         capacities, the same keys): a hook that keeps them takes the new ones."""
 
+    def on_keys_erased(self, table: int, keys: np.ndarray, state: TrainState) -> None:
+        """The run deleted ``keys`` from table ``table`` between fits (the streaming shrink):
+        a hook that mirrors the tables forgets them."""
+
     def on_run_end(self) -> None:
         """The run's last ``fit`` is over (a command's end, :func:`end_run`): work still in
         flight is finished, or what is lost is raised as an error."""

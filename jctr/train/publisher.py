@@ -7,6 +7,14 @@ In a multi-process run every process publishes: the keys every process trained a
 and each process sends the rows its devices hold (each row once, by its owner); process 0 sends
 the dense weights.
 
+Keys the table no longer holds are sent as erased keys, so that a server living on the
+updates for months forgets them as the trained model did (its databases would otherwise keep
+every key ever trained, and serve rows the model dropped): those the streaming shrink deletes
+at once (:meth:`KafkaPublisher.on_keys_erased`), those an evicting table evicted (without a
+spill: a spilled row is still the model's) when the record of keys sent is pruned (at most
+every table's worth of new keys). Where the device table holds a part of the model
+(``partial``: streaming training's ``sparse_store``), only the deletions are sent.
+
 Example::
 
     publisher = KafkaPublisher(cfg, step_config, placements, report=print)
@@ -26,7 +34,7 @@ from jctr.config import ModelConfig
 from jctr.data.batch import Batch
 from jctr.errors import UserError
 from jctr.models.ctr import StepConfig, TrainState
-from jctr.ops.host_sort import union_sorted, unique
+from jctr.ops.host_sort import isin, union_sorted, unique
 from jctr.sharding.distributed import gather_rows
 from jctr.sharding.mesh import to_host
 from jctr.sharding.rows import export_own_keys
@@ -54,7 +62,10 @@ class KafkaPublisher(Hook):
                                      max_buffered_bytes=ks.max_buffered_mb << 20,
                                      report=report, security=ks.security)
         self._touched: list[list[np.ndarray]] = [[] for _ in self.specs]
-        self._published = [np.zeros(0, np.int64) for _ in self.specs]  # keys ever sent
+        # keys sent and not erased since: the same in every process
+        self._published = [np.zeros(0, np.int64) for _ in self.specs]
+        self.partial = False  # True: the device tables hold a part of the model's rows
+        self.erased = 0  # keys sent as erased
 
     def on_model_rebuilt(self, step_config: StepConfig, placements) -> None:
         """A table grew: its rows are exported from the new placement."""
@@ -109,12 +120,7 @@ class KafkaPublisher(Hook):
                     {"keys": keys})]))
             self._published[i] = union_sorted(self._published[i], keys)
             if self._published[i].size > 2 * spec.capacity:
-                # keys the table no longer holds (shrunk, evicted: a run of months meets
-                # many times its rows) go, so the set stays within twice the table's rows;
-                # a resend sends only rows this process holds anyway
-                self._published[i] = unique(export_own_keys(
-                    state.embeddings[i], self._published[i], self.placements[i],
-                    keys_only=True)["keys"])
+                self._prune(i, spec, state, step)
             if resend:
                 keys = self._published[i]
             if not keys.size:
@@ -128,3 +134,35 @@ class KafkaPublisher(Hook):
             self.sink.publish_dense(step, dense_weights(net).astype("<f4").tobytes(),
                                     json.dumps(non_trainable(net)))
         return rows
+
+    def _prune(self, i: int, spec, state: TrainState, step: int) -> None:
+        """The record of keys sent, past twice table ``i``'s rows (a run of months meets many
+        times its rows), cut to the keys the table holds (every process's); those it no
+        longer holds were evicted: sent as erased where the table is the model's whole."""
+        held = export_own_keys(state.embeddings[i], self._published[i], self.placements[i],
+                               keys_only=True)["keys"]
+        if jax.process_count() > 1:  # the same record in every process: the same calls
+            held = np.concatenate([p["keys"] for p in gather_rows({"keys": held})])
+        held = unique(held)
+        gone = self._published[i][~isin(self._published[i], held)]
+        self._published[i] = held
+        whole = not self.partial and not (spec.eviction is not None and spec.eviction.spill)
+        if whole:
+            self._send_erased(spec.name, step, gone)
+
+    def on_keys_erased(self, table: int, keys: np.ndarray, state: TrainState) -> None:
+        """Keys the run deleted from table ``table`` (the streaming shrink): those sent
+        before go as erased keys now."""
+        keys = np.asarray(keys, np.int64)
+        if not self.partial:  # the record holds every key sent that the table still holds
+            keys = keys[isin(keys, self._published[table])]
+        # (partial: a key sent may have left the record with its pass: all of them go)
+        if not keys.size:
+            return
+        self._published[table] = self._published[table][~isin(self._published[table], keys)]
+        self._send_erased(self.specs[table].name, int(to_host(state.step)), keys)
+
+    def _send_erased(self, table: str, step: int, keys: np.ndarray) -> None:
+        if keys.size and jax.process_index() == 0:
+            self.sink.publish_erase(table, step, keys)
+        self.erased += int(keys.size)

@@ -537,6 +537,15 @@ def test_a_publishers_record_of_sent_keys_stays_within_twice_its_table(broker, t
             assert set(held["keys"].tolist()) <= set(served)
             np.testing.assert_array_equal(
                 np.stack([served[k] for k in held["keys"].tolist()]), held["values"])
+        # a run resumed from a checkpoint: its table's keys were sent by the run before, so
+        # they are in the new publisher's record at its first publish (their eviction is sent)
+        t.save_checkpoint(str(tmp_path / "ckpt"))
+        again = Trainer(load_config(cfg), log=lambda s: None)
+        again.restore_checkpoint(directory=str(tmp_path / "ckpt"))
+        pub2 = next(h for h in again.hooks if isinstance(h, KafkaPublisher))
+        pub2.publish(again.state)
+        assert set(held["keys"].tolist()) <= set(pub2._published[0].tolist())
+        _sink(again).flush(10)
         # keys a shrink deleted: those sent go; where a pass's rows alone are on the device
         # (streaming's sparse_store, ``partial``) a key sent may have left the record: all go
         sent = []

@@ -539,6 +539,9 @@ def test_exporting_some_keys_of_a_sharded_table_copies_only_their_rows(data_dir,
     held = rows_mod.export_own_keys(es, want, pl, keys_only=True)
     assert set(held) == {"keys"}
     np.testing.assert_array_equal(np.sort(held["keys"]), np.sort(got["keys"]))
+    # every key it holds, keys only (a publisher's record after a resume)
+    np.testing.assert_array_equal(np.sort(rows_mod.own_held_keys(es, pl)),
+                                  np.sort(whole["keys"]))
 
 
 @pytest.mark.parametrize("kind", ["DistributedSlotSparseEmbeddingHash",

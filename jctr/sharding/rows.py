@@ -128,6 +128,18 @@ def export_own_keys(state: EmbeddingState, keys: np.ndarray, placement=None, *,
     return _shards_rows(state, keys, placement, shards, keys_only)
 
 
+def own_held_keys(state: EmbeddingState, placement=None) -> np.ndarray:
+    """Every key of the part of a table :func:`export_own_keys` gives this process; keys
+    only: no row leaves the device (the slot arrays do)."""
+    if placement is None or not placement.sharded:
+        if jax.process_index() != 0:
+            return np.zeros(0, np.int64)
+        return export_items(jax.tree.map(_first_local, state.table))[0]
+    shards = sorted({s.index[0].start or 0 for s in state.values.addressable_shards})
+    return np.concatenate([export_items(jax.tree.map(lambda x, j=j: _shard(x, j),
+                                                     state.table))[0] for j in shards])
+
+
 def _first_local(x: jax.Array) -> jax.Array:
     """An array every device holds whole, from this process's first device."""
     return x if jax.process_count() == 1 else x.addressable_shards[0].data

@@ -37,7 +37,7 @@ from jctr.models.ctr import StepConfig, TrainState
 from jctr.ops.host_sort import isin, union_sorted, unique
 from jctr.sharding.distributed import gather_rows
 from jctr.sharding.mesh import to_host
-from jctr.sharding.rows import export_own_keys
+from jctr.sharding.rows import export_own_keys, own_held_keys
 from jctr.train.hooks import FitSummary, Hook
 
 
@@ -65,12 +65,18 @@ class KafkaPublisher(Hook):
         # keys sent and not erased since: the same in every process
         self._published = [np.zeros(0, np.int64) for _ in self.specs]
         self.partial = False  # True: the device tables hold a part of the model's rows
+        # a checkpoint restored: its tables' keys may be served (sent by the run before):
+        # in the record at the next publish, so that their eviction is sent
+        self._restored = False
         self.erased = 0  # keys sent as erased
 
     def on_model_rebuilt(self, step_config: StepConfig, placements) -> None:
         """A table grew: its rows are exported from the new placement."""
         self.step_config, self.specs, self.placements = (step_config, step_config.specs,
                                                          placements)
+
+    def before_restore(self, step: int | None, directory: str | None) -> None:
+        self._restored = True
 
     def on_batch(self, batch: Batch) -> list[np.ndarray]:
         """The keys this batch's step updates, per table."""
@@ -118,6 +124,9 @@ class KafkaPublisher(Hook):
             if jax.process_count() > 1:  # every process's keys: each sends the rows it holds
                 keys = unique(np.concatenate([p["keys"] for p in gather_rows(
                     {"keys": keys})]))
+            if self._restored:
+                self._published[i] = union_sorted(self._published[i], self._everyones(
+                    own_held_keys(state.embeddings[i], self.placements[i])))
             self._published[i] = union_sorted(self._published[i], keys)
             if self._published[i].size > 2 * spec.capacity:
                 self._prune(i, spec, state, step)
@@ -129,6 +138,7 @@ class KafkaPublisher(Hook):
             if stored["keys"].size:
                 self.sink.publish_rows(spec.name, step, stored["keys"], stored["values"])
             rows += int(stored["keys"].size)
+        self._restored = False
         net = host_network(self.step_config, state)
         if jax.process_index() == 0:
             self.sink.publish_dense(step, dense_weights(net).astype("<f4").tobytes(),
@@ -139,16 +149,21 @@ class KafkaPublisher(Hook):
         """The record of keys sent, past twice table ``i``'s rows (a run of months meets many
         times its rows), cut to the keys the table holds (every process's); those it no
         longer holds were evicted: sent as erased where the table is the model's whole."""
-        held = export_own_keys(state.embeddings[i], self._published[i], self.placements[i],
-                               keys_only=True)["keys"]
-        if jax.process_count() > 1:  # the same record in every process: the same calls
-            held = np.concatenate([p["keys"] for p in gather_rows({"keys": held})])
-        held = unique(held)
+        held = self._everyones(export_own_keys(state.embeddings[i], self._published[i],
+                                               self.placements[i], keys_only=True)["keys"])
         gone = self._published[i][~isin(self._published[i], held)]
         self._published[i] = held
         whole = not self.partial and not (spec.eviction is not None and spec.eviction.spill)
         if whole:
             self._send_erased(spec.name, step, gone)
+
+    @staticmethod
+    def _everyones(keys: np.ndarray) -> np.ndarray:
+        """Every process's ``keys``, sorted and each once (the record is the same in every
+        process: the same calls)."""
+        if jax.process_count() > 1:
+            keys = np.concatenate([p["keys"] for p in gather_rows({"keys": keys})])
+        return unique(keys)
 
     def on_keys_erased(self, table: int, keys: np.ndarray, state: TrainState) -> None:
         """Keys the run deleted from table ``table`` (the streaming shrink): those sent

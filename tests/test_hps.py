@@ -820,6 +820,19 @@ def test_bad_model_files_and_sizes_are_clear_errors(trained, tmp_path):
         dbs.close()
 
 
+def _rocks_model(tmp_path, name):
+    """(parameter-server config, databases, model) of ``tmp_path/bundle``: a hash map
+    holding half the rows over RocksDB in ``tmp_path/rocks``, no device cache."""
+    doc = {"volatile_db": {"type": "hash_map", "initial_cache_rate": 0.5},
+           "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
+           "models": [{"model": name, "bundle": "bundle", "max_batch_size": 256,
+                       "gpucache": False}]}
+    (tmp_path / "ps.json").write_text(json.dumps(doc))
+    ps = load_ps_config(tmp_path / "ps.json")
+    dbs = Databases(ps.volatile_db, ps.persistent_db)
+    return ps, dbs, HPSModel(ps.models[0], dbs)
+
+
 def test_a_model_larger_than_memory_loads_a_part_at_a_time(trained, tmp_path, monkeypatch):
     """HugeCTR's HPS reads a whole table into memory before it fills a database
     (``RawModelLoader::load``, HugeCTR/hps/modelloader.cpp): a table larger than memory, the
@@ -848,14 +861,7 @@ def test_a_model_larger_than_memory_loads_a_part_at_a_time(trained, tmp_path, mo
             yield keys, values
 
     monkeypatch.setattr(hps_model, "sparse_model_parts", parts)
-    doc = {"volatile_db": {"type": "hash_map", "initial_cache_rate": 0.5},
-           "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
-           "models": [{"model": "big", "bundle": "bundle", "max_batch_size": 256,
-                       "gpucache": False}]}
-    (tmp_path / "ps.json").write_text(json.dumps(doc))
-    ps = load_ps_config(tmp_path / "ps.json")
-    dbs = Databases(ps.volatile_db, ps.persistent_db)
-    m = HPSModel(ps.models[0], dbs)
+    ps, dbs, m = _rocks_model(tmp_path, "big")
     monkeypatch.setattr(hps_model._LoadMeter, "EVERY_S", 0.0)  # a line every part
     lines = []
     try:
@@ -994,14 +1000,7 @@ def test_a_restart_takes_the_digests_its_last_load_recorded(trained, tmp_path, m
         """A new process's start: nothing hashed in memory; the files hashed now."""
         table_manifest._digests.clear()
         hashed.clear()
-        doc = {"volatile_db": {"type": "hash_map", "initial_cache_rate": 0.5},
-               "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
-               "models": [{"model": "m", "bundle": "bundle", "max_batch_size": 256,
-                           "gpucache": False}]}
-        (tmp_path / "ps.json").write_text(json.dumps(doc))
-        ps = load_ps_config(tmp_path / "ps.json")
-        dbs = Databases(ps.volatile_db, ps.persistent_db)
-        m = HPSModel(ps.models[0], dbs)
+        _, dbs, m = _rocks_model(tmp_path, "m")
         try:
             written = m.load_databases(replace=replace)[m.tables[0].key]
             batch, expected = reference[0]

@@ -316,6 +316,10 @@ def test_skip_policy_trains_through_bad_batches(tmp_path, capsys):
 # ---- signals: a snapshot in flight is finished or removed -------------------------------------
 
 
+_SIGINT_DEFAULT = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "os.execv(sys.executable, [sys.executable] + sys.argv[1:])")
+
+
 def _big_table_config(tmp):
     cfg = small_config(tmp, snapshot=3, max_iter=200, display=1, snapshot_keep=100)
     cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = 3_000_000
@@ -327,10 +331,12 @@ def _big_table_config(tmp):
 def test_signal_at_a_random_step_or_mid_save(tmp_path, sig, status, seed):
     cfg = _big_table_config(tmp_path)
     stop_at = random.Random(seed).choice([3, 4, 6, 7])  # 3 and 6: a save has just started
-    # a shell's background job starts with SIGINT ignored; the user's terminal would not
-    proc = subprocess.Popen([PY, "-m", "jctr.train", "--config", cfg], cwd=ROOT,
-                            stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    # a shell's background job starts with SIGINT ignored; the user's terminal would not. Set
+    # back in a first program that then becomes the run (exec keeps a default disposition):
+    # a preexec_fn would run Python in a fork of this multithreaded process (JAX's threads),
+    # which can deadlock before the exec
+    proc = subprocess.Popen([PY, "-c", _SIGINT_DEFAULT, "-m", "jctr.train", "--config", cfg],
+                            cwd=ROOT, stderr=subprocess.PIPE, text=True)
     lines = []
     try:
         for line in proc.stderr:

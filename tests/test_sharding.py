@@ -601,3 +601,63 @@ def test_the_shrink_erases_on_every_device_part(tmp_path, kind):
     assert a.keys() == b.keys()
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+
+
+def test_a_sharded_tables_publisher_cuts_its_record_past_twice_the_whole_table(data_dir,
+                                                                              monkeypatch):
+    """The Kafka publisher's record of sent keys is cut (and the keys the table evicted sent
+    as erased) once it passes twice the table's rows: a table spread over 8 devices holds
+    ``max_vocabulary_size_per_gpu`` rows on each, so the record was cut at every publish
+    once the table held twice one part's rows (an export of every recorded key each time).
+    A server that applies what was sent, in order, holds every key the table holds and no
+    key outside the record."""
+    import jctr.stores.kafka as kafka
+    from jctr.sharding.rows import export_placed
+    from jctr.train.publisher import KafkaPublisher
+
+    sent = []  # ("rows" | "erase", keys) in order
+
+    class Recorder:  # the sink, without a broker
+        def __init__(self, *args, **kwargs):
+            self.brokers, self.reachable = "none", True
+
+        def broker_restarted(self):
+            return False
+
+        def publish_rows(self, table, step, keys, values):
+            sent.append(("rows", keys.copy()))
+
+        def publish_erase(self, table, step, keys):
+            sent.append(("erase", keys.copy()))
+
+        def publish_dense(self, step, dense, non_trainable):
+            return True
+
+        def flush(self, timeout_s=0.0):
+            return 0
+
+        def stats(self):
+            return {"sent": 0, "dropped": 0, "failed": 0}
+
+    monkeypatch.setattr(kafka, "KafkaMessageSink", Recorder)
+    per_part = 150
+    cfg = _config(data_dir, "dlrm", list(range(8)), "DistributedSlotSparseEmbeddingHash",
+                  kafka_sink={"model_name": "m", "brokers": "127.0.0.1:1", "every_n_steps": 1})
+    cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = per_part
+    cfg["layers"][1]["eviction"] = {"policy": "lru"}
+    t = Trainer(load_config(cfg), log=lambda s: None)
+    pub = next(h for h in t.hooks if isinstance(h, KafkaPublisher))
+    cuts = []
+    prune = pub._prune
+    monkeypatch.setattr(pub, "_prune", lambda *a: cuts.append(pub._published[0].size)
+                        or prune(*a))
+    t.fit()
+    whole = 8 * per_part
+    assert cuts and all(size > 2 * whole for size in cuts), cuts
+    served: set[int] = set()
+    for kind, keys in sent:
+        (served.update if kind == "rows" else served.difference_update)(keys.tolist())
+    held = export_placed(t.state.embeddings[0], t.placements[0])["keys"]
+    assert sum(k.size for kind, k in sent if kind == "erase") == pub.erased > 0
+    assert set(held.tolist()) <= served <= set(pub._published[0].tolist())
+    assert len(served) <= 2 * whole

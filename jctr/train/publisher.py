@@ -128,7 +128,9 @@ class KafkaPublisher(Hook):
                 self._published[i] = union_sorted(self._published[i], self._everyones(
                     own_held_keys(state.embeddings[i], self.placements[i])))
             self._published[i] = union_sorted(self._published[i], keys)
-            if self._published[i].size > 2 * spec.capacity:
+            pl = self.placements[i]  # a sharded table holds capacity rows a part
+            if self._published[i].size > 2 * spec.capacity * (pl.num_shards if pl is not None
+                                                               and pl.sharded else 1):
                 self._prune(i, spec, state, step)
             if resend:
                 keys = self._published[i]

@@ -498,11 +498,15 @@ class _Consumer:
         database and the device cache again: a request that missed them there meanwhile
         read the persistent row back (``cache_missed_embeddings``)."""
         t = model.tables[i]
-        layers = self._layers(t.key)
-        if self.keeps and not self.serves:
-            layers += [x for x in self.dbs.update_layers(t.key) if x != "persistent_db"]
-        for layer in layers:
+        for layer in self._layers(t.key):
             self.dbs.erase_rows(layer, t.key, keys)
+        if self.keeps and not self.serves:  # the serving side's layers again, at best: a
+            try:  # volatile database that is down holds nothing back here
+                if "volatile_db" in self.dbs.update_layers(t.key):
+                    self.dbs.erase_rows("volatile_db", t.key, keys)
+            except StoreError as e:
+                self._say(logging.WARNING, "update_source: %s: erased keys not forgotten "
+                          "again in volatile_db (%s)", t.key, e)
         model.forget_rows(i, keys)
         self.applied_erased += int(keys.size)
         self.last_step[t.key] = step

@@ -711,6 +711,87 @@ def test_base_and_delta_models_load_into_the_hps_and_predict_as_the_trainer(tmp_
             / "key").stat().st_nlink == 1
 
 
+def test_a_server_takes_the_next_delta_models_without_a_restart(tmp_path):
+    """A server of a base and its deltas took a new delta only through `serve load`, which
+    RocksDB's lock allows only with the server stopped: a restart every delta (Paddle's
+    delta models come every few passes). Sent SIGHUP, `serve` reads its parameter-server file
+    again and each model takes the deltas added to its chain: the databases get their rows
+    (RocksDB, the hash map), the device cache the new rows of keys it holds, then the last
+    delta's dense weights; it then predicts what the trainer predicts, and a later start
+    finds the databases holding the whole chain. Another base, or a chain that does not
+    extend the one served, is refused with the reason and the model served as it was."""
+    import json
+    import signal
+
+    from jctr.config.hps import load_ps_config
+    from jctr.online.runner import OnlineRun
+    from jctr.serving.cli import take_deltas_on_sighup
+    from jctr.serving.hps import Databases
+    from jctr.serving.hps_model import HPSModel
+    from jctr.stores import StoreError
+
+    model = _stream(tmp_path)
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    save = tmp_path / "save"
+    run = OnlineRun(_online(tmp_path, model, save, save_delta_frequency=1),
+                    log=lambda s: None)
+    assert run.run() == 4
+    day = save / "20190721"
+    batch = next(run.trainer.data.eval.batches(256, epochs=1))
+    path = tmp_path / "ps.json"
+
+    def ps(deltas):
+        path.write_text(json.dumps({
+            "supportlonglong": True,
+            "volatile_db": {"type": "hash_map", "initial_cache_rate": 0.5},
+            "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
+            "models": [{"model": "m", "max_batch_size": 256, "bundle": str(day / "base"),
+                        "deltas": [str(day / d) for d in deltas], "gpucache": True,
+                        "gpucacheper": 0.5, "hit_rate_threshold": 1.0}]}))
+        return load_ps_config(path)
+
+    cfg = ps(["delta-1"])
+    dbs = Databases(cfg.volatile_db, cfg.persistent_db)
+    hps = HPSModel(cfg.models[0], dbs)
+    hps.load_databases(replace=True)
+    before = hps.predict(batch)  # base + delta-1; the cache takes the batch's keys
+    hps.wait_inserts()
+    assert hps.tables[0].cache.size() > 0
+    with pytest.raises(StoreError, match="only deltas after those served are taken while "
+                                         "serving"):
+        hps.take_deltas(ps(["delta-2"]).models[0])
+    np.testing.assert_array_equal(hps.predict(batch), before)  # served as it was
+    # the next delta added to the file, then SIGHUP
+    ps(["delta-1", "delta-2"])
+    lines = []
+    old = signal.getsignal(signal.SIGHUP)
+    try:
+        take_deltas_on_sighup(str(path), {"m": hps}, log=lines.append)
+        os.kill(os.getpid(), signal.SIGHUP)
+        deadline = time.monotonic() + 60
+        while not any("delta model(s) taken" in x or "error" in x for x in lines) and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGHUP, old)
+    assert any(x == f"[jctr] m: 1 delta model(s) taken; serving {day / 'delta-2'}"
+               for x in lines), lines
+    want = run.trainer.predict(batch)
+    np.testing.assert_allclose(hps.predict(batch), want, rtol=2e-5, atol=1e-6)
+    assert not np.allclose(before, want)
+    hps.close()
+    dbs.close()
+    # a later start finds the whole chain there: nothing written again
+    cfg = load_ps_config(path)
+    dbs = Databases(cfg.volatile_db, cfg.persistent_db)
+    hps = HPSModel(cfg.models[0], dbs)
+    assert hps.load_databases()["hps_et.m.sparse_embedding1"]["persistent_db"] == 0
+    np.testing.assert_allclose(hps.predict(batch), want, rtol=2e-5, atol=1e-6)
+    hps.close()
+    dbs.close()
+
+
 def test_a_run_stopped_before_the_day_end_saves_does_them_on_resume(tmp_path):
     """Stopped after the day's last pass checkpoint but before its shrink and saves: started
     again, it shrinks and writes the batch and base models from that checkpoint."""

@@ -1,18 +1,24 @@
 """``python -m jctr.serve``: serve every model of a parameter-server JSON file over HTTP
 (KServe v2), ``python -m jctr.serve load`` to write the models' embeddings into the
 databases first, or ``python -m jctr.serve request`` to turn raw CSV rows into a request.
+A server sent SIGHUP reads its parameter-server file again and takes the delta models each
+model's ``deltas`` adds to those it serves (:meth:`jctr.serving.hps_model.HPSModel.
+take_deltas`), without a restart.
 
 Example::
 
     python -m jctr.serve load --config ps.json
     python -m jctr.serve --config ps.json --port 8000
+    kill -HUP <pid>    # after adding the next delta model to ps.json
     python -m jctr.serve request --vocab data/mine/vocab.json --rows new.csv > request.json
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
 
 from jctr.config.hps import ParameterServerConfig, load_ps_config
 from jctr.errors import run_command
@@ -78,6 +84,41 @@ def start_updates(ps: ParameterServerConfig, dbs, models, log=print):
     return applier
 
 
+def take_deltas_on_sighup(config: str, models: dict, log=print) -> threading.Event:
+    """On SIGHUP, ``config`` read again and every served model takes the delta models it
+    adds (on a thread of its own; what fails is said and the model served as it was).
+    Returns the event a SIGHUP sets (a test may set it)."""
+    wake = threading.Event()
+
+    def run():
+        while True:
+            wake.wait()
+            wake.clear()
+            try:
+                ps = load_ps_config(config)
+            except Exception as e:  # noqa: BLE001 (said; the server goes on)
+                log(f"[jctr] error: SIGHUP: {config}: {e}")
+                continue
+            for params in ps.models:
+                model = models.get(params.model_name)
+                if model is None:
+                    log(f"[jctr] error: SIGHUP: {config}: model {params.model_name} is not "
+                        "served; restart the server to serve it")
+                    continue
+                try:
+                    taken = model.take_deltas(params, progress=log)
+                except Exception as e:  # noqa: BLE001 (said; served as it was)
+                    log(f"[jctr] error: SIGHUP: {params.model_name}: {e}")
+                    continue
+                if taken:
+                    log(f"[jctr] {params.model_name}: {taken} delta model(s) taken; serving "
+                        f"{params.delta_bundles[-1]}")
+
+    threading.Thread(target=run, name="hps-sighup", daemon=True).start()
+    signal.signal(signal.SIGHUP, lambda signum, frame: wake.set())
+    return wake
+
+
 def _load(args) -> None:
     ps = load_ps_config(args.config)
     dbs, models = open_models(ps, load=False)
@@ -104,6 +145,7 @@ def _serve(args) -> None:
     applier = None
     try:
         applier = start_updates(ps, dbs, models)
+        take_deltas_on_sighup(args.config, models, log=lambda line: print(line, flush=True))
         app = build_app(models, applier)
         print(f"[jctr] serving {', '.join(models)} on http://{args.host}:{args.port} "
               "(KServe v2: /v2/models/<name>/infer; metrics: /metrics)", flush=True)

@@ -331,6 +331,71 @@ class HPSModel:
             out[t.key] = written
         return out
 
+    def take_deltas(self, params: InferenceParams,
+                    progress: Callable[[str], None] | None = None) -> int:
+        """Serve the delta models ``params`` adds to this model's chain (the same base and
+        deltas first, then new ones; a parameter-server file read again), without a restart:
+        every database layer that holds the chain gets the new deltas' rows (each file read
+        through and checked first), the device cache the new rows of keys it holds, then the
+        last delta's dense weights are swapped in. Rows online updates wrote before are
+        overwritten by the deltas'. Returns the deltas taken; a new base, another chain or
+        another network raise :class:`StoreError` saying to restart (``serve load``)."""
+        old = self.params
+        new_deltas, held = tuple(params.delta_bundles), tuple(old.delta_bundles)
+        if new_deltas == held:
+            return 0
+        same = (tuple(params.sparse_model_files) == tuple(old.sparse_model_files)
+                and params.network_file == old.network_file
+                and new_deltas[:len(held)] == held)
+        if not same:
+            raise StoreError(f"model {self.name}: the new file names another base, network or "
+                             "chain of deltas; only deltas after those served are taken "
+                             "while serving: run `python -m jctr.serve load` and restart")
+        with open(params.dense_model_file, "rb") as f:
+            dense = f.read()
+        nt = params.non_trainable_file
+        non_trainable = ""
+        if nt and os.path.isfile(nt):
+            with open(nt, encoding="utf-8") as f:
+                non_trainable = f.read()
+        self.check_dense(dense, non_trainable)  # a bad dense file: refused before any write
+        self.params = params
+        self._manifests = [None] * len(self.tables)
+        meter = _LoadMeter(progress)
+        try:
+            work = []
+            for i, t in enumerate(self.tables):
+                manifest = self.table_manifest(i)
+                layers = {}
+                for layer, store in (("persistent_db", self.dbs.persistent),
+                                     ("volatile_db", self.dbs.volatile)):
+                    if store is None:  # none, or down: it is checked as it comes back
+                        continue
+                    first = self.dbs.links_held(layer, t.key, manifest)
+                    if first is None or (layer == "persistent_db"
+                                         and self.dbs.persistent_params.read_only):
+                        raise StoreError(f"model {self.name}: {layer} does not hold the first "
+                                         f"parts of {t.key}'s chain, or is read-only; run "
+                                         "`python -m jctr.serve load` and restart")
+                    layers[layer] = first
+                firsts = set(layers.values()) | {len(held) + 1}
+                work.append((i, t, manifest, layers,
+                             {f: self._row_links(i, f, meter) for f in firsts}))
+        except BaseException:
+            self.params, self._manifests = old, [None] * len(self.tables)
+            raise
+        for i, t, manifest, layers, links in work:
+            self.dbs.expected[t.key] = manifest
+            counted = meter.layers(self, i, manifest)
+            for layer, first in layers.items():
+                self.dbs.write_links(layer, t.key, links[first], manifest, progress=counted)
+            if t.cache is not None:  # the new rows of keys the cache holds
+                for read in links[len(held) + 1]:
+                    for keys, values in read():
+                        t.cache.refresh_rows(keys, values)
+        self.swap_dense(dense, non_trainable)
+        return len(new_deltas) - len(held)
+
     def base_link(self) -> str:
         """The base export this model serves (the first link of table 0's chain)."""
         return self.table_manifest(0)["links"][0]

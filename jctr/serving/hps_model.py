@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -338,8 +339,9 @@ class HPSModel:
         every database layer that holds the chain gets the new deltas' rows (each file read
         through and checked first), the device cache the new rows of keys it holds, then the
         last delta's dense weights are swapped in. Rows online updates wrote before are
-        overwritten by the deltas'. Returns the deltas taken; a new base, another chain or
-        another network raise :class:`StoreError` saying to restart (``serve load``)."""
+        overwritten by the deltas'. Other settings of ``params`` are not taken (a restart
+        takes them). Returns the deltas taken; a new base, another chain or another network
+        raise :class:`StoreError` saying to restart (``serve load``)."""
         old = self.params
         new_deltas, held = tuple(params.delta_bundles), tuple(old.delta_bundles)
         if new_deltas == held:
@@ -359,7 +361,10 @@ class HPSModel:
             with open(nt, encoding="utf-8") as f:
                 non_trainable = f.read()
         self.check_dense(dense, non_trainable)  # a bad dense file: refused before any write
-        self.params = params
+        # the chain and its dense files only: other settings take a restart
+        self.params = dataclasses.replace(old, delta_bundles=params.delta_bundles,
+                                          dense_model_file=params.dense_model_file,
+                                          non_trainable_file=params.non_trainable_file)
         self._manifests = [None] * len(self.tables)
         meter = _LoadMeter(progress)
         try:

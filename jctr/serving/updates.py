@@ -491,7 +491,6 @@ class _Consumer:
         self.applied_rows += int(keys_all.size)
         self.last_step[t.key] = parts[-1][2]
 
-
     def _apply_erase(self, model, i: int, keys: np.ndarray, step: int) -> None:
         """Keys the trained table no longer holds, forgotten by this consumer's layers. The
         persistent side, which follows the serving side, forgets them in the volatile

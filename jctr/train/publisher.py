@@ -121,9 +121,7 @@ class KafkaPublisher(Hook):
             keys = (unique(np.concatenate(self._touched[i])) if self._touched[i]
                     else np.zeros(0, np.int64))
             self._touched[i] = []
-            if jax.process_count() > 1:  # every process's keys: each sends the rows it holds
-                keys = unique(np.concatenate([p["keys"] for p in gather_rows(
-                    {"keys": keys})]))
+            keys = self._everyones(keys)  # every process's: each sends the rows it holds
             if self._restored:
                 self._published[i] = union_sorted(self._published[i], self._everyones(
                     own_held_keys(state.embeddings[i], self.placements[i])))

@@ -711,21 +711,24 @@ def test_base_and_delta_models_load_into_the_hps_and_predict_as_the_trainer(tmp_
             / "key").stat().st_nlink == 1
 
 
-def test_a_server_takes_the_next_delta_models_without_a_restart(tmp_path):
-    """A server of a base and its deltas took a new delta only through `serve load`, which
+def test_a_server_takes_the_next_deltas_and_the_next_base_without_a_restart(tmp_path):
+    """A server of a base and its deltas took new models only through `serve load`, which
     RocksDB's lock allows only with the server stopped: a restart every delta (Paddle's
-    delta models come every few passes). Sent SIGHUP, `serve` reads its parameter-server file
-    again and each model takes the deltas added to its chain: the databases get their rows
-    (RocksDB, the hash map), the device cache the new rows of keys it holds, then the last
-    delta's dense weights; it then predicts what the trainer predicts, and a later start
-    finds the databases holding the whole chain. Another base, or a chain that does not
-    extend the one served, is refused with the reason and the model served as it was."""
+    delta models come every few passes) and every day's base. Sent SIGHUP, `serve` reads its
+    parameter-server file again and each model takes the models it names now: the next
+    deltas (their rows into every layer), or the next day's base (every layer's table made
+    that base in place, the keys the day's shrink deleted erased, the hash map's share kept
+    to the keys it held); the device cache takes the new rows of keys it holds and forgets
+    the erased ones; then the last model's dense weights. Each time it predicts what a server
+    loaded afresh with the same models predicts, and a later start writes nothing. A chain
+    that drops deltas of the base served is refused and the model served as it was."""
     import json
     import signal
 
     from jctr.config.hps import load_ps_config
     from jctr.online.runner import OnlineRun
-    from jctr.serving.cli import take_deltas_on_sighup
+    from jctr.serving.bundle import InferenceModel
+    from jctr.serving.cli import take_models_on_sighup
     from jctr.serving.hps import Databases
     from jctr.serving.hps_model import HPSModel
     from jctr.stores import StoreError
@@ -734,59 +737,91 @@ def test_a_server_takes_the_next_delta_models_without_a_restart(tmp_path):
     for folder in (tmp_path / "stream").glob("*/*"):
         (folder / "DONE").touch()
     save = tmp_path / "save"
-    run = OnlineRun(_online(tmp_path, model, save, save_delta_frequency=1),
+    run = OnlineRun(_online(tmp_path, model, save, save_delta_frequency=1,
+                            table_parameters={"delete_threshold": 0.25}),
                     log=lambda s: None)
     assert run.run() == 4
-    day = save / "20190721"
+    day, table = save / "20190721", "hps_et.m.sparse_embedding1"
     batch = next(run.trainer.data.eval.batches(256, epochs=1))
     path = tmp_path / "ps.json"
 
-    def ps(deltas):
-        path.write_text(json.dumps({
+    def ps(base, deltas, rocks="rocks", where=path):
+        where.write_text(json.dumps({
             "supportlonglong": True,
             "volatile_db": {"type": "hash_map", "initial_cache_rate": 0.5},
-            "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
-            "models": [{"model": "m", "max_batch_size": 256, "bundle": str(day / "base"),
+            "persistent_db": {"type": "rocks_db", "path": str(tmp_path / rocks)},
+            "models": [{"model": "m", "max_batch_size": 256, "bundle": str(base),
                         "deltas": [str(day / d) for d in deltas], "gpucache": True,
                         "gpucacheper": 0.5, "hit_rate_threshold": 1.0}]}))
-        return load_ps_config(path)
+        return load_ps_config(where)
 
-    cfg = ps(["delta-1"])
+    def afresh(base, deltas):
+        """What a server loaded with these models from the start predicts."""
+        cfg = ps(base, deltas, rocks=f"rocks_ref{len(deltas)}", where=tmp_path / "ref.json")
+        dbs = Databases(cfg.volatile_db, cfg.persistent_db)
+        ref = HPSModel(cfg.models[0], dbs)
+        try:
+            ref.load_databases(replace=True)
+            return ref.predict(batch)
+        finally:
+            ref.close()
+            dbs.close()
+
+    def sighup(lines, said):
+        old = signal.getsignal(signal.SIGHUP)
+        try:
+            take_models_on_sighup(str(path), {"m": hps}, log=lines.append)
+            os.kill(os.getpid(), signal.SIGHUP)
+            deadline = time.monotonic() + 60
+            while not any(said in x or "error" in x for x in lines) and \
+                    time.monotonic() < deadline:
+                time.sleep(0.05)
+        finally:
+            signal.signal(signal.SIGHUP, old)
+        assert any(said in x for x in lines), lines
+
+    cfg = ps(day / "base", ["delta-1"])
     dbs = Databases(cfg.volatile_db, cfg.persistent_db)
     hps = HPSModel(cfg.models[0], dbs)
     hps.load_databases(replace=True)
-    before = hps.predict(batch)  # base + delta-1; the cache takes the batch's keys
+    before = hps.predict(batch)  # the cache takes the batch's keys
     hps.wait_inserts()
     assert hps.tables[0].cache.size() > 0
-    with pytest.raises(StoreError, match="only deltas after those served are taken while "
-                                         "serving"):
-        hps.take_deltas(ps(["delta-2"]).models[0])
+    with pytest.raises(StoreError, match="deltas of the same base that do not extend those "
+                                         "served"):
+        hps.take_chain(ps(day / "base", ["delta-2"]).models[0])
     np.testing.assert_array_equal(hps.predict(batch), before)  # served as it was
-    # the next delta added to the file, then SIGHUP
-    ps(["delta-1", "delta-2"])
-    lines = []
-    old = signal.getsignal(signal.SIGHUP)
-    try:
-        take_deltas_on_sighup(str(path), {"m": hps}, log=lines.append)
-        os.kill(os.getpid(), signal.SIGHUP)
-        deadline = time.monotonic() + 60
-        while not any("delta model(s) taken" in x or "error" in x for x in lines) and \
-                time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        signal.signal(signal.SIGHUP, old)
-    assert any(x == f"[jctr] m: 1 delta model(s) taken; serving {day / 'delta-2'}"
-               for x in lines), lines
-    want = run.trainer.predict(batch)
+    # the next delta added to the file
+    ps(day / "base", ["delta-1", "delta-2"])
+    sighup([], "[jctr] m: 1 delta model(s) taken; serving")
+    two = hps.predict(batch)
+    np.testing.assert_allclose(two, afresh(day / "base", ["delta-1", "delta-2"]),
+                               rtol=2e-5, atol=1e-6)
+    assert not np.allclose(before, two)
+    # the next day's base (the shrink deleted keys at the day's end)
+    base = save / "20190722" / "base"
+    kept = np.fromfile(base / "sparse" / "sparse_embedding1.model" / "key", "<i8")
+    chain = np.concatenate([np.fromfile(b / "sparse" / "sparse_embedding1.model" / "key",
+                                        "<i8")
+                            for b in (day / "base", day / "delta-1", day / "delta-2")])
+    assert np.setdiff1d(chain, kept).size > 0
+    ps(base, [])
+    sighup([], "[jctr] m: a new base taken")
+    want = InferenceModel.load(str(base)).predict(batch)
     np.testing.assert_allclose(hps.predict(batch), want, rtol=2e-5, atol=1e-6)
-    assert not np.allclose(before, want)
+    stored = np.concatenate([k for k, _ in dbs.persistent.items(table)])
+    np.testing.assert_array_equal(np.sort(stored), np.sort(kept))
+    share = np.concatenate([k for k, _ in dbs.volatile.items(table)])
+    assert np.isin(share, kept).all() and share.size <= kept.size
+    cached = hps.tables[0].cache.cached_keys(0, hps.tables[0].cache.num_sets)
+    assert np.isin(cached, kept).all()
     hps.close()
     dbs.close()
-    # a later start finds the whole chain there: nothing written again
+    # a later start finds the new base there: nothing written again
     cfg = load_ps_config(path)
     dbs = Databases(cfg.volatile_db, cfg.persistent_db)
     hps = HPSModel(cfg.models[0], dbs)
-    assert hps.load_databases()["hps_et.m.sparse_embedding1"]["persistent_db"] == 0
+    assert hps.load_databases()[table]["persistent_db"] == 0
     np.testing.assert_allclose(hps.predict(batch), want, rtol=2e-5, atol=1e-6)
     hps.close()
     dbs.close()

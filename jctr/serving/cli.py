@@ -1,15 +1,15 @@
 """``python -m jctr.serve``: serve every model of a parameter-server JSON file over HTTP
 (KServe v2), ``python -m jctr.serve load`` to write the models' embeddings into the
 databases first, or ``python -m jctr.serve request`` to turn raw CSV rows into a request.
-A server sent SIGHUP reads its parameter-server file again and takes the delta models each
-model's ``deltas`` adds to those it serves (:meth:`jctr.serving.hps_model.HPSModel.
-take_deltas`), without a restart.
+A server sent SIGHUP reads its parameter-server file again and takes each model's base and
+delta models as the file now names them (the next deltas, or the next day's base:
+:meth:`jctr.serving.hps_model.HPSModel.take_chain`), without a restart.
 
 Example::
 
     python -m jctr.serve load --config ps.json
     python -m jctr.serve --config ps.json --port 8000
-    kill -HUP <pid>    # after adding the next delta model to ps.json
+    kill -HUP <pid>    # after naming the next delta (or day's base) in ps.json
     python -m jctr.serve request --vocab data/mine/vocab.json --rows new.csv > request.json
 """
 
@@ -84,9 +84,10 @@ def start_updates(ps: ParameterServerConfig, dbs, models, log=print):
     return applier
 
 
-def take_deltas_on_sighup(config: str, models: dict, log=print) -> threading.Event:
-    """On SIGHUP, ``config`` read again and every served model takes the delta models it
-    adds (on a thread of its own; what fails is said and the model served as it was).
+def take_models_on_sighup(config: str, models: dict, log=print) -> threading.Event:
+    """On SIGHUP, ``config`` read again and every served model takes the base and delta
+    models it names now (on a thread of its own; what fails is said and the model served as
+    it was).
     Returns the event a SIGHUP sets (a test may set it)."""
     wake = threading.Event()
 
@@ -106,12 +107,15 @@ def take_deltas_on_sighup(config: str, models: dict, log=print) -> threading.Eve
                         "served; restart the server to serve it")
                     continue
                 try:
-                    taken = model.take_deltas(params, progress=log)
+                    new_base, deltas = model.take_chain(params, progress=log)
                 except Exception as e:  # noqa: BLE001 (said; served as it was)
                     log(f"[jctr] error: SIGHUP: {params.model_name}: {e}")
                     continue
-                if taken:
-                    log(f"[jctr] {params.model_name}: {taken} delta model(s) taken; serving "
+                if new_base:
+                    log(f"[jctr] {params.model_name}: a new base taken "
+                        f"({params.sparse_model_files[0]}, ...) with {deltas} delta model(s)")
+                elif deltas:
+                    log(f"[jctr] {params.model_name}: {deltas} delta model(s) taken; serving "
                         f"{params.delta_bundles[-1]}")
 
     threading.Thread(target=run, name="hps-sighup", daemon=True).start()
@@ -145,7 +149,7 @@ def _serve(args) -> None:
     applier = None
     try:
         applier = start_updates(ps, dbs, models)
-        take_deltas_on_sighup(args.config, models, log=lambda line: print(line, flush=True))
+        take_models_on_sighup(args.config, models, log=lambda line: print(line, flush=True))
         app = build_app(models, applier)
         print(f"[jctr] serving {', '.join(models)} on http://{args.host}:{args.port} "
               "(KServe v2: /v2/models/<name>/infer; metrics: /metrics)", flush=True)

@@ -28,6 +28,7 @@ import numpy as np
 
 from jctr.config import ConfigError
 from jctr.config.hps import PersistentDatabaseParams, VolatileDatabaseParams
+from jctr.ops.host_sort import isin
 from jctr.serving.table_manifest import incomplete, links_held, mismatch
 from jctr.stores.base import KeyValueStore, PartialUnavailable, StoreError, StoreUnavailable
 
@@ -449,6 +450,41 @@ class Databases:
             store.set_meta(table, manifest)
             if layer == "volatile_db":
                 self._volatile_skip.discard(table)
+        return written
+
+    def switch_links(self, layer: str, table: str, links: Sequence[RowParts], manifest: dict,
+                     chain_keys: np.ndarray, *, held_only: bool = False,
+                     progress: Callable[[str, int], None] | None = None) -> int:
+        """``layer``'s table made the chain of ``links`` (another base and its deltas) while it
+        serves: marked incomplete, the chain's rows written over it (``held_only``: only the
+        rows of keys it holds, for a volatile database holding a share), the keys not in
+        ``chain_keys`` (sorted: every key of the chain) erased, then ``manifest`` written.
+        Requests meanwhile read old and new rows, as they do online updates'. Returns rows
+        written."""
+        store = self.volatile if layer == "volatile_db" else self.persistent
+        if store is None:
+            raise StoreUnavailable(f"{layer} down: {self.volatile_error}")
+        store.set_meta(table, incomplete(store.get_meta(table) or {}))
+        written = 0
+        dim = int(manifest["dim"])
+        for read in links:
+            for keys, values in read():
+                for s in range(0, keys.size, _WRITE_ROWS):
+                    k, v = keys[s:s + _WRITE_ROWS], values[s:s + _WRITE_ROWS]
+                    if held_only:
+                        found = store.lookup(table, k, dim)[1]
+                        k, v = k[found], v[found]
+                    store.insert(table, k, v)
+                    written += int(k.size)
+                if progress is not None:
+                    progress(layer, int(keys.size))
+        stale = [keys[~isin(keys, chain_keys)] for keys, _ in store.items(table)]
+        gone = np.concatenate(stale) if stale else np.zeros(0, np.int64)
+        for s in range(0, gone.size, _WRITE_ROWS):
+            store.erase(table, gone[s:s + _WRITE_ROWS])
+        store.set_meta(table, manifest)
+        if layer == "volatile_db":
+            self._volatile_skip.discard(table)
         return written
 
     def erase_rows(self, layer: str, table: str, keys: np.ndarray) -> None:

@@ -46,6 +46,7 @@ from jctr.config.parser import load_config
 from jctr.data.batch import Batch, batch_from_features, check_batch
 from jctr.embedding.sparse_embedding import pool
 from jctr.models.ctr import StepConfig, build_model, forward
+from jctr.ops.host_sort import isin, unique
 from jctr.runtime.host_memory import room_left
 from jctr.serving.device_cache import WAYS, DeviceCache
 from jctr.serving.hps import LAYERS, Databases, LayerUnavailable, RowParts
@@ -332,27 +333,32 @@ class HPSModel:
             out[t.key] = written
         return out
 
-    def take_deltas(self, params: InferenceParams,
-                    progress: Callable[[str], None] | None = None) -> int:
-        """Serve the delta models ``params`` adds to this model's chain (the same base and
-        deltas first, then new ones; a parameter-server file read again), without a restart:
-        every database layer that holds the chain gets the new deltas' rows (each file read
-        through and checked first), the device cache the new rows of keys it holds, then the
-        last delta's dense weights are swapped in. Rows online updates wrote before are
-        overwritten by the deltas'. Other settings of ``params`` are not taken (a restart
-        takes them). Returns the deltas taken; a new base, another chain or another network
-        raise :class:`StoreError` saying to restart (``serve load``)."""
+    def take_chain(self, params: InferenceParams,
+                   progress: Callable[[str], None] | None = None) -> tuple[bool, int]:
+        """Serve the base and delta models ``params`` names (a parameter-server file read
+        again) without a restart; returns (a new base taken, deltas taken after the base).
+
+        The same base with more deltas: every database layer holding the chain gets the new
+        deltas' rows. Another base (the next day's): every layer's table is made the new
+        chain in place (:meth:`Databases.switch_links`: its rows written over the old ones,
+        a volatile database holding a share taking those of the keys it holds, the keys the
+        new chain lacks erased), while requests go on. Either way every file is read through
+        and checked before any write, the device cache takes the new rows of the keys it
+        holds (and forgets keys the new chain lacks), then the last model's dense weights
+        are swapped in. Rows online updates wrote are overwritten. Only the chain and its
+        dense files are taken; another network or other settings take a restart, and a
+        chain that drops deltas of the same base is refused (:class:`StoreError`), the model
+        served as it was."""
         old = self.params
         new_deltas, held = tuple(params.delta_bundles), tuple(old.delta_bundles)
-        if new_deltas == held:
-            return 0
-        same = (tuple(params.sparse_model_files) == tuple(old.sparse_model_files)
-                and params.network_file == old.network_file
-                and new_deltas[:len(held)] == held)
-        if not same:
-            raise StoreError(f"model {self.name}: the new file names another base, network or "
-                             "chain of deltas; only deltas after those served are taken "
-                             "while serving: run `python -m jctr.serve load` and restart")
+        new_base = tuple(params.sparse_model_files) != tuple(old.sparse_model_files)
+        if not new_base and new_deltas == held:
+            return False, 0
+        if not _same_bytes(params.network_file, old.network_file) or (
+                not new_base and new_deltas[:len(held)] != held):
+            raise StoreError(f"model {self.name}: the new file names another network, or "
+                             "deltas of the same base that do not extend those served; run "
+                             "`python -m jctr.serve load` and restart")
         with open(params.dense_model_file, "rb") as f:
             dense = f.read()
         nt = params.non_trainable_file
@@ -362,11 +368,13 @@ class HPSModel:
                 non_trainable = f.read()
         self.check_dense(dense, non_trainable)  # a bad dense file: refused before any write
         # the chain and its dense files only: other settings take a restart
-        self.params = dataclasses.replace(old, delta_bundles=params.delta_bundles,
-                                          dense_model_file=params.dense_model_file,
-                                          non_trainable_file=params.non_trainable_file)
+        self.params = dataclasses.replace(
+            old, sparse_model_files=params.sparse_model_files, network_file=params.network_file,
+            delta_bundles=params.delta_bundles, dense_model_file=params.dense_model_file,
+            non_trainable_file=params.non_trainable_file)
         self._manifests = [None] * len(self.tables)
         meter = _LoadMeter(progress)
+        fresh = 0 if new_base else len(held) + 1  # the first link the cache has not seen
         try:
             work = []
             for i, t in enumerate(self.tables):
@@ -376,30 +384,43 @@ class HPSModel:
                                      ("volatile_db", self.dbs.volatile)):
                     if store is None:  # none, or down: it is checked as it comes back
                         continue
-                    first = self.dbs.links_held(layer, t.key, manifest)
+                    first = 0 if new_base else self.dbs.links_held(layer, t.key, manifest)
                     if first is None or (layer == "persistent_db"
                                          and self.dbs.persistent_params.read_only):
                         raise StoreError(f"model {self.name}: {layer} does not hold the first "
                                          f"parts of {t.key}'s chain, or is read-only; run "
                                          "`python -m jctr.serve load` and restart")
                     layers[layer] = first
-                firsts = set(layers.values()) | {len(held) + 1}
-                work.append((i, t, manifest, layers,
-                             {f: self._row_links(i, f, meter) for f in firsts}))
+                links = {f: self._row_links(i, f, meter) for f in set(layers.values()) | {fresh}}
+                chain_keys = None
+                if new_base:  # every key of the new chain (sorted): the others are erased
+                    chain_keys = unique(np.concatenate([
+                        np.fromfile(os.path.join(path, "key"), "<i8").astype(np.int64)
+                        for path in (params.sparse_model_files[i], *self._delta_files(i))]))
+                work.append((i, t, manifest, layers, links, chain_keys))
         except BaseException:
             self.params, self._manifests = old, [None] * len(self.tables)
             raise
-        for i, t, manifest, layers, links in work:
+        for i, t, manifest, layers, links, chain_keys in work:
             self.dbs.expected[t.key] = manifest
             counted = meter.layers(self, i, manifest)
             for layer, first in layers.items():
-                self.dbs.write_links(layer, t.key, links[first], manifest, progress=counted)
+                if new_base:
+                    share = layer == "volatile_db" and self.dbs.persistent is not None
+                    self.dbs.switch_links(layer, t.key, links[0], manifest, chain_keys,
+                                          held_only=share, progress=counted)
+                else:
+                    self.dbs.write_links(layer, t.key, links[first], manifest,
+                                         progress=counted)
             if t.cache is not None:  # the new rows of keys the cache holds
-                for read in links[len(held) + 1]:
+                for read in links[fresh]:
                     for keys, values in read():
                         t.cache.refresh_rows(keys, values)
+                if chain_keys is not None:
+                    cached = t.cache.cached_keys(0, t.cache.num_sets)
+                    t.cache.forget_rows(cached[~isin(cached, chain_keys)])
         self.swap_dense(dense, non_trainable)
-        return len(new_deltas) - len(held)
+        return new_base, len(new_deltas) - (0 if new_base else len(held))
 
     def base_link(self) -> str:
         """The base export this model serves (the first link of table 0's chain)."""
@@ -651,6 +672,17 @@ class HPSModel:
     def close(self) -> None:
         self._stop.set()
         self._workers.shutdown(wait=True)
+
+
+def _same_bytes(a: str, b: str) -> bool:
+    """Whether two files hold the same bytes (each bundle has its network's config.json)."""
+    if os.path.abspath(a) == os.path.abspath(b):
+        return True
+    try:
+        with open(a, "rb") as fa, open(b, "rb") as fb:
+            return fa.read() == fb.read()
+    except OSError:
+        return False
 
 
 class _LoadMeter:

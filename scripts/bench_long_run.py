@@ -13,6 +13,13 @@ before, in one run:
    ``--rows`` rows of 16 floats (random, written once; the files then left 2 s, past the
    racy window).
 
+3. A server following a trainer's Kafka updates (the local broker of
+   ``scripts/kafka_broker.sh``, a hash map over RocksDB): an evicting table (lru,
+   ``--table-rows`` rows, DLRM synthetic data, ``--steps`` steps of 512, a publish every 10
+   steps). Before, the server held every key ever trained; now the evicted keys reach it as
+   erased keys: the keys its RocksDB holds against the keys trained. ``--skip-kafka``
+   leaves it out.
+
 Prints seconds (median of ``--rounds``) and before / now.
 
     python scripts/bench_long_run.py
@@ -22,7 +29,9 @@ Prints seconds (median of ``--rounds``) and before / now.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import re
 import statistics
 import sys
 import tempfile
@@ -116,6 +125,92 @@ def manifest_part(args, folder: str) -> None:
           f"{hashed / max(taken, 1e-9):,.0f}x")
 
 
+def kafka_part(args, folder: str) -> None:
+    import pathlib
+    import socket
+    import subprocess
+
+    from jctr.config import load_config
+    from jctr.config.hps import parse_ps_config
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.hps import Databases
+    from jctr.serving.hps_model import HPSModel
+    from jctr.serving.updates import UpdateApplier, wait_for
+    from jctr.sharding.rows import export_placed
+    from jctr.stores.kafka import update_topics
+    from jctr.train.publisher import KafkaPublisher
+    from jctr.train.trainer import Trainer
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    script = os.path.join(ROOT, "scripts", "kafka_broker.sh")
+    tmp = pathlib.Path(folder)
+    broker = subprocess.run(["bash", script, "start", str(tmp / "kafka"), str(port)],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    try:
+        with open(os.path.join(ROOT, "configs", "dlrm_synthetic.json"), encoding="utf-8") as f:
+            cfg = json.load(f)
+        data = cfg["layers"][0]
+        data["source"] = str(tmp / "data" / "train" / "_file_list.txt")
+        data["eval_source"] = str(tmp / "data" / "eval" / "_file_list.txt")
+        cfg["solver"].update(max_iter=args.steps, display=10**6, eval_interval=10**6,
+                             eval_batches=1, batchsize=512, snapshot=0)
+        cfg["solver"]["kafka_sink"] = {"model_name": "m", "brokers": broker,
+                                       "every_n_steps": 10}
+        cfg["layers"][1]["sparse_embedding_hparam"]["max_vocabulary_size_per_gpu"] = \
+            args.table_rows
+        cfg["layers"][1]["eviction"] = {"policy": "lru"}
+        t = Trainer(load_config(cfg), log=lambda s: None)
+        export_bundle(t.cfg, t.state, str(tmp / "bundle"), t.placements)
+        ps = parse_ps_config({
+            "volatile_db": {"type": "hash_map"},
+            "persistent_db": {"type": "rocks_db", "path": str(tmp / "rocks")},
+            "update_source": {"type": "kafka_message_queue", "brokers": broker,
+                              "poll_timeout_ms": 100, "metadata_refresh_interval_ms": 200},
+            "models": [{"model": "m", "bundle": str(tmp / "bundle"), "max_batch_size": 256}]},
+            str(tmp / "ps.json"))
+        dbs = Databases(ps.volatile_db, ps.persistent_db)
+        hps = HPSModel(ps.models[0], dbs)
+        hps.load_databases()
+        applier = UpdateApplier(ps.update_source, dbs, {"m": hps}, group="bench")
+        applier.start()
+        pub = next(h for h in t.hooks if isinstance(h, KafkaPublisher))
+        seen = []
+        note = pub.on_batch
+        pub.on_batch = lambda batch: seen.append(note(batch)[0]) or [seen[-1]]
+        t0 = time.perf_counter()
+        t.fit()
+        train_s = time.perf_counter() - t0
+        pub.sink.flush(60)
+        table = hps.tables[0].key
+        # every message the broker holds applied by every side (offsets, not steps: a
+        # step's rows come in several messages)
+        from confluent_kafka import Consumer, TopicPartition
+
+        watch = Consumer({"bootstrap.servers": broker, "group.id": "bench-ends"})
+        pattern = re.compile(update_topics(["m"]))
+        ends = {(topic, p): watch.get_watermark_offsets(TopicPartition(topic, p),
+                                                        timeout=10)[1]
+                for topic, meta in watch.list_topics(timeout=10).topics.items()
+                if pattern.match(topic) for p in meta.partitions}
+        watch.close()
+        wait_for(applier, lambda a: all(c.offsets.get(w, 0) >= end for c in a.consumers
+                                        for w, end in ends.items()), 120)
+        served = sum(k.size for k, _ in dbs.persistent.items(table))
+        held = export_placed(t.state.embeddings[0], t.placements[0])["keys"].size
+        trained = np.unique(np.concatenate(seen)).size
+        applier.close()
+        hps.close()
+        dbs.close()
+        print(f"[kafka] an lru table of {args.table_rows:,} rows, {args.steps} steps of 512 "
+              f"({train_s:.1f} s): {trained:,} keys trained, {held:,} held; the server's "
+              f"RocksDB {served:,} keys (before: every key trained), {pub.erased:,} erased "
+              f"keys sent: {trained / max(served, 1):.1f}x fewer keys served")
+    finally:
+        subprocess.run(["bash", script, "stop", str(tmp / "kafka")], capture_output=True)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,12 +218,18 @@ def main() -> int:
     ap.add_argument("--daily", type=int, default=1_000_000)
     ap.add_argument("--rows", type=int, default=10_000_000)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--table-rows", type=int, default=5000)
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--skip-kafka", action="store_true", help="parts 1 and 2 only")
     args = ap.parse_args()
     print(f"CPU: {cpu_name()}")
     with tempfile.TemporaryDirectory(prefix="bench_long_run_") as folder:
         statistics_part(args, folder)
     with tempfile.TemporaryDirectory(prefix="bench_long_run_") as folder:
         manifest_part(args, folder)
+    if not args.skip_kafka:
+        with tempfile.TemporaryDirectory(prefix="bench_long_run_") as folder:
+            kafka_part(args, folder)
     return 0
 
 

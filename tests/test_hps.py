@@ -188,6 +188,53 @@ def test_hash_map_insert_lookup_overwrite_erase(kind):
     assert _index_dtype(2**31) == np.int32 and _index_dtype(2**32) == np.int64
 
 
+def test_a_hash_maps_erase_costs_its_keys_and_equals_a_dictionary():
+    """Online updates erase a few keys of a large hash map at a time (the trainer's shrink and
+    evictions): an erase compacted every column and rebuilt the whole index, time
+    proportional to the table. Now each erased row takes the last row and its index slot is
+    emptied by backward shift (``host_index.erase_rows``). Over random inserts, overwrites
+    and erases (keys clustered in probe runs, keys given twice, absent keys) the table holds
+    what a dictionary holds, its partition sizes too, and an erase reads no other row."""
+    from jctr.ops import host_index
+    from jctr.stores.base import partition_of
+
+    rng = np.random.default_rng(4)
+    store = HashMapStore(VolatileDatabaseParams(type="hash_map", num_partitions=3))
+    model: dict[int, np.ndarray] = {}
+    pool = rng.integers(-2 ** 63, 2 ** 63 - 1, 3_000, dtype=np.int64)
+    for step in range(300):
+        keys = rng.choice(pool, rng.integers(1, 60))
+        if rng.random() < 0.55:
+            values = rng.normal(size=(keys.size, 4)).astype(np.float32)
+            store.insert("t", keys, values)
+            for k, v in zip(keys.tolist(), values):
+                model[k] = v
+        else:
+            store.erase("t", keys)
+            for k in keys.tolist():
+                model.pop(k, None)
+        t = store._tables.get("t")
+        if t is not None and (step % 25 == 0 or step == 299):
+            assert store.size("t") == len(model) == t.size
+            want = np.array(sorted(model), np.int64)
+            values, found = store.lookup("t", pool, 4)
+            assert found.sum() == len(model)
+            np.testing.assert_array_equal(np.sort(pool[found]), np.unique(want))
+            np.testing.assert_array_equal(values[found],
+                                          np.stack([model[k] for k in pool[found].tolist()]))
+            np.testing.assert_array_equal(
+                t.partition_sizes(), np.bincount(partition_of(want, 3), minlength=3))
+            assert host_index.rebuild(np.empty_like(t.index), t.keys, t.size) == -1
+    # an erase of 10 keys of a 2M-row table: no compaction of the columns
+    big = HashMapStore(VolatileDatabaseParams(type="hash_map"))
+    keys = np.arange(2_000_000, dtype=np.int64)
+    big.insert("b", keys, np.zeros((keys.size, 4), np.float32))
+    t = big._tables["b"]
+    values_before = t.values
+    big.erase("b", keys[:10])
+    assert t.values is values_before and big.size("b") == keys.size - 10
+
+
 def test_overflow_keeps_partitions_under_the_margin_and_evicts_oldest():
     params = VolatileDatabaseParams(type="hash_map", num_partitions=2, overflow_margin=100,
                                     overflow_resolution_target=0.5)

@@ -5,8 +5,10 @@ streaming statistics (:mod:`jctr.online.key_index`) and the CPU memory database
 
 The index holds row numbers (-1: empty slot) and compares keys through the key column, so any
 int64 is a key; it is kept at most half full (linear probing from a splitmix64 home slot). Rows
-are handed out in insertion order; deleting rows means compacting the columns and rebuilding
-the index (:func:`rebuild`; :func:`rebuild_distinct` when the keys are known distinct).
+are handed out in insertion order; deleting many rows means compacting the columns and
+rebuilding the index (:func:`rebuild`; :func:`rebuild_distinct` when the keys are known
+distinct), a few of them :func:`erase_rows` (the last row moved into each hole, the slot
+emptied by backward shift: no tombstones).
 
 Example::
 
@@ -194,6 +196,45 @@ def upsert_values(index, keys, n, queries, src, dest, stamps, now):
         for j in range(width):
             dest[r, j] = src[i, j]
         stamps[r] = now
+    return n
+
+
+@host_kernel
+def erase_rows(index, keys, n, queries, values, stamps, parts):
+    """Rows ``0 .. n-1`` without the query keys' (absent ones skipped), in time proportional
+    to the queries: each erased row takes the last row (key, values, stamp, partition; its
+    index slot follows it) and its slot is emptied by backward shift (a later entry of the
+    probe run whose home does not lie after the hole moves into it), so no tombstone is left
+    and probes stay as long as they were. Returns the new row count."""
+    mask = index.size - 1
+    width = values.shape[1]
+    for i in range(queries.size):
+        s = slot_of(index, keys, queries[i], mask)
+        r = index[s]
+        if r < 0:
+            continue
+        hole, j = s, s
+        while True:  # backward-shift deletion
+            j = (j + 1) & mask
+            rj = index[j]
+            if rj < 0:
+                break
+            h = home(keys[rj], mask)
+            stays = (hole < h <= j) if hole <= j else (h > hole or h <= j)
+            if not stays:
+                index[hole] = rj
+                hole = j
+        index[hole] = -1
+        last = n - 1
+        if r != last:  # the last row into the erased one
+            k = keys[last]
+            index[slot_of(index, keys, k, mask)] = r
+            keys[r] = k
+            for c in range(width):
+                values[r, c] = values[last, c]
+            stamps[r] = stamps[last]
+            parts[r] = parts[last]
+        n -= 1
     return n
 
 

@@ -28,6 +28,7 @@ import numpy as np
 
 from jctr.config.hps import VolatileDatabaseParams
 from jctr.ops import host_index
+from jctr.ops.host_sort import unique
 from jctr.stores.base import (
     as_keys,
     as_values,
@@ -104,6 +105,18 @@ class HostTable:
         self.size = n
         self._sizes = np.bincount(self.parts[:n], minlength=self.num_partitions)
         self._rebuild_slots(max(n, 8))
+
+    def erase_keys(self, keys: np.ndarray) -> None:
+        """Remove the rows of ``keys`` (absent ones skipped) in time proportional to them,
+        not to the table: online updates erase a few keys of a large table at a time."""
+        keys = unique(keys)  # each key's row counted once
+        rows = self.find(keys)
+        rows = rows[rows >= 0]
+        if not rows.size:
+            return
+        self._sizes -= np.bincount(self.parts[rows], minlength=self.num_partitions)
+        self.size = int(host_index.erase_rows(self.index, self.keys, self.size, keys,
+                                              self.values, self.stamps, self.parts))
 
     def partition_sizes(self) -> np.ndarray:
         """Keys per partition (kept as rows come and go: an insert does not count them all)."""
@@ -223,12 +236,7 @@ class HashMapStore:
             t = self._tables.get(table)
             if t is None or not keys.size:
                 return
-            rows = t.find(keys)
-            rows = rows[rows >= 0]
-            if rows.size:
-                drop = np.zeros(t.size, bool)
-                drop[rows] = True
-                t.remove_rows(drop)
+            t.erase_keys(keys)
 
     def size(self, table: str) -> int:
         t = self._tables.get(table)

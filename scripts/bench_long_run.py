@@ -13,7 +13,10 @@ before, in one run:
    ``--rows`` rows of 16 floats (random, written once; the files then left 2 s, past the
    racy window).
 
-3. A server following a trainer's Kafka updates (the local broker of
+3. A server's hash map erases a Kafka message's worth of keys (32,768) from a table of
+   ``--rows`` rows of 16 floats: the columns compacted and the index rebuilt (before) against
+   the last rows moved into the holes (:func:`jctr.ops.host_index.erase_rows`).
+4. A server following a trainer's Kafka updates (the local broker of
    ``scripts/kafka_broker.sh``, a hash map over RocksDB): an evicting table (lru,
    ``--table-rows`` rows, DLRM synthetic data, ``--steps`` steps of 512, a publish every 10
    steps). Before, the server held every key ever trained; now the evicted keys reach it as
@@ -125,6 +128,35 @@ def manifest_part(args, folder: str) -> None:
           f"{hashed / max(taken, 1e-9):,.0f}x")
 
 
+def erase_part(args) -> None:
+    from jctr.config.hps import VolatileDatabaseParams
+    from jctr.stores.hash_map import HashMapStore
+
+    rng = np.random.default_rng(2)
+    keys = rng.integers(1, 1 << 62, args.rows, dtype=np.int64)
+    store = HashMapStore(VolatileDatabaseParams(type="hash_map"))
+    store.insert("t", keys, np.zeros((keys.size, 16), np.float32))
+    table = store._tables["t"]
+    store.erase("t", keys[:8])  # its kernel loaded
+    times = {"compacted": [], "moved": []}
+    for _ in range(args.rounds):
+        for way in times:
+            gone = rng.choice(keys, 32768, replace=False)
+            t = time.perf_counter()
+            if way == "compacted":  # what an erase did before
+                rows = table.find(gone)
+                drop = np.zeros(table.size, bool)
+                drop[rows[rows >= 0]] = True
+                table.remove_rows(drop)
+            else:
+                store.erase("t", gone)
+            times[way].append(time.perf_counter() - t)
+            store.insert("t", gone, np.zeros((gone.size, 16), np.float32))  # back
+    before, now = (statistics.median(times[w]) for w in ("compacted", "moved"))
+    print(f"[hash map erase] 32,768 keys of {args.rows:,} rows: compacted {before * 1e3:.1f} "
+          f"ms, the last rows moved in {now * 1e3:.1f} ms: {before / now:,.0f}x")
+
+
 def kafka_part(args, folder: str) -> None:
     import pathlib
     import socket
@@ -227,6 +259,7 @@ def main() -> int:
         statistics_part(args, folder)
     with tempfile.TemporaryDirectory(prefix="bench_long_run_") as folder:
         manifest_part(args, folder)
+    erase_part(args)
     if not args.skip_kafka:
         with tempfile.TemporaryDirectory(prefix="bench_long_run_") as folder:
             kafka_part(args, folder)

@@ -827,6 +827,76 @@ def test_a_server_takes_the_next_deltas_and_the_next_base_without_a_restart(tmp_
     dbs.close()
 
 
+def test_serve_takes_a_sighup_while_it_starts_and_then_the_next_delta(tmp_path):
+    """`python -m jctr.serve` itself: a SIGHUP while it loads its databases (SIGHUP's default
+    would end the process) is taken once it serves; a later one, after the next delta was
+    added to its file, is said taken, and the server answers as before."""
+    import json
+    import queue
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import urllib.request
+
+    from jctr.online.runner import OnlineRun
+    from tests.conftest import ROOT
+
+    model = _stream(tmp_path)
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    save = tmp_path / "save"
+    assert OnlineRun(_online(tmp_path, model, save, save_delta_frequency=1),
+                     log=lambda s: None).run() == 4
+    day = save / "20190721"
+    path = tmp_path / "ps.json"
+
+    def ps(deltas):
+        path.write_text(json.dumps({
+            "supportlonglong": True, "volatile_db": {"type": "hash_map"},
+            "persistent_db": {"type": "rocks_db", "path": str(tmp_path / "rocks")},
+            "models": [{"model": "m", "max_batch_size": 256, "bundle": str(day / "base"),
+                        "deltas": [str(day / d) for d in deltas]}]}))
+
+    ps(["delta-1"])
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "jctr.serve", "--config", str(path),
+                             "--port", str(port)], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stdout], daemon=True).start()
+
+    def said(text, timeout=120):
+        deadline = time.monotonic() + timeout
+        seen = []
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=0.2)
+            except queue.Empty:
+                assert proc.poll() is None, "".join(seen)
+                continue
+            seen.append(line)
+            if text in line:
+                return
+        pytest.fail(f"not said: {text}; said: {''.join(seen)}")
+
+    try:
+        said("[jctr] starting m from")  # checking and loading its databases now
+        proc.send_signal(signal.SIGHUP)
+        said("[jctr] serving m on")
+        ps(["delta-1", "delta-2"])
+        proc.send_signal(signal.SIGHUP)
+        said("[jctr] m: 1 delta model(s) taken")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready",
+                                    timeout=10) as r:
+            assert r.status == 200
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
 def test_a_run_stopped_before_the_day_end_saves_does_them_on_resume(tmp_path):
     """Stopped after the day's last pass checkpoint but before its shrink and saves: started
     again, it shrinks and writes the batch and base models from that checkpoint."""

@@ -84,12 +84,13 @@ def start_updates(ps: ParameterServerConfig, dbs, models, log=print):
     return applier
 
 
-def take_models_on_sighup(config: str, models: dict, log=print) -> threading.Event:
+def take_models_on_sighup(config: str, models: dict, log=print,
+                          wake: threading.Event | None = None) -> threading.Event:
     """On SIGHUP, ``config`` read again and every served model takes the base and delta
     models it names now (on a thread of its own; what fails is said and the model served as
-    it was).
-    Returns the event a SIGHUP sets (a test may set it)."""
-    wake = threading.Event()
+    it was). ``wake``: an event a SIGHUP already set (one that came while the server
+    started is taken then). Returns the event a SIGHUP sets."""
+    wake = wake or threading.Event()
 
     def run():
         while True:
@@ -144,12 +145,19 @@ def _serve(args) -> None:
 
     from jctr.serving.server import build_app
 
+    # a SIGHUP while the server starts (loading can take minutes) is taken once it serves,
+    # not the end of the process (SIGHUP's default)
+    hup = threading.Event()
+    signal.signal(signal.SIGHUP, lambda signum, frame: hup.set())
     ps = load_ps_config(args.config)
-    dbs, models = open_models(ps)
+    print(f"[jctr] starting {', '.join(p.model_name for p in ps.models)} from {args.config}: "
+          "checking and loading the databases", flush=True)
+    dbs, models = open_models(ps, log=lambda line: print(line, flush=True))
     applier = None
     try:
         applier = start_updates(ps, dbs, models)
-        take_models_on_sighup(args.config, models, log=lambda line: print(line, flush=True))
+        take_models_on_sighup(args.config, models, log=lambda line: print(line, flush=True),
+                              wake=hup)
         app = build_app(models, applier)
         print(f"[jctr] serving {', '.join(models)} on http://{args.host}:{args.port} "
               "(KServe v2: /v2/models/<name>/infer; metrics: /metrics)", flush=True)

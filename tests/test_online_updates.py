@@ -513,7 +513,7 @@ def test_a_publishers_record_of_sent_keys_stays_within_twice_its_table(broker, t
 
     def published(state):
         rows = publish(state)
-        sizes.append(pub._published[0].size)
+        sizes.append(pub._published[0].values().size)
         return rows
 
     pub.publish = published
@@ -533,7 +533,7 @@ def test_a_publishers_record_of_sent_keys_stays_within_twice_its_table(broker, t
             served = {}
             for keys, values in store.items(table):
                 served.update(zip(keys.tolist(), values))
-            assert set(served) <= set(pub._published[0].tolist())  # the erased ones gone
+            assert set(served) <= set(pub._published[0].values().tolist())  # the erased ones gone
             assert set(held["keys"].tolist()) <= set(served)
             np.testing.assert_array_equal(
                 np.stack([served[k] for k in held["keys"].tolist()]), held["values"])
@@ -544,16 +544,16 @@ def test_a_publishers_record_of_sent_keys_stays_within_twice_its_table(broker, t
         again.restore_checkpoint(directory=str(tmp_path / "ckpt"))
         pub2 = next(h for h in again.hooks if isinstance(h, KafkaPublisher))
         pub2.publish(again.state)
-        assert set(held["keys"].tolist()) <= set(pub2._published[0].tolist())
+        assert set(held["keys"].tolist()) <= set(pub2._published[0].values().tolist())
         _sink(again).flush(10)
         # keys a shrink deleted: those sent go; where a pass's rows alone are on the device
         # (streaming's sparse_store, ``partial``) a key sent may have left the record: all go
         sent = []
         pub.sink = types.SimpleNamespace(
             publish_erase=lambda table, step, keys: sent.append(keys.tolist()))
-        first = int(pub._published[0][0])
+        first = int(pub._published[0].values()[0])
         pub.on_keys_erased(0, np.array([first, -12345]), t.state)
-        assert sent == [[first]] and first not in pub._published[0]
+        assert sent == [[first]] and first not in pub._published[0].values()
         pub.partial = True
         pub.on_keys_erased(0, np.array([-12345]), t.state)
         assert sent[-1] == [-12345]

@@ -649,7 +649,7 @@ def test_a_sharded_tables_publisher_cuts_its_record_past_twice_the_whole_table(d
     pub = next(h for h in t.hooks if isinstance(h, KafkaPublisher))
     cuts = []
     prune = pub._prune
-    monkeypatch.setattr(pub, "_prune", lambda *a: cuts.append(pub._published[0].size)
+    monkeypatch.setattr(pub, "_prune", lambda *a: cuts.append(pub._published[0].values().size)
                         or prune(*a))
     t.fit()
     whole = 8 * per_part
@@ -659,5 +659,5 @@ def test_a_sharded_tables_publisher_cuts_its_record_past_twice_the_whole_table(d
         (served.update if kind == "rows" else served.difference_update)(keys.tolist())
     held = export_placed(t.state.embeddings[0], t.placements[0])["keys"]
     assert sum(k.size for kind, k in sent if kind == "erase") == pub.erased > 0
-    assert set(held.tolist()) <= served <= set(pub._published[0].tolist())
+    assert set(held.tolist()) <= served <= set(pub._published[0].values().tolist())
     assert len(served) <= 2 * whole

@@ -34,7 +34,7 @@ from jctr.config import ModelConfig
 from jctr.data.batch import Batch
 from jctr.errors import UserError
 from jctr.models.ctr import StepConfig, TrainState
-from jctr.ops.host_sort import isin, union_sorted, unique
+from jctr.ops.host_sort import SortedRuns, isin, unique
 from jctr.sharding.distributed import gather_rows
 from jctr.sharding.mesh import to_host
 from jctr.sharding.rows import export_own_keys, own_held_keys
@@ -63,7 +63,7 @@ class KafkaPublisher(Hook):
                                      report=report, security=ks.security)
         self._touched: list[list[np.ndarray]] = [[] for _ in self.specs]
         # keys sent and not erased since: the same in every process
-        self._published = [np.zeros(0, np.int64) for _ in self.specs]
+        self._published = [SortedRuns() for _ in self.specs]
         self.partial = False  # True: the device tables hold a part of the model's rows
         # a checkpoint restored: its tables' keys may be served (sent by the run before):
         # in the record at the next publish, so that their eviction is sent
@@ -122,16 +122,17 @@ class KafkaPublisher(Hook):
                     else np.zeros(0, np.int64))
             self._touched[i] = []
             keys = self._everyones(keys)  # every process's: each sends the rows it holds
+            record = self._published[i]
             if self._restored:
-                self._published[i] = union_sorted(self._published[i], self._everyones(
-                    own_held_keys(state.embeddings[i], self.placements[i])))
-            self._published[i] = union_sorted(self._published[i], keys)
+                record.add(self._everyones(own_held_keys(state.embeddings[i],
+                                                         self.placements[i])))
+            record.add(keys)
             pl = self.placements[i]  # a sharded table holds capacity rows a part
-            if self._published[i].size > 2 * spec.capacity * (pl.num_shards if pl is not None
-                                                               and pl.sharded else 1):
+            limit = 2 * spec.capacity * (pl.num_shards if pl is not None and pl.sharded else 1)
+            if record.size_bound() > limit and record.values().size > limit:
                 self._prune(i, spec, state, step)
             if resend:
-                keys = self._published[i]
+                keys = record.values()
             if not keys.size:
                 continue
             stored = export_own_keys(state.embeddings[i], keys, self.placements[i])
@@ -149,10 +150,11 @@ class KafkaPublisher(Hook):
         """The record of keys sent, past twice table ``i``'s rows (a run of months meets many
         times its rows), cut to the keys the table holds (every process's); those it no
         longer holds were evicted: sent as erased where the table is the model's whole."""
-        held = self._everyones(export_own_keys(state.embeddings[i], self._published[i],
+        record = self._published[i].values()
+        held = self._everyones(export_own_keys(state.embeddings[i], record,
                                                self.placements[i], keys_only=True)["keys"])
-        gone = self._published[i][~isin(self._published[i], held)]
-        self._published[i] = held
+        gone = record[~isin(record, held)]
+        self._published[i].replace(held)
         whole = not self.partial and not (spec.eviction is not None and spec.eviction.spill)
         if whole:
             self._send_erased(spec.name, step, gone)
@@ -170,11 +172,11 @@ class KafkaPublisher(Hook):
         before go as erased keys now."""
         keys = np.asarray(keys, np.int64)
         if not self.partial:  # the record holds every key sent that the table still holds
-            keys = keys[isin(keys, self._published[table])]
+            keys = keys[self._published[table].contains(keys)]
         # (partial: a key sent may have left the record with its pass: all of them go)
         if not keys.size:
             return
-        self._published[table] = self._published[table][~isin(self._published[table], keys)]
+        self._published[table].remove(keys)
         self._send_erased(self.specs[table].name, int(to_host(state.step)), keys)
 
     def _send_erased(self, table: str, step: int, keys: np.ndarray) -> None:

@@ -711,6 +711,22 @@ def test_base_and_delta_models_load_into_the_hps_and_predict_as_the_trainer(tmp_
             / "key").stat().st_nlink == 1
 
 
+def _days_with_deltas(tmp_path, **table_parameters):
+    """Two days of two passes of ``_stream`` trained with a delta model every pass (their
+    base and delta models under ``tmp_path/save``); returns the finished run."""
+    from jctr.online.runner import OnlineRun
+
+    model = _stream(tmp_path)
+    for folder in (tmp_path / "stream").glob("*/*"):
+        (folder / "DONE").touch()
+    run = OnlineRun(_online(tmp_path, model, tmp_path / "save", save_delta_frequency=1,
+                            **({"table_parameters": table_parameters}
+                               if table_parameters else {})),
+                    log=lambda s: None)
+    assert run.run() == 4
+    return run
+
+
 def test_a_server_takes_the_next_deltas_and_the_next_base_without_a_restart(tmp_path):
     """A server of a base and its deltas took new models only through `serve load`, which
     RocksDB's lock allows only with the server stopped: a restart every delta (Paddle's
@@ -726,21 +742,14 @@ def test_a_server_takes_the_next_deltas_and_the_next_base_without_a_restart(tmp_
     import signal
 
     from jctr.config.hps import load_ps_config
-    from jctr.online.runner import OnlineRun
     from jctr.serving.bundle import InferenceModel
     from jctr.serving.cli import take_models_on_sighup
     from jctr.serving.hps import Databases
     from jctr.serving.hps_model import HPSModel
     from jctr.stores import StoreError
 
-    model = _stream(tmp_path)
-    for folder in (tmp_path / "stream").glob("*/*"):
-        (folder / "DONE").touch()
+    run = _days_with_deltas(tmp_path, delete_threshold=0.25)
     save = tmp_path / "save"
-    run = OnlineRun(_online(tmp_path, model, save, save_delta_frequency=1,
-                            table_parameters={"delete_threshold": 0.25}),
-                    log=lambda s: None)
-    assert run.run() == 4
     day, table = save / "20190721", "hps_et.m.sparse_embedding1"
     batch = next(run.trainer.data.eval.batches(256, epochs=1))
     path = tmp_path / "ps.json"
@@ -839,16 +848,10 @@ def test_serve_takes_a_sighup_while_it_starts_and_then_the_next_delta(tmp_path):
     import sys
     import urllib.request
 
-    from jctr.online.runner import OnlineRun
     from tests.conftest import ROOT
 
-    model = _stream(tmp_path)
-    for folder in (tmp_path / "stream").glob("*/*"):
-        (folder / "DONE").touch()
-    save = tmp_path / "save"
-    assert OnlineRun(_online(tmp_path, model, save, save_delta_frequency=1),
-                     log=lambda s: None).run() == 4
-    day = save / "20190721"
+    _days_with_deltas(tmp_path)
+    day = tmp_path / "save" / "20190721"
     path = tmp_path / "ps.json"
 
     def ps(deltas):

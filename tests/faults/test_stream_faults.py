@@ -12,7 +12,7 @@ import pytest
 
 from jctr.config import ConfigError
 from jctr.runtime.folder_lock import FolderInUse
-from tests.test_online import _online, _stream
+from tests.test_online import _days_with_deltas, _online, _stream
 
 
 def _base_rows(save) -> tuple[np.ndarray, np.ndarray]:
@@ -128,17 +128,12 @@ def test_damaged_base_and_delta_models_are_refused_by_name(tmp_path, capsys):
     and served. Their manifests now record every file's size and CRC-32; ``serve load`` and
     ``InferenceModel.load`` refuse a damaged file by name, and nothing is written."""
     from jctr.config.hps import parse_ps_config
-    from jctr.online.runner import OnlineRun
     from jctr.serving.bundle import InferenceModel
     from jctr.serving.cli import main as serve_main
     from tests.faults.harness import run_main
 
-    model = _stream(tmp_path)
-    for folder in (tmp_path / "stream").glob("*/*"):
-        (folder / "DONE").touch()
+    _days_with_deltas(tmp_path)
     save = tmp_path / "save"
-    assert OnlineRun(_online(tmp_path, model, save, save_delta_frequency=1),
-                     log=lambda s: None).run() == 4
     day = save / "20190721"
     manifest = json.loads((day / "delta-1" / "manifest.json").read_text())
     assert "sparse/sparse_embedding1.model/emb_vector" in manifest["files"]

@@ -200,12 +200,13 @@ def upsert_values(index, keys, n, queries, src, dest, stamps, now):
 
 
 @host_kernel
-def erase_rows(index, keys, n, queries, values, stamps, parts):
-    """Rows ``0 .. n-1`` without the query keys' (absent ones skipped), in time proportional
-    to the queries: each erased row takes the last row (key, values, stamp, partition; its
-    index slot follows it) and its slot is emptied by backward shift (a later entry of the
-    probe run whose home does not lie after the hole moves into it), so no tombstone is left
-    and probes stay as long as they were. Returns the new row count."""
+def erase_rows(index, keys, n, queries, values, stamps, parts, sizes):
+    """Rows ``0 .. n-1`` without the query keys' (absent ones, and a key's repeats,
+    skipped), in time proportional to the queries: each erased row takes the last row (key,
+    values, stamp, partition; its index slot follows it) and its slot is emptied by backward
+    shift (a later entry of the probe run whose home does not lie after the hole moves into
+    it), so no tombstone is left and probes stay as long as they were; ``sizes`` (rows per
+    partition) counts each erased row off. Returns the new row count."""
     mask = index.size - 1
     width = values.shape[1]
     for i in range(queries.size):
@@ -213,6 +214,7 @@ def erase_rows(index, keys, n, queries, values, stamps, parts):
         r = index[s]
         if r < 0:
             continue
+        sizes[parts[r]] -= 1
         hole, j = s, s
         while True:  # backward-shift deletion
             j = (j + 1) & mask

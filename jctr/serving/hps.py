@@ -465,23 +465,21 @@ class Databases:
         if store is None:
             raise StoreUnavailable(f"{layer} down: {self.volatile_error}")
         store.set_meta(table, incomplete(store.get_meta(table) or {}))
-        written = 0
-        dim = int(manifest["dim"])
-        for read in links:
-            for keys, values in read():
-                for s in range(0, keys.size, _WRITE_ROWS):
-                    k, v = keys[s:s + _WRITE_ROWS], values[s:s + _WRITE_ROWS]
-                    if held_only:
-                        found = store.lookup(table, k, dim)[1]
-                        k, v = k[found], v[found]
-                    store.insert(table, k, v)
-                    written += int(k.size)
-                if progress is not None:
-                    progress(layer, int(keys.size))
+        if held_only:
+            dim = int(manifest["dim"])
+
+            def held(read: RowParts) -> RowParts:
+                def parts():
+                    for keys, values in read():
+                        found = store.lookup(table, keys, dim)[1]
+                        yield keys[found], values[found]
+                return parts
+
+            links = [held(read) for read in links]
+        written = self.write_links(layer, table, links, progress=progress)
         stale = [keys[~isin(keys, chain_keys)] for keys, _ in store.items(table)]
-        gone = np.concatenate(stale) if stale else np.zeros(0, np.int64)
-        for s in range(0, gone.size, _WRITE_ROWS):
-            store.erase(table, gone[s:s + _WRITE_ROWS])
+        self.erase_rows(layer, table, np.concatenate(stale) if stale else
+                        np.zeros(0, np.int64))
         store.set_meta(table, manifest)
         if layer == "volatile_db":
             self._volatile_skip.discard(table)

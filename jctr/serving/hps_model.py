@@ -366,7 +366,7 @@ class HPSModel:
         if nt and os.path.isfile(nt):
             with open(nt, encoding="utf-8") as f:
                 non_trainable = f.read()
-        self.check_dense(dense, non_trainable)  # a bad dense file: refused before any write
+        checked = self._dense_from(dense, non_trainable)  # bad: refused before any write
         # the chain and its dense files only: other settings take a restart
         self.params = dataclasses.replace(
             old, sparse_model_files=params.sparse_model_files, network_file=params.network_file,
@@ -419,7 +419,7 @@ class HPSModel:
                 if chain_keys is not None:
                     cached = t.cache.cached_keys(0, t.cache.num_sets)
                     t.cache.forget_rows(cached[~isin(cached, chain_keys)])
-        self.swap_dense(dense, non_trainable)
+        self._put_dense(*checked)
         return new_base, len(new_deltas) - (0 if new_base else len(held))
 
     def base_link(self) -> str:
@@ -610,7 +610,10 @@ class HPSModel:
     def swap_dense(self, dense: bytes, non_trainable: str) -> None:
         """New dense weights (a dense model file's bytes) and BatchNorm statistics, checked like
         the files, put in place between two requests."""
-        params, stats, nt = self._dense_from(dense, non_trainable)
+        self._put_dense(*self._dense_from(dense, non_trainable))
+
+    def _put_dense(self, params, stats, nt) -> None:
+        """Checked dense weights (:meth:`_dense_from`'s) in place between two requests."""
         with self._lock:
             self._params = params
             if nt is not None:

@@ -124,8 +124,7 @@ def export_own_keys(state: EmbeddingState, keys: np.ndarray, placement=None, *,
     if placement is None or not placement.sharded:
         mine = keys if jax.process_index() == 0 else keys[:0]
         return _lookup_rows(jax.tree.map(_first_local, state), mine, keys_only)
-    shards = sorted({s.index[0].start or 0 for s in state.values.addressable_shards})
-    return _shards_rows(state, keys, placement, shards, keys_only)
+    return _shards_rows(state, keys, placement, _own_shards(state), keys_only)
 
 
 def own_held_keys(state: EmbeddingState, placement=None) -> np.ndarray:
@@ -135,9 +134,14 @@ def own_held_keys(state: EmbeddingState, placement=None) -> np.ndarray:
         if jax.process_index() != 0:
             return np.zeros(0, np.int64)
         return export_items(jax.tree.map(_first_local, state.table))[0]
-    shards = sorted({s.index[0].start or 0 for s in state.values.addressable_shards})
     return np.concatenate([export_items(jax.tree.map(lambda x, j=j: _shard(x, j),
-                                                     state.table))[0] for j in shards])
+                                                     state.table))[0]
+                           for j in _own_shards(state)])
+
+
+def _own_shards(state: EmbeddingState) -> list[int]:
+    """The parts of a sharded table on this process's devices."""
+    return sorted({s.index[0].start or 0 for s in state.values.addressable_shards})
 
 
 def _first_local(x: jax.Array) -> jax.Array:
@@ -312,8 +316,7 @@ def held_here(spec: EmbeddingSpec, state: EmbeddingState, stored: dict[str, np.n
     n = np.asarray(stored["keys"]).size
     if placement is None or not placement.sharded or jax.process_count() == 1:
         return np.ones(n, bool)
-    local = sorted({s.index[0].start or 0 for s in state.values.addressable_shards})
-    return np.isin(_owners(spec, stored, placement, source), local)
+    return np.isin(_owners(spec, stored, placement, source), _own_shards(state))
 
 
 def slot_layout(state: EmbeddingState) -> np.ndarray:

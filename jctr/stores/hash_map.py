@@ -28,7 +28,6 @@ import numpy as np
 
 from jctr.config.hps import VolatileDatabaseParams
 from jctr.ops import host_index
-from jctr.ops.host_sort import unique
 from jctr.stores.base import (
     as_keys,
     as_values,
@@ -109,14 +108,9 @@ class HostTable:
     def erase_keys(self, keys: np.ndarray) -> None:
         """Remove the rows of ``keys`` (absent ones skipped) in time proportional to them,
         not to the table: online updates erase a few keys of a large table at a time."""
-        keys = unique(keys)  # each key's row counted once
-        rows = self.find(keys)
-        rows = rows[rows >= 0]
-        if not rows.size:
-            return
-        self._sizes -= np.bincount(self.parts[rows], minlength=self.num_partitions)
         self.size = int(host_index.erase_rows(self.index, self.keys, self.size, keys,
-                                              self.values, self.stamps, self.parts))
+                                              self.values, self.stamps, self.parts,
+                                              self._sizes))
 
     def partition_sizes(self) -> np.ndarray:
         """Keys per partition (kept as rows come and go: an insert does not count them all)."""

@@ -121,7 +121,8 @@ class KafkaPublisher(Hook):
             keys = (unique(np.concatenate(self._touched[i])) if self._touched[i]
                     else np.zeros(0, np.int64))
             self._touched[i] = []
-            keys = self._everyones(keys)  # every process's: each sends the rows it holds
+            if jax.process_count() > 1:  # every process's: each sends the rows it holds
+                keys = self._everyones(keys)
             record = self._published[i]
             if self._restored:
                 record.add(self._everyones(own_held_keys(state.embeddings[i],

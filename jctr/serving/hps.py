@@ -477,7 +477,7 @@ class Databases:
 
             links = [held(read) for read in links]
         written = self.write_links(layer, table, links, progress=progress)
-        stale = [keys[~isin(keys, chain_keys)] for keys, _ in store.items(table)]
+        stale = [keys[~isin(keys, chain_keys, test_sorted=True)] for keys, _ in store.items(table)]
         self.erase_rows(layer, table, np.concatenate(stale) if stale else
                         np.zeros(0, np.int64))
         store.set_meta(table, manifest)

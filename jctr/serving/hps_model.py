@@ -418,7 +418,7 @@ class HPSModel:
                         t.cache.refresh_rows(keys, values)
                 if chain_keys is not None:
                     cached = t.cache.cached_keys(0, t.cache.num_sets)
-                    t.cache.forget_rows(cached[~isin(cached, chain_keys)])
+                    t.cache.forget_rows(cached[~isin(cached, chain_keys, test_sorted=True)])
         self._put_dense(*checked)
         return new_base, len(new_deltas) - (0 if new_base else len(held))
 

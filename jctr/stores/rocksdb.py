@@ -194,11 +194,11 @@ class RocksDBStore:
         if getattr(self, "_cache", None) is None:
             self._cache = self._rd.Cache(self.BLOCK_CACHE_BYTES)
         table = self._rd.BlockBasedOptions()
-        if getattr(self, "_bulk", False):
-            # the table-file layout jctr reads itself (whole-table passes,
-            # jctr.stores.table_scan; RocksDB 9's defaults: format 6, XXH3 checksums)
-            table.set_format_version(5)
-            table.set_checksum_type(self._rd.ChecksumType.crc32c())
+        # the table-file layout jctr reads itself (whole-table passes, jctr.stores.table_scan;
+        # RocksDB 9's defaults: format 6, XXH3 checksums); a database an older jctr wrote
+        # keeps files of format 6 until they are compacted: its passes go through RocksDB
+        table.set_format_version(5)
+        table.set_checksum_type(self._rd.ChecksumType.crc32c())
         table.set_bloom_filter(10, False)
         table.set_block_cache(self._cache)
         opts.set_block_based_table_factory(table)
@@ -383,11 +383,12 @@ class RocksDBStore:
         """(keys, rows) of every stored row, a chunk at a time. ``keyed``: each row holds
         its key in its first two float32 columns (a row store's rows, :class:`jctr.online.
         row_store.RowStore`): the pass reads values alone, and the keys come from them (half
-        the interpreter's time a row: 310-330 ns, not 570-650; docs/performance.md). A bulk
-        store's pass reads the table's files itself where it can (:meth:`_table_files`,
-        :mod:`jctr.stores.table_scan`), else, or from a file it cannot follow on, through
-        RocksDB's iterator."""
-        files = self._table_files(table) if self._bulk else None
+        the interpreter's time a row: 310-330 ns, not 570-650; docs/performance.md). A
+        pass reads the table's files itself where it can (:meth:`_table_files`,
+        :mod:`jctr.stores.table_scan`; a serving database's memtable flushed first), else,
+        or from a file it cannot follow on, through RocksDB's iterator (a serving database's
+        pass over 20M rows: ~25 s through the iterator)."""
+        files = self._table_files(table, flush=not self._bulk)
         start = None
         if files is not None:
             start = yield from self._scan_files(table, files, chunk)
@@ -428,26 +429,34 @@ class RocksDBStore:
             cell.clear()
             self._scans.pop(id(cell), None)
 
-    def _table_files(self, table: str) -> list | None:
+    def _table_files(self, table: str, *, flush: bool = False) -> list | None:
         """``table``'s files, mapped, newest first (:mod:`jctr.stores.table_scan`), when a
         pass can read them instead of RocksDB's iterator: no row in a memtable (a bulk store
-        flushes every write) and every live file one that module reads; else None. The list
-        is one version of the database: a file compacted away before it was mapped makes the
-        list be taken again."""
+        flushes every write; ``flush``: the table's memtable is flushed first) and every
+        live file one that module reads; else None. The list is one version of the
+        database: a file compacted away before it was mapped makes the list be taken
+        again; a row written after the flush makes it None."""
         from jctr.stores import table_scan
+
+        def in_memory(cf) -> bool:
+            return any(cf.property_int_value(f"rocksdb.num-entries-{m}") for m in
+                       ("active-mem-table", "imm-mem-tables"))
 
         with self._use():
             if self._families.get(table) is None or table not in self._dims:
                 return None
             cf = self._families[table]
-            if any(cf.property_int_value(f"rocksdb.num-entries-{m}") for m in
-                   ("active-mem-table", "imm-mem-tables")):
+            if flush and in_memory(cf):
+                with self._lock:
+                    cf.flush()
+            if in_memory(cf):
                 return None
             for _ in range(3):
                 try:
                     # (a file's family is in its properties: rocksdict's list leaves it out)
-                    files = [table_scan.open_file(os.path.join(self.path, f["name"].lstrip("/")),
-                                                  table) for f in self.db.live_files()]
+                    files = [table_scan.open_file(os.path.join(
+                        self._shadow or self.path, f["name"].lstrip("/")), table)
+                        for f in self.db.live_files()]
                 except FileNotFoundError:
                     continue
                 except table_scan.Unreadable:

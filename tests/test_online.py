@@ -836,6 +836,37 @@ def test_a_server_takes_the_next_deltas_and_the_next_base_without_a_restart(tmp_
     dbs.close()
 
 
+def test_a_sighup_during_the_serve_commands_imports_ends_only_load(tmp_path):
+    """`python -m jctr.serve` catches SIGHUP before its imports (``jctr/serve.py``), so a
+    SIGHUP while they run (sent here from an import hook, as `jctr.serving.cli` is imported)
+    no longer ends the server's process; `load`, a batch command, still ends at it."""
+    import signal
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    driver = (
+        "import os, runpy, signal, sys\n"
+        "class Hangup:\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        if name == 'jctr.serving.cli':\n"
+        "            os.kill(os.getpid(), signal.SIGHUP)\n"
+        "sys.meta_path.insert(0, Hangup())\n"
+        "sys.argv = ['jctr.serve', *sys.argv[1:]]\n"
+        "runpy.run_module('jctr.serve', run_name='__main__', alter_sys=True)\n")
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-c", driver, *args], cwd=ROOT, timeout=120,
+                              capture_output=True, text=True)
+
+    served = run("--help")
+    assert served.returncode == 0 and "usage: python -m jctr.serve" in served.stdout, \
+        served.stderr
+    loaded = run("load", "--config", str(tmp_path / "ps.json"))
+    assert loaded.returncode == -signal.SIGHUP, (loaded.returncode, loaded.stderr)
+
+
 def test_serve_takes_a_sighup_while_it_starts_and_then_the_next_delta(tmp_path):
     """`python -m jctr.serve` itself: a SIGHUP while it loads its databases (SIGHUP's default
     would end the process) is taken once it serves; a later one, after the next delta was

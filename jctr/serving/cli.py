@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 import threading
@@ -140,15 +141,16 @@ def _load(args) -> None:
         dbs.close()
 
 
-def _serve(args) -> None:
+def _serve(args, hup: threading.Event | None = None) -> None:
     import uvicorn
 
     from jctr.serving.server import build_app
 
     # a SIGHUP while the server starts (loading can take minutes) is taken once it serves,
     # not the end of the process (SIGHUP's default)
-    hup = threading.Event()
-    signal.signal(signal.SIGHUP, lambda signum, frame: hup.set())
+    if hup is None:
+        hup = threading.Event()
+        signal.signal(signal.SIGHUP, lambda signum, frame: hup.set())
     ps = load_ps_config(args.config)
     print(f"[jctr] starting {', '.join(p.model_name for p in ps.models)} from {args.config}: "
           "checking and loading the databases", flush=True)
@@ -170,8 +172,23 @@ def _serve(args) -> None:
         dbs.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def _hangup_default(hangup: threading.Event | None) -> None:
+    """A command that does not serve ends at SIGHUP, as any command does: SIGHUP's default
+    back, and one that came while the process started delivered now."""
+    if hangup is None or not hasattr(signal, "SIGHUP"):
+        return
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    if hangup.is_set():
+        os.kill(os.getpid(), signal.SIGHUP)
+
+
+def main(argv: list[str] | None = None, *, hangup: threading.Event | None = None) -> int:
+    """``python -m jctr.serve``'s commands. ``hangup``: set by a SIGHUP since the process
+    started (``jctr/serve.py`` catches it before any import that takes time): the server takes
+    it once it serves; ``load`` and ``request`` end at it."""
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["load"], ["request"]):
+        _hangup_default(hangup)
     if argv[:1] == ["request"]:
         from jctr.serving.requests import main as request_main
 
@@ -191,4 +208,4 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--port", type=int, default=8000, help="port (8000)")
     ap.add_argument("--debug", action="store_true", help="show tracebacks with errors")
     args = ap.parse_args(argv)
-    return run_command(lambda: _serve(args), debug=args.debug)
+    return run_command(lambda: _serve(args, hangup), debug=args.debug)

@@ -16,6 +16,7 @@ files in the version's order, level 0 newest first)."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
@@ -208,3 +209,44 @@ def test_the_reader_refuses_what_it_does_not_follow(tmp_path):
     os.remove(path)
     with pytest.raises(FileNotFoundError):
         table_scan.open_file(path)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's /proc")
+def test_a_pass_lets_go_of_the_pages_it_has_read(tmp_path):
+    """A pass over a table larger than memory held every page of its files it had read in
+    the process's resident memory until the pass ended (a server's pass over 20M rows: 1.4 ->
+    3.1 GB resident). Each key range's blocks are let go of once its rows are handed out:
+    while the files stay mapped, after the pass, a small part of them is resident (the
+    pages stay in the page cache: a second pass reads the same rows)."""
+    from jctr.stores.base import bytewise_order, key_columns
+    from jctr.stores.sst_file import write_table_file
+
+    path = str(tmp_path / "big.sst")
+    keys = np.arange(120_000, dtype=np.int64)
+    keys = keys[bytewise_order(key_columns(keys))]  # a table file's order
+    rows = np.random.default_rng(3).random((keys.size, 64), dtype=np.float32)  # ~31 MB
+    write_table_file(path, key_columns(keys), [rows], family="t")
+    keys, rows = keys[np.argsort(keys)], rows[np.argsort(keys)]
+    f = table_scan.open_file(path, "t")
+
+    def resident_kb() -> int:
+        with open("/proc/self/smaps", encoding="utf-8") as smaps:
+            lines = smaps.read().splitlines()
+        total, inside = 0, False
+        for line in lines:
+            if re.match(r"[0-9a-f]+-[0-9a-f]+ ", line):  # a mapping's first line
+                inside = line.rstrip().endswith(path)
+            elif inside and line.startswith("Rss:"):
+                total += int(line.split()[1])
+        return total
+
+    size_kb = os.path.getsize(path) // 1024
+    for _ in range(2):
+        got_keys, got = [], []
+        for k, r in table_scan.scan([f], 4 * 64, 8192, range_entries=8192):
+            got_keys.append(k)
+            got.append(r.view(np.float32).copy())
+        order = np.argsort(np.concatenate(got_keys))
+        np.testing.assert_array_equal(np.concatenate(got_keys)[order], keys)
+        np.testing.assert_array_equal(np.concatenate(got)[order], rows)
+        assert resident_kb() < size_kb // 4, (resident_kb(), size_kb)

@@ -41,6 +41,7 @@ from jctr.ops.host_index import host_kernel
 from jctr.stores.sst_file import CRC32C, MAGIC
 
 FOOTER_BYTES = 53  # format versions 1-5: checksum type, two handles padded to 41, version, magic
+BLOCK_TRAILER = 5  # after each block: its compression type and checksum
 
 
 class Unreadable(Exception):
@@ -62,6 +63,7 @@ class TableFile:
     handles: np.ndarray  # [blocks, 2] int64
     last_keys: np.ndarray  # [blocks] uint64
     entries: int
+    mapped: mmap.mmap | None = None  # the map under ``data`` (pages read are let go of)
 
 
 # -- small blocks (footer, meta-index, properties) in Python: a few per file ---------------
@@ -114,7 +116,8 @@ def open_file(path: str, family: str | None = None) -> TableFile:
         size = os.fstat(f.fileno()).st_size
         if size < FOOTER_BYTES:
             raise Unreadable(f"{path}: shorter than a table file's footer")
-        data = np.frombuffer(mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ), np.uint8)
+        mapped = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_READ)
+        data = np.frombuffer(mapped, np.uint8)
     tail = bytes(data[size - FOOTER_BYTES:])
     version, magic = struct.unpack_from("<IQ", tail, 41)
     if magic != MAGIC or not 1 <= version <= 5 or tail[0] != CRC32C:
@@ -159,7 +162,7 @@ def open_file(path: str, family: str | None = None) -> TableFile:
     if got != blocks:
         raise Unreadable(f"{path}: its index does not hold {blocks} well-formed data blocks "
                          f"({got})")
-    return TableFile(path, name, data, handles, last, number(b"rocksdb.num.entries"))
+    return TableFile(path, name, data, handles, last, number(b"rocksdb.num.entries"), mapped)
 
 
 @numba.njit(inline="always")
@@ -373,6 +376,21 @@ def _merge(keys, types, starts, winners):
                 return -1
 
 
+def _unmap_blocks(f: TableFile, first: int, stop: int) -> None:
+    """Data blocks ``first .. stop - 1`` of ``f``, read, let go of: a pass over a table
+    larger than memory would otherwise hold every page it read in its resident memory to the
+    end (clean pages the kernel can take back, but counted as the process's; a server's 20M
+    rows: 1.4 -> 3.1 GB). The pages stay in the page cache; a block read again (a range's
+    edge) comes back from there."""
+    if first >= stop or f.mapped is None or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start = int(f.handles[first, 0]) // mmap.PAGESIZE * mmap.PAGESIZE
+    end = min(int(f.handles[stop - 1, 0] + f.handles[stop - 1, 1]) + BLOCK_TRAILER,
+              f.data.size)
+    if end > start:
+        f.mapped.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+
 @host_kernel
 def _gather(data, offsets, rows, at):
     """``rows[at[i]] = data[offsets[i] : offsets[i] + rows.shape[1]]``."""
@@ -448,6 +466,8 @@ def scan(files: list[TableFile], value_bytes: int, chunk: int = 65536, *,
                 if sel.size:
                     _gather(f.data, offs[w[sel]], rows, sel)
             yield keys[w].byteswap().view(np.int64), rows
+        for f, (first, stop) in zip(files, spans):
+            _unmap_blocks(f, first, stop)
         lo = hi
         if hi is None:
             return

@@ -504,6 +504,129 @@ def test_rocksdb_read_only_opens_on_read_only_storage(tmp_path):
     assert _folder_bytes(path) == before
 
 
+def _rows_of(store, table):
+    """(keys, rows) a whole-table pass gives, in key order."""
+    parts = list(store.items(table))
+    if not parts:
+        return np.zeros(0, np.int64), None
+    keys = np.concatenate([k for k, _ in parts])
+    rows = np.concatenate([v for _, v in parts])
+    order = np.argsort(keys)
+    return keys[order], rows[order]
+
+
+@pytest.mark.parametrize("kind", ["rocks_db", "hash_map"])
+def test_tables_swap_their_rows_widths_and_manifests_at_once(tmp_path, kind):
+    """``swap_tables`` (a server's next base is written into a table of its own, then swapped
+    in): each table then holds the other's rows, width and manifest, to lookups and
+    whole-table passes alike (RocksDB's: its table files, whose column family is now another
+    name than the table's); RocksDB keeps the swap across a restart, over several days' swaps
+    (each day's table written under the same name, its column family named anew) and a name
+    left by a process killed before it made its family; a missing table is refused."""
+    def store_():
+        if kind == "hash_map":
+            return HashMapStore(VolatileDatabaseParams(type="hash_map"))
+        return RocksDBStore(PersistentDatabaseParams(type="rocks_db",
+                                                     path=str(tmp_path / "db")))
+
+    store = store_()
+    live, staged = "hps_et.m.t", "hps_et.m.t~next"
+    old_keys = np.arange(0, 40_000, dtype=np.int64)  # a bulk load (a table file) and not
+    store.insert(live, old_keys, np.ones((old_keys.size, 4), np.float32))
+    store.insert(live, np.array([-7], np.int64), np.full((1, 4), 3, np.float32))
+    store.set_meta(live, {"day": 1})
+    for day in range(2, 6):
+        new_keys = np.arange(day * 100, day * 100 + 50_000, dtype=np.int64)
+        store.insert(staged, new_keys, np.full((new_keys.size, 2 + day), day, np.float32))
+        store.set_meta(staged, {"day": day})
+        store.swap_tables(live, staged)
+        for t, keys, width, value in ((live, new_keys, 2 + day, day), (staged, None, None, None)):
+            if keys is None:  # the old day's
+                assert store.get_meta(staged)["day"] == day - 1
+                continue
+            got_keys, rows = _rows_of(store, t)
+            np.testing.assert_array_equal(got_keys, keys)
+            assert rows.shape == (keys.size, width) and (rows == value).all()
+            values, found = store.lookup(t, keys[[0, -1]], width)
+            assert found.all() and (values == value).all()
+            assert store.get_meta(t) == {"day": day}
+        store.drop_table(staged)
+        assert store.tables() == [live]
+        if kind == "rocks_db":  # a restart finds the swapped table under its name
+            store.close()
+            store = store_()
+            assert store.tables() == [live] and store.get_meta(live) == {"day": day}
+            got_keys, rows = _rows_of(store, live)
+            np.testing.assert_array_equal(got_keys, new_keys)
+            assert (rows == day).all() and store.dim(live) == 2 + day
+    with pytest.raises(StoreError, match="no table"):
+        store.swap_tables(live, staged)
+    if kind == "rocks_db":  # a table's name written, then killed before its family was made
+        from jctr.stores.rocksdb import _family_key
+
+        store.db.put(_family_key("hps_et.m.u"), b"hps_et.m.u#3")
+        store.close()
+        store = store_()
+        assert store.tables() == [live]
+        store.insert("hps_et.m.u", np.array([1], np.int64), np.ones((1, 2), np.float32))
+        store.close()
+        store = store_()
+        assert store.tables() == [live, "hps_et.m.u"]
+        assert _rows_of(store, "hps_et.m.u")[0].tolist() == [1]
+    store.close()
+
+
+def test_a_new_base_is_written_apart_and_swapped_in_at_once(tmp_path, monkeypatch):
+    """``Databases.switch_links`` into RocksDB and a hash map: until the new chain's table is
+    swapped in, the served table holds the old chain whole (no request reads rows of two
+    days); after it, the new chain whole (the keys it lacks gone), its manifest, and the hash
+    map's share only the keys it held. A staged table a switch killed midway left behind
+    is dropped first. The keys of the chain are never gathered (only a database without
+    swaps, Redis, erases what the chain lacks)."""
+    from jctr.serving.hps import STAGED_SUFFIX
+
+    dbs = Databases(VolatileDatabaseParams(type="hash_map"),
+                    PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db")))
+    table = "hps_et.m.t"
+    old_keys = np.arange(100, dtype=np.int64)
+    new_keys = np.arange(50, 180, dtype=np.int64)
+    dbs.persistent.insert(table, old_keys, np.ones((100, 4), np.float32))
+    dbs.volatile.insert(table, old_keys[::2], np.ones((50, 4), np.float32))
+    dbs.persistent.insert(table + STAGED_SUFFIX, np.array([999]), np.ones((1, 4), np.float32))
+    seen = []
+    for store in (dbs.persistent, dbs.volatile):
+        real = store.swap_tables
+
+        def swap(a, b, real=real, store=store):
+            keys, rows = _rows_of(store, a)
+            seen.append((keys, rows))
+            real(a, b)
+        monkeypatch.setattr(store, "swap_tables", swap)
+
+    def chain():
+        return (new_keys, np.full((new_keys.size, 4), 2, np.float32)),
+
+    def no_keys():
+        raise AssertionError("the chain's keys gathered")
+
+    for layer, share in (("persistent_db", False), ("volatile_db", True)):
+        written = dbs.switch_links(layer, table, [chain], {"dim": 4, "day": 2}, no_keys,
+                                   held_only=share)
+        assert written == (25 if share else new_keys.size)  # held: 50, 52, ..., 98
+    for (keys, rows), want in zip(seen, (old_keys, old_keys[::2])):
+        np.testing.assert_array_equal(keys, want)
+        assert (rows == 1).all()  # the old chain whole until the swap
+    keys, rows = _rows_of(dbs.persistent, table)
+    np.testing.assert_array_equal(keys, new_keys)
+    assert (rows == 2).all()
+    keys, rows = _rows_of(dbs.volatile, table)
+    np.testing.assert_array_equal(keys, old_keys[::2][old_keys[::2] >= 50])
+    assert (rows == 2).all()
+    for store in (dbs.persistent, dbs.volatile):
+        assert store.tables() == [table] and store.get_meta(table) == {"dim": 4, "day": 2}
+    dbs.close()
+
+
 # -- device cache ----------------------------------------------------------------------------
 
 def test_device_cache_hits_lru_within_a_set_and_refresh():

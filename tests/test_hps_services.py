@@ -108,6 +108,38 @@ def test_redis_store_insert_lookup_erase_and_overflow(cluster):
     store.close()
 
 
+def test_a_new_base_over_redis_is_written_in_place_and_the_keys_it_lacks_erased(
+        cluster, tmp_path):
+    """Redis cannot swap a table in at once (``Databases.switch_links``): its share of the
+    served table takes the new chain's rows of the keys it holds, then the keys the chain
+    lacks are erased (read from the chain's keys, sorted); the manifest comes last."""
+    dbs = Databases(_volatile(cluster),
+                    PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db")))
+    table = "hps_et.switch.t"
+    dbs.volatile.drop_table(table)
+    old_keys = np.arange(100, dtype=np.int64)
+    new_keys = np.arange(50, 180, dtype=np.int64)
+    dbs.volatile.insert(table, old_keys[::2], _vectors(old_keys[::2]))
+    asked = []
+
+    def chain_keys():
+        asked.append(1)
+        return new_keys
+
+    written = dbs.switch_links(
+        "volatile_db", table, [lambda: ((new_keys, _vectors(new_keys) + 1),)],
+        {"dim": 4, "day": 2}, chain_keys, held_only=True)
+    assert written == 25 and asked == [1]
+    keys = np.sort(np.concatenate([k for k, _ in dbs.volatile.items(table)]))
+    np.testing.assert_array_equal(keys, np.arange(50, 100, 2))
+    values, found = dbs.volatile.lookup(table, keys, 4)
+    assert found.all()
+    np.testing.assert_allclose(values, _vectors(keys) + 1)
+    assert dbs.volatile.get_meta(table) == {"dim": 4, "day": 2}
+    dbs.volatile.drop_table(table)
+    dbs.close()
+
+
 def test_wrong_password_and_unreachable_cluster_are_clear_errors(cluster):
     with pytest.raises(StoreError, match="authentication failed"):
         RedisClusterStore(VolatileDatabaseParams(type="redis_cluster",

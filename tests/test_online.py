@@ -733,11 +733,12 @@ def test_a_server_takes_the_next_deltas_and_the_next_base_without_a_restart(tmp_
     delta models come every few passes) and every day's base. Sent SIGHUP, `serve` reads its
     parameter-server file again and each model takes the models it names now: the next
     deltas (their rows into every layer), or the next day's base (every layer's table made
-    that base in place, the keys the day's shrink deleted erased, the hash map's share kept
-    to the keys it held); the device cache takes the new rows of keys it holds and forgets
-    the erased ones; then the last model's dense weights. Each time it predicts what a server
-    loaded afresh with the same models predicts, and a later start writes nothing. A chain
-    that drops deltas of the base served is refused and the model served as it was."""
+    that base: written apart and swapped in, so the keys the day's shrink deleted are gone,
+    the hash map's share kept to the keys it held); the device cache reads the keys it holds
+    again and forgets the erased ones; then the last model's dense weights. Each time it
+    predicts what a server loaded afresh with the same models predicts, and a later start
+    writes nothing. A chain that drops deltas of the base served is refused and the model
+    served as it was."""
     import json
     import signal
 

@@ -70,6 +70,7 @@ def open_persistent(params: PersistentDatabaseParams) -> KeyValueStore | None:
 
 
 _DENSE_ROW = 1024  # floats per stored row of dense weights
+STAGED_SUFFIX = "~next"  # the table a new base is written into before it is swapped in
 _WRITE_ROWS = 1 << 18  # rows one insert call takes (a load, a delta, an update)
 # a table's rows for a load: called once per pass over them, (keys, values) parts in order
 RowParts = Callable[[], Iterable[tuple[np.ndarray, np.ndarray]]]
@@ -453,18 +454,20 @@ class Databases:
         return written
 
     def switch_links(self, layer: str, table: str, links: Sequence[RowParts], manifest: dict,
-                     chain_keys: np.ndarray, *, held_only: bool = False,
+                     chain_keys: Callable[[], np.ndarray], *, held_only: bool = False,
                      progress: Callable[[str, int], None] | None = None) -> int:
         """``layer``'s table made the chain of ``links`` (another base and its deltas) while it
-        serves: marked incomplete, the chain's rows written over it (``held_only``: only the
-        rows of keys it holds, for a volatile database holding a share), the keys not in
-        ``chain_keys`` (sorted: every key of the chain) erased, then ``manifest`` written.
-        Requests meanwhile read old and new rows, as they do online updates'. Returns rows
-        written."""
+        serves (``held_only``: only the rows of keys it holds, for a volatile database holding
+        a share). Where the database swaps tables (RocksDB, a hash map) the chain is written
+        into a table of its own, with ``manifest``, and swapped in at once: requests read the
+        old chain whole until then, the new one whole after, and online updates applied
+        meanwhile go with the old. Elsewhere (Redis) the table is marked incomplete, the rows
+        written over it, the keys not in ``chain_keys()`` (sorted: every key of the chain)
+        erased, then ``manifest`` written; requests meanwhile read old and new rows. Returns
+        rows written."""
         store = self.volatile if layer == "volatile_db" else self.persistent
         if store is None:
             raise StoreUnavailable(f"{layer} down: {self.volatile_error}")
-        store.set_meta(table, incomplete(store.get_meta(table) or {}))
         if held_only:
             dim = int(manifest["dim"])
 
@@ -476,11 +479,26 @@ class Databases:
                 return parts
 
             links = [held(read) for read in links]
-        written = self.write_links(layer, table, links, progress=progress)
-        stale = [keys[~isin(keys, chain_keys, test_sorted=True)] for keys, _ in store.items(table)]
-        self.erase_rows(layer, table, np.concatenate(stale) if stale else
-                        np.zeros(0, np.int64))
-        store.set_meta(table, manifest)
+        if callable(getattr(store, "swap_tables", None)):
+            staged = table + STAGED_SUFFIX
+            if staged in store.tables() or store.get_meta(staged) is not None:
+                store.drop_table(staged)  # a switch cut short
+            written = self.write_links(layer, staged, links, manifest, progress=progress)
+            if staged in store.tables():
+                store.swap_tables(table, staged)
+            else:  # no row (a share of none): the table goes
+                store.drop_table(table)
+                store.set_meta(table, manifest)
+            store.drop_table(staged)
+        else:
+            store.set_meta(table, incomplete(store.get_meta(table) or {}))
+            written = self.write_links(layer, table, links, progress=progress)
+            held_keys = chain_keys()
+            stale = [keys[~isin(keys, held_keys, test_sorted=True)]
+                     for keys, _ in store.items(table)]
+            self.erase_rows(layer, table, np.concatenate(stale) if stale else
+                            np.zeros(0, np.int64))
+            store.set_meta(table, manifest)
         if layer == "volatile_db":
             self._volatile_skip.discard(table)
         return written

@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -46,7 +47,7 @@ from jctr.config.parser import load_config
 from jctr.data.batch import Batch, batch_from_features, check_batch
 from jctr.embedding.sparse_embedding import pool
 from jctr.models.ctr import StepConfig, build_model, forward
-from jctr.ops.host_sort import isin, unique
+from jctr.ops.host_sort import unique
 from jctr.runtime.host_memory import room_left
 from jctr.serving.device_cache import WAYS, DeviceCache
 from jctr.serving.hps import LAYERS, Databases, LayerUnavailable, RowParts
@@ -57,6 +58,9 @@ from jctr.stores.hash_map import hash_map_bytes
 
 _JSON_NAMES = {v: k for k, v in MODEL_JSON_KEYS.items()}
 LOAD_PART_BYTES = 64 << 20  # a sparse model's rows read at a time by a load
+
+
+_CACHE_READ_KEYS = 1 << 16  # keys of a device cache read again at once at a new base
 
 
 class _Table:
@@ -340,12 +344,13 @@ class HPSModel:
 
         The same base with more deltas: every database layer holding the chain gets the new
         deltas' rows. Another base (the next day's): every layer's table is made the new
-        chain in place (:meth:`Databases.switch_links`: its rows written over the old ones,
-        a volatile database holding a share taking those of the keys it holds, the keys the
-        new chain lacks erased), while requests go on. Either way every file is read through
+        chain while requests go on (:meth:`Databases.switch_links`: written into a table of
+        its own and swapped in at once, or in place in Redis; a volatile database holding a
+        share takes those of the keys it holds). Either way every file is read through
         and checked before any write, the device cache takes the new rows of the keys it
-        holds (and forgets keys the new chain lacks), then the last model's dense weights
-        are swapped in. Rows online updates wrote are overwritten. Only the chain and its
+        holds (at a new base: read again from the databases, keys the new chain lacks
+        forgotten), then the last model's dense weights are swapped in. Rows online updates
+        wrote are overwritten (at a new base: gone with the old chain). Only the chain and its
         dense files are taken; another network or other settings take a restart, and a
         chain that drops deltas of the same base is refused (:class:`StoreError`), the model
         served as it was."""
@@ -392,35 +397,44 @@ class HPSModel:
                                          "`python -m jctr.serve load` and restart")
                     layers[layer] = first
                 links = {f: self._row_links(i, f, meter) for f in set(layers.values()) | {fresh}}
-                chain_keys = None
-                if new_base:  # every key of the new chain (sorted): the others are erased
-                    chain_keys = unique(np.concatenate([
-                        np.fromfile(os.path.join(path, "key"), "<i8").astype(np.int64)
-                        for path in (params.sparse_model_files[i], *self._delta_files(i))]))
-                work.append((i, t, manifest, layers, links, chain_keys))
+                work.append((i, t, manifest, layers, links))
         except BaseException:
             self.params, self._manifests = old, [None] * len(self.tables)
             raise
-        for i, t, manifest, layers, links, chain_keys in work:
+        for i, t, manifest, layers, links in work:
             self.dbs.expected[t.key] = manifest
             counted = meter.layers(self, i, manifest)
             for layer, first in layers.items():
                 if new_base:
                     share = layer == "volatile_db" and self.dbs.persistent is not None
-                    self.dbs.switch_links(layer, t.key, links[0], manifest, chain_keys,
+                    self.dbs.switch_links(layer, t.key, links[0], manifest,
+                                          functools.partial(self._chain_keys, i),
                                           held_only=share, progress=counted)
                 else:
                     self.dbs.write_links(layer, t.key, links[first], manifest,
                                          progress=counted)
-            if t.cache is not None:  # the new rows of keys the cache holds
+            if t.cache is None:
+                continue
+            if new_base:  # the keys the cache holds, read again from the new chain's tables
+                cached = t.cache.cached_keys(0, t.cache.num_sets)
+                for s in range(0, cached.size, _CACHE_READ_KEYS):
+                    keys = cached[s:s + _CACHE_READ_KEYS]
+                    values, found, _ = self.dbs.lookup(t.key, keys, t.dim, t.default)
+                    t.cache.refresh_rows(keys[found], values[found])
+                    t.cache.forget_rows(keys[~found])
+            else:  # the new deltas' rows of keys the cache holds
                 for read in links[fresh]:
                     for keys, values in read():
                         t.cache.refresh_rows(keys, values)
-                if chain_keys is not None:
-                    cached = t.cache.cached_keys(0, t.cache.num_sets)
-                    t.cache.forget_rows(cached[~isin(cached, chain_keys, test_sorted=True)])
         self._put_dense(*checked)
         return new_base, len(new_deltas) - (0 if new_base else len(held))
+
+    def _chain_keys(self, i: int) -> np.ndarray:
+        """Every key of table ``i``'s chain, sorted (the keys a database that cannot swap
+        tables keeps at a new base; 8 bytes a key, read from the key files)."""
+        return unique(np.concatenate([
+            np.fromfile(os.path.join(path, "key"), "<i8").astype(np.int64)
+            for path in (self.params.sparse_model_files[i], *self._delta_files(i))]))
 
     def base_link(self) -> str:
         """The base export this model serves (the first link of table 0's chain)."""

@@ -29,6 +29,7 @@ import numpy as np
 from jctr.config.hps import VolatileDatabaseParams
 from jctr.ops import host_index
 from jctr.stores.base import (
+    StoreError,
     as_keys,
     as_values,
     check_dim,
@@ -251,6 +252,20 @@ class HashMapStore:
             self._meta.pop(table, None)
         else:
             self._meta[table] = dict(meta)
+
+    def swap_tables(self, a: str, b: str) -> None:
+        """Tables ``a`` and ``b`` exchange their rows and manifests at once (see
+        :meth:`jctr.stores.rocksdb.RocksDBStore.swap_tables`)."""
+        with self._lock:
+            for t in (a, b):
+                if t not in self._tables:
+                    raise StoreError(f"{self.name}: no table {t} to swap")
+            self._tables[a], self._tables[b] = self._tables[b], self._tables[a]
+            meta_a, meta_b = self._meta.pop(a, None), self._meta.pop(b, None)
+            if meta_b is not None:
+                self._meta[a] = meta_b
+            if meta_a is not None:
+                self._meta[b] = meta_a
 
     def drop_table(self, table: str) -> None:
         with self._lock:

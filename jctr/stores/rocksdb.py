@@ -66,6 +66,16 @@ def _meta_key(table: str) -> bytes:
     return b"jctr.manifest/" + table.encode()
 
 
+_FAMILY_PREFIX = b"jctr.family/"
+
+
+def _family_key(table: str) -> bytes:
+    """Where the default column family names the column family holding a table's rows, when
+    it is not the table's own name (a table swapped with another, :meth:`RocksDBStore.
+    swap_tables`)."""
+    return _FAMILY_PREFIX + table.encode()
+
+
 def _shadow(path: str) -> str:
     """A new temporary folder of links to the database files of ``path`` (not its LOCK, LOG
     or rocksdict's config): RocksDB opens it read-only and writes what it must there."""
@@ -163,8 +173,20 @@ class RocksDBStore:
                 if name.startswith(_INGEST_PREFIX) and name.endswith(".sst"):
                     with contextlib.suppress(FileNotFoundError):
                         os.remove(os.path.join(self.path, name))
-        self._families = {name: self.db.get_column_family(name)
-                          for name in families if name != "default"}
+        # each table's column family: its own name, or the one a swap gave it
+        named = {}
+        for key, value in self.db.items(from_key=_FAMILY_PREFIX):
+            if not key.startswith(_FAMILY_PREFIX):
+                break
+            if value.decode() in families:  # (a name written before its family was made)
+                named[key[len(_FAMILY_PREFIX):].decode()] = value.decode()
+        taken = set(named.values())
+        self._cf_names: dict[str, str] = dict(named)
+        for name in families:
+            if name != "default" and name not in taken and name not in named:
+                self._cf_names[name] = name
+        self._families = {table: self.db.get_column_family(cf)
+                          for table, cf in self._cf_names.items()}
         for name in self._families:
             dim = self.db.get(_dim_key(name))
             if dim is not None:
@@ -219,9 +241,53 @@ class RocksDBStore:
             self.db.put(_dim_key(table), str(create_dim).encode())
             self._dims[table] = create_dim
             if cf is None:
-                cf = self.db.create_column_family(table, self._options())
+                name, k = table, 0
+                while name in self._cf_names.values():  # (the name swapped to another table)
+                    k += 1
+                    name = f"{table}#{k}"
+                # named first: a family made without its name is unused
+                if name != table:
+                    self.db.put(_family_key(table), name.encode())
+                else:  # (a name left by a process killed before it made its family)
+                    self.db.delete(_family_key(table))
+                cf = self.db.create_column_family(name, self._options())
+                self._cf_names[table] = name
                 self._families[table] = cf
         return cf
+
+    def swap_tables(self, a: str, b: str) -> None:
+        """Tables ``a`` and ``b`` exchange their rows, row widths and manifests at once (one
+        write: a crash leaves both as they were or both swapped); a read of either meanwhile
+        sees one or the other whole. A server's next base is written into a table of its own
+        and swapped in (:meth:`jctr.serving.hps.Databases.switch_links`)."""
+        if self.params.read_only:
+            raise StoreError(f"rocks_db {self.path}: read-only, cannot swap table {a}")
+        with self._use(), self._lock:
+            for t in (a, b):
+                if self._families.get(t) is None or t not in self._dims:
+                    raise StoreError(f"rocks_db {self.path}: no table {t} to swap")
+            wb = self._rd.WriteBatch(raw_mode=True)
+            try:
+                for table, other in ((a, b), (b, a)):
+                    cf = self._cf_names[other]
+                    if cf == table:
+                        wb.delete(_family_key(table))
+                    else:
+                        wb.put(_family_key(table), cf.encode())
+                    wb.put(_dim_key(table), str(self._dims[other]).encode())
+                    meta = self.db.get(_meta_key(other))
+                    if meta is None:
+                        wb.delete(_meta_key(table))
+                    else:
+                        wb.put(_meta_key(table), meta)
+                self.db.write(wb)
+            finally:
+                del wb
+            for names in (self._cf_names, self._families, self._dims):
+                names[a], names[b] = names[b], names[a]
+            self._handles.pop(a, None)
+            self._handles.pop(b, None)
+        self._settle()
 
     def _check_dim(self, table: str, dim: int) -> None:
         check_dim(f"rocks_db {self.path}", table, self._dims.get(table), dim)
@@ -290,7 +356,7 @@ class RocksDBStore:
     def _handle(self, table: str):
         """``table``'s column-family handle (a write batch's target), kept here alone."""
         if table not in self._handles:
-            self._handles[table] = self.db.get_column_family_handle(table)
+            self._handles[table] = self.db.get_column_family_handle(self._cf_names[table])
         return self._handles[table]
 
     def ingest_columns(self, table: str, keys, columns: list[np.ndarray]) -> None:
@@ -329,7 +395,8 @@ class RocksDBStore:
                 if RocksDBStore._own_files:
                     try:
                         # each row gathered from its columns straight into the file's blocks
-                        write_table_file(path, kcols, columns, order, family=table)
+                        write_table_file(path, kcols, columns, order,
+                                         family=self._cf_names[table])
                         family.ingest_external_file([path], ingest)
                         return
                     except Exception as e:  # noqa: BLE001 - rocksdict raises plain Exception
@@ -451,11 +518,12 @@ class RocksDBStore:
                     cf.flush()
             if in_memory(cf):
                 return None
+            family = self._cf_names[table]  # (the family's own name: a swap may change it)
             for _ in range(3):
                 try:
                     # (a file's family is in its properties: rocksdict's list leaves it out)
                     files = [table_scan.open_file(os.path.join(
-                        self._shadow or self.path, f["name"].lstrip("/")), table)
+                        self._shadow or self.path, f["name"].lstrip("/")), family)
                         for f in self.db.live_files()]
                 except FileNotFoundError:
                     continue
@@ -463,7 +531,7 @@ class RocksDBStore:
                     return None
                 except table_scan.TableCorrupt as e:
                     raise StoreError(f"rocks_db {self.path} table {table}: {e}") from None
-                return [f for f in files if f.family == table]
+                return [f for f in files if f.family == family]
         return None
 
     def _scan_files(self, table: str, files: list, chunk: int):
@@ -595,7 +663,8 @@ class RocksDBStore:
             if table in self._families:
                 self._handles.pop(table, None)
                 self._families.pop(table).close()
-                self.db.drop_column_family(table)
+                self.db.drop_column_family(self._cf_names.pop(table))
+            self.db.delete(_family_key(table))
             self.db.delete(_dim_key(table))
             self._dims.pop(table, None)
         self._settle()

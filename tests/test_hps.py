@@ -624,6 +624,14 @@ def test_a_new_base_is_written_apart_and_swapped_in_at_once(tmp_path, monkeypatc
     assert (rows == 2).all()
     for store in (dbs.persistent, dbs.volatile):
         assert store.tables() == [table] and store.get_meta(table) == {"dim": 4, "day": 2}
+    # a switch killed while it wrote: its staged tables are dropped (a server's start does
+    # this: HPSModel.load_databases), the served ones kept
+    for store in (dbs.persistent, dbs.volatile):
+        store.insert(table + STAGED_SUFFIX, np.array([5]), np.ones((1, 4), np.float32))
+    assert dbs.drop_staged(table) == ["persistent_db", "volatile_db"]
+    for store in (dbs.persistent, dbs.volatile):
+        assert store.tables() == [table]
+    assert dbs.drop_staged(table) == []
     dbs.close()
 
 

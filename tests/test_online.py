@@ -827,11 +827,16 @@ def test_a_server_takes_the_next_deltas_and_the_next_base_without_a_restart(tmp_
     assert np.isin(cached, kept).all()
     hps.close()
     dbs.close()
-    # a later start finds the new base there: nothing written again
+    # a later start finds the new base there: nothing written again; a next base a switch
+    # stopped half way had written (a process killed meanwhile) is dropped, and said
     cfg = load_ps_config(path)
     dbs = Databases(cfg.volatile_db, cfg.persistent_db)
+    dbs.persistent.insert(table + "~next", np.array([1], np.int64), np.ones((1, 8), np.float32))
     hps = HPSModel(cfg.models[0], dbs)
-    assert hps.load_databases()[table]["persistent_db"] == 0
+    lines = []
+    assert hps.load_databases(progress=lines.append)[table]["persistent_db"] == 0
+    assert dbs.persistent.tables() == [table] and any("half written, dropped" in x
+                                                      for x in lines), lines
     np.testing.assert_allclose(hps.predict(batch), want, rtol=2e-5, atol=1e-6)
     hps.close()
     dbs.close()

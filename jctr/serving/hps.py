@@ -481,8 +481,7 @@ class Databases:
             links = [held(read) for read in links]
         if callable(getattr(store, "swap_tables", None)):
             staged = table + STAGED_SUFFIX
-            if staged in store.tables() or store.get_meta(staged) is not None:
-                store.drop_table(staged)  # a switch cut short
+            self.drop_staged(table)  # a switch cut short
             written = self.write_links(layer, staged, links, manifest, progress=progress)
             if staged in store.tables():
                 store.swap_tables(table, staged)
@@ -502,6 +501,21 @@ class Databases:
         if layer == "volatile_db":
             self._volatile_skip.discard(table)
         return written
+
+    def drop_staged(self, table: str) -> list[str]:
+        """Drop ``table``'s next chain a switch stopped before it was swapped in (a process
+        killed while :meth:`switch_links` wrote it) from every layer it is left in; returns
+        those layers."""
+        dropped = []
+        for layer, store in (("persistent_db", self.persistent), ("volatile_db", self.volatile)):
+            if store is None or not callable(getattr(store, "swap_tables", None)) or (
+                    layer == "persistent_db" and self.persistent_params.read_only):
+                continue
+            staged = table + STAGED_SUFFIX
+            if staged in store.tables() or store.get_meta(staged) is not None:
+                store.drop_table(staged)
+                dropped.append(layer)
+        return dropped
 
     def erase_rows(self, layer: str, table: str, keys: np.ndarray) -> None:
         """Forget ``keys`` in ``layer``'s table (an online update's erased keys). A volatile

@@ -295,6 +295,10 @@ class HPSModel:
         self._check_hash_map_room()
         work = []  # every table's plan and files, checked before any database is written
         for i, t in enumerate(self.tables):
+            for layer in self.dbs.drop_staged(t.key):
+                if progress is not None:
+                    progress(f"[jctr] {t.key}: {layer}: the next base a stopped switch had "
+                             "half written, dropped")
             manifest = self.table_manifest(i)
             self.dbs.expected[t.key] = manifest
             plan = {layer: self._plan(layer, t.key, manifest, replace,

@@ -815,6 +815,19 @@ def test_a_server_takes_the_next_deltas_and_the_next_base_without_a_restart(tmp_
                                         "<i8")
                             for b in (day / "base", day / "delta-1", day / "delta-2")])
     assert np.setdiff1d(chain, kept).size > 0
+    # the hash map holds the old share and the next one together while a base is written:
+    # a switch that would not fit is refused before any write, the model served as it was
+    from jctr.serving import hps_model as hps_model_module
+
+    real_room = hps_model_module.room_left
+    hps_model_module.room_left = lambda reserve=0: 1000
+    try:
+        with pytest.raises(StoreError, match="the next base's table would take .* beside the "
+                                             "one served, but 1000 B are left"):
+            hps.take_chain(ps(base, []).models[0])
+    finally:
+        hps_model_module.room_left = real_room
+    np.testing.assert_array_equal(hps.predict(batch), two)
     ps(base, [])
     sighup([], "[jctr] m: a new base taken")
     want = InferenceModel.load(str(base)).predict(batch)

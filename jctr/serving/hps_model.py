@@ -279,6 +279,31 @@ class HPSModel:
                 f"{format_bytes(max(room, 0))} are left; lower initial_cache_rate or set "
                 "overflow_margin with a persistent_db (rocks_db) holding every row")
 
+    def _check_switch_room(self, tables: list[int]) -> None:
+        """An in-process hash map holds a table's old chain and its next one together while
+        a new base is written (:meth:`Databases.switch_links`, one table at a time): a
+        switch whose largest next table would not fit beside what is held is refused, with
+        the figures, before anything is written (the model served as it was)."""
+        if not self.dbs.in_process_volatile or not tables:
+            return
+        v = self.dbs.volatile_params
+        store = self.dbs.volatile
+        need = 0
+        for i in tables:
+            t = self.tables[i]
+            rows = sum(self._chain_rows(i))  # every row without a persistent database
+            if self.dbs.persistent is not None:  # the share: the keys held, at most
+                rows = min(rows, store.size(t.key))
+            need = max(need, hash_map_bytes(min(rows, v.partitions * v.overflow_margin),
+                                            t.dim))
+        room = room_left()
+        if room is not None and need > room:
+            raise StoreError(
+                f"volatile_db ({v.type}) of model {self.name}: the next base's table would take "
+                f"{format_bytes(need)} of this process's memory beside the one served, but "
+                f"{format_bytes(max(room, 0))} are left; the model is served as it was: "
+                "run `python -m jctr.serve load` and restart to take it")
+
     def load_databases(self, *, replace: bool = False,
                        progress: Callable[[str], None] | None = None
                        ) -> dict[str, dict[str, int]]:
@@ -402,6 +427,8 @@ class HPSModel:
                     layers[layer] = first
                 links = {f: self._row_links(i, f, meter) for f in set(layers.values()) | {fresh}}
                 work.append((i, t, manifest, layers, links))
+            if new_base:
+                self._check_switch_room([w[0] for w in work if "volatile_db" in w[3]])
         except BaseException:
             self.params, self._manifests = old, [None] * len(self.tables)
             raise

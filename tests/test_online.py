@@ -755,14 +755,14 @@ def test_a_server_takes_the_next_deltas_and_the_next_base_without_a_restart(tmp_
     batch = next(run.trainer.data.eval.batches(256, epochs=1))
     path = tmp_path / "ps.json"
 
-    def ps(base, deltas, rocks="rocks", where=path):
+    def ps(base, deltas, rocks="rocks", where=path, cacheper=0.5, rate=0.5):
         where.write_text(json.dumps({
             "supportlonglong": True,
-            "volatile_db": {"type": "hash_map", "initial_cache_rate": 0.5},
+            "volatile_db": {"type": "hash_map", "initial_cache_rate": rate},
             "persistent_db": {"type": "rocks_db", "path": str(tmp_path / rocks)},
             "models": [{"model": "m", "max_batch_size": 256, "bundle": str(base),
                         "deltas": [str(day / d) for d in deltas], "gpucache": True,
-                        "gpucacheper": 0.5, "hit_rate_threshold": 1.0}]}))
+                        "gpucacheper": cacheper, "hit_rate_threshold": 1.0}]}))
         return load_ps_config(where)
 
     def afresh(base, deltas):
@@ -808,6 +808,13 @@ def test_a_server_takes_the_next_deltas_and_the_next_base_without_a_restart(tmp_
     np.testing.assert_allclose(two, afresh(day / "base", ["delta-1", "delta-2"]),
                                rtol=2e-5, atol=1e-6)
     assert not np.allclose(before, two)
+    # other settings changed: said to take a restart, the model served as it was
+    ps(day / "base", ["delta-1", "delta-2"], cacheper=0.25, rate=0.75)
+    lines = []
+    sighup(lines, "those take a restart")
+    assert any("m: " + str(path) + " changes gpucacheper, volatile_db: those take a restart"
+               in x for x in lines), lines
+    np.testing.assert_array_equal(hps.predict(batch), two)
     # the next day's base (the shrink deleted keys at the day's end)
     base = save / "20190722" / "base"
     kept = np.fromfile(base / "sparse" / "sparse_embedding1.model" / "key", "<i8")

@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import sys
@@ -85,6 +86,28 @@ def start_updates(ps: ParameterServerConfig, dbs, models, log=print):
     return applier
 
 
+# what a SIGHUP takes of a served model's parameters: its chain of model files
+CHAIN_FIELDS = ("sparse_model_files", "network_file", "delta_bundles", "dense_model_file",
+                "non_trainable_file")
+
+
+def settings_changed(ps: ParameterServerConfig, params, model) -> list[str]:
+    """The settings of ``params`` (a model as a parameter-server file read again names it)
+    and of the file's databases that differ from what ``model`` is served with, by their
+    JSON names: a SIGHUP takes the model files only (:data:`CHAIN_FIELDS`)."""
+    from jctr.config.hps import MODEL_JSON_KEYS
+
+    json_name = {v: k for k, v in MODEL_JSON_KEYS.items()}
+    out = [json_name.get(f.name, f.name) for f in dataclasses.fields(params)
+           if f.name not in CHAIN_FIELDS and getattr(params, f.name) != getattr(model.params,
+                                                                                  f.name)]
+    if ps.volatile_db != model.dbs.volatile_params:
+        out.append("volatile_db")
+    if ps.persistent_db != model.dbs.persistent_params:
+        out.append("persistent_db")
+    return list(dict.fromkeys(out))  # (a model's parameters name the databases too)
+
+
 def take_models_on_sighup(config: str, models: dict, log=print,
                           wake: threading.Event | None = None) -> threading.Event:
     """On SIGHUP, ``config`` read again and every served model takes the base and delta
@@ -102,12 +125,21 @@ def take_models_on_sighup(config: str, models: dict, log=print,
             except Exception as e:  # noqa: BLE001 (said; the server goes on)
                 log(f"[jctr] error: SIGHUP: {config}: {e}")
                 continue
+            named = {params.model_name for params in ps.models}
+            for name in sorted(set(models) - named):
+                log(f"[jctr] SIGHUP: {config} no longer names model {name}: served until a "
+                    "restart")
             for params in ps.models:
                 model = models.get(params.model_name)
                 if model is None:
                     log(f"[jctr] error: SIGHUP: {config}: model {params.model_name} is not "
                         "served; restart the server to serve it")
                     continue
+                changed = settings_changed(ps, params, model)
+                if changed:
+                    log(f"[jctr] SIGHUP: {params.model_name}: {config} changes "
+                        f"{', '.join(changed)}: those take a restart (served with the ones it "
+                        "started with)")
                 try:
                     new_base, deltas = model.take_chain(params, progress=log)
                 except Exception as e:  # noqa: BLE001 (said; served as it was)

@@ -117,6 +117,13 @@ class RocksDBStore:
         self._busy = 0
         self._closed = False
         self._scans: dict[int, list] = {}  # each unfinished pass's iterator, in a cell
+        # a dropped table's family is closed and dropped once every call that began before
+        # (a lookup that took the family before a swap) has ended: closed under a reader it
+        # raises there ("Already borrowed"), and a family kept open keeps its files on disk.
+        # Calls count by the epoch they began in; each drop begins a new one
+        self._epoch = 0
+        self._active: dict[int, int] = {}
+        self._retired: list[tuple[int, str, object]] = []  # (epoch, family name, family)
         self._handles: dict[str, object] = {}
         self._dims: dict[str, int] = {}
         self._shadow: str | None = None
@@ -242,7 +249,8 @@ class RocksDBStore:
             self._dims[table] = create_dim
             if cf is None:
                 name, k = table, 0
-                while name in self._cf_names.values():  # (the name swapped to another table)
+                taken = {*self._cf_names.values(), *(r[1] for r in self._retired)}
+                while name in taken:  # (the name swapped to another table, or being dropped)
                     k += 1
                     name = f"{table}#{k}"
                 # named first: a family made without its name is unused
@@ -662,8 +670,10 @@ class RocksDBStore:
             self.db.delete(_meta_key(table))  # first: a half-dropped table is not complete
             if table in self._families:
                 self._handles.pop(table, None)
-                self._families.pop(table).close()
-                self.db.drop_column_family(self._cf_names.pop(table))
+                with self._in_use:
+                    self._epoch += 1
+                    self._retired.append((self._epoch, self._cf_names.pop(table),
+                                          self._families.pop(table)))
             self.db.delete(_family_key(table))
             self.db.delete(_dim_key(table))
             self._dims.pop(table, None)
@@ -681,12 +691,25 @@ class RocksDBStore:
             if self._closed:
                 raise StoreError(f"rocks_db {self.path}: the database is closed")
             self._busy += 1
+            epoch = self._epoch
+            self._active[epoch] = self._active.get(epoch, 0) + 1
         try:
             yield
         finally:
             with self._in_use:
                 self._busy -= 1
+                self._active[epoch] -= 1
+                if not self._active[epoch]:
+                    del self._active[epoch]
+                oldest = min(self._active, default=self._epoch + 1)
+                done = [r for r in self._retired if r[0] <= oldest]
+                self._retired = [r for r in self._retired if r[0] > oldest]
                 self._in_use.notify_all()
+            if done:  # no call that began before their drops is left
+                with self._lock:
+                    for _, name, family in done:
+                        family.close()
+                        self.db.drop_column_family(name)
 
     def close(self) -> None:
         """Closes the database once the calls in flight are done; a pass over a table left
@@ -707,6 +730,10 @@ class RocksDBStore:
         for family in self._families.values():
             family.close()
         self._families.clear()
+        for _, name, family in self._retired:  # (none left: close waited for every call)
+            family.close()
+            self.db.drop_column_family(name)
+        self._retired.clear()
         self.db.close()
         self._drop_shadow()
 

@@ -845,6 +845,29 @@ def test_a_server_takes_the_next_deltas_and_the_next_base_without_a_restart(tmp_
     assert np.isin(share, kept).all() and share.size <= kept.size
     cached = hps.tables[0].cache.cached_keys(0, hps.tables[0].cache.num_sets)
     assert np.isin(cached, kept).all()
+    # back to the day before, its cache unreadable meanwhile (a layer down): the cached keys
+    # are forgotten, never left with the other day's rows; then the next base again
+    from jctr.serving.hps import LayerUnavailable
+
+    def down(*args, **kwargs):
+        raise LayerUnavailable("volatile_db", "down")
+    calls = []  # and every layer's next table is written before any is swapped in
+    for step in ("write_staged", "swap_staged"):
+        real = getattr(dbs, step)
+        setattr(dbs, step, lambda layer, *a, real=real, step=step, **k:
+                calls.append((step, layer)) or real(layer, *a, **k))
+    dbs.lookup = down
+    try:
+        assert hps.take_chain(ps(day / "base", []).models[0]) == (True, 0)
+    finally:
+        del dbs.lookup, dbs.write_staged, dbs.swap_staged
+    assert calls == [("write_staged", "persistent_db"), ("write_staged", "volatile_db"),
+                     ("swap_staged", "persistent_db"), ("swap_staged", "volatile_db")], calls
+    assert hps.tables[0].cache.size() == 0
+    np.testing.assert_allclose(hps.predict(batch), afresh(day / "base", []),
+                               rtol=2e-5, atol=1e-6)
+    assert hps.take_chain(ps(base, []).models[0]) == (True, 0)
+    np.testing.assert_allclose(hps.predict(batch), want, rtol=2e-5, atol=1e-6)
     hps.close()
     dbs.close()
     # a later start finds the new base there: nothing written again; a next base a switch

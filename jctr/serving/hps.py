@@ -455,7 +455,8 @@ class Databases:
 
     def switch_links(self, layer: str, table: str, links: Sequence[RowParts], manifest: dict,
                      chain_keys: Callable[[], np.ndarray], *, held_only: bool = False,
-                     progress: Callable[[str, int], None] | None = None) -> int:
+                     progress: Callable[[str, int], None] | None = None,
+                     swap_now: bool = True) -> int:
         """``layer``'s table made the chain of ``links`` (another base and its deltas) while it
         serves (``held_only``: only the rows of keys it holds, for a volatile database holding
         a share). Where the database swaps tables (RocksDB, a hash map) the chain is written
@@ -463,8 +464,9 @@ class Databases:
         old chain whole until then, the new one whole after, and online updates applied
         meanwhile go with the old. Elsewhere (Redis) the table is marked incomplete, the rows
         written over it, the keys not in ``chain_keys()`` (sorted: every key of the chain)
-        erased, then ``manifest`` written; requests meanwhile read old and new rows. Returns
-        rows written."""
+        erased, then ``manifest`` written; requests meanwhile read old and new rows.
+        ``swap_now`` False: the next table is left to :meth:`swap_staged` (a model's layers
+        all written first, then swapped in one after the other). Returns rows written."""
         store = self.volatile if layer == "volatile_db" else self.persistent
         if store is None:
             raise StoreUnavailable(f"{layer} down: {self.volatile_error}")
@@ -479,36 +481,60 @@ class Databases:
                 return parts
 
             links = [held(read) for read in links]
-        if callable(getattr(store, "swap_tables", None)):
-            staged = table + STAGED_SUFFIX
-            self.drop_staged(table)  # a switch cut short
-            written = self.write_links(layer, staged, links, manifest, progress=progress)
-            if staged in store.tables():
-                store.swap_tables(table, staged)
-            else:  # no row (a share of none): the table goes
-                store.drop_table(table)
-                store.set_meta(table, manifest)
-            store.drop_table(staged)
-        else:
-            store.set_meta(table, incomplete(store.get_meta(table) or {}))
-            written = self.write_links(layer, table, links, progress=progress)
-            held_keys = chain_keys()
-            stale = [keys[~isin(keys, held_keys, test_sorted=True)]
-                     for keys, _ in store.items(table)]
-            self.erase_rows(layer, table, np.concatenate(stale) if stale else
-                            np.zeros(0, np.int64))
-            store.set_meta(table, manifest)
+        if self.can_swap(layer):
+            written = self.write_staged(layer, table, links, manifest, progress=progress)
+            if swap_now:
+                self.swap_staged(layer, table, manifest)
+            return written
+        store.set_meta(table, incomplete(store.get_meta(table) or {}))
+        written = self.write_links(layer, table, links, progress=progress)
+        held_keys = chain_keys()
+        stale = [keys[~isin(keys, held_keys, test_sorted=True)]
+                 for keys, _ in store.items(table)]
+        self.erase_rows(layer, table, np.concatenate(stale) if stale else
+                        np.zeros(0, np.int64))
+        store.set_meta(table, manifest)
         if layer == "volatile_db":
             self._volatile_skip.discard(table)
         return written
 
-    def drop_staged(self, table: str) -> list[str]:
+    def can_swap(self, layer: str) -> bool:
+        """Whether ``layer``'s database swaps a table in at once (RocksDB, a hash map)."""
+        store = self.volatile if layer == "volatile_db" else self.persistent
+        return store is not None and callable(getattr(store, "swap_tables", None))
+
+    def write_staged(self, layer: str, table: str, links: Sequence[RowParts], manifest: dict,
+                     *, progress: Callable[[str, int], None] | None = None) -> int:
+        """The first half of :meth:`switch_links` where ``layer`` swaps tables: the chain
+        written into ``table``'s next table, with ``manifest`` (a next table a stopped switch
+        left dropped first). Returns rows written."""
+        self.drop_staged(table, layers=(layer,))
+        return self.write_links(layer, table + STAGED_SUFFIX, links, manifest,
+                                progress=progress)
+
+    def swap_staged(self, layer: str, table: str, manifest: dict) -> None:
+        """The second half: ``table``'s next table swapped in at once, the old one dropped
+        (a next table of no row: the table dropped, ``manifest`` kept)."""
+        store = self.volatile if layer == "volatile_db" else self.persistent
+        staged = table + STAGED_SUFFIX
+        if staged in store.tables():
+            store.swap_tables(table, staged)
+        else:  # no row (a share of none): the table goes
+            store.drop_table(table)
+            store.set_meta(table, manifest)
+        store.drop_table(staged)
+        if layer == "volatile_db":
+            self._volatile_skip.discard(table)
+
+    def drop_staged(self, table: str, layers: Sequence[str] = ("persistent_db", "volatile_db")
+                    ) -> list[str]:
         """Drop ``table``'s next chain a switch stopped before it was swapped in (a process
-        killed while :meth:`switch_links` wrote it) from every layer it is left in; returns
-        those layers."""
+        killed while :meth:`switch_links` wrote it) from each of ``layers`` it is left in;
+        returns those layers."""
         dropped = []
-        for layer, store in (("persistent_db", self.persistent), ("volatile_db", self.volatile)):
-            if store is None or not callable(getattr(store, "swap_tables", None)) or (
+        for layer in layers:
+            store = self.volatile if layer == "volatile_db" else self.persistent
+            if not self.can_swap(layer) or (
                     layer == "persistent_db" and self.persistent_params.read_only):
                 continue
             staged = table + STAGED_SUFFIX

@@ -440,17 +440,27 @@ class HPSModel:
                     share = layer == "volatile_db" and self.dbs.persistent is not None
                     self.dbs.switch_links(layer, t.key, links[0], manifest,
                                           functools.partial(self._chain_keys, i),
-                                          held_only=share, progress=counted)
+                                          held_only=share, progress=counted, swap_now=False)
                 else:
                     self.dbs.write_links(layer, t.key, links[first], manifest,
                                          progress=counted)
+            # every layer's next table written, then swapped in one after the other: requests
+            # meanwhile read one day in every layer (not the new persistent rows under the old
+            # volatile share while the share is written)
+            for layer in layers if new_base else ():
+                if self.dbs.can_swap(layer):
+                    self.dbs.swap_staged(layer, t.key, manifest)
             if t.cache is None:
                 continue
             if new_base:  # the keys the cache holds, read again from the new chain's tables
                 cached = t.cache.cached_keys(0, t.cache.num_sets)
                 for s in range(0, cached.size, _CACHE_READ_KEYS):
                     keys = cached[s:s + _CACHE_READ_KEYS]
-                    values, found, _ = self.dbs.lookup(t.key, keys, t.dim, t.default)
+                    try:
+                        values, found, _ = self.dbs.lookup(t.key, keys, t.dim, t.default)
+                    except (LayerUnavailable, StoreError):  # forgotten: read again when asked
+                        t.cache.forget_rows(keys)
+                        continue
                     t.cache.refresh_rows(keys[found], values[found])
                     t.cache.forget_rows(keys[~found])
             else:  # the new deltas' rows of keys the cache holds

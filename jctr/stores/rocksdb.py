@@ -124,6 +124,7 @@ class RocksDBStore:
         self._epoch = 0
         self._active: dict[int, int] = {}
         self._retired: list[tuple[int, str, object]] = []  # (epoch, family name, family)
+        self._dropping: set[str] = set()  # names of families released, not yet dropped
         self._handles: dict[str, object] = {}
         self._dims: dict[str, int] = {}
         self._shadow: str | None = None
@@ -249,7 +250,8 @@ class RocksDBStore:
             self._dims[table] = create_dim
             if cf is None:
                 name, k = table, 0
-                taken = {*self._cf_names.values(), *(r[1] for r in self._retired)}
+                taken = {*self._cf_names.values(), *(r[1] for r in self._retired),
+                         *self._dropping}
                 while name in taken:  # (the name swapped to another table, or being dropped)
                     k += 1
                     name = f"{table}#{k}"
@@ -697,19 +699,24 @@ class RocksDBStore:
             yield
         finally:
             with self._in_use:
-                self._busy -= 1
                 self._active[epoch] -= 1
                 if not self._active[epoch]:
                     del self._active[epoch]
                 oldest = min(self._active, default=self._epoch + 1)
                 done = [r for r in self._retired if r[0] <= oldest]
                 self._retired = [r for r in self._retired if r[0] > oldest]
-                self._in_use.notify_all()
-            if done:  # no call that began before their drops is left
-                with self._lock:
-                    for _, name, family in done:
-                        family.close()
-                        self.db.drop_column_family(name)
+                self._dropping.update(name for _, name, _ in done)
+            try:
+                if done:  # no call that began before their drops is left
+                    with self._lock:
+                        for _, name, family in done:
+                            family.close()
+                            self.db.drop_column_family(name)
+                            self._dropping.discard(name)
+            finally:
+                with self._in_use:  # (counted until then: close waits for the drops too)
+                    self._busy -= 1
+                    self._in_use.notify_all()
 
     def close(self) -> None:
         """Closes the database once the calls in flight are done; a pass over a table left

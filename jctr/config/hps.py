@@ -473,6 +473,8 @@ MODEL_JSON_KEYS = {
     "slot_num": "slot_num", "non_trainable_file": "non_trainable_file",
     "deltas": "delta_bundles",
 }
+# InferenceParams field -> its JSON key (errors and messages name what the file says)
+MODEL_JSON_NAMES = {field: key for key, field in MODEL_JSON_KEYS.items()}
 _PATH_KEYS = ("dense_file", "network_file", "non_trainable_file")
 
 

@@ -152,6 +152,12 @@ def first_repeat(values: np.ndarray) -> int | None:
     return int(s[same[0]]) if same.size else None
 
 
+# a run at least this long (past the caches) is searched by values sorted first, when there
+# are at least this many
+_SORT_FIRST_RUN = 1 << 20
+_SORT_FIRST_VALUES = 4096
+
+
 def _in_sorted(values: np.ndarray, run: np.ndarray) -> np.ndarray:
     """Which of ``values`` the ascending ``run`` holds (a binary search each)."""
     if not run.size:
@@ -169,10 +175,6 @@ def _in_sorted(values: np.ndarray, run: np.ndarray) -> np.ndarray:
             found[order] = _found(ordered, part)
         return found.reshape(values.shape)
     return _found(values, run)
-
-
-_SORT_FIRST_RUN = 1 << 20
-_SORT_FIRST_VALUES = 4096
 
 
 def _found(values: np.ndarray, run: np.ndarray) -> np.ndarray:

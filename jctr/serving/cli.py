@@ -22,7 +22,7 @@ import signal
 import sys
 import threading
 
-from jctr.config.hps import ParameterServerConfig, load_ps_config
+from jctr.config.hps import MODEL_JSON_NAMES, ParameterServerConfig, load_ps_config
 from jctr.errors import run_command
 
 
@@ -95,10 +95,7 @@ def settings_changed(ps: ParameterServerConfig, params, model) -> list[str]:
     """The settings of ``params`` (a model as a parameter-server file read again names it)
     and of the file's databases that differ from what ``model`` is served with, by their
     JSON names: a SIGHUP takes the model files only (:data:`CHAIN_FIELDS`)."""
-    from jctr.config.hps import MODEL_JSON_KEYS
-
-    json_name = {v: k for k, v in MODEL_JSON_KEYS.items()}
-    out = [json_name.get(f.name, f.name) for f in dataclasses.fields(params)
+    out = [MODEL_JSON_NAMES.get(f.name, f.name) for f in dataclasses.fields(params)
            if f.name not in CHAIN_FIELDS and getattr(params, f.name) != getattr(model.params,
                                                                                   f.name)]
     if ps.volatile_db != model.dbs.volatile_params:

@@ -292,11 +292,23 @@ class Databases:
             values[~found] = default
         return values, found, counts
 
+    def store(self, layer: str) -> KeyValueStore | None:
+        """``layer``'s database ("volatile_db" / "persistent_db"; None: none, or down)."""
+        return self.volatile if layer == "volatile_db" else self.persistent
+
+    def _up(self, layer: str) -> KeyValueStore:
+        """:meth:`store`, or :class:`StoreUnavailable` where there is none (a volatile
+        database down)."""
+        store = self.store(layer)
+        if store is None:
+            raise StoreUnavailable(f"{layer} down: {self.volatile_error}")
+        return store
+
     # -- loading --------------------------------------------------------------------------------
     def check_table(self, layer: str, table: str, expected: dict) -> str:
         """What ``layer`` holds of ``table``: "match", "absent", "down" (not reachable), or
         raises :class:`TableMismatch` naming the table and both exports."""
-        store = self.volatile if layer == "volatile_db" else self.persistent
+        store = self.store(layer)
         if store is None:
             return "down" if layer == "volatile_db" and self.volatile_configured else "absent"
         meta = store.get_meta(table)
@@ -387,7 +399,7 @@ class Databases:
     def refresh_manifest(self, layer: str, table: str, expected: dict) -> None:
         """A layer holding ``expected``'s export keeps its files' record as this start took
         it (new times after a copy; digests a later start can take without hashing)."""
-        store = self.volatile if layer == "volatile_db" else self.persistent
+        store = self.store(layer)
         if store is None or (store is self.persistent and self.persistent_params.read_only):
             return
         meta = store.get_meta(table)
@@ -398,7 +410,7 @@ class Databases:
         """How many first links of ``expected``'s base + delta chain ``layer`` holds of
         ``table`` when it holds fewer than all (see
         :func:`jctr.serving.table_manifest.links_held`); else None."""
-        store = self.volatile if layer == "volatile_db" else self.persistent
+        store = self.store(layer)
         return None if store is None else links_held(store.get_meta(table), expected)
 
     def update_layers(self, table: str) -> list[str]:
@@ -430,9 +442,7 @@ class Databases:
         """:meth:`write_rows` of every part of ``links`` in order: delta bundles' rows over a
         table holding the chain's first links, with their ``manifest`` (the table is marked
         incomplete until every row is in); ``progress`` as :meth:`load`'s."""
-        store = self.volatile if layer == "volatile_db" else self.persistent
-        if store is None:
-            raise StoreUnavailable(f"{layer} down: {self.volatile_error}")
+        store = self._up(layer)
         if manifest is not None:
             store.set_meta(table, incomplete(store.get_meta(table) or {}))
         step = _WRITE_ROWS
@@ -467,9 +477,7 @@ class Databases:
         erased, then ``manifest`` written; requests meanwhile read old and new rows.
         ``swap_now`` False: the next table is left to :meth:`swap_staged` (a model's layers
         all written first, then swapped in one after the other). Returns rows written."""
-        store = self.volatile if layer == "volatile_db" else self.persistent
-        if store is None:
-            raise StoreUnavailable(f"{layer} down: {self.volatile_error}")
+        store = self._up(layer)
         if held_only:
             dim = int(manifest["dim"])
 
@@ -500,7 +508,7 @@ class Databases:
 
     def can_swap(self, layer: str) -> bool:
         """Whether ``layer``'s database swaps a table in at once (RocksDB, a hash map)."""
-        store = self.volatile if layer == "volatile_db" else self.persistent
+        store = self.store(layer)
         return store is not None and callable(getattr(store, "swap_tables", None))
 
     def write_staged(self, layer: str, table: str, links: Sequence[RowParts], manifest: dict,
@@ -515,7 +523,7 @@ class Databases:
     def swap_staged(self, layer: str, table: str, manifest: dict) -> None:
         """The second half: ``table``'s next table swapped in at once, the old one dropped
         (a next table of no row: the table dropped, ``manifest`` kept)."""
-        store = self.volatile if layer == "volatile_db" else self.persistent
+        store = self.store(layer)
         staged = table + STAGED_SUFFIX
         if staged in store.tables():
             store.swap_tables(table, staged)
@@ -533,7 +541,7 @@ class Databases:
         returns those layers."""
         dropped = []
         for layer in layers:
-            store = self.volatile if layer == "volatile_db" else self.persistent
+            store = self.store(layer)
             if not self.can_swap(layer) or (
                     layer == "persistent_db" and self.persistent_params.read_only):
                 continue
@@ -546,9 +554,7 @@ class Databases:
     def erase_rows(self, layer: str, table: str, keys: np.ndarray) -> None:
         """Forget ``keys`` in ``layer``'s table (an online update's erased keys). A volatile
         database that is down raises :class:`StoreUnavailable`."""
-        store = self.volatile if layer == "volatile_db" else self.persistent
-        if store is None:
-            raise StoreUnavailable(f"{layer} down: {self.volatile_error}")
+        store = self._up(layer)
         for s in range(0, keys.size, _WRITE_ROWS):
             store.erase(table, keys[s:s + _WRITE_ROWS])
 

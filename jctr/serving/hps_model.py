@@ -42,7 +42,7 @@ from jctr.checkpoint.model_files import (
     sparse_model_parts,
 )
 from jctr.config import ConfigError
-from jctr.config.hps import MODEL_JSON_KEYS, InferenceParams, dense_name
+from jctr.config.hps import MODEL_JSON_NAMES, InferenceParams, dense_name
 from jctr.config.parser import load_config
 from jctr.data.batch import Batch, batch_from_features, check_batch
 from jctr.embedding.sparse_embedding import pool
@@ -56,7 +56,6 @@ from jctr.sharding.plan import device_room_bytes, format_bytes
 from jctr.stores.base import StoreError, first_beyond_int32
 from jctr.stores.hash_map import hash_map_bytes
 
-_JSON_NAMES = {v: k for k, v in MODEL_JSON_KEYS.items()}
 LOAD_PART_BYTES = 64 << 20  # a sparse model's rows read at a time by a load
 
 
@@ -79,7 +78,7 @@ class _Table:
 
 def _model_error(where: str, source: str | None, field: str, message: str) -> ConfigError:
     """An error about a field of a served model's parameters, named as the file names it."""
-    name = _JSON_NAMES.get(field.split("[")[0], field.split("[")[0]) \
+    name = MODEL_JSON_NAMES.get(field.split("[")[0], field.split("[")[0]) \
         if where.startswith("models[") else field.split("[")[0]
     rest = field[len(field.split("[")[0]):]
     return ConfigError(f"{where}.{name}{rest}", message, source)
@@ -265,19 +264,11 @@ class HPSModel:
         persistent database: refused here, with the figures, where that would not fit."""
         if not self.dbs.in_process_volatile:
             return
-        v = self.dbs.volatile_params
-        need = 0
-        for i, t in enumerate(self.tables):
-            rows = min(self.dbs.volatile_share(*self._chain_rows(i)),
-                       v.partitions * v.overflow_margin)
-            need += hash_map_bytes(rows, t.dim)
-        room = room_left()
-        if room is not None and need > room:
-            raise StoreError(
-                f"volatile_db ({v.type}) of model {self.name}: its tables' rows would take "
-                f"{format_bytes(need)} of this process's memory at their peak, but "
-                f"{format_bytes(max(room, 0))} are left; lower initial_cache_rate or set "
-                "overflow_margin with a persistent_db (rocks_db) holding every row")
+        need = sum(self._hash_map_bytes(self.dbs.volatile_share(*self._chain_rows(i)), t.dim)
+                   for i, t in enumerate(self.tables))
+        self._refuse_beyond_room(
+            need, "its tables' rows would take", "at their peak", "lower initial_cache_rate "
+            "or set overflow_margin with a persistent_db (rocks_db) holding every row")
 
     def _check_switch_room(self, tables: list[int]) -> None:
         """An in-process hash map holds a table's old chain and its next one together while
@@ -286,23 +277,33 @@ class HPSModel:
         the figures, before anything is written (the model served as it was)."""
         if not self.dbs.in_process_volatile or not tables:
             return
-        v = self.dbs.volatile_params
-        store = self.dbs.volatile
         need = 0
         for i in tables:
             t = self.tables[i]
             rows = sum(self._chain_rows(i))  # every row without a persistent database
             if self.dbs.persistent is not None:  # the share: the keys held, at most
-                rows = min(rows, store.size(t.key))
-            need = max(need, hash_map_bytes(min(rows, v.partitions * v.overflow_margin),
-                                            t.dim))
+                rows = min(rows, self.dbs.volatile.size(t.key))
+            need = max(need, self._hash_map_bytes(rows, t.dim))
+        self._refuse_beyond_room(
+            need, "the next base's table would take", "beside the one served",
+            "the model is served as it was: run `python -m jctr.serve load` and restart to "
+            "take it")
+
+    def _hash_map_bytes(self, rows: int, dim: int) -> int:
+        """What ``rows`` rows take in the in-process hash map (at most what its overflow
+        margin lets it hold)."""
+        v = self.dbs.volatile_params
+        return hash_map_bytes(min(rows, v.partitions * v.overflow_margin), dim)
+
+    def _refuse_beyond_room(self, need: int, what: str, where: str, advice: str) -> None:
+        """:class:`StoreError` with both figures where ``need`` bytes of the hash map would
+        not fit in the memory this process has left."""
         room = room_left()
         if room is not None and need > room:
             raise StoreError(
-                f"volatile_db ({v.type}) of model {self.name}: the next base's table would take "
-                f"{format_bytes(need)} of this process's memory beside the one served, but "
-                f"{format_bytes(max(room, 0))} are left; the model is served as it was: "
-                "run `python -m jctr.serve load` and restart to take it")
+                f"volatile_db ({self.dbs.volatile_params.type}) of model {self.name}: {what} "
+                f"{format_bytes(need)} of this process's memory {where}, but "
+                f"{format_bytes(max(room, 0))} are left; {advice}")
 
     def load_databases(self, *, replace: bool = False,
                        progress: Callable[[str], None] | None = None

@@ -226,6 +226,86 @@ def test_statistics_made_for_the_tables_keys_grow_nothing_while_a_pass_trains(mo
     assert FeatureStats(expected_keys=10**12)._cols["keys"].size == 4096
 
 
+def test_statistics_in_mapped_files_equal_those_in_memory(tmp_path, monkeypatch):
+    """A table larger than memory has statistics to match (~45 bytes a key; Paddle keeps
+    show, click and unseen days inside the rows of its SSD table,
+    paddle/fluid/distributed/ps/table/ctr_accessor.h ``CtrCommonFeatureValue``): columns past
+    ``in_memory_bytes`` move into unnamed files of ``files``, mapped. Over random days of
+    pushes (old and new keys), delta and base saves, shrinks, ageing, changes, saves and
+    loads, statistics in files from the start, statistics that move there as they grow, and
+    statistics in memory give the same columns, keys and decisions bit for bit, a day's
+    decisions taken a few rows at a time (``CHUNK``); the files are mapped and have no name
+    (nothing is left in the folder), and a growth in files copies no row."""
+    monkeypatch.setattr(FeatureStats, "CHUNK", 1000)
+    said = []
+    memory = FeatureStats()
+    files = FeatureStats(files=str(tmp_path), in_memory_bytes=0)
+    moving = FeatureStats(files=str(tmp_path), in_memory_bytes=20_000 * FeatureStats.ROW_BYTES,
+                          report=said.append)
+    every = (memory, files, moving)
+    assert files.mapped and not moving.mapped
+    rng = np.random.default_rng(5)
+
+    def same(results):
+        for r in results[1:]:
+            if isinstance(r, dict):
+                assert r.keys() == results[0].keys()
+                for k in r:
+                    np.testing.assert_array_equal(r[k], results[0][k], err_msg=k)
+            elif isinstance(r, tuple):
+                for a, b in zip(r, results[0]):
+                    np.testing.assert_array_equal(a, b)
+            else:
+                np.testing.assert_array_equal(r, results[0])
+        return results[0]
+
+    base = None
+    for day in range(5):
+        for _ in range(3):  # passes
+            keys = np.concatenate([rng.integers(0, 30_000, 4_000),
+                                   rng.integers(15_000 * day, 15_000 * day + 12_000, 4_000)])
+            clicks = rng.random(keys.size) < 0.2
+            for st in every:
+                st.observe(keys, show=1.0, click=clicks)
+            same([st.lookup(keys[::7]) for st in every])
+            if rng.random() < 0.6:
+                threshold = float(rng.random())
+                same([st.delta_keys(0.0, threshold, 3) for st in every])
+            if base is not None:
+                changes = same([st.changes() for st in every])
+                copies = [FeatureStats(), FeatureStats(files=str(tmp_path), in_memory_bytes=0)]
+                for c in copies:
+                    c.apply_changes(base, changes)
+                same([c.state_dict() for c in copies] + [memory.state_dict()])
+                copies[1].close()
+        rule = ShrinkRule(show_click_decay_rate=0.9, delete_threshold=0.15,
+                          delete_after_unseen_days=3)
+        same([st.shrink(rule) for st in every])
+        same([st.base_keys(0.0, 2) for st in every])
+        for st in every:
+            st.age()
+            st.mark_base()
+        base = {k: v.copy() for k, v in same([st.state_dict() for st in every]).items()}
+    assert moving.mapped and len(said) == 1 and "in mapped files" in said[0], said
+    # loaded from a checkpoint's arrays: in files again, the same
+    again = FeatureStats(files=str(tmp_path), in_memory_bytes=0)
+    again.load_state_dict(base)
+    assert again.mapped
+    same([again.state_dict(), memory.state_dict()])
+    # mapped from unnamed files in the folder (O_TMPFILE), none left there by name
+    with open("/proc/self/maps") as f:
+        maps = [line for line in f if str(tmp_path) in line]
+    assert maps and all("(deleted)" in line for line in maps), maps[:3]
+    assert not os.listdir(tmp_path)
+    # a growth in files: the same file, longer; no row copied (the old view still reads it)
+    keys_before = files._cols["keys"]
+    files.observe(np.arange(10**6, 10**6 + 3 * keys_before.size), show=1.0, click=0.0)
+    assert files._cols["keys"].size > keys_before.size
+    np.testing.assert_array_equal(files._cols["keys"][:keys_before.size], keys_before)
+    for st in (files, moving, again):
+        st.close()
+
+
 def test_statistics_round_trip_and_bulk_merge():
     rng = np.random.default_rng(0)
     stats = FeatureStats()
@@ -1495,7 +1575,9 @@ def test_a_table_larger_than_the_device_table_through_a_sparse_store(tmp_path, m
     in-memory run's, with SparseAdaGradSGDRule, admission and the daily shrink. A run that
     stops after a write-back but before that pass's checkpoint puts the rows back when
     started again. Every write into RocksDB goes through its bulk load here (a large pass's
-    write-back does; these passes are small)."""
+    write-back does; these passes are small). With RocksDB the statistics live in mapped
+    files from the start (``STATS_IN_MEMORY_SHARE`` 0), resumed there: the same
+    statistics."""
     import json
 
     from jctr.config import ConfigError, parse_config
@@ -1543,6 +1625,8 @@ def test_a_table_larger_than_the_device_table_through_a_sparse_store(tmp_path, m
         return real(self, day, n, path, day_end)
 
     monkeypatch.setattr(OnlineRun, "_record_checkpoint", fail_once)
+    if kind == "rocks_db":  # the statistics in mapped files from the start, resumed there
+        monkeypatch.setattr(OnlineRun, "STATS_IN_MEMORY_SHARE", 0.0)
     store_cfg = online("disk", 2000, sparse_store={"type": kind, "path": "rows"})
     with pytest.raises(KeyboardInterrupt):
         OnlineRun(store_cfg, log=lambda s: None).run()
@@ -1565,6 +1649,9 @@ def test_a_table_larger_than_the_device_table_through_a_sparse_store(tmp_path, m
     for name in ("values", "g2sum", "accessor", "slot"):
         np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7, err_msg=name)
     store.close()
+    assert disk.stats[0].mapped == (kind == "rocks_db")
+    assert any("feature statistics: in memory up to" in x for x in lines)
+    assert not [f for f in os.listdir(tmp_path / "disk") if "stats" in f]
     for name, value in memory.stats[0].state_dict().items():
         np.testing.assert_array_equal(disk.stats[0].state_dict()[name], value)
     for folder in ("20190723/delta-2", "20190724/base"):
@@ -2030,8 +2117,9 @@ def test_a_base_model_of_a_table_larger_than_memory_is_written_a_part_at_a_time(
 
     run("room", [])
     read_ahead, real = [], OnlineRun._read_unheld
-    # room for the passes' rows (the plan at start), then 1 KiB: a machine filled meanwhile
-    room = iter([1 << 40])
+    # room for the statistics and the passes' rows (the plans at start), then 1 KiB: a
+    # machine filled meanwhile
+    room = iter([1 << 40, 1 << 40])
     monkeypatch.setattr(runner, "room_left", lambda reserve=0: next(room, 1 << 10))
     monkeypatch.setattr(OnlineRun, "_read_unheld",
                         lambda self, held: read_ahead.append(1) or real(self, held))

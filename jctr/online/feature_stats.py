@@ -24,7 +24,11 @@ The statistics live on the host, keyed by key (column arrays and a hashed index 
 keys), independent of where a key's row sits in a device table; a batch is added where it is
 read, by a compiled loop over its occurrences (:mod:`jctr.online.key_index`), never a Python
 loop per key. (Admission, ``embedx_threshold``, is decided by the
-table itself as it trains: :func:`jctr.embedding.row_optimizers.admits`.)
+table itself as it trains: :func:`jctr.embedding.row_optimizers.admits`.) A table that outgrows
+memory (``sparse_store``) outgrows it in its statistics too (~45 bytes a key): given a folder,
+columns that would take more than ``in_memory_bytes`` move into unnamed files there, mapped,
+so that the operating system pages them as it pages the table's rows; the day's decisions
+then run a part of the columns at a time.
 
 Example::
 
@@ -35,6 +39,10 @@ Example::
 
 from __future__ import annotations
 
+import mmap
+import os
+import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -72,6 +80,42 @@ class ShrinkRule:
                              f"{self.delete_after_unseen_days}")
 
 
+class MappedArrays:
+    """Arrays in unnamed files of ``folder`` (``O_TMPFILE``: nothing to remove, whatever
+    ends the process), one file a name, mapped shared: the page cache holds them and the
+    operating system writes them out under memory pressure as it does a mapped table's rows.
+    An array asked for again with more rows is the same file grown (its rows kept, nothing
+    copied; new rows read 0).
+
+    Example::
+
+        files = MappedArrays("runs/online")
+        keys = files.array("keys", np.int64, 1 << 20)
+    """
+
+    def __init__(self, folder: str):
+        self.folder = folder
+        self._files: dict[str, object] = {}
+
+    def array(self, name: str, dtype, rows: int) -> np.ndarray:
+        dtype = np.dtype(dtype)
+        f = self._files.get(name)
+        if f is None:
+            f = self._files[name] = tempfile.TemporaryFile(dir=self.folder,
+                                                           prefix=".jctr-stats-")
+        size = max(rows * dtype.itemsize, mmap.PAGESIZE)
+        if os.fstat(f.fileno()).st_size < size:
+            os.ftruncate(f.fileno(), size)
+        # the array keeps its mapping open; an older, shorter one of the same file stays
+        # valid (the same pages) until its last view goes
+        return np.frombuffer(mmap.mmap(f.fileno(), size), dtype, rows)
+
+    def close(self) -> None:
+        for f in self._files.values():
+            f.close()
+        self._files = {}
+
+
 class FeatureStats:
     """Show, click, unseen days, delta score and "pushed since last saved" per key.
 
@@ -89,15 +133,27 @@ class FeatureStats:
 
     PRESIZE_MAX = 1 << 23
     """Most keys room is made for up front (``expected_keys``); beyond, the columns double."""
+    ROW_BYTES = sum(np.dtype(d).itemsize for d in _DTYPES)
+    """Bytes of a key's columns (its index slots take 8-16 bytes more)."""
+    CHUNK = 1 << 22
+    """Rows a day's decisions take at a time (their temporaries stay this size)."""
 
     def __init__(self, score: ScoreRule | None = None, *, gather: bool = False,
-                 expected_keys: int = 0):
+                 expected_keys: int = 0, files: str | None = None,
+                 in_memory_bytes: int | None = None,
+                 report: Callable[[str], None] | None = None):
+        """``files``: a folder where the columns move (in unnamed, mapped files) once they
+        would take ``in_memory_bytes`` or more (0: from the start); ``report`` is told
+        when they do."""
         self.rule = score or ScoreRule()
         self.gather = gather
         self._n = 0
+        self._folder, self._limit, self._report = files, in_memory_bytes, report
+        self._files: MappedArrays | None = None  # the columns' files, once they moved
         self._cols = self._empty_columns(0)
         self._indexing = None  # a shrink's index rebuild still running (a Future)
-        self._index = np.full(key_index.index_size(0), -1, np.int32)
+        self._index = self._new_index(key_index.index_size(0))
+        self._index[:] = -1
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         # storage rows a delta save changed since the last mark_base (rows stay where they
         # are between two shrinks, and a base is marked after each shrink)
@@ -135,10 +191,33 @@ class FeatureStats:
         self.flush()
         return self._cols[name][: self._n]
 
+    @property
+    def mapped(self) -> bool:
+        """Whether the columns live in mapped files (``files``)."""
+        return self._files is not None
+
     def _empty_columns(self, rows: int) -> dict[str, np.ndarray]:
+        """Columns of ``rows`` rows; once in files, the same files grown (their rows kept)."""
+        if self._files is None and self._folder is not None and self._limit is not None \
+                and rows * self.ROW_BYTES >= self._limit:
+            self._files = MappedArrays(self._folder)
+            if self._report is not None:
+                self._report(f"[jctr] feature statistics: {rows:,} keys' room would take "
+                             f"{rows * self.ROW_BYTES / 2**20:,.0f} MiB (more than the "
+                             f"{self._limit / 2**20:,.0f} MiB kept in memory): in mapped "
+                             f"files in {self._folder} from now on")
         # one array per column (not one array of rows: measured no faster to add to, and the
         # whole-column decisions at a day's end then run on contiguous arrays)
+        if self._files is not None:
+            return {name: self._files.array(name, dtype, rows)
+                    for name, dtype in zip(self._FIELDS, self._DTYPES)}
         return {name: np.zeros(rows, dtype) for name, dtype in zip(self._FIELDS, self._DTYPES)}
+
+    def _new_index(self, size: int) -> np.ndarray:
+        """Room for an index of ``size`` slots (its contents to be written)."""
+        if self._files is not None:
+            return self._files.array("index", np.int32, size)
+        return np.empty(size, np.int32)
 
     def __len__(self) -> int:
         self.flush()
@@ -193,13 +272,15 @@ class FeatureStats:
     def _reserve(self, rows: int) -> None:
         """Room for ``rows`` rows in the columns and the index (doubling: amortized O(1))."""
         cap = self._cols["keys"].size
+        before = self._files
         if rows > cap:
             grown = self._empty_columns(max(rows, 2 * cap, 1024))
-            for name, col in grown.items():
-                col[: self._n] = self._cols[name][: self._n]
+            if before is None:  # in files already, the rows are there
+                for name, col in grown.items():
+                    col[: self._n] = self._cols[name][: self._n]
             self._cols = grown
-        if 2 * rows > self._index.size:
-            self._index = np.empty(key_index.index_size(max(rows, self._index.size)), np.int32)
+        if 2 * rows > self._index.size or before is not self._files:  # (moved: it too)
+            self._index = self._new_index(key_index.index_size(max(rows, self._index.size)))
             key_index.rebuild_distinct(self._index, self._cols["keys"], self._n)
 
     def lookup(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -208,7 +289,8 @@ class FeatureStats:
         rows = self.rows_of(keys)
         found = rows >= 0
         score = np.zeros(rows.size)
-        score[found] = self.scores()[rows[found]]
+        at = rows[found]
+        score[found] = self.rule.score(self._cols["show"][at], self._cols["click"][at])
         return found, score
 
     def rows_of(self, keys: np.ndarray) -> np.ndarray:
@@ -228,7 +310,8 @@ class FeatureStats:
         be freed). Keys age afterwards, with :meth:`age`."""
         self.flush()
         c = self._cols
-        deleted = np.empty(self._n, np.int64)
+        deleted = (self._files.array("deleted", np.int64, self._n) if self._files is not None
+                   else np.empty(self._n, np.int64))
         kept, gone = key_index.shrink(
             c["keys"], c["show"], c["click"], c["unseen_days"], c["delta_score"],
             c["since_delta"], self._n, float(rule.show_click_decay_rate),
@@ -253,8 +336,9 @@ class FeatureStats:
         """Keys a base model holds (Paddle's ``Save`` with param 2): score >=
         ``base_threshold`` and unseen for at most ``delta_keep_days`` days. They count as
         saved: their delta score starts again from 0. Sorted."""
-        take = (self.scores() >= base_threshold) & (self.unseen_days <= delta_keep_days)
-        return self._saved(take)
+        return self._saved(self._select(
+            lambda c: (self.rule.score(c["show"], c["click"]) >= base_threshold)
+            & (c["unseen_days"] <= delta_keep_days)))
 
     def delta_keys(self, base_threshold: float, delta_threshold: float,
                    delta_keep_days: int) -> np.ndarray:
@@ -262,15 +346,26 @@ class FeatureStats:
         they were last saved, score >= ``base_threshold``, delta score >=
         ``delta_threshold``, unseen for at most ``delta_keep_days`` days. They count as
         saved. Sorted."""
-        take = self.since_delta & (self.scores() >= base_threshold) & \
-            (self.delta_score >= delta_threshold) & (self.unseen_days <= delta_keep_days)
-        return self._saved(take)
+        return self._saved(self._select(
+            lambda c: c["since_delta"] & (self.rule.score(c["show"], c["click"])
+                                          >= base_threshold)
+            & (c["delta_score"] >= delta_threshold) & (c["unseen_days"] <= delta_keep_days)))
 
-    def _saved(self, take: np.ndarray) -> np.ndarray:
-        self.delta_score[take] = 0.0
-        self.since_delta[take] = False
-        self._saved_since.append(np.flatnonzero(take))
-        return np.sort(self.keys[take])
+    def _select(self, test: Callable[[dict[str, np.ndarray]], np.ndarray]) -> np.ndarray:
+        """The rows (ascending) where ``test`` of the columns holds, ``CHUNK`` rows at a time:
+        the temporaries of a day's decisions stay that size whatever the keys."""
+        self.flush()
+        n = self._n
+        found = [start + np.flatnonzero(test({name: col[start:min(start + self.CHUNK, n)]
+                                              for name, col in self._cols.items()}))
+                 for start in range(0, n, self.CHUNK)]
+        return np.concatenate(found) if found else np.zeros(0, np.int64)
+
+    def _saved(self, rows: np.ndarray) -> np.ndarray:
+        self._cols["delta_score"][rows] = 0.0
+        self._cols["since_delta"][rows] = False
+        self._saved_since.append(rows)
+        return np.sort(self._cols["keys"][rows])
 
     def mark_base(self) -> None:
         """The statistics as they are now were saved whole (after a day's shrink and
@@ -284,11 +379,9 @@ class FeatureStats:
         column at the positions}``; :meth:`apply_changes` over the base's state gives these
         statistics. A long-lived table meets a day's keys, not all its keys, between two
         bases: a pass's checkpoint writes these, not every key's statistics."""
-        self.flush()
-        changed = self.unseen_days == 0
-        for saved in self._saved_since:
-            changed[saved] = True
-        pos = np.flatnonzero(changed)
+        pos = self._select(lambda c: c["unseen_days"] == 0)
+        if self._saved_since:
+            pos = np.unique(np.concatenate([pos, *self._saved_since]))
         return {"positions": pos, "rows": np.int64(self._n),
                 **{name: self._cols[name][pos] for name in self._FIELDS}}
 
@@ -304,13 +397,12 @@ class FeatureStats:
             raise ValueError(f"feature statistics: changes of {pos.size} row(s) to {rows} rows "
                              f"do not fit a base of {n} rows (ascending positions, every "
                              "row past the base among them)")
-        whole = {}
-        for name, dtype in zip(self._FIELDS, self._DTYPES):
-            col = np.zeros(rows, dtype)
+
+        def put(name, dtype, col):  # the base's rows, then the changed ones
             col[:n] = np.asarray(base[name], dtype)
             col[pos] = np.asarray(changes[name], dtype)
-            whole[name] = col
-        self.load_state_dict(whole)
+
+        self._fill(rows, put)
         self._saved_since = [pos]
 
     def state_dict(self) -> dict[str, np.ndarray]:
@@ -328,16 +420,30 @@ class FeatureStats:
             state["delta_score"] = np.where(since, self.rule.score(
                 np.asarray(state["show"], np.float64), np.asarray(state["click"], np.float64)),
                 0.0)
-        cols = {}
+        for name in self._FIELDS:
+            shape = np.shape(state[name])
+            if shape != (n,):
+                raise ValueError(f"feature statistics: {name} holds {shape}, expected ({n},)")
+        self._fill(n, lambda name, dtype, col: col.__setitem__(
+            slice(0, n), np.asarray(state[name], dtype)))
+
+    def _fill(self, rows: int, put: Callable[[str, object, np.ndarray], None]) -> None:
+        """``rows`` rows of columns that ``put(name, dtype, column)`` writes (a column at a
+        time: in files, no copy of the whole in memory), then their index."""
+        self._index_built()
+        self._pending, self._saved_since = [], []
+        cols = self._empty_columns(rows)
         for name, dtype in zip(self._FIELDS, self._DTYPES):
-            value = np.asarray(state[name], dtype)
-            if value.shape != (n,):
-                raise ValueError(f"feature statistics: {name} holds {value.shape}, expected "
-                                 f"({n},)")
-            cols[name] = value.copy()
-        index = np.empty(key_index.index_size(n), np.int32)
-        again = key_index.rebuild(index, cols["keys"], n)
+            put(name, dtype, cols[name])
+        index = self._new_index(key_index.index_size(rows))
+        again = key_index.rebuild(index, cols["keys"], rows)
         if again >= 0:
             raise ValueError(f"feature statistics: key {cols['keys'][again]} is there twice")
-        self._cols, self._n, self._pending, self._index = cols, n, [], index
-        self._saved_since = []
+        self._cols, self._n, self._index = cols, rows, index
+
+    def close(self) -> None:
+        """Let go of the columns' files (mapped: their space comes back once the last
+        view of them goes)."""
+        if self._files is not None:
+            self._index_built()
+            self._files.close()

@@ -279,6 +279,8 @@ class OnlineRun:
             if self.store is not None:
                 self.store.close()
                 self.store = None
+            for st in self.stats:  # mapped statistics: their files (still readable)
+                st.close()
             lock.release()
 
     def _run(self) -> int:
@@ -430,6 +432,10 @@ class OnlineRun:
                       "sparse_store")
         self._eval_keys = [s.keys() for s in self._working_keys(self.trainer.data.eval)]
         all_processes(self._plan_store_memory, "fit a pass's sparse_store rows in memory")
+
+    STATS_IN_MEMORY_SHARE = 0.25
+    """The share of the memory left beside the step (at the start) the feature statistics
+    of all tables keep in memory; past it, mapped files (:class:`FeatureStats`)."""
 
     # copies of a pass's rows on the host beside the tables (measured: ~4.4 working sets at
     # the peak with the read ahead, docs/performance.md): with the read ahead the pass's
@@ -866,10 +872,22 @@ class OnlineRun:
         from jctr.embedding.row_optimizers import admits
 
         t = self.trainer
+        # a table larger than memory meets more keys than memory holds statistics of (~45
+        # bytes a key): past a share of the memory left beside the step, they move into
+        # mapped files beside the run's models, paged as the table's rows are
+        room = room_left(t.memory_plan.transient)
+        keep = None if room is None else max(int(room * self.STATS_IN_MEMORY_SHARE), 0) \
+            // len(t.specs)
         self.stats = [FeatureStats(self._score, gather=jax.process_count() > 1,
                                    expected_keys=spec.capacity * (pl.num_shards
-                                                                  if pl.sharded else 1))
+                                                                  if pl.sharded else 1),
+                                   files=self.cfg.save_model_path, in_memory_bytes=keep,
+                                   report=self.log)
                       for spec, pl in zip(t.specs, t.placements)]
+        if keep is not None:
+            self.log(f"[jctr] feature statistics: in memory up to {format_bytes(keep)} a table "
+                     f"(~{keep // FeatureStats.ROW_BYTES:,} keys), then in mapped files in "
+                     f"{self.cfg.save_model_path}")
         entry = self.cfg.table_parameters.show_click_entry
         show_of = _entry_column(entry.show, t.cfg.data, "show", self.cfg.source)
         click_of = _entry_column(entry.click, t.cfg.data, "click", self.cfg.source)

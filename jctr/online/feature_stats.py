@@ -130,10 +130,14 @@ class FeatureStats:
 
     _FIELDS = ("keys", "show", "click", "unseen_days", "delta_score", "since_delta")
     _DTYPES = (np.int64, np.float64, np.float64, np.int32, np.float64, bool)
+    # and a column of its own: "saved", the rows a save set back since the last mark_base
+    # (rows stay where they are between two shrinks, and a base is marked after each)
+    _COLUMNS = (*_FIELDS, "saved")
+    _COLUMN_DTYPES = (*_DTYPES, bool)
 
     PRESIZE_MAX = 1 << 23
     """Most keys room is made for up front (``expected_keys``); beyond, the columns double."""
-    ROW_BYTES = sum(np.dtype(d).itemsize for d in _DTYPES)
+    ROW_BYTES = sum(np.dtype(d).itemsize for d in _COLUMN_DTYPES)
     """Bytes of a key's columns (its index slots take 8-16 bytes more)."""
     CHUNK = 1 << 22
     """Rows a day's decisions take at a time (their temporaries stay this size)."""
@@ -155,9 +159,6 @@ class FeatureStats:
         self._index = self._new_index(key_index.index_size(0))
         self._index[:] = -1
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        # storage rows a delta save changed since the last mark_base (rows stay where they
-        # are between two shrinks, and a base is marked after each shrink)
-        self._saved_since: list[np.ndarray] = []
         # room for the keys the table can hold (``expected_keys``, at most PRESIZE_MAX): the
         # first day then grows no column and rebuilds no index on the reader thread while
         # the pass trains (each doubling copied every column and re-inserted every key:
@@ -210,8 +211,9 @@ class FeatureStats:
         # whole-column decisions at a day's end then run on contiguous arrays)
         if self._files is not None:
             return {name: self._files.array(name, dtype, rows)
-                    for name, dtype in zip(self._FIELDS, self._DTYPES)}
-        return {name: np.zeros(rows, dtype) for name, dtype in zip(self._FIELDS, self._DTYPES)}
+                    for name, dtype in zip(self._COLUMNS, self._COLUMN_DTYPES)}
+        return {name: np.zeros(rows, dtype)
+                for name, dtype in zip(self._COLUMNS, self._COLUMN_DTYPES)}
 
     def _new_index(self, size: int) -> np.ndarray:
         """Room for an index of ``size`` slots (its contents to be written)."""
@@ -262,12 +264,13 @@ class FeatureStats:
         if not keys.size:
             return
         self._reserve(self._n + keys.size)
-        c = self._cols
+        c, before = self._cols, self._n
         self._n = int(key_index.accumulate(
             self._index, c["keys"], c["show"], c["click"], c["delta_score"],
             c["unseen_days"], c["since_delta"], self._n, keys,
             np.ascontiguousarray(show, np.float64), np.ascontiguousarray(click, np.float64),
             float(self.rule.nonclk_coeff), float(self.rule.click_coeff)))
+        c["saved"][before:self._n] = False  # new rows (a shrink leaves old ones past the end)
 
     def _reserve(self, rows: int) -> None:
         """Room for ``rows`` rows in the columns and the index (doubling: amortized O(1))."""
@@ -310,8 +313,7 @@ class FeatureStats:
         be freed). Keys age afterwards, with :meth:`age`."""
         self.flush()
         c = self._cols
-        deleted = (self._files.array("deleted", np.int64, self._n) if self._files is not None
-                   else np.empty(self._n, np.int64))
+        deleted = np.empty(self._n, np.int64)  # memory of the keys written to only
         kept, gone = key_index.shrink(
             c["keys"], c["show"], c["click"], c["unseen_days"], c["delta_score"],
             c["since_delta"], self._n, float(rule.show_click_decay_rate),
@@ -336,7 +338,7 @@ class FeatureStats:
         """Keys a base model holds (Paddle's ``Save`` with param 2): score >=
         ``base_threshold`` and unseen for at most ``delta_keep_days`` days. They count as
         saved: their delta score starts again from 0. Sorted."""
-        return self._saved(self._select(
+        return self._saved(self._select(save=True, test=
             lambda c: (self.rule.score(c["show"], c["click"]) >= base_threshold)
             & (c["unseen_days"] <= delta_keep_days)))
 
@@ -346,31 +348,36 @@ class FeatureStats:
         they were last saved, score >= ``base_threshold``, delta score >=
         ``delta_threshold``, unseen for at most ``delta_keep_days`` days. They count as
         saved. Sorted."""
-        return self._saved(self._select(
+        return self._saved(self._select(save=True, test=
             lambda c: c["since_delta"] & (self.rule.score(c["show"], c["click"])
                                           >= base_threshold)
             & (c["delta_score"] >= delta_threshold) & (c["unseen_days"] <= delta_keep_days)))
 
-    def _select(self, test: Callable[[dict[str, np.ndarray]], np.ndarray]) -> np.ndarray:
+    def _select(self, test: Callable[[dict[str, np.ndarray]], np.ndarray], *,
+                save: bool = False) -> np.ndarray:
         """The rows (ascending) where ``test`` of the columns holds, ``CHUNK`` rows at a time:
-        the temporaries of a day's decisions stay that size whatever the keys."""
+        the temporaries of a day's decisions stay that size whatever the keys. ``save``:
+        those rows count as saved (their delta score back to 0, not pushed since)."""
         self.flush()
-        n = self._n
-        found = [start + np.flatnonzero(test({name: col[start:min(start + self.CHUNK, n)]
-                                              for name, col in self._cols.items()}))
-                 for start in range(0, n, self.CHUNK)]
+        n, found = self._n, []
+        for start in range(0, n, self.CHUNK):
+            part = {name: col[start:min(start + self.CHUNK, n)]
+                    for name, col in self._cols.items()}
+            take = test(part)
+            if save:
+                part["delta_score"][take] = 0.0
+                part["since_delta"][take] = False
+                part["saved"][take] = True
+            found.append(start + np.flatnonzero(take))
         return np.concatenate(found) if found else np.zeros(0, np.int64)
 
     def _saved(self, rows: np.ndarray) -> np.ndarray:
-        self._cols["delta_score"][rows] = 0.0
-        self._cols["since_delta"][rows] = False
-        self._saved_since.append(rows)
         return np.sort(self._cols["keys"][rows])
 
     def mark_base(self) -> None:
         """The statistics as they are now were saved whole (after a day's shrink and
         :meth:`age`): :meth:`changes` are counted from here."""
-        self._saved_since = []
+        self._cols["saved"][: self._n] = False
 
     def changes(self) -> dict[str, np.ndarray]:
         """The rows that differ from the statistics at the last :meth:`mark_base`, by storage
@@ -379,9 +386,7 @@ class FeatureStats:
         column at the positions}``; :meth:`apply_changes` over the base's state gives these
         statistics. A long-lived table meets a day's keys, not all its keys, between two
         bases: a pass's checkpoint writes these, not every key's statistics."""
-        pos = self._select(lambda c: c["unseen_days"] == 0)
-        if self._saved_since:
-            pos = np.unique(np.concatenate([pos, *self._saved_since]))
+        pos = self._select(lambda c: (c["unseen_days"] == 0) | c["saved"])
         return {"positions": pos, "rows": np.int64(self._n),
                 **{name: self._cols[name][pos] for name in self._FIELDS}}
 
@@ -403,7 +408,7 @@ class FeatureStats:
             col[pos] = np.asarray(changes[name], dtype)
 
         self._fill(rows, put)
-        self._saved_since = [pos]
+        self._cols["saved"][pos] = True
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Plain arrays in storage order (for a checkpoint; no pickle)."""
@@ -431,10 +436,11 @@ class FeatureStats:
         """``rows`` rows of columns that ``put(name, dtype, column)`` writes (a column at a
         time: in files, no copy of the whole in memory), then their index."""
         self._index_built()
-        self._pending, self._saved_since = [], []
+        self._pending = []
         cols = self._empty_columns(rows)
         for name, dtype in zip(self._FIELDS, self._DTYPES):
             put(name, dtype, cols[name])
+        cols["saved"][:rows] = False
         index = self._new_index(key_index.index_size(rows))
         again = key_index.rebuild(index, cols["keys"], rows)
         if again >= 0:

@@ -306,6 +306,27 @@ def test_statistics_in_mapped_files_equal_those_in_memory(tmp_path, monkeypatch)
         st.close()
 
 
+def test_statistics_past_int32_row_numbers_index_them_in_int64():
+    """An index of int32 row numbers would wrap past 2**31 - 1 keys (statistics in files can
+    hold that many): past ``INT32_ROWS`` the index holds int64 row numbers, the same
+    statistics (the limit lowered to 3,000 rows here)."""
+    plain, wide = FeatureStats(), FeatureStats()
+    wide.INT32_ROWS = 3_000
+    rng = np.random.default_rng(2)
+    for _ in range(4):
+        keys = rng.integers(0, 20_000, 5_000)
+        for st in (plain, wide):
+            st.observe(keys, show=1.0, click=keys % 3 == 0)
+    assert plain._index.dtype == np.int32 and wide._index.dtype == np.int64
+    for name, value in plain.state_dict().items():
+        np.testing.assert_array_equal(wide.state_dict()[name], value, err_msg=name)
+    probe = rng.integers(0, 25_000, 2_000)
+    np.testing.assert_array_equal(wide.rows_of(probe), plain.rows_of(probe))
+    gone = [st.shrink(ShrinkRule(delete_threshold=0.15)) for st in (plain, wide)]
+    np.testing.assert_array_equal(*gone)
+    np.testing.assert_array_equal(wide.rows_of(probe), plain.rows_of(probe))
+
+
 def test_statistics_round_trip_and_bulk_merge():
     rng = np.random.default_rng(0)
     stats = FeatureStats()

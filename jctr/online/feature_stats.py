@@ -215,11 +215,16 @@ class FeatureStats:
         return {name: np.zeros(rows, dtype)
                 for name, dtype in zip(self._COLUMNS, self._COLUMN_DTYPES)}
 
+    INT32_ROWS = 2**31 - 1
+    """Rows an index of int32 row numbers holds; past them, int64 (twice the memory)."""
+
     def _new_index(self, size: int) -> np.ndarray:
-        """Room for an index of ``size`` slots (its contents to be written)."""
+        """Room for an index of ``size`` slots (its contents to be written): int32 row
+        numbers while every row it may hold (half its slots) fits them."""
+        dtype = np.int32 if size // 2 <= self.INT32_ROWS else np.int64
         if self._files is not None:
-            return self._files.array("index", np.int32, size)
-        return np.empty(size, np.int32)
+            return self._files.array("index", dtype, size)
+        return np.empty(size, dtype)
 
     def __len__(self) -> int:
         self.flush()

@@ -26,11 +26,19 @@ def _check(store: RowFileStore, table: str, model: dict[int, np.ndarray], width:
         np.testing.assert_array_equal(seen[int(k)], model[int(k)])
 
 
-def test_row_file_equals_a_dictionary_over_inserts_erases_and_reopens(tmp_path):
+@pytest.mark.parametrize("mapped_index", [False, True])
+def test_row_file_equals_a_dictionary_over_inserts_erases_and_reopens(tmp_path, monkeypatch,
+                                                                      mapped_index):
     """A long random sequence of inserts (new and known keys, a key given twice keeps its
     last row, column blocks side by side), erases (freed rows are taken again: the files
     stop growing once the keys stop growing) and reopens (the index rebuilt from the key
-    column) holds what a dictionary holds, key for key."""
+    column) holds what a dictionary holds, key for key; also with the index in a mapped
+    file (``INDEX_IN_MEMORY_SHARE`` 0: an index past a share of the memory left), which
+    leaves no file in the table's folder."""
+    from jctr.stores import row_file
+
+    if mapped_index:
+        monkeypatch.setattr(row_file._Table, "INDEX_IN_MEMORY_SHARE", 0.0)
     rng = np.random.default_rng(0)
     width, table = 5, "online.t"
     store = RowFileStore(str(tmp_path / "rows"))
@@ -68,6 +76,14 @@ def test_row_file_equals_a_dictionary_over_inserts_erases_and_reopens(tmp_path):
         model.update(zip(keys.tolist(), rows))
     _check(store, table, model, width)
     assert os.path.getsize(tmp_path / "rows" / "tables" / table / "rows.f32") == size
+    t = store._tables[table]
+    assert (t._mapped is not None) == mapped_index
+    with open("/proc/self/maps") as f:
+        maps = [line for line in f if str(tmp_path / "rows" / "tables") in line
+                and "rows.f32" not in line and "keys.i64" not in line]
+    assert bool(maps) == mapped_index and all("(deleted)" in line for line in maps), maps
+    assert sorted(os.listdir(tmp_path / "rows" / "tables" / table)) == [
+        "keys.i64", "rows.f32", "table.json"]
     store.close()
 
 

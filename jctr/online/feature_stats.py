@@ -39,9 +39,6 @@ Example::
 
 from __future__ import annotations
 
-import mmap
-import os
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -49,6 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from jctr.online import key_index
+from jctr.runtime.mapped import MappedArrays
 
 
 @dataclass(frozen=True)
@@ -78,42 +76,6 @@ class ShrinkRule:
         if self.delete_after_unseen_days < 1:
             raise ValueError("delete_after_unseen_days: expected an integer > 0, got "
                              f"{self.delete_after_unseen_days}")
-
-
-class MappedArrays:
-    """Arrays in unnamed files of ``folder`` (``O_TMPFILE``: nothing to remove, whatever
-    ends the process), one file a name, mapped shared: the page cache holds them and the
-    operating system writes them out under memory pressure as it does a mapped table's rows.
-    An array asked for again with more rows is the same file grown (its rows kept, nothing
-    copied; new rows read 0).
-
-    Example::
-
-        files = MappedArrays("runs/online")
-        keys = files.array("keys", np.int64, 1 << 20)
-    """
-
-    def __init__(self, folder: str):
-        self.folder = folder
-        self._files: dict[str, object] = {}
-
-    def array(self, name: str, dtype, rows: int) -> np.ndarray:
-        dtype = np.dtype(dtype)
-        f = self._files.get(name)
-        if f is None:
-            f = self._files[name] = tempfile.TemporaryFile(dir=self.folder,
-                                                           prefix=".jctr-stats-")
-        size = max(rows * dtype.itemsize, mmap.PAGESIZE)
-        if os.fstat(f.fileno()).st_size < size:
-            os.ftruncate(f.fileno(), size)
-        # the array keeps its mapping open; an older, shorter one of the same file stays
-        # valid (the same pages) until its last view goes
-        return np.frombuffer(mmap.mmap(f.fileno(), size), dtype, rows)
-
-    def close(self) -> None:
-        for f in self._files.values():
-            f.close()
-        self._files = {}
 
 
 class FeatureStats:

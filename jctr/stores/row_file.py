@@ -5,8 +5,10 @@ A table is a folder holding its key column (``keys.i64``, little-endian int64) a
 (``rows.f32``, float32 ``[capacity, width]``), both memory-mapped, and ``table.json`` (the
 width and the rows handed out). The index from key to row (the compiled open-addressing index
 of :mod:`jctr.ops.host_index`) is built from the key column when a table opens and lives in
-memory. A batch's reads and writes are one gather or scatter on the mapped files: memory speed
-while the files sit in the page cache (RocksDB goes through a Python object a row), and the
+memory (past a quarter of the memory left, 16-32 bytes a row, in an unnamed mapped file in
+the table's folder, paged as the rows are: :class:`jctr.runtime.mapped.MappedArrays`). A
+batch's reads and writes are one gather or scatter on the mapped files: memory speed while
+the files sit in the page cache (RocksDB goes through a Python object a row), and the
 operating system pages a table larger than memory in and out. An erased row's key becomes
 ``FREE`` and new keys take freed rows first.
 
@@ -39,6 +41,8 @@ from jctr.ops import host_index
 from jctr.ops.host_index import host_kernel, slot_of
 from jctr.ops.host_sort import unique
 from jctr.runtime.direct_io import replace_json
+from jctr.runtime.host_memory import room_left
+from jctr.runtime.mapped import MappedArrays
 from jctr.stores.base import (
     StoreError,
     as_keys,
@@ -113,6 +117,7 @@ class _Table:
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise StoreError(f"row_file {info}: unreadable ({e})") from e
         self.capacity = 0
+        self._mapped: MappedArrays | None = None  # the index's file, once it is that large
         self.keys = np.zeros(0, np.int64)
         self.rows = np.zeros((0, self.width), np.float32)
         self._map(max(self.count, self._file_rows()))
@@ -122,9 +127,21 @@ class _Table:
         self.live = int(live.sum())
         self._reindex()
 
+    # an index past this share of the memory left (16-32 bytes a row: ~24 GB for a billion
+    # rows) goes into a mapped file of its own, paged as the rows are
+    INDEX_IN_MEMORY_SHARE = 0.25
+
     def _reindex(self) -> None:
         """The index of the live rows, sized for the capacity; no erased key's slot left."""
-        self.index = np.full(host_index.index_size(self.capacity), -1, np.int64)
+        size = host_index.index_size(self.capacity)
+        room = room_left()
+        if self._mapped is not None or (room is not None
+                                        and 8 * size > self.INDEX_IN_MEMORY_SHARE * room):
+            self._mapped = self._mapped or MappedArrays(self.folder)
+            self.index = self._mapped.array("index", np.int64, size)
+            self.index[:] = -1
+        else:
+            self.index = np.full(size, -1, np.int64)
         host_index.rebuild_distinct_except(self.index, self.keys, self.count, FREE)
         self.stale = 0  # index slots of erased keys since the last rebuild
 
@@ -332,4 +349,6 @@ class RowFileStore:
         with self._lock:
             for t in self._tables.values():
                 t.flush()
+                if t._mapped is not None:
+                    t._mapped.close()
             self._tables.clear()

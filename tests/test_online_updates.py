@@ -687,7 +687,7 @@ def test_a_server_keeps_the_steps_of_its_last_dense_updates_only():
         tables = []
 
         @staticmethod
-        def swap_dense(dense, non_trainable):
+        def swap_dense(dense, non_trainable, step=-1):
             pass
 
         @staticmethod
@@ -1171,3 +1171,146 @@ def test_a_tables_rows_of_the_messages_read_apply_together_as_one_after_the_othe
         np.testing.assert_array_equal(got, want)
     model.close()
     dbs.close()
+
+
+def test_updates_written_while_a_server_takes_new_files_are_kept_over_them(broker, tmp_path,
+                                                                          monkeypatch):
+    """A server takes the next delta, then the next day's base, while online updates go on
+    (SIGHUP: ``HPSModel.take_chain``). Updates written while the files are taken, of steps
+    after the files' (the stream is newer), are written again over them -- the delta's
+    rows written over the tables in place, the base written into tables of its own and
+    swapped in -- in the hash map, RocksDB and the device cache; those of steps before the
+    files' are left under them; keys only the updates bring stay; a dense update newer than
+    the files is served, not the files' weights. Before, the files' rows put back what the
+    stream had replaced (deltas) or the updates went with the old tables (a new base)."""
+    import json as _json
+
+    from jctr.checkpoint.model_files import dense_weights, host_network, non_trainable
+    from jctr.config import load_config
+    from jctr.config.hps import parse_ps_config
+    from jctr.serving.bundle import export_bundle
+    from jctr.serving.updates import UpdateApplier, wait_for
+    from jctr.sharding.rows import export_placed
+    from jctr.stores.kafka import KafkaMessageSink
+    from jctr.train.trainer import Trainer
+
+    name, dim = "dlrm_journal", 8
+    table = f"hps_et.{name}.sparse_embedding1"
+    t = Trainer(load_config(tiny_config(tmp_path, "dlrm", max_iter=12, display=100,
+                                        eval_interval=10_000, eval_batches=1,
+                                        batchsize=256)), log=lambda s: None)
+    t.fit()
+    export_bundle(t.cfg, t.state, str(tmp_path / "A"), t.placements)  # step 12
+    t.fit(24)
+    rows = export_placed(t.state.embeddings[0], t.placements[0])
+    order = np.argsort(rows["keys"])
+    held, trained = rows["keys"][order], rows["values"][order]
+    export_bundle(t.cfg, t.state, str(tmp_path / "B"), t.placements)  # step 24
+    delta_keys = held[::2]
+    export_bundle(t.cfg, t.state, str(tmp_path / "D"), t.placements, keys=[delta_keys],
+                  about={"kind": "delta", "day": "d", "pass": 1})  # step 24, over A
+    net = host_network(t.step_config, t.state)
+    dense, nt = dense_weights(net).astype("<f4").tobytes(), _json.dumps(non_trainable(net))
+
+    ps, dbs, model = _hps(tmp_path, name, tmp_path / "A", broker)
+    batch = next(t.data.eval.batches(256, epochs=1))
+    model.predict(batch)  # the device cache takes the batch's keys
+    model.wait_inserts()
+    cache = model.tables[0].cache
+    sink = KafkaMessageSink(broker, name, report=lambda s: None)
+    applier = UpdateApplier(ps.update_source, dbs, {name: model}, group="g-journal")
+    applier.start()
+    lines = []
+
+    def params(base, deltas=()):
+        return parse_ps_config({
+            "volatile_db": {"type": "hash_map"},
+            "persistent_db": {"type": "rocks_db", "path": str(tmp_path / f"rocks_{name}")},
+            "models": [{"model": name, "bundle": str(base), "max_batch_size": 256,
+                        "deltas": [str(d) for d in deltas],
+                        "gpucache": True, "gpucacheper": 0.5}]},
+            str(tmp_path / "ps.json")).models[0]
+
+    def during(method, publish):
+        """``dbs.<method>`` publishing ``publish`` (step, keys, value | "dense") at its first
+        call from the model's files (one with ``progress``), every layer applying them
+        before the files are written."""
+        real = getattr(dbs, method)
+
+        def wrapped(*args, **kwargs):
+            if kwargs.get("progress") is not None and not getattr(wrapped, "fired", False):
+                wrapped.fired = True
+                for step, keys, value in publish:
+                    if value == "dense":
+                        sink.publish_dense(step, dense, nt)
+                    else:
+                        sink.publish_rows("sparse_embedding1", step, keys,
+                                          np.full((keys.size, dim), value, np.float32))
+                assert sink.flush(10) == 0
+                rows = [step for step, _, value in publish if value != "dense"][-1]
+                dense_at = [step for step, _, value in publish if value == "dense"]
+                assert wait_for(applier, lambda a: a.last_step.get(table) == rows and all(
+                    a.last_step.get(f"hps_dense.{name}") == d for d in dense_at),
+                    60), applier.stats()
+            return real(*args, **kwargs)
+        monkeypatch.setattr(dbs, method, wrapped)
+
+    def layers(keys):
+        """The rows each layer serves below the cache (RocksDB; the hierarchy)."""
+        stored, found = dbs.persistent.lookup(table, keys, dim)
+        assert found.all()
+        return stored, dbs.lookup(table, keys, dim, 0.0)[0]
+
+    try:
+        sink.publish_rows("sparse_embedding1", 1, held[-4:], trained[-4:])  # the topic made
+        assert sink.flush(10) == 0
+        assert wait_for(applier, lambda a: a.last_step.get(table) == 1, 60), applier.stats()
+        # 1. the next delta (step 24) while updates of steps 30 (newer) and 20 (older) come
+        cached = cache.cached_keys(0, cache.num_sets)
+        in_delta = np.intersect1d(cached, delta_keys)
+        newer, older = in_delta[: in_delta.size // 2], in_delta[in_delta.size // 2:]
+        assert newer.size >= 5 and older.size >= 5
+        during("write_links", [(30, newer, 7.0), (20, older, 9.0)])
+        assert model.take_chain(params(tmp_path / "A", [tmp_path / "D"]),
+                                progress=lines.append) == (False, 1)
+        for got in layers(newer):
+            assert (got == 7.0).all()
+        want = trained[np.searchsorted(held, older)]
+        for got in layers(older):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+        hit, values = cache.query(newer)
+        assert hit.all() and (np.asarray(values)[:newer.size] == 7.0).all()
+        hit, values = cache.query(older)
+        np.testing.assert_allclose(np.asarray(values)[:older.size][hit], want[hit], rtol=1e-6)
+        assert any(f"{table}: {newer.size:,} row(s) of online updates newer than the files"
+                   in x for x in lines), lines
+        # 2. the next day's base (step 24) while rows of step 40 (newer; some keys the base
+        # lacks), of step 10 (older) and dense weights of step 40 come
+        cached = cache.cached_keys(0, cache.num_sets)
+        newer, older = cached[: cached.size // 2], cached[cached.size // 2:]
+        fresh = np.arange(10**15, 10**15 + 50, dtype=np.int64)
+        during("write_staged", [(10, older, 3.0), (40, newer, 5.0), (40, fresh, 5.0),
+                                (40, None, "dense")])
+        lines.clear()
+        assert model.take_chain(params(tmp_path / "B"), progress=lines.append) == (True, 0)
+        for keys in (newer, fresh):
+            for got in layers(keys):
+                assert (got == 5.0).all()
+        want = trained[np.searchsorted(held, older)]
+        for got in layers(older):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+        hit, values = cache.query(newer)
+        assert (np.asarray(values)[:newer.size][hit] == 5.0).all() and hit.any()
+        assert model._dense_step == 40
+        assert any("dense weights of step 40 from the online updates kept" in x
+                   for x in lines), lines
+        assert not dbs._journals
+        # and updates after it apply as before
+        sink.publish_rows("sparse_embedding1", 50, newer[:3], np.full((3, dim), 1.5,
+                                                                     np.float32))
+        assert sink.flush(10) == 0
+        assert wait_for(applier, lambda a: a.last_step.get(table) == 50, 60)
+        for got in layers(newer[:3]):
+            assert (got == 1.5).all()
+    finally:
+        _close(applier, {name: model}, dbs)

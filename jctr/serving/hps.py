@@ -18,11 +18,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
@@ -35,6 +36,37 @@ from jctr.stores.base import KeyValueStore, PartialUnavailable, StoreError, Stor
 log = logging.getLogger("jctr.serving")
 
 LAYERS = ("device_cache", "volatile_db", "persistent_db", "default")
+# the update applier's consumers (jctr.serving.updates): each writes a table under a lock of
+# its own, and a model taking new files pauses them all for that table
+UPDATE_SIDES = ("all", "serving", "lasting")
+# the most bytes of online updates a layer's table keeps while its next chain is written
+JOURNAL_BYTES = 256 << 20
+
+
+class UpdateJournal:
+    """The online updates written to one layer's table (``device_cache``: the cache's rows)
+    while a model's next files are written into it: written again over them once they are
+    in, so that the new files never put back rows older than what the stream delivered.
+    Updates of the files' step or before (``after``: -1 where unknown) are the files' already
+    (or older) and are not kept; past ``limit`` bytes the rest are counted, not kept."""
+
+    def __init__(self, after: int, limit: int = JOURNAL_BYTES):
+        self.after, self.limit = after, limit
+        self.parts: list[tuple[np.ndarray, np.ndarray | None]] = []  # values None: erased
+        self.bytes = 0
+        self.rows = 0
+        self.dropped = 0
+
+    def add(self, keys: np.ndarray, values: np.ndarray | None, step: int) -> None:
+        if step <= self.after or not keys.size:
+            return
+        size = keys.nbytes + (0 if values is None else values.nbytes)
+        if self.bytes + size > self.limit:
+            self.dropped += int(keys.size)
+            return
+        self.parts.append((keys, values))
+        self.bytes += size
+        self.rows += int(keys.size)
 
 
 class LayerUnavailable(StoreUnavailable):
@@ -100,6 +132,10 @@ class Databases:
         self.volatile_error: str | None = None  # why the volatile database is down now
         self.expected: dict[str, dict] = {}  # table -> manifest the served model needs
         self._volatile_skip: set[str] = set()  # tables the volatile db holds for another export
+        # (table, update side) -> the lock the side writes under; (layer, table) -> the
+        # updates kept while a model's next files are written (begin_journal)
+        self._update_locks: dict[tuple[str, str], threading.RLock] = {}
+        self._journals: dict[tuple[str, str], UpdateJournal] = {}
         self._reviver: threading.Thread | None = None
         self._update_filters = {layer: [re.compile(f) for f in params.update_filters]
                                 for layer, params in (("volatile_db", volatile),
@@ -471,10 +507,11 @@ class Databases:
         serves (``held_only``: only the rows of keys it holds, for a volatile database holding
         a share). Where the database swaps tables (RocksDB, a hash map) the chain is written
         into a table of its own, with ``manifest``, and swapped in at once: requests read the
-        old chain whole until then, the new one whole after, and online updates applied
-        meanwhile go with the old. Elsewhere (Redis) the table is marked incomplete, the rows
-        written over it, the keys not in ``chain_keys()`` (sorted: every key of the chain)
-        erased, then ``manifest`` written; requests meanwhile read old and new rows.
+        old chain whole until then, the new one whole after (online updates applied meanwhile
+        go with the old, unless kept: :meth:`begin_journal`). Elsewhere (Redis) the table is
+        marked incomplete, the rows written over it, the keys not in ``chain_keys()``
+        (sorted: every key of the chain) erased, then ``manifest`` written; requests
+        meanwhile read old and new rows.
         ``swap_now`` False: the next table is left to :meth:`swap_staged` (a model's layers
         all written first, then swapped in one after the other). Returns rows written."""
         store = self._up(layer)
@@ -550,6 +587,58 @@ class Databases:
                 store.drop_table(staged)
                 dropped.append(layer)
         return dropped
+
+    # -- online updates while a model takes new files -----------------------------------------
+    def update_lock(self, table: str, side: str) -> threading.RLock:
+        """The lock update side ``side`` writes ``table``'s layers under (with
+        :meth:`journal`): held by :meth:`updates_paused`."""
+        key = (table, side)
+        lock = self._update_locks.get(key)
+        if lock is None:
+            with self._lock:
+                lock = self._update_locks.setdefault(key, threading.RLock())
+        return lock
+
+    @contextlib.contextmanager
+    def updates_paused(self, table: str) -> Iterator[None]:
+        """No online update writes ``table`` meanwhile (every side's lock held, in order)."""
+        locks = [self.update_lock(table, side) for side in UPDATE_SIDES]
+        with contextlib.ExitStack() as stack:
+            for lock in locks:
+                stack.enter_context(lock)
+            yield
+
+    def begin_journal(self, table: str, layers: Sequence[str], after: int) -> None:
+        """From now on the online updates written to ``table`` in each of ``layers`` (with
+        ``device_cache``: the cache's) after step ``after`` are kept (:class:`UpdateJournal`)
+        until :meth:`end_journal`."""
+        with self.updates_paused(table):  # no write half recorded
+            for layer in layers:
+                self._journals[(layer, table)] = UpdateJournal(after)
+
+    def journal(self, layer: str, table: str, parts: Iterable[tuple]) -> None:
+        """An update side wrote ``parts`` ([(keys, values or None for erased, step)]) to
+        ``layer``'s ``table`` (under its :meth:`update_lock`): kept where a journal is on."""
+        kept = self._journals.get((layer, table))
+        if kept is not None:
+            for keys, values, step in parts:
+                kept.add(keys, values, step)
+
+    def end_journal(self, layer: str, table: str) -> UpdateJournal | None:
+        """What was kept for ``layer``'s ``table`` since :meth:`begin_journal`; no longer kept."""
+        return self._journals.pop((layer, table), None)
+
+    def replay_journal(self, layer: str, table: str, kept: UpdateJournal) -> int:
+        """The kept updates written again into ``layer``'s ``table`` (a next table too), in
+        their order; returns the rows written."""
+        store = self._up(layer)
+        for keys, values in kept.parts:
+            for s in range(0, keys.size, _WRITE_ROWS):
+                if values is None:
+                    store.erase(table, keys[s:s + _WRITE_ROWS])
+                else:
+                    store.insert(table, keys[s:s + _WRITE_ROWS], values[s:s + _WRITE_ROWS])
+        return kept.rows
 
     def erase_rows(self, layer: str, table: str, keys: np.ndarray) -> None:
         """Forget ``keys`` in ``layer``'s table (an online update's erased keys). A volatile

@@ -50,7 +50,14 @@ from jctr.models.ctr import StepConfig, build_model, forward
 from jctr.ops.host_sort import unique
 from jctr.runtime.host_memory import room_left
 from jctr.serving.device_cache import WAYS, DeviceCache
-from jctr.serving.hps import LAYERS, Databases, LayerUnavailable, RowParts
+from jctr.serving.hps import (
+    JOURNAL_BYTES,
+    LAYERS,
+    STAGED_SUFFIX,
+    Databases,
+    LayerUnavailable,
+    RowParts,
+)
 from jctr.serving.table_manifest import remember, table_manifest
 from jctr.sharding.plan import device_room_bytes, format_bytes
 from jctr.stores.base import StoreError, first_beyond_int32
@@ -60,6 +67,9 @@ LOAD_PART_BYTES = 64 << 20  # a sparse model's rows read at a time by a load
 
 
 _CACHE_READ_KEYS = 1 << 16  # keys of a device cache read again at once at a new base
+# where online updates written while a model takes new files are kept (Databases.journal)
+_JOURNALED = ("persistent_db", "volatile_db", "device_cache")
+_JOURNAL_MIB = JOURNAL_BYTES >> 20
 
 
 class _Table:
@@ -120,6 +130,7 @@ class HPSModel:
             state = load_model_files(step_config, init_state(), params.dense_model_file,
                                      non_trainable_json=nt)
         self._params, self._stats = state.params, state.batch_stats
+        self._dense_step = -1  # the step of the dense weights served if an update's (-1: files)
         self.batch_size = params.max_batchsize
         self.tables = []
         caching = params.use_gpu_embedding_cache and params.cache_size_percentage > 0
@@ -379,8 +390,10 @@ class HPSModel:
         share takes those of the keys it holds). Either way every file is read through
         and checked before any write, the device cache takes the new rows of the keys it
         holds (at a new base: read again from the databases, keys the new chain lacks
-        forgotten), then the last model's dense weights are swapped in. Rows online updates
-        wrote are overwritten (at a new base: gone with the old chain). Only the chain and its
+        forgotten), then the last model's dense weights are swapped in. Online updates go on
+        meanwhile: those written while the files were taken, of steps after the last file's,
+        are written again over them (:meth:`Databases.begin_journal`), with updates paused for
+        the table, before a new base is swapped in. Only the chain and its
         dense files are taken; another network or other settings take a restart, and a
         chain that drops deltas of the same base is refused (:class:`StoreError`), the model
         served as it was."""
@@ -433,43 +446,83 @@ class HPSModel:
         except BaseException:
             self.params, self._manifests = old, [None] * len(self.tables)
             raise
+        # online updates written meanwhile are kept and written again over the new files
+        # (those after the files' step: the stream is newer), each table's with its updates
+        # paused, then the new base swapped in
+        after = self.served_step()
         for i, t, manifest, layers, links in work:
             self.dbs.expected[t.key] = manifest
             counted = meter.layers(self, i, manifest)
-            for layer, first in layers.items():
-                if new_base:
-                    share = layer == "volatile_db" and self.dbs.persistent is not None
-                    self.dbs.switch_links(layer, t.key, links[0], manifest,
-                                          functools.partial(self._chain_keys, i),
-                                          held_only=share, progress=counted, swap_now=False)
-                else:
-                    self.dbs.write_links(layer, t.key, links[first], manifest,
-                                         progress=counted)
-            # every layer's next table written, then swapped in one after the other: requests
-            # meanwhile read one day in every layer (not the new persistent rows under the old
-            # volatile share while the share is written)
-            for layer in layers if new_base else ():
-                if self.dbs.can_swap(layer):
-                    self.dbs.swap_staged(layer, t.key, manifest)
-            if t.cache is None:
-                continue
-            if new_base:  # the keys the cache holds, read again from the new chain's tables
-                cached = t.cache.cached_keys(0, t.cache.num_sets)
-                for s in range(0, cached.size, _CACHE_READ_KEYS):
-                    keys = cached[s:s + _CACHE_READ_KEYS]
-                    try:
-                        values, found, _ = self.dbs.lookup(t.key, keys, t.dim, t.default)
-                    except (LayerUnavailable, StoreError):  # forgotten: read again when asked
-                        t.cache.forget_rows(keys)
-                        continue
-                    t.cache.refresh_rows(keys[found], values[found])
-                    t.cache.forget_rows(keys[~found])
-            else:  # the new deltas' rows of keys the cache holds
-                for read in links[fresh]:
-                    for keys, values in read():
-                        t.cache.refresh_rows(keys, values)
-        self._put_dense(*checked)
+            self.dbs.begin_journal(t.key, _JOURNALED, after)
+            try:
+                for layer, first in layers.items():
+                    if new_base:
+                        share = layer == "volatile_db" and self.dbs.persistent is not None
+                        self.dbs.switch_links(layer, t.key, links[0], manifest,
+                                              functools.partial(self._chain_keys, i),
+                                              held_only=share, progress=counted,
+                                              swap_now=False)
+                    else:
+                        self.dbs.write_links(layer, t.key, links[first], manifest,
+                                             progress=counted)
+                with self.dbs.updates_paused(t.key):
+                    kept = {layer: self.dbs.end_journal(layer, t.key) for layer in _JOURNALED}
+                    self._took(i, t, manifest, layers, links[fresh], new_base, kept, progress)
+            finally:
+                for layer in _JOURNALED:
+                    self.dbs.end_journal(layer, t.key)
+        if not self._put_dense(*checked, unless_after=after if after >= 0 else None) \
+                and progress:
+            progress(f"[jctr] {self.name}: the dense weights of step {self._dense_step} from the "
+                     f"online updates kept (newer than the files', step {after})")
         return new_base, len(new_deltas) - (0 if new_base else len(held))
+
+    def _took(self, i: int, t, manifest: dict, layers: dict, fresh_links, new_base: bool,
+              kept: dict, progress: Callable[[str], None] | None) -> None:
+        """The end of :meth:`take_chain` for table ``i``, online updates paused: the updates
+        ``kept`` while its files were written written again over them, a new base's next
+        tables swapped in, and the device cache made to match."""
+        replayed = dropped = 0
+        for layer in layers:
+            staged = new_base and self.dbs.can_swap(layer)
+            journal = kept.get(layer)
+            if journal is not None:
+                replayed = max(replayed, self.dbs.replay_journal(
+                    layer, t.key + STAGED_SUFFIX if staged else t.key, journal))
+                dropped = max(dropped, journal.dropped)
+            # every layer's next table written, then swapped in one after the other:
+            # requests meanwhile read one day in every layer (not the new persistent rows
+            # under the old volatile share while the share is written)
+            if staged:
+                self.dbs.swap_staged(layer, t.key, manifest)
+        if progress is not None and (replayed or dropped):
+            progress(f"[jctr] {self.name}: {t.key}: {replayed:,} row(s) of online updates "
+                     "newer than the files, written while they were taken, kept over them"
+                     + (f"; {dropped:,} more past {_JOURNAL_MIB} MiB were not (served from "
+                        "the files until updated again)" if dropped else ""))
+        if t.cache is None:
+            return
+        if new_base:  # the keys the cache holds, read again from the new chain's tables
+            cached = t.cache.cached_keys(0, t.cache.num_sets)
+            for s in range(0, cached.size, _CACHE_READ_KEYS):
+                keys = cached[s:s + _CACHE_READ_KEYS]
+                try:
+                    values, found, _ = self.dbs.lookup(t.key, keys, t.dim, t.default)
+                except (LayerUnavailable, StoreError):  # forgotten: read again when asked
+                    t.cache.forget_rows(keys)
+                    continue
+                t.cache.refresh_rows(keys[found], values[found])
+                t.cache.forget_rows(keys[~found])
+            return
+        for read in fresh_links:  # the new deltas' rows of keys the cache holds
+            for keys, values in read():
+                t.cache.refresh_rows(keys, values)
+        journal = kept.get("device_cache")
+        for keys, values in journal.parts if journal is not None else ():
+            if values is None:
+                t.cache.forget_rows(keys)
+            else:
+                t.cache.refresh_rows(keys, values)
 
     def _chain_keys(self, i: int) -> np.ndarray:
         """Every key of table ``i``'s chain, sorted (the keys a database that cannot swap
@@ -502,7 +555,7 @@ class HPSModel:
         if meta.get("base") != self.base_link() or int(meta.get("step", -1)) <= \
                 self.served_step():
             return None
-        self.swap_dense(dense, meta.get("non_trainable", ""))
+        self.swap_dense(dense, meta.get("non_trainable", ""), step=int(meta["step"]))
         return int(meta["step"])
 
     def _plan(self, layer: str, table: str, manifest: dict, replace: bool,
@@ -663,17 +716,26 @@ class HPSModel:
         """What :meth:`swap_dense` checks, nothing swapped (the side that keeps them)."""
         self._dense_from(dense, non_trainable)
 
-    def swap_dense(self, dense: bytes, non_trainable: str) -> None:
+    def swap_dense(self, dense: bytes, non_trainable: str, step: int = -1) -> None:
         """New dense weights (a dense model file's bytes) and BatchNorm statistics, checked like
-        the files, put in place between two requests."""
-        self._put_dense(*self._dense_from(dense, non_trainable))
+        the files, put in place between two requests; ``step``: the training step they are
+        of (an online update's)."""
+        self._put_dense(*self._dense_from(dense, non_trainable), step=step)
 
-    def _put_dense(self, params, stats, nt) -> None:
-        """Checked dense weights (:meth:`_dense_from`'s) in place between two requests."""
+    def _put_dense(self, params, stats, nt, *, step: int = -1,
+                   unless_after: int | None = None) -> bool:
+        """Checked dense weights (:meth:`_dense_from`'s) in place between two requests;
+        ``step``: the step of an online update's (-1: the files'); ``unless_after``: not
+        where an online update's of a later step are served (newer than files of that step
+        just taken). Returns whether they were put."""
         with self._lock:
+            if unless_after is not None and self._dense_step > unless_after:
+                return False
             self._params = params
             if nt is not None:
                 self._stats = stats
+            self._dense_step = step
+            return True
 
     # -- cache refresh ------------------------------------------------------------------------
     def refresh_cache(self) -> int:

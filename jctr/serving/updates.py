@@ -421,7 +421,7 @@ class _Consumer:
                 self._apply_pending(pending)  # the rows read before it are served with it
                 try:
                     if self.serves:
-                        model.swap_dense(u.dense, u.non_trainable)
+                        model.swap_dense(u.dense, u.non_trainable, step=u.step)
                     else:
                         model.check_dense(u.dense, u.non_trainable)
                 except ModelFileError as e:  # poison: retrying cannot help
@@ -481,13 +481,17 @@ class _Consumer:
         values_all = np.concatenate([v for _, v, _ in parts])
         layers = self._layers(t.key)
         step, pause = self._write_plan(keys_all.size)
-        for s in range(0, keys_all.size, step):
-            keys = keys_all[s:s + step]
-            values = np.ascontiguousarray(values_all[s:s + step])
-            for layer in layers:
-                self.dbs.write_rows(layer, t.key, keys, values, pause=pause)
-            if self.serves:
-                model.refresh_rows(i, keys, values)
+        # under this side's lock: a model taking new files keeps what it wrote (journal)
+        with self.dbs.update_lock(t.key, self.name):
+            for s in range(0, keys_all.size, step):
+                keys = keys_all[s:s + step]
+                values = np.ascontiguousarray(values_all[s:s + step])
+                for layer in layers:
+                    self.dbs.write_rows(layer, t.key, keys, values, pause=pause)
+                if self.serves:
+                    model.refresh_rows(i, keys, values)
+            for layer in layers + (["device_cache"] if self.serves else []):
+                self.dbs.journal(layer, t.key, parts)
         self.applied_rows += int(keys_all.size)
         self.last_step[t.key] = parts[-1][2]
 
@@ -497,16 +501,21 @@ class _Consumer:
         database and the device cache again: a request that missed them there meanwhile
         read the persistent row back (``cache_missed_embeddings``)."""
         t = model.tables[i]
-        for layer in self._layers(t.key):
-            self.dbs.erase_rows(layer, t.key, keys)
-        if self.keeps and not self.serves:  # the serving side's layers again, at best: a
-            try:  # volatile database that is down holds nothing back here
-                if "volatile_db" in self.dbs.update_layers(t.key):
-                    self.dbs.erase_rows("volatile_db", t.key, keys)
-            except StoreError as e:
-                self._say(logging.WARNING, "update_source: %s: erased keys not forgotten "
-                          "again in volatile_db (%s)", t.key, e)
-        model.forget_rows(i, keys)
+        erased = [(keys, None, step)]
+        with self.dbs.update_lock(t.key, self.name):  # (see _apply_rows)
+            for layer in self._layers(t.key):
+                self.dbs.erase_rows(layer, t.key, keys)
+                self.dbs.journal(layer, t.key, erased)
+            if self.keeps and not self.serves:  # the serving side's layers again, at best: a
+                try:  # volatile database that is down holds nothing back here
+                    if "volatile_db" in self.dbs.update_layers(t.key):
+                        self.dbs.erase_rows("volatile_db", t.key, keys)
+                        self.dbs.journal("volatile_db", t.key, erased)
+                except StoreError as e:
+                    self._say(logging.WARNING, "update_source: %s: erased keys not forgotten "
+                              "again in volatile_db (%s)", t.key, e)
+            model.forget_rows(i, keys)
+            self.dbs.journal("device_cache", t.key, erased)
         self.applied_erased += int(keys.size)
         self.last_step[t.key] = step
 

@@ -327,6 +327,39 @@ def test_statistics_past_int32_row_numbers_index_them_in_int64():
     np.testing.assert_array_equal(wide.rows_of(probe), plain.rows_of(probe))
 
 
+def test_statistics_in_files_refuse_to_grow_onto_a_full_disk(tmp_path, monkeypatch):
+    """Statistics in mapped files take their blocks as the columns grow: a full disk is an
+    error naming the folder (a write into a mapped page the disk has no room for would kill
+    the process with SIGBUS, deep in a compiled loop), and the statistics stay as they
+    were; with room again they grow on."""
+    import errno
+
+    stats = FeatureStats(files=str(tmp_path), in_memory_bytes=0)
+    stats.observe(np.arange(500), show=1.0, click=0.0)
+    before = {k: v.copy() for k, v in stats.state_dict().items()}
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=rf"{tmp_path}: no room for .* bytes of .*No space left"):
+        stats.observe(np.arange(10_000, 20_000), show=1.0, click=0.0)
+    for name, value in before.items():
+        np.testing.assert_array_equal(stats.state_dict()[name], value, err_msg=name)
+    # statistics in memory that would move into files: they stay in memory, whole
+    moving = FeatureStats(files=str(tmp_path), in_memory_bytes=2_000 * FeatureStats.ROW_BYTES)
+    moving.observe(np.arange(1_000), show=1.0, click=0.0)
+    with pytest.raises(OSError, match="no room for"):
+        moving.observe(np.arange(10_000, 20_000), show=1.0, click=0.0)
+    assert not moving.mapped and len(moving) == 1_000
+    monkeypatch.undo()
+    for st in (stats, moving):
+        st.observe(np.arange(10_000, 20_000), show=1.0, click=0.0)
+        assert st.mapped and st.lookup(np.array([10_001, 7]))[0].all()
+        st.close()
+    assert len(stats) == 10_500 and len(moving) == 11_000
+
+
 def test_statistics_round_trip_and_bulk_merge():
     rng = np.random.default_rng(0)
     stats = FeatureStats()

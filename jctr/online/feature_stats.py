@@ -160,22 +160,33 @@ class FeatureStats:
         return self._files is not None
 
     def _empty_columns(self, rows: int) -> dict[str, np.ndarray]:
-        """Columns of ``rows`` rows; once in files, the same files grown (their rows kept)."""
-        if self._files is None and self._folder is not None and self._limit is not None \
-                and rows * self.ROW_BYTES >= self._limit:
-            self._files = MappedArrays(self._folder)
+        """Columns of ``rows`` rows; once in files, the same files grown (their rows kept).
+        Where the files cannot take them (a full disk) nothing changes and the error says so."""
+        files = self._files
+        moving = files is None and self._folder is not None and self._limit is not None \
+            and rows * self.ROW_BYTES >= self._limit
+        if moving:
+            files = MappedArrays(self._folder)
+        # one array per column (not one array of rows: measured no faster to add to, and the
+        # whole-column decisions at a day's end then run on contiguous arrays)
+        if files is None:
+            return {name: np.zeros(rows, dtype)
+                    for name, dtype in zip(self._COLUMNS, self._COLUMN_DTYPES)}
+        try:
+            cols = {name: files.array(name, dtype, rows)
+                    for name, dtype in zip(self._COLUMNS, self._COLUMN_DTYPES)}
+        except OSError:
+            if moving:
+                files.close()
+            raise
+        if moving:
+            self._files = files
             if self._report is not None:
                 self._report(f"[jctr] feature statistics: {rows:,} keys' room would take "
                              f"{rows * self.ROW_BYTES / 2**20:,.0f} MiB (more than the "
                              f"{self._limit / 2**20:,.0f} MiB kept in memory): in mapped "
                              f"files in {self._folder} from now on")
-        # one array per column (not one array of rows: measured no faster to add to, and the
-        # whole-column decisions at a day's end then run on contiguous arrays)
-        if self._files is not None:
-            return {name: self._files.array(name, dtype, rows)
-                    for name, dtype in zip(self._COLUMNS, self._COLUMN_DTYPES)}
-        return {name: np.zeros(rows, dtype)
-                for name, dtype in zip(self._COLUMNS, self._COLUMN_DTYPES)}
+        return cols
 
     INT32_ROWS = 2**31 - 1
     """Rows an index of int32 row numbers holds; past them, int64 (twice the memory)."""

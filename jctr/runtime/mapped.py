@@ -7,11 +7,29 @@ move there only past a share of the memory."""
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import tempfile
 
 import numpy as np
+
+
+def allocate(fd: int, size: int) -> None:
+    """The open file ``fd`` at least ``size`` bytes long, its blocks allocated: a write into
+    a mapped page the disk has no room for kills the process (SIGBUS), so the room is taken
+    as the file grows, where a full disk is an :class:`OSError` and the file stays as it
+    was. A file system without ``fallocate`` gets a sparse file."""
+    have = os.fstat(fd).st_size
+    if have >= size:
+        return
+    try:
+        os.posix_fallocate(fd, have, size - have)
+    except OSError as e:
+        if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            os.ftruncate(fd, have)
+            raise
+        os.ftruncate(fd, size)
 
 
 class MappedArrays:
@@ -38,8 +56,12 @@ class MappedArrays:
             f = self._files[name] = tempfile.TemporaryFile(dir=self.folder,
                                                            prefix=".jctr-mapped-")
         size = max(rows * dtype.itemsize, mmap.PAGESIZE)
-        if os.fstat(f.fileno()).st_size < size:
-            os.ftruncate(f.fileno(), size)
+        try:
+            allocate(f.fileno(), size)
+        except OSError as e:
+            raise OSError(e.errno, f"{self.folder}: no room for {size:,} bytes of {name} "
+                          f"(a mapped file of {size >> 20:,} MiB: {e.strerror}); free space "
+                          "there") from e
         # the array keeps its mapping open; an older, shorter one of the same file stays
         # valid (the same pages) until its last view goes
         return np.frombuffer(mmap.mmap(f.fileno(), size), dtype, rows)

@@ -28,7 +28,6 @@ Example::
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -42,7 +41,7 @@ from jctr.ops.host_index import host_kernel, slot_of
 from jctr.ops.host_sort import unique
 from jctr.runtime.direct_io import replace_json
 from jctr.runtime.host_memory import room_left
-from jctr.runtime.mapped import MappedArrays
+from jctr.runtime.mapped import MappedArrays, allocate
 from jctr.stores.base import (
     StoreError,
     as_keys,
@@ -82,21 +81,15 @@ def _place(index, keys, queries, free_rows, n_free, n, out):
 
 
 def _grow(path: str, size: int) -> None:
-    """``path`` at least ``size`` bytes long, its blocks allocated: a write into a mapped
-    file the disk has no room for would kill the process (SIGBUS) instead of raising, so the
-    room is taken when the file grows, where a full disk is an error naming the file."""
+    """``path`` at least ``size`` bytes long, its blocks allocated (:func:`jctr.runtime.
+    mapped.allocate`): a full disk is an error naming the file when the table grows, not a
+    SIGBUS at a write into a mapped page."""
     with open(path, "ab") as f:
-        have = os.fstat(f.fileno()).st_size
-        if have >= size:
-            return
         try:
-            os.posix_fallocate(f.fileno(), have, size - have)
+            allocate(f.fileno(), size)
         except OSError as e:
-            if e.errno not in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                f.truncate(have)
-                raise StoreError(f"row_file {path}: no room to grow it to {size:,} bytes "
-                                 f"({e.strerror}); nothing was written") from e
-            f.truncate(size)  # a file system without fallocate: sparse, as before
+            raise StoreError(f"row_file {path}: no room to grow it to {size:,} bytes "
+                             f"({e.strerror}); nothing was written") from e
 
 
 class _Table:

@@ -1261,6 +1261,14 @@ def test_updates_written_while_a_server_takes_new_files_are_kept_over_them(broke
         assert found.all()
         return stored, dbs.lookup(table, keys, dim, 0.0)[0]
 
+    def files_rows(keys):
+        """``keys`` hold the files' rows (the trained rows of step 24) in every layer;
+        returns those rows."""
+        want = trained[np.searchsorted(held, keys)]
+        for got in layers(keys):
+            np.testing.assert_allclose(got, want, rtol=1e-6)
+        return want
+
     try:
         sink.publish_rows("sparse_embedding1", 1, held[-4:], trained[-4:])  # the topic made
         assert sink.flush(10) == 0
@@ -1275,9 +1283,7 @@ def test_updates_written_while_a_server_takes_new_files_are_kept_over_them(broke
                                 progress=lines.append) == (False, 1)
         for got in layers(newer):
             assert (got == 7.0).all()
-        want = trained[np.searchsorted(held, older)]
-        for got in layers(older):
-            np.testing.assert_allclose(got, want, rtol=1e-6)
+        want = files_rows(older)
         hit, values = cache.query(newer)
         assert hit.all() and (np.asarray(values)[:newer.size] == 7.0).all()
         hit, values = cache.query(older)
@@ -1296,9 +1302,7 @@ def test_updates_written_while_a_server_takes_new_files_are_kept_over_them(broke
         for keys in (newer, fresh):
             for got in layers(keys):
                 assert (got == 5.0).all()
-        want = trained[np.searchsorted(held, older)]
-        for got in layers(older):
-            np.testing.assert_allclose(got, want, rtol=1e-6)
+        files_rows(older)
         hit, values = cache.query(newer)
         assert (np.asarray(values)[:newer.size][hit] == 5.0).all() and hit.any()
         assert model._dense_step == 40

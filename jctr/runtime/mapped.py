@@ -62,9 +62,14 @@ class MappedArrays:
             raise OSError(e.errno, f"{self.folder}: no room for {size:,} bytes of {name} "
                           f"(a mapped file of {size >> 20:,} MiB: {e.strerror}); free space "
                           "there") from e
+        try:
+            mapped = mmap.mmap(f.fileno(), size)
+        except OSError as e:  # a file system that cannot map files (some network ones)
+            raise OSError(e.errno, f"{self.folder}: cannot map a file there for {name} "
+                          f"({e.strerror})") from e
         # the array keeps its mapping open; an older, shorter one of the same file stays
         # valid (the same pages) until its last view goes
-        return np.frombuffer(mmap.mmap(f.fileno(), size), dtype, rows)
+        return np.frombuffer(mapped, dtype, rows)
 
     def close(self) -> None:
         for f in self._files.values():

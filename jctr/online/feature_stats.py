@@ -316,9 +316,10 @@ class FeatureStats:
         """Keys a base model holds (Paddle's ``Save`` with param 2): score >=
         ``base_threshold`` and unseen for at most ``delta_keep_days`` days. They count as
         saved: their delta score starts again from 0. Sorted."""
-        return self._saved(self._select(save=True, test=
-            lambda c: (self.rule.score(c["show"], c["click"]) >= base_threshold)
-            & (c["unseen_days"] <= delta_keep_days)))
+        def take(c):
+            return (self.rule.score(c["show"], c["click"]) >= base_threshold) \
+                & (c["unseen_days"] <= delta_keep_days)
+        return self._saved(self._select(take, save=True))
 
     def delta_keys(self, base_threshold: float, delta_threshold: float,
                    delta_keep_days: int) -> np.ndarray:
@@ -326,10 +327,11 @@ class FeatureStats:
         they were last saved, score >= ``base_threshold``, delta score >=
         ``delta_threshold``, unseen for at most ``delta_keep_days`` days. They count as
         saved. Sorted."""
-        return self._saved(self._select(save=True, test=
-            lambda c: c["since_delta"] & (self.rule.score(c["show"], c["click"])
-                                          >= base_threshold)
-            & (c["delta_score"] >= delta_threshold) & (c["unseen_days"] <= delta_keep_days)))
+        def take(c):
+            return c["since_delta"] \
+                & (self.rule.score(c["show"], c["click"]) >= base_threshold) \
+                & (c["delta_score"] >= delta_threshold) & (c["unseen_days"] <= delta_keep_days)
+        return self._saved(self._select(take, save=True))
 
     def _select(self, test: Callable[[dict[str, np.ndarray]], np.ndarray], *,
                 save: bool = False) -> np.ndarray:

@@ -272,6 +272,12 @@ class HashMapStore:
             self._tables.pop(table, None)
             self._meta.pop(table, None)
 
+    def table_keys(self, table: str) -> np.ndarray:
+        """Every key ``table`` holds (a copy, in no order; none for a table not there)."""
+        with self._lock:
+            t = self._tables.get(table)
+            return np.zeros(0, np.int64) if t is None else t.keys[:t.size].copy()
+
     def items(self, table: str, chunk: int = 65536) -> Iterator[tuple[np.ndarray, np.ndarray]]:
         with self._lock:
             t = self._tables.get(table)

@@ -48,7 +48,14 @@ class UpdateJournal:
     while a model's next files are written into it: written again over them once they are
     in, so that the new files never put back rows older than what the stream delivered.
     Updates of the files' step or before (``after``: -1 where unknown) are the files' already
-    (or older) and are not kept; past ``limit`` bytes the rest are counted, not kept."""
+    (or older) and are not kept; past ``limit`` bytes the rest are counted, not kept.
+
+    Example::
+
+        kept = UpdateJournal(after=24)      # files of step 24 being taken
+        kept.add(keys, rows, step=30)       # kept: newer than the files
+        kept.add(keys, None, step=20)       # not: the files hold step 20's rows or newer
+    """
 
     def __init__(self, after: int, limit: int = JOURNAL_BYTES):
         self.after, self.limit = after, limit

@@ -74,6 +74,13 @@ def load_json(name: str) -> dict:
         return json.load(f)
 
 
+def mappings_under(folder) -> list[str]:
+    """This process's memory mappings of files under ``folder`` (``/proc/self/maps`` lines;
+    a file that has no name ends in "(deleted)")."""
+    with open("/proc/self/maps") as f:
+        return [line for line in f if str(folder) in line]
+
+
 def tiny_config(tmp_path, model: str = "dlrm", **solver) -> dict:
     """A shipped *_synthetic config with its data redirected under tmp_path."""
     cfg = copy.deepcopy(load_json(f"{model}_synthetic.json"))

@@ -236,6 +236,8 @@ def test_statistics_in_mapped_files_equal_those_in_memory(tmp_path, monkeypatch)
     statistics in memory give the same columns, keys and decisions bit for bit, a day's
     decisions taken a few rows at a time (``CHUNK``); the files are mapped and have no name
     (nothing is left in the folder), and a growth in files copies no row."""
+    from tests.conftest import mappings_under
+
     monkeypatch.setattr(FeatureStats, "CHUNK", 1000)
     said = []
     memory = FeatureStats()
@@ -293,8 +295,7 @@ def test_statistics_in_mapped_files_equal_those_in_memory(tmp_path, monkeypatch)
     assert again.mapped
     same([again.state_dict(), memory.state_dict()])
     # mapped from unnamed files in the folder (O_TMPFILE), none left there by name
-    with open("/proc/self/maps") as f:
-        maps = [line for line in f if str(tmp_path) in line]
+    maps = mappings_under(tmp_path)
     assert maps and all("(deleted)" in line for line in maps), maps[:3]
     assert not os.listdir(tmp_path)
     # a growth in files: the same file, longer; no row copied (the old view still reads it)

@@ -8,6 +8,7 @@ import pytest
 
 from jctr.stores.base import StoreError
 from jctr.stores.row_file import RowFileStore
+from tests.conftest import mappings_under
 
 
 def _check(store: RowFileStore, table: str, model: dict[int, np.ndarray], width: int) -> None:
@@ -78,9 +79,8 @@ def test_row_file_equals_a_dictionary_over_inserts_erases_and_reopens(tmp_path, 
     assert os.path.getsize(tmp_path / "rows" / "tables" / table / "rows.f32") == size
     t = store._tables[table]
     assert (t._mapped is not None) == mapped_index
-    with open("/proc/self/maps") as f:
-        maps = [line for line in f if str(tmp_path / "rows" / "tables") in line
-                and "rows.f32" not in line and "keys.i64" not in line]
+    maps = [line for line in mappings_under(tmp_path / "rows" / "tables")
+            if "rows.f32" not in line and "keys.i64" not in line]
     assert bool(maps) == mapped_index and all("(deleted)" in line for line in maps), maps
     assert sorted(os.listdir(tmp_path / "rows" / "tables" / table)) == [
         "keys.i64", "rows.f32", "table.json"]

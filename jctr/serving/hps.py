@@ -649,13 +649,11 @@ class Databases:
     def replay_journal(self, layer: str, table: str, kept: UpdateJournal) -> int:
         """The kept updates written again into ``layer``'s ``table`` (a next table too), in
         their order; returns the rows written."""
-        store = self._up(layer)
         for keys, values in kept.parts:
-            for s in range(0, keys.size, _WRITE_ROWS):
-                if values is None:
-                    store.erase(table, keys[s:s + _WRITE_ROWS])
-                else:
-                    store.insert(table, keys[s:s + _WRITE_ROWS], values[s:s + _WRITE_ROWS])
+            if values is None:
+                self.erase_rows(layer, table, keys)
+            else:
+                self.write_rows(layer, table, keys, values)
         return kept.rows
 
     def erase_rows(self, layer: str, table: str, keys: np.ndarray) -> None:

@@ -41,8 +41,10 @@ not slot by slot: the slot loop's exit was a mispredicted branch per key.
 
 What they gain: ``docs/performance.md``.
 
-The callers split the batch in two calls, which XLA runs on its two threads when the other
-thread is free (in a train step it often is not: the calls then run one after the other).
+The bag, the initial rows and the interaction split their work in parts over helper threads
+(:mod:`jctr.ops.cpu_parts`): XLA runs a custom call on one of its threads, and in a training
+step these kernels are often all the work that is ready. The evaluation lookup is split in two
+calls instead, which XLA runs on its two threads when the other thread is free.
 
 Example::
 
@@ -99,6 +101,7 @@ if AVAILABLE:
             return builder.ptrtoint(args[0], ir.IntType(64))
         return types.int64(types.voidptr), codegen
 
+    from jctr.ops import cpu_parts
     from jctr.ops.host_index import prefetch as _prefetch
 
     @numba.njit(inline="always")
@@ -555,16 +558,55 @@ if AVAILABLE:
             extra_width[e] = _word(fill_dims)
             extra_at[e] = _buffer(frame, _FRAME_RETS, 2 + e)[0]
             _adopt(extra_at[e], data_in, 4 * capacity * extra_width[e])
-        _init_rows(carray(_pointer(values_at), (capacity, dim), np.float32),
-                   carray(_pointer(slot_at), (capacity,), np.int32),
-                   carray(_pointer(key_data), (n,), np.int64),
-                   carray(_pointer(_buffer(frame, _FRAME_ARGS, 3)[0]), (n,), np.int32),
-                   carray(_pointer(_buffer(frame, _FRAME_ARGS, 4)[0]), (n,), np.bool_),
-                   carray(_pointer(_buffer(frame, _FRAME_ARGS, 5)[0]), (n,), np.int32),
-                   carray(_pointer(_buffer(frame, _FRAME_ARGS, 6)[0]), (dim,), np.float32),
-                   np.uint64(params[0]), params[1] != 0, params[2], extra_at, extra_width,
-                   fill_at)
+        # parts: ranges of positions (a fresh row is one position's: parts write apart)
+        parts = _parts_of(n)
+        job = cpu_parts.begin(frame, _INIT_WORDS + 3 * extras, parts)
+        h = cpu_parts.HEADER
+        words = (values_at, capacity, dim, slot_at, key_data, n,
+                 _buffer(frame, _FRAME_ARGS, 3)[0], _buffer(frame, _FRAME_ARGS, 4)[0],
+                 _buffer(frame, _FRAME_ARGS, 5)[0], _buffer(frame, _FRAME_ARGS, 6)[0],
+                 params[0], params[1], params[2], extras, parts)
+        for w in range(_INIT_WORDS):
+            cpu_parts.store(job, h + w, words[w])
+        for e in range(extras):
+            cpu_parts.store(job, h + _INIT_WORDS + 3 * e, extra_at[e])
+            cpu_parts.store(job, h + _INIT_WORDS + 3 * e + 1, extra_width[e])
+            cpu_parts.store(job, h + _INIT_WORDS + 3 * e + 2, fill_at[e])
+        cpu_parts.run(job, frame, cpu_parts.symbol("jctr_task_init_rows"), _init_part)
         return _pointer(0)
+
+    # the initial rows' job record: values, capacity, dim, row slots, keys, positions, rows,
+    # fresh, key slots, scales, salt, zero tail, slot_num, extras, parts, then (address,
+    # width, fill) a extra array
+    _INIT_WORDS = 15
+
+    @numba.njit(inline="always")
+    def _init_part(job, phase, p):
+        """Part ``p`` of the initial rows: its range of positions."""
+        h = cpu_parts.HEADER
+        capacity, dim, n = cpu_parts.load(job, h + 1), cpu_parts.load(job, h + 2), \
+            cpu_parts.load(job, h + 5)
+        extras, parts = cpu_parts.load(job, h + 13), cpu_parts.load(job, h + 14)
+        lo, hi = p * n // parts, (p + 1) * n // parts
+        extra_at = np.empty(extras, np.int64)
+        extra_width = np.empty(extras, np.int64)
+        fill_at = np.empty(extras, np.int64)
+        for e in range(extras):
+            extra_at[e] = cpu_parts.load(job, h + _INIT_WORDS + 3 * e)
+            extra_width[e] = cpu_parts.load(job, h + _INIT_WORDS + 3 * e + 1)
+            fill_at[e] = cpu_parts.load(job, h + _INIT_WORDS + 3 * e + 2)
+        _init_rows(carray(_pointer(cpu_parts.load(job, h)), (capacity, dim), np.float32),
+                   carray(_pointer(cpu_parts.load(job, h + 3)), (capacity,), np.int32),
+                   carray(_pointer(cpu_parts.load(job, h + 4) + 8 * lo), (hi - lo,), np.int64),
+                   carray(_pointer(cpu_parts.load(job, h + 6) + 4 * lo), (hi - lo,), np.int32),
+                   carray(_pointer(cpu_parts.load(job, h + 7) + lo), (hi - lo,), np.bool_),
+                   carray(_pointer(cpu_parts.load(job, h + 8) + 4 * lo), (hi - lo,), np.int32),
+                   carray(_pointer(cpu_parts.load(job, h + 9)), (dim,), np.float32),
+                   np.uint64(cpu_parts.load(job, h + 10)), cpu_parts.load(job, h + 11) != 0,
+                   cpu_parts.load(job, h + 12), extra_at, extra_width, fill_at)
+
+    def _init_task(data):
+        cpu_parts.work(_address(data), _init_part)
 
     _ROW16 = ir.VectorType(ir.FloatType(), 16)
 
@@ -604,14 +646,12 @@ if AVAILABLE:
         position ``_ROWS_AHEAD`` on fetched first (positions whose row is outside ``values`` or
         whose segment is outside ``per_segment`` skipped): with ``into_rows``
         ``values[rows[i]] += per_segment[segments[i]]`` in batch order (plain SGD), else
-        ``per_segment[s]`` = the sum of its positions' rows (the bag's forward), so the
-        [n, dim] rows or gradients in between (136 MB for a 10-hot batch) are never written
-        out."""
+        ``per_segment[s]`` += the sum of its positions' rows (the bag's forward, on zeros), so
+        the [n, dim] rows or gradients in between (136 MB for a 10-hot batch) are never
+        written out."""
         n, capacity, dim, num_segments = rows.shape[0], values.shape[0], values.shape[1], \
             per_segment.shape[0]
         values_at, segments_at = values.ctypes.data, per_segment.ctypes.data
-        if not into_rows:
-            per_segment[:, :] = np.float32(0.0)
         for i in range(n):
             ahead = i + _ROWS_AHEAD
             if ahead < n and 0 <= rows[ahead] < capacity:
@@ -647,15 +687,79 @@ if AVAILABLE:
                 carray(_pointer(row_data), (n,), np.int32),
                 carray(_pointer(segment_data), (n,), np.int32))
 
+    # positions a part of a kernel split over XLA's threads takes at least, and the most parts
+    # (parts beyond the threads balance a thread that starts late or runs slow)
+    _PART_POSITIONS = 1 << 16
+    _MOST_PARTS = 16
+
+    @numba.njit(inline="always")
+    def _parts_of(n):
+        return max(1, min(_MOST_PARTS, n // _PART_POSITIONS))
+
+    # the bag's job record: values, capacity, dim, rows, segments, out, segments out, parts,
+    # then parts + 1 position bounds and parts + 1 segment bounds
+    _BAG_WORDS = 8
+
+    @numba.njit(inline="always")
+    def _bag_part(job, phase, p):
+        """Part ``p`` of the bag: its segments' sums zeroed, then its positions added."""
+        h = cpu_parts.HEADER
+        capacity, dim, num_segments = cpu_parts.load(job, h + 1), cpu_parts.load(job, h + 2), \
+            cpu_parts.load(job, h + 6)
+        parts = cpu_parts.load(job, h + 7)
+        bounds = h + _BAG_WORDS
+        lo, hi = cpu_parts.load(job, bounds + p), cpu_parts.load(job, bounds + p + 1)
+        first = cpu_parts.load(job, bounds + parts + 1 + p)
+        end = cpu_parts.load(job, bounds + parts + 2 + p)
+        out = carray(_pointer(cpu_parts.load(job, h + 5)), (num_segments, dim), np.float32)
+        out[first:end, :] = np.float32(0.0)
+        _rows_and_segments(
+            carray(_pointer(cpu_parts.load(job, h)), (capacity, dim), np.float32),
+            carray(_pointer(cpu_parts.load(job, h + 3) + 4 * lo), (hi - lo,), np.int32),
+            carray(_pointer(cpu_parts.load(job, h + 4) + 4 * lo), (hi - lo,), np.int32),
+            out, False)
+
+    def _bag_task(data):
+        cpu_parts.work(_address(data), _bag_part)
+
     def _bag_sum_frame(frame_pointer):
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
         values, rows, segments = _batch_operands(frame, _buffer(frame, _FRAME_ARGS, 0)[0])
         out, out_dims = _buffer(frame, _FRAME_RETS, 0)
-        _rows_and_segments(values, rows, segments,
-                           carray(_pointer(out), (_word(out_dims), values.shape[1]),
-                                  np.float32), False)
+        n, num_segments = rows.shape[0], _word(out_dims)
+        # parts are runs of whole segments: segments in batch order (as a batch lays them
+        # out) or one part
+        unsorted = False
+        for i in range(1, n):
+            unsorted |= segments[i] < segments[i - 1]
+        parts = 1 if unsorted else _parts_of(n)
+        job = cpu_parts.begin(frame, _BAG_WORDS + 2 * (parts + 1), parts)
+        h = cpu_parts.HEADER
+        cpu_parts.store(job, h + 7, parts)
+        cpu_parts.store(job, h, values.ctypes.data)
+        cpu_parts.store(job, h + 1, values.shape[0])
+        cpu_parts.store(job, h + 2, values.shape[1])
+        cpu_parts.store(job, h + 3, rows.ctypes.data)
+        cpu_parts.store(job, h + 4, segments.ctypes.data)
+        cpu_parts.store(job, h + 5, out)
+        cpu_parts.store(job, h + 6, num_segments)
+        bounds = h + _BAG_WORDS
+        at = 0
+        for p in range(parts + 1):
+            if p == parts:
+                at = n
+            elif p > 0:
+                at = max(at, p * n // parts)
+                while at < n and segments[at] == segments[at - 1]:
+                    at += 1
+            cpu_parts.store(job, bounds + p, at)
+            first = 0 if p == 0 else num_segments
+            if 0 < p < parts and at < n:
+                first = min(max(np.int64(segments[at]), 0), num_segments)
+            cpu_parts.store(job, bounds + parts + 1 + p, first)
+        cpu_parts.run(job, frame, cpu_parts.symbol("jctr_task_bag_sum"), _bag_part)
         return _pointer(0)
 
     def _add_by_segment_frame(frame_pointer):
@@ -1056,12 +1160,48 @@ if AVAILABLE:
         shape = carray(_pointer(dims), (3,), np.int64)
         return feats + 4 * lo * shape[1] * shape[2], lo, hi - lo, shape[1], shape[2]
 
+    _PART_SAMPLES = 512  # samples a part of the interaction takes at least (~1 ms)
+
+    @numba.njit(inline="always")
+    def _pair_dots_part(job, phase, p):
+        """Part ``p`` of the interaction (forward, or backward where a gradient is given):
+        its range of samples."""
+        h = cpu_parts.HEADER
+        feats, out, grad = cpu_parts.load(job, h), cpu_parts.load(job, h + 1), \
+            cpu_parts.load(job, h + 2)
+        b, f, dim, parts = cpu_parts.load(job, h + 3), cpu_parts.load(job, h + 4), \
+            cpu_parts.load(job, h + 5), cpu_parts.load(job, h + 6)
+        lo, hi = p * b // parts, (p + 1) * b // parts
+        pairs = f * (f - 1) // 2
+        if grad == 0:
+            _pair_dots_rows(feats + 4 * lo * f * dim, out + 4 * lo * pairs, hi - lo, f, dim)
+        else:
+            _pair_dots_grad_rows(feats + 4 * lo * f * dim, grad + 4 * lo * pairs,
+                                 out + 4 * lo * f * dim, hi - lo, f, dim)
+
+    def _pair_dots_task(data):
+        cpu_parts.work(_address(data), _pair_dots_part)
+
+    @numba.njit(inline="always")
+    def _pair_dots_job(frame, feats, out, grad, b, f, dim):
+        parts = max(1, min(_MOST_PARTS, b // _PART_SAMPLES))
+        job = cpu_parts.begin(frame, 7, parts)
+        h = cpu_parts.HEADER
+        cpu_parts.store(job, h, feats)
+        cpu_parts.store(job, h + 1, out)
+        cpu_parts.store(job, h + 2, grad)
+        cpu_parts.store(job, h + 3, b)
+        cpu_parts.store(job, h + 4, f)
+        cpu_parts.store(job, h + 5, dim)
+        cpu_parts.store(job, h + 6, parts)
+        cpu_parts.run(job, frame, cpu_parts.symbol("jctr_task_pair_dots"), _pair_dots_part)
+
     def _pair_dots(frame_pointer):
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
         feats, _, b, f, dim = _feature_part(frame, 1)
-        _pair_dots_rows(feats, _buffer(frame, _FRAME_RETS, 0)[0], b, f, dim)
+        _pair_dots_job(frame, feats, _buffer(frame, _FRAME_RETS, 0)[0], 0, b, f, dim)
         return _pointer(0)
 
     def _pair_dots_grad(frame_pointer):
@@ -1070,17 +1210,18 @@ if AVAILABLE:
             return _pointer(0)
         feats, lo, b, f, dim = _feature_part(frame, 2)
         grad = _buffer(frame, _FRAME_ARGS, 1)[0] + 4 * lo * (f * (f - 1) // 2)
-        _pair_dots_grad_rows(feats, grad, _buffer(frame, _FRAME_RETS, 0)[0], b, f, dim)
+        _pair_dots_job(frame, feats, _buffer(frame, _FRAME_RETS, 0)[0], grad, b, f, dim)
         return _pointer(0)
 
     def _cfunc(fn):
-        signature = types.voidptr(types.voidptr)
-        try:  # compiled once, then loaded from numba's on-disk cache
-            return numba.cfunc(signature, nopython=True, cache=True)(fn)
-        except RuntimeError:  # no writable cache location (a read-only install)
-            return numba.cfunc(signature, nopython=True)(fn)
+        return cpu_parts.cfunc(fn, types.voidptr(types.voidptr))
 
     try:
+        # the tasks first: the handlers that schedule them find them by name when loaded
+        for _name, _task in (("jctr_task_bag_sum", _bag_task),
+                             ("jctr_task_init_rows", _init_task),
+                             ("jctr_task_pair_dots", _pair_dots_task)):
+            cpu_parts.register_task(_name, cpu_parts.cfunc(_task, types.void(types.voidptr)))
         _hash_lookup_handler = _cfunc(_hash_lookup)
         _hash_insert_handler = _cfunc(_hash_insert)
         _find_assign_handler = _cfunc(_find_assign_rows)
@@ -1107,6 +1248,7 @@ def ffi_capsule(address: int):
 
 @functools.cache
 def _register() -> None:
+    cpu_parts.start_helpers()
     for name, handler in (("jctr_cpu_hash_lookup", _hash_lookup_handler),
                           ("jctr_cpu_hash_insert", _hash_insert_handler),
                           ("jctr_cpu_find_assign", _find_assign_handler),
@@ -1309,12 +1451,13 @@ def pair_dots_supported(feats: jax.Array) -> bool:
             and dim > 0 and dim % 16 == 0)
 
 
-def pair_dots(feats: jax.Array, parts: int = 2) -> jax.Array:
+def pair_dots(feats: jax.Array, parts: int = 1) -> jax.Array:
     """[b, f, d] -> [b, f(f-1)/2] float32: ``feats[s, i] . feats[s, j]`` for every ``j < i``,
     in row order (the values of ``jctr.ops.interaction.pair_dots_xla``), differentiable. ``d``
     must be a multiple of 16 (:func:`pair_dots_supported`); products are float32 whatever the
-    input dtype. Forward and backward go to the kernels in ``parts`` calls over the batch,
-    which XLA may run concurrently. CPU only.
+    input dtype. Forward and backward go to the kernels in ``parts`` calls over the batch
+    (each splits its samples over the helper threads of :mod:`jctr.ops.cpu_parts`). CPU
+    only.
 
     Example::
 

@@ -1,0 +1,141 @@
+"""Native kernels in parts on helper threads (``jctr.ops.cpu_parts``): the bag, the initial
+rows and the interaction give the same bits whether their parts run on the helpers, all on
+the calling thread, or in a process where the helpers cannot be used; batches large enough
+to have several parts (a part takes 65,536 positions or 512 samples at least)."""
+
+import contextlib
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jctr.ops import cpu_ffi, cpu_parts
+
+pytestmark = pytest.mark.skipif(not cpu_ffi.AVAILABLE, reason="native kernels not built")
+
+
+@contextlib.contextmanager
+def _pool(helpers=None, pid=None):
+    """The helpers' pool as kernels see it: ``helpers`` in use, or another process's pool
+    (``pid``: a forked child's view)."""
+    cpu_ffi._register()
+    pool = cpu_parts._POOL
+    saved = pool[cpu_parts._HELPERS], pool[cpu_parts._PID]
+    if helpers is not None:
+        pool[cpu_parts._HELPERS] = min(helpers, saved[0])
+    if pid is not None:
+        pool[cpu_parts._PID] = pid
+    try:
+        yield
+    finally:
+        pool[cpu_parts._HELPERS], pool[cpu_parts._PID] = saved
+
+
+def _three_ways(fn, *args):
+    """``fn(*args)`` (numpy results) with the helpers, with none, and as a forked child."""
+    out = []
+    for ways in ({}, {"helpers": 0}, {"pid": os.getpid() + 1}):
+        with _pool(**ways):
+            out.append([np.asarray(x) for x in jax.block_until_ready(fn(*args))])
+    return out
+
+
+def test_helpers_start_and_the_count_is_validated(monkeypatch):
+    """The helpers run once a kernel is registered (one fewer than the cores, at least none);
+    ``JCTR_KERNEL_THREADS`` sets the count, and a value that is not a whole number is an
+    error naming the variable."""
+    cpu_ffi._register()
+    assert cpu_parts._POOL[cpu_parts._PID] == os.getpid()
+    assert cpu_parts._POOL[cpu_parts._HELPERS] == cpu_parts.helper_count()
+    monkeypatch.setenv("JCTR_KERNEL_THREADS", "3")
+    assert cpu_parts.helper_count() == 3
+    monkeypatch.setenv("JCTR_KERNEL_THREADS", "0")
+    assert cpu_parts.helper_count() == 0
+    monkeypatch.setenv("JCTR_KERNEL_THREADS", "two")
+    with pytest.raises(ValueError, match="JCTR_KERNEL_THREADS='two'.*whole number"):
+        cpu_parts.helper_count()
+
+
+@pytest.mark.parametrize("dim", [16, 12])
+def test_the_bag_in_parts_sums_each_segment_in_batch_order(dim):
+    """``jctr_cpu_bag_sum`` over 300k positions in segments laid out in batch order (a bag of
+    40,000 positions across part boundaries, empty segments, rows -1, segments past the last
+    at the end): each segment is the sum of its rows in batch order (``np.add.at``, bit for
+    bit) on the helpers, on one thread and in a child process; segments out of order take one
+    part and give the same."""
+    rng = np.random.default_rng(dim)
+    capacity, segments = 50_000, 40_000
+    counts = rng.integers(0, 12, segments)
+    counts[1234] = 40_000
+    counts[::97] = 0
+    segs = np.repeat(np.arange(segments, dtype=np.int32), counts)
+    segs = np.concatenate([segs, np.full(5000, segments + 3, np.int32)])
+    n = segs.size
+    assert n > 4 * 65_536
+    rows = np.where(rng.random(n) < 0.05, -1, rng.integers(0, capacity, n)).astype(np.int32)
+    values = rng.normal(size=(capacity, dim)).astype(np.float32)
+    want = np.zeros((segments, dim), np.float32)
+    ok = (rows >= 0) & (segs < segments)
+    np.add.at(want, segs[ok], values[rows[ok]])
+    bag = jax.jit(lambda v, r, s: (cpu_ffi.bag_sum(v, r, s, segments),))
+    for got in _three_ways(bag, values, rows, segs):
+        np.testing.assert_array_equal(got[0].view(np.uint32), want.view(np.uint32))
+    order = rng.permutation(n)
+    shuffled = np.zeros((segments, dim), np.float32)
+    np.add.at(shuffled, segs[order][ok[order]], values[rows[order][ok[order]]])
+    got = np.asarray(bag(values, rows[order], segs[order])[0])
+    np.testing.assert_array_equal(got.view(np.uint32), shuffled.view(np.uint32))
+
+
+def test_the_initial_rows_in_parts_equal_one_pass():
+    """``jctr_cpu_init_rows`` over 200k positions with an optimizer row to reset: the same
+    vectors, slots and reset rows on the helpers, on one thread and in a child process, and
+    the XLA formulation's vectors."""
+    from jctr.ops.hashing import key_uniform
+
+    rng = np.random.default_rng(3)
+    capacity, n, dim = 300_000, 200_000, 16
+    rows = np.where(rng.random(n) < 0.1, -1, rng.permutation(capacity)[:n]).astype(np.int32)
+    keys = rng.integers(-(1 << 62), 1 << 62, n)
+    fresh = rng.random(n) < 0.6
+    key_slots = rng.integers(0, 26, n).astype(np.int32)
+    values = rng.random((capacity, dim), dtype=np.float32)
+    moments = rng.random((capacity, dim), dtype=np.float32)
+
+    def init(values, moments):
+        return cpu_ffi.init_rows(values, jnp.full(capacity, -1, jnp.int32), keys, rows, fresh,
+                                 key_slots, np.float32(0.05), 11, False,
+                                 resets=((moments, np.zeros(dim, np.float32)),))
+
+    ways = _three_ways(jax.jit(init), values, moments)
+    for got in ways[1:]:
+        for a, b in zip(ways[0], got):
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    at = np.where(fresh & (rows >= 0))[0]
+    want = np.asarray(key_uniform(jnp.asarray(keys[at]), dim, 11, 1.0) * np.float32(0.05))
+    np.testing.assert_array_equal(ways[0][0][rows[at]].view(np.uint32), want.view(np.uint32))
+    np.testing.assert_array_equal(ways[0][1][rows[at]], key_slots[at])
+    assert not ways[0][2][rows[at]].any()
+
+
+def test_the_interaction_in_parts_equals_one_pass_and_the_reference():
+    """``jctr_cpu_pair_dots`` and its gradient over 3,000 samples (several parts of samples):
+    the same bits on the helpers, on one thread and in a child process; the reference's values."""
+    from jctr.ops.interaction import pair_dots_xla
+
+    rng = np.random.default_rng(5)
+    feats = jnp.asarray(rng.normal(size=(3000, 27, 16)).astype(np.float32))
+    grad = jnp.asarray(rng.normal(size=(3000, 27 * 26 // 2)).astype(np.float32))
+
+    def both(feats, grad):
+        dots, pull = jax.vjp(cpu_ffi.pair_dots, feats)
+        return dots, pull(grad)[0]
+
+    ways = _three_ways(jax.jit(both), feats, grad)
+    for got in ways[1:]:
+        for a, b in zip(ways[0], got):
+            np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
+    np.testing.assert_allclose(ways[0][0], np.asarray(pair_dots_xla(feats)), rtol=1e-5,
+                               atol=1e-4)

@@ -17,26 +17,33 @@ pytestmark = pytest.mark.skipif(not cpu_ffi.AVAILABLE, reason="native kernels no
 
 
 @contextlib.contextmanager
-def _pool(helpers=None, pid=None):
-    """The helpers' pool as kernels see it: ``helpers`` in use, or another process's pool
-    (``pid``: a forked child's view)."""
+def _pool(helpers=None, pid=None, busy=False):
+    """The helpers' pool as kernels see it: ``helpers`` in use, another process's pool
+    (``pid``: a forked child's view), or helpers that never come (``busy``: the queue full,
+    so the calling thread takes every part)."""
     cpu_ffi._register()
     pool = cpu_parts._POOL
-    saved = pool[cpu_parts._HELPERS], pool[cpu_parts._PID]
+    saved = pool[cpu_parts._HELPERS], pool[cpu_parts._PID], pool[cpu_parts._TAIL]
     if helpers is not None:
         pool[cpu_parts._HELPERS] = min(helpers, saved[0])
     if pid is not None:
         pool[cpu_parts._PID] = pid
+    if busy:
+        pool[cpu_parts._TAIL] = pool[cpu_parts._HEAD] + cpu_parts._RING
     try:
         yield
     finally:
-        pool[cpu_parts._HELPERS], pool[cpu_parts._PID] = saved
+        pool[cpu_parts._HELPERS], pool[cpu_parts._PID], pool[cpu_parts._TAIL] = saved
+
+
+_WAYS = ({}, {"helpers": 0}, {"pid": os.getpid() + 1}, {"busy": True})
 
 
 def _three_ways(fn, *args):
-    """``fn(*args)`` (numpy results) with the helpers, with none, and as a forked child."""
+    """``fn(*args)`` (numpy results) with the helpers, with none, as a forked child, and with
+    helpers that never come."""
     out = []
-    for ways in ({}, {"helpers": 0}, {"pid": os.getpid() + 1}):
+    for ways in _WAYS:
         with _pool(**ways):
             out.append([np.asarray(x) for x in jax.block_until_ready(fn(*args))])
     return out

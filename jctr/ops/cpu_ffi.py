@@ -581,7 +581,7 @@ if AVAILABLE:
     _INIT_WORDS = 15
 
     @numba.njit(inline="always")
-    def _init_part(job, phase, p):
+    def _init_part(job, p):
         """Part ``p`` of the initial rows: its range of positions."""
         h = cpu_parts.HEADER
         capacity, dim, n = cpu_parts.load(job, h + 1), cpu_parts.load(job, h + 2), \
@@ -689,7 +689,7 @@ if AVAILABLE:
 
     # positions a part of a kernel split over XLA's threads takes at least, and the most parts
     # (parts beyond the threads balance a thread that starts late or runs slow)
-    _PART_POSITIONS = 1 << 16
+    _PART_POSITIONS = 1 << 14
     _MOST_PARTS = 16
 
     @numba.njit(inline="always")
@@ -701,7 +701,7 @@ if AVAILABLE:
     _BAG_WORDS = 8
 
     @numba.njit(inline="always")
-    def _bag_part(job, phase, p):
+    def _bag_part(job, p):
         """Part ``p`` of the bag: its segments' sums zeroed, then its positions added."""
         h = cpu_parts.HEADER
         capacity, dim, num_segments = cpu_parts.load(job, h + 1), cpu_parts.load(job, h + 2), \
@@ -1163,7 +1163,7 @@ if AVAILABLE:
     _PART_SAMPLES = 512  # samples a part of the interaction takes at least (~1 ms)
 
     @numba.njit(inline="always")
-    def _pair_dots_part(job, phase, p):
+    def _pair_dots_part(job, p):
         """Part ``p`` of the interaction (forward, or backward where a gradient is given):
         its range of samples."""
         h = cpu_parts.HEADER

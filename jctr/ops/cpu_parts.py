@@ -10,9 +10,8 @@ A kernel built on this module splits its work into parts. Its handler makes a jo
 (``malloc``; the kernel's operands in words after a header), asks XLA for a future (the call
 frame's ``future``: XLA keeps the operands alive and holds back whatever reads the results
 until the future is set), hands the record to helper threads and takes parts itself; a helper
-takes parts while any are left. A job may have phases (parts of a phase start when every
-part of the one before is done; the handler stays for every phase but the last). Whoever
-finishes the last part sets the future; the last one to leave frees the record. No thread waits for another: a helper that wakes late finds no
+takes parts while any are left. Whoever finishes the last part sets the future; the last one
+to leave frees the record. No thread waits for another: a helper that wakes late finds no
 part left and leaves, so where every core is busy the kernel runs on its own thread as before,
 less a few atomic operations.
 
@@ -26,7 +25,7 @@ started, or with one part, the handler runs every part itself before it returns.
 Each part must write what no other part reads or writes (the kernels split by ranges of
 positions, segments or rows), so the results are the same bits however the parts are spread.
 
-Example (inside a numba handler; ``_part(job, phase, p)`` reads its operands with
+Example (inside a numba handler; ``_part(job, p)`` reads its operands with
 ``load(job, HEADER + i)``; a ``void(void*)`` cfunc calling ``work(address_of(data), _part)``
 is registered under the name first, with :func:`register_task`)::
 
@@ -52,13 +51,9 @@ _I8P = ir.IntType(8).as_pointer()
 _I64 = ir.IntType(64)
 
 # the job record's header (int64 words): references, the API, the future, the task, the
-# phase open now, the phases, a scratch allocation freed with the record, then per phase the
-# next part to take, the parts done and the parts; the kernel's words follow
-_REFS, _API, _FUTURE, _TASK, _PHASE, _PHASES, _SCRATCH = 0, 1, 2, 3, 4, 5, 6
-_PHASE_WORDS = 8  # where the phases' counters start
-_NEXT, _DONE, _PARTS = 0, 1, 2  # within a phase's three words
-MOST_PHASES = 4
-HEADER = 24  # three lines (room for MOST_PHASES): the counters apart from the operands
+# next part to take, the parts done, the parts; the kernel's words follow
+_REFS, _API, _FUTURE, _TASK, _NEXT, _DONE, _PARTS = 0, 1, 2, 3, 4, 5, 6
+HEADER = 8  # a whole line: the counters apart from the operands the parts read
 
 # XLA_FFI_Api (xla/ffi/api/c_api.h): struct_size, extension, api_version (24 bytes),
 # internal_api, then the functions in order
@@ -148,11 +143,6 @@ def _sem_wait(typingctx, address):
 @intrinsic
 def _sem_post(typingctx, address):
     return _libc_call("sem_post", "i", "p")(typingctx, address)
-
-
-@intrinsic
-def _sched_yield(typingctx):
-    return _libc_call("sched_yield", "i")(typingctx)
 
 
 @intrinsic
@@ -262,79 +252,38 @@ def _api_call(api, offset, words):
 
 @numba.njit(inline="always")
 def begin(frame, words, parts):
-    """A job record with ``words`` words of operands after the header and one phase of
-    ``parts`` parts (:func:`add_phase` adds more)."""
+    """A job record of ``parts`` parts with ``words`` words of operands after the header."""
     job = _malloc(8 * (HEADER + words))
     for w in range(HEADER):
         store(job, w, 0)
     store(job, _REFS, 1)
     store(job, _API, _load(frame + _FRAME_API))
-    add_phase(job, parts)
+    store(job, _PARTS, max(parts, 1))
     return job
-
-
-@numba.njit(inline="always")
-def add_phase(job, parts):
-    """A phase of ``parts`` parts after the record's phases: it opens when every part of
-    the one before is done (whoever finishes that one's last part also takes parts of this
-    one, and wakes the helpers again)."""
-    phase = min(load(job, _PHASES), MOST_PHASES - 1)
-    store(job, _PHASE_WORDS + 3 * phase + _PARTS, max(parts, 1))  # a phase of none never ends
-    store(job, _PHASES, phase + 1)
-
-
-@numba.njit(inline="always")
-def scratch(job, nbytes):
-    """``nbytes`` of memory that lives as long as the record (one allocation a record)."""
-    address = _malloc(max(nbytes, 8))
-    store(job, _SCRATCH, address)
-    return address
 
 
 @numba.njit(inline="always")
 def _leave(job):
     if atomic_add(job + 8 * _REFS, -1) == 1:
-        if load(job, _SCRATCH) != 0:
-            _free(load(job, _SCRATCH))
         _free(job)
 
 
 @numba.njit(inline="always")
-def work(job, part, handler=False):
-    """Take parts (``part(job, phase, p)``) while any are left; the last part of a phase
-    opens the next one, the last part of the last phase sets the future; the last one to
-    leave frees the record. A task calls this; the ``handler`` waits for a phase whose last
-    parts others are doing when another phase follows (else a later phase could be left to
-    one helper while this thread idles), never for the last one."""
-    phases = load(job, _PHASES)
+def work(job, part):
+    """Take parts (``part(job, p)``) while any are left; the last part done sets the
+    future; the last one to leave frees the record. A task calls this."""
+    parts = load(job, _PARTS)
     while True:
-        phase = atomic_add(job + 8 * _PHASE, 0)
-        if phase >= phases:
-            break
-        counters = job + 8 * (_PHASE_WORDS + 3 * phase)
-        parts = _load(counters + 8 * _PARTS)
-        p = atomic_add(counters + 8 * _NEXT, 1)
+        p = atomic_add(job + 8 * _NEXT, 1)
         if p >= parts:
-            if not handler or phase + 1 == phases:
-                if atomic_add(job + 8 * _PHASE, 0) == phase:
-                    break  # the phase's last parts are being done: its finisher goes on
-                continue
-            while atomic_add(job + 8 * _PHASE, 0) == phase:
-                _sched_yield()
-            continue
-        part(job, phase, p)
-        if atomic_add(counters + 8 * _DONE, 1) == parts - 1:
-            if phase + 1 < phases:
-                atomic_swap(job + 8 * _PHASE, phase + 1)
-                if load(job, _FUTURE) != 0:
-                    _wake(job, _load(job + 8 * (_PHASE_WORDS + 3 * (phase + 1) + _PARTS)) - 1)
-            else:
-                atomic_swap(job + 8 * _PHASE, phases)
-                future = load(job, _FUTURE)
-                if future != 0:
-                    args = np.zeros(3, np.int64)
-                    args[2] = future
-                    _api_call(load(job, _API), _FUTURE_SET_AVAILABLE, args)
+            break
+        part(job, p)
+        if atomic_add(job + 8 * _DONE, 1) == parts - 1:
+            future = load(job, _FUTURE)
+            if future != 0:
+                args = np.zeros(3, np.int64)
+                args[2] = future
+                _api_call(load(job, _API), _FUTURE_SET_AVAILABLE, args)
     _leave(job)
 
 
@@ -389,15 +338,14 @@ def run(job, frame, task, part):
     """Hand the record to the helpers (each runs ``task``, a ``void(void*)`` function given
     the record), with a future XLA waits on, then take parts here. Every part is done when
     this returns only if no helper could be used."""
-    if threads(frame) > 1 and (load(job, _PHASES) > 1
-                               or load(job, _PHASE_WORDS + _PARTS) > 1):
+    if threads(frame) > 1 and load(job, _PARTS) > 1:
         made = np.zeros(3, np.int64)
         if _api_call(load(job, _API), _FUTURE_CREATE, made) and made[2] != 0:
             store(job, _TASK, task)
             store(job, _FUTURE, made[2])
             _store(frame + _FRAME_FUTURE, made[2])
-            _wake(job, load(job, _PHASE_WORDS + _PARTS) - 1)
-    work(job, part, True)
+            _wake(job, load(job, _PARTS) - 1)
+    work(job, part)
 
 
 def _helper(pool_pointer):

@@ -55,7 +55,7 @@ def cpu_name() -> str:
         out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
         model = re.search(r"Model name:\s*(.+)", out).group(1).strip()
         flags = re.search(r"Flags:\s*(.+)", out).group(1).split()
-        simd = [f for f in ("avx2", "avx512f", "avx512_bf16") if f in flags]
+        simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
         return f"{model} ({os.cpu_count()} CPUs; {' '.join(simd)})"
     except Exception:  # noqa: BLE001 - a label only
         return "unknown CPU"

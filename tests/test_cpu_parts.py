@@ -146,3 +146,24 @@ def test_the_interaction_in_parts_equals_one_pass_and_the_reference():
             np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
     np.testing.assert_allclose(ways[0][0], np.asarray(pair_dots_xla(feats)), rtol=1e-5,
                                atol=1e-4)
+
+
+def test_the_lookup_in_parts_equals_the_reference():
+    """``jctr_cpu_hash_lookup`` over 100k keys (half in the table, some invalid): the same
+    slots on the helpers, on one thread, in a child process and with helpers that never come,
+    and the XLA formulation's."""
+    from jctr.embedding.hash_table import num_slots_for
+    from jctr.ops.hashing import find_slots
+
+    rng = np.random.default_rng(9)
+    held = rng.choice(1 << 40, 60_000, replace=False).astype(np.int64)
+    table, _ = find_slots(jnp.full((num_slots_for(60_000),), -1 << 63, jnp.int64),
+                          jnp.asarray(held), jnp.ones(held.size, bool), insert=True)
+    keys = np.where(rng.random(100_000) < 0.5, rng.choice(held, 100_000),
+                    rng.integers(1 << 41, 1 << 42, 100_000))
+    valid = rng.random(100_000) < 0.95
+    ways = _three_ways(jax.jit(lambda t, k, v: (cpu_ffi.lookup_slots(t, k, v),)), table, keys,
+                       valid)
+    want = np.asarray(find_slots(table, jnp.asarray(keys), jnp.asarray(valid), insert=False)[1])
+    for got in ways:
+        np.testing.assert_array_equal(got[0], want)

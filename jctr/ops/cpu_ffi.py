@@ -291,13 +291,34 @@ if AVAILABLE:
         valid_data, _ = _buffer(frame, _FRAME_ARGS, 2)
         span, _ = _buffer(frame, _FRAME_ARGS, 3)
         out_data, _ = _buffer(frame, _FRAME_RETS, 0)
-        num_slots = _word(table_dims)
         lo, hi = _span(span)
-        _probe_all(carray(_pointer(table), (num_slots,), np.int64), table,
-                   carray(_pointer(key_data + 8 * lo), (hi - lo,), np.int64),
-                   carray(_pointer(valid_data + lo), (hi - lo,), np.bool_),
-                   carray(_pointer(out_data), (hi - lo,), np.int32))
+        parts = _parts_of(hi - lo)
+        job = cpu_parts.begin(frame, 6, parts)
+        h = cpu_parts.HEADER
+        cpu_parts.store(job, h, table)
+        cpu_parts.store(job, h + 1, _word(table_dims))
+        cpu_parts.store(job, h + 2, key_data + 8 * lo)
+        cpu_parts.store(job, h + 3, valid_data + lo)
+        cpu_parts.store(job, h + 4, out_data)
+        cpu_parts.store(job, h + 5, hi - lo)
+        cpu_parts.run(job, frame, cpu_parts.symbol("jctr_task_hash_lookup"), _lookup_part)
         return _pointer(0)
+
+    @numba.njit(inline="always")
+    def _lookup_part(job, p):
+        """Part ``p`` of a lookup: its range of keys (the table is only read)."""
+        h = cpu_parts.HEADER
+        table, num_slots, n = cpu_parts.load(job, h), cpu_parts.load(job, h + 1), \
+            cpu_parts.load(job, h + 5)
+        parts = cpu_parts.part_count(job)
+        lo, hi = p * n // parts, (p + 1) * n // parts
+        _probe_all(carray(_pointer(table), (num_slots,), np.int64), table,
+                   carray(_pointer(cpu_parts.load(job, h + 2) + 8 * lo), (hi - lo,), np.int64),
+                   carray(_pointer(cpu_parts.load(job, h + 3) + lo), (hi - lo,), np.bool_),
+                   carray(_pointer(cpu_parts.load(job, h + 4) + 4 * lo), (hi - lo,), np.int32))
+
+    def _lookup_task(data):
+        cpu_parts.work(_address(data), _lookup_part)
 
     @numba.njit(inline="always")
     def _take_row(i, s, slots, slot_rows, scratch, free_rows, size0, free0, capacity, n_new,
@@ -565,7 +586,7 @@ if AVAILABLE:
         words = (values_at, capacity, dim, slot_at, key_data, n,
                  _buffer(frame, _FRAME_ARGS, 3)[0], _buffer(frame, _FRAME_ARGS, 4)[0],
                  _buffer(frame, _FRAME_ARGS, 5)[0], _buffer(frame, _FRAME_ARGS, 6)[0],
-                 params[0], params[1], params[2], extras, parts)
+                 params[0], params[1], params[2], extras)
         for w in range(_INIT_WORDS):
             cpu_parts.store(job, h + w, words[w])
         for e in range(extras):
@@ -576,9 +597,9 @@ if AVAILABLE:
         return _pointer(0)
 
     # the initial rows' job record: values, capacity, dim, row slots, keys, positions, rows,
-    # fresh, key slots, scales, salt, zero tail, slot_num, extras, parts, then (address,
-    # width, fill) a extra array
-    _INIT_WORDS = 15
+    # fresh, key slots, scales, salt, zero tail, slot_num, extras, then (address, width,
+    # fill) an extra array
+    _INIT_WORDS = 14
 
     @numba.njit(inline="always")
     def _init_part(job, p):
@@ -586,7 +607,7 @@ if AVAILABLE:
         h = cpu_parts.HEADER
         capacity, dim, n = cpu_parts.load(job, h + 1), cpu_parts.load(job, h + 2), \
             cpu_parts.load(job, h + 5)
-        extras, parts = cpu_parts.load(job, h + 13), cpu_parts.load(job, h + 14)
+        extras, parts = cpu_parts.load(job, h + 13), cpu_parts.part_count(job)
         lo, hi = p * n // parts, (p + 1) * n // parts
         extra_at = np.empty(extras, np.int64)
         extra_width = np.empty(extras, np.int64)
@@ -696,9 +717,9 @@ if AVAILABLE:
     def _parts_of(n):
         return max(1, min(_MOST_PARTS, n // _PART_POSITIONS))
 
-    # the bag's job record: values, capacity, dim, rows, segments, out, segments out, parts,
-    # then parts + 1 position bounds and parts + 1 segment bounds
-    _BAG_WORDS = 8
+    # the bag's job record: values, capacity, dim, rows, segments, out, segments out, then
+    # parts + 1 position bounds and parts + 1 segment bounds
+    _BAG_WORDS = 7
 
     @numba.njit(inline="always")
     def _bag_part(job, p):
@@ -706,7 +727,7 @@ if AVAILABLE:
         h = cpu_parts.HEADER
         capacity, dim, num_segments = cpu_parts.load(job, h + 1), cpu_parts.load(job, h + 2), \
             cpu_parts.load(job, h + 6)
-        parts = cpu_parts.load(job, h + 7)
+        parts = cpu_parts.part_count(job)
         bounds = h + _BAG_WORDS
         lo, hi = cpu_parts.load(job, bounds + p), cpu_parts.load(job, bounds + p + 1)
         first = cpu_parts.load(job, bounds + parts + 1 + p)
@@ -737,7 +758,6 @@ if AVAILABLE:
         parts = 1 if unsorted else _parts_of(n)
         job = cpu_parts.begin(frame, _BAG_WORDS + 2 * (parts + 1), parts)
         h = cpu_parts.HEADER
-        cpu_parts.store(job, h + 7, parts)
         cpu_parts.store(job, h, values.ctypes.data)
         cpu_parts.store(job, h + 1, values.shape[0])
         cpu_parts.store(job, h + 2, values.shape[1])
@@ -1170,7 +1190,7 @@ if AVAILABLE:
         feats, out, grad = cpu_parts.load(job, h), cpu_parts.load(job, h + 1), \
             cpu_parts.load(job, h + 2)
         b, f, dim, parts = cpu_parts.load(job, h + 3), cpu_parts.load(job, h + 4), \
-            cpu_parts.load(job, h + 5), cpu_parts.load(job, h + 6)
+            cpu_parts.load(job, h + 5), cpu_parts.part_count(job)
         lo, hi = p * b // parts, (p + 1) * b // parts
         pairs = f * (f - 1) // 2
         if grad == 0:
@@ -1185,7 +1205,7 @@ if AVAILABLE:
     @numba.njit(inline="always")
     def _pair_dots_job(frame, feats, out, grad, b, f, dim):
         parts = max(1, min(_MOST_PARTS, b // _PART_SAMPLES))
-        job = cpu_parts.begin(frame, 7, parts)
+        job = cpu_parts.begin(frame, 6, parts)
         h = cpu_parts.HEADER
         cpu_parts.store(job, h, feats)
         cpu_parts.store(job, h + 1, out)
@@ -1193,7 +1213,6 @@ if AVAILABLE:
         cpu_parts.store(job, h + 3, b)
         cpu_parts.store(job, h + 4, f)
         cpu_parts.store(job, h + 5, dim)
-        cpu_parts.store(job, h + 6, parts)
         cpu_parts.run(job, frame, cpu_parts.symbol("jctr_task_pair_dots"), _pair_dots_part)
 
     def _pair_dots(frame_pointer):
@@ -1218,7 +1237,8 @@ if AVAILABLE:
 
     try:
         # the tasks first: the handlers that schedule them find them by name when loaded
-        for _name, _task in (("jctr_task_bag_sum", _bag_task),
+        for _name, _task in (("jctr_task_hash_lookup", _lookup_task),
+                             ("jctr_task_bag_sum", _bag_task),
                              ("jctr_task_init_rows", _init_task),
                              ("jctr_task_pair_dots", _pair_dots_task)):
             cpu_parts.register_task(_name, cpu_parts.cfunc(_task, types.void(types.voidptr)))
@@ -1263,11 +1283,11 @@ def _register() -> None:
 
 
 def lookup_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array,
-                 parts: int = 2) -> jax.Array:
+                 parts: int = 1) -> jax.Array:
     """int32 [n]: the slot holding each valid key, -1 where the key is absent or invalid.
 
     Same result as ``jctr.ops.hashing.find_slots(..., insert=False)``. The batch goes to the
-    kernel in ``parts`` independent calls (XLA may run them concurrently). CPU only.
+    kernel in ``parts`` calls, each split over the helper threads. CPU only.
     """
     _register()
     # the kernel reads int64 keys and one byte per flag, whatever the caller's dtypes

@@ -263,6 +263,12 @@ def begin(frame, words, parts):
 
 
 @numba.njit(inline="always")
+def part_count(job):
+    """The parts of the record."""
+    return load(job, _PARTS)
+
+
+@numba.njit(inline="always")
 def _leave(job):
     if atomic_add(job + 8 * _REFS, -1) == 1:
         _free(job)

@@ -51,8 +51,8 @@ def _three_ways(fn, *args):
 
 def test_helpers_start_and_the_count_is_validated(monkeypatch):
     """The helpers run once a kernel is registered (one fewer than the cores, at least none);
-    ``JCTR_KERNEL_THREADS`` sets the count, and a value that is not a whole number is an
-    error naming the variable."""
+    ``JCTR_KERNEL_THREADS`` sets the count (at most one fewer than a kernel's most parts),
+    and a value that is not a whole number is an error naming the variable."""
     cpu_ffi._register()
     assert cpu_parts._POOL[cpu_parts._PID] == os.getpid()
     assert cpu_parts._POOL[cpu_parts._HELPERS] == cpu_parts.helper_count()
@@ -60,6 +60,8 @@ def test_helpers_start_and_the_count_is_validated(monkeypatch):
     assert cpu_parts.helper_count() == 3
     monkeypatch.setenv("JCTR_KERNEL_THREADS", "0")
     assert cpu_parts.helper_count() == 0
+    monkeypatch.setenv("JCTR_KERNEL_THREADS", "1000")  # no kernel has more parts
+    assert cpu_parts.helper_count() == cpu_parts.MOST_HELPERS
     monkeypatch.setenv("JCTR_KERNEL_THREADS", "two")
     with pytest.raises(ValueError, match="JCTR_KERNEL_THREADS='two'.*whole number"):
         cpu_parts.helper_count()

@@ -711,7 +711,7 @@ if AVAILABLE:
     # positions a part of a kernel split over XLA's threads takes at least, and the most parts
     # (parts beyond the threads balance a thread that starts late or runs slow)
     _PART_POSITIONS = 1 << 14
-    _MOST_PARTS = 16
+    _MOST_PARTS = 64
 
     @numba.njit(inline="always")
     def _parts_of(n):

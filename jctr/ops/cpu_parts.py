@@ -70,6 +70,7 @@ _FRAME_API, _FRAME_CTX, _FRAME_FUTURE = 16, 24, 168
 # many helpers run, the process they run in, then a ring of job records
 _LOCK, _HEAD, _TAIL, _HELPERS, _PID, _QUEUE = 4, 5, 6, 7, 8, 16
 _RING = 64
+MOST_HELPERS = 63  # a kernel has at most 64 parts
 _POOL = np.zeros(_QUEUE + _RING, np.int64)  # lives as long as the process
 _POOL_SYMBOL = "jctr_parts_pool"
 
@@ -388,11 +389,13 @@ def helper_count() -> int:
     told = os.environ.get("JCTR_KERNEL_THREADS", "").strip()
     if told:
         try:
-            return max(0, int(told))
+            count = int(told)
         except ValueError:
             raise ValueError(f"JCTR_KERNEL_THREADS={told!r}: expected a whole number of "
                              "helper threads (0: the kernels on one thread)") from None
-    return max(0, len(os.sched_getaffinity(0)) - 1)
+    else:
+        count = len(os.sched_getaffinity(0)) - 1
+    return min(max(0, count), MOST_HELPERS)
 
 
 def start_helpers(count: int | None = None) -> int:

@@ -16,12 +16,19 @@ from jctr.ops import cpu_ffi, cpu_parts
 pytestmark = pytest.mark.skipif(not cpu_ffi.AVAILABLE, reason="native kernels not built")
 
 
+def _ensure_helpers():
+    """The kernels registered and at least one helper running (a process told
+    ``JCTR_KERNEL_THREADS=0``, or one core, starts none)."""
+    cpu_ffi._register()
+    cpu_parts.start_helpers(max(1, cpu_parts.helper_count()))
+
+
 @contextlib.contextmanager
 def _pool(helpers=None, pid=None, busy=False):
     """The helpers' pool as kernels see it: ``helpers`` in use, another process's pool
     (``pid``: a forked child's view), or helpers that never come (``busy``: the queue full,
     so the calling thread takes every part)."""
-    cpu_ffi._register()
+    _ensure_helpers()
     pool = cpu_parts._POOL
     saved = pool[cpu_parts._HELPERS], pool[cpu_parts._PID], pool[cpu_parts._TAIL]
     if helpers is not None:
@@ -53,9 +60,9 @@ def test_helpers_start_and_the_count_is_validated(monkeypatch):
     """The helpers run once a kernel is registered (one fewer than the cores, at least none);
     ``JCTR_KERNEL_THREADS`` sets the count (at most one fewer than a kernel's most parts),
     and a value that is not a whole number is an error naming the variable."""
-    cpu_ffi._register()
+    _ensure_helpers()
     assert cpu_parts._POOL[cpu_parts._PID] == os.getpid()
-    assert cpu_parts._POOL[cpu_parts._HELPERS] == cpu_parts.helper_count()
+    assert cpu_parts._POOL[cpu_parts._HELPERS] == max(1, cpu_parts.helper_count())
     monkeypatch.setenv("JCTR_KERNEL_THREADS", "3")
     assert cpu_parts.helper_count() == 3
     monkeypatch.setenv("JCTR_KERNEL_THREADS", "0")

@@ -399,7 +399,8 @@ def helper_count() -> int:
 
 
 def start_helpers(count: int | None = None) -> int:
-    """Start the helper threads (once a process; again after a fork). Returns how many run."""
+    """Start the helper threads (once a process: a child forked after they started runs the
+    kernels on one thread until it calls this). Returns how many run."""
     global _helper_function
     count = helper_count() if count is None else count
     if _POOL[_PID] == os.getpid() or count == 0:

@@ -41,10 +41,9 @@ not slot by slot: the slot loop's exit was a mispredicted branch per key.
 
 What they gain: ``docs/performance.md``.
 
-The bag, the initial rows and the interaction split their work in parts over helper threads
-(:mod:`jctr.ops.cpu_parts`): XLA runs a custom call on one of its threads, and in a training
-step these kernels are often all the work that is ready. The evaluation lookup is split in two
-calls instead, which XLA runs on its two threads when the other thread is free.
+The bag, the initial rows, the interaction and the evaluation lookup split their work in parts
+over helper threads (:mod:`jctr.ops.cpu_parts`): XLA runs a custom call on one of its threads,
+and in a training step these kernels are often all the work that is ready.
 
 Example::
 

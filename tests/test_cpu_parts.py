@@ -176,3 +176,24 @@ def test_the_lookup_in_parts_equals_the_reference():
     want = np.asarray(find_slots(table, jnp.asarray(keys), jnp.asarray(valid), insert=False)[1])
     for got in ways:
         np.testing.assert_array_equal(got[0], want)
+
+
+def test_threads_starting_the_helpers_at_once_start_one_pool():
+    """Eight Python threads asking for the helpers at once (a server's threads tracing their
+    first steps) start one pool of the count asked for, not one each (a fresh process)."""
+    import subprocess
+    import sys
+
+    code = """
+import os, threading
+from jctr.ops import cpu_ffi, cpu_parts
+before = len(os.listdir('/proc/self/task'))
+threads = [threading.Thread(target=cpu_parts.start_helpers, args=(2,)) for _ in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+print(int(cpu_parts._POOL[cpu_parts._HELPERS]), len(os.listdir('/proc/self/task')) - before)
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "JCTR_KERNEL_THREADS": "0"})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "2"]

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import threading
 
 import numba
 import numpy as np
@@ -381,6 +382,7 @@ def register_task(name: str, task) -> None:
 llvm.add_symbol(_POOL_SYMBOL, _POOL.ctypes.data)
 _libc = ctypes.CDLL(None, use_errno=True)
 _helper_function = None
+_starting = threading.Lock()
 
 
 def helper_count() -> int:
@@ -401,6 +403,11 @@ def helper_count() -> int:
 def start_helpers(count: int | None = None) -> int:
     """Start the helper threads (once a process: a child forked after they started runs the
     kernels on one thread until it calls this). Returns how many run."""
+    with _starting:  # two threads tracing their first steps at once start one pool
+        return _start_helpers(count)
+
+
+def _start_helpers(count: int | None) -> int:
     global _helper_function
     count = helper_count() if count is None else count
     if _POOL[_PID] == os.getpid() or count == 0:

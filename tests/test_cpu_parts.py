@@ -186,7 +186,11 @@ def test_threads_starting_the_helpers_at_once_start_one_pool():
 
     code = """
 import os, threading
+import numba
 from jctr.ops import cpu_ffi, cpu_parts
+# the helpers' function compiled first (loading it may start threads of its own)
+cpu_parts._helper_function = cpu_parts.cfunc(cpu_parts._helper,
+                                             numba.types.voidptr(numba.types.voidptr))
 before = len(os.listdir('/proc/self/task'))
 threads = [threading.Thread(target=cpu_parts.start_helpers, args=(2,)) for _ in range(8)]
 for t in threads: t.start()

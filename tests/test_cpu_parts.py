@@ -30,17 +30,20 @@ def _pool(helpers=None, pid=None, busy=False):
     so the calling thread takes every part)."""
     _ensure_helpers()
     pool = cpu_parts._POOL
-    saved = pool[cpu_parts._HELPERS], pool[cpu_parts._PID], pool[cpu_parts._TAIL]
+    saved = pool[cpu_parts._HELPERS], pool[cpu_parts._PID]
     if helpers is not None:
         pool[cpu_parts._HELPERS] = min(helpers, saved[0])
     if pid is not None:
         pool[cpu_parts._PID] = pid
-    if busy:
+    if busy:  # the queue looks full: nothing is queued while it does
+        tail = pool[cpu_parts._TAIL]
         pool[cpu_parts._TAIL] = pool[cpu_parts._HEAD] + cpu_parts._RING
     try:
         yield
     finally:
-        pool[cpu_parts._HELPERS], pool[cpu_parts._PID], pool[cpu_parts._TAIL] = saved
+        pool[cpu_parts._HELPERS], pool[cpu_parts._PID] = saved
+        if busy:
+            pool[cpu_parts._TAIL] = tail
 
 
 _WAYS = ({}, {"helpers": 0}, {"pid": os.getpid() + 1}, {"busy": True})

@@ -309,8 +309,7 @@ if AVAILABLE:
         h = cpu_parts.HEADER
         table, num_slots, n = cpu_parts.load(job, h), cpu_parts.load(job, h + 1), \
             cpu_parts.load(job, h + 5)
-        parts = cpu_parts.part_count(job)
-        lo, hi = p * n // parts, (p + 1) * n // parts
+        lo, hi = cpu_parts.part_range(job, p, n)
         _probe_all(carray(_pointer(table), (num_slots,), np.int64), table,
                    carray(_pointer(cpu_parts.load(job, h + 2) + 8 * lo), (hi - lo,), np.int64),
                    carray(_pointer(cpu_parts.load(job, h + 3) + lo), (hi - lo,), np.bool_),
@@ -606,8 +605,8 @@ if AVAILABLE:
         h = cpu_parts.HEADER
         capacity, dim, n = cpu_parts.load(job, h + 1), cpu_parts.load(job, h + 2), \
             cpu_parts.load(job, h + 5)
-        extras, parts = cpu_parts.load(job, h + 13), cpu_parts.part_count(job)
-        lo, hi = p * n // parts, (p + 1) * n // parts
+        extras = cpu_parts.load(job, h + 13)
+        lo, hi = cpu_parts.part_range(job, p, n)
         extra_at = np.empty(extras, np.int64)
         extra_width = np.empty(extras, np.int64)
         fill_at = np.empty(extras, np.int64)
@@ -710,7 +709,7 @@ if AVAILABLE:
     # positions a part of a kernel split over XLA's threads takes at least, and the most parts
     # (parts beyond the threads balance a thread that starts late or runs slow)
     _PART_POSITIONS = 1 << 14
-    _MOST_PARTS = 64
+    _MOST_PARTS = cpu_parts.MOST_PARTS
 
     @numba.njit(inline="always")
     def _parts_of(n):
@@ -1188,9 +1187,9 @@ if AVAILABLE:
         h = cpu_parts.HEADER
         feats, out, grad = cpu_parts.load(job, h), cpu_parts.load(job, h + 1), \
             cpu_parts.load(job, h + 2)
-        b, f, dim, parts = cpu_parts.load(job, h + 3), cpu_parts.load(job, h + 4), \
-            cpu_parts.load(job, h + 5), cpu_parts.part_count(job)
-        lo, hi = p * b // parts, (p + 1) * b // parts
+        b, f, dim = cpu_parts.load(job, h + 3), cpu_parts.load(job, h + 4), \
+            cpu_parts.load(job, h + 5)
+        lo, hi = cpu_parts.part_range(job, p, b)
         pairs = f * (f - 1) // 2
         if grad == 0:
             _pair_dots_rows(feats + 4 * lo * f * dim, out + 4 * lo * pairs, hi - lo, f, dim)

@@ -71,7 +71,8 @@ _FRAME_API, _FRAME_CTX, _FRAME_FUTURE = 16, 24, 168
 # many helpers run, the process they run in, then a ring of job records
 _LOCK, _HEAD, _TAIL, _HELPERS, _PID, _QUEUE = 4, 5, 6, 7, 8, 16
 _RING = 64
-MOST_HELPERS = 63  # a kernel has at most 64 parts
+MOST_PARTS = 64  # a kernel's parts at most
+MOST_HELPERS = MOST_PARTS - 1  # more could never all have a part
 _POOL = np.zeros(_QUEUE + _RING, np.int64)  # lives as long as the process
 _POOL_SYMBOL = "jctr_parts_pool"
 
@@ -97,8 +98,8 @@ def atomic_swap(typingctx, address, value):
 
 def _libc_call(name, result, *params):
     """An intrinsic calling the C library's ``name`` with int64 arguments taken as
-    pointers where ``params`` says ``p`` (``i``: int32, ``l``: int64)."""
-    kinds = {"p": _I8P, "i": ir.IntType(32), "l": _I64}
+    pointers where ``params`` says ``p`` (``i``: int32)."""
+    kinds = {"p": _I8P, "i": ir.IntType(32)}
     returns = kinds[result] if result else ir.VoidType()
 
     def typer(typingctx, *args):
@@ -106,7 +107,7 @@ def _libc_call(name, result, *params):
             fn = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(returns, [kinds[k] for k in params]), name)
             passed = [builder.inttoptr(v, _I8P) if k == "p" else builder.trunc(v, kinds[k])
-                      if k == "i" else v for k, v in zip(params, values)]
+                      for k, v in zip(params, values)]
             out = builder.call(fn, passed)
             if result == "p":
                 return builder.ptrtoint(out, _I64)
@@ -268,6 +269,13 @@ def begin(frame, words, parts):
 def part_count(job):
     """The parts of the record."""
     return load(job, _PARTS)
+
+
+@numba.njit(inline="always")
+def part_range(job, p, n):
+    """[lo, hi) of part ``p`` when the record's parts split ``n`` items evenly."""
+    parts = load(job, _PARTS)
+    return p * n // parts, (p + 1) * n // parts
 
 
 @numba.njit(inline="always")

@@ -461,6 +461,36 @@ def test_a_rocksdb_insert_pauses_between_its_write_batches_and_writes_every_row(
     dbs.close()
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux threads' names")
+def test_rocksdb_compactions_run_at_the_lowest_cpu_priority(tmp_path):
+    """A compaction runs on a thread of RocksDB's LOW pool at nice 19 (RocksDB's
+    ``Env::LowerThreadPoolCPUPriority``: each thread lowers itself as it takes a job), while
+    the threads that apply updates and train keep theirs: on two cores compactions took ~20%
+    of the machine during a burst of online updates (docs/performance.md)."""
+    def niceness(name):
+        out = []
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() == name:
+                        out.append(os.getpriority(os.PRIO_PROCESS, int(tid)))
+            except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
+                pass
+        return out
+    ours = os.getpriority(os.PRIO_PROCESS, 0)
+    store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db")))
+    keys = np.arange(1, 2001, dtype=np.int64)
+    for r in range(3):  # files that overlap: the compaction merges them
+        store.insert("t", keys, _vectors(keys) + r)
+        store.db.flush()
+    store.db.compact_range(None, None)
+    assert 19 in niceness("rocksdb:low")
+    assert os.getpriority(os.PRIO_PROCESS, 0) == ours
+    got, found = store.lookup("t", keys, 4)
+    assert found.all() and np.array_equal(got, _vectors(keys) + 2)
+    store.close()
+
+
 def _folder_bytes(path):
     return {name: (open(os.path.join(path, name), "rb").read(),
                    os.stat(os.path.join(path, name)).st_mtime_ns)

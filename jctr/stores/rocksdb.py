@@ -56,6 +56,24 @@ MARKER = b"jctr-hps-rocksdb 1"
 _INGEST_PREFIX = "jctr-ingest-"  # a bulk load's table file, beside the database until moved in
 
 
+_ENV: list = []  # RocksDB's default environment, its compaction threads lowered once
+
+
+def _background_env(rocksdict):
+    """RocksDB's default environment (every database of the process shares its thread pools),
+    its compaction threads at the lowest CPU priority (nice 19, each thread as it next runs a
+    job: RocksDB's ``LowerThreadPoolCPUPriority``). A compaction then takes the cores the
+    serving, updating and training threads leave: on two cores it took ~20% of them during a
+    burst of online updates, ahead of the updates' own apply (docs/performance.md). It never
+    starves: a database whose compactions fall behind stalls its writers (RocksDB's level-0
+    limits), which waits for them."""
+    if not _ENV:
+        env = rocksdict.Env()
+        env.lower_thread_pool_cpu_priority()
+        _ENV.append(env)
+    return _ENV[0]
+
+
 def _dim_key(table: str) -> bytes:
     """Where the default column family keeps a table's vector size (never in the table's
     own family: any 8 bytes there are a key)."""
@@ -206,6 +224,7 @@ class RocksDBStore:
 
     def _options(self):
         opts = self._rd.Options(raw_mode=True)
+        opts.set_env(_background_env(self._rd))
         # values are float vectors, which do not compress: RocksDB's default (Snappy) only
         # spends time trying, on every file written, compacted and read (a pass's bulk load
         # of 2.5M rows 15-30% faster without; docs/performance.md)

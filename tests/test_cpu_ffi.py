@@ -36,15 +36,14 @@ def test_the_native_kernels_build_where_numba_is_installed():
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-@pytest.mark.parametrize("n,parts", [(0, 2), (1, 2), (1, 1), (7, 2), (7, 3), (50, 4)])
-def test_lookup_slots_any_batch_split(n, parts):
+@pytest.mark.parametrize("n", [0, 1, 7, 50])
+def test_lookup_slots_of_any_batch(n):
     table, stored = _table(key_range=2**31)  # fits int32: the kernel must take int32 keys too
     rng = np.random.default_rng(n)
     queries = np.where(rng.random(n) < 0.5, rng.choice(stored, n), rng.integers(-5, 5, n))
     valid = rng.random(n) < 0.8
     key_dtype = jnp.int32 if n % 2 else jnp.int64
-    got = cpu_ffi.lookup_slots(table, jnp.asarray(queries, key_dtype), jnp.asarray(valid),
-                               parts)
+    got = cpu_ffi.lookup_slots(table, jnp.asarray(queries, key_dtype), jnp.asarray(valid))
     _, want = reference_find_slots(table, jnp.asarray(queries, jnp.int64), jnp.asarray(valid),
                                    insert=False)
     assert got.shape == (n,) and got.dtype == jnp.int32
@@ -124,20 +123,21 @@ def _pair_dots_reference(feats):
     return gram[:, li, lj]
 
 
-@pytest.mark.parametrize("b,f,dim,parts", [(1, 2, 16, 2), (5, 27, 16, 2), (7, 27, 32, 3),
-                                           (4, 16, 16, 1), (3, 17, 16, 2), (6, 40, 48, 2)])
-def test_pair_dots_and_gradient_match_the_reference(b, f, dim, parts):
-    """Feature counts below, at and above one vector (16), several vectors of width, batches
-    not divisible by the parts: the values and the gradient of a random weighting."""
+@pytest.mark.parametrize("b,f,dim", [(1, 2, 16), (5, 27, 16), (7, 27, 32), (4, 16, 16),
+                                     (3, 17, 16), (6, 40, 48)])
+def test_pair_dots_and_gradient_match_the_reference(b, f, dim):
+    """Feature counts below, at and above one vector (16), several vectors of width: the
+    values and the gradient of a random weighting (batches of several parts:
+    ``tests/test_cpu_parts.py``)."""
     rng = np.random.default_rng(b * f + dim)
     feats = rng.normal(size=(b, f, dim)).astype(np.float32)
     weights = rng.normal(size=(b, f * (f - 1) // 2)).astype(np.float32)
     assert cpu_ffi.pair_dots_supported(jnp.asarray(feats))
-    got = cpu_ffi.pair_dots(jnp.asarray(feats), parts)
+    got = cpu_ffi.pair_dots(jnp.asarray(feats))
     assert got.shape == (b, f * (f - 1) // 2) and got.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(got), _pair_dots_reference(feats), rtol=1e-5,
                                atol=1e-5)
-    grad = jax.grad(lambda x: jnp.sum(cpu_ffi.pair_dots(x, parts) * weights))(jnp.asarray(feats))
+    grad = jax.grad(lambda x: jnp.sum(cpu_ffi.pair_dots(x) * weights))(jnp.asarray(feats))
     want = jax.grad(lambda x: jnp.sum(pair_dots_xla(x) * weights))(jnp.asarray(feats))
     np.testing.assert_allclose(np.asarray(grad), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -270,7 +270,7 @@ def test_bucket_probes_of_a_crowded_table_with_tombstones_and_wrapping():
     table = table.at[slots[gone]].set(TOMBSTONE)
     queries = np.concatenate([stored, pool[-30:]])  # held, erased and never-seen keys
     valid = jnp.ones(queries.size, bool)
-    got = np.asarray(cpu_ffi.lookup_slots(table, jnp.asarray(queries), valid, 2))
+    got = np.asarray(cpu_ffi.lookup_slots(table, jnp.asarray(queries), valid))
     _, want = reference_find_slots(table, jnp.asarray(queries), valid, insert=False)
     np.testing.assert_array_equal(got, np.asarray(want))
     assert (got[gone] == -1).all() and (got[np.setdiff1d(np.arange(stored.size), gone)] >= 0

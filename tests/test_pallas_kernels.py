@@ -174,12 +174,6 @@ def test_interaction_kernels_lower_to_triton_for_cuda():
     assert texts["float32"] != texts["tensorfloat32"]
 
 
-def _cpu_lookup(table, keys, valid, parts=2):
-    from jctr.ops import cpu_ffi
-
-    return jax.jit(cpu_ffi.lookup_slots, static_argnums=3)(table, keys, valid, parts)
-
-
 def _lookup_impl(impl):
     from jctr.ops.pallas_hash import lookup_slots_kernel
 
@@ -189,12 +183,13 @@ def _lookup_impl(impl):
         from jctr.ops import find_slots
 
         return jax.jit(lambda t, k, v: find_slots(t, k, v, insert=False)[1])
-    return lambda t, k, v: _cpu_lookup(t, k, v, parts=int(impl[-1]))
+    from jctr.ops import cpu_ffi
+
+    return jax.jit(cpu_ffi.lookup_slots)  # "cpu": the native kernel itself
 
 
 @pytest.mark.parametrize("impl", ["pallas", "dispatch",
-                                  pytest.param("cpu_parts1", marks=native_cpu_only),
-                                  pytest.param("cpu_parts3", marks=native_cpu_only)])
+                                  pytest.param("cpu", marks=native_cpu_only)])
 @pytest.mark.parametrize("case", ["random", "all_colliding", "nearly_full", "full"])
 def test_hash_lookup_kernel_matches_reference(case, impl):
     from jctr.ops.hashing import EMPTY_KEY, find_slots, home_slots

@@ -129,12 +129,6 @@ if AVAILABLE:
         buffer = _word(_word(frame + which + _LIST_POINTERS) + 8 * index)
         return _word(buffer + _BUFFER_DATA), _word(buffer + _BUFFER_DIMS)
 
-    @numba.njit(inline="always")
-    def _span(address):
-        """(lo, hi) from an int32[2] operand: the part of the batch a call handles."""
-        span = carray(_pointer(address), (2,), np.int32)
-        return np.int64(span[0]), np.int64(span[1])
-
     _BUCKET = BUCKET
     _AHEAD = 24  # keys between a home slot's prefetch and its probe (covers memory latency)
     _HOMES = 32  # a power of two above _AHEAD: the homes hashed ahead, kept until the probe
@@ -286,20 +280,18 @@ if AVAILABLE:
         if _answer_metadata(frame):
             return _pointer(0)
         table, table_dims = _buffer(frame, _FRAME_ARGS, 0)
-        key_data, _ = _buffer(frame, _FRAME_ARGS, 1)
+        key_data, key_dims = _buffer(frame, _FRAME_ARGS, 1)
         valid_data, _ = _buffer(frame, _FRAME_ARGS, 2)
-        span, _ = _buffer(frame, _FRAME_ARGS, 3)
         out_data, _ = _buffer(frame, _FRAME_RETS, 0)
-        lo, hi = _span(span)
-        parts = _parts_of(hi - lo)
-        job = cpu_parts.begin(frame, 6, parts)
+        n = _word(key_dims)
+        job = cpu_parts.begin(frame, 6, _parts_of(n))
         h = cpu_parts.HEADER
         cpu_parts.store(job, h, table)
         cpu_parts.store(job, h + 1, _word(table_dims))
-        cpu_parts.store(job, h + 2, key_data + 8 * lo)
-        cpu_parts.store(job, h + 3, valid_data + lo)
+        cpu_parts.store(job, h + 2, key_data)
+        cpu_parts.store(job, h + 3, valid_data)
         cpu_parts.store(job, h + 4, out_data)
-        cpu_parts.store(job, h + 5, hi - lo)
+        cpu_parts.store(job, h + 5, n)
         cpu_parts.run(job, frame, cpu_parts.symbol("jctr_task_hash_lookup"), _lookup_part)
         return _pointer(0)
 
@@ -706,7 +698,7 @@ if AVAILABLE:
                 carray(_pointer(row_data), (n,), np.int32),
                 carray(_pointer(segment_data), (n,), np.int32))
 
-    # positions a part of a kernel split over XLA's threads takes at least, and the most parts
+    # positions a part of a kernel split over the helper threads takes at least, and the most parts
     # (parts beyond the threads balance a thread that starts late or runs slow)
     _PART_POSITIONS = 1 << 14
     _MOST_PARTS = cpu_parts.MOST_PARTS
@@ -1170,13 +1162,11 @@ if AVAILABLE:
                                       out + 4 * ((s * f + i) * dim + c))
 
     @numba.njit(inline="always")
-    def _feature_part(frame, span_index):
-        """(address of the first sample, first sample, samples, f, dim) of the features
-        [b, f, dim] (argument 0) that this call handles."""
+    def _features(frame):
+        """(address, b, f, dim) of the features [b, f, dim] (argument 0)."""
         feats, dims = _buffer(frame, _FRAME_ARGS, 0)
-        lo, hi = _span(_buffer(frame, _FRAME_ARGS, span_index)[0])
         shape = carray(_pointer(dims), (3,), np.int64)
-        return feats + 4 * lo * shape[1] * shape[2], lo, hi - lo, shape[1], shape[2]
+        return feats, shape[0], shape[1], shape[2]
 
     _PART_SAMPLES = 512  # samples a part of the interaction takes at least (~1 ms)
 
@@ -1217,7 +1207,7 @@ if AVAILABLE:
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
-        feats, _, b, f, dim = _feature_part(frame, 1)
+        feats, b, f, dim = _features(frame)
         _pair_dots_job(frame, feats, _buffer(frame, _FRAME_RETS, 0)[0], 0, b, f, dim)
         return _pointer(0)
 
@@ -1225,8 +1215,8 @@ if AVAILABLE:
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
-        feats, lo, b, f, dim = _feature_part(frame, 2)
-        grad = _buffer(frame, _FRAME_ARGS, 1)[0] + 4 * lo * (f * (f - 1) // 2)
+        feats, b, f, dim = _features(frame)
+        grad = _buffer(frame, _FRAME_ARGS, 1)[0]
         _pair_dots_job(frame, feats, _buffer(frame, _FRAME_RETS, 0)[0], grad, b, f, dim)
         return _pointer(0)
 
@@ -1280,12 +1270,11 @@ def _register() -> None:
         jax.ffi.register_ffi_target(name, ffi_capsule(handler.address), platform="cpu")
 
 
-def lookup_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array,
-                 parts: int = 1) -> jax.Array:
+def lookup_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array) -> jax.Array:
     """int32 [n]: the slot holding each valid key, -1 where the key is absent or invalid.
 
-    Same result as ``jctr.ops.hashing.find_slots(..., insert=False)``. The batch goes to the
-    kernel in ``parts`` calls, each split over the helper threads. CPU only.
+    Same result as ``jctr.ops.hashing.find_slots(..., insert=False)``; one call, its keys
+    split over the helper threads (:mod:`jctr.ops.cpu_parts`). CPU only.
     """
     _register()
     # the kernel reads int64 keys and one byte per flag, whatever the caller's dtypes
@@ -1293,8 +1282,8 @@ def lookup_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array,
                               valid.astype(jnp.bool_))
     if keys.shape[0] == 0:
         return jnp.zeros((0,), jnp.int32)
-    return _call_in_parts("jctr_cpu_hash_lookup", keys.shape[0], parts, (), jnp.int32,
-                          slot_keys, keys, valid)
+    return jax.ffi.ffi_call("jctr_cpu_hash_lookup", jax.ShapeDtypeStruct(keys.shape, jnp.int32))(
+        slot_keys, keys, valid)
 
 
 def insert_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array
@@ -1443,23 +1432,6 @@ def rebuild_slots(slot_keys, slot_rows, score):
         input_output_aliases={0: 0, 1: 1, 2: 2})(slot_keys, slot_rows, score)
 
 
-def _call_in_parts(target: str, n: int, parts: int, row_shape: tuple[int, ...], dtype,
-                   *operands: jax.Array) -> jax.Array:
-    """``target``'s results [n, *row_shape] from ``parts`` calls over the batch (n > 0).
-
-    Every call takes the whole operands and the [lo, hi) it handles (an int32[2] operand
-    last): calls that read one buffer become ready together, so XLA can run them concurrently,
-    and no slice of the batch is copied (slices were fusions of their own, run one after the
-    other).
-    """
-    step = -(-n // parts)
-    pieces = [jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((min(n, lo + step) - lo,
-                                                             *row_shape), dtype))(
-                  *operands, jnp.asarray([lo, min(n, lo + step)], jnp.int32))
-              for lo in range(0, n, step)]
-    return pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces)
-
-
 def pair_dots_supported(feats: jax.Array) -> bool:
     """Whether :func:`pair_dots` takes these features: native kernels built, float32 or
     bfloat16 (the kernels compute in float32: float64 keeps the XLA formulation), a non-empty
@@ -1469,13 +1441,12 @@ def pair_dots_supported(feats: jax.Array) -> bool:
             and dim > 0 and dim % 16 == 0)
 
 
-def pair_dots(feats: jax.Array, parts: int = 1) -> jax.Array:
+def pair_dots(feats: jax.Array) -> jax.Array:
     """[b, f, d] -> [b, f(f-1)/2] float32: ``feats[s, i] . feats[s, j]`` for every ``j < i``,
     in row order (the values of ``jctr.ops.interaction.pair_dots_xla``), differentiable. ``d``
     must be a multiple of 16 (:func:`pair_dots_supported`); products are float32 whatever the
-    input dtype. Forward and backward go to the kernels in ``parts`` calls over the batch
-    (each splits its samples over the helper threads of :mod:`jctr.ops.cpu_parts`). CPU
-    only.
+    input dtype. Forward and backward are one kernel call each, their samples split over the
+    helper threads of :mod:`jctr.ops.cpu_parts`. CPU only.
 
     Example::
 
@@ -1483,23 +1454,24 @@ def pair_dots(feats: jax.Array, parts: int = 1) -> jax.Array:
             dots = cpu_ffi.pair_dots(feats)
     """
     _register()
-    return _pair_dots(feats.astype(jnp.float32), parts)
+    return _pair_dots(feats.astype(jnp.float32))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
-def _pair_dots(feats, parts):
-    return _pair_dots_forward(feats, parts)[0]
+@jax.custom_vjp
+def _pair_dots(feats):
+    return _pair_dots_forward(feats)[0]
 
 
-def _pair_dots_forward(feats, parts):
+def _pair_dots_forward(feats):
     b, f, _ = feats.shape
-    return _call_in_parts("jctr_cpu_pair_dots", b, parts, (f * (f - 1) // 2,), jnp.float32,
-                          feats), feats
+    return jax.ffi.ffi_call("jctr_cpu_pair_dots",
+                            jax.ShapeDtypeStruct((b, f * (f - 1) // 2), jnp.float32))(feats), feats
 
 
-def _pair_dots_backward(parts, feats, grad):
-    return (_call_in_parts("jctr_cpu_pair_dots_grad", feats.shape[0], parts, feats.shape[1:],
-                           jnp.float32, feats, grad.astype(jnp.float32)),)
+def _pair_dots_backward(feats, grad):
+    return (jax.ffi.ffi_call("jctr_cpu_pair_dots_grad",
+                             jax.ShapeDtypeStruct(feats.shape, jnp.float32))(
+        feats, grad.astype(jnp.float32)),)
 
 
 _pair_dots.defvjp(_pair_dots_forward, _pair_dots_backward)

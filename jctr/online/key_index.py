@@ -14,7 +14,7 @@ from jctr.ops.host_index import (
     prefetch,
     rebuild,
     rebuild_distinct,
-    row_or_new,
+    slot_of,
 )
 
 __all__ = ["accumulate", "find", "index_size", "rebuild", "rebuild_distinct", "shrink"]
@@ -53,12 +53,17 @@ def accumulate(index, keys, show, click, delta, unseen, since, n, in_keys, in_sh
                 prefetch(delta.ctypes.data + 8 * q)
                 prefetch(unseen.ctypes.data + unseen.itemsize * q)
                 prefetch(since.ctypes.data + q)
-        r, grown = row_or_new(index, keys, in_keys[i], mask, n)
-        if grown != n:  # a new row: its counts start at 0
+        k = in_keys[i]
+        s = slot_of(index, keys, k, mask)
+        r = index[s]
+        if r < 0:  # a new row, its counts at 0 (inserted here: see host_index.fetch_ahead)
+            r = n
+            index[s] = r
+            keys[r] = k
+            n += 1
             show[r] = 0.0
             click[r] = 0.0
             delta[r] = 0.0
-            n = grown
         sh, cl = in_show[i], in_click[i]
         show[r] += sh
         click[r] += cl

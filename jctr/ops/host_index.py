@@ -72,21 +72,43 @@ def slot_of(index, keys, k, mask):
         s = (s + 1) & mask
 
 
+@intrinsic
+def _load_row(typingctx, address, itemsize):
+    """The row number an index slot at ``address`` holds, ``itemsize`` 4 (int32) or 8 (int64)
+    bytes, as int64."""
+    def codegen(context, builder, signature, args):
+        address, itemsize = args
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        with builder.if_else(builder.icmp_unsigned("==", itemsize, ir.Constant(i64, 4))) \
+                as (narrow, wide):
+            with narrow:
+                small = builder.sext(builder.load(builder.inttoptr(address, i32.as_pointer())),
+                                     i64)
+                narrow_block = builder.block
+            with wide:
+                large = builder.load(builder.inttoptr(address, i64.as_pointer()))
+                wide_block = builder.block
+        row = builder.phi(i64)
+        row.add_incoming(small, narrow_block)
+        row.add_incoming(large, wide_block)
+        return row
+    return types.int64(types.int64, types.int64), codegen
+
+
 @numba.njit(inline="always")
-def fetch_ahead(index, keys, queries, i, mask):
-    """Ask for the lines query ``i`` will need later: the home slot of the key 16 places on,
-    and the key of the row the home slot of the key 8 places on holds (that slot came in
-    meanwhile), so probes do not wait for memory one after the other (a probe reads the
-    index, then a key at the row it names: two dependent misses; 2-3x the keys a second on
-    3M keys, docs/performance.md). Returns that row (-1: none, or no key 8 places on)."""
-    m = queries.size
-    if i + 16 < m:
-        prefetch(index.ctypes.data + index.itemsize * home(queries[i + 16], mask))
-    r = np.int64(-1)
-    if i + 8 < m:
-        r = index[home(queries[i + 8], mask)]
-        if r >= 0:
-            prefetch(keys.ctypes.data + keys.itemsize * r)
+def fetch_ahead(index_at, index_bytes, keys_at, key16, key8, mask):
+    """Ask for the lines a probe will need later: the home slot of ``key16`` (the key 16
+    places on), and the key of the row the home slot of ``key8`` (8 places on) holds (that
+    slot came in meanwhile), so probes do not wait for memory one after the other (a probe
+    reads the index, then a key at the row it names: two dependent misses). Returns that row
+    (-1: none). Addresses and scalars only: the same code as an inlined helper that took the
+    arrays cost ~100 ns a key, 4-5x the whole probe, and so did a helper inserting a key into
+    the arrays (numba inlines the code, not the arrays' reference counting around it;
+    docs/performance.md): the kernels write their inserts out in their loops."""
+    prefetch(index_at + index_bytes * home(key16, mask))
+    r = _load_row(index_at + index_bytes * home(key8, mask), index_bytes)
+    if r >= 0:
+        prefetch(keys_at + 8 * r)
     return r
 
 
@@ -94,9 +116,12 @@ def fetch_ahead(index, keys, queries, i, mask):
 def find(index, keys, queries):
     """Row of each query key, -1 where absent."""
     mask = index.size - 1
+    index_at, index_bytes, keys_at = index.ctypes.data, index.itemsize, keys.ctypes.data
+    last = queries.size - 1
     out = np.empty(queries.size, np.int64)
     for i in range(queries.size):
-        fetch_ahead(index, keys, queries, i, mask)
+        fetch_ahead(index_at, index_bytes, keys_at, queries[min(i + 16, last)],
+                    queries[min(i + 8, last)], mask)
         out[i] = index[slot_of(index, keys, queries[i], mask)]
     return out
 
@@ -153,29 +178,26 @@ def index_size(rows: int) -> int:
     return 1 << max(10, int(2 * max(rows, 1) - 1).bit_length())
 
 
-@numba.njit(inline="always")
-def row_or_new(index, keys, k, mask, n):
-    """(row of key ``k``, row count): a key not there yet gets row ``n`` (its key written
-    into ``keys``) and the count grows by one."""
-    s = slot_of(index, keys, k, mask)
-    r = index[s]
-    if r < 0:
-        r = n
-        index[s] = r
-        keys[r] = k
-        n += 1
-    return r, n
-
-
 @host_kernel
 def upsert(index, keys, n, queries, out):
     """Row of each query key into ``out``; a key not there yet gets a new row (``n``,
     ``n + 1``, ...; its key written into ``keys``). The key column must have room for
     ``n + queries.size`` rows and the index twice that many slots. Returns the new row count."""
     mask = index.size - 1
+    index_at, index_bytes, keys_at = index.ctypes.data, index.itemsize, keys.ctypes.data
+    last = queries.size - 1
     for i in range(queries.size):
-        fetch_ahead(index, keys, queries, i, mask)
-        out[i], n = row_or_new(index, keys, queries[i], mask, n)
+        fetch_ahead(index_at, index_bytes, keys_at, queries[min(i + 16, last)],
+                    queries[min(i + 8, last)], mask)
+        k = queries[i]
+        s = slot_of(index, keys, k, mask)
+        r = index[s]
+        if r < 0:  # a new key: the next row (written here, not in a helper: see fetch_ahead)
+            r = n
+            index[s] = r
+            keys[r] = k
+            n += 1
+        out[i] = r
     return n
 
 
@@ -186,13 +208,23 @@ def upsert_values(index, keys, n, queries, src, dest, stamps, now):
     is what stays (the hash map's insert: no dedupe pass before it, no scatter after).
     ``dest`` and ``keys`` need room for ``n + queries.size`` rows. Returns the new row count."""
     mask = index.size - 1
+    index_at, index_bytes, keys_at = index.ctypes.data, index.itemsize, keys.ctypes.data
+    last = queries.size - 1
     m, width = queries.size, src.shape[1]
     row_bytes = dest.itemsize * width
     for i in range(m):
-        r = fetch_ahead(index, keys, queries, i, mask)
+        r = fetch_ahead(index_at, index_bytes, keys_at, queries[min(i + 16, last)],
+                        queries[min(i + 8, last)], mask)
         if r >= 0:  # that key's row of values is written soon too
             prefetch(dest.ctypes.data + row_bytes * r)
-        r, n = row_or_new(index, keys, queries[i], mask, n)
+        k = queries[i]
+        s = slot_of(index, keys, k, mask)
+        r = index[s]
+        if r < 0:  # a new key: the next row
+            r = n
+            index[s] = r
+            keys[r] = k
+            n += 1
         for j in range(width):
             dest[r, j] = src[i, j]
         stamps[r] = now
@@ -248,11 +280,14 @@ def scatter_found(index, keys, queries, src, dest, held):
     the found rows before their scatter (a pass over a 5M-row RocksDB table: ~450 ns a
     stored row in the find, mask and scatter; docs/performance.md)."""
     mask = index.size - 1
+    index_at, index_bytes, keys_at = index.ctypes.data, index.itemsize, keys.ctypes.data
+    last = queries.size - 1
     m, width = queries.size, src.shape[1]
     row_bytes = dest.itemsize * width
     found = 0
     for i in range(m):
-        r = fetch_ahead(index, keys, queries, i, mask)
+        r = fetch_ahead(index_at, index_bytes, keys_at, queries[min(i + 16, last)],
+                        queries[min(i + 8, last)], mask)
         if r >= 0:  # where that key's row goes, if it is the key asked for
             prefetch(dest.ctypes.data + row_bytes * r)
         r = index[slot_of(index, keys, queries[i], mask)]
@@ -270,10 +305,13 @@ def keep_absent(index, keys, queries, src, out_keys, out_rows):
     into ``out_keys`` / ``out_rows`` (room for every query). Returns how many. A scan's
     rows but those of a set of keys, in one pass (no mask, no two compressing copies)."""
     mask = index.size - 1
+    index_at, index_bytes, keys_at = index.ctypes.data, index.itemsize, keys.ctypes.data
+    last = queries.size - 1
     m, width = queries.size, src.shape[1]
     kept = 0
     for i in range(m):
-        fetch_ahead(index, keys, queries, i, mask)
+        fetch_ahead(index_at, index_bytes, keys_at, queries[min(i + 16, last)],
+                    queries[min(i + 8, last)], mask)
         if index[slot_of(index, keys, queries[i], mask)] < 0:
             out_keys[kept] = queries[i]
             for j in range(width):

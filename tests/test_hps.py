@@ -480,10 +480,11 @@ def test_rocksdb_compactions_run_at_the_lowest_cpu_priority(tmp_path):
     ours = os.getpriority(os.PRIO_PROCESS, 0)
     store = RocksDBStore(PersistentDatabaseParams(type="rocks_db", path=str(tmp_path / "db")))
     keys = np.arange(1, 2001, dtype=np.int64)
-    for r in range(3):  # files that overlap: the compaction merges them
+    family = store._families
+    for r in range(3):  # three files of the same keys: the compaction merges them
         store.insert("t", keys, _vectors(keys) + r)
-        store.db.flush()
-    store.db.compact_range(None, None)
+        family["t"].flush()
+    family["t"].compact_range(None, None)
     assert 19 in niceness("rocksdb:low")
     assert os.getpriority(os.PRIO_PROCESS, 0) == ours
     got, found = store.lookup("t", keys, 4)

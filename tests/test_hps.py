@@ -461,7 +461,6 @@ def test_a_rocksdb_insert_pauses_between_its_write_batches_and_writes_every_row(
     dbs.close()
 
 
-@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="Linux threads' names")
 def test_rocksdb_compactions_run_at_the_lowest_cpu_priority(tmp_path):
     """A compaction runs on a thread of RocksDB's LOW pool at nice 19 (RocksDB's
     ``Env::LowerThreadPoolCPUPriority``: each thread lowers itself as it takes a job), while

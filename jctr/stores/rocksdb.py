@@ -21,6 +21,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import json
 import operator
@@ -56,9 +57,7 @@ MARKER = b"jctr-hps-rocksdb 1"
 _INGEST_PREFIX = "jctr-ingest-"  # a bulk load's table file, beside the database until moved in
 
 
-_ENV: list = []  # RocksDB's default environment, its compaction threads lowered once
-
-
+@functools.cache  # once a process: the environment is RocksDB's default, shared
 def _background_env(rocksdict):
     """RocksDB's default environment (every database of the process shares its thread pools),
     its compaction threads at the lowest CPU priority (nice 19, each thread as it next runs a
@@ -67,11 +66,9 @@ def _background_env(rocksdict):
     burst of online updates, ahead of the updates' own apply (docs/performance.md). It never
     starves: a database whose compactions fall behind stalls its writers (RocksDB's level-0
     limits), which waits for them."""
-    if not _ENV:
-        env = rocksdict.Env()
-        env.lower_thread_pool_cpu_priority()
-        _ENV.append(env)
-    return _ENV[0]
+    env = rocksdict.Env()
+    env.lower_thread_pool_cpu_priority()
+    return env
 
 
 def _dim_key(table: str) -> bytes:

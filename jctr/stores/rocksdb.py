@@ -332,12 +332,13 @@ class RocksDBStore:
                           self._families[table].get(kb[start:start + step]))
         return values, found
 
-    # a bulk store's inserts of at least this many rows (a restore of many rows, not an
-    # eviction step's spill: many small files would pile up unmerged) are written as one
-    # sorted table file and ingested: no write-ahead log, memtable or flush (~1.7x the rows
-    # per second; 2.5x at 436k rows). A streaming pass's write-back always is
-    # (:meth:`ingest_columns`)
-    INGEST_ROWS = 500_000
+    # a bulk store's inserts of at least this many rows (an eviction step's spill, a restore)
+    # are written as one sorted table file and ingested: no write-ahead log, memtable or
+    # flush; rows of 49 floats 2.4x (2,000 rows) to 5.2x (32,000) the rows per second of
+    # write batches. Each such file carries its bloom filter (:mod:`jctr.stores.sst_file`),
+    # so a point read skips the level-0 files that lack its key as it does RocksDB's own
+    # (docs/performance.md). A streaming pass's write-back always is (:meth:`ingest_columns`)
+    INGEST_ROWS = 4_096
     # any other store's of at least this many (a served database's model load, the online
     # updates of a poll read together) are too: the file is laid out with the interpreter let
     # go, where rocksdict's write batches hold it (65,536-row updates of 16 floats into a

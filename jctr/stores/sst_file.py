@@ -184,8 +184,8 @@ def _index_block(keys, handles, buf, tables):
 # the full bloom filter RocksDB's own files carry here (``set_bloom_filter(10, False)``: 10 bits
 # a key, RocksDB's FastLocalBloom; util/bloom_impl.h, table/block_based/filter_policy.cc at
 # v9.8.4): a point read skips a file that lacks its key without reading its data. Without it
-# every overlapping level-0 file of a bulk load is searched (20,000 missing keys among ~20
-# ingested files: 230-450 ms against 37-100 ms; docs/performance.md)
+# every overlapping level-0 file of a bulk load is searched (20,000 random point reads among
+# 10-44 ingested files: 232-449 ms without, 83-162 ms with; docs/performance.md)
 BLOOM_MILLIBITS = 10_000
 BLOOM_PROBES = 6  # FastLocalBloomImpl::ChooseNumProbes(10000)
 FILTER_NAME = b"fullfilter.rocksdb.BuiltinBloomFilter"  # kFullFilterBlockPrefix + its name

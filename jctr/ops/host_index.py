@@ -52,6 +52,19 @@ def prefetch(typingctx, address):
     return types.void(types.int64), codegen
 
 
+@intrinsic
+def copy_bytes(typingctx, dst, src, n):
+    """Copy ``n`` bytes from address ``src`` to address ``dst`` (int64s; the ranges do not
+    overlap): one ``memcpy``. numba's slice assignment of one array's row into another walks
+    its general copy loop, 2-3x the time for rows of ~100 bytes (docs/performance.md)."""
+    def codegen(context, builder, signature, args):
+        i8p = ir.IntType(8).as_pointer()
+        cgutils.raw_memcpy(builder, builder.inttoptr(args[0], i8p),
+                           builder.inttoptr(args[1], i8p), args[2], 1)
+        return context.get_dummy_value()
+    return types.void(types.int64, types.int64, types.int64), codegen
+
+
 @numba.njit(inline="always")
 def home(key, mask):
     x = np.uint64(key)

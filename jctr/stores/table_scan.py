@@ -37,7 +37,7 @@ import numba
 import numpy as np
 
 from jctr.ops.checksum import TABLES, crc32c_range, mask
-from jctr.ops.host_index import host_kernel
+from jctr.ops.host_index import copy_bytes, host_kernel
 from jctr.stores.sst_file import CRC32C, MAGIC
 
 FOOTER_BYTES = 53  # format versions 1-5: checksum type, two handles padded to 41, version, magic
@@ -395,11 +395,8 @@ def _unmap_blocks(f: TableFile, first: int, stop: int) -> None:
 def _gather(data, offsets, rows, at):
     """``rows[at[i]] = data[offsets[i] : offsets[i] + rows.shape[1]]``."""
     w = rows.shape[1]
-    flat = rows.reshape(-1)
     for i in range(offsets.size):
-        o = offsets[i]
-        r = at[i] * w
-        flat[r:r + w] = data[o:o + w]  # (a slice copy: a memcpy)
+        copy_bytes(rows.ctypes.data + at[i] * w, data.ctypes.data + offsets[i], w)
 
 
 def scan(files: list[TableFile], value_bytes: int, chunk: int = 65536, *,

@@ -24,6 +24,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -71,6 +72,7 @@ def _seal(buf, start, pos, tables):
     return pos + 5
 
 
+_NO_BYTES = np.empty(0, np.uint8)  # no staging (buffers.reused(0) would lend a kept buffer)
 _AHEAD = 8  # rows between the fetch of a source row's lines and its copy
 
 
@@ -318,7 +320,7 @@ def write_table_file(path: str, keys: np.ndarray, columns: list[np.ndarray],
     # compiled loop; one block's rows (online updates, a spill) are no faster staged
     stage = order is not None and len(blocks) > 1
     with buffers.reused(chunk) as one, buffers.reused(chunk) as other, \
-            buffers.reused(chunk if stage else 0) as staging:
+            (buffers.reused(chunk) if stage else contextlib.nullcontext(_NO_BYTES)) as staging:
         _write_table_file(path, keys, blocks, order, block_size, direct, chunk, width,
                           (one, other), staging, family)
 

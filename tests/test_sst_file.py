@@ -61,12 +61,14 @@ def _ingested(tmp_path, name, keys, columns, order=None, **kwargs):
     return store
 
 
-@pytest.mark.parametrize("width,block_size", [(1, 4096), (61, 4096), (3000, 4096), (16, 256)])
+@pytest.mark.parametrize("width,block_size", [(1, 4096), (61, 4096), (3000, 4096), (7500, 4096),
+                                              (16, 256)])
 def test_rocksdb_reads_and_ingests_the_table_files_jctr_writes(tmp_path, width, block_size):
     """Keys over int64's whole range (negative, extremes) in RocksDB's byte order, values of
     one float to wider than a block, gathered from two column blocks through an order: every
     key reads back its row by point reads and by a scan, absent keys are absent, and keys
-    written later (a write batch) and before (an older file) sort among them."""
+    written later (a write batch) and before (an older file) sort among them. 7,500 floats: rows
+    so wide that a chunk's rows, gathered in file order first, take more than a chunk."""
     rng = np.random.default_rng(width)
     n = 20_000 if width < 1000 else 600
     keys = np.unique(np.concatenate([rng.integers(-2**63, 2**63 - 1, n, dtype=np.int64),

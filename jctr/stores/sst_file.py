@@ -73,6 +73,7 @@ def _seal(buf, start, pos, tables):
 
 
 _NO_BYTES = np.empty(0, np.uint8)  # no staging (buffers.reused(0) would lend a kept buffer)
+_NO_ROWS = np.empty(0, np.int64)  # no order: rows in sequence
 _AHEAD = 8  # rows between the fetch of a source row's lines and its copy
 
 
@@ -320,7 +321,8 @@ def write_table_file(path: str, keys: np.ndarray, columns: list[np.ndarray],
     # compiled loop; one block's rows (online updates, a spill) are no faster staged
     stage = order is not None and len(blocks) > 1
     with buffers.reused(chunk) as one, buffers.reused(chunk) as other, \
-            (buffers.reused(chunk) if stage else contextlib.nullcontext(_NO_BYTES)) as staging:
+            (buffers.reused(chunk + width) if stage  # a chunk's rows at most (the loop's most)
+             else contextlib.nullcontext(_NO_BYTES)) as staging:
         _write_table_file(path, keys, blocks, order, block_size, direct, chunk, width,
                           (one, other), staging, family)
 
@@ -330,15 +332,15 @@ def _write_table_file(path: str, keys: np.ndarray, blocks: tuple, order: np.ndar
                       bufs: tuple[np.ndarray, np.ndarray], staging: np.ndarray,
                       family: str) -> None:
     n = keys.shape[0]
-    fits = chunk // (11 + width) + 1  # rows a chunk can take: entries of >= 11 + w bytes
-    none = np.empty(0, np.int64)
+    # rows (so blocks) a chunk can take: an entry is >= 11 + w bytes
+    most = chunk // (11 + width) + 1
+    in_order = _NO_ROWS if order is None else order  # (empty: rows in sequence)
     if staging.size:  # each chunk's rows gathered in file order, then laid out in sequence
         staged, at = [], 0
         for b in blocks:
-            staged.append(staging[at:at + fits * b.shape[1]].reshape(fits, b.shape[1]))
-            at += fits * b.shape[1]
+            staged.append(staging[at:at + most * b.shape[1]].reshape(most, b.shape[1]))
+            at += most * b.shape[1]
     handles_parts, last_parts = [], []
-    most = chunk // (12 + width) + 1  # blocks in a chunk: each holds an entry of >= 12 + w bytes
     offset = 0
     done = 0
     try:
@@ -349,17 +351,15 @@ def _write_table_file(path: str, keys: np.ndarray, blocks: tuple, order: np.ndar
             last_rows = np.empty(most, np.int64)
             while done < n:
                 buf = bufs[len(handles_parts) % 2]  # its last write was waited for below
+                source, source_order, row0 = blocks, in_order, 0
                 if staging.size:
-                    rows = order[done:done + fits]
-                    cols = tuple(np.take(b, rows, axis=0, out=st[:rows.size])
-                                 for b, st in zip(blocks, staged))
-                    step = _data_blocks(keys, cols, none, done, done, buf, offset,
-                                        block_size, TABLES, handles, last_rows)
-                else:
-                    step = _data_blocks(keys, blocks, order if order is not None else none,
-                                        0, done, buf, offset, block_size, TABLES, handles,
-                                        last_rows)
-                done, used, nb, bad = step
+                    rows = order[done:done + most]
+                    source = tuple(np.take(b, rows, axis=0, out=st[:rows.size])
+                                   for b, st in zip(blocks, staged))
+                    source_order, row0 = _NO_ROWS, done
+                done, used, nb, bad = _data_blocks(keys, source, source_order, row0, done, buf,
+                                                   offset, block_size, TABLES, handles,
+                                                   last_rows)
                 if bad >= 0:
                     raise ValueError(f"write_table_file: key {bad} is not above the one before "
                                      "it (keys must be distinct, in ascending byte order)")

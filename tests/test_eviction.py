@@ -38,6 +38,21 @@ def native_kernels() -> bool:
             and dispatch._mode() != "reference")
 
 
+def _use_kernels(kernels: str, monkeypatch) -> int | None:
+    """Run ``kernels`` (``auto``, ``reference``, or ``whole``: the XLA formulation ranking a
+    step's needy keys together, as a GPU does); returns the chunk the eviction ranks
+    together: 1 (each key claims in turn: the CPU's native kernel, the XLA formulation's
+    default) or None (a step's needy keys together: a GPU's ``dispatch.GPU_EVICT_CHUNK``)."""
+    if kernels == "whole":
+        monkeypatch.setenv("JCTR_KERNELS", "reference")
+        whole = ht.evict_rows
+        monkeypatch.setattr(ht, "evict_rows", lambda *a, chunk, **kw: whole(
+            *a, chunk=a[5].shape[0], **kw))
+        return None
+    monkeypatch.setenv("JCTR_KERNELS", kernels)
+    return None if kernels == "auto" and jax.default_backend() != "cpu" else 1
+
+
 def _placement(capacity: int, ev: EvictionConfig):
     """The training lookup's steps before its eviction (slots built again when crowded, the
     clock, find-or-insert): the slot of every position and the slots after placement."""
@@ -53,8 +68,9 @@ def _placement(capacity: int, ev: EvictionConfig):
 class Model:
     """The table as a dictionary: key -> row, and each key's (last step, touches)."""
 
-    def __init__(self, capacity: int, ev: EvictionConfig):
-        self.c, self.ev = capacity, ev
+    def __init__(self, capacity: int, ev: EvictionConfig, chunk: int | None = 1):
+        # ``chunk``: needy keys ranked together (None: all of a step's, as a GPU does)
+        self.c, self.ev, self.chunk = capacity, ev, chunk
         self.rows: dict[int, int] = {}
         self.last: dict[int, int] = {}
         self.count: dict[int, int] = {}
@@ -83,7 +99,6 @@ class Model:
         """One training lookup of distinct ``keys`` placed at ``slots`` (``layout``: the
         slot array after placement). Returns the slot array after the eviction."""
         layout = layout.copy()
-        n_slots = layout.size
         self.clock += 1
         restart = set()
         for k in keys:  # found keys: epoch_lfu counts again in a new epoch
@@ -107,6 +122,29 @@ class Model:
             if k in self.rows:
                 self.last[k] = self.clock
         s = self.ev.samples
+        chunk = self.chunk or max(1, len(needy))
+        left = []
+        for c in range(0, len(needy), chunk):
+            left += self._evict(keys, slots, layout, needy[c:c + chunk], s, restart)
+        self.overflow += len(left)
+        for j in left:  # a refused key gives its slot back
+            layout[slots[j]] = TOMBSTONE
+        if self.ev.policy == "score":  # (the second column: the caller's score)
+            for k in keys:
+                if k in self.rows:
+                    self.count[k] = (k * 7) % 5  # tests.score_fns:by_key
+            return layout
+        for k in restart:
+            self.count[k] = 0
+        for k in keys:
+            if k in self.rows:
+                self.count[k] = self.count.get(k, 0) + 1
+        return layout
+
+    def _evict(self, keys, slots, layout, needy, s, restart) -> list[int]:
+        """One chunk of needy positions: their rounds, then the runs of tombstones of the
+        slots given back in place emptied. Returns the positions left without a row."""
+        n_slots = layout.size
         given = []  # slots given back in place
         for rnd in range(8):
             choice = {}
@@ -142,20 +180,7 @@ class Model:
             while layout[at] == EMPTY_KEY and layout[(at - 1) % n_slots] == TOMBSTONE:
                 at = (at - 1) % n_slots
                 layout[at] = EMPTY_KEY
-        self.overflow += len(needy)
-        for j in needy:  # a refused key gives its slot back
-            layout[slots[j]] = TOMBSTONE
-        if self.ev.policy == "score":  # (the second column: the caller's score)
-            for k in keys:
-                if k in self.rows:
-                    self.count[k] = (k * 7) % 5  # tests.score_fns:by_key
-            return layout
-        for k in restart:
-            self.count[k] = 0
-        for k in keys:
-            if k in self.rows:
-                self.count[k] = self.count.get(k, 0) + 1
-        return layout
+        return needy
 
 
 def _check_scores(table, model: Model, at: str) -> None:
@@ -170,7 +195,7 @@ def _check_scores(table, model: Model, at: str) -> None:
                                       err_msg=at)
 
 
-@pytest.mark.parametrize("kernels", ["auto", "reference"])
+@pytest.mark.parametrize("kernels", ["auto", "reference", "whole"])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu", "score"])
 def test_eviction_equals_a_dictionary_model(policy, kernels, monkeypatch):
     """80 steps of 12 distinct keys (a hot set of 10 keys and a stream of cold ones) through
@@ -179,13 +204,15 @@ def test_eviction_equals_a_dictionary_model(policy, kernels, monkeypatch):
     keys stay; under ``score`` (``tests.score_fns:by_key``, HierarchicalKV's customized
     scores) the keys held score higher than the keys seen. An erase midway frees rows that
     new keys take before any eviction. ``auto`` on CPU runs the native kernels
-    (``jctr_cpu_find_assign``, ``jctr_cpu_evict``), ``reference`` the XLA formulations: both
-    make the model's choices."""
-    monkeypatch.setenv("JCTR_KERNELS", kernels)
+    (``jctr_cpu_find_assign``, ``jctr_cpu_evict``: each new key claims in turn),
+    ``reference`` the XLA formulations in chunks of one key, ``whole`` in one chunk a step
+    (a GPU's choices: contested keys go to the first position, the others rank again): each
+    makes the model's choices for its chunks."""
+    chunk = _use_kernels(kernels, monkeypatch)
     capacity = 24
     ev = EvictionConfig(policy, epoch_steps=5, samples=8,
                         score_fn="tests.score_fns:by_key" if policy == "score" else None)
-    model = Model(capacity, ev)
+    model = Model(capacity, ev, chunk)
     table = create_table(capacity, ev)
     step = jax.jit(lambda t, k: lookup(t, k, jnp.ones(k.shape, bool), capacity, insert=True,
                                        eviction=ev))
@@ -782,24 +809,19 @@ def test_a_spilling_table_on_eight_devices_trains_the_model_of_a_table_with_room
                           replicated=replicated)
 
 
-# (a GPU ranks its needy keys in one chunk: there only the one-chunk comparison is the same)
-@pytest.mark.parametrize("samples,one_chunk", [
-    pytest.param(4, False, marks=native_cpu_only), pytest.param(8, False, marks=native_cpu_only),
-    pytest.param(16, False, marks=native_cpu_only), (8, True)])
+@native_cpu_only
+@pytest.mark.parametrize("samples", [4, 8, 16])
 @pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu"])
-def test_native_eviction_makes_the_xla_choices_over_many_chunks(policy, samples, one_chunk,
-                                                                monkeypatch):
+def test_native_eviction_makes_the_xla_choices_key_by_key(policy, samples, monkeypatch):
     """From the same table (2,000 rows in 4,000 slots, 100 tombstones, scores over a dozen
     steps) and the same 1,600 positions (a third found keys, most others new keys in free
-    slots: chunks of 200, many claims contested, several rounds), the native kernel and the
-    XLA formulation of ``_evict`` leave the same slots, rows, scores, placed positions and
-    evicted keys. (Whole lookups may place new keys in other slots: the two finds resolve a
-    contested free slot differently, so this compares the eviction itself.) ``one_chunk``:
-    every needy key ranked together, as a GPU does (``dispatch.GPU_EVICT_CHUNK``)."""
-    if one_chunk:
-        whole = ht.evict_rows
-        monkeypatch.setattr(ht, "evict_rows", lambda *a, chunk, **kw: whole(
-            *a, chunk=a[5].shape[0], **kw))
+    slots: many windows shared, keys taken before a later key's turn), the native kernel
+    (each key claiming in turn, a bucket's ranks compared in vector registers for windows of
+    eight) and the XLA formulation of ``_evict`` in chunks of one key leave the same slots,
+    rows, scores, placed positions and evicted keys. (Whole lookups may place new keys in
+    other slots: the two finds resolve a contested free slot differently, so this compares
+    the eviction itself.) On a GPU the XLA formulation ranks a step's keys together: the
+    dictionary model checks those choices (``test_eviction_equals_a_dictionary_model``)."""
     ev = EvictionConfig(policy, epoch_steps=3, samples=samples)
     capacity, n = 2000, 1600
     n_slots = ht.num_slots_for(capacity, ev)

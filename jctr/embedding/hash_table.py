@@ -236,6 +236,9 @@ def _place(table: HashTable, keys, valid, arriving, capacity: int, evicting: boo
 
 # -- eviction ----------------------------------------------------------------------------------
 _ROUNDS = 8  # windows per new key: a key whose choice another took ranks other slots
+# needy keys ranked together (the XLA formulation's chunk): one, each claims in turn, as the
+# native CPU kernel does (a GPU takes larger chunks: jctr.ops.dispatch.evict_rows)
+EVICT_CHUNK = 1
 _NEVER = np.int64(np.iinfo(np.int64).max)
 
 
@@ -318,11 +321,18 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
     already). A new key ranks the keys of the ``eviction.samples`` slots from the first slot
     of its home bucket on (where its probe began: keys of every age, their scores beside the
     slots in one or two cache lines, as NVIDIA HierarchicalKV ranks a bucket) and takes the
-    lowest-ranked one. Of new keys that chose the same key the first position wins; the
-    others, and keys whose slots held no key to take, rank ``samples`` slots from another
-    bucket in the next round (:func:`jctr.ops.hashing.window_start`; ``_ROUNDS`` rounds; a
-    key left without a row is refused, counted as overflow). Keys touched this step (found,
-    granted, placed) are never chosen.
+    lowest-ranked one. The needy keys go in chunks, in batch order: the keys of a chunk rank
+    from the table as a round starts, of keys that chose the same key the first position
+    wins, and the others, and keys whose windows held no key to take, rank ``samples`` slots
+    from another bucket in the next round (:func:`jctr.ops.hashing.window_start`;
+    ``_ROUNDS`` rounds; a key left without a row is refused, counted as overflow). Keys
+    touched this step (found, granted, placed) are never chosen.
+
+    A chunk is one key (:data:`EVICT_CHUNK`): each new key claims in turn, and the key it
+    took is this step's at once, so no later key chooses it and none loses a claim; the
+    native CPU kernel does that in one pass (:func:`jctr.ops.cpu_ffi.evict`). A GPU ranks up
+    to ``dispatch.GPU_EVICT_CHUNK`` keys together, as its rounds are a few launch-bound
+    kernels each: its choices differ from the CPU's (the same in every run).
 
     Where the chosen key sits on the new key's probe before the slot the new key took (in
     its home bucket, mostly), the new key replaces it in place, as HierarchicalKV does: it
@@ -332,8 +342,8 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
     slot becomes a tombstone and its row moves to the new key's slot. In place, a stream of
     new keys leaves few tombstones, so the slots are built again far less often.
 
-    Compacted chunks: the cost follows the needy keys, not the batch. On CPU a native kernel
-    makes the same choices (:func:`jctr.ops.cpu_ffi.evict`). Returns the table, which
+    The needy positions are compacted once: the cost follows them, not the batch. Returns
+    the table, which
     positions got a row, the key each of them evicted (``EMPTY_KEY`` elsewhere) and the slot
     each position's key holds after it (``slots`` but where a key replaced another in
     place). The keys with ``rows`` (found, granted) must carry this step in their scores
@@ -342,7 +352,7 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
     n_slots = table.num_slots
     clock = table.clock
     score = table.slot_score
-    chunk = min(n, max(64, n // 8))
+    chunk = EVICT_CHUNK
     width = eviction.samples
     offsets = jnp.arange(width, dtype=jnp.int32)
 
@@ -350,9 +360,14 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
                   chunk: int = chunk):
         ar = jnp.arange(chunk, dtype=jnp.int32)
 
+        # the needy positions in batch order, compacted once (then padded for the last chunk)
+        order = jnp.concatenate([jnp.nonzero(needy, size=n, fill_value=n)[0].astype(jnp.int32),
+                                 jnp.full((chunk,), n, jnp.int32)])
+        count = jnp.sum(needy, dtype=jnp.int32)
+
         def body(c):
-            slot_keys, slot_rows, score, scratch, todo, placed, gone_keys, to_slots, added = c
-            idx = jnp.nonzero(todo, size=chunk, fill_value=n)[0]
+            slot_keys, slot_rows, score, scratch, start, placed, gone_keys, to_slots, added = c
+            idx = jax.lax.dynamic_slice(order, (start,), (chunk,))
             sub_slots = slots.at[idx].get(mode="fill", fill_value=0)
             sub_keys = keys.at[idx].get(mode="fill", fill_value=0)
             home = window_start(sub_keys, 0, n_slots)
@@ -408,17 +423,16 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
             slot_keys, scratch, cleared = _clear_runs(
                 slot_keys, scratch, jnp.where(got & (to != sub_slots), sub_slots, -1))
             added = added - cleared
-            todo = todo.at[idx].set(False, mode="drop")
             placed = placed.at[idx].set(got, mode="drop")
             gone_keys = gone_keys.at[idx].set(gone, mode="drop")
             to_slots = to_slots.at[idx].set(to, mode="drop")
-            return (slot_keys, slot_rows, score, scratch, todo, placed, gone_keys, to_slots,
-                    added)
+            return (slot_keys, slot_rows, score, scratch, start + chunk, placed, gone_keys,
+                    to_slots, added)
 
         slot_keys, slot_rows, score, scratch, _, placed, gone_keys, to_slots, added = \
             jax.lax.while_loop(
-                lambda c: jnp.any(c[4]), body,
-                (slot_keys, slot_rows, score, scratch, needy, jnp.zeros((n,), bool),
+                lambda c: c[4] < count, body,
+                (slot_keys, slot_rows, score, scratch, jnp.int32(0), jnp.zeros((n,), bool),
                  jnp.full((n,), EMPTY_KEY, jnp.int64), slots, jnp.zeros((), jnp.int32)))
         return slot_keys, slot_rows, score, scratch, placed, gone_keys, to_slots, added
 
@@ -438,8 +452,8 @@ def _clear_runs(slot_keys, scratch, starts):
     none) and ends at an empty slot: no probe goes past an empty slot, so none needs the run
     (linear probing's deletion without a tombstone, for a run at a time). The result follows
     from the runs, not from the order of ``starts``. Returns (slot_keys, scratch, tombstones
-    cleared). The XLA formulation; the native eviction does the same after each chunk's
-    rounds, as :func:`_evict` calls this."""
+    cleared). The XLA formulation; the native eviction does the same after each key's
+    rounds, as :func:`_evict` calls this after a chunk's."""
     n_slots = slot_keys.shape[0]
     n = starts.shape[0]
 

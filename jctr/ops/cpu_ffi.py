@@ -22,8 +22,8 @@ Kernels here:
   formulation: probe rounds, then a scatter and gathers over the slots and a cumsum.
 * ``jctr_cpu_evict``: the eviction of a full table (the rows its new keys take, by the
   policy's ranking of the keys in a window of slots from each new key's home bucket on, their
-  scores beside them), the same choices as XLA's rounds over compacted chunks without their scatters
-  and compactions.
+  scores beside them; a bucket's ranks compared in vector registers), each new key claiming in
+  turn: the choices of XLA's rounds over chunks of one key, without their scatters.
 * ``jctr_cpu_rebuild_slots``: a table's slots built again without its tombstones, in place,
   in one sweep (each key moved back to the first empty slot of its probe); XLA's
   formulation: a find-or-insert of every key into new slots, then scatters of the rows and
@@ -821,7 +821,87 @@ if AVAILABLE:
         return ((last // epoch_steps) << 32) | np.int64(score[r, 1])  # epoch_lfu
 
     _EVICT_AHEAD = 8  # keys between the prefetch of their lines and their choice
-    _TAKEN = -2  # a row entry at most this: its key was chosen earlier in this round
+    _I32x8 = ir.VectorType(ir.IntType(32), BUCKET)
+    _I64x8 = ir.VectorType(ir.IntType(64), BUCKET)
+
+    def _window_choice_codegen(policy, columns):
+        """LLVM code of :func:`_window_choice` for one policy and score width."""
+        def codegen(context, builder, signature, args):
+            i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+            rows_at, score_at, clock, epoch_steps = args
+            rows = builder.load(builder.inttoptr(rows_at, _I32x8.as_pointer()), align=4)
+            if columns == 1:
+                last = builder.load(builder.inttoptr(score_at, _I32x8.as_pointer()), align=4)
+                second = last
+            else:  # a slot's two columns side by side: the even lanes and the odd ones
+                both_type = ir.VectorType(i32, 2 * BUCKET)
+                both = builder.load(builder.inttoptr(score_at, both_type.as_pointer()), align=4)
+                undef = ir.Constant(both_type, ir.Undefined)
+                last = builder.shuffle_vector(both, undef, ir.Constant(
+                    ir.VectorType(i32, BUCKET), list(range(0, 2 * BUCKET, 2))))
+                second = builder.shuffle_vector(both, undef, ir.Constant(
+                    ir.VectorType(i32, BUCKET), list(range(1, 2 * BUCKET, 2))))
+            wide_last = builder.sext(last, _I64x8)
+            shift = _splat(builder, ir.Constant(i64, 32), _I64x8)
+            if policy in (2, 3):  # the epoch: floor division (a stamp is never negative)
+                steps = _splat(builder, builder.trunc(epoch_steps, i32), _I32x8)
+                quot = builder.sdiv(last, steps)
+                neg = builder.icmp_signed("<", builder.srem(last, steps),
+                                          _splat(builder, ir.Constant(i32, 0), _I32x8))
+                epoch = builder.sub(quot, builder.zext(neg, _I32x8))
+                high = builder.shl(builder.sext(epoch, _I64x8), shift)
+            if policy == 0:  # lru
+                rank = wide_last
+            elif policy == 1:  # lfu: touches, then the last step
+                rank = builder.or_(builder.shl(builder.sext(second, _I64x8), shift), wide_last)
+            elif policy == 2:  # epoch_lru
+                rank = builder.or_(high, wide_last)
+            else:  # epoch_lfu
+                rank = builder.or_(high, builder.sext(second, _I64x8))
+            live = builder.and_(
+                builder.icmp_signed(">=", rows, _splat(builder, ir.Constant(i32, 0), _I32x8)),
+                builder.icmp_signed("!=", last, _splat(builder, builder.trunc(clock, i32),
+                                                       _I32x8)))
+            never = _splat(builder, ir.Constant(i64, int(_NEVER)), _I64x8)
+            rank = builder.select(live, rank, never)
+            low = builder.call(cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(i64, [_I64x8]), "llvm.vector.reduce.smin.v8i64"),
+                [rank])
+            lowest = builder.and_(builder.icmp_signed("==", rank, _splat(builder, low, _I64x8)),
+                                  live)
+            bits = builder.zext(builder.bitcast(lowest, i8), i32)
+            at = builder.call(cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(i32, [i32, ir.IntType(1)]), "llvm.cttz.i32"),
+                [builder.or_(bits, ir.Constant(i32, 1 << BUCKET)), ir.Constant(ir.IntType(1), 0)])
+            return builder.zext(at, i64)
+        return codegen
+
+    def _window_choice_intrinsic(policy, columns):
+        @intrinsic
+        def choice(typingctx, rows_at, score_at, clock, epoch_steps):
+            return (types.int64(types.int64, types.int64, types.int64, types.int64),
+                    _window_choice_codegen(policy, columns))
+        return choice
+
+    # lru and epoch_lru keep one score column, lfu and epoch_lfu two (EvictionConfig)
+    _choice_lru, _choice_lfu, _choice_epoch_lru, _choice_epoch_lfu = (
+        _window_choice_intrinsic(p, 2 if p in (1, 3) else 1) for p in range(4))
+
+    @numba.njit(inline="always")
+    def _window_choice(rows_at, score_at, clock, policy, epoch_steps):
+        """The policy's lowest-ranked key among a bucket's eight slots (``rows_at``,
+        ``score_at``: the bucket's first row entry and score row), as :func:`_rank` ranks
+        them, the first of equal ranks: its index, 8 when none has a row or every one with a
+        row carries this step. One vector load of the row entries and one of the scores, the
+        ranks compared in vector registers: the slot loop's two unpredictable branches a slot
+        (rowless? lower?) cost as much as the key's memory accesses (docs/performance.md)."""
+        if policy == 0:
+            return _choice_lru(rows_at, score_at, clock, epoch_steps)
+        if policy == 1:
+            return _choice_lfu(rows_at, score_at, clock, epoch_steps)
+        if policy == 2:
+            return _choice_epoch_lru(rows_at, score_at, clock, epoch_steps)
+        return _choice_epoch_lfu(rows_at, score_at, clock, epoch_steps)
 
     @numba.njit(inline="always")
     def _window_start(key, rnd, n_slots):
@@ -865,129 +945,90 @@ if AVAILABLE:
         return cleared
 
     @numba.njit(inline="always")
+    def _lowest_in_window(slot_rows, score, w0, width, clock, policy, epoch_steps, columns):
+        """The slot of the lowest-ranked key in the window of ``width`` slots from ``w0``
+        (:func:`_rank`; the first of equal ranks), -1 when none can be taken."""
+        n_slots = slot_rows.shape[0]
+        if width == _BUCKET and columns == (2 if policy == 1 or policy == 3 else 1):
+            # a bucket (windows start at one): in vector registers
+            at = _window_choice(slot_rows.ctypes.data + 4 * w0,
+                                score.ctypes.data + 4 * columns * w0, clock, policy,
+                                epoch_steps)
+            return w0 + at if at < _BUCKET else np.int64(-1)
+        best, best_rank = np.int64(-1), _NEVER
+        for k in range(width):
+            cand = w0 + k  # wrapping by a compare: a division costs ~40 cycles
+            if cand >= n_slots:
+                cand -= n_slots
+            if slot_rows[cand] < 0:  # empty, a tombstone or a rowless key
+                continue
+            rank = _rank(score, cand, clock, policy, epoch_steps)
+            if rank < best_rank:
+                best, best_rank = cand, rank
+        return best
+
+    @numba.njit(inline="always")
     def _evict_all(slot_keys, slot_rows, score, keys, slots, needy, params, placed, gone, to,
                    added):
-        """:func:`jctr.embedding.hash_table._evict` one chunk and round after the other, with
-        its choices. XLA's round has every pending key choose from the state as the round
-        starts, then the first position of each choice win; here each key chooses and claims
-        in turn, which is the same: a key taken earlier in the round keeps its rank (its row
-        entry reads ``_TAKEN`` minus the taker's index, which holds the rank, until the round
-        ends), and a key whose best choice was taken loses as the XLA round's later claimant
-        does; the keys placed in the round rank as touched this step, as they were rowless
-        when it began. A key on the new key's probe is replaced in place (the new key takes
-        its slot, row and scores; the new key's own slot is a tombstone, empty again with its
-        run of tombstones where an empty slot ends the run, after the chunk's rounds);
-        another moves its row."""
-        clock, policy, epoch_steps = params[0], params[1], params[2]
-        width, chunk = params[3], params[4]
+        """:func:`jctr.embedding.hash_table._evict` with chunks of one key: each needy key in
+        batch order ranks its window (then, if nothing there can be taken, its next ones) and
+        claims the lowest-ranked key at once, which then carries this step (no later key
+        takes it). A key on the new key's probe before its own slot is replaced in place (the
+        new key takes its slot, row and scores; the new key's own slot is a tombstone, empty
+        again with its run of tombstones where an empty slot ends the run); another moves its
+        row. A key's lines are fetched ``_EVICT_AHEAD`` keys ahead."""
+        clock, policy, epoch_steps, width = params[0], params[1], params[2], params[3]
         n = slots.shape[0]
         n_slots = slot_keys.shape[0]
+        columns = score.shape[1]
         score_at, keys_at = score.ctypes.data, slot_keys.ctypes.data
         rows_at = slot_rows.ctypes.data
-        stride = score.shape[1] * 4
-        order = np.flatnonzero(needy)
-        victim = np.empty(chunk, np.int64)
-        victim_row = np.empty(chunk, np.int32)
-        victim_rank = np.empty(chunk, np.int64)
-        within = np.empty(chunk, np.bool_)
-        pending = np.empty(chunk, np.bool_)
-        first = np.empty(chunk, np.int64)
-        home = np.empty(chunk, np.int64)
+        stride = columns * 4
         for i in range(n):
             placed[i] = False
             gone[i] = EMPTY_KEY
             to[i] = slots[i]
+        order = np.flatnonzero(needy)
+        m = order.size
+        homes = np.empty(m, np.int64)
+        for j in range(m):
+            homes[j] = _window_start(keys[order[j]], 0, n_slots)
+        for j in range(min(_EVICT_AHEAD, m)):
+            _window_lines(homes[j], slots[order[j]], keys_at, rows_at, score_at, stride)
         made = 0
-        cur = np.empty(chunk, np.int64)  # the round's pending positions, in batch order
-        for start in range(0, order.size, chunk):
-            part = order[start:start + chunk]
-            m = part.size
-            for j in range(m):
-                cur[j] = part[j]
-                pending[j] = True
-                first[j] = _window_start(keys[part[j]], 0, n_slots)
-                home[j] = first[j]
-            for rnd in range(8):  # _ROUNDS
-                if m == 0:
-                    break
-                for j in range(min(_EVICT_AHEAD, m)):
-                    _window_lines(first[j], slots[cur[j]], keys_at, rows_at, score_at, stride)
-                for j in range(m):
-                    victim[j] = -1
-                    ahead = j + _EVICT_AHEAD
-                    if ahead < m:
-                        _window_lines(first[ahead], slots[cur[ahead]], keys_at, rows_at,
-                                      score_at, stride)
-                    w0 = first[j]
-                    best, best_rank = np.int64(-1), _NEVER
-                    for k in range(width):
-                        cand = w0 + k  # wrapping by a compare: a division costs ~40 cycles
-                        if cand >= n_slots:
-                            cand -= n_slots
-                        held = slot_rows[cand]
-                        if held == -1:  # empty, a tombstone or a rowless key
-                            continue
-                        if held <= _TAKEN:  # taken this round: its rank as the round began
-                            rank = victim_rank[_TAKEN - held]
-                        else:
-                            rank = _rank(score, cand, clock, policy, epoch_steps)
-                        if rank < best_rank:
-                            best, best_rank = cand, rank
-                    if best_rank == _NEVER or slot_rows[best] <= _TAKEN:
-                        continue  # nothing to take, or taken by an earlier position
-                    pos = cur[j]
-                    own = slots[pos]
-                    row = slot_rows[best]
-                    gone[pos] = slot_keys[best]
-                    reach = own - home[j]  # the probe's slots before the key's own
-                    if reach < 0:
-                        reach += n_slots
-                    dist = best - home[j]
-                    if dist < 0:
-                        dist += n_slots
-                    within[j] = dist < reach
-                    if within[j]:  # in place: the slot, its row and score are the new key's
-                        slot_keys[best] = keys[pos]
-                        slot_keys[own] = _TOMBSTONE
-                        to[pos] = best
-                    else:
-                        slot_keys[best] = _TOMBSTONE
-                        slot_rows[own] = row
-                    made += 1
-                    victim_row[j] = row
-                    victim_rank[j] = best_rank
-                    slot_rows[best] = _TAKEN - j  # (which position took it: its rank)
-                    score[to[pos], 0] = clock
-                    placed[pos] = True
-                    pending[j] = False
-                    victim[j] = best
-                for j in range(m):  # the round's taken keys: replaced, or tombstones
-                    if victim[j] >= 0:
-                        if within[j]:
-                            slot_rows[victim[j]] = victim_row[j]
-                        else:
-                            slot_rows[victim[j]] = -1
-                # the next round ranks the keys left (the others are not passed over again),
-                # each from its next window
-                left = 0
-                for j in range(m):
-                    if pending[j]:
-                        cur[left] = cur[j]
-                        home[left] = home[j]
-                        first[left] = _window_start(keys[cur[j]], rnd + 1, n_slots)
-                        pending[left] = True
-                        left += 1
-                m = left
-            m = part.size
-            # hash_table._clear_runs, the chunk's: a run of tombstones with a slot given
-            # back in place that ends at an empty slot is empty again
-            for j in range(m):
-                pos = part[j]
-                ahead = j + _EVICT_AHEAD
-                if ahead < m:
-                    _prefetch(keys_at + 8 * slots[part[ahead]])
-                if to[pos] != slots[pos]:
-                    made -= _clear_run(slot_keys, slots[pos])
+        for j in range(m):
+            ahead = j + _EVICT_AHEAD
+            if ahead < m:
+                _window_lines(homes[ahead], slots[order[ahead]], keys_at, rows_at, score_at,
+                              stride)
+            pos = order[j]
+            key, own, home = keys[pos], slots[pos], homes[j]
+            for rnd in range(8):  # hash_table._ROUNDS
+                w0 = home if rnd == 0 else _window_start(key, rnd, n_slots)
+                best = _lowest_in_window(slot_rows, score, w0, width, clock, policy,
+                                         epoch_steps, columns)
+                if best < 0:
+                    continue
+                gone[pos] = slot_keys[best]
+                made += 1
+                reach = own - home  # the probe's slots before the key's own
+                if reach < 0:
+                    reach += n_slots
+                dist = best - home
+                if dist < 0:
+                    dist += n_slots
+                if dist < reach:  # in place: the slot, its row and score are the new key's
+                    slot_keys[best] = key
+                    slot_keys[own] = _TOMBSTONE
+                    to[pos] = best
+                    made -= _clear_run(slot_keys, own)
+                else:
+                    slot_keys[best] = _TOMBSTONE
+                    slot_rows[own] = slot_rows[best]
+                    slot_rows[best] = -1
+                score[to[pos], 0] = clock
+                placed[pos] = True
+                break
         added[0] = made
 
     def _evict_rows(frame_pointer):
@@ -1004,7 +1045,7 @@ if AVAILABLE:
                    carray(_pointer(key_data), (n,), np.int64),
                    carray(_pointer(slot_data), (n,), np.int32),
                    carray(_pointer(needy_data), (n,), np.bool_),
-                   carray(_pointer(param_data), (5,), np.int64),
+                   carray(_pointer(param_data), (4,), np.int64),
                    carray(_pointer(_buffer(frame, _FRAME_RETS, 3)[0]), (n,), np.bool_),
                    carray(_pointer(_buffer(frame, _FRAME_RETS, 4)[0]), (n,), np.int64),
                    carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (n,), np.int32),
@@ -1394,9 +1435,10 @@ EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")  # the kernel's pol
 
 
 def evict(slot_keys, slot_rows, score, keys, slots, needy, clock, *, policy: str,
-          epoch_steps: int, samples: int, chunk: int):
-    """:func:`jctr.embedding.hash_table._evict`'s choice of keys for the ``needy`` positions,
-    in one native pass with the same choices (``score``: the keys' scores beside their slots,
+          epoch_steps: int, samples: int):
+    """:func:`jctr.embedding.hash_table._evict`'s choice of keys for the ``needy`` positions
+    in chunks of one key (each claims in turn), in one native pass with the XLA
+    formulation's choices for ``chunk=1`` (``score``: the keys' scores beside their slots,
     with this step's keys stamped). Returns (slot_keys, slot_rows, score, placed, gone keys,
     each position's slot after it, tombstones made [1]); the buffers are updated in place
     when they can be donated. CPU only."""
@@ -1405,7 +1447,7 @@ def evict(slot_keys, slot_rows, score, keys, slots, needy, clock, *, policy: str
     if policy == "score":  # ranks as lfu: its second column holds the caller's scores
         policy = "lfu"
     params = jnp.stack([clock.astype(jnp.int64), jnp.int64(EVICTION_POLICIES.index(policy)),
-                        jnp.int64(epoch_steps), jnp.int64(samples), jnp.int64(chunk)])
+                        jnp.int64(epoch_steps), jnp.int64(samples)])
     return jax.ffi.ffi_call(
         "jctr_cpu_evict",
         (jax.ShapeDtypeStruct(slot_keys.shape, jnp.int64),

@@ -392,8 +392,8 @@ def rebuild_slots(reference, slot_keys, slot_rows, score):
 
 
 # the most needy keys a GPU's eviction ranks together: its rounds are a few small kernels
-# each, launch-bound, so one chunk for a step's keys (in chunks of n // 8, as on CPU, a
-# uniform stream's step of 106,496 keys took ~5x a step with room on an H200)
+# each, launch-bound, so one chunk for a step's keys (in chunks of n // 8, a uniform stream's
+# step of 106,496 keys took ~5x a step with room on an H200)
 GPU_EVICT_CHUNK = 1 << 18
 
 
@@ -402,21 +402,24 @@ def evict_rows(reference, slot_keys, slot_rows, score, scratch, keys, slots, nee
     """The rows a full table's new keys take (``reference``: the XLA formulation,
     :func:`jctr.embedding.hash_table._evict`'s, called with the same arguments and the
     ``chunk`` of needy keys it ranks together); on CPU the native kernel
-    (:func:`jctr.ops.cpu_ffi.evict`), which makes the same choices for the same ``chunk``; on
-    GPU the XLA formulation with chunks of up to ``GPU_EVICT_CHUNK`` keys (the choices of
-    that chunk: the same in every run). ``scratch`` (int32 [slots], contents never matter)
-    holds the XLA rounds' claims; the native kernel claims in turn and passes it through.
-    Returns (slot_keys, slot_rows, score, scratch, placed, gone keys, each position's slot
-    after it, tombstones made)."""
+    (:func:`jctr.ops.cpu_ffi.evict`), which makes the choices of chunks of one key (each key
+    claims in turn: ``chunk`` must be 1); on GPU the XLA formulation with chunks of up to
+    ``GPU_EVICT_CHUNK`` keys (the choices of that chunk: the same in every run). ``scratch``
+    (int32 [slots], contents never matter) holds the XLA rounds' claims; the native kernel
+    claims in turn and passes it through. Returns (slot_keys, slot_rows, score, scratch,
+    placed, gone keys, each position's slot after it, tombstones made)."""
     args = (slot_keys, slot_rows, score, scratch, keys, slots, needy, clock)
     if _mode() == "reference" or not cpu_ffi.AVAILABLE:
         return reference(*args, chunk=chunk)
     gpu_chunk = max(chunk, min(keys.shape[0], GPU_EVICT_CHUNK))
 
     def cpu(slot_keys, slot_rows, score, scratch, keys, slots, needy, clock):
+        if chunk != 1:
+            raise ValueError(f"the native eviction claims a key at a time: chunk {chunk}, "
+                             "expected 1")
         slot_keys, slot_rows, score, placed, gone, to, added = cpu_ffi.evict(
             slot_keys, slot_rows, score, keys, slots, needy, clock, policy=policy,
-            epoch_steps=epoch_steps, samples=samples, chunk=chunk)
+            epoch_steps=epoch_steps, samples=samples)
         return slot_keys, slot_rows, score, scratch, placed, gone, to, added[0]
 
     return _by_platform(*args, cpu=cpu, default=functools.partial(reference, chunk=gpu_chunk))

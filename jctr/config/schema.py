@@ -467,8 +467,10 @@ class EvictionConfig:
     samples: int = 8
     """Slots whose keys a new key ranks to choose its victim: those from the first slot of
     its home bucket on (eight: the bucket, its scores in one cache line, as NVIDIA
-    HierarchicalKV ranks a bucket); a key whose choice another new key of the same step took,
-    or whose slots held none to take, ranks as many slots of another bucket (eight rounds)."""
+    HierarchicalKV ranks a bucket). New keys claim in turn, each taking a key no new key of
+    the step took before it; a key whose slots hold none to take (all this step's) ranks as
+    many slots of another bucket (eight rounds). (A GPU ranks a step's new keys together:
+    a key whose choice an earlier one took ranks another bucket.)"""
     spill: str | None = None
     """A folder (jctr): every evicted row -- vector, optimizer state and slot -- is written
     to a database there (``spill_type``), and a key seen again takes its row back, so the

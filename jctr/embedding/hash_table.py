@@ -235,7 +235,8 @@ def _place(table: HashTable, keys, valid, arriving, capacity: int, evicting: boo
 
 
 # -- eviction ----------------------------------------------------------------------------------
-_ROUNDS = 8  # windows per new key: a key whose choice another took ranks other slots
+_ROUNDS = 8  # windows per new key: one with no key to take there (or, in a chunk of several,
+# whose choice another took) ranks other slots
 # needy keys ranked together (the XLA formulation's chunk): one, each claims in turn, as the
 # native CPU kernel does (a GPU takes larger chunks: jctr.ops.dispatch.evict_rows)
 EVICT_CHUNK = 1

@@ -932,16 +932,26 @@ if AVAILABLE:
             end += 1
             if end == n_slots:
                 end = 0
+        if slot_keys[end] != EMPTY_KEY:
+            return 0
+        return _empty_before(slot_keys.ctypes.data, n_slots, end)
+
+    @numba.njit(inline="always")
+    def _empty_before(keys_at, n_slots, end):
+        """The run of tombstones just before slot ``end`` (an empty slot) emptied, in the
+        slot keys at ``keys_at`` (given by address: numba keeps an array argument's
+        reference counts around an inlined helper, ~8% of the eviction kernel); returns the
+        tombstones cleared."""
+        slot_keys = carray(_pointer(keys_at), (n_slots,), np.int64)
         cleared = 0
-        if slot_keys[end] == EMPTY_KEY:
-            for _ in range(n_slots):
-                end -= 1
-                if end < 0:
-                    end = n_slots - 1
-                if slot_keys[end] != _TOMBSTONE:
-                    break
-                slot_keys[end] = EMPTY_KEY
-                cleared += 1
+        for _ in range(n_slots):
+            end -= 1
+            if end < 0:
+                end = n_slots - 1
+            if slot_keys[end] != _TOMBSTONE:
+                break
+            slot_keys[end] = EMPTY_KEY
+            cleared += 1
         return cleared
 
     @numba.njit(inline="always")
@@ -1022,24 +1032,14 @@ if AVAILABLE:
                     to[pos] = best
                     # its own slot a tombstone, emptied with its run where an empty slot
                     # ends it (_clear_run), written out for the usual cases: the next slot
-                    # a key (it stays) or empty (it and the tombstones before it go); a
-                    # helper given the array cost ~20 ns a key (its reference counts)
+                    # a key (it stays) or empty (it and the tombstones before it go)
                     nxt = own + 1
                     if nxt == n_slots:
                         nxt = 0
                     after = slot_keys[nxt]
                     if after == EMPTY_KEY:
                         slot_keys[own] = EMPTY_KEY
-                        made -= 1
-                        back = own
-                        for _ in range(n_slots):
-                            back -= 1
-                            if back < 0:
-                                back = n_slots - 1
-                            if slot_keys[back] != _TOMBSTONE:
-                                break
-                            slot_keys[back] = EMPTY_KEY
-                            made -= 1
+                        made -= 1 + _empty_before(keys_at, n_slots, own)
                     else:
                         slot_keys[own] = _TOMBSTONE
                         if after == _TOMBSTONE:

@@ -487,3 +487,57 @@ def test_native_sgd_by_segment_equals_the_scatter_add_of_key_gradients(dim, comb
     np.testing.assert_array_equal(
         np.asarray(sgd_by_segment(values, rows, segs, grad, -lr, segments, combiner)),
         np.asarray(want))
+
+
+@pytest.mark.skipif(not cpu_ffi.AVAILABLE, reason="numba")
+@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu"])
+@pytest.mark.parametrize("epoch_steps", [1, 3, 1 << 28])
+def test_a_buckets_ranks_in_vector_registers_choose_as_the_slot_loop(policy, epoch_steps):
+    """The eviction's choice among a bucket's eight slots in vector code
+    (``cpu_ffi._window_choice``: ranks formed in lanes, a vector minimum, the first of equal
+    ranks by a count of trailing zeros) takes the slot the slot loop over ``cpu_ffi._rank``
+    takes, or none, over 20,000 buckets drawn to reach the edges: rowless slots and stamps
+    equal to the clock (never chosen), buckets with nothing to take, many equal ranks, stamps
+    and touch counts up to 2**31 - 1 (the clock's and the counts' ceilings), epochs of one
+    step, three and 2**28."""
+    import numba
+
+    code = cpu_ffi.EVICTION_POLICIES.index(policy)
+    columns = 2 if policy.endswith("lfu") else 1
+    rng = np.random.default_rng(code * 7 + epoch_steps % 5)
+    buckets = 20_000
+    top = np.iinfo(np.int32).max
+    clock = np.int64(top - 1) if epoch_steps == 3 else np.int64(1000)
+    rows = np.where(rng.random(buckets * 8) < 0.3, -1,
+                    rng.integers(0, 10**6, buckets * 8)).astype(np.int32)
+    score = np.empty((buckets * 8, columns), np.int32)
+    few = rng.random(buckets) < 0.5  # half the buckets from a handful of values: ties
+    narrow = np.repeat(few, 8)
+    score[:, 0] = np.where(narrow, rng.integers(clock - 3, clock + 1, buckets * 8),
+                           rng.integers(0, clock + 1, buckets * 8))
+    if columns == 2:
+        score[:, 1] = np.where(narrow, rng.integers(0, 3, buckets * 8),
+                               rng.integers(0, top, buckets * 8, endpoint=True))
+    score[rng.random(buckets * 8) < 0.2, 0] = clock  # this step's: never chosen
+
+    @numba.njit
+    def both(rows, score, clock, policy, epoch_steps):
+        got = np.empty((rows.shape[0] // 8, 2), np.int64)
+        for b in range(rows.shape[0] // 8):
+            w0 = 8 * b
+            got[b, 0] = cpu_ffi._window_choice(rows.ctypes.data + 4 * w0,
+                                               score.ctypes.data + 4 * score.shape[1] * w0,
+                                               clock, policy, epoch_steps)
+            best, best_rank = 8, np.iinfo(np.int64).max
+            for k in range(8):
+                if rows[w0 + k] < 0:
+                    continue
+                rank = cpu_ffi._rank(score, w0 + k, clock, policy, epoch_steps)
+                if rank < best_rank:
+                    best, best_rank = k, rank
+            got[b, 1] = best
+        return got
+
+    got = both(rows, score, clock, np.int64(code), np.int64(epoch_steps))
+    np.testing.assert_array_equal(got[:, 0], got[:, 1])
+    assert (got[:, 0] == 8).sum() > 50 and (got[:, 0] < 8).sum() > buckets // 2

@@ -3,6 +3,7 @@ interaction kernels against the reference. The hash lookup's and insert's result
 jnp references are checked in test_pallas_kernels.py."""
 
 import ctypes
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -489,36 +490,11 @@ def test_native_sgd_by_segment_equals_the_scatter_add_of_key_gradients(dim, comb
         np.asarray(want))
 
 
-@pytest.mark.skipif(not cpu_ffi.AVAILABLE, reason="numba")
-@pytest.mark.parametrize("policy", ["lru", "lfu", "epoch_lru", "epoch_lfu"])
-@pytest.mark.parametrize("epoch_steps", [1, 3, 1 << 28])
-def test_a_buckets_ranks_in_vector_registers_choose_as_the_slot_loop(policy, epoch_steps):
-    """The eviction's choice among a bucket's eight slots in vector code
-    (``cpu_ffi._window_choice``: ranks formed in lanes, a vector minimum, the first of equal
-    ranks by a count of trailing zeros) takes the slot the slot loop over ``cpu_ffi._rank``
-    takes, or none, over 20,000 buckets drawn to reach the edges: rowless slots and stamps
-    equal to the clock (never chosen), buckets with nothing to take, many equal ranks, stamps
-    and touch counts up to 2**31 - 1 (the clock's and the counts' ceilings), epochs of one
-    step, three and 2**28."""
+@functools.cache
+def _vector_and_loop_choices():
+    """A compiled function giving, for each bucket of eight slots, the vector choice and the
+    slot loop's (8: none) side by side (compiled once for the tests below)."""
     import numba
-
-    code = cpu_ffi.EVICTION_POLICIES.index(policy)
-    columns = 2 if policy.endswith("lfu") else 1
-    rng = np.random.default_rng(code * 7 + epoch_steps % 5)
-    buckets = 20_000
-    top = np.iinfo(np.int32).max
-    clock = np.int64(top - 1) if epoch_steps == 3 else np.int64(1000)
-    rows = np.where(rng.random(buckets * 8) < 0.3, -1,
-                    rng.integers(0, 10**6, buckets * 8)).astype(np.int32)
-    score = np.empty((buckets * 8, columns), np.int32)
-    few = rng.random(buckets) < 0.5  # half the buckets from a handful of values: ties
-    narrow = np.repeat(few, 8)
-    score[:, 0] = np.where(narrow, rng.integers(clock - 3, clock + 1, buckets * 8),
-                           rng.integers(0, clock + 1, buckets * 8))
-    if columns == 2:
-        score[:, 1] = np.where(narrow, rng.integers(0, 3, buckets * 8),
-                               rng.integers(0, top, buckets * 8, endpoint=True))
-    score[rng.random(buckets * 8) < 0.2, 0] = clock  # this step's: never chosen
 
     @numba.njit
     def both(rows, score, clock, policy, epoch_steps):
@@ -538,6 +514,39 @@ def test_a_buckets_ranks_in_vector_registers_choose_as_the_slot_loop(policy, epo
             got[b, 1] = best
         return got
 
-    got = both(rows, score, clock, np.int64(code), np.int64(epoch_steps))
+    return both
+
+
+@pytest.mark.skipif(not cpu_ffi.AVAILABLE, reason="numba")
+@pytest.mark.parametrize("policy,epoch_steps", [
+    ("lru", 1), ("lfu", 1), ("epoch_lru", 1), ("epoch_lru", 3), ("epoch_lru", 1 << 28),
+    ("epoch_lfu", 3), ("epoch_lfu", 1 << 28)])
+def test_a_buckets_ranks_in_vector_registers_choose_as_the_slot_loop(policy, epoch_steps):
+    """The eviction's choice among a bucket's eight slots in vector code
+    (``cpu_ffi._window_choice``: ranks formed in lanes, a vector minimum, the first of equal
+    ranks by a count of trailing zeros) takes the slot the slot loop over ``cpu_ffi._rank``
+    takes, or none, over 20,000 buckets drawn to reach the edges: rowless slots and stamps
+    equal to the clock (never chosen), buckets with nothing to take, many equal ranks, stamps
+    and touch counts up to 2**31 - 1 (the clock's and the counts' ceilings), epochs of one
+    step, three and 2**28."""
+    code = cpu_ffi.EVICTION_POLICIES.index(policy)
+    columns = 2 if policy.endswith("lfu") else 1
+    rng = np.random.default_rng(code * 7 + epoch_steps % 5)
+    buckets = 20_000
+    top = np.iinfo(np.int32).max
+    clock = np.int64(top - 1) if epoch_steps != 1 << 28 else np.int64(1000)
+    rows = np.where(rng.random(buckets * 8) < 0.3, -1,
+                    rng.integers(0, 10**6, buckets * 8)).astype(np.int32)
+    score = np.empty((buckets * 8, columns), np.int32)
+    few = rng.random(buckets) < 0.5  # half the buckets from a handful of values: ties
+    narrow = np.repeat(few, 8)
+    score[:, 0] = np.where(narrow, rng.integers(clock - 3, clock + 1, buckets * 8),
+                           rng.integers(0, clock + 1, buckets * 8))
+    if columns == 2:
+        score[:, 1] = np.where(narrow, rng.integers(0, 3, buckets * 8),
+                               rng.integers(0, top, buckets * 8, endpoint=True))
+    score[rng.random(buckets * 8) < 0.2, 0] = clock  # this step's: never chosen
+    got = _vector_and_loop_choices()(rows, score, clock, np.int64(code),
+                                     np.int64(epoch_steps))
     np.testing.assert_array_equal(got[:, 0], got[:, 1])
     assert (got[:, 0] == 8).sum() > 50 and (got[:, 0] < 8).sum() > buckets // 2

@@ -344,11 +344,10 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
     new keys leaves few tombstones, so the slots are built again far less often.
 
     The needy positions are compacted once: the cost follows them, not the batch. Returns
-    the table, which
-    positions got a row, the key each of them evicted (``EMPTY_KEY`` elsewhere) and the slot
-    each position's key holds after it (``slots`` but where a key replaced another in
-    place). The keys with ``rows`` (found, granted) must carry this step in their scores
-    already (:func:`lookup` stamps them), so that none is chosen."""
+    the table, which positions got a row, the key each of them evicted (``EMPTY_KEY``
+    elsewhere) and the slot each position's key holds after it (``slots`` but where a key
+    replaced another in place). The keys with ``rows`` (found, granted) must carry this
+    step in their scores already (:func:`lookup` stamps them), so that none is chosen."""
     n = slots.shape[0]
     n_slots = table.num_slots
     clock = table.clock

@@ -517,7 +517,6 @@ def _vector_and_loop_choices():
     return both
 
 
-@pytest.mark.skipif(not cpu_ffi.AVAILABLE, reason="numba")
 @pytest.mark.parametrize("policy,epoch_steps", [
     ("lru", 1), ("lfu", 1), ("epoch_lru", 1), ("epoch_lru", 3), ("epoch_lru", 1 << 28),
     ("epoch_lfu", 3), ("epoch_lfu", 1 << 28)])

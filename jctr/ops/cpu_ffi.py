@@ -955,14 +955,14 @@ if AVAILABLE:
         return cleared
 
     @numba.njit(inline="always")
-    def _lowest_in_window(slot_rows, score, w0, width, clock, policy, epoch_steps, columns):
+    def _lowest_in_window(slot_rows, score, w0, width, clock, policy, epoch_steps, vector):
         """The slot of the lowest-ranked key in the window of ``width`` slots from ``w0``
-        (:func:`_rank`; the first of equal ranks), -1 when none can be taken."""
+        (:func:`_rank`; the first of equal ranks), -1 when none can be taken; with
+        ``vector`` (a window of one bucket, the policy's score columns) in vector registers."""
         n_slots = slot_rows.shape[0]
-        if width == _BUCKET and columns == (2 if policy == 1 or policy == 3 else 1):
-            # a bucket (windows start at one): in vector registers
+        if vector:
             at = _window_choice(slot_rows.ctypes.data + 4 * w0,
-                                score.ctypes.data + 4 * columns * w0, clock, policy,
+                                score.ctypes.data + 4 * score.shape[1] * w0, clock, policy,
                                 epoch_steps)
             return w0 + at if at < _BUCKET else np.int64(-1)
         best, best_rank = np.int64(-1), _NEVER
@@ -994,6 +994,8 @@ if AVAILABLE:
         score_at, keys_at = score.ctypes.data, slot_keys.ctypes.data
         rows_at = slot_rows.ctypes.data
         stride = columns * 4
+        # windows of one bucket (they start at one) ranked in vector registers
+        vector = width == _BUCKET and columns == (2 if policy == 1 or policy == 3 else 1)
         for i in range(n):
             placed[i] = False
             gone[i] = EMPTY_KEY
@@ -1016,7 +1018,7 @@ if AVAILABLE:
             for rnd in range(8):  # hash_table._ROUNDS
                 w0 = home if rnd == 0 else _window_start(key, rnd, n_slots)
                 best = _lowest_in_window(slot_rows, score, w0, width, clock, policy,
-                                         epoch_steps, columns)
+                                         epoch_steps, vector)
                 if best < 0:
                     continue
                 gone[pos] = slot_keys[best]

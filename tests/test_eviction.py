@@ -23,7 +23,7 @@ from jctr.config.schema import EvictionConfig
 from jctr.embedding import hash_table as ht
 from jctr.embedding.hash_table import create_table, erase, export_items, lookup
 from jctr.ops import every_platform
-from jctr.ops.hashing import BUCKET, EMPTY_KEY, mix64
+from jctr.ops.hashing import BUCKET, EMPTY_KEY, UNPASSED_REACH, mix64
 from tests.conftest import native_cpu_only
 
 TOMBSTONE = EMPTY_KEY + 1
@@ -167,8 +167,9 @@ class Model:
                     layout[at] = k
                     layout[slots[j]] = TOMBSTONE
                     given.append(int(slots[j]))
-                else:
+                else:  # its row moves to the new key's slot: the chosen key's is given back
                     layout[at] = TOMBSTONE
+                    given.append(at)
                 self.last[k] = self.clock
                 restart.add(k)
                 won.add(j)
@@ -180,6 +181,26 @@ class Model:
             while layout[at] == EMPTY_KEY and layout[(at - 1) % n_slots] == TOMBSTONE:
                 at = (at - 1) % n_slots
                 layout[at] = EMPTY_KEY
+
+        def unpassed(g: int) -> bool:  # no key's probe passes slot g
+            for step in range(1, UNPASSED_REACH + 1):
+                k = int(layout[(g + step) % n_slots])
+                if k == EMPTY_KEY:
+                    return True
+                if k != TOMBSTONE and not 0 < (self.window(k, 0, n_slots) - g) % n_slots <= step:
+                    return False
+            return False
+
+        # else a slot given back no probe passes (judged before any is emptied), with the
+        # tombstones just before it
+        free = [g for g in given if layout[g] == TOMBSTONE and unpassed(g)]
+        for g in free:
+            layout[g] = EMPTY_KEY
+        for g in free:
+            at = (g - 1) % n_slots
+            while layout[at] == TOMBSTONE:
+                layout[at] = EMPTY_KEY
+                at = (at - 1) % n_slots
         return needy
 
 

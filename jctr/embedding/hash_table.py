@@ -38,7 +38,14 @@ from jctr.ops import (
     rebuild_slots as rebuild,  # this module's rebuild_slots wraps it
 )
 from jctr.ops.clocks import CLOCK_LIMIT, CLOCK_SHIFT, at_most_once
-from jctr.ops.hashing import BUCKET, MAX_LOAD, rebuild_start, window_start
+from jctr.ops.hashing import (
+    BUCKET,
+    MAX_LOAD,
+    UNPASSED_REACH,
+    home_slots,
+    rebuild_start,
+    window_start,
+)
 
 # an erased key's slot: neither empty (probes go on past it) nor any real key (keys equal to
 # the two smallest int64 values are reserved)
@@ -337,11 +344,13 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
 
     Where the chosen key sits on the new key's probe before the slot the new key took (in
     its home bucket, mostly), the new key replaces it in place, as HierarchicalKV does: it
-    takes the slot, the row and the scores stay, and the slot the new key had taken becomes a
-    tombstone, which goes back to empty with the run of tombstones it is in when an empty
-    slot ends the run (no probe passes it: :func:`_clear_runs`). Otherwise the chosen key's
-    slot becomes a tombstone and its row moves to the new key's slot. In place, a stream of
-    new keys leaves few tombstones, so the slots are built again far less often.
+    takes the slot, the row and the scores stay, and the slot the new key had taken is given
+    back. Otherwise the chosen key's row moves to the new key's slot and the chosen key's
+    slot is given back. A slot given back becomes a tombstone, empty again where no probe
+    passes it (:func:`_give_back`: an empty slot ends its run of tombstones, or every key
+    after it up to an empty slot has its home after it). A stream of new keys leaves few
+    tombstones, so buckets stay open to probes and the slots are built again far less
+    often.
 
     The needy positions are compacted once: the cost follows them, not the batch. Returns
     the table, which positions got a row, the key each of them evicted (``EMPTY_KEY``
@@ -377,7 +386,8 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
             def round_(rc):
                 # a round ranks again only for keys whose choice another key took (or that
                 # found no candidate): most chunks need one round
-                rnd, slot_keys, slot_rows, score, scratch, pending, got, gone, to, added = rc
+                (rnd, slot_keys, slot_rows, score, scratch, pending, got, gone, to, freed,
+                 added) = rc
                 cand = (window_start(sub_keys, rnd, n_slots)[:, None] + offsets[None, :]
                         ) % n_slots
                 live = slot_rows.at[cand].get(mode="clip") >= 0
@@ -405,23 +415,25 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
                     TOMBSTONE, mode="drop")
                 slot_rows = slot_rows.at[jnp.where(moved, victim, n_slots)].set(-1, mode="drop")
                 to = jnp.where(within, victim, to)
+                freed = jnp.where(within, sub_slots, jnp.where(moved, victim, freed))
                 slot_rows = slot_rows.at[jnp.where(moved, sub_slots, n_slots)].set(
                     row, mode="drop")
                 # taken: no later key takes it
                 score = score.at[jnp.where(win, to, n_slots), 0].set(clock, mode="drop")
                 added = added + jnp.sum(win, dtype=jnp.int32)
                 return (rnd + 1, slot_keys, slot_rows, score, scratch, pending & ~win,
-                        got | win, gone, to, added)
+                        got | win, gone, to, freed, added)
 
-            _, slot_keys, slot_rows, score, scratch, _, got, gone, to, added = \
+            _, slot_keys, slot_rows, score, scratch, _, got, gone, to, freed, added = \
                 jax.lax.while_loop(
                     lambda rc: (rc[0] < _ROUNDS) & jnp.any(rc[5]), round_,
                     (jnp.int32(0), slot_keys, slot_rows, score, scratch, idx < n,
                      jnp.zeros((chunk,), bool), jnp.full((chunk,), EMPTY_KEY, jnp.int64),
-                     sub_slots, added))
-            # the chunk's slots given back in place: empty again where a run ends empty
-            slot_keys, scratch, cleared = _clear_runs(
-                slot_keys, scratch, jnp.where(got & (to != sub_slots), sub_slots, -1))
+                     sub_slots, sub_slots, added))
+            # the chunk's slots given back (a new key's own, or the chosen key's where its
+            # row moved): empty again where no probe passes them
+            slot_keys, scratch, cleared = _give_back(slot_keys, scratch,
+                                                     jnp.where(got, freed, -1))
             added = added - cleared
             placed = placed.at[idx].set(got, mode="drop")
             gone_keys = gone_keys.at[idx].set(gone, mode="drop")
@@ -447,6 +459,53 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
     return table, placed, gone_keys, to_slots
 
 
+def _give_back(slot_keys, scratch, starts):
+    """Slots an evicting step's keys left (``starts``, int32 [n], -1: none; tombstones now)
+    empty again where no probe passes them: where an empty slot ends their run of
+    tombstones (:func:`_clear_runs`), or else where every key after one up to an empty slot
+    within ``UNPASSED_REACH`` slots has its home after it (no key's probe passes it: the
+    check of linear probing's deletion), with the tombstones just before it. An evicted
+    key's slot mostly lies in a run of keys, so without the second rule its tombstone stays
+    and fills its bucket until the slots are built again (docs/performance.md). Judged on
+    the slots as they are on entry (keys do not move, so each judgement holds whatever the
+    others empty). Returns (slot_keys, scratch, tombstones cleared); the native eviction
+    does the same after each key (:func:`jctr.ops.cpu_ffi._give_back`)."""
+    n_slots = slot_keys.shape[0]
+    slot_keys, scratch, cleared = _clear_runs(slot_keys, scratch, starts)
+    still = (starts >= 0) & (slot_keys.at[jnp.maximum(starts, 0)].get() == TOMBSTONE)
+    steps = jnp.arange(1, UNPASSED_REACH + 1, dtype=jnp.int32)
+    after = slot_keys.at[(jnp.maximum(starts, 0)[:, None] + steps[None, :]) % n_slots].get()
+    empty = after == EMPTY_KEY
+    held = (after != EMPTY_KEY) & (after != TOMBSTONE)
+    # the home's distance after the start, in 1 .. n_slots (n_slots: the start itself)
+    d = (home_slots(after, n_slots) - starts[:, None]) % n_slots
+    d = jnp.where(d == 0, n_slots, d)
+    first_empty = jnp.argmax(empty, axis=1)
+    passes = held & (d > steps[None, :]) & (steps[None, :] - 1 < first_empty[:, None])
+    ok = still & jnp.any(empty, axis=1) & ~jnp.any(passes, axis=1)
+    slot_keys = slot_keys.at[jnp.where(ok, starts, n_slots)].set(EMPTY_KEY, mode="drop")
+    slot_keys, cleared = _empty_back(slot_keys, jnp.where(ok, (starts - 1) % n_slots, -1),
+                                     cleared + jnp.sum(ok, dtype=jnp.int32))
+    return slot_keys, scratch, cleared
+
+
+def _empty_back(slot_keys, pos, cleared):
+    """The tombstones from each ``pos`` (-1: none) backwards emptied, up to the first slot
+    that is not one; returns (slot_keys, ``cleared`` plus their count)."""
+    n_slots = slot_keys.shape[0]
+
+    def clear(c):
+        slot_keys, pos, cleared = c
+        on = (pos >= 0) & (slot_keys.at[jnp.maximum(pos, 0)].get() == TOMBSTONE)
+        slot_keys = slot_keys.at[jnp.where(on, pos, n_slots)].set(EMPTY_KEY, mode="drop")
+        return (slot_keys, jnp.where(on, (pos - 1) % n_slots, -1),
+                cleared + jnp.sum(on, dtype=jnp.int32))
+
+    slot_keys, _, cleared = jax.lax.while_loop(lambda c: jnp.any(c[1] >= 0), clear,
+                                               (slot_keys, pos, cleared))
+    return slot_keys, cleared
+
+
 def _clear_runs(slot_keys, scratch, starts):
     """Empty again every run of tombstones that holds a slot of ``starts`` (int32 [n], -1:
     none) and ends at an empty slot: no probe goes past an empty slot, so none needs the run
@@ -470,17 +529,8 @@ def _clear_runs(slot_keys, scratch, starts):
     ar = jnp.arange(n, dtype=jnp.int32)
     scratch = scratch.at[at].set(n, mode="drop").at[at].min(ar, mode="drop")
     first = ends & (scratch.at[at].get(mode="fill", fill_value=-1) == ar)
-    pos = jnp.where(first, (end - 1) % n_slots, -1)
-
-    def clear(c):
-        slot_keys, pos, cleared = c
-        on = (pos >= 0) & (slot_keys.at[jnp.maximum(pos, 0)].get() == TOMBSTONE)
-        slot_keys = slot_keys.at[jnp.where(on, pos, n_slots)].set(EMPTY_KEY, mode="drop")
-        return (slot_keys, jnp.where(on, (pos - 1) % n_slots, -1),
-                cleared + jnp.sum(on, dtype=jnp.int32))
-
-    slot_keys, _, cleared = jax.lax.while_loop(lambda c: jnp.any(c[1] >= 0), clear,
-                                               (slot_keys, pos, jnp.zeros((), jnp.int32)))
+    slot_keys, cleared = _empty_back(slot_keys, jnp.where(first, (end - 1) % n_slots, -1),
+                                     jnp.zeros((), jnp.int32))
     return slot_keys, scratch, cleared
 
 

@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jctr.ops.hashing import _M1, _M2, BUCKET, EMPTY_KEY, UNIT_24, seed_salt
+from jctr.ops.hashing import _M1, _M2, BUCKET, EMPTY_KEY, UNIT_24, UNPASSED_REACH, seed_salt
 
 try:  # optional: without numba the XLA formulations run (numba is a declared dependency)
     import numba
@@ -786,6 +786,7 @@ if AVAILABLE:
         return _pointer(0)
 
     _TOMBSTONE = EMPTY_KEY + 1
+    _UNPASSED_REACH = UNPASSED_REACH
     _NEVER = np.iinfo(np.int64).max
 
     @numba.njit(inline="always")
@@ -921,6 +922,56 @@ if AVAILABLE:
         _prefetch(keys_at + 8 * new_slot)
 
     @numba.njit(inline="always")
+    def _give_back(keys_at, n_slots, g):
+        """Slot ``g``, whose key left it, a tombstone, then empty again with the tombstones
+        just before it where no probe passes it: an empty slot ends its run of tombstones
+        (those go too), or every key after it up to an empty slot within
+        ``UNPASSED_REACH`` slots has its home after it
+        (:func:`jctr.embedding.hash_table._give_back`); returns the tombstones made (1 less
+        those cleared)."""
+        slot_keys = carray(_pointer(keys_at), (n_slots,), np.int64)
+        slot_keys[g] = _TOMBSTONE
+        nxt = g + 1
+        if nxt == n_slots:
+            nxt = 0
+        after = slot_keys[nxt]
+        if after == EMPTY_KEY:  # the usual case, written out
+            slot_keys[g] = EMPTY_KEY
+            return -_empty_before(keys_at, n_slots, g)
+        made = 1
+        if after == _TOMBSTONE:
+            made -= _clear_run(slot_keys, g)
+            if slot_keys[g] == EMPTY_KEY:
+                return made
+        if _unpassed(keys_at, n_slots, g):
+            slot_keys[g] = EMPTY_KEY
+            made -= 1 + _empty_before(keys_at, n_slots, g)
+        return made
+
+    @numba.njit(inline="always")
+    def _unpassed(keys_at, n_slots, t):
+        """Whether no key's probe passes slot ``t``: every key after it up to the next empty
+        slot, which must come within ``UNPASSED_REACH`` slots, has its home after ``t``."""
+        slot_keys = carray(_pointer(keys_at), (n_slots,), np.int64)
+        width = _width(n_slots)
+        j = t
+        for step in range(1, _UNPASSED_REACH + 1):
+            j += 1
+            if j == n_slots:
+                j = 0
+            k = slot_keys[j]
+            if k == EMPTY_KEY:
+                return True
+            if k == _TOMBSTONE:
+                continue
+            d = _home(k, n_slots // width, width) - t
+            if d <= 0:
+                d += n_slots
+            if d > step:  # its home at or before t: its probe passes t
+                return False
+        return False
+
+    @numba.njit(inline="always")
     def _clear_run(slot_keys, start):
         """The run of tombstones holding slot ``start`` emptied if an empty slot ends it
         (:func:`jctr.embedding.hash_table._clear_runs`); returns the tombstones cleared."""
@@ -984,9 +1035,9 @@ if AVAILABLE:
         batch order ranks its window (then, if nothing there can be taken, its next ones) and
         claims the lowest-ranked key at once, which then carries this step (no later key
         takes it). A key on the new key's probe before its own slot is replaced in place (the
-        new key takes its slot, row and scores; the new key's own slot is a tombstone, empty
-        again with its run of tombstones where an empty slot ends the run); another moves its
-        row. A key's lines are fetched ``_EVICT_AHEAD`` keys ahead."""
+        new key takes its slot, row and scores; the new key's own slot is given back);
+        another moves its row (the chosen key's slot given back): :func:`_give_back`. A
+        key's lines are fetched ``_EVICT_AHEAD`` keys ahead."""
         clock, policy, epoch_steps, width = params[0], params[1], params[2], params[3]
         n = slots.shape[0]
         n_slots = slot_keys.shape[0]
@@ -1032,24 +1083,11 @@ if AVAILABLE:
                 if dist < reach:  # in place: the slot, its row and score are the new key's
                     slot_keys[best] = key
                     to[pos] = best
-                    # its own slot a tombstone, emptied with its run where an empty slot
-                    # ends it (_clear_run), written out for the usual cases: the next slot
-                    # a key (it stays) or empty (it and the tombstones before it go)
-                    nxt = own + 1
-                    if nxt == n_slots:
-                        nxt = 0
-                    after = slot_keys[nxt]
-                    if after == EMPTY_KEY:
-                        slot_keys[own] = EMPTY_KEY
-                        made -= 1 + _empty_before(keys_at, n_slots, own)
-                    else:
-                        slot_keys[own] = _TOMBSTONE
-                        if after == _TOMBSTONE:
-                            made -= _clear_run(slot_keys, own)
-                else:
-                    slot_keys[best] = _TOMBSTONE
+                    made += _give_back(keys_at, n_slots, own) - 1  # its own slot
+                else:  # the chosen key's slot given back, its row moved
                     slot_rows[own] = slot_rows[best]
                     slot_rows[best] = -1
+                    made += _give_back(keys_at, n_slots, best) - 1
                 score[to[pos], 0] = clock
                 placed[pos] = True
                 break

@@ -103,6 +103,11 @@ def home_slots(keys: jax.Array, num_slots: int) -> jax.Array:
     return (((top * buckets) >> np.uint64(32)) * np.uint64(width)).astype(jnp.int32)
 
 
+# how far past a slot given back an evicting table looks for the empty slot that shows no
+# probe passes it (:func:`jctr.embedding.hash_table._give_back`): two buckets
+UNPASSED_REACH = 16
+
+
 def window_start(keys: jax.Array, rnd, num_slots: int) -> jax.Array:
     """The first slot of the window an evicting table's new key ranks in eviction round
     ``rnd``: its home bucket's (round 0), then the home bucket of the key xored with ``rnd``

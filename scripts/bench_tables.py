@@ -156,8 +156,8 @@ def main() -> int:
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--evict-steps", type=int, default=40,
                     help="steps of the eviction runs (a uniform stream through the default "
-                         "table builds its slots again every ~6 steps, when tombstones pass "
-                         "15%% of them)")
+                         "table leaves a tombstone for ~1 in 50 evicted keys: its slots are "
+                         "built again, when tombstones pass 15%% of them, after ~300 steps)")
     ap.add_argument("--spill-steps", type=int, default=0,
                     help="also time this many steps of the full table spilling to RocksDB")
     args = ap.parse_args()

@@ -693,10 +693,10 @@ def rebuild_slots(table: HashTable) -> HashTable:
 MAX_OCCUPIED = 0.92
 # tombstones in at most this share of an evicting table's slots, or its slots are built again
 # (probes lengthen as they pile up; the native rebuild of a 2M-row table takes about one step,
-# 25-30 ms). Most evicted keys are replaced in place (:func:`_evict`): a uniform stream of new
-# keys through 2M rows leaves a tombstone for ~1 in 10 of them, and the benchmark's 40 steps
-# build the slots again not once (every ~6 steps when each evicted key left one;
-# docs/performance.md)
+# 25-30 ms). Most evicted keys are replaced in place (:func:`_evict`) and most slots given
+# back are empty again (:func:`_give_back`): a uniform stream of new keys through 2M rows
+# leaves a tombstone for ~1 in 50 of them, and 80 steps of the benchmark build the slots again
+# not once (every ~6 steps when each evicted key left one; docs/performance.md)
 MAX_TOMBSTONES = 0.15
 
 

@@ -250,6 +250,8 @@ def test_eviction_equals_a_dictionary_model(policy, kernels, monkeypatch):
         table, lk = step(table, jnp.asarray(keys))
         want = model.step(keys.tolist(), slots, layout)
         np.testing.assert_array_equal(np.asarray(table.slot_keys), want, err_msg=f"step {i}")
+        # the count the slots are built again by is the slots' own
+        assert int(table.tombstones) == int(np.sum(want == TOMBSTONE)), i
         got_keys, got_rows = export_items(table)
         assert dict(zip(got_keys.tolist(), got_rows.tolist())) == model.rows, i
         rows = np.asarray(lk.rows)

@@ -142,8 +142,12 @@ class Model:
         return layout
 
     def _evict(self, keys, slots, layout, needy, s, restart) -> list[int]:
-        """One chunk of needy positions: their rounds, then the runs of tombstones of the
-        slots given back in place emptied. Returns the positions left without a row."""
+        """One chunk of needy positions: their rounds, then the slots given back (a new
+        key's own where it replaced a key in place, the chosen key's where its row moved)
+        empty again where no probe passes them: their runs of tombstones that end at an
+        empty slot, else where every key after one up to an empty slot within
+        ``UNPASSED_REACH`` slots has its home after it. Returns the positions left without a
+        row."""
         n_slots = layout.size
         given = []  # slots given back in place
         for rnd in range(8):

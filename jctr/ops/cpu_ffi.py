@@ -786,7 +786,6 @@ if AVAILABLE:
         return _pointer(0)
 
     _TOMBSTONE = EMPTY_KEY + 1
-    _UNPASSED_REACH = UNPASSED_REACH
     _NEVER = np.iinfo(np.int64).max
 
     @numba.njit(inline="always")
@@ -922,11 +921,11 @@ if AVAILABLE:
         _prefetch(keys_at + 8 * new_slot)
 
     @numba.njit(inline="always")
-    def _give_back(keys_at, n_slots, g):
+    def _give_back(keys_at, n_slots, g, reach):
         """Slot ``g``, whose key left it, a tombstone, then empty again with the tombstones
         just before it where no probe passes it: an empty slot ends its run of tombstones
-        (those go too), or every key after it up to an empty slot within
-        ``UNPASSED_REACH`` slots has its home after it
+        (those go too), or every key after it up to an empty slot within ``reach`` slots
+        (:data:`jctr.ops.hashing.UNPASSED_REACH`) has its home after it
         (:func:`jctr.embedding.hash_table._give_back`); returns the tombstones made (1 less
         those cleared)."""
         slot_keys = carray(_pointer(keys_at), (n_slots,), np.int64)
@@ -943,19 +942,19 @@ if AVAILABLE:
             made -= _clear_run(slot_keys, g)
             if slot_keys[g] == EMPTY_KEY:
                 return made
-        if _unpassed(keys_at, n_slots, g):
+        if _unpassed(keys_at, n_slots, g, reach):
             slot_keys[g] = EMPTY_KEY
             made -= 1 + _empty_before(keys_at, n_slots, g)
         return made
 
     @numba.njit(inline="always")
-    def _unpassed(keys_at, n_slots, t):
+    def _unpassed(keys_at, n_slots, t, reach):
         """Whether no key's probe passes slot ``t``: every key after it up to the next empty
-        slot, which must come within ``UNPASSED_REACH`` slots, has its home after ``t``."""
+        slot, which must come within ``reach`` slots, has its home after ``t``."""
         slot_keys = carray(_pointer(keys_at), (n_slots,), np.int64)
         width = _width(n_slots)
         j = t
-        for step in range(1, _UNPASSED_REACH + 1):
+        for step in range(1, reach + 1):
             j += 1
             if j == n_slots:
                 j = 0
@@ -1039,6 +1038,9 @@ if AVAILABLE:
         another moves its row (the chosen key's slot given back): :func:`_give_back`. A
         key's lines are fetched ``_EVICT_AHEAD`` keys ahead."""
         clock, policy, epoch_steps, width = params[0], params[1], params[2], params[3]
+        # a call's argument, not a constant: numba's cache of this file's kernels does not
+        # see a change in jctr.ops.hashing, the XLA formulation's source of it
+        unpassed_reach = params[4]
         n = slots.shape[0]
         n_slots = slot_keys.shape[0]
         columns = score.shape[1]
@@ -1083,11 +1085,11 @@ if AVAILABLE:
                 if dist < reach:  # in place: the slot, its row and score are the new key's
                     slot_keys[best] = key
                     to[pos] = best
-                    made += _give_back(keys_at, n_slots, own) - 1  # its own slot
+                    made += _give_back(keys_at, n_slots, own, unpassed_reach) - 1  # its own slot
                 else:  # the chosen key's slot given back, its row moved
                     slot_rows[own] = slot_rows[best]
                     slot_rows[best] = -1
-                    made += _give_back(keys_at, n_slots, best) - 1
+                    made += _give_back(keys_at, n_slots, best, unpassed_reach) - 1
                 score[to[pos], 0] = clock
                 placed[pos] = True
                 break
@@ -1107,7 +1109,7 @@ if AVAILABLE:
                    carray(_pointer(key_data), (n,), np.int64),
                    carray(_pointer(slot_data), (n,), np.int32),
                    carray(_pointer(needy_data), (n,), np.bool_),
-                   carray(_pointer(param_data), (4,), np.int64),
+                   carray(_pointer(param_data), (5,), np.int64),
                    carray(_pointer(_buffer(frame, _FRAME_RETS, 3)[0]), (n,), np.bool_),
                    carray(_pointer(_buffer(frame, _FRAME_RETS, 4)[0]), (n,), np.int64),
                    carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (n,), np.int32),
@@ -1509,7 +1511,8 @@ def evict(slot_keys, slot_rows, score, keys, slots, needy, clock, *, policy: str
     if policy == "score":  # ranks as lfu: its second column holds the caller's scores
         policy = "lfu"
     params = jnp.stack([clock.astype(jnp.int64), jnp.int64(EVICTION_POLICIES.index(policy)),
-                        jnp.int64(epoch_steps), jnp.int64(samples)])
+                        jnp.int64(epoch_steps), jnp.int64(samples),
+                        jnp.int64(UNPASSED_REACH)])
     return jax.ffi.ffi_call(
         "jctr_cpu_evict",
         (jax.ShapeDtypeStruct(slot_keys.shape, jnp.int64),

@@ -1075,7 +1075,6 @@ if AVAILABLE:
                 if best < 0:
                     continue
                 gone[pos] = slot_keys[best]
-                made += 1
                 reach = own - home  # the probe's slots before the key's own
                 if reach < 0:
                     reach += n_slots
@@ -1085,11 +1084,12 @@ if AVAILABLE:
                 if dist < reach:  # in place: the slot, its row and score are the new key's
                     slot_keys[best] = key
                     to[pos] = best
-                    made += _give_back(keys_at, n_slots, own, unpassed_reach) - 1  # its own slot
-                else:  # the chosen key's slot given back, its row moved
+                    freed = own
+                else:  # the chosen key's row moves to the new key's slot
                     slot_rows[own] = slot_rows[best]
                     slot_rows[best] = -1
-                    made += _give_back(keys_at, n_slots, best, unpassed_reach) - 1
+                    freed = best
+                made += _give_back(keys_at, n_slots, freed, unpassed_reach)
                 score[to[pos], 0] = clock
                 placed[pos] = True
                 break

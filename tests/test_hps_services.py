@@ -21,7 +21,7 @@ from jctr.config.hps import PersistentDatabaseParams, VolatileDatabaseParams, lo
 from jctr.serving.hps import Databases, LayerUnavailable, TableMismatch
 from jctr.serving.hps_model import HPSModel
 from jctr.stores import StoreError, StoreUnavailable
-from jctr.stores.redis_cluster import RedisClusterStore
+from jctr.stores.redis_cluster import NODE_BACKOFF_S, RedisClusterStore
 from tests.conftest import ROOT, tiny_config
 
 pytestmark = pytest.mark.service
@@ -61,6 +61,19 @@ def cluster(tmp_path_factory):
             "address": f"127.0.0.1:{base},127.0.0.1:{base + 1}"}
     yield info
     subprocess.run(["bash", SCRIPT, "stop", str(d)], env=env, timeout=60)
+
+
+def _running(cluster, port: int) -> None:
+    """Start the cluster's node on ``port`` again if a test killed it and failed before
+    restarting it (the module's later tests share the cluster)."""
+    try:
+        pid = int(open(os.path.join(cluster["dir"], str(port), "redis.pid")).read())
+        os.kill(pid, 0)
+        return
+    except (OSError, ValueError):
+        pass
+    subprocess.run(["bash", SCRIPT, "node", cluster["dir"], str(port)], env=cluster["env"],
+                   capture_output=True, text=True, timeout=60)
 
 
 def _volatile(cluster, **kw):
@@ -206,7 +219,11 @@ def test_lookups_survive_a_killed_redis_master(cluster, bundle, tmp_path):
         time.sleep(1.0)
         assert rounds[0] > killed_at + 2  # requests kept coming back meanwhile
         assert dbs.volatile_failures > 0
+        # down until it answers again, also between two retries after its backoff
+        # (NODE_BACKOFF_S): health() does not flap to "up" on a loaded machine
+        time.sleep(NODE_BACKOFF_S)
         assert dbs.volatile.down_nodes() == [f"127.0.0.1:{cluster['ports'][1]}"]
+        assert dbs.health()["volatile_db"].startswith("down: ")
         # the other masters still answer: only the dead one's keys went to RocksDB
         assert sum(s["volatile_db"] for s in model.stats().values()) > v0
         persistent_during = sum(s["persistent_db"] for s in model.stats().values())
@@ -236,11 +253,13 @@ def test_lookups_survive_a_killed_redis_master(cluster, bundle, tmp_path):
         assert sum(s["volatile_db"] for s in model.stats().values()) > v1
         assert sum(s["persistent_db"] for s in model.stats().values()) > 0
         assert persistent_during > 0
+        assert dbs.volatile.down_nodes() == []
     finally:
         stop.set()
         worker.join(timeout=60)
         model.close()
         dbs.close()
+        _running(cluster, cluster["ports"][1])  # the next tests' cluster whole, whatever failed
     assert not errors, errors[:3]
 
 
@@ -295,6 +314,7 @@ def test_a_redis_master_that_comes_back_empty_is_no_source_of_defaults(cluster, 
     finally:
         model.close()
         dbs.close()
+        _running(cluster, cluster["ports"][2])
 
 
 def _serve(ps_path, port, cwd):

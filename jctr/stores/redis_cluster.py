@@ -132,6 +132,9 @@ class RedisClusterStore:
         self._lock = threading.Lock()
         self._dims: dict[str, int] = {}
         self._node_down: dict[str, float] = {}  # master -> monotonic time to try it again
+        # masters whose last answer was an error: down until one answers again (not only
+        # while their backoff lasts, or health() would read "up" between two retries)
+        self._node_failed: set[str] = set()
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="hps-redis")
         self.evicted = 0
         nodes = [ClusterNode(h, p) for h, p in params.nodes()]
@@ -226,9 +229,11 @@ class RedisClusterStore:
             if error is not None:
                 errors.append(error)
                 self._node_down[node.name] = time.monotonic() + NODE_BACKOFF_S
+                self._node_failed.add(node.name)
                 for _, chunk in work:
                     failed[chunk] = True
                 continue
+            self._node_failed.discard(node.name)
             for (_, chunk), got in zip(work, replies):
                 put_found(values, found, chunk, got)
         if self.params.refresh_time_after_fetch and found.any():
@@ -247,9 +252,26 @@ class RedisClusterStore:
         return values, found
 
     def down_nodes(self) -> list[str]:
-        """Masters skipped now after failing to answer."""
+        """Masters that failed to answer and have not answered since: one whose backoff
+        (``NODE_BACKOFF_S``) is over is asked (a PING) now, so the answer does not flap to
+        "up" between two lookups' retries, nor stay "down" where no lookup goes to it (its
+        tables down for lost rows)."""
         now = time.monotonic()
-        return sorted(n for n, until in self._node_down.items() if until > now)
+        for name in sorted(self._node_failed.copy()):  # (lookups of other threads add to it)
+            if self._node_down.get(name, 0.0) > now:
+                continue
+            if self._answers(name):
+                self._node_failed.discard(name)
+            else:
+                self._node_down[name] = time.monotonic() + NODE_BACKOFF_S
+        return sorted(self._node_failed.copy())
+
+    def _answers(self, name: str) -> bool:
+        try:
+            node = self.client.get_node(node_name=name)
+            return node is not None and bool(self.client.get_redis_connection(node).ping())
+        except (self._redis.exceptions.RedisError, OSError):
+            return False
 
     def _node_of(self, name: str):
         """The master serving Redis key ``name`` (None: its slot has none)."""

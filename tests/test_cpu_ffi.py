@@ -247,6 +247,44 @@ def test_find_assign_equals_a_first_occurrence_model(free, dedupe):
         size, free_count = size2, free2
 
 
+@pytest.mark.parametrize("capacity", [200, 60])
+def test_a_lean_find_assign_gives_what_the_full_one_gives(capacity, monkeypatch):
+    """``find_assign(..., lean=True)`` (a table that does not evict, without dedupe: its
+    caller reads no slots, representatives or new keys' positions) writes none of them and
+    gives the same table, rows, grants and counts as the pass that writes them, batch after
+    batch: with rows left for every position (``capacity`` 200: nothing written) and with
+    rows running out (60: the first positions of new keys found through the scratch, the
+    slots kept inside the pass)."""
+    num_slots = 320
+    rng = np.random.default_rng(capacity)
+    state = [jnp.full((num_slots,), EMPTY_KEY), jnp.full((num_slots,), -1, jnp.int32),
+             jnp.zeros((num_slots,), jnp.int32)]
+    free_rows = jnp.zeros((capacity,), jnp.int32).at[:4].set(jnp.array([7, 3, 11, 5]))
+    size, free_count = jnp.int32(20), jnp.int32(4)
+    full = jax.jit(cpu_ffi.find_assign, static_argnums=(8, 9, 10))
+    for step in range(6):
+        keys = jnp.asarray(rng.integers(0, 90, 40).astype(np.int64) * 7919)
+        valid = jnp.asarray(rng.random(40) < 0.9)
+        args = (*state, free_rows, size, free_count, keys, valid, capacity, False)
+        a = full(*args, False)
+        b = full(*[jnp.array(x) if isinstance(x, jax.Array) else x for x in args], True)
+        assert b[1] is None and b[5] is None and b[6] is None
+        for i in (0, 2, 3, 4, 7, 8, 9, 10):
+            np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b[i]), err_msg=(step, i))
+        state = [a[0], a[2], a[3]]
+        size, free_count = a[8], a[9]
+    if capacity == 60:  # the rows ran out (after a first batch with enough of them)
+        assert (int(size), int(free_count)) == (capacity, 0)
+    # the reference formulation gives the same Nones (a caller reading one fails there too)
+    from jctr.ops import dispatch
+
+    monkeypatch.setenv("JCTR_KERNELS", "reference")
+    out = dispatch.find_and_assign(*state, free_rows, size, free_count, keys, valid,
+                                   capacity, dedupe=False, lean=True)
+    assert out[1] is None and out[5] is None and out[6] is None
+    assert len(out) == 11
+
+
 def test_bucket_probes_of_a_crowded_table_with_tombstones_and_wrapping():
     """The native probes compare a bucket of eight slots at once: on a table of buckets 90%
     full, with tombstones (passed over; an insert takes an empty slot) and keys whose probe

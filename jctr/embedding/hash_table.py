@@ -215,7 +215,7 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
     # slots full of refused keys: each occurrence counts)
     refused = n_new - n_granted + unslotted
     table = table._replace(overflow=table.overflow + refused)
-    rep = jnp.where(rows >= 0, rep, -1) if dedupe else jnp.full(slots.shape, -1, jnp.int32)
+    rep = jnp.where(rows >= 0, rep, -1) if dedupe else jnp.full(rows.shape, -1, jnp.int32)
     return table, Lookup(rows=rows, rep=rep, fresh=granted,
                          evicted=evicted if evicting else None)
 
@@ -225,7 +225,8 @@ def _place(table: HashTable, keys, valid, arriving, capacity: int, evicting: boo
     """A training lookup's find-or-insert: every valid key's slot, and rows for new keys
     while free ones last (``arriving``: the valid keys). Returns (table, slots, rows, rep,
     new, granted, counts): the new keys, those granted a row, and the valid keys that found
-    no slot (:func:`jctr.ops.find_and_assign`)."""
+    no slot (:func:`jctr.ops.find_and_assign`); ``slots``, ``rep`` and ``new`` are None
+    for a table that does not evict, looked up without ``dedupe``."""
     # the slots taken (keys with rows, tombstones and, in a plain table, refused keys) and
     # the batch's keys may exceed the slots: which keys get one must not follow a GPU's race;
     # nor, in a deterministic run, where an evicting table's keys sit (which windows rank them)
@@ -235,7 +236,10 @@ def _place(table: HashTable, keys, valid, arriving, capacity: int, evicting: boo
     slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size, free_count, counts = \
         find_and_assign(table.slot_keys, table.slot_rows, table.scratch, table.free_rows,
                         table.size, table.free_count, keys, valid, capacity, dedupe=dedupe,
-                        scarce=taken + arriving > table.num_slots, exact=table.evicts)
+                        scarce=taken + arriving > table.num_slots, exact=table.evicts,
+                        # a table that does not evict reads no slots, nor (without dedupe)
+                        # representatives or new keys' positions: none are written
+                        lean=not evicting and not dedupe)
     table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, scratch=scratch,
                            size=size, free_count=free_count)
     return table, slots, rows, rep, new, granted, counts

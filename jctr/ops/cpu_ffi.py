@@ -311,39 +311,47 @@ if AVAILABLE:
         cpu_parts.work(_address(data), _lookup_part)
 
     @numba.njit(inline="always")
-    def _take_row(i, s, slots, slot_rows, scratch, free_rows, size0, free0, capacity, n_new,
-                  n_granted, rows, rep, new, granted, dedupe):
+    def _take_row(i, s, keys, valid, slot_rows, scratch, free_rows, size0, free0, capacity,
+                  n_new, n_granted, rows, rep, new, granted, dedupe, lean):
         """Position ``i``'s row for its slot ``s``: an earlier position of the same slot
-        (``scratch[s]``, checked against ``slots``: stale entries never match) is its
-        representative; a first position whose slot has no row takes the top of the free
-        stack, else the next row never handed out, while there is one. Without ``dedupe`` a
-        slot that has a row gives it with no representative. Returns the counts of new keys
-        and of rows given so far."""
-        new[i] = False
+        (``scratch[s]``, checked against the batch's keys: a stale entry from an earlier
+        batch never names an earlier valid position of the same key, as the first such
+        position wrote its own) is its representative; a first position whose slot has no
+        row takes the top of the free stack, else the next row never handed out, while there
+        is one. Without ``dedupe`` a slot that has a row gives it with no representative.
+        With ``lean`` (no dedupe) ``rep`` and ``new`` are not written (no caller reads them:
+        :func:`find_assign`). Returns the counts of new keys and of rows given so far."""
+        if not lean:
+            new[i] = False
         granted[i] = False
         if s < 0:
             rows[i] = -1
-            rep[i] = -1
+            if not lean:
+                rep[i] = -1
             return n_new, n_granted
         if not dedupe and slot_rows[s] >= 0:
             # a key with a row needs no representative (the caller drops them): its slot's
             # scratch is not touched (one random access a key fewer)
             rows[i] = slot_rows[s]
-            rep[i] = -1
+            if not lean:
+                rep[i] = -1
             return n_new, n_granted
         # without dedupe a slot with no row while rows are left has had no position of this
         # batch before (that one took a row): its scratch line, not fetched ahead, is left
         # alone (a wait for memory per new key; the wait left is the table full's)
         first = not dedupe and n_new < free0 + capacity - size0
         p = -1 if first else scratch[s]
-        if p >= 0 and p < i and slots[p] == s:
-            rep[i] = p
+        if p >= 0 and p < i and valid[p] and keys[p] == keys[i]:
+            if not lean:
+                rep[i] = p
         else:
             if not first:
                 scratch[s] = i
-            rep[i] = i
+            if not lean:
+                rep[i] = i
             if slot_rows[s] < 0:
-                new[i] = True
+                if not lean:
+                    new[i] = True
                 k = n_new
                 n_new += 1
                 if k < free0:
@@ -361,11 +369,14 @@ if AVAILABLE:
     def _find_assign(slot_keys, slot_rows, scratch, free_rows, counters, keys, valid, slots,
                      rows, rep, new, granted, counters_out):
         """Find-or-insert and rows in one pass, one key after the other: each key's bucket
-        (keys, and the slots' rows and scratch at it) is fetched ahead."""
+        (keys, and the slots' rows and scratch at it) is fetched ahead. ``slots``, ``rep``
+        and ``new`` of length 0: the caller needs none of them (no dedupe), and they are not
+        written (the 10-hot lookup's ~19 MB of stores; docs/performance.md)."""
         n, num_slots = keys.shape[0], slot_keys.shape[0]
         width = _width(num_slots)
         buckets = num_slots // width
         size0, free0, capacity, dedupe = counters[0], counters[1], counters[2], counters[3]
+        lean = slots.shape[0] == 0
         keys_at = slot_keys.ctypes.data
         rows_at = slot_rows.ctypes.data
         scratch_at = scratch.ctypes.data
@@ -399,10 +410,11 @@ if AVAILABLE:
                 else:
                     s = _probe(slot_keys, keys[i], pos, num_slots, True)
                 unslotted += s < 0
-            slots[i] = s
-            n_new, n_granted = _take_row(i, s, slots, slot_rows, scratch, free_rows, size0,
-                                         free0, capacity, n_new, n_granted, rows, rep, new,
-                                         granted, dedupe)
+            if not lean:
+                slots[i] = s
+            n_new, n_granted = _take_row(i, s, keys, valid, slot_rows, scratch, free_rows,
+                                         size0, free0, capacity, n_new, n_granted, rows, rep,
+                                         new, granted, dedupe, lean)
         taken = min(n_new, free0)
         counters_out[0] = size0 + n_granted - taken
         counters_out[1] = free0 - taken
@@ -432,15 +444,17 @@ if AVAILABLE:
         slot_keys = carray(_pointer(keys_at), (num_slots,), np.int64)
         slot_rows = carray(_pointer(rows_at), (num_slots,), np.int32)
         scratch = carray(_pointer(scratch_at), (num_slots,), np.int32)
+        slots_data, slots_dims = _buffer(frame, _FRAME_RETS, 3)
+        kept = _word(slots_dims)  # n, or 0: slots, rep and new not wanted (lean)
         _find_assign(slot_keys, slot_rows, scratch,
                      carray(_pointer(free_data), (_word(free_dims),), np.int32),
                      carray(_pointer(counter_data), (4,), np.int32),
                      carray(_pointer(key_data), (n,), np.int64),
                      carray(_pointer(valid_data), (n,), np.bool_),
-                     carray(_pointer(_buffer(frame, _FRAME_RETS, 3)[0]), (n,), np.int32),
+                     carray(_pointer(slots_data), (kept,), np.int32),
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 4)[0]), (n,), np.int32),
-                     carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (n,), np.int32),
-                     carray(_pointer(_buffer(frame, _FRAME_RETS, 6)[0]), (n,), np.bool_),
+                     carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (kept,), np.int32),
+                     carray(_pointer(_buffer(frame, _FRAME_RETS, 6)[0]), (kept,), np.bool_),
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 7)[0]), (n,), np.bool_),
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 8)[0]), (5,), np.int32))
         return _pointer(0)
@@ -1412,29 +1426,37 @@ def insert_slots(slot_keys: jax.Array, keys: jax.Array, valid: jax.Array
 
 def find_assign(slot_keys: jax.Array, slot_rows: jax.Array, scratch: jax.Array,
                 free_rows: jax.Array, size: jax.Array, free_count: jax.Array, keys: jax.Array,
-                valid: jax.Array, capacity: int, dedupe: bool = True):
+                valid: jax.Array, capacity: int, dedupe: bool = True, lean: bool = False):
     """Find-or-insert of every valid key and its row (:func:`jctr.ops.hashing.assign_rows`;
     a slot's first position is its representative), in one native pass: keys one after the
     other, in batch order. Without ``dedupe`` (the caller drops the representatives) a
     position whose key has a row by the time it is reached gets none (-1) and no scratch is
     touched for it. Returns (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted,
     size, free_count, counts): ``counts`` int32 [3] the new keys, those granted a row and the
-    valid keys that found no slot. CPU only."""
+    valid keys that found no slot. With ``lean`` (no dedupe: a table that does not evict
+    reads none of them) ``slots``, ``rep`` and ``new`` are None, and the pass writes them
+    nowhere. CPU only."""
     _register()
     n = keys.shape[0]
+    if lean and dedupe:
+        raise ValueError("find_assign: lean leaves out the representatives dedupe gives")
     counters = jnp.stack([size, free_count, jnp.int32(capacity),
                           jnp.int32(dedupe)]).astype(jnp.int32)
-    flags = jax.ShapeDtypeStruct((n,), jnp.bool_)
-    positions = jax.ShapeDtypeStruct((n,), jnp.int32)
+    kept = 0 if lean else n
+    flags = jax.ShapeDtypeStruct((kept,), jnp.bool_)
+    positions = jax.ShapeDtypeStruct((kept,), jnp.int32)
     slot_keys, slot_rows, scratch, slots, rows, rep, new, granted, counts = jax.ffi.ffi_call(
         "jctr_cpu_find_assign",
         (jax.ShapeDtypeStruct(slot_keys.shape, jnp.int64),
          jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
-         jax.ShapeDtypeStruct(scratch.shape, jnp.int32), positions, positions, positions,
-         flags, flags, jax.ShapeDtypeStruct((5,), jnp.int32)),
+         jax.ShapeDtypeStruct(scratch.shape, jnp.int32), positions,
+         jax.ShapeDtypeStruct((n,), jnp.int32), positions, flags,
+         jax.ShapeDtypeStruct((n,), jnp.bool_), jax.ShapeDtypeStruct((5,), jnp.int32)),
         input_output_aliases={0: 0, 1: 1, 2: 2})(
             slot_keys.astype(jnp.int64), slot_rows, scratch, free_rows, counters,
             keys.astype(jnp.int64), valid.astype(jnp.bool_))
+    if lean:
+        slots = rep = new = None
     return (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, counts[0],
             counts[1], counts[2:])
 

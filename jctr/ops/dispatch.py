@@ -323,14 +323,17 @@ def insert_claims(slot_keys, keys, valid, ordered, *, interpret: bool = False):
 
 
 def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid,
-                    capacity: int, *, dedupe: bool = True, scarce=None, exact: bool = False):
+                    capacity: int, *, dedupe: bool = True, scarce=None, exact: bool = False,
+                    lean: bool = False):
     """A training lookup's slots and rows: :func:`find_slots` with ``insert`` then
     :func:`jctr.ops.hashing.assign_rows`. On CPU one native pass
     (:func:`jctr.ops.cpu_ffi.find_assign`). ``scarce``, ``exact``: see :func:`find_slots`.
     Returns (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size,
     free_count, counts): ``counts`` int32 [3] the new keys, those granted a row and the valid
     keys that found no slot (the native pass counts them as it goes: XLA's sums of the
-    batch's masks were ~7 ms of events in a 10-hot step, docs/performance.md)."""
+    batch's masks were ~7 ms of events in a 10-hot step, docs/performance.md). With ``lean``
+    (no ``dedupe``) ``slots``, ``rep`` and ``new`` are None: the native pass writes them
+    nowhere (in a 10-hot batch ~19 MB of stores, ~10% of the pass)."""
     def reference(slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid):
         slot_keys, slots = find_slots(slot_keys, keys, valid, insert=True, scarce=scarce,
                                       exact=exact)
@@ -338,15 +341,19 @@ def find_and_assign(slot_keys, slot_rows, scratch, free_rows, size, free_count, 
             slot_rows, scratch, free_rows, size, free_count, slots, capacity, dedupe=dedupe)
         counts = jnp.stack([jnp.sum(new, dtype=jnp.int32), jnp.sum(granted, dtype=jnp.int32),
                             jnp.sum(valid & (slots < 0), dtype=jnp.int32)])
+        if lean:  # as the native pass gives them (a caller reading one fails here too)
+            slots = rep = new = None
         return (slot_keys, slots, slot_rows, scratch, rows, rep, new, granted, size,
                 free_count, counts)
 
+    if lean and dedupe:
+        raise ValueError("find_and_assign: lean leaves out the representatives dedupe gives")
     args = (slot_keys, slot_rows, scratch, free_rows, size, free_count, keys, valid)
     if _mode() == "reference" or not cpu_ffi.AVAILABLE:
         return reference(*args)
 
     def cpu(*args):
-        return cpu_ffi.find_assign(*args, capacity, dedupe)
+        return cpu_ffi.find_assign(*args, capacity, dedupe, lean)
 
     return _by_platform(*args, cpu=cpu, default=reference)
 

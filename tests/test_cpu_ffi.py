@@ -259,7 +259,7 @@ def test_a_lean_find_assign_gives_what_the_full_one_gives(capacity, monkeypatch)
     rng = np.random.default_rng(capacity)
     state = [jnp.full((num_slots,), EMPTY_KEY), jnp.full((num_slots,), -1, jnp.int32),
              jnp.zeros((num_slots,), jnp.int32)]
-    free_rows = jnp.zeros((capacity,), jnp.int32).at[:4].set(jnp.array([7, 3, 11, 5]))
+    free_rows = jnp.zeros((capacity,), jnp.int32).at[:4].set(jnp.array([7, 3, 11, 5], jnp.int32))
     size, free_count = jnp.int32(20), jnp.int32(4)
     full = jax.jit(cpu_ffi.find_assign, static_argnums=(8, 9, 10))
     for step in range(6):

@@ -665,12 +665,24 @@ if AVAILABLE:
             builder.store(builder.fadd(builder.load(to, align=4), row), to, align=4)
         return types.void(types.int64, types.int64), codegen
 
+    @intrinsic
+    def _add_scaled_16(typingctx, dst, src, factor):
+        """``dst += factor * src`` on sixteen float32, as one vector: the product rounded,
+        then the sum (no fused multiply-add: the bits of XLA's ``factor * src`` added)."""
+        def codegen(context, builder, signature, args):
+            to = builder.inttoptr(args[0], _ROW16.as_pointer())
+            row = builder.load(builder.inttoptr(args[1], _ROW16.as_pointer()), align=4)
+            scaled = builder.fmul(row, _splat(builder, args[2], _ROW16))
+            builder.store(builder.fadd(builder.load(to, align=4), scaled), to, align=4)
+        return types.void(types.int64, types.int64, types.float32), codegen
+
     @numba.njit(inline="always")
-    def _rows_and_segments(values, rows, segments, per_segment, into_rows):
+    def _rows_and_segments(values, rows, segments, per_segment, into_rows, factor):
         """One pass over the batch between table rows and segment rows, the table row of a
         position ``_ROWS_AHEAD`` on fetched first (positions whose row is outside ``values`` or
         whose segment is outside ``per_segment`` skipped): with ``into_rows``
-        ``values[rows[i]] += per_segment[segments[i]]`` in batch order (plain SGD), else
+        ``values[rows[i]] += factor * per_segment[segments[i]]`` in batch order (plain SGD:
+        ``factor`` is -lr, so XLA makes no scaled copy of the segments' gradients), else
         ``per_segment[s]`` += the sum of its positions' rows (the bag's forward, on zeros), so
         the [n, dim] rows or gradients in between (136 MB for a 10-hot batch) are never
         written out."""
@@ -689,12 +701,12 @@ if AVAILABLE:
                     row = values_at + 4 * (dim * np.int64(r) + c)
                     segment = segments_at + 4 * (dim * np.int64(s) + c)
                     if into_rows:
-                        _add_16(row, segment)
+                        _add_scaled_16(row, segment, factor)
                     else:
                         _add_16(segment, row)
             elif into_rows:
                 for c in range(dim):
-                    values[r, c] += per_segment[s, c]
+                    values[r, c] += factor * per_segment[s, c]
             else:
                 for c in range(dim):
                     per_segment[s, c] += values[r, c]
@@ -742,7 +754,7 @@ if AVAILABLE:
             carray(_pointer(cpu_parts.load(job, h)), (capacity, dim), np.float32),
             carray(_pointer(cpu_parts.load(job, h + 3) + 4 * lo), (hi - lo,), np.int32),
             carray(_pointer(cpu_parts.load(job, h + 4) + 4 * lo), (hi - lo,), np.int32),
-            out, False)
+            out, False, np.float32(1.0))
 
     def _bag_task(data):
         cpu_parts.work(_address(data), _bag_part)
@@ -794,9 +806,10 @@ if AVAILABLE:
         values, rows, segments = _batch_operands(frame, values_at)
         _adopt(values_at, _buffer(frame, _FRAME_ARGS, 0)[0], 4 * values.size)
         update_data, update_dims = _buffer(frame, _FRAME_ARGS, 3)
+        factor = carray(_pointer(_buffer(frame, _FRAME_ARGS, 4)[0]), (1,), np.float32)[0]
         _rows_and_segments(values, rows, segments,
                            carray(_pointer(update_data), (_word(update_dims), values.shape[1]),
-                                  np.float32), True)
+                                  np.float32), True, factor)
         return _pointer(0)
 
     _TOMBSTONE = EMPTY_KEY + 1
@@ -1505,16 +1518,18 @@ def bag_sum(values: jax.Array, rows: jax.Array, segments: jax.Array,
 
 
 def add_by_segment(values: jax.Array, rows: jax.Array, segments: jax.Array,
-                   updates: jax.Array) -> jax.Array:
-    """``values`` (float32) with ``updates[segments[i]]`` added to row ``rows[i]`` for every
-    position, in batch order (rows outside ``values`` and segments outside ``updates``
-    skipped): a plain SGD step of a bag's rows without its [n, dim] per-key gradients. In
+                   updates: jax.Array, factor: jax.Array | float = 1.0) -> jax.Array:
+    """``values`` (float32) with ``factor * updates[segments[i]]`` added to row ``rows[i]``
+    for every position, in batch order (rows outside ``values`` and segments outside
+    ``updates`` skipped; the product rounded to float32 before the sum, as XLA's): a plain
+    SGD step of a bag's rows (``factor``: -lr) without its [n, dim] per-key gradients. In
     place when ``values`` can be donated. CPU only."""
     _register()
     return jax.ffi.ffi_call(
         "jctr_cpu_add_by_segment", jax.ShapeDtypeStruct(values.shape, jnp.float32),
         input_output_aliases={0: 0})(values, rows.astype(jnp.int32),
-                                     segments.astype(jnp.int32), updates.astype(jnp.float32))
+                                     segments.astype(jnp.int32), updates.astype(jnp.float32),
+                                     jnp.reshape(jnp.asarray(factor, jnp.float32), (1,)))
 
 
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")  # the kernel's policy codes

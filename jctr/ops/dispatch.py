@@ -178,7 +178,9 @@ def sgd_by_segment(values, rows, segments, grad_out, factor, num_segments: int,
     def cpu(values, rows, segments, grad_out):
         if combiner == "mean":  # as key_gradients divides, per segment instead of per key
             grad_out = ref.per_position(grad_out, segments, num_segments)
-        return cpu_ffi.add_by_segment(values, rows, segments, factor * grad_out)
+        # the kernel scales each segment's gradient as it adds it (XLA's scaled copy of
+        # them: a pass over [segments, dim], 1.5-3 ms of a 10-hot step)
+        return cpu_ffi.add_by_segment(values, rows, segments, grad_out, factor)
 
     return _by_platform(*args, cpu=cpu, default=reference)
 

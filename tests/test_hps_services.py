@@ -63,6 +63,12 @@ def cluster(tmp_path_factory):
     subprocess.run(["bash", SCRIPT, "stop", str(d)], env=env, timeout=60)
 
 
+def _start_node(cluster, port: int) -> subprocess.CompletedProcess:
+    """Start the cluster's node on ``port`` again from its config (it comes back empty)."""
+    return subprocess.run(["bash", SCRIPT, "node", cluster["dir"], str(port)],
+                          env=cluster["env"], capture_output=True, text=True, timeout=60)
+
+
 def _running(cluster, port: int) -> None:
     """Start the cluster's node on ``port`` again if a test killed it and failed before
     restarting it (the module's later tests share the cluster)."""
@@ -72,8 +78,7 @@ def _running(cluster, port: int) -> None:
         return
     except (OSError, ValueError):
         pass
-    subprocess.run(["bash", SCRIPT, "node", cluster["dir"], str(port)], env=cluster["env"],
-                   capture_output=True, text=True, timeout=60)
+    _start_node(cluster, port)
 
 
 def _volatile(cluster, **kw):
@@ -238,8 +243,7 @@ def test_lookups_survive_a_killed_redis_master(cluster, bundle, tmp_path):
         finally:
             solo.close()
             alone.close()
-        out = subprocess.run(["bash", SCRIPT, "node", cluster["dir"], str(cluster["ports"][1])],
-                             env=cluster["env"], capture_output=True, text=True, timeout=60)
+        out = _start_node(cluster, cluster["ports"][1])
         assert out.returncode == 0, out.stderr
         # the restarted master comes back empty; Redis answers again and is used again
         deadline = time.monotonic() + 30
@@ -289,8 +293,7 @@ def test_a_redis_master_that_comes_back_empty_is_no_source_of_defaults(cluster, 
         port = cluster["ports"][2]
         pid = int(open(os.path.join(cluster["dir"], str(port), "redis.pid")).read())
         os.kill(pid, signal.SIGKILL)
-        out = subprocess.run(["bash", SCRIPT, "node", cluster["dir"], str(port)],
-                             env=cluster["env"], capture_output=True, text=True, timeout=60)
+        out = _start_node(cluster, port)
         assert out.returncode == 0, out.stderr
         deadline, why = time.monotonic() + 30, ""
         while time.monotonic() < deadline:  # until the restarted master answers again

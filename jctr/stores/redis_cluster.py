@@ -131,10 +131,10 @@ class RedisClusterStore:
         self.num_partitions = params.partitions
         self._lock = threading.Lock()
         self._dims: dict[str, int] = {}
-        self._node_down: dict[str, float] = {}  # master -> monotonic time to try it again
-        # masters whose last answer was an error: down until one answers again (not only
-        # while their backoff lasts, or health() would read "up" between two retries)
-        self._node_failed: set[str] = set()
+        # masters whose last answer was an error -> monotonic time to try them again; one
+        # stays until it answers (not only while its backoff lasts, or health() would read
+        # "up" between two retries)
+        self._node_down: dict[str, float] = {}
         self._pool = ThreadPoolExecutor(8, thread_name_prefix="hps-redis")
         self.evicted = 0
         nodes = [ClusterNode(h, p) for h, p in params.nodes()]
@@ -229,11 +229,10 @@ class RedisClusterStore:
             if error is not None:
                 errors.append(error)
                 self._node_down[node.name] = time.monotonic() + NODE_BACKOFF_S
-                self._node_failed.add(node.name)
                 for _, chunk in work:
                     failed[chunk] = True
                 continue
-            self._node_failed.discard(node.name)
+            self._node_down.pop(node.name, None)
             for (_, chunk), got in zip(work, replies):
                 put_found(values, found, chunk, got)
         if self.params.refresh_time_after_fetch and found.any():
@@ -257,14 +256,15 @@ class RedisClusterStore:
         "up" between two lookups' retries, nor stay "down" where no lookup goes to it (its
         tables down for lost rows)."""
         now = time.monotonic()
-        for name in sorted(self._node_failed.copy()):  # (lookups of other threads add to it)
-            if self._node_down.get(name, 0.0) > now:
+        # (a copy: lookups of other threads change it)
+        for name, retry_at in sorted(self._node_down.copy().items()):
+            if retry_at > now:
                 continue
             if self._answers(name):
-                self._node_failed.discard(name)
+                self._node_down.pop(name, None)
             else:
                 self._node_down[name] = time.monotonic() + NODE_BACKOFF_S
-        return sorted(self._node_failed.copy())
+        return sorted(self._node_down.copy())
 
     def _answers(self, name: str) -> bool:
         try:

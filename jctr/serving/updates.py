@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import threading
 import time
@@ -43,6 +44,7 @@ import numpy as np
 
 from jctr.checkpoint.model_files import ModelFileError
 from jctr.config.hps import UpdateSourceParams
+from jctr.ops.host_sort import isin
 from jctr.serving.hps import Databases
 from jctr.stores.base import StoreError, StoreUnavailable
 from jctr.stores.kafka import ExpiredMessages, UpdateReader, dense_topic, update_topics
@@ -122,6 +124,59 @@ class _Handoff:
             return out
 
 
+class _Erasures:
+    """The erase messages the serving side applied that the persistent side has still to
+    apply, each with its keys the serving side has not written since. The persistent side,
+    which trails, forgets those keys in the serving side's layers again (a request that
+    missed one meanwhile read the persistent row back) and no others: rows written after an
+    erase bring a key back (a key evicted and trained again), and forgetting those lost rows
+    the model holds from the hash map."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._pending: dict[tuple[str, int], dict[int, tuple[str, np.ndarray]]] = {}
+        self._taken: dict[tuple[str, int], int] = {}  # partition -> the last offset taken
+
+    def erased(self, where: tuple[str, int], offset: int, table: str,
+               keys: np.ndarray) -> None:
+        """The serving side erased ``keys`` of ``table`` (message ``offset`` of ``where``)."""
+        with self._lock:
+            if self._taken.get(where, -1) < offset:  # (the persistent side is not past it)
+                self._pending.setdefault(where, {})[offset] = (table, keys)
+
+    def written(self, table: str, keys: np.ndarray) -> None:
+        """The serving side is about to write rows of ``keys``: erased keys no longer."""
+        with self._lock:
+            ordered = None
+            for pending in self._pending.values():
+                for offset, (t, erased) in pending.items():
+                    if t == table and erased.size:
+                        ordered = np.sort(keys) if ordered is None else ordered
+                        pending[offset] = (t, erased[~isin(erased, ordered, test_sorted=True)])
+
+    @contextlib.contextmanager
+    def again(self, where: tuple[str, int], offset: int, keys: np.ndarray,
+              serving_next: int):
+        """The keys of the erase message at ``offset`` to forget again (held while they are
+        forgotten: the serving side writes none of them meanwhile). ``serving_next``: the
+        next offset the serving side applies. Where it did not note the message: all of
+        ``keys`` if it has still to apply it (it writes the later rows after), none if it
+        applied it before (a batch the persistent side applies twice)."""
+        with self._lock:
+            pending = self._pending.get(where, {})
+            noted = pending.pop(offset, None)
+            for o in [o for o in pending if o < offset]:  # (never to come: skipped)
+                del pending[o]
+            if not pending:
+                self._pending.pop(where, None)
+            self._taken[where] = max(offset, self._taken.get(where, -1))
+            if noted is not None:
+                keys = noted[1]
+            elif serving_next > offset:
+                keys = keys[:0]
+            yield keys
+
+
 class UpdateApplier:
     """Applies online updates to the layers of the served models (see the module
     docstring). ``group``: the consumer group whose committed offsets say what the layer that
@@ -137,6 +192,7 @@ class UpdateApplier:
         self.dbs = dbs
         self.models = models
         self.group = group
+        self.erasures = _Erasures()
         # a layer that starts empty in a restarted server loses what was applied: read every
         # topic from its start then, whatever the group committed
         from_start = not all(dbs.updates_last(t.key) for m in models.values()
@@ -405,7 +461,7 @@ class _Consumer:
         # of max_batch_size keys (HugeCTR's meaning): RocksDB takes 65,536 sorted rows at
         # ~1.8x the rate of 18 writes of one message's 3,623 (docs/performance.md)
         pending: dict[tuple[str, int], list] = {}
-        for n, (_topic, _offset, u) in enumerate(batch):
+        for n, (where, offset, u) in enumerate(batch):
             model = self.models.get(u.model)
             if model is None:  # a topic of ours whose message names another model
                 self.refused["other_model"] += 1
@@ -446,7 +502,7 @@ class _Consumer:
             t = model.tables[i]
             if u.kind == "erase":  # after the rows read before it; rows after bring keys back
                 self._apply_pending(pending)
-                self._apply_erase(model, i, u.keys, u.step)
+                self._apply_erase(model, i, u.keys, u.step, (where, offset))
                 continue
             if u.values.shape[1] != t.dim:
                 self.refused["rows_width"] += int(u.keys.size)
@@ -483,6 +539,8 @@ class _Consumer:
         values_all = np.concatenate([v for _, v, _ in parts])
         layers = self._layers(t.key)
         step, pause = self._write_plan(keys_all.size)
+        if self.serves and self.owner.lasting is not None:
+            self.owner.erasures.written(t.key, keys_all)  # (before: see _Erasures.again)
         # under this side's lock: a model taking new files keeps what it wrote (journal)
         with self.dbs.update_lock(t.key, self.name):
             for s in range(0, keys_all.size, step):
@@ -497,29 +555,49 @@ class _Consumer:
         self.applied_rows += int(keys_all.size)
         self.last_step[t.key] = parts[-1][2]
 
-    def _apply_erase(self, model, i: int, keys: np.ndarray, step: int) -> None:
-        """Keys the trained table no longer holds, forgotten by this consumer's layers. The
-        persistent side, which follows the serving side, forgets them in the volatile
-        database and the device cache again: a request that missed them there meanwhile
-        read the persistent row back (``cache_missed_embeddings``)."""
+    def _apply_erase(self, model, i: int, keys: np.ndarray, step: int,
+                     message: tuple[tuple[str, int], int]) -> None:
+        """Keys the trained table no longer holds (erase message ``message``: (partition,
+        offset)), forgotten by this consumer's layers. The persistent side, which follows
+        the serving side, forgets them in the volatile database and the device cache again
+        (a request that missed them there meanwhile read the persistent row back,
+        ``cache_missed_embeddings``), less those the serving side wrote since
+        (:class:`_Erasures`)."""
         t = model.tables[i]
-        erased = [(keys, None, step)]
         with self.dbs.update_lock(t.key, self.name):  # (see _apply_rows)
             for layer in self._layers(t.key):
                 self.dbs.erase_rows(layer, t.key, keys)
-                self.dbs.journal(layer, t.key, erased)
-            if self.keeps and not self.serves:  # the serving side's layers again, at best: a
-                try:  # volatile database that is down holds nothing back here
-                    if "volatile_db" in self.dbs.update_layers(t.key):
-                        self.dbs.erase_rows("volatile_db", t.key, keys)
-                        self.dbs.journal("volatile_db", t.key, erased)
-                except StoreError as e:
-                    self._say(logging.WARNING, "update_source: %s: erased keys not forgotten "
-                              "again in volatile_db (%s)", t.key, e)
-            model.forget_rows(i, keys)
-            self.dbs.journal("device_cache", t.key, erased)
+                self.dbs.journal(layer, t.key, [(keys, None, step)])
+            if self.serves:
+                if self.owner.lasting is not None:
+                    self.owner.erasures.erased(*message, t.key, keys)
+                model.forget_rows(i, keys)
+                self.dbs.journal("device_cache", t.key, [(keys, None, step)])
+            else:
+                self._forget_again(model, i, keys, step, message)
         self.applied_erased += int(keys.size)
         self.last_step[t.key] = step
+
+    def _forget_again(self, model, i: int, keys: np.ndarray, step: int,
+                      message: tuple[tuple[str, int], int]) -> None:
+        """The persistent side: an erase message's keys forgotten again in the serving
+        side's layers, at best (a volatile database that is down holds nothing back here)."""
+        t = model.tables[i]
+        where, offset = message
+        serving_next = self.owner.serving.offsets.get(where, -1)
+        with self.owner.erasures.again(where, offset, keys, serving_next) as again:
+            if not again.size:
+                return
+            erased = [(again, None, step)]
+            try:
+                if "volatile_db" in self.dbs.update_layers(t.key):
+                    self.dbs.erase_rows("volatile_db", t.key, again)
+                    self.dbs.journal("volatile_db", t.key, erased)
+            except StoreError as e:
+                self._say(logging.WARNING, "update_source: %s: erased keys not forgotten "
+                          "again in volatile_db (%s)", t.key, e)
+            model.forget_rows(i, again)
+            self.dbs.journal("device_cache", t.key, erased)
 
 
 class _ServingSide(_Consumer):

@@ -1329,8 +1329,9 @@ def test_keys_erased_then_written_again_stay_served_when_the_persistent_side_tra
     ``test_a_publishers_record_of_sent_keys_stays_within_twice_its_table``). It now forgets
     again only the erased keys the serving side did not write since; a persistent side ahead
     of the serving side (which fails) forgets them all, and the serving side, which has the
-    later rows still to apply, brings the rewritten keys back. No broker: the decoded
-    messages are applied as the consumer threads would."""
+    later rows still to apply, brings the rewritten keys back; a hash map that is down then
+    no longer holds the persistent side back (its batch was retried without end).
+    No broker: the decoded messages are applied as the consumer threads would."""
     from jctr.config.hps import (
         PersistentDatabaseParams,
         UpdateSourceParams,
@@ -1338,6 +1339,7 @@ def test_keys_erased_then_written_again_stay_served_when_the_persistent_side_tra
     )
     from jctr.serving import updates
     from jctr.serving.hps import Databases
+    from jctr.stores import StoreUnavailable
     from jctr.stores.update_messages import Update
 
     class Table:
@@ -1385,8 +1387,15 @@ def test_keys_erased_then_written_again_stay_served_when_the_persistent_side_tra
                 lasting._apply(batch)
                 # the keys erased and not written since, forgotten again: no others
                 assert sorted(Model.forgotten) == sorted(keys[:6].tolist() + keys[:3].tolist())
-            else:
+            else:  # the serving side fails: its hash map down, which holds nothing back
+                real_erase = dbs.volatile.erase
+
+                def down(*a, **k):
+                    raise StoreUnavailable("volatile_db: injected failure")
+
+                dbs.volatile.erase = down
                 lasting._apply(batch)
+                dbs.volatile.erase = real_erase
                 serving._apply(batch)
             for store in (dbs.volatile, dbs.persistent):
                 got = {}

@@ -593,7 +593,7 @@ class _Consumer:
                 if "volatile_db" in self.dbs.update_layers(t.key):
                     self.dbs.erase_rows("volatile_db", t.key, again)
                     self.dbs.journal("volatile_db", t.key, erased)
-            except StoreError as e:
+            except (StoreError, StoreUnavailable) as e:
                 self._say(logging.WARNING, "update_source: %s: erased keys not forgotten "
                           "again in volatile_db (%s)", t.key, e)
             model.forget_rows(i, again)

@@ -737,8 +737,11 @@ def test_the_persistent_side_waits_while_the_serving_side_has_messages_to_read(
     try:
         applier = updates.UpdateApplier(source, dbs, {"m": Model})
         lasting, serving = applier.lasting, applier.serving
-        monkeypatch.setattr(updates, "_TRAIL_S", 0.2)
-        for backlog, least, most in ((0, 0.0, 0.05), (3, 0.18, 1.0)):
+        # waits long enough that a loaded machine's hiccup (two test workers on two cores)
+        # never reads as one: no wait below half of them, a wait at least 90% of them
+        monkeypatch.setattr(updates, "_TRAIL_S", 0.6)
+        monkeypatch.setattr(updates, "_YIELD_S", 0.6)
+        for backlog, least, most in ((0, 0.0, 0.3), (3, 0.54, 2.0)):
             serving.backlog = backlog
             t0 = time.perf_counter()
             lasting._yield_to_serving()
@@ -747,7 +750,7 @@ def test_the_persistent_side_waits_while_the_serving_side_has_messages_to_read(
         keys = np.arange(1, 1001, dtype=np.int64)
         rows = np.ones((1000, 4), np.float32)
         dbs.write_rows("persistent_db", Table.key, keys[:1], rows[:1])  # the table made first
-        for backlog, least, most in ((0, 0.0, 0.05), (7, 0.8 * updates._YIELD_S, 1.0)):
+        for backlog, least, most in ((0, 0.0, 0.3), (7, 0.8 * updates._YIELD_S, 2.0)):
             serving.backlog = backlog
             t0 = time.perf_counter()
             lasting._apply_rows(Model, 0, [(keys, rows, 3)])

@@ -14,8 +14,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from jctr.ops import kernel_cache
+
 
 def _njit(fn):
+    kernel_cache.install()  # the cache follows the modules the kernel inlines from
     try:  # compiled once, then loaded from numba's on-disk cache
         return numba.njit(nogil=True, cache=True)(fn)
     except RuntimeError:  # no writable cache location (read-only install and home): no cache

@@ -48,6 +48,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from jctr.ops import kernel_cache
+
 _I8P = ir.IntType(8).as_pointer()
 _I64 = ir.IntType(64)
 
@@ -441,6 +443,7 @@ def _start_helpers(count: int | None) -> int:
 
 def cfunc(fn, signature):
     """``fn`` compiled as a C function of ``signature``."""
+    kernel_cache.install()  # the cache follows the modules the kernel inlines from
     try:  # compiled once, then loaded from numba's on-disk cache
         return numba.cfunc(signature, nopython=True, cache=True)(fn)
     except RuntimeError:  # no writable cache location (a read-only install)

@@ -28,8 +28,11 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from jctr.ops import kernel_cache
+
 
 def host_kernel(fn):
+    kernel_cache.install()  # the cache follows the modules the kernel inlines from
     try:  # compiled once, then loaded from numba's on-disk cache
         return numba.njit(nogil=True, cache=True)(fn)
     except RuntimeError:  # no writable cache location (read-only install and home): no cache

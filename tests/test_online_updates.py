@@ -1326,7 +1326,8 @@ def test_updates_written_while_a_server_takes_new_files_are_kept_over_them(broke
         _close(applier, {name: model}, dbs)
 
 
-def test_keys_erased_then_written_again_stay_served_when_the_persistent_side_trails(tmp_path):
+def test_keys_erased_then_written_again_stay_served_when_the_persistent_side_trails(
+        tmp_path, monkeypatch):
     """An erase message, then rows of some of its keys again (a key the table evicted and
     trained again): the persistent side, which trails the serving side, forgets the erased
     keys in the serving side's layers again (a request that missed them meanwhile read the
@@ -1394,14 +1395,12 @@ def test_keys_erased_then_written_again_stay_served_when_the_persistent_side_tra
                 # the keys erased and not written since, forgotten again: no others
                 assert sorted(Model.forgotten) == sorted(keys[:6].tolist() + keys[:3].tolist())
             else:  # the serving side fails: its hash map down, which holds nothing back
-                real_erase = dbs.volatile.erase
-
                 def down(*a, **k):
                     raise StoreUnavailable("volatile_db: injected failure")
 
-                dbs.volatile.erase = down
-                lasting._apply(batch)
-                dbs.volatile.erase = real_erase
+                with monkeypatch.context() as m:
+                    m.setattr(dbs.volatile, "erase", down)
+                    lasting._apply(batch)
                 serving._apply(batch)
             for store in (dbs.volatile, dbs.persistent):
                 got = {}

@@ -247,15 +247,26 @@ def test_find_assign_equals_a_first_occurrence_model(free, dedupe):
         size, free_count = size2, free2
 
 
-@pytest.mark.parametrize("capacity", [200, 60])
-def test_a_lean_find_assign_gives_what_the_full_one_gives(capacity, monkeypatch):
+@pytest.mark.parametrize("capacity,num_slots,n,distinct", [
+    (200, 320, 40, 90), (60, 320, 40, 90),
+    # batches of parts (jctr_cpu_find_assign finds the held keys on every thread, then
+    # the rest in batch order): rows for all, rows running out mid-batch with the slots
+    # filling up (keys refused a slot), and slots not in buckets of eight
+    (60_000, 1 << 17, 40_000, 70_000), (30_000, 1 << 15, 40_000, 80_000),
+    (50_000, 100_003, 40_000, 70_000)])
+def test_a_lean_find_assign_gives_what_the_full_one_gives(capacity, num_slots, n, distinct,
+                                                          monkeypatch):
     """``find_assign(..., lean=True)`` (a table that does not evict, without dedupe: its
     caller reads no slots, representatives or new keys' positions) writes none of them and
     gives the same table, rows, grants and counts as the pass that writes them, batch after
     batch: with rows left for every position (``capacity`` 200: nothing written) and with
     rows running out (60: the first positions of new keys found through the scratch, the
-    slots kept inside the pass)."""
-    num_slots = 320
+    slots kept inside the pass). Batches of more than one part (``n`` 40,000) take the lean
+    kernel's split: the keys holding a row found in parts on every thread (a key with a row
+    writes nothing in the one pass), then the other positions in batch order; the same
+    bits, tombstones in the slots, keys in slots without a row and refused keys included."""
+    from jctr.embedding.hash_table import TOMBSTONE
+
     rng = np.random.default_rng(capacity)
     state = [jnp.full((num_slots,), EMPTY_KEY), jnp.full((num_slots,), -1, jnp.int32),
              jnp.zeros((num_slots,), jnp.int32)]
@@ -263,8 +274,11 @@ def test_a_lean_find_assign_gives_what_the_full_one_gives(capacity, monkeypatch)
     size, free_count = jnp.int32(20), jnp.int32(4)
     full = jax.jit(cpu_ffi.find_assign, static_argnums=(8, 9, 10))
     for step in range(6):
-        keys = jnp.asarray(rng.integers(0, 90, 40).astype(np.int64) * 7919)
-        valid = jnp.asarray(rng.random(40) < 0.9)
+        keys = jnp.asarray(rng.integers(0, distinct, n).astype(np.int64) * 7919)
+        valid = jnp.asarray(rng.random(n) < 0.9)
+        if step == 3 and n > 1000:  # some slots erased (their keys' rows stay unused)
+            held = np.flatnonzero(np.asarray(state[0]) != EMPTY_KEY)
+            state[0] = state[0].at[rng.choice(held, 500, replace=False)].set(TOMBSTONE)
         args = (*state, free_rows, size, free_count, keys, valid, capacity, False)
         a = full(*args, False)
         b = full(*[jnp.array(x) if isinstance(x, jax.Array) else x for x in args], True)

@@ -19,7 +19,11 @@ Kernels here:
 * ``jctr_cpu_find_assign``: a training lookup in one pass over the batch: find-or-insert of
   each key, then its row (the representative position of each slot, a row for each new key:
   freed rows first), each key's bucket and the slots' rows at it fetched ahead. XLA's
-  formulation: probe rounds, then a scatter and gathers over the slots and a cumsum.
+  formulation: probe rounds, then a scatter and gathers over the slots and a cumsum. Lean
+  (plain SGD on a table that does not evict: no representatives), a batch of several parts
+  is split: the keys holding a row are found in parts on every thread (in the one pass such
+  a key writes nothing), then the others go through the one pass in batch order, on the
+  calling thread: the same bits.
 * ``jctr_cpu_evict``: the eviction of a full table (the rows its new keys take, by the
   policy's ranking of the keys in a window of slots from each new key's home bucket on, their
   scores beside them; a bucket's ranks compared in vector registers), each new key claiming in
@@ -367,12 +371,16 @@ if AVAILABLE:
 
     @numba.njit(inline="always")
     def _find_assign(slot_keys, slot_rows, scratch, free_rows, counters, keys, valid, slots,
-                     rows, rep, new, granted, counters_out):
+                     rows, rep, new, granted, counters_out, order):
         """Find-or-insert and rows in one pass, one key after the other: each key's bucket
         (keys, and the slots' rows and scratch at it) is fetched ahead. ``slots``, ``rep``
         and ``new`` of length 0: the caller needs none of them (no dedupe), and they are not
-        written (the 10-hot lookup's ~19 MB of stores; docs/performance.md)."""
-        n, num_slots = keys.shape[0], slot_keys.shape[0]
+        written (the 10-hot lookup's ~19 MB of stores; docs/performance.md). ``order`` (int32,
+        ascending): only these positions (the others written already: :func:`_found_part`);
+        of length 0, every position."""
+        num_slots = slot_keys.shape[0]
+        ordered = order.shape[0] > 0
+        n = order.shape[0] if ordered else keys.shape[0]
         width = _width(num_slots)
         buckets = num_slots // width
         size0, free0, capacity, dedupe = counters[0], counters[1], counters[2], counters[3]
@@ -389,12 +397,14 @@ if AVAILABLE:
         crowded = (size0 - free0) * 100 > num_slots * _CROWDED_PERCENT
         # each key's home, hashed once when its lines are fetched and kept until its probe
         homes = np.empty(_HOMES, np.int64)
-        for i in range(min(_AHEAD, n)):
-            homes[i] = _home(keys[i], buckets, width)
-        for i in range(n):
-            ahead = i + _AHEAD
-            if ahead < n and valid[ahead]:
-                h = _home(keys[ahead], buckets, width)
+        for j in range(min(_AHEAD, n)):
+            homes[j] = _home(keys[order[j] if ordered else j], buckets, width)
+        for j in range(n):
+            i = order[j] if ordered else j
+            ahead = j + _AHEAD
+            a = (order[ahead] if ordered else ahead) if ahead < n else 0
+            if ahead < n and valid[a]:
+                h = _home(keys[a], buckets, width)
                 homes[ahead & (_HOMES - 1)] = h
                 _prefetch(keys_at + 8 * h)
                 if crowded or width != _BUCKET:
@@ -404,7 +414,7 @@ if AVAILABLE:
                     _prefetch(scratch_at + 4 * h)
             s = -1
             if valid[i]:
-                pos = homes[i & (_HOMES - 1)]
+                pos = homes[j & (_HOMES - 1)]
                 if width == _BUCKET:
                     s = _probe_buckets(slot_keys, keys_at, keys[i], pos, num_slots, True)
                 else:
@@ -446,9 +456,26 @@ if AVAILABLE:
         scratch = carray(_pointer(scratch_at), (num_slots,), np.int32)
         slots_data, slots_dims = _buffer(frame, _FRAME_RETS, 3)
         kept = _word(slots_dims)  # n, or 0: slots, rep and new not wanted (lean)
+        counters = carray(_pointer(counter_data), (4,), np.int32)
+        parts = _parts_of(n)
+        if kept == 0 and counters[3] == 0 and parts > 1 and cpu_parts.threads(frame) > 1:
+            # lean: a key with a row changes nothing, so the keys the table holds are found
+            # in parts on every thread, and the rest go through the pass after (_found_part)
+            job = cpu_parts.begin(frame, _FOUND_WORDS + parts + (n + 1) // 2, parts)
+            h = cpu_parts.HEADER
+            for w, value in enumerate((keys_at, rows_at, scratch_at, free_data,
+                                       _word(free_dims), counter_data, key_data, valid_data,
+                                       _buffer(frame, _FRAME_RETS, 4)[0],
+                                       _buffer(frame, _FRAME_RETS, 7)[0],
+                                       _buffer(frame, _FRAME_RETS, 8)[0], n, num_slots)):
+                cpu_parts.store(job, h + w, value)
+            cpu_parts.run_and_wait(job, frame, cpu_parts.symbol("jctr_task_find_assign"),
+                                   _found_part)
+            _assign_the_rest(job)
+            cpu_parts.release(job)
+            return _pointer(0)
         _find_assign(slot_keys, slot_rows, scratch,
-                     carray(_pointer(free_data), (_word(free_dims),), np.int32),
-                     carray(_pointer(counter_data), (4,), np.int32),
+                     carray(_pointer(free_data), (_word(free_dims),), np.int32), counters,
                      carray(_pointer(key_data), (n,), np.int64),
                      carray(_pointer(valid_data), (n,), np.bool_),
                      carray(_pointer(slots_data), (kept,), np.int32),
@@ -456,8 +483,105 @@ if AVAILABLE:
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (kept,), np.int32),
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 6)[0]), (kept,), np.bool_),
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 7)[0]), (n,), np.bool_),
-                     carray(_pointer(_buffer(frame, _FRAME_RETS, 8)[0]), (5,), np.int32))
+                     carray(_pointer(_buffer(frame, _FRAME_RETS, 8)[0]), (5,), np.int32),
+                     carray(_pointer(0), (0,), np.int32))
         return _pointer(0)
+
+    # a split find-and-assign's job record: slot keys, slot rows, scratch, free rows and
+    # their count, counters, keys, valid, rows, granted, counts, the batch's positions, the
+    # slots; then each part's count of positions left, then those positions (int32, each
+    # part's from the first of its range on)
+    _FOUND_WORDS = 13
+
+    @numba.njit(inline="always")
+    def _found_arrays(job):
+        h = cpu_parts.HEADER
+        n = cpu_parts.load(job, h + 11)
+        parts = cpu_parts.part_count(job)
+        return (carray(_pointer(cpu_parts.load(job, h)), (cpu_parts.load(job, h + 12),),
+                       np.int64),
+                carray(_pointer(cpu_parts.load(job, h + 1)), (cpu_parts.load(job, h + 12),),
+                       np.int32),
+                carray(_pointer(cpu_parts.load(job, h + 6)), (n,), np.int64),
+                carray(_pointer(cpu_parts.load(job, h + 7)), (n,), np.bool_),
+                carray(_pointer(cpu_parts.load(job, h + 8)), (n,), np.int32),
+                carray(_pointer(cpu_parts.load(job, h + 9)), (n,), np.bool_),
+                carray(_pointer(job + 8 * (h + _FOUND_WORDS + parts)), (n,), np.int32))
+
+    @numba.njit(inline="always")
+    def _found_part(job, p):
+        """Part ``p`` of a lean find-and-assign: each position of its range whose key holds a
+        row gets it (what the one pass would give it: such a key writes nothing there);
+        the others are listed for :func:`_assign_the_rest`."""
+        h = cpu_parts.HEADER
+        slot_keys, slot_rows, keys, valid, rows, granted, left = _found_arrays(job)
+        num_slots = slot_keys.shape[0]
+        width = _width(num_slots)
+        buckets = num_slots // width
+        keys_at, rows_at = slot_keys.ctypes.data, slot_rows.ctypes.data
+        counters = carray(_pointer(cpu_parts.load(job, h + 5)), (4,), np.int32)
+        crowded = (counters[0] - counters[1]) * 100 > num_slots * _CROWDED_PERCENT
+        lo, hi = cpu_parts.part_range(job, p, keys.shape[0])
+        homes = np.empty(_HOMES, np.int64)
+        for i in range(lo, min(lo + _AHEAD, hi)):
+            homes[i & (_HOMES - 1)] = _home(keys[i], buckets, width)
+        count = 0
+        for i in range(lo, hi):
+            ahead = i + _AHEAD
+            if ahead < hi and valid[ahead]:
+                a = _home(keys[ahead], buckets, width)
+                homes[ahead & (_HOMES - 1)] = a
+                _prefetch(keys_at + 8 * a)
+                if crowded or width != _BUCKET:
+                    _prefetch(keys_at + 8 * a + 64)
+                _prefetch(rows_at + 4 * a)
+            granted[i] = False
+            rows[i] = -1
+            if valid[i]:
+                pos = homes[i & (_HOMES - 1)]
+                if width == _BUCKET:
+                    s = _probe_buckets(slot_keys, keys_at, keys[i], pos, num_slots, False)
+                else:
+                    s = _probe(slot_keys, keys[i], pos, num_slots, False)
+                r = slot_rows[s] if s >= 0 else -1
+                if r >= 0:
+                    rows[i] = r
+                else:
+                    left[lo + count] = i
+                    count += 1
+        cpu_parts.store(job, h + _FOUND_WORDS + p, count)
+
+    @numba.njit(inline="always")
+    def _assign_the_rest(job):
+        """The positions the parts left (new keys, and keys whose slot has no row), in
+        batch order, through the one pass (:func:`_find_assign`): the same bits as the one
+        pass over every position."""
+        h = cpu_parts.HEADER
+        slot_keys, slot_rows, keys, valid, rows, granted, left = _found_arrays(job)
+        n = keys.shape[0]
+        total = 0
+        for p in range(cpu_parts.part_count(job)):
+            lo = cpu_parts.part_range(job, p, n)[0]
+            count = cpu_parts.load(job, h + _FOUND_WORDS + p)
+            for k in range(count):
+                left[total + k] = left[lo + k]
+            total += count
+        counters = carray(_pointer(cpu_parts.load(job, h + 5)), (4,), np.int32)
+        out = carray(_pointer(cpu_parts.load(job, h + 10)), (5,), np.int32)
+        if total == 0:
+            out[0], out[1], out[2], out[3], out[4] = counters[0], counters[1], 0, 0, 0
+            return
+        none32 = carray(_pointer(0), (0,), np.int32)
+        _find_assign(slot_keys, slot_rows,
+                     carray(_pointer(cpu_parts.load(job, h + 2)), (slot_keys.shape[0],),
+                            np.int32),
+                     carray(_pointer(cpu_parts.load(job, h + 3)), (cpu_parts.load(job, h + 4),),
+                            np.int32),
+                     counters, keys, valid, none32, rows, none32,
+                     carray(_pointer(0), (0,), np.bool_), granted, out, left[:total])
+
+    def _find_assign_task(data):
+        cpu_parts.work(_address(data), _found_part)
 
     _WORDS16 = ir.VectorType(ir.IntType(64), 16)
 
@@ -1358,6 +1482,7 @@ if AVAILABLE:
     try:
         # the tasks first: the handlers that schedule them find them by name when loaded
         for _name, _task in (("jctr_task_hash_lookup", _lookup_task),
+                             ("jctr_task_find_assign", _find_assign_task),
                              ("jctr_task_bag_sum", _bag_task),
                              ("jctr_task_init_rows", _init_task),
                              ("jctr_task_pair_dots", _pair_dots_task)):

@@ -22,6 +22,11 @@ task without waking a sleeping thread, so the task waited until the kernel was o
 (measured). Where the API lacks futures (an older XLA), in a process forked after the helpers
 started, or with one part, the handler runs every part itself before it returns.
 
+A kernel whose parts are followed by a serial end on the calling thread uses
+:func:`run_and_wait` instead (no future: the call returns when every part is done, and the
+end runs there; a future would let XLA's thread start other work that the end then competes
+with for the cores).
+
 Each part must write what no other part reads or writes (the kernels split by ranges of
 positions, segments or rows), so the results are the same bits however the parts are spread.
 
@@ -148,6 +153,11 @@ def _sem_wait(typingctx, address):
 @intrinsic
 def _sem_post(typingctx, address):
     return _libc_call("sem_post", "i", "p")(typingctx, address)
+
+
+@intrinsic
+def _sched_yield(typingctx):
+    return _libc_call("sched_yield", "i")(typingctx)
 
 
 @intrinsic
@@ -364,6 +374,33 @@ def run(job, frame, task, part):
             _store(frame + _FRAME_FUTURE, made[2])
             _wake(job, load(job, _PARTS) - 1)
     work(job, part)
+
+
+@numba.njit(inline="always")
+def run_and_wait(job, frame, task, part):
+    """Take parts here beside the helpers (each runs ``task``, calling :func:`work`), as
+    :func:`run` does but with no future: return once every part is done, waiting for a
+    helper's last part if need be. For a job whose end must run serially on the calling
+    thread (XLA's: a future would free it for other work, and that end would compete with
+    it for the cores). The caller keeps the record until :func:`release`."""
+    parts = load(job, _PARTS)
+    if threads(frame) > 1 and parts > 1:
+        store(job, _TASK, task)
+        _wake(job, parts - 1)
+    while True:
+        p = atomic_add(job + 8 * _NEXT, 1)
+        if p >= parts:
+            break
+        part(job, p)
+        atomic_add(job + 8 * _DONE, 1)
+    while atomic_add(job + 8 * _DONE, 0) < parts:  # a helper's part under way
+        _sched_yield()
+
+
+@numba.njit(inline="always")
+def release(job):
+    """The caller's hold on a record of :func:`run_and_wait` given up."""
+    _leave(job)
 
 
 def _helper(pool_pointer):

@@ -250,9 +250,10 @@ def test_find_assign_equals_a_first_occurrence_model(free, dedupe):
 @pytest.mark.parametrize("capacity,num_slots,n,distinct", [
     (200, 320, 40, 90), (60, 320, 40, 90),
     # batches of parts (jctr_cpu_find_assign finds the held keys on every thread, then
-    # the rest in batch order): rows for all, rows running out mid-batch with the slots
-    # filling up (keys refused a slot), and slots not in buckets of eight
-    (60_000, 1 << 17, 40_000, 70_000), (30_000, 1 << 15, 40_000, 80_000),
+    # the rest in batch order): rows for all, rows running out mid-batch (refused keys then
+    # hold slots without a row, found by the parts and left to the pass), and slots not in
+    # buckets of eight
+    (60_000, 1 << 17, 40_000, 70_000), (30_000, 1 << 16, 40_000, 60_000),
     (50_000, 100_003, 40_000, 70_000)])
 def test_a_lean_find_assign_gives_what_the_full_one_gives(capacity, num_slots, n, distinct,
                                                           monkeypatch):
@@ -264,7 +265,7 @@ def test_a_lean_find_assign_gives_what_the_full_one_gives(capacity, num_slots, n
     slots kept inside the pass). Batches of more than one part (``n`` 40,000) take the lean
     kernel's split: the keys holding a row found in parts on every thread (a key with a row
     writes nothing in the one pass), then the other positions in batch order; the same
-    bits, tombstones in the slots, keys in slots without a row and refused keys included."""
+    bits, tombstones in the slots and keys in slots without a row included."""
     from jctr.embedding.hash_table import TOMBSTONE
 
     rng = np.random.default_rng(capacity)

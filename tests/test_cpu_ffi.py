@@ -511,6 +511,37 @@ def test_native_bag_forward_equals_the_reference_and_its_gradient(dim, combiner)
 
 
 @pytest.mark.parametrize("dim,combiner", [(16, "sum"), (16, "mean"), (12, "sum")])
+def test_one_hot_pooling_takes_the_native_bag_and_gives_the_gathered_rows(dim, combiner):
+    """A one-hot input's pooling (one key a slot: position ``i`` is segment ``i``, an empty
+    slot's position the padding segment, as every reader lays it out) runs the native bag on
+    CPU (its rows fetched ahead and in parts: XLA's gather, fused into the interaction's
+    concatenation, waited for each row) and gives the gathered rows bit for bit, zeros for
+    rows -1 and empty slots, under either combiner; its gradient is the gather's."""
+    from jctr.ops import embedding_bag_forward
+    from jctr.ops.bag import gather_rows
+
+    rng = np.random.default_rng(dim)
+    capacity, n = 500, 40_000  # several parts
+    values = jnp.asarray(rng.normal(size=(capacity, dim)).astype(np.float32))
+    empty = rng.random(n) < 0.05
+    rows = jnp.asarray(np.where(empty | (rng.random(n) < 0.05), -1,
+                                rng.integers(0, capacity, n)).astype(np.int32))
+    segs = jnp.asarray(np.where(empty, n, np.arange(n)).astype(np.int32))
+    pooled = jax.jit(lambda v, r, s: embedding_bag_forward(v, r, s, n, combiner,
+                                                           one_hot=True))
+    assert "jctr_cpu_bag_sum" in pooled.lower(values, rows, segs).as_text()
+    np.testing.assert_array_equal(np.asarray(pooled(values, rows, segs)),
+                                  np.asarray(gather_rows(values, rows)))
+
+    def loss(fn):
+        return lambda v: jnp.sum(jnp.sin(fn(v)))
+
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(jax.grad(loss(lambda v: pooled(v, rows, segs))))(values)),
+        np.asarray(jax.grad(loss(lambda v: gather_rows(v, rows)))(values)))
+
+
+@pytest.mark.parametrize("dim,combiner", [(16, "sum"), (16, "mean"), (12, "sum")])
 def test_native_sgd_by_segment_equals_the_scatter_add_of_key_gradients(dim, combiner,
                                                                         monkeypatch):
     """Plain SGD on a bag's rows (``jctr_cpu_add_by_segment``: each key's row gets its

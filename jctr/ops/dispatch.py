@@ -114,19 +114,23 @@ def host_callback(fn, results, *operands) -> list:
 def embedding_bag_forward(values, rows, segments, num_segments: int, combiner: str = "sum",
                           *, one_hot: bool = False):
     """[num_segments, dim] pooled rows (see :mod:`jctr.ops.bag`)."""
-    if one_hot:  # one key per segment: a plain gather is already optimal on every platform
-        return ref.gather_rows(values, rows)
     if not _native_rows(values):
+        if one_hot:  # one key per segment: a plain gather
+            return ref.gather_rows(values, rows)
         return ref.embedding_bag_forward_reference(values, rows, segments, num_segments,
                                                    combiner)
-    return _bag_forward(values, rows, segments, num_segments, combiner)
+    return _bag_forward(values, rows, segments, num_segments, combiner, one_hot)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _bag_forward(values, rows, segments, num_segments: int, combiner: str):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _bag_forward(values, rows, segments, num_segments: int, combiner: str, one_hot: bool):
     """On CPU the sums in one native pass (:func:`jctr.ops.cpu_ffi.bag_sum`: the gathered rows
-    of a 10-hot batch are never written out); differentiable as the reference."""
+    of a 10-hot batch are never written out; a one-hot batch's rows fetched ahead and in parts,
+    where XLA's gather, fused into what reads it, waited for each row); differentiable as the
+    reference. Elsewhere the reference (one-hot: a plain gather)."""
     def reference(values, rows, segments):
+        if one_hot:
+            return ref.gather_rows(values, rows)
         return ref.embedding_bag_forward_reference(values, rows, segments, num_segments,
                                                    combiner)
 
@@ -137,12 +141,12 @@ def _bag_forward(values, rows, segments, num_segments: int, combiner: str):
     return _by_platform(values, rows, segments, cpu=cpu, default=reference)
 
 
-def _bag_forward_fwd(values, rows, segments, num_segments, combiner):
-    return _bag_forward(values, rows, segments, num_segments, combiner), (values, rows,
-                                                                          segments)
+def _bag_forward_fwd(values, rows, segments, num_segments, combiner, one_hot):
+    return _bag_forward(values, rows, segments, num_segments, combiner, one_hot), (
+        values, rows, segments)
 
 
-def _bag_forward_bwd(num_segments, combiner, residuals, grad):
+def _bag_forward_bwd(num_segments, combiner, one_hot, residuals, grad):
     values, rows, segments = residuals
     g = ref.key_gradients(grad, segments, num_segments, combiner)
     safe = jnp.where(rows >= 0, rows, values.shape[0])

@@ -239,12 +239,27 @@ if AVAILABLE:
         return -1
 
     @numba.njit(inline="always")
-    def _probe_slots(slot_keys, keys_at, key, buckets, width, num_slots, insert):
-        """The key's slot from its home: bucket by bucket where the slots are in buckets."""
-        pos = _home(key, buckets, width)
+    def _probe_from(slot_keys, keys_at, key, pos, width, num_slots, insert):
+        """The key's slot probing from ``pos``, its home: bucket by bucket where the slots
+        are in buckets."""
         if width == _BUCKET:
             return _probe_buckets(slot_keys, keys_at, key, pos, num_slots, insert)
         return _probe(slot_keys, key, pos, num_slots, insert)
+
+    @numba.njit(inline="always")
+    def _probe_slots(slot_keys, keys_at, key, buckets, width, num_slots, insert):
+        """The key's slot from its home."""
+        return _probe_from(slot_keys, keys_at, key, _home(key, buckets, width), width,
+                           num_slots, insert)
+
+    @numba.njit(inline="always")
+    def _fetch_home(keys_at, rows_at, h, next_bucket):
+        """Prefetch a key's bucket of slot keys at ``h`` (and the next one with
+        ``next_bucket``) and the slots' rows there."""
+        _prefetch(keys_at + 8 * h)
+        if next_bucket:
+            _prefetch(keys_at + 8 * h + 64)
+        _prefetch(rows_at + 4 * h)
 
     @numba.njit(inline="always")
     def _probe_all(slot_keys, slot_keys_address, keys, valid, out, insert=False):
@@ -406,19 +421,13 @@ if AVAILABLE:
             if ahead < n and valid[a]:
                 h = _home(keys[a], buckets, width)
                 homes[ahead & (_HOMES - 1)] = h
-                _prefetch(keys_at + 8 * h)
-                if crowded or width != _BUCKET:
-                    _prefetch(keys_at + 8 * h + 64)
-                _prefetch(rows_at + 4 * h)
+                _fetch_home(keys_at, rows_at, h, crowded or width != _BUCKET)
                 if dedupe:
                     _prefetch(scratch_at + 4 * h)
             s = -1
             if valid[i]:
-                pos = homes[j & (_HOMES - 1)]
-                if width == _BUCKET:
-                    s = _probe_buckets(slot_keys, keys_at, keys[i], pos, num_slots, True)
-                else:
-                    s = _probe(slot_keys, keys[i], pos, num_slots, True)
+                s = _probe_from(slot_keys, keys_at, keys[i], homes[j & (_HOMES - 1)], width,
+                                num_slots, True)
                 unslotted += s < 0
             if not lean:
                 slots[i] = s
@@ -531,18 +540,12 @@ if AVAILABLE:
             if ahead < hi and valid[ahead]:
                 a = _home(keys[ahead], buckets, width)
                 homes[ahead & (_HOMES - 1)] = a
-                _prefetch(keys_at + 8 * a)
-                if crowded or width != _BUCKET:
-                    _prefetch(keys_at + 8 * a + 64)
-                _prefetch(rows_at + 4 * a)
+                _fetch_home(keys_at, rows_at, a, crowded or width != _BUCKET)
             granted[i] = False
             rows[i] = -1
             if valid[i]:
-                pos = homes[i & (_HOMES - 1)]
-                if width == _BUCKET:
-                    s = _probe_buckets(slot_keys, keys_at, keys[i], pos, num_slots, False)
-                else:
-                    s = _probe(slot_keys, keys[i], pos, num_slots, False)
+                s = _probe_from(slot_keys, keys_at, keys[i], homes[i & (_HOMES - 1)], width,
+                                num_slots, False)
                 r = slot_rows[s] if s >= 0 else -1
                 if r >= 0:
                     rows[i] = r

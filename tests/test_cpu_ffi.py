@@ -274,9 +274,13 @@ def test_a_lean_find_assign_gives_what_the_full_one_gives(capacity, num_slots, n
     free_rows = jnp.zeros((capacity,), jnp.int32).at[:4].set(jnp.array([7, 3, 11, 5], jnp.int32))
     size, free_count = jnp.int32(20), jnp.int32(4)
     full = jax.jit(cpu_ffi.find_assign, static_argnums=(8, 9, 10))
-    for step in range(6):
-        keys = jnp.asarray(rng.integers(0, distinct, n).astype(np.int64) * 7919)
-        valid = jnp.asarray(rng.random(n) < 0.9)
+    rows = None
+    for step in range(7):
+        if step < 6:
+            keys = jnp.asarray(rng.integers(0, distinct, n).astype(np.int64) * 7919)
+            valid = jnp.asarray(rng.random(n) < 0.9)
+        else:  # the last batch's keys that got rows: every position found (none left over)
+            valid = valid & (rows >= 0)
         if step == 3 and n > 1000:  # some slots erased (their keys' rows stay unused)
             held = np.flatnonzero(np.asarray(state[0]) != EMPTY_KEY)
             state[0] = state[0].at[rng.choice(held, 500, replace=False)].set(TOMBSTONE)
@@ -286,7 +290,9 @@ def test_a_lean_find_assign_gives_what_the_full_one_gives(capacity, num_slots, n
         assert b[1] is None and b[5] is None and b[6] is None
         for i in (0, 2, 3, 4, 7, 8, 9, 10):
             np.testing.assert_array_equal(np.asarray(a[i]), np.asarray(b[i]), err_msg=(step, i))
-        state = [a[0], a[2], a[3]]
+        if step == 6:
+            assert np.asarray(b[10]).tolist() == [0, 0, 0]
+        state, rows = [a[0], a[2], a[3]], a[4]
         size, free_count = a[8], a[9]
     if capacity == 60:  # the rows ran out (after a first batch with enough of them)
         assert (int(size), int(free_count)) == (capacity, 0)

@@ -386,15 +386,14 @@ if AVAILABLE:
 
     @numba.njit(inline="always")
     def _find_assign(slot_keys, slot_rows, scratch, free_rows, counters, keys, valid, slots,
-                     rows, rep, new, granted, counters_out, order):
+                     rows, rep, new, granted, counters_out, order, ordered):
         """Find-or-insert and rows in one pass, one key after the other: each key's bucket
         (keys, and the slots' rows and scratch at it) is fetched ahead. ``slots``, ``rep``
         and ``new`` of length 0: the caller needs none of them (no dedupe), and they are not
-        written (the 10-hot lookup's ~19 MB of stores; docs/performance.md). ``order`` (int32,
-        ascending): only these positions (the others written already: :func:`_found_part`);
-        of length 0, every position."""
+        written (the 10-hot lookup's ~19 MB of stores; docs/performance.md). With
+        ``ordered`` only the positions in ``order`` (int32, ascending; the others written
+        already: :func:`_found_part`), else every position."""
         num_slots = slot_keys.shape[0]
-        ordered = order.shape[0] > 0
         n = order.shape[0] if ordered else keys.shape[0]
         width = _width(num_slots)
         buckets = num_slots // width
@@ -409,7 +408,7 @@ if AVAILABLE:
         # the bucket after a key's home is fetched too only where buckets overflow often: at
         # half load 1% of the keys sit outside their home bucket, and that line a key is
         # bandwidth the other keys' lines wait for (docs/performance.md)
-        crowded = (size0 - free0) * 100 > num_slots * _CROWDED_PERCENT
+        crowded = _crowded(counters, num_slots)
         # each key's home, hashed once when its lines are fetched and kept until its probe
         homes = np.empty(_HOMES, np.int64)
         for j in range(min(_AHEAD, n)):
@@ -493,8 +492,14 @@ if AVAILABLE:
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 6)[0]), (kept,), np.bool_),
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 7)[0]), (n,), np.bool_),
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 8)[0]), (5,), np.int32),
-                     carray(_pointer(0), (0,), np.int32))
+                     carray(_pointer(0), (0,), np.int32), False)
         return _pointer(0)
+
+    @numba.njit(inline="always")
+    def _crowded(counters, num_slots):
+        """Whether a table's buckets overflow often enough (rows in use a share of the slots:
+        ``counters`` size, free count) that a probe fetches the bucket after its home too."""
+        return (counters[0] - counters[1]) * 100 > num_slots * _CROWDED_PERCENT
 
     # a split find-and-assign's job record: slot keys, slot rows, scratch, free rows and
     # their count, counters, keys, valid, rows, granted, counts, the batch's positions, the
@@ -529,7 +534,7 @@ if AVAILABLE:
         buckets = num_slots // width
         keys_at, rows_at = slot_keys.ctypes.data, slot_rows.ctypes.data
         counters = carray(_pointer(cpu_parts.load(job, h + 5)), (4,), np.int32)
-        crowded = (counters[0] - counters[1]) * 100 > num_slots * _CROWDED_PERCENT
+        crowded = _crowded(counters, num_slots)
         lo, hi = cpu_parts.part_range(job, p, keys.shape[0])
         homes = np.empty(_HOMES, np.int64)
         for i in range(lo, min(lo + _AHEAD, hi)):
@@ -569,19 +574,16 @@ if AVAILABLE:
             for k in range(count):
                 left[total + k] = left[lo + k]
             total += count
-        counters = carray(_pointer(cpu_parts.load(job, h + 5)), (4,), np.int32)
-        out = carray(_pointer(cpu_parts.load(job, h + 10)), (5,), np.int32)
-        if total == 0:
-            out[0], out[1], out[2], out[3], out[4] = counters[0], counters[1], 0, 0, 0
-            return
         none32 = carray(_pointer(0), (0,), np.int32)
         _find_assign(slot_keys, slot_rows,
                      carray(_pointer(cpu_parts.load(job, h + 2)), (slot_keys.shape[0],),
                             np.int32),
                      carray(_pointer(cpu_parts.load(job, h + 3)), (cpu_parts.load(job, h + 4),),
                             np.int32),
-                     counters, keys, valid, none32, rows, none32,
-                     carray(_pointer(0), (0,), np.bool_), granted, out, left[:total])
+                     carray(_pointer(cpu_parts.load(job, h + 5)), (4,), np.int32), keys,
+                     valid, none32, rows, none32, carray(_pointer(0), (0,), np.bool_), granted,
+                     carray(_pointer(cpu_parts.load(job, h + 10)), (5,), np.int32),
+                     left[:total], True)
 
     def _find_assign_task(data):
         cpu_parts.work(_address(data), _found_part)

@@ -297,21 +297,30 @@ def _leave(job):
 
 
 @numba.njit(inline="always")
-def work(job, part):
-    """Take parts (``part(job, p)``) while any are left; the last part done sets the
-    future; the last one to leave frees the record. A task calls this."""
+def _take_parts(job, part):
+    """Run parts (``part(job, p)``) while any are left; True if this thread finished the
+    last of them."""
     parts = load(job, _PARTS)
+    last = False
     while True:
         p = atomic_add(job + 8 * _NEXT, 1)
         if p >= parts:
             break
         part(job, p)
-        if atomic_add(job + 8 * _DONE, 1) == parts - 1:
-            future = load(job, _FUTURE)
-            if future != 0:
-                args = np.zeros(3, np.int64)
-                args[2] = future
-                _api_call(load(job, _API), _FUTURE_SET_AVAILABLE, args)
+        last |= atomic_add(job + 8 * _DONE, 1) == parts - 1
+    return last
+
+
+@numba.njit(inline="always")
+def work(job, part):
+    """Take parts (``part(job, p)``) while any are left; the last part done sets the
+    future; the last one to leave frees the record. A task calls this."""
+    if _take_parts(job, part):
+        future = load(job, _FUTURE)
+        if future != 0:
+            args = np.zeros(3, np.int64)
+            args[2] = future
+            _api_call(load(job, _API), _FUTURE_SET_AVAILABLE, args)
     _leave(job)
 
 
@@ -387,12 +396,7 @@ def run_and_wait(job, frame, task, part):
     if threads(frame) > 1 and parts > 1:
         store(job, _TASK, task)
         _wake(job, parts - 1)
-    while True:
-        p = atomic_add(job + 8 * _NEXT, 1)
-        if p >= parts:
-            break
-        part(job, p)
-        atomic_add(job + 8 * _DONE, 1)
+    _take_parts(job, part)
     while atomic_add(job + 8 * _DONE, 0) < parts:  # a helper's part under way
         _sched_yield()
 

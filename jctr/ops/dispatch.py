@@ -115,11 +115,14 @@ def embedding_bag_forward(values, rows, segments, num_segments: int, combiner: s
                           *, one_hot: bool = False):
     """[num_segments, dim] pooled rows (see :mod:`jctr.ops.bag`)."""
     if not _native_rows(values):
-        if one_hot:  # one key per segment: a plain gather
-            return ref.gather_rows(values, rows)
-        return ref.embedding_bag_forward_reference(values, rows, segments, num_segments,
-                                                   combiner)
+        return _pooled_reference(values, rows, segments, num_segments, combiner, one_hot)
     return _bag_forward(values, rows, segments, num_segments, combiner, one_hot)
+
+
+def _pooled_reference(values, rows, segments, num_segments, combiner, one_hot):
+    if one_hot:  # one key per segment: a plain gather
+        return ref.gather_rows(values, rows)
+    return ref.embedding_bag_forward_reference(values, rows, segments, num_segments, combiner)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -129,10 +132,7 @@ def _bag_forward(values, rows, segments, num_segments: int, combiner: str, one_h
     where XLA's gather, fused into what reads it, waited for each row); differentiable as the
     reference. Elsewhere the reference (one-hot: a plain gather)."""
     def reference(values, rows, segments):
-        if one_hot:
-            return ref.gather_rows(values, rows)
-        return ref.embedding_bag_forward_reference(values, rows, segments, num_segments,
-                                                   combiner)
+        return _pooled_reference(values, rows, segments, num_segments, combiner, one_hot)
 
     def cpu(values, rows, segments):
         out = cpu_ffi.bag_sum(values, rows, segments, num_segments)

@@ -122,22 +122,42 @@ def test_the_radix_argsort_is_numpys_stable_argsort():
     ``np.argsort(kind="stable")`` (and its ``stable=False`` sorts) -- ties in their
     positions' order -- on full-range keys, many repeats, keys whose low or high digits are
     all equal (passes skipped: an odd and an even number of moves), and sizes below and above
-    the radix threshold."""
-    from jctr.ops.host_sort import argsort_u64
+    the radix threshold; and :func:`ascending_last` keeps each value's last position. The
+    packed sort (a key's top bits and its position in one value) takes keys whose top bits
+    tie in short runs told apart by their low bits (repaired by insertion: a run's keys in
+    descending order, with repeats), and gives way to the radix sort where the repair would
+    move too many (keys below 40 or 2**22 of 30,000: their top bits all tie)."""
+    from jctr.ops import host_sort
+    from jctr.ops.host_sort import argsort_u64, ascending_last
 
     rng = np.random.default_rng(5)
+    tops = rng.integers(0, 2**40, 6_000).astype(np.uint64) << np.uint64(24)
+    lows = rng.permuted(np.tile(np.arange(5, dtype=np.uint64), (6_000, 1)), axis=1)
+    runs = np.repeat(tops, 5) | lows.ravel()
     cases = [rng.integers(0, 2**64, 50_000, dtype=np.uint64),
              rng.integers(0, 40, 30_000).astype(np.uint64),
+             rng.integers(0, 2**22, 30_000).astype(np.uint64),
              rng.integers(0, 2**20, 20_000).astype(np.uint64) << np.uint64(44),
              rng.integers(0, 2**11, 20_000).astype(np.uint64) << np.uint64(11),
              np.full(9_000, 7, np.uint64), np.arange(12_000, dtype=np.uint64)[::-1],
+             runs, runs[::-1].copy(), np.concatenate([runs, runs[:7_000]]),
              rng.integers(0, 2**64, 100, dtype=np.uint64), np.zeros(0, np.uint64)]
+    packed = []
     for keys in cases:
-        np.testing.assert_array_equal(argsort_u64(keys), np.argsort(keys, kind="stable"))
+        want = np.argsort(keys, kind="stable")
+        np.testing.assert_array_equal(argsort_u64(keys), want)
         # unstable (numpy's vectorized sort on AVX-512): sorted, ties in any order
         order = argsort_u64(keys, stable=False)
         np.testing.assert_array_equal(np.sort(order), np.arange(keys.size))
         np.testing.assert_array_equal(keys[order], np.sort(keys))
+        last = np.ones(keys.size, bool)
+        last[:-1] = keys[want][1:] != keys[want][:-1]
+        np.testing.assert_array_equal(ascending_last(keys), want[last])
+        if keys.size >= 4096:
+            taken = host_sort._packed_argsort(keys)
+            packed.append(None if taken is None else bool(taken[1]))
+    # which sort took each case: the packed one (with or without equal keys) or the radix
+    assert packed == [False, None, None, True, None, True, None, False, False, True]
 
 
 def test_sorted_set_operations_equal_numpys():

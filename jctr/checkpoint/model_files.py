@@ -347,7 +347,8 @@ def write_model_files(step_config: StepConfig, state: TrainState, placements, de
             else:  # parts: no slot ids (an inference bundle's tables)
                 counts.append(write_sparse_model_parts(path, t))
         return counts
-    return [int(t["keys"].shape[0]) for t in tables]
+    return [int(t["keys"].shape[0]) if isinstance(t, dict)
+            else sum(int(part["keys"].shape[0]) for part in t) for t in tables]
 
 
 def load_model_files(step_config: StepConfig, state: TrainState, dense: str | None = None,

@@ -106,6 +106,9 @@ class RowStore:
         table instead of point reads."""
         keys = np.asarray(keys, np.int64)
         name = self.names[table]
+        if not keys.size:  # nothing to read: the database (and its lock) left alone
+            return self._unpack(table, keys, np.zeros((0, self.stored_width(table)),
+                                                      np.float32))
         many = keys.size >= self.SCAN_SHARE * self.db.estimated_rows(name) > 0
         width = self.stored_width(table)
         if many:

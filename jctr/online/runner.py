@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -728,13 +729,14 @@ class OnlineRun:
         return _result_or_none(unheld)
 
     def _model_rows(self, i: int, keys: np.ndarray, unheld: dict[str, np.ndarray] | None
-                    ) -> dict[str, np.ndarray]:
+                    ) -> dict[str, np.ndarray] | list[dict[str, np.ndarray]]:
         """A base or delta model's rows of ``keys`` (chosen by the statistics) without
         waiting for the last pass's write-back: the rows it wrote, from memory; those of keys
         it did not hold (which its write-back leaves as they are) given (``unheld``: the day's
         base model, read while its last pass trained) or read now; and, read now, those of
         keys it held but did not write. The same keys and vectors as :meth:`_store_rows`
-        gives, in another order (a model file holds no optimizer state)."""
+        gives, in another order (a model file holds no optimizer state), as parts written one
+        after the other (not joined: a copy of every row)."""
         last = self._last_written(i)
         if last is None:
             return self._store_rows(i, keys)
@@ -749,9 +751,8 @@ class OnlineRun:
         stats = self.stats[i]
         chosen = _chosen(stats, keys)
         # a model file holds keys and vectors: the optimizer's columns are not copied
-        parts = [_rows_among({"keys": p["keys"], "values": p["values"]}, stats, chosen)
-                 for p in parts]
-        return {name: np.concatenate([p[name] for p in parts]) for name in ("keys", "values")}
+        return [_rows_among({"keys": p["keys"], "values": p["values"]}, stats, chosen)
+                for p in parts]
 
     def _pull(self, keys: list, ahead: dict | None = None) -> None:
         """The rows of the pass's and the validation set's keys (``keys``: per table, the
@@ -848,6 +849,28 @@ class OnlineRun:
         finally:  # one in flight ends before anything else touches the database
             if behind is not None:
                 behind.result()
+
+    def _after_write_back(self, change: Callable[[], None]) -> None:
+        """``change`` (of the database) made once the last pass's write-back is in and its
+        checkpoint recorded: queued behind it on the store thread where it is in flight (the
+        day's end builds its models meanwhile), else made now. A write-back that failed
+        makes no change (its error is raised by :meth:`_settle`)."""
+        if self._deferred is not None and self._pool is not None:
+            self._write_behind()
+        behind = self._behind
+        if behind is None:
+            self._settle()
+            change()
+            return
+        unrecorded, self._unrecorded = self._unrecorded, None
+
+        def then() -> None:
+            behind.result()
+            if unrecorded is not None:
+                self._record_checkpoint(*unrecorded)
+            change()
+
+        self._behind = self._pool.submit(then)
 
     def _settle(self) -> None:
         """The last pass's write-back finished, and the checkpoint that waited for it
@@ -985,8 +1008,9 @@ class OnlineRun:
             deleted = stats.shrink(self._shrink)
             for hook in t.hooks:  # a Kafka publisher sends them as erased keys
                 hook.on_keys_erased(i, deleted, t.state)
-            if self.store is not None:
-                self._shrink_store(i, day, deleted, rate if decays else None)
+            if self.store is not None:  # behind the last pass's write-back, if in flight
+                self._after_write_back(functools.partial(
+                    self._shrink_store, i, day, deleted, rate if decays else None))
                 rows = None
             else:
                 if decays:  # admission's counts decay too
@@ -1086,7 +1110,8 @@ class OnlineRun:
         order)."""
         import jax
 
-        self._settle()  # the last pass's rows in the database before the shrink
+        # the shrink's deletions and decay follow the last pass's write-back on the store
+        # thread; the base model is built from memory meanwhile (_model_rows)
         self._shrink_day(day)
         following = next_day(day)
         folder = os.path.join(self.cfg.save_model_path, following, "0")
@@ -1115,6 +1140,7 @@ class OnlineRun:
 
         self._checkpoint(folder, day, len(self.passes), day_end=True, meanwhile=beside,
                          then=linked if whole else None, statistics=False)
+        self._settle()  # the database as the day's end has it, then the end recorded
         self._mark_statistics_base(folder)
         self._written, self._written_at = [], {}  # the day's last rows, kept for its base model
         self._prune_days(following)

@@ -21,7 +21,7 @@ import numpy as np
 
 from jctr.errors import UserError
 from jctr.ops.hashing import mix64
-from jctr.ops.host_sort import argsort_u64
+from jctr.ops.host_sort import ascending_last
 
 
 class StoreError(UserError, RuntimeError):
@@ -141,31 +141,7 @@ def bytewise_order(kcols: np.ndarray) -> np.ndarray:
     in, a key given twice by its last row only."""
     # bytewise order of the little-endian bytes: big-endian, sorted as native integers by a
     # stable radix sort (numpy's argsort: 2-3x slower, of a byte-swapped view slower still)
-    return _last_by_value(kcols.view(">u8").ravel().astype(np.uint64))
-
-
-def _last_by_value(values: np.ndarray) -> np.ndarray:
-    """Positions of uint64 ``values`` in ascending order, a value given more than once by
-    its last position only (a key's latest row)."""
-    # distinct values (a pass's write-back, mostly) need no stable sort: their order is
-    # the only one; with a value given twice the stable sort decides which comes last
-    order = argsort_u64(values, stable=False)
-    last = _last_of_runs(np.take(values, order))
-    if last is None:
-        return order
-    order = argsort_u64(values)
-    last = _last_of_runs(np.take(values, order))
-    return order if last is None else order[last]
-
-
-def _last_of_runs(ordered: np.ndarray) -> np.ndarray | None:
-    """Of sorted values, which end a run of equal ones; None when all are distinct."""
-    if ordered.size < 2:
-        return None
-    last = np.empty(ordered.size, bool)
-    last[-1] = True
-    np.not_equal(ordered[1:], ordered[:-1], out=last[:-1])
-    return None if last.all() else last
+    return ascending_last(kcols.view(">u8").ravel().astype(np.uint64))
 
 
 def scatter_rows(dest: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
@@ -192,7 +168,7 @@ def last_occurrences(keys: np.ndarray) -> np.ndarray:
         return np.arange(keys.size)
     # sorted as the keys' bits: only which positions hold equal keys matters here, not how
     # negative keys rank
-    return np.sort(_last_by_value(np.ascontiguousarray(keys, np.int64).view(np.uint64)))
+    return np.sort(ascending_last(np.ascontiguousarray(keys, np.int64).view(np.uint64)))
 
 
 def put_found(values: np.ndarray, found: np.ndarray, positions: np.ndarray,

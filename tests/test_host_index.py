@@ -123,10 +123,11 @@ def test_the_radix_argsort_is_numpys_stable_argsort():
     positions' order -- on full-range keys, many repeats, keys whose low or high digits are
     all equal (passes skipped: an odd and an even number of moves), and sizes below and above
     the radix threshold; and :func:`ascending_last` keeps each value's last position. The
-    packed sort (a key's top bits and its position in one value) takes keys whose top bits
-    tie in short runs told apart by their low bits (repaired by insertion: a run's keys in
-    descending order, with repeats), and gives way to the radix sort where the repair would
-    move too many (keys below 40 or 2**22 of 30,000: their top bits all tie)."""
+    packed sort (a key and its position in one value) takes keys of a narrow span whole,
+    keys whose top bits tie in short runs told apart by their low bits (repaired by
+    insertion: a run's keys in descending order, with repeats), and gives way to the radix
+    sort where the repair would move too many (keys below 2**22 with one of 2**63: the span
+    is wide and the top bits of all but one tie)."""
     from jctr.ops import host_sort
     from jctr.ops.host_sort import argsort_u64, ascending_last
 
@@ -137,6 +138,7 @@ def test_the_radix_argsort_is_numpys_stable_argsort():
     cases = [rng.integers(0, 2**64, 50_000, dtype=np.uint64),
              rng.integers(0, 40, 30_000).astype(np.uint64),
              rng.integers(0, 2**22, 30_000).astype(np.uint64),
+             np.append(rng.integers(0, 2**22, 30_000).astype(np.uint64), np.uint64(2**63)),
              rng.integers(0, 2**20, 20_000).astype(np.uint64) << np.uint64(44),
              rng.integers(0, 2**11, 20_000).astype(np.uint64) << np.uint64(11),
              np.full(9_000, 7, np.uint64), np.arange(12_000, dtype=np.uint64)[::-1],
@@ -157,7 +159,7 @@ def test_the_radix_argsort_is_numpys_stable_argsort():
             taken = host_sort._packed_argsort(keys)
             packed.append(None if taken is None else bool(taken[1]))
     # which sort took each case: the packed one (with or without equal keys) or the radix
-    assert packed == [False, None, None, True, None, True, None, False, False, True]
+    assert packed == [False, True, True, None, True, True, True, False, False, False, True]
 
 
 def test_sorted_set_operations_equal_numpys():

@@ -1879,6 +1879,78 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
         np.testing.assert_array_equal(again[name], want, err_msg=name)
 
 
+@pytest.mark.parametrize("kind", ["rocks_db", "row_file"])
+def test_a_day_end_shrink_deletes_what_the_last_pass_wrote_back(tmp_path, monkeypatch, kind):
+    """sparse_store with prefetch: the day's last pass writes its rows back on the store
+    thread while the day's end builds its base model from memory, and the shrink's database
+    changes (deletions, the decay) are queued behind that write-back, after its checkpoint
+    is recorded (``OnlineRun._after_write_back``). With a ``delete_threshold`` that keys shown
+    once without a click fall below, the shrink deletes keys the last pass held and wrote:
+    had they been erased before the write-back, it would have written them again. The stored
+    rows equal an in-memory run's table (the same keys, vectors, optimizer and admission
+    columns after the decay), the base models hold the same keys and vectors, and the log
+    records the last pass's checkpoint before the day's batch model."""
+    from jctr.online.row_store import RowStore
+    from jctr.online.runner import OnlineRun
+    from jctr.sharding.rows import export_placed
+
+    days = ["20190720"]
+    model = _small_stream(tmp_path, days, 4000)
+    tp = {"delete_threshold": 0.15, "show_click_decay_rate": 0.9}
+    memory = OnlineRun(_online(tmp_path, model, tmp_path / "memory", end_day=days[0],
+                               table_parameters=tp), log=lambda s: None)
+    assert memory.run() == 2
+    want = export_placed(memory.trainer.state.embeddings[0], memory.trainer.placements[0])
+    order = np.argsort(want["keys"])
+    want = {k: v[order] for k, v in want.items()}
+
+    written, deleted = [], []
+    real_push, real_shrink = RowStore.push, OnlineRun._shrink_store
+
+    def push(self, table, stored):  # slowly: the day's end comes while it writes
+        written.append(np.array(stored["keys"]))
+        time.sleep(0.5)
+        return real_push(self, table, stored)
+
+    def shrink(self, i, day, keys, rate):
+        deleted.append(np.array(keys))
+        return real_shrink(self, i, day, keys, rate)
+
+    monkeypatch.setattr(RowStore, "push", push)
+    monkeypatch.setattr(OnlineRun, "_shrink_store", shrink)
+    lines = []
+    run = OnlineRun(_online(tmp_path, model, tmp_path / "disk", end_day=days[0],
+                            table_parameters=tp, sparse_store={"type": kind, "path": "rows"}),
+                    log=lines.append)
+    assert run.run() == 2
+    assert "written while the pass's checkpoint is" in [x for x in lines if "pass 2/2" in x][0]
+    # the shrink deleted keys the last pass wrote back
+    assert np.isin(deleted[0], written[-1]).sum() > 50
+    assert len(want["keys"]) > 500
+    t = run.trainer
+    shapes = [{k: tuple(v.shape[1:]) for k, v in t.state.embeddings[0].slots.items()}]
+    store = RowStore(str(tmp_path / "rows"), t.specs, shapes, kind)
+    assert store.size(0) == want["keys"].size
+    got = store.pull(0, want["keys"])
+    store.close()
+    assert got["keys"].size == want["keys"].size
+    for name in ("values", "g2sum", "accessor", "slot"):
+        if name in want:
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7,
+                                       err_msg=name)
+    models = []
+    for name in ("memory", "disk"):
+        folder = tmp_path / name / "20190721" / "base" / "sparse" / "sparse_embedding1.model"
+        keys = np.fromfile(folder / "key", "<i8")
+        vectors = np.fromfile(folder / "emb_vector", "<f4").reshape(keys.size, -1)
+        models.append((np.sort(keys), vectors[np.argsort(keys)]))
+    np.testing.assert_array_equal(models[0][0], models[1][0])
+    np.testing.assert_allclose(models[0][1], models[1][1], rtol=1e-5, atol=1e-7)
+    saved = [x for x in lines if "checkpoint of day" in x or "batch model after" in x]
+    assert "pass 2" in saved[-2] and "checkpoint of" in saved[-2]
+    assert "batch model after day 20190720 pass 2" in saved[-1]
+
+
 def test_the_quick_start_runs_as_printed(tmp_path):
     """docs/streaming.md's quick start, command by command, in a scratch folder beside the
     shipped configs: the stream and the validation set are generated, and the run trains every

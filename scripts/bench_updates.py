@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -224,6 +225,8 @@ def main() -> int:
         dbs.close()
     finally:
         subprocess.run(["bash", script, "stop", tmp], capture_output=True)
+        # the broker's log, the bundle and the database: ~150 MB a run, left in /tmp before
+        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

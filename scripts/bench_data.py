@@ -23,6 +23,7 @@ import argparse
 import copy
 import glob
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -123,53 +124,57 @@ def main() -> int:
     print(f"GLIBC_TUNABLES={os.environ.get('GLIBC_TUNABLES', '')!r}", flush=True)
     n = args.samples
     root = args.dir or tempfile.mkdtemp(prefix="jctr_bench_data_")
-    kw = dict(vocab=KAGGLE_CAPPED, dense_dim=13, seed=0)
-    one_hot = dict(slot_nnz=[1] * len(KAGGLE_CAPPED), **kw)
-    cases = []
-    norm = write_dataset(os.path.join(root, "norm"), n, num_files=4, key_type="I64", **one_hot)
-    cases.append(("Norm one-hot", "Norm", norm, 1,
-                  glob.glob(os.path.join(root, "norm", "*.data"))))
-    norm_check = write_dataset(os.path.join(root, "norm_sum"), n, num_files=4, key_type="I64",
-                               check="Sum", **one_hot)
-    cases.append(("Norm one-hot, check Sum", "Norm", norm_check, 1,
-                  glob.glob(os.path.join(root, "norm_sum", "*.data"))))
-    multi = write_dataset(os.path.join(root, "norm10"), n // 4, num_files=4, key_type="I64",
-                          slot_nnz=[10] * len(KAGGLE_CAPPED), **kw)
-    cases.append(("Norm multi-hot (1-10 keys)", "Norm", multi, 10,
-                  glob.glob(os.path.join(root, "norm10", "*.data"))))
-    raw = os.path.join(root, "raw", "data.bin")
-    write_format("Raw", raw, n, **one_hot)
-    cases.append(("Raw", "Raw", raw, 1, [raw]))
-    pq = os.path.join(root, "parquet", "_file_list.txt")
-    write_format("Parquet", pq, n, num_files=4, **one_hot)
-    cases.append(("Parquet", "Parquet", pq, 1,
-                  glob.glob(os.path.join(root, "parquet", "*.parquet"))))
-    spec = os.path.join(root, "spec", "feature_spec.yaml")
-    write_format("FeatureSpec", spec, n, eval_n=BATCH, **one_hot)
-    cases.append(("FeatureSpec split binary", "FeatureSpec", spec, 1,
-                  glob.glob(os.path.join(root, "spec", "train", "*.bin"))))
-    consume = {1: args.train_rate or train_rate(1),
-               10: args.train_rate_10hot or train_rate(10)}
-    print(f"training consumes {consume[1]:,.0f} samples/s one-hot and {consume[10]:,.0f} "
-          f"10-hot (DLRM, batch {BATCH}); multi-hot data is compared with the 10-hot step")
-    print(f"{'format':<28}{'reader samples/s':>17}{'x training':>11}{'raw read':>12}"
-          f"{'raw/reader':>11}{'best/best':>10}{'copy/reader':>12}{'batch/file B':>13}")
-    buf = np.ones(8 << 20, np.uint8)
-    for name, fmt, source, hot, files in cases:
-        samples = n // 4 if hot > 1 else n
-        cfg = data_config(fmt, source, samples, hot, "Sum" if "Sum" in name else "None")
-        rates, bases, copies = [], [], []
-        file_bytes = sum(os.path.getsize(f) for f in files) / samples
-        for _ in range(args.passes):  # interleaved, so all see the same machine state
-            rate, batch_bytes = reader_pass(copy.deepcopy(cfg), source)
-            rates.append(rate)
-            bases.append(raw_pass(files, samples))
-            copies.append(copy_pass(files, samples, buf))
-        rate, base = float(np.median(rates)), float(np.median(bases))
-        print(f"{name:<28}{rate:>17,.0f}{rate / consume[hot]:>11.1f}{base:>12,.0f}"
-              f"{base / rate:>11.1f}{max(bases) / max(rates):>10.1f}"
-              f"{float(np.median(copies)) / rate:>12.1f}"
-              f"{batch_bytes / BATCH / file_bytes:>13.1f}", flush=True)
+    try:
+        kw = dict(vocab=KAGGLE_CAPPED, dense_dim=13, seed=0)
+        one_hot = dict(slot_nnz=[1] * len(KAGGLE_CAPPED), **kw)
+        cases = []
+        norm = write_dataset(os.path.join(root, "norm"), n, num_files=4, key_type="I64", **one_hot)
+        cases.append(("Norm one-hot", "Norm", norm, 1,
+                      glob.glob(os.path.join(root, "norm", "*.data"))))
+        norm_check = write_dataset(os.path.join(root, "norm_sum"), n, num_files=4, key_type="I64",
+                                   check="Sum", **one_hot)
+        cases.append(("Norm one-hot, check Sum", "Norm", norm_check, 1,
+                      glob.glob(os.path.join(root, "norm_sum", "*.data"))))
+        multi = write_dataset(os.path.join(root, "norm10"), n // 4, num_files=4, key_type="I64",
+                              slot_nnz=[10] * len(KAGGLE_CAPPED), **kw)
+        cases.append(("Norm multi-hot (1-10 keys)", "Norm", multi, 10,
+                      glob.glob(os.path.join(root, "norm10", "*.data"))))
+        raw = os.path.join(root, "raw", "data.bin")
+        write_format("Raw", raw, n, **one_hot)
+        cases.append(("Raw", "Raw", raw, 1, [raw]))
+        pq = os.path.join(root, "parquet", "_file_list.txt")
+        write_format("Parquet", pq, n, num_files=4, **one_hot)
+        cases.append(("Parquet", "Parquet", pq, 1,
+                      glob.glob(os.path.join(root, "parquet", "*.parquet"))))
+        spec = os.path.join(root, "spec", "feature_spec.yaml")
+        write_format("FeatureSpec", spec, n, eval_n=BATCH, **one_hot)
+        cases.append(("FeatureSpec split binary", "FeatureSpec", spec, 1,
+                      glob.glob(os.path.join(root, "spec", "train", "*.bin"))))
+        consume = {1: args.train_rate or train_rate(1),
+                   10: args.train_rate_10hot or train_rate(10)}
+        print(f"training consumes {consume[1]:,.0f} samples/s one-hot and {consume[10]:,.0f} "
+              f"10-hot (DLRM, batch {BATCH}); multi-hot data is compared with the 10-hot step")
+        print(f"{'format':<28}{'reader samples/s':>17}{'x training':>11}{'raw read':>12}"
+              f"{'raw/reader':>11}{'best/best':>10}{'copy/reader':>12}{'batch/file B':>13}")
+        buf = np.ones(8 << 20, np.uint8)
+        for name, fmt, source, hot, files in cases:
+            samples = n // 4 if hot > 1 else n
+            cfg = data_config(fmt, source, samples, hot, "Sum" if "Sum" in name else "None")
+            rates, bases, copies = [], [], []
+            file_bytes = sum(os.path.getsize(f) for f in files) / samples
+            for _ in range(args.passes):  # interleaved, so all see the same machine state
+                rate, batch_bytes = reader_pass(copy.deepcopy(cfg), source)
+                rates.append(rate)
+                bases.append(raw_pass(files, samples))
+                copies.append(copy_pass(files, samples, buf))
+            rate, base = float(np.median(rates)), float(np.median(bases))
+            print(f"{name:<28}{rate:>17,.0f}{rate / consume[hot]:>11.1f}{base:>12,.0f}"
+                  f"{base / rate:>11.1f}{max(bases) / max(rates):>10.1f}"
+                  f"{float(np.median(copies)) / rate:>12.1f}"
+                  f"{batch_bytes / BATCH / file_bytes:>13.1f}", flush=True)
+    finally:
+        if not args.dir:  # the folder it made (its data: several GB at the default size)
+            shutil.rmtree(root, ignore_errors=True)
     return 0
 
 

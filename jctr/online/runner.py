@@ -117,6 +117,9 @@ class OnlineRun:
         # the pass's models and the next pull: a find of every written key, ~0.3 s a pass)
         self._written_at: dict[int, np.ndarray] = {}
         self._ahead: Future | None = None
+        # the next pass's rows joined from those two on the store thread while this pass's
+        # checkpoint is written (_join_ahead)
+        self._joined: Future | None = None
         # ... and its write-back, written on the store thread once the next pass has its
         # rows (_deferred, then _behind), with the checkpoint that waits for it to be
         # recorded (_settle)
@@ -360,6 +363,7 @@ class OnlineRun:
                 if executor is not None:
                     executor.shutdown(wait=False, cancel_futures=True)
             self._rows_ahead()  # a read of the database in flight ends before it closes
+            self._take_joined()
             self._take_unheld()
         return self.passes_trained
 
@@ -644,6 +648,26 @@ class OnlineRun:
         ahead, self._ahead = self._ahead, None
         return _result_or_none(ahead)  # failed: the pass pulls the usual way
 
+    def _join_ahead(self, following: Future, ahead: Future) -> list | None:
+        """The next pass's rows as :meth:`_pulled_rows` gives them, per table, made on the
+        store thread while this pass's checkpoint is written (``following``: the next pass's
+        data, ``ahead``: :meth:`_pull_ahead`'s read; both done or failed by then). None if
+        either failed (the next pass then reads the usual way)."""
+        rows = _result_or_none(ahead)
+        try:
+            upcoming = following.result()["keys"]
+        except Exception:  # noqa: BLE001 - the main thread meets the error itself
+            return None
+        if rows is None or upcoming is None:
+            return None
+        return [self._pulled_rows(i, keys.keys(), rows["rows"][i], rows["held_at"][i])
+                for i, keys in enumerate(upcoming)]
+
+    def _take_joined(self) -> list | None:
+        """What :meth:`_join_ahead` made, once done (None if it did not run or failed)."""
+        joined, self._joined = self._joined, None
+        return _result_or_none(joined)
+
     def _pulled_rows(self, i: int, want: np.ndarray, ahead: dict, at_held: np.ndarray
                      ) -> dict[str, np.ndarray]:
         """The rows ``store.pull(i, want)`` gives after the last pass's write-back: the rows
@@ -762,8 +786,10 @@ class OnlineRun:
 
         t = self.trainer
         after = ahead is not None and len(self._written) == len(t.specs)
+        joined = self._take_joined()
         if not after:  # every row read from the database: the last pass's written first
             self._written_back()
+            joined = None
         pulled, wanted = [], []
         for i, spec in enumerate(t.specs):
             union = keys[i]
@@ -775,8 +801,12 @@ class OnlineRun:
                                 f"(with the validation set's) does not fit embedding "
                                 f'"{spec.name}" ({spec.capacity:,} rows): raise '
                                 "max_vocabulary_size_per_gpu or make passes smaller")
-            own = (self._pulled_rows(i, want, ahead["rows"][i], ahead["held_at"][i]) if after
-                   else self.store.pull(i, self._mine(want)))
+            if joined is not None:  # joined on the store thread from these very keys
+                own = joined[i]
+            elif after:
+                own = self._pulled_rows(i, want, ahead["rows"][i], ahead["held_at"][i])
+            else:
+                own = self.store.pull(i, self._mine(want))
             pulled.append(own)
             wanted.append(union)
             self._set_table(i, put_rows(spec, t.state.embeddings[i], t.placements[i],
@@ -1068,6 +1098,11 @@ class OnlineRun:
             self._push(day, n, keep=behind or last, behind=behind or last)
             if last:
                 self._write_behind()
+            elif behind and data.get("next") is not None and self._pool is not None and all(
+                    self._last_written(i) is not None for i in range(len(t.specs))):
+                # the next pass's rows joined meanwhile (the written rows' places found
+                # here: the pass's delta reads them too)
+                self._joined = self._pool.submit(self._join_ahead, data["next"][0], self._ahead)
             rows_s["store_write_s"] = time.perf_counter() - t0
             rows_s["store_write_behind"] = behind or last
             rows_s["store_write_overlaps"] = "next_pass" if behind else "checkpoint" if last \

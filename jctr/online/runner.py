@@ -1098,12 +1098,12 @@ class OnlineRun:
             self._push(day, n, keep=behind or last, behind=behind or last)
             if last:
                 self._write_behind()
-            elif behind and data.get("next") is not None and self._pool is not None and all(
+            rows_s["store_write_s"] = time.perf_counter() - t0
+            if behind and data.get("next") is not None and self._pool is not None and all(
                     self._last_written(i) is not None for i in range(len(t.specs))):
                 # the next pass's rows joined meanwhile (the written rows' places found
                 # here: the pass's delta reads them too)
                 self._joined = self._pool.submit(self._join_ahead, data["next"][0], self._ahead)
-            rows_s["store_write_s"] = time.perf_counter() - t0
             rows_s["store_write_behind"] = behind or last
             rows_s["store_write_overlaps"] = "next_pass" if behind else "checkpoint" if last \
                 else None

@@ -1951,6 +1951,59 @@ def test_a_day_end_shrink_deletes_what_the_last_pass_wrote_back(tmp_path, monkey
     assert "batch model after day 20190720 pass 2" in saved[-1]
 
 
+def test_a_day_end_whose_shrink_fails_in_the_database_resumes_to_the_same_rows(tmp_path,
+                                                                            monkeypatch):
+    """The day end's shrink runs in the database on the store thread, after the last pass's
+    write-back is in and its checkpoint recorded (``OnlineRun._after_write_back``). When it
+    fails there (here before it erases anything), the run stops with that error at the day's
+    end, the day's end unrecorded; started again, the run resumes after the last pass, does
+    the day's end again (the same shrink, from that pass's statistics) and ends with the
+    stored rows of an in-memory run."""
+    from jctr.online.row_store import RowStore
+    from jctr.online.runner import OnlineRun
+    from jctr.sharding.rows import export_placed
+
+    days = ["20190720"]
+    model = _small_stream(tmp_path, days, 4000)
+    tp = {"delete_threshold": 0.15, "show_click_decay_rate": 0.9}
+    memory = OnlineRun(_online(tmp_path, model, tmp_path / "memory", end_day=days[0],
+                               table_parameters=tp), log=lambda s: None)
+    assert memory.run() == 2
+    want = export_placed(memory.trainer.state.embeddings[0], memory.trainer.placements[0])
+    real_shrink = OnlineRun._shrink_store
+    failed = []
+
+    def shrink_once(self, i, day, keys, rate):
+        if not failed:
+            failed.append(threading.current_thread().name)
+            raise RuntimeError("the database went away")
+        return real_shrink(self, i, day, keys, rate)
+
+    monkeypatch.setattr(OnlineRun, "_shrink_store", shrink_once)
+    cfg = _online(tmp_path, model, tmp_path / "disk", end_day=days[0], table_parameters=tp,
+                  sparse_store={"type": "rocks_db", "path": "rows"})
+    with pytest.raises(RuntimeError, match="the database went away"):
+        OnlineRun(cfg, log=lambda s: None).run()
+    assert failed[0].startswith("jctr-store")  # behind the write-back, on the store thread
+    lines = []
+    run = OnlineRun(cfg, log=lines.append)
+    assert run.run() == 0
+    assert any("resuming after day 20190720 pass 2" in x for x in lines)
+    assert any("batch model after day 20190720 pass 2" in x for x in lines)
+    t = run.trainer
+    shapes = [{k: tuple(v.shape[1:]) for k, v in t.state.embeddings[0].slots.items()}]
+    store = RowStore(str(tmp_path / "rows"), t.specs, shapes, "rocks_db")
+    assert store.size(0) == want["keys"].size
+    got = store.pull(0, want["keys"])
+    store.close()
+    order = np.argsort(want["keys"])
+    back = np.argsort(got["keys"])
+    for name in ("values", "accessor"):
+        if name in want:
+            np.testing.assert_allclose(got[name][back], want[name][order], rtol=1e-5,
+                                       atol=1e-7, err_msg=name)
+
+
 def test_the_quick_start_runs_as_printed(tmp_path):
     """docs/streaming.md's quick start, command by command, in a scratch folder beside the
     shipped configs: the stream and the validation set are generated, and the run trains every

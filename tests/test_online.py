@@ -1879,6 +1879,43 @@ def test_the_next_pass_rows_read_while_a_pass_trains_change_nothing(tmp_path, mo
         np.testing.assert_array_equal(again[name], want, err_msg=name)
 
 
+def _one_day_in_memory(tmp_path):
+    """The day-end shrink tests' day (two passes; a ``delete_threshold`` that keys shown
+    once without a click fall below, the decay) trained in memory: (model config,
+    table_parameters, the table's rows in key order)."""
+    from jctr.online.runner import OnlineRun
+    from jctr.sharding.rows import export_placed
+
+    model = _small_stream(tmp_path, ["20190720"], 4000)
+    tp = {"delete_threshold": 0.15, "show_click_decay_rate": 0.9}
+    memory = OnlineRun(_online(tmp_path, model, tmp_path / "memory", end_day="20190720",
+                               table_parameters=tp), log=lambda s: None)
+    assert memory.run() == 2
+    want = export_placed(memory.trainer.state.embeddings[0], memory.trainer.placements[0])
+    order = np.argsort(want["keys"])
+    return model, tp, {k: v[order] for k, v in want.items()}
+
+
+def _assert_stored_as(tmp_path, run, want: dict, kind: str) -> None:
+    """The run's sparse_store (``rows`` under ``tmp_path``) holds exactly ``want``'s keys
+    (an in-memory table's rows in key order), with their vectors, optimizer and admission
+    columns and slots."""
+    from jctr.online.row_store import RowStore
+
+    t = run.trainer
+    shapes = [{k: tuple(v.shape[1:]) for k, v in t.state.embeddings[0].slots.items()}]
+    store = RowStore(str(tmp_path / "rows"), t.specs, shapes, kind)
+    assert store.size(0) == want["keys"].size
+    got = store.pull(0, want["keys"])
+    store.close()
+    back = np.argsort(got["keys"])
+    np.testing.assert_array_equal(got["keys"][back], want["keys"])
+    for name in ("values", "g2sum", "accessor", "slot"):
+        if name in want:
+            np.testing.assert_allclose(got[name][back], want[name], rtol=1e-5, atol=1e-7,
+                                       err_msg=name)
+
+
 @pytest.mark.parametrize("kind", ["rocks_db", "row_file"])
 def test_a_day_end_shrink_deletes_what_the_last_pass_wrote_back(tmp_path, monkeypatch, kind):
     """sparse_store with prefetch: the day's last pass writes its rows back on the store
@@ -1892,18 +1929,8 @@ def test_a_day_end_shrink_deletes_what_the_last_pass_wrote_back(tmp_path, monkey
     records the last pass's checkpoint before the day's batch model."""
     from jctr.online.row_store import RowStore
     from jctr.online.runner import OnlineRun
-    from jctr.sharding.rows import export_placed
 
-    days = ["20190720"]
-    model = _small_stream(tmp_path, days, 4000)
-    tp = {"delete_threshold": 0.15, "show_click_decay_rate": 0.9}
-    memory = OnlineRun(_online(tmp_path, model, tmp_path / "memory", end_day=days[0],
-                               table_parameters=tp), log=lambda s: None)
-    assert memory.run() == 2
-    want = export_placed(memory.trainer.state.embeddings[0], memory.trainer.placements[0])
-    order = np.argsort(want["keys"])
-    want = {k: v[order] for k, v in want.items()}
-
+    model, tp, want = _one_day_in_memory(tmp_path)
     written, deleted = [], []
     real_push, real_shrink = RowStore.push, OnlineRun._shrink_store
 
@@ -1919,7 +1946,7 @@ def test_a_day_end_shrink_deletes_what_the_last_pass_wrote_back(tmp_path, monkey
     monkeypatch.setattr(RowStore, "push", push)
     monkeypatch.setattr(OnlineRun, "_shrink_store", shrink)
     lines = []
-    run = OnlineRun(_online(tmp_path, model, tmp_path / "disk", end_day=days[0],
+    run = OnlineRun(_online(tmp_path, model, tmp_path / "disk", end_day="20190720",
                             table_parameters=tp, sparse_store={"type": kind, "path": "rows"}),
                     log=lines.append)
     assert run.run() == 2
@@ -1927,17 +1954,7 @@ def test_a_day_end_shrink_deletes_what_the_last_pass_wrote_back(tmp_path, monkey
     # the shrink deleted keys the last pass wrote back
     assert np.isin(deleted[0], written[-1]).sum() > 50
     assert len(want["keys"]) > 500
-    t = run.trainer
-    shapes = [{k: tuple(v.shape[1:]) for k, v in t.state.embeddings[0].slots.items()}]
-    store = RowStore(str(tmp_path / "rows"), t.specs, shapes, kind)
-    assert store.size(0) == want["keys"].size
-    got = store.pull(0, want["keys"])
-    store.close()
-    assert got["keys"].size == want["keys"].size
-    for name in ("values", "g2sum", "accessor", "slot"):
-        if name in want:
-            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-7,
-                                       err_msg=name)
+    _assert_stored_as(tmp_path, run, want, kind)
     models = []
     for name in ("memory", "disk"):
         folder = tmp_path / name / "20190721" / "base" / "sparse" / "sparse_embedding1.model"
@@ -1959,17 +1976,9 @@ def test_a_day_end_whose_shrink_fails_in_the_database_resumes_to_the_same_rows(t
     end, the day's end unrecorded; started again, the run resumes after the last pass, does
     the day's end again (the same shrink, from that pass's statistics) and ends with the
     stored rows of an in-memory run."""
-    from jctr.online.row_store import RowStore
     from jctr.online.runner import OnlineRun
-    from jctr.sharding.rows import export_placed
 
-    days = ["20190720"]
-    model = _small_stream(tmp_path, days, 4000)
-    tp = {"delete_threshold": 0.15, "show_click_decay_rate": 0.9}
-    memory = OnlineRun(_online(tmp_path, model, tmp_path / "memory", end_day=days[0],
-                               table_parameters=tp), log=lambda s: None)
-    assert memory.run() == 2
-    want = export_placed(memory.trainer.state.embeddings[0], memory.trainer.placements[0])
+    model, tp, want = _one_day_in_memory(tmp_path)
     real_shrink = OnlineRun._shrink_store
     failed = []
 
@@ -1980,7 +1989,7 @@ def test_a_day_end_whose_shrink_fails_in_the_database_resumes_to_the_same_rows(t
         return real_shrink(self, i, day, keys, rate)
 
     monkeypatch.setattr(OnlineRun, "_shrink_store", shrink_once)
-    cfg = _online(tmp_path, model, tmp_path / "disk", end_day=days[0], table_parameters=tp,
+    cfg = _online(tmp_path, model, tmp_path / "disk", end_day="20190720", table_parameters=tp,
                   sparse_store={"type": "rocks_db", "path": "rows"})
     with pytest.raises(RuntimeError, match="the database went away"):
         OnlineRun(cfg, log=lambda s: None).run()
@@ -1990,18 +1999,7 @@ def test_a_day_end_whose_shrink_fails_in_the_database_resumes_to_the_same_rows(t
     assert run.run() == 0
     assert any("resuming after day 20190720 pass 2" in x for x in lines)
     assert any("batch model after day 20190720 pass 2" in x for x in lines)
-    t = run.trainer
-    shapes = [{k: tuple(v.shape[1:]) for k, v in t.state.embeddings[0].slots.items()}]
-    store = RowStore(str(tmp_path / "rows"), t.specs, shapes, "rocks_db")
-    assert store.size(0) == want["keys"].size
-    got = store.pull(0, want["keys"])
-    store.close()
-    order = np.argsort(want["keys"])
-    back = np.argsort(got["keys"])
-    for name in ("values", "accessor"):
-        if name in want:
-            np.testing.assert_allclose(got[name][back], want[name][order], rtol=1e-5,
-                                       atol=1e-7, err_msg=name)
+    _assert_stored_as(tmp_path, run, want, "rocks_db")
 
 
 def test_the_quick_start_runs_as_printed(tmp_path):

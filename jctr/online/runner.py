@@ -885,8 +885,6 @@ class OnlineRun:
         checkpoint recorded: queued behind it on the store thread where it is in flight (the
         day's end builds its models meanwhile), else made now. A write-back that failed
         makes no change (its error is raised by :meth:`_settle`)."""
-        if self._deferred is not None and self._pool is not None:
-            self._write_behind()
         behind = self._behind
         if behind is None:
             self._settle()

@@ -90,6 +90,10 @@ def argsort_u64(keys: np.ndarray, *, stable: bool = True) -> np.ndarray:
         return packed[0]
     if not stable and SIMD_ARGSORT:
         return np.argsort(keys)
+    return _radix_order(keys)
+
+
+def _radix_order(keys: np.ndarray) -> np.ndarray:
     order = np.empty(keys.size, np.int64)
     _radix_argsort(keys.copy(), order, np.empty_like(keys), np.empty_like(order))
     return order
@@ -102,10 +106,13 @@ def ascending_last(values: np.ndarray) -> np.ndarray:
     """Positions of uint64 ``values`` in ascending order, a value given more than once by
     its last position only (a key's latest row: the stores' sorted writes)."""
     values = np.asarray(values, np.uint64)
-    packed = _packed_argsort(values) if values.size >= _SMALL else None
-    if packed is not None and not packed[1]:  # no two equal (the sort saw every tie)
-        return packed[0]
-    order = argsort_u64(values) if packed is None else packed[0]
+    if values.size < _SMALL:
+        order = np.argsort(values, kind="stable")
+    else:
+        packed = _packed_argsort(values)
+        if packed is not None and not packed[1]:  # no two equal (the sort saw every tie)
+            return packed[0]
+        order = _radix_order(values) if packed is None else packed[0]
     if order.size < 2:
         return order
     ordered = np.take(values, order)

@@ -639,3 +639,117 @@ def test_a_buckets_ranks_in_vector_registers_choose_as_the_slot_loop(policy, epo
                                      np.int64(epoch_steps))
     np.testing.assert_array_equal(got[:, 0], got[:, 1])
     assert (got[:, 0] == 8).sum() > 50 and (got[:, 0] < 8).sum() > buckets // 2
+
+
+def _bag_of_repeats(seed, n=5000, capacity=1000, num_segments=900, dim=16):
+    """A batch's rows (some -1), segments in batch order (some past the last: padding),
+    each position's representative (its row's first position, -1 without a row) and
+    segment gradients (some -0.0), as a training lookup hands them to the row update."""
+    rng = np.random.default_rng(seed)
+    rows = rng.integers(0, capacity, n).astype(np.int32)
+    rows[rng.random(n) < 0.1] = -1
+    segments = np.sort(rng.integers(0, num_segments + 3, n)).astype(np.int32)
+    rep = np.full(n, -1, np.int32)
+    first: dict[int, int] = {}
+    for i, r in enumerate(rows):
+        if r >= 0:
+            rep[i] = first.setdefault(int(r), i)
+    grads = rng.normal(size=(num_segments, dim)).astype(np.float32)
+    grads[:5] = -0.0
+    state = (rng.normal(size=(capacity, dim)).astype(np.float32),
+             (0.1 * rng.normal(size=(capacity, dim))).astype(np.float32),
+             (0.01 * rng.random((capacity, dim))).astype(np.float32))
+    return rows, segments, rep, grads, state
+
+
+def _adam_native_and_reference(seed: int, combiner: str):
+    """(native rows, reference rows, rows before, the batch's rows) of one Adam step."""
+    from jctr.config.schema import OptimizerConfig
+    from jctr.embedding import row_optimizers as row_opt
+    from jctr.ops import adam_by_segment
+    from jctr.ops.bag import embedding_bag_backward_reference
+
+    opt = OptimizerConfig("Adam", update_type="Local")
+    rows, segments, rep, grads, state = _bag_of_repeats(seed)
+    n, capacity, num_segments = rows.size, state[0].shape[0], grads.shape[0]
+    lr, count = jnp.float32(0.01), jnp.int32(3 + 5 * seed)
+
+    def reference(values, m, v):
+        g = embedding_bag_backward_reference(jnp.asarray(grads), jnp.asarray(segments),
+                                             jnp.asarray(rep), num_segments, combiner)
+        at = jnp.where(jnp.asarray(rep) == jnp.arange(n), jnp.asarray(rows), capacity)
+        w, slots = row_opt.apply_rows(opt, values, {"m": m, "v": v}, at, g, lr, count)
+        return w, slots["m"], slots["v"]
+
+    def native(values, m, v):
+        return adam_by_segment(values, m, v, jnp.asarray(rows), jnp.asarray(rep),
+                               jnp.asarray(segments), jnp.asarray(grads),
+                               row_opt.adam_params(opt, lr, count), num_segments, combiner,
+                               reference)
+
+    return ([np.asarray(x) for x in jax.jit(native)(*state)],
+            [np.asarray(x) for x in jax.jit(reference)(*state)], state, rows)
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_the_native_adam_step_of_a_bag_gives_the_reference_rows(combiner):
+    """``jctr_cpu_adam_rows`` (:func:`jctr.ops.adam_by_segment` on CPU) against the jnp
+    formulation it replaces: gradients summed at the representatives
+    (``embedding_bag_backward_reference``), then ``row_optimizers.apply_rows``'s gathered
+    Adam step (the HugeCTR rule, ``adam_update`` in HugeCTR's
+    ``HugeCTR/src/optimizers/adam_optimizer.cu``, with bias-corrected moments). The row sums
+    are exact (batch order from 0, as XLA's scatter-add); XLA's CPU code contracts the
+    moments' ``b * m + (1 - b) * g`` into a fused multiply-add in most lanes but not all (an
+    LLVM choice per lane), so the moments may differ in their last bit there, and the rows
+    by as little; rows no position touches keep every bit."""
+    for seed in range(3):
+        got, want, state, rows = _adam_native_and_reference(seed, combiner)
+        touched = np.zeros(state[0].shape[0], bool)
+        touched[rows[rows >= 0]] = True
+        for name, a, b, before in zip("wmv", got, want, state):
+            # a moment's rounding (where one fuses a multiply-add) and what it moves in a row
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(before).max())
+            assert np.array_equal(a[~touched], before[~touched]), name
+            assert not np.array_equal(a[touched], before[touched]), name
+
+
+def test_an_adam_training_step_takes_the_native_row_update():
+    """A bag's Adam step (``update_type: Local``) on CPU runs ``jctr_cpu_adam_rows`` in
+    place of XLA's scatters and gathers, and a training step of it gives the rows of the
+    jnp path (JCTR_KERNELS=reference) to within the moments' last bit."""
+    import os
+
+    from jctr.config.schema import OptimizerConfig
+    from jctr.embedding.sparse_embedding import (
+        EmbeddingSpec,
+        apply_gradients,
+        init_embedding,
+        lookup_rows,
+    )
+
+    spec = EmbeddingSpec("t", capacity=4096, dim=16, slot_num=3, max_features=6,
+                         one_hot=False, input_index=0,
+                         optimizer=OptimizerConfig("Adam", update_type="Local"))
+    rng = np.random.default_rng(1)
+    keys = jnp.asarray(rng.integers(0, 300, 4 * 6), jnp.int64)
+    segments = jnp.asarray(np.repeat(np.arange(12), 2), jnp.int32)
+    grad = jnp.asarray(rng.normal(size=(4, 3, 16)), jnp.float32)
+
+    def step(state):
+        state, lk = lookup_rows(spec, state, keys, segments, 4, train=True)
+        return apply_gradients(spec, state, lk, segments, grad, jnp.float32(0.01),
+                               jnp.int32(1))
+
+    text = jax.jit(step).lower(init_embedding(spec)).as_text()
+    assert "jctr_cpu_adam_rows" in text
+    got = jax.jit(step)(init_embedding(spec))
+    os.environ["JCTR_KERNELS"] = "reference"
+    try:
+        want = jax.jit(step)(init_embedding(spec))
+    finally:
+        del os.environ["JCTR_KERNELS"]
+    for a, b in ((got.values, want.values), (got.slots["m"], want.slots["m"]),
+                 (got.slots["v"], want.slots["v"])):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max())
+    assert np.asarray(got.slots["m"]).any()

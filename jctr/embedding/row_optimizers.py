@@ -89,6 +89,23 @@ def _row_rule(opt: OptimizerConfig, w, g, state: dict, lr, count):
     return _weight_rule(opt, w, g, new, lr, count), new
 
 
+def steps_bags_natively(opt: OptimizerConfig) -> bool:
+    """Whether a bag's rows may step through :func:`jctr.ops.adam_by_segment` (Adam on the
+    touched rows alone: ``Local``, no ``last_step`` to catch up)."""
+    return opt.type == "Adam" and opt.update_type == "Local"
+
+
+def adam_params(opt: OptimizerConfig, lr, count) -> jax.Array:
+    """float32 [8]: beta1, 1 - beta1, beta2, 1 - beta2, the bias corrections 1 - beta ** t
+    and lr, epsilon: the scalars of :func:`_row_rule`'s Adam, each computed as it computes
+    it (:func:`jctr.ops.adam_by_segment`)."""
+    c = count.astype(jnp.float32)
+    return jnp.stack([jnp.float32(opt.beta1), jnp.float32(1.0 - opt.beta1),
+                      jnp.float32(opt.beta2), jnp.float32(1.0 - opt.beta2),
+                      1.0 - jnp.float32(opt.beta1) ** c, 1.0 - jnp.float32(opt.beta2) ** c,
+                      jnp.asarray(lr, jnp.float32), jnp.float32(opt.epsilon)])
+
+
 def initial_scales(opt: OptimizerConfig, dim: int, bound: float) -> jax.Array | float:
     """What a new row's uniform [-1, 1) vector is multiplied by: ``bound`` for every column, or
     per part the ``initial_range`` of SparseAdaGradSGDRule."""

@@ -24,6 +24,10 @@ Kernels here:
   is split: the keys holding a row are found in parts on every thread (in the one pass such
   a key writes nothing), then the others go through the one pass in batch order, on the
   calling thread: the same bits.
+* ``jctr_cpu_adam_rows``: Adam on a bag's distinct rows (``update_type: Local``): the rows
+  listed with their gradients summed in batch order, then stepped in parts on every thread;
+  XLA's formulation writes [n, dim] zeros, scatter-adds the gradients at the representatives,
+  then gathers, steps and scatters back the rows and moments in chunks.
 * ``jctr_cpu_evict``: the eviction of a full table (the rows its new keys take, by the
   policy's ranking of the keys in a window of slots from each new key's home bucket on, their
   scores beside them; a bucket's ranks compared in vector registers), each new key claiming in
@@ -941,6 +945,142 @@ if AVAILABLE:
                                   np.float32), True, factor)
         return _pointer(0)
 
+    @intrinsic
+    def _fma(typingctx, a, b, c):
+        """``a * b + c`` (float32) rounded once: LLVM's fused multiply-add, as XLA's CPU code
+        computes ``a * b + c * d`` (checked bit for bit: tests/test_cpu_ffi.py)."""
+        def codegen(context, builder, signature, args):
+            f32 = ir.FloatType()
+            fn = cgutils.get_or_insert_function(builder.module,
+                                                ir.FunctionType(f32, [f32, f32, f32]),
+                                                "llvm.fma.f32")
+            return builder.call(fn, args)
+        return types.float32(types.float32, types.float32, types.float32), codegen
+
+    @numba.njit(inline="always")
+    def _adam_sums(rows, rep, segments, grads, capacity, listed, summed, index):
+        """The distinct rows of a bag (``listed``, in the order of their first positions) and
+        their gradients (``summed``): each the sum of its positions' segment gradients in
+        batch order from 0, as XLA's scatter-add at the representatives
+        (:func:`jctr.ops.bag.sum_at_representatives`) adds them; segments outside ``grads``
+        add 0. ``index``: a first position's place in the list. Returns how many rows."""
+        n, dim, num_segments = rows.shape[0], summed.shape[1], grads.shape[0]
+        summed_at, index_at = summed.ctypes.data, index.ctypes.data
+        k = 0
+        zero = np.float32(0.0)
+        for i in range(n):
+            # a repeat's listed row, two steps ahead: its first position's place, then its row
+            ahead = i + _ROWS_AHEAD
+            if ahead < n and 0 <= rep[ahead] < i:
+                _prefetch(index_at + 4 * np.int64(rep[ahead]))
+            near = i + _ROWS_AHEAD // 2
+            if near < n and 0 <= rep[near] < i:
+                j = index[rep[near]]
+                if j >= 0:
+                    _prefetch(summed_at + 4 * dim * np.int64(j))
+            r = rep[i]
+            if r < 0 or r > i:
+                continue
+            s = segments[i]
+            inside = 0 <= s < num_segments
+            if r == i:
+                if rows[i] < 0 or rows[i] >= capacity:
+                    index[i] = -1
+                    continue
+                index[i] = k
+                listed[k] = rows[i]
+                for c in range(dim):
+                    summed[k, c] = zero + (grads[s, c] if inside else zero)
+                k += 1
+                continue
+            j = index[r]
+            if j < 0:
+                continue
+            for c in range(dim):
+                summed[j, c] += grads[s, c] if inside else zero
+        return k
+
+    @numba.njit(inline="always")
+    def _adam_step(values, m, v, listed, summed, params, lo, hi):
+        """Adam on the listed rows ``lo`` to ``hi`` with their summed gradients, the three
+        lines of a row ``_ROWS_AHEAD`` on fetched first. ``params``: beta1, 1 - beta1, beta2,
+        1 - beta2, the two bias corrections, lr, epsilon (float32, as XLA computes them).
+        The moments are ``fma(beta, m, (1 - beta) * g)``, as XLA's CPU code contracts them in
+        the lanes where LLVM fuses them (not all: a rounding apart elsewhere,
+        tests/test_cpu_ffi.py)."""
+        dim = values.shape[1]
+        b1, ob1, b2, ob2 = params[0], params[1], params[2], params[3]
+        d1, d2, lr, eps = params[4], params[5], params[6], params[7]
+        values_at, m_at, v_at = values.ctypes.data, m.ctypes.data, v.ctypes.data
+        for j in range(lo, hi):
+            ahead = j + _ROWS_AHEAD
+            if ahead < hi:
+                line = 4 * dim * np.int64(listed[ahead])
+                _prefetch(values_at + line)
+                _prefetch(m_at + line)
+                _prefetch(v_at + line)
+            r = listed[j]
+            for c in range(dim):
+                g = summed[j, c]
+                mc = _fma(b1, m[r, c], ob1 * g)
+                vc = _fma(b2, v[r, c], ob2 * g * g)
+                m[r, c] = mc
+                v[r, c] = vc
+                values[r, c] = values[r, c] - lr * (mc / d1) / (np.sqrt(vc / d2) + eps)
+
+    # the Adam job record: values, m, v, capacity, dim, listed rows, their sums, params, rows
+    _ADAM_WORDS = 9
+
+    @numba.njit(inline="always")
+    def _adam_part(job, p):
+        """Part ``p`` of the Adam step: its range of the listed (distinct) rows."""
+        h = cpu_parts.HEADER
+        capacity, dim, k = cpu_parts.load(job, h + 3), cpu_parts.load(job, h + 4), \
+            cpu_parts.load(job, h + 8)
+        lo, hi = cpu_parts.part_range(job, p, k)
+        _adam_step(carray(_pointer(cpu_parts.load(job, h)), (capacity, dim), np.float32),
+                   carray(_pointer(cpu_parts.load(job, h + 1)), (capacity, dim), np.float32),
+                   carray(_pointer(cpu_parts.load(job, h + 2)), (capacity, dim), np.float32),
+                   carray(_pointer(cpu_parts.load(job, h + 5)), (k,), np.int32),
+                   carray(_pointer(cpu_parts.load(job, h + 6)), (k, dim), np.float32),
+                   carray(_pointer(cpu_parts.load(job, h + 7)), (8,), np.float32), lo, hi)
+
+    def _adam_task(data):
+        cpu_parts.work(_address(data), _adam_part)
+
+    def _adam_rows_frame(frame_pointer):
+        frame = _address(frame_pointer)
+        if _answer_metadata(frame):
+            return _pointer(0)
+        outs = (_buffer(frame, _FRAME_RETS, 0)[0], _buffer(frame, _FRAME_RETS, 1)[0],
+                _buffer(frame, _FRAME_RETS, 2)[0])
+        _, value_dims = _buffer(frame, _FRAME_ARGS, 0)
+        shape = carray(_pointer(value_dims), (2,), np.int64)
+        capacity, dim = shape[0], shape[1]
+        for a in range(3):
+            _adopt(outs[a], _buffer(frame, _FRAME_ARGS, a)[0], 4 * capacity * dim)
+        row_data, row_dims = _buffer(frame, _FRAME_ARGS, 3)
+        n = _word(row_dims)
+        grad_data, grad_dims = _buffer(frame, _FRAME_ARGS, 6)
+        listed = np.empty(n, np.int32)
+        summed = np.empty((n, dim), np.float32)  # the first k rows used
+        k = _adam_sums(carray(_pointer(row_data), (n,), np.int32),
+                       carray(_pointer(_buffer(frame, _FRAME_ARGS, 4)[0]), (n,), np.int32),
+                       carray(_pointer(_buffer(frame, _FRAME_ARGS, 5)[0]), (n,), np.int32),
+                       carray(_pointer(grad_data), (_word(grad_dims), dim), np.float32),
+                       capacity, listed, summed, np.empty(n, np.int32))
+        # parts: ranges of the listed rows (distinct: parts write apart); every part done
+        # before the lists are freed
+        job = cpu_parts.begin(frame, _ADAM_WORDS, _parts_of(k))
+        h = cpu_parts.HEADER
+        words = (outs[0], outs[1], outs[2], capacity, dim, np.int64(listed.ctypes.data),
+                 np.int64(summed.ctypes.data), _buffer(frame, _FRAME_ARGS, 7)[0], k)
+        for w in range(_ADAM_WORDS):
+            cpu_parts.store(job, h + w, words[w])
+        cpu_parts.run_and_wait(job, frame, cpu_parts.symbol("jctr_task_adam_rows"), _adam_part)
+        cpu_parts.release(job)
+        return _pointer(0)
+
     _TOMBSTONE = EMPTY_KEY + 1
     _NEVER = np.iinfo(np.int64).max
 
@@ -1490,6 +1630,7 @@ if AVAILABLE:
                              ("jctr_task_find_assign", _find_assign_task),
                              ("jctr_task_bag_sum", _bag_task),
                              ("jctr_task_init_rows", _init_task),
+                             ("jctr_task_adam_rows", _adam_task),
                              ("jctr_task_pair_dots", _pair_dots_task)):
             cpu_parts.register_task(_name, cpu_parts.cfunc(_task, types.void(types.voidptr)))
         _hash_lookup_handler = _cfunc(_hash_lookup)
@@ -1498,6 +1639,7 @@ if AVAILABLE:
         _init_rows_handler = _cfunc(_init_rows_frame)
         _bag_sum_handler = _cfunc(_bag_sum_frame)
         _add_by_segment_handler = _cfunc(_add_by_segment_frame)
+        _adam_rows_handler = _cfunc(_adam_rows_frame)
         _evict_handler = _cfunc(_evict_rows)
         _rebuild_handler = _cfunc(_rebuild_rows)
         _pair_dots_handler = _cfunc(_pair_dots)
@@ -1525,6 +1667,7 @@ def _register() -> None:
                           ("jctr_cpu_init_rows", _init_rows_handler),
                           ("jctr_cpu_bag_sum", _bag_sum_handler),
                           ("jctr_cpu_add_by_segment", _add_by_segment_handler),
+                          ("jctr_cpu_adam_rows", _adam_rows_handler),
                           ("jctr_cpu_evict", _evict_handler),
                           ("jctr_cpu_rebuild_slots", _rebuild_handler),
                           ("jctr_cpu_pair_dots", _pair_dots_handler),
@@ -1660,6 +1803,26 @@ def add_by_segment(values: jax.Array, rows: jax.Array, segments: jax.Array,
         input_output_aliases={0: 0})(values, rows.astype(jnp.int32),
                                      segments.astype(jnp.int32), updates.astype(jnp.float32),
                                      jnp.reshape(jnp.asarray(factor, jnp.float32), (1,)))
+
+
+def adam_rows(values: jax.Array, m: jax.Array, v: jax.Array, rows: jax.Array,
+              rep: jax.Array, segments: jax.Array, grads: jax.Array,
+              params: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(values, m, v) after Adam on the distinct rows of a bag: row ``rows[i]`` of each
+    position whose ``rep`` is itself steps with the sum, in batch order, of the segment
+    gradients ``grads[segments[j]]`` of the positions ``j`` whose ``rep`` is ``i`` (segments
+    outside ``grads`` add 0); ``params`` float32 [8]: beta1, 1 - beta1, beta2, 1 - beta2,
+    1 - beta1 ** t, 1 - beta2 ** t, lr, epsilon. The bits of
+    :func:`jctr.embedding.row_optimizers.apply_rows` on
+    :func:`jctr.ops.bag.embedding_bag_backward_reference`'s sums, without their [n, dim]
+    arrays. In place when the tables can be donated. CPU only."""
+    _register()
+    out = jax.ShapeDtypeStruct(values.shape, jnp.float32)
+    return tuple(jax.ffi.ffi_call(
+        "jctr_cpu_adam_rows", (out, out, out), input_output_aliases={0: 0, 1: 1, 2: 2})(
+            values, m, v, rows.astype(jnp.int32), rep.astype(jnp.int32),
+            segments.astype(jnp.int32), grads.astype(jnp.float32),
+            params.astype(jnp.float32)))
 
 
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")  # the kernel's policy codes

@@ -162,6 +162,27 @@ def embedding_bag_backward(grad_out, segments, rep, num_segments: int, combiner:
     return ref.embedding_bag_backward_reference(grad_out, segments, rep, num_segments, combiner)
 
 
+def adam_by_segment(values, m, v, rows, rep, segments, grad_out, params, num_segments: int,
+                    combiner: str, reference):
+    """(values, m, v) after Adam on a bag's distinct rows (``rep``: each position's
+    representative; ``params``: see :func:`jctr.ops.cpu_ffi.adam_rows`); ``reference(values,
+    m, v)`` is the jnp formulation (the row gradients summed at the representatives, then
+    the rows gathered, stepped and scattered back in chunks). On CPU one native pass lists
+    the distinct rows with their summed gradients and steps them in parts (the same rows to a
+    rounding of the moments, where XLA fuses a multiply-add and the kernel does not or the
+    other way round; without the [n, dim] arrays of zeros, gradients and gathered rows and
+    their scatters: docs/performance.md); elsewhere the reference."""
+    args = (values, m, v)
+    if not _native_rows(values) or m.shape != values.shape or v.shape != values.shape:
+        return reference(*args)
+
+    def cpu(values, m, v):
+        g = ref.per_position(grad_out, segments, num_segments) if combiner == "mean" else grad_out
+        return cpu_ffi.adam_rows(values, m, v, rows, rep, segments, g, params)
+
+    return _by_platform(*args, cpu=cpu, default=reference)
+
+
 def sgd_by_segment(values, rows, segments, grad_out, factor, num_segments: int,
                    combiner: str = "sum"):
     """``values`` after plain SGD on a bag's rows: each key's row (``rows``; negative or

@@ -1,7 +1,8 @@
 """DLRM training throughput of jctr against a plain PyTorch baseline, measured in one run.
 
 Model (the Criteo Kaggle shape): 13 dense features, 26 slots with the Kaggle cardinalities capped
-at 1,000,000 rows, embedding dim 16, bottom MLP 512-256-64-16, top MLP 512-256-1, plain SGD.
+at 1,000,000 rows, embedding dim 16, bottom MLP 512-256-64-16, top MLP 512-256-1, plain SGD
+(``--optimizer adam``: Adam on the touched rows, PyTorch's SparseAdam and Adam).
 The baseline is the classic DLRM reference: one nn.EmbeddingBag(sparse=True) per slot, dense
 MLPs, dot interaction, torch.optim.SGD. Both train on the same batches, made before the timing and
 held in memory (the data pipeline is measured separately); every step takes a batch no earlier
@@ -22,6 +23,7 @@ of them alike; figures are medians over all timed steps, and each ratio also com
 
     python scripts/bench_train.py                 # one-hot and 10-hot, float32 and bfloat16
     python scripts/bench_train.py --hot 1 --steps 20 --dtype float32 --keys uniform
+    python scripts/bench_train.py --optimizer adam --hot 10 --dtype float32
 """
 
 from __future__ import annotations
@@ -75,13 +77,20 @@ def jctr_batch(ranks, dense, label) -> Batch:
     return Batch(label, dense, (keys,), (segs,), np.ones(b, bool))
 
 
-def jctr_config(batch: int, hot: int) -> dict:
+# ``--optimizer adam``: HugeCTR's Adam on the touched rows (``update_type: Local``) against
+# PyTorch's SparseAdam on the tables and Adam on the MLPs, the same hyperparameters
+ADAM = {"learning_rate": 0.001, "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-7}
+
+
+def jctr_config(batch: int, hot: int, optimizer: str = "sgd") -> dict:
     from jctr.config.model_layers import dlrm_layers
 
     slots = len(KAGGLE_CAPPED)
     return {
         "solver": {"max_iter": 1, "batchsize": batch, "input_key_type": "I64"},
-        "optimizer": {"type": "SGD", "sgd_hparam": {"learning_rate": 0.1}},
+        "optimizer": ({"type": "SGD", "sgd_hparam": {"learning_rate": 0.1}}
+                      if optimizer == "sgd" else
+                      {"type": "Adam", "update_type": "Local", "adam_hparam": ADAM}),
         "layers": [
             {"name": "data", "type": "Data", "source": "unused", "eval_source": "unused",
              "label": {"top": "label", "label_dim": 1}, "dense": {"top": "dense",
@@ -97,7 +106,8 @@ def jctr_config(batch: int, hot: int) -> dict:
         ]}
 
 
-def jctr_runner(batches, dtype: str, engine=None, l2_rows: str | None = None):
+def jctr_runner(batches, dtype: str, engine=None, l2_rows: str | None = None,
+                optimizer: str = "sgd"):
     """A function running one jctr training step on the next batch (compiled here);
     ``engine``: the step's embedding engine (default: the tables on one device); ``l2_rows``:
     the table regularized (``l2_lambda`` 1e-5) on the touched rows or on all of them."""
@@ -110,7 +120,7 @@ def jctr_runner(batches, dtype: str, engine=None, l2_rows: str | None = None):
     from jctr.train.step import make_train_step
 
     b, _, hot = batches[0][0].shape
-    config = jctr_config(b, hot)
+    config = jctr_config(b, hot, optimizer)
     config["solver"]["compute_dtype"] = dtype
     if l2_rows is not None:
         config["layers"][1]["sparse_embedding_hparam"].update(l2_lambda=1e-5, l2_rows=l2_rows)
@@ -131,7 +141,7 @@ def jctr_runner(batches, dtype: str, engine=None, l2_rows: str | None = None):
     return run
 
 
-def dense_only_runner(batches, dtype: str):
+def dense_only_runner(batches, dtype: str, optimizer: str = "sgd"):
     """jctr's step with the embedding lookups replaced by pooled vectors given up front (no
     table lookup, insertion, pooling or row update; the dense part's backward into the
     embeddings stays): ``step - this`` is the sparse part of the step."""
@@ -154,10 +164,10 @@ def dense_only_runner(batches, dtype: str):
                                      + (jnp.sum(grads[0]) * 0).astype(table.overflow.dtype))
             return (embs[0]._replace(table=touched),)
 
-    return jctr_runner(batches, dtype, Pregathered())
+    return jctr_runner(batches, dtype, Pregathered(), optimizer=optimizer)
 
 
-def torch_runner(batches, dtype: str, device: str = "cpu"):
+def torch_runner(batches, dtype: str, device: str = "cpu", optimizer: str = "sgd"):
     """A function running one step of the PyTorch reference (autocast for bfloat16)."""
     import torch
     from torch import nn
@@ -191,7 +201,14 @@ def torch_runner(batches, dtype: str, device: str = "cpu"):
             return self.top(torch.cat([x, z, pad], dim=1))
 
     model = DLRMRef().to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if optimizer == "sgd":
+        opts = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    else:
+        hyper = {"lr": ADAM["learning_rate"], "betas": (ADAM["beta1"], ADAM["beta2"]),
+                 "eps": ADAM["epsilon"]}
+        opts = [torch.optim.SparseAdam(list(model.emb.parameters()), **hyper),
+                torch.optim.Adam([*model.bot.parameters(), *model.top.parameters()],
+                                 **hyper)]
     loss_fn = nn.BCEWithLogitsLoss()
     prepared = []
     for ranks, dense, label in batches:
@@ -208,12 +225,14 @@ def torch_runner(batches, dtype: str, device: str = "cpu"):
     def run():
         dense, idx, offs, label = prepared[box["i"] % len(prepared)]
         box["i"] += 1
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.zero_grad(set_to_none=True)
         with torch.autocast(kind, dtype=torch.bfloat16, enabled=autocast):
             out = model(dense, idx, offs)
         loss = loss_fn(out.float(), label)
         loss.backward()
-        opt.step()
+        for opt in opts:
+            opt.step()
         if kind == "cuda":
             torch.cuda.synchronize()
 
@@ -264,6 +283,9 @@ def main() -> int:
     ap.add_argument("--torch-device", default=None,
                     help="the PyTorch reference's device (default: cuda where JAX runs on a GPU)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
+                    help="plain SGD (the DLRM reference), or Adam on the touched rows "
+                    "(jctr's update_type Local; PyTorch's SparseAdam and Adam)")
     ap.add_argument("--l2", action="store_true",
                     help="also time the table regularized on its touched rows and on all rows "
                     "(l2_rows), against the plain step")
@@ -282,9 +304,10 @@ def main() -> int:
         batches = make_batches(args.warmup + args.steps, args.batch, hot, keys=keys)
         runners = {}
         for dtype in args.dtype:
-            runners["jctr", dtype] = jctr_runner(batches, dtype)
-            runners["dense", dtype] = dense_only_runner(batches, dtype)
-            runners["torch", dtype] = torch_runner(batches, dtype, torch_device)
+            runners["jctr", dtype] = jctr_runner(batches, dtype, optimizer=args.optimizer)
+            runners["dense", dtype] = dense_only_runner(batches, dtype, args.optimizer)
+            runners["torch", dtype] = torch_runner(batches, dtype, torch_device,
+                                                   args.optimizer)
             if args.l2:
                 for rows in ("touched", "all"):
                     runners[f"l2 {rows}", dtype] = jctr_runner(batches, dtype, l2_rows=rows)
@@ -294,11 +317,12 @@ def main() -> int:
             j, t = rate["jctr", dtype], rate["torch", dtype]
             per_round = round_ratios(times["jctr", dtype], times["torch", dtype], args.block)
             row = {"hot": hot, "keys": keys, "batch": args.batch, "dtype": dtype,
+                   "optimizer": args.optimizer,
                    "device": jax.devices()[0].device_kind, "torch_device": torch_device,
                    "jctr_samples_per_s": round(j), "torch_samples_per_s": round(t),
                    "ratio": round(j / t, 3),
                    "round_ratios": [round(r, 3) for r in per_round]}
-            line = (f"{hot:>2}-hot {keys:<9} batch {args.batch} {dtype:<8}: "
+            line = (f"{hot:>2}-hot {keys:<9} batch {args.batch} {dtype:<8} {args.optimizer}: "
                     f"jctr {j:,.0f} samples/s   "
                     f"pytorch{' (autocast)' if dtype == 'bfloat16' else ''} {t:,.0f} samples/s"
                     f"   ratio {j / t:.2f}x (rounds {min(per_round):.2f}-{max(per_round):.2f})")

@@ -957,6 +957,36 @@ if AVAILABLE:
             return builder.call(fn, args)
         return types.float32(types.float32, types.float32, types.float32), codegen
 
+    @intrinsic
+    def _adam_16(typingctx, w_at, m_at, v_at, g_at, params_at):
+        """Adam on sixteen float32 of a row (``w_at``, ``m_at``, ``v_at``) with their summed
+        gradients (``g_at``) as vector code (numba leaves the lane loop scalar: three
+        divisions and a square root a lane); ``params_at``: the eight float32 of
+        :func:`_adam_step`. The same operations and roundings as its scalar loop."""
+        def codegen(context, builder, signature, args):
+            f32 = ir.FloatType()
+            ptr = _ROW16.as_pointer()
+            w_p, m_p, v_p = (builder.inttoptr(a, ptr) for a in args[:3])
+            g = builder.load(builder.inttoptr(args[3], ptr), align=4)
+            params = builder.inttoptr(args[4], f32.as_pointer())
+            b1, ob1, b2, ob2, d1, d2, lr, eps = (
+                _splat(builder, builder.load(builder.gep(params, [ir.Constant(
+                    ir.IntType(64), j)])), _ROW16) for j in range(8))
+            fma = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_ROW16, [_ROW16] * 3), "llvm.fma.v16f32")
+            sqrt = cgutils.get_or_insert_function(
+                builder.module, ir.FunctionType(_ROW16, [_ROW16]), "llvm.sqrt.v16f32")
+            m = builder.call(fma, [b1, builder.load(m_p, align=4), builder.fmul(ob1, g)])
+            v = builder.call(fma, [b2, builder.load(v_p, align=4),
+                                   builder.fmul(builder.fmul(ob2, g), g)])
+            builder.store(m, m_p, align=4)
+            builder.store(v, v_p, align=4)
+            step = builder.fdiv(builder.fmul(lr, builder.fdiv(m, d1)),
+                                builder.fadd(builder.call(sqrt, [builder.fdiv(v, d2)]), eps))
+            builder.store(builder.fsub(builder.load(w_p, align=4), step), w_p, align=4)
+        return types.void(types.int64, types.int64, types.int64, types.int64,
+                          types.int64), codegen
+
     @numba.njit(inline="always")
     def _adam_sums(rows, rep, segments, grads, capacity, listed, summed, index):
         """The distinct rows of a bag (``listed``, in the order of their first positions) and
@@ -989,15 +1019,22 @@ if AVAILABLE:
                     continue
                 index[i] = k
                 listed[k] = rows[i]
-                for c in range(dim):
-                    summed[k, c] = zero + (grads[s, c] if inside else zero)
+                summed[k, :] = zero  # 0 + g, as XLA's scatter-add on zeros (-0.0 -> 0.0)
+                j = k
                 k += 1
+            else:
+                j = index[r]
+                if j < 0:
+                    continue
+            if not inside:  # a sum never is -0.0: adding 0 changes no bit
                 continue
-            j = index[r]
-            if j < 0:
-                continue
-            for c in range(dim):
-                summed[j, c] += grads[s, c] if inside else zero
+            if dim % 16 == 0:
+                for c in range(0, dim, 16):
+                    _add_16(summed_at + 4 * (dim * np.int64(j) + c),
+                            grads.ctypes.data + 4 * (dim * np.int64(s) + c))
+            else:
+                for c in range(dim):
+                    summed[j, c] += grads[s, c]
         return k
 
     @numba.njit(inline="always")
@@ -1020,6 +1057,13 @@ if AVAILABLE:
                 _prefetch(m_at + line)
                 _prefetch(v_at + line)
             r = listed[j]
+            if dim % 16 == 0:
+                for c in range(0, dim, 16):
+                    at = 4 * (dim * np.int64(r) + c)
+                    _adam_16(values_at + at, m_at + at, v_at + at,
+                             summed.ctypes.data + 4 * (dim * np.int64(j) + c),
+                             params.ctypes.data)
+                continue
             for c in range(dim):
                 g = summed[j, c]
                 mc = _fma(b1, m[r, c], ob1 * g)

@@ -1106,13 +1106,17 @@ if AVAILABLE:
         row_data, row_dims = _buffer(frame, _FRAME_ARGS, 3)
         n = _word(row_dims)
         grad_data, grad_dims = _buffer(frame, _FRAME_ARGS, 6)
-        listed = np.empty(n, np.int32)
-        summed = np.empty((n, dim), np.float32)  # the first k rows used
+        # workspaces XLA allocates (results 3 and 4: counted in the step's temporaries, which
+        # the memory plan reads): the listed rows' sums (the first k rows used), the listed
+        # rows and each first position's place in the list
+        summed = carray(_pointer(_buffer(frame, _FRAME_RETS, 3)[0]), (n, dim), np.float32)
+        lists = _buffer(frame, _FRAME_RETS, 4)[0]
+        listed = carray(_pointer(lists), (n,), np.int32)
         k = _adam_sums(carray(_pointer(row_data), (n,), np.int32),
                        carray(_pointer(_buffer(frame, _FRAME_ARGS, 4)[0]), (n,), np.int32),
                        carray(_pointer(_buffer(frame, _FRAME_ARGS, 5)[0]), (n,), np.int32),
                        carray(_pointer(grad_data), (_word(grad_dims), dim), np.float32),
-                       capacity, listed, summed, np.empty(n, np.int32))
+                       capacity, listed, summed, carray(_pointer(lists + 4 * n), (n,), np.int32))
         # parts: ranges of the listed rows (distinct: parts write apart); every part done
         # before the lists are freed
         job = cpu_parts.begin(frame, _ADAM_WORDS, _parts_of(k))
@@ -1862,11 +1866,17 @@ def adam_rows(values: jax.Array, m: jax.Array, v: jax.Array, rows: jax.Array,
     arrays. In place when the tables can be donated. CPU only."""
     _register()
     out = jax.ShapeDtypeStruct(values.shape, jnp.float32)
+    n = rows.shape[0]
+    # the kernel's workspaces as results XLA allocates, so that the step's temporaries
+    # (the memory plan) count them: the distinct rows' summed gradients, two int32 lists
+    work = (jax.ShapeDtypeStruct((n, values.shape[1]), jnp.float32),
+            jax.ShapeDtypeStruct((2 * n,), jnp.int32))
     return tuple(jax.ffi.ffi_call(
-        "jctr_cpu_adam_rows", (out, out, out), input_output_aliases={0: 0, 1: 1, 2: 2})(
+        "jctr_cpu_adam_rows", (out, out, out, *work),
+        input_output_aliases={0: 0, 1: 1, 2: 2})(
             values, m, v, rows.astype(jnp.int32), rep.astype(jnp.int32),
             segments.astype(jnp.int32), grads.astype(jnp.float32),
-            params.astype(jnp.float32)))
+            params.astype(jnp.float32)))[:3]
 
 
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")  # the kernel's policy codes

@@ -117,6 +117,13 @@ def init_embedding(spec: EmbeddingSpec) -> EmbeddingState:
                           jnp.full((capacity,), -1, jnp.int32))
 
 
+def _rep_rows(lk: Lookup, capacity: int) -> jax.Array:
+    """Each distinct row once, at its representative position (``capacity`` elsewhere:
+    dropped): an optimizer's one update per row."""
+    at = jnp.arange(lk.rows.shape[0], dtype=jnp.int32)
+    return jnp.where(lk.rep == at, _safe_rows(lk.rows, capacity), capacity)
+
+
 def _safe_rows(rows: jax.Array, capacity: int) -> jax.Array:
     # -1 would wrap around in jnp indexing; capacity is out of range and dropped/filled instead.
     return jnp.where(rows >= 0, rows, capacity)
@@ -266,10 +273,8 @@ def _adam_by_segment(spec, state, lk, segments, flat, lr, count) -> EmbeddingSta
     def reference(values, m, v):
         g = embedding_bag_backward(flat, segments, lk.rep, num_segments, spec.combiner,
                                    one_hot=spec.one_hot)
-        at = jnp.arange(lk.rows.shape[0], dtype=jnp.int32)
-        rows = jnp.where(lk.rep == at, _safe_rows(lk.rows, capacity), capacity)
-        w, slots = row_opt.apply_rows(spec.optimizer, values, {"m": m, "v": v}, rows, g, lr,
-                                      count)
+        w, slots = row_opt.apply_rows(spec.optimizer, values, {"m": m, "v": v},
+                                      _rep_rows(lk, capacity), g, lr, count)
         return w, slots["m"], slots["v"]
 
     values, m, v = adam_by_segment(
@@ -293,10 +298,7 @@ def apply_key_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
 def _apply_rows(spec, state, lk, g, lr, count, keys=None, clicks=None,
                 shows=None) -> EmbeddingState:
     capacity = state.values.shape[0]
-    rows = _safe_rows(lk.rows, capacity)
-    if spec.sums_rows:  # one update per distinct row, at its representative position
-        ar = jnp.arange(rows.shape[0], dtype=jnp.int32)
-        rows = jnp.where(lk.rep == ar, rows, capacity)
+    rows = _rep_rows(lk, capacity) if spec.sums_rows else _safe_rows(lk.rows, capacity)
     occurrences = None
     if spec.optimizer.type == "SparseAdaGradSGDRule":  # its gradient is per pushed show
         per_key = (lk.rep >= 0).astype(jnp.float32)

@@ -948,7 +948,7 @@ if AVAILABLE:
     @intrinsic
     def _fma(typingctx, a, b, c):
         """``a * b + c`` (float32) rounded once: LLVM's fused multiply-add, as XLA's CPU code
-        computes ``a * b + c * d`` (checked bit for bit: tests/test_cpu_ffi.py)."""
+        computes ``a * b + c * d`` where LLVM fuses it (most lanes, not all)."""
         def codegen(context, builder, signature, args):
             f32 = ir.FloatType()
             fn = cgutils.get_or_insert_function(builder.module,
@@ -1860,10 +1860,11 @@ def adam_rows(values: jax.Array, m: jax.Array, v: jax.Array, rows: jax.Array,
     position whose ``rep`` is itself steps with the sum, in batch order, of the segment
     gradients ``grads[segments[j]]`` of the positions ``j`` whose ``rep`` is ``i`` (segments
     outside ``grads`` add 0); ``params`` float32 [8]: beta1, 1 - beta1, beta2, 1 - beta2,
-    1 - beta1 ** t, 1 - beta2 ** t, lr, epsilon. The bits of
+    1 - beta1 ** t, 1 - beta2 ** t, lr, epsilon. What
     :func:`jctr.embedding.row_optimizers.apply_rows` on
-    :func:`jctr.ops.bag.embedding_bag_backward_reference`'s sums, without their [n, dim]
-    arrays. In place when the tables can be donated. CPU only."""
+    :func:`jctr.ops.bag.embedding_bag_backward_reference`'s sums gives, to a rounding of the
+    moments (XLA fuses their multiply-add in some lanes only), without its [n, dim] arrays.
+    In place when the tables can be donated. CPU only."""
     _register()
     out = jax.ShapeDtypeStruct(values.shape, jnp.float32)
     n = rows.shape[0]

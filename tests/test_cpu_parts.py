@@ -210,3 +210,45 @@ print(int(cpu_parts._POOL[cpu_parts._HELPERS]), added)
                          timeout=300, env={**os.environ, "JCTR_KERNEL_THREADS": "0"})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["2", "2"]
+
+
+@pytest.mark.parametrize("dedupe,lean", [(True, False), (False, True), (False, False)])
+def test_a_training_lookup_in_pieces_equals_one_pass(dedupe, lean):
+    """``jctr_cpu_find_assign`` over batches of 60,000 positions (pieces of 8,192 probed on
+    the helpers while the calling thread runs the pass over the pieces before: a part may
+    see keys and rows an earlier piece inserted) gives the bits of the one pass (no helpers,
+    or a forked child's view): the slots, rows, representatives, new keys, grants, counts and
+    the table's arrays. Batch after batch into a table of 40,000 rows in 65,536 slots (the
+    slots filling up: probes passing full buckets, then sweeping the table), repeats within
+    a batch, invalid positions, tombstones, the rows running out (refused keys keep slots
+    without a row): with
+    dedupe (Adam: each slot's first position its representative), lean (plain SGD) and as an
+    evicting table without dedupe (slots and new keys written, no representatives)."""
+    from jctr.embedding.hash_table import TOMBSTONE
+    from jctr.ops.hashing import EMPTY_KEY
+
+    rng = np.random.default_rng(int(dedupe) + 2 * int(lean))
+    capacity, num_slots, n = 40_000, 1 << 16, 60_000
+    state = [np.full(num_slots, EMPTY_KEY, np.int64), np.full(num_slots, -1, np.int32),
+             np.zeros(num_slots, np.int32)]
+    free_rows = np.zeros(capacity, np.int32)
+    free_rows[:3] = [9, 4, 17]
+    size, free_count = np.int32(30), np.int32(3)
+    fn = jax.jit(lambda *a: [x for x in cpu_ffi.find_assign(*a, capacity, dedupe, lean)
+                             if x is not None])
+    for step in range(5):  # slots 38%, 70%, 98%, then full (probes sweep the table)
+        # a power law's repeats over a pool that outgrows the rows
+        keys = ((rng.zipf(1.1, n) % 400_000) * 7919).astype(np.int64)
+        valid = rng.random(n) < 0.95
+        if step == 2:  # some slots erased (their keys' rows stay unused)
+            held = np.flatnonzero(state[0] != EMPTY_KEY)
+            state[0][rng.choice(held, 300, replace=False)] = TOMBSTONE
+        ways = _three_ways(fn, *state, free_rows, size, free_count, keys, valid)
+        for got in ways[1:]:
+            for i, (a, b) in enumerate(zip(ways[0], got)):
+                np.testing.assert_array_equal(a, b, err_msg=(step, i))
+        out = ways[0]
+        state = [out[0].copy(), out[1 if lean else 2], out[2 if lean else 3]]
+        size, free_count = out[-3], out[-2]
+    assert int(size) == capacity and int(free_count) == 0  # the rows ran out
+    assert int(out[-1][2]) > 0  # and the slots: keys found none

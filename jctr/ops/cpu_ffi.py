@@ -19,11 +19,12 @@ Kernels here:
 * ``jctr_cpu_find_assign``: a training lookup in one pass over the batch: find-or-insert of
   each key, then its row (the representative position of each slot, a row for each new key:
   freed rows first), each key's bucket and the slots' rows at it fetched ahead. XLA's
-  formulation: probe rounds, then a scatter and gathers over the slots and a cumsum. Lean
-  (plain SGD on a table that does not evict: no representatives), a batch of several parts
-  is split: the keys holding a row are found in parts on every thread (in the one pass such
-  a key writes nothing), then the others go through the one pass in batch order, on the
-  calling thread: the same bits.
+  formulation: probe rounds, then a scatter and gathers over the slots and a cumsum. A batch
+  of several parts goes in pieces of 8,192 positions: the helpers probe a piece (the table
+  only read: a key holding a row gets it there) while the calling thread runs the one pass
+  over the pieces before, in batch order, finding their lines in cache; it probes only the
+  keys the parts did not find (from where their probe stopped) and, with dedupe, sets the
+  representatives of the others: the same bits as one pass.
 * ``jctr_cpu_adam_rows``: Adam on a bag's distinct rows (``update_type: Local``): the rows
   listed with their gradients summed in batch order, then stepped in parts on every thread;
   XLA's formulation writes [n, dim] zeros, scatter-adds the gradients at the representatives,
@@ -110,6 +111,7 @@ if AVAILABLE:
 
     from jctr.ops import cpu_parts
     from jctr.ops.host_index import prefetch as _prefetch
+    from jctr.ops.host_index import prefetch_write as _prefetch_write
 
     @numba.njit(inline="always")
     def _word(address):
@@ -251,15 +253,44 @@ if AVAILABLE:
         return _probe(slot_keys, key, pos, num_slots, insert)
 
     @numba.njit(inline="always")
+    def _probe_stop(slot_keys, keys_at, key, pos, width, num_slots):
+        """(the key's slot or -1, where its probe from ``pos`` stopped): the first slot of
+        the bucket (a slot, when not in buckets) that holds the key or an empty slot; -1
+        when a full sweep found neither."""
+        step = width if width == _BUCKET else 1
+        for _ in range(num_slots // step):
+            if width == _BUCKET:
+                code = _bucket_code(keys_at + 8 * pos, key)
+                if code & 15 < _BUCKET:
+                    return (pos + (code & 15) if code & 16 else -1), pos
+            else:
+                cur = slot_keys[pos]
+                if cur == key:
+                    return pos, pos
+                if cur == EMPTY_KEY:
+                    return -1, pos
+            pos += step
+            if pos == num_slots:
+                pos = 0
+        return -1, -1
+
+    @numba.njit(inline="always")
     def _probe_slots(slot_keys, keys_at, key, buckets, width, num_slots, insert):
         """The key's slot from its home."""
         return _probe_from(slot_keys, keys_at, key, _home(key, buckets, width), width,
                            num_slots, insert)
 
     @numba.njit(inline="always")
-    def _fetch_home(keys_at, rows_at, h, next_bucket):
+    def _fetch_home(keys_at, rows_at, h, next_bucket, write=False):
         """Prefetch a key's bucket of slot keys at ``h`` (and the next one with
-        ``next_bucket``) and the slots' rows there."""
+        ``next_bucket``) and the slots' rows there; with ``write`` owned by this core (the
+        pass that inserts: lines the split's parts read on the other core)."""
+        if write:
+            _prefetch_write(keys_at + 8 * h)
+            if next_bucket:
+                _prefetch_write(keys_at + 8 * h + 64)
+            _prefetch_write(rows_at + 4 * h)
+            return
         _prefetch(keys_at + 8 * h)
         if next_bucket:
             _prefetch(keys_at + 8 * h + 64)
@@ -390,46 +421,67 @@ if AVAILABLE:
 
     @numba.njit(inline="always")
     def _find_assign(slot_keys, slot_rows, scratch, free_rows, counters, keys, valid, slots,
-                     rows, rep, new, granted, counters_out, order, ordered):
-        """Find-or-insert and rows in one pass, one key after the other: each key's bucket
-        (keys, and the slots' rows and scratch at it) is fetched ahead. ``slots``, ``rep``
-        and ``new`` of length 0: the caller needs none of them (no dedupe), and they are not
-        written (the 10-hot lookup's ~19 MB of stores; docs/performance.md). With
-        ``ordered`` only the positions in ``order`` (int32, ascending; the others written
-        already: :func:`_found_part`), else every position."""
+                     rows, rep, new, granted, counters_out, marks, lo, hi):
+        """Find-or-insert and rows of positions ``lo`` to ``hi`` in one pass, one key after
+        the other, the counts going on from those in ``counters_out`` (new keys, rows
+        granted, keys without a slot: a batch may come in pieces, in order): each key's
+        bucket (keys, and the slots' rows and scratch at it) is fetched ahead. ``slots``,
+        ``rep`` and ``new`` of length 0: the caller needs none of them (no dedupe), and they
+        are not written (the 10-hot lookup's ~19 MB of stores; docs/performance.md).
+        ``marks`` (int32, one a position, or of length 0: every position probes from its
+        home) say what a split's parts found (:func:`_found_part`): -3 nothing to do (the
+        part wrote the position), -2 a key with a row (its slot in ``slots``: with dedupe
+        its representative is left to this pass), -1 a probe from the home, else from that
+        slot, where the part's probe stopped (the slots before hold other keys for good:
+        slots are only filled meanwhile, and only by this pass)."""
         num_slots = slot_keys.shape[0]
-        n = order.shape[0] if ordered else keys.shape[0]
         width = _width(num_slots)
         buckets = num_slots // width
         size0, free0, capacity, dedupe = counters[0], counters[1], counters[2], counters[3]
         lean = slots.shape[0] == 0
+        marked = marks.shape[0] > 0
         keys_at = slot_keys.ctypes.data
         rows_at = slot_rows.ctypes.data
         scratch_at = scratch.ctypes.data
-        n_new = 0
-        n_granted = 0
-        unslotted = 0  # valid keys that found no slot (the slots full)
+        n_new, n_granted, unslotted = counters_out[2], counters_out[3], counters_out[4]
         # the bucket after a key's home is fetched too only where buckets overflow often: at
         # half load 1% of the keys sit outside their home bucket, and that line a key is
         # bandwidth the other keys' lines wait for (docs/performance.md)
         crowded = _crowded(counters, num_slots)
-        # each key's home, hashed once when its lines are fetched and kept until its probe
+        # each key's start, hashed once when its lines are fetched and kept until its probe
         homes = np.empty(_HOMES, np.int64)
-        for j in range(min(_AHEAD, n)):
-            homes[j] = _home(keys[order[j] if ordered else j], buckets, width)
-        for j in range(n):
-            i = order[j] if ordered else j
-            ahead = j + _AHEAD
-            a = (order[ahead] if ordered else ahead) if ahead < n else 0
-            if ahead < n and valid[a]:
-                h = _home(keys[a], buckets, width)
-                homes[ahead & (_HOMES - 1)] = h
-                _fetch_home(keys_at, rows_at, h, crowded or width != _BUCKET)
+        for a in range(lo, min(lo + _AHEAD, hi)):
+            homes[a & (_HOMES - 1)] = _start(keys, marks, a, buckets, width, marked)
+        for i in range(lo, hi):
+            a = i + _AHEAD
+            if a < hi and valid[a]:
+                m = marks[a] if marked else -1
+                if m >= -1:
+                    h = _start(keys, marks, a, buckets, width, marked)
+                    homes[a & (_HOMES - 1)] = h
+                    # lines the split's parts read on the other core: owned here at once
+                    _fetch_home(keys_at, rows_at, h, (crowded and m == -1) or width != _BUCKET,
+                                True)
+                    if dedupe:
+                        _prefetch_write(scratch_at + 4 * h)
+                elif m == -2 and dedupe:
+                    _prefetch_write(scratch_at + 4 * slots[a])
+            m = marks[i] if marked else -1
+            if m == -3:
+                continue
+            if m == -2:  # its representative (what _take_row gives a key with a row)
                 if dedupe:
-                    _prefetch(scratch_at + 4 * h)
+                    s = slots[i]
+                    p = scratch[s]
+                    if p >= 0 and p < i and valid[p] and keys[p] == keys[i]:
+                        rep[i] = p
+                    else:
+                        scratch[s] = i
+                        rep[i] = i
+                continue
             s = -1
             if valid[i]:
-                s = _probe_from(slot_keys, keys_at, keys[i], homes[j & (_HOMES - 1)], width,
+                s = _probe_from(slot_keys, keys_at, keys[i], homes[i & (_HOMES - 1)], width,
                                 num_slots, True)
                 unslotted += s < 0
             if not lean:
@@ -463,31 +515,36 @@ if AVAILABLE:
         _adopt(keys_at, keys_in, 8 * num_slots)
         _adopt(rows_at, rows_in, 4 * num_slots)
         _adopt(scratch_at, scratch_in, 4 * num_slots)
-        slot_keys = carray(_pointer(keys_at), (num_slots,), np.int64)
-        slot_rows = carray(_pointer(rows_at), (num_slots,), np.int32)
-        scratch = carray(_pointer(scratch_at), (num_slots,), np.int32)
         slots_data, slots_dims = _buffer(frame, _FRAME_RETS, 3)
         kept = _word(slots_dims)  # n, or 0: slots, rep and new not wanted (lean)
-        counters = carray(_pointer(counter_data), (4,), np.int32)
-        parts = _parts_of(n)
-        if kept == 0 and counters[3] == 0 and parts > 1 and cpu_parts.threads(frame) > 1:
-            # lean: a key with a row changes nothing, so the keys the table holds are found
-            # in parts on every thread, and the rest go through the pass after (_found_part)
+        counts_out = carray(_pointer(_buffer(frame, _FRAME_RETS, 8)[0]), (5,), np.int32)
+        counts_out[2] = counts_out[3] = counts_out[4] = 0
+        if _parts_of(n) > 1 and cpu_parts.threads(frame) > 1:
+            # a key with a row changes nothing but its representative: the batch's pieces
+            # are probed (the table only read) on every thread, and each piece goes through
+            # the one pass on this thread once found, while the helpers probe the pieces
+            # after it (_found_part, _assign_piece): the pass finds the lines of the piece's
+            # probes still in cache, and probes only the keys the parts did not find
+            parts = (n + _FIND_PIECE - 1) // _FIND_PIECE
             job = cpu_parts.begin(frame, _FOUND_WORDS + parts + (n + 1) // 2, parts)
             h = cpu_parts.HEADER
             for w, value in enumerate((keys_at, rows_at, scratch_at, free_data,
                                        _word(free_dims), counter_data, key_data, valid_data,
                                        _buffer(frame, _FRAME_RETS, 4)[0],
                                        _buffer(frame, _FRAME_RETS, 7)[0],
-                                       _buffer(frame, _FRAME_RETS, 8)[0], n, num_slots)):
+                                       _buffer(frame, _FRAME_RETS, 8)[0], n, num_slots,
+                                       slots_data, _buffer(frame, _FRAME_RETS, 5)[0],
+                                       _buffer(frame, _FRAME_RETS, 6)[0], kept)):
                 cpu_parts.store(job, h + w, value)
-            cpu_parts.run_and_wait(job, frame, cpu_parts.symbol("jctr_task_find_assign"),
-                                   _found_part)
-            _assign_the_rest(job)
+            cpu_parts.run_in_order(job, frame, cpu_parts.symbol("jctr_task_find_assign"),
+                                   _found_part, _assign_piece, h + _FOUND_WORDS)
             cpu_parts.release(job)
             return _pointer(0)
-        _find_assign(slot_keys, slot_rows, scratch,
-                     carray(_pointer(free_data), (_word(free_dims),), np.int32), counters,
+        _find_assign(carray(_pointer(keys_at), (num_slots,), np.int64),
+                     carray(_pointer(rows_at), (num_slots,), np.int32),
+                     carray(_pointer(scratch_at), (num_slots,), np.int32),
+                     carray(_pointer(free_data), (_word(free_dims),), np.int32),
+                     carray(_pointer(counter_data), (4,), np.int32),
                      carray(_pointer(key_data), (n,), np.int64),
                      carray(_pointer(valid_data), (n,), np.bool_),
                      carray(_pointer(slots_data), (kept,), np.int32),
@@ -495,9 +552,15 @@ if AVAILABLE:
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (kept,), np.int32),
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 6)[0]), (kept,), np.bool_),
                      carray(_pointer(_buffer(frame, _FRAME_RETS, 7)[0]), (n,), np.bool_),
-                     carray(_pointer(_buffer(frame, _FRAME_RETS, 8)[0]), (5,), np.int32),
-                     carray(_pointer(0), (0,), np.int32), False)
+                     counts_out, carray(_pointer(0), (0,), np.int32), 0, n)
         return _pointer(0)
+
+    @numba.njit(inline="always")
+    def _start(keys, marks, i, buckets, width, marked):
+        """Where position ``i`` of a find-and-assign probes from (:func:`_find_assign`)."""
+        if marked and marks[i] >= 0:
+            return np.int64(marks[i])
+        return _home(keys[i], buckets, width)
 
     @numba.njit(inline="always")
     def _crowded(counters, num_slots):
@@ -507,87 +570,89 @@ if AVAILABLE:
 
     # a split find-and-assign's job record: slot keys, slot rows, scratch, free rows and
     # their count, counters, keys, valid, rows, granted, counts, the batch's positions, the
-    # slots; then each part's count of positions left, then those positions (int32, each
-    # part's from the first of its range on)
-    _FOUND_WORDS = 13
+    # slots, the slots, rep and new of the positions and their length (0: lean); then each
+    # part's done flag, then each position's mark (int32: _find_assign)
+    _FOUND_WORDS = 17
+    # positions in a piece of a split find-and-assign: the lines its probes fetched (~3 a
+    # key in a crowded table: 1.5 MB) are still in the caches when its pass runs
+    _FIND_PIECE = 8192
 
     @numba.njit(inline="always")
     def _found_arrays(job):
+        """The arrays of a split find-and-assign's record: slot keys, slot rows, scratch,
+        free rows, counters, keys, valid, slots, rows, rep, new, granted, counts, marks."""
         h = cpu_parts.HEADER
-        n = cpu_parts.load(job, h + 11)
+        n, num_slots, kept = (cpu_parts.load(job, h + 11), cpu_parts.load(job, h + 12),
+                              cpu_parts.load(job, h + 16))
         parts = cpu_parts.part_count(job)
-        return (carray(_pointer(cpu_parts.load(job, h)), (cpu_parts.load(job, h + 12),),
-                       np.int64),
-                carray(_pointer(cpu_parts.load(job, h + 1)), (cpu_parts.load(job, h + 12),),
+        return (carray(_pointer(cpu_parts.load(job, h)), (num_slots,), np.int64),
+                carray(_pointer(cpu_parts.load(job, h + 1)), (num_slots,), np.int32),
+                carray(_pointer(cpu_parts.load(job, h + 2)), (num_slots,), np.int32),
+                carray(_pointer(cpu_parts.load(job, h + 3)), (cpu_parts.load(job, h + 4),),
                        np.int32),
+                carray(_pointer(cpu_parts.load(job, h + 5)), (4,), np.int32),
                 carray(_pointer(cpu_parts.load(job, h + 6)), (n,), np.int64),
                 carray(_pointer(cpu_parts.load(job, h + 7)), (n,), np.bool_),
+                carray(_pointer(cpu_parts.load(job, h + 13)), (kept,), np.int32),
                 carray(_pointer(cpu_parts.load(job, h + 8)), (n,), np.int32),
+                carray(_pointer(cpu_parts.load(job, h + 14)), (kept,), np.int32),
+                carray(_pointer(cpu_parts.load(job, h + 15)), (kept,), np.bool_),
                 carray(_pointer(cpu_parts.load(job, h + 9)), (n,), np.bool_),
+                carray(_pointer(cpu_parts.load(job, h + 10)), (5,), np.int32),
                 carray(_pointer(job + 8 * (h + _FOUND_WORDS + parts)), (n,), np.int32))
 
     @numba.njit(inline="always")
     def _found_part(job, p):
-        """Part ``p`` of a lean find-and-assign: each position of its range whose key holds a
-        row gets it (what the one pass would give it: such a key writes nothing there);
-        the others are listed for :func:`_assign_the_rest`."""
-        h = cpu_parts.HEADER
-        slot_keys, slot_rows, keys, valid, rows, granted, left = _found_arrays(job)
+        """Part ``p`` of a split find-and-assign, the table only read: a position whose key
+        holds a row gets it and what else the one pass would give it (but for its
+        representative with dedupe), an invalid position all it would get; each position's
+        mark tells :func:`_find_assign` what is left (the others: where their probe
+        stopped)."""
+        (slot_keys, slot_rows, scratch, _, counters, keys, valid, slots, rows, rep, new,
+         granted, _, marks) = _found_arrays(job)
         num_slots = slot_keys.shape[0]
         width = _width(num_slots)
         buckets = num_slots // width
         keys_at, rows_at = slot_keys.ctypes.data, slot_rows.ctypes.data
-        counters = carray(_pointer(cpu_parts.load(job, h + 5)), (4,), np.int32)
         crowded = _crowded(counters, num_slots)
+        kept = slots.shape[0] > 0
+        dedupe = counters[3]
         lo, hi = cpu_parts.part_range(job, p, keys.shape[0])
         homes = np.empty(_HOMES, np.int64)
         for i in range(lo, min(lo + _AHEAD, hi)):
             homes[i & (_HOMES - 1)] = _home(keys[i], buckets, width)
-        count = 0
         for i in range(lo, hi):
             ahead = i + _AHEAD
             if ahead < hi and valid[ahead]:
                 a = _home(keys[ahead], buckets, width)
                 homes[ahead & (_HOMES - 1)] = a
                 _fetch_home(keys_at, rows_at, a, crowded or width != _BUCKET)
-            granted[i] = False
-            rows[i] = -1
+            s, stop, r = -1, -1, -1
             if valid[i]:
-                s = _probe_from(slot_keys, keys_at, keys[i], homes[i & (_HOMES - 1)], width,
-                                num_slots, False)
+                s, stop = _probe_stop(slot_keys, keys_at, keys[i], homes[i & (_HOMES - 1)],
+                                      width, num_slots)
                 r = slot_rows[s] if s >= 0 else -1
-                if r >= 0:
-                    rows[i] = r
-                else:
-                    left[lo + count] = i
-                    count += 1
-        cpu_parts.store(job, h + _FOUND_WORDS + p, count)
+                if r < 0:
+                    marks[i] = stop
+                    continue
+            marks[i] = -2 if r >= 0 else -3
+            rows[i] = r
+            granted[i] = False
+            if kept:
+                slots[i] = s
+                new[i] = False
+                if not dedupe or r < 0:
+                    rep[i] = -1
 
     @numba.njit(inline="always")
-    def _assign_the_rest(job):
-        """The positions the parts left (new keys, and keys whose slot has no row), in
-        batch order, through the one pass (:func:`_find_assign`): the same bits as the one
-        pass over every position."""
-        h = cpu_parts.HEADER
-        slot_keys, slot_rows, keys, valid, rows, granted, left = _found_arrays(job)
-        n = keys.shape[0]
-        total = 0
-        for p in range(cpu_parts.part_count(job)):
-            lo = cpu_parts.part_range(job, p, n)[0]
-            count = cpu_parts.load(job, h + _FOUND_WORDS + p)
-            for k in range(count):
-                left[total + k] = left[lo + k]
-            total += count
-        none32 = carray(_pointer(0), (0,), np.int32)
-        _find_assign(slot_keys, slot_rows,
-                     carray(_pointer(cpu_parts.load(job, h + 2)), (slot_keys.shape[0],),
-                            np.int32),
-                     carray(_pointer(cpu_parts.load(job, h + 3)), (cpu_parts.load(job, h + 4),),
-                            np.int32),
-                     carray(_pointer(cpu_parts.load(job, h + 5)), (4,), np.int32), keys,
-                     valid, none32, rows, none32, carray(_pointer(0), (0,), np.bool_), granted,
-                     carray(_pointer(cpu_parts.load(job, h + 10)), (5,), np.int32),
-                     left[:total], True)
+    def _assign_piece(job, p):
+        """Part ``p``'s positions through the one pass (:func:`_find_assign`), after the
+        parts before: the same bits as the one pass over every position."""
+        (slot_keys, slot_rows, scratch, free_rows, counters, keys, valid, slots, rows, rep,
+         new, granted, counts, marks) = _found_arrays(job)
+        lo, hi = cpu_parts.part_range(job, p, keys.shape[0])
+        _find_assign(slot_keys, slot_rows, scratch, free_rows, counters, keys, valid, slots,
+                     rows, rep, new, granted, counts, marks, lo, hi)
 
     def _find_assign_task(data):
         cpu_parts.work(_address(data), _found_part)

@@ -59,8 +59,9 @@ _I8P = ir.IntType(8).as_pointer()
 _I64 = ir.IntType(64)
 
 # the job record's header (int64 words): references, the API, the future, the task, the
-# next part to take, the parts done, the parts; the kernel's words follow
-_REFS, _API, _FUTURE, _TASK, _NEXT, _DONE, _PARTS = 0, 1, 2, 3, 4, 5, 6
+# next part to take, the parts done, the parts, where each part's done flag is (a word of
+# the record; 0: none kept, see run_in_order); the kernel's words follow
+_REFS, _API, _FUTURE, _TASK, _NEXT, _DONE, _PARTS, _FLAGS = 0, 1, 2, 3, 4, 5, 6, 7
 HEADER = 8  # a whole line: the counters apart from the operands the parts read
 
 # XLA_FFI_Api (xla/ffi/api/c_api.h): struct_size, extension, api_version (24 bytes),
@@ -307,6 +308,9 @@ def _take_parts(job, part):
         if p >= parts:
             break
         part(job, p)
+        flags = load(job, _FLAGS)
+        if flags != 0:
+            atomic_swap(job + 8 * (flags + p), 1)
         last |= atomic_add(job + 8 * _DONE, 1) == parts - 1
     return last
 
@@ -398,6 +402,37 @@ def run_and_wait(job, frame, task, part):
         _wake(job, parts - 1)
     _take_parts(job, part)
     while atomic_add(job + 8 * _DONE, 0) < parts:  # a helper's part under way
+        _sched_yield()
+
+
+@numba.njit(inline="always")
+def run_in_order(job, frame, task, part, after, flags):
+    """:func:`run_and_wait` with a serial step after each part: ``after(job, p)`` runs on
+    this thread for p = 0, 1, ... in order, each as soon as part ``p`` is done (on any
+    thread), while the helpers take the parts after it; this thread takes a part itself
+    only while the next step waits for its part. ``flags``: the word of the record from
+    which ``parts`` words (zeroed here) keep each part's done flag. The parts (taken in
+    order) may read what earlier steps write: a pipeline whose steps find the lines their
+    part touched still in cache. Returns when every part and step is done; the caller keeps
+    the record until :func:`release`."""
+    parts = load(job, _PARTS)
+    for p in range(parts):
+        store(job, flags + p, 0)
+    store(job, _FLAGS, flags)
+    if threads(frame) > 1 and parts > 1:
+        store(job, _TASK, task)
+        _wake(job, parts - 1)
+    for step in range(parts):
+        while atomic_add(job + 8 * (flags + step), 0) == 0:
+            p = atomic_add(job + 8 * _NEXT, 1)
+            if p < parts:
+                part(job, p)
+                atomic_swap(job + 8 * (flags + p), 1)
+                atomic_add(job + 8 * _DONE, 1)
+            else:  # the step's part under way on a helper
+                _sched_yield()
+        after(job, step)
+    while atomic_add(job + 8 * _DONE, 0) < parts:
         _sched_yield()
 
 

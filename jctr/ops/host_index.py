@@ -39,20 +39,32 @@ def host_kernel(fn):
         return numba.njit(nogil=True)(fn)
 
 
-@intrinsic
-def prefetch(typingctx, address):
-    """Ask the CPU to bring the cache line at ``address`` (an int64) in: probes of keys a few
-    places ahead overlap their memory latency with the work on the current key."""
+def _prefetch_codegen(write: int):
     def codegen(context, builder, signature, args):
         i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
         fn = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
             "llvm.prefetch.p0i8")
-        # read, high locality, data cache
-        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0),
+        # read or write, high locality, data cache
+        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, write),
                           ir.Constant(i32, 3), ir.Constant(i32, 1)])
         return context.get_dummy_value()
-    return types.void(types.int64), codegen
+    return codegen
+
+
+@intrinsic
+def prefetch(typingctx, address):
+    """Ask the CPU to bring the cache line at ``address`` (an int64) in: probes of keys a few
+    places ahead overlap their memory latency with the work on the current key."""
+    return types.void(types.int64), _prefetch_codegen(0)
+
+
+@intrinsic
+def prefetch_write(typingctx, address):
+    """:func:`prefetch` of a line about to be written (``prefetchw`` where the CPU has it): the
+    line comes in owned by this core, so the store does not wait for other cores' copies to
+    be dropped (a line another thread read moments before: the split lookup's)."""
+    return types.void(types.int64), _prefetch_codegen(1)
 
 
 @intrinsic

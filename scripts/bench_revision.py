@@ -18,6 +18,7 @@ take 10 rounds or more.
 
     python scripts/bench_revision.py HEAD train --hot 10 --keys uniform
     python scripts/bench_revision.py HEAD~3 tables --table evict --keys uniform
+    python scripts/bench_revision.py HEAD train --hot 10 --optimizer adam
     python scripts/bench_revision.py HEAD tables --table insert --load 0.85 --keys power-law
 """
 
@@ -90,9 +91,10 @@ def train_pair(args, rev):
 
     batches = here.make_batches(args.rounds * args.block + 4, args.batch, args.hot,
                                 keys=args.keys)
-    return {"this": here.jctr_runner(batches, args.dtype),
-            "revision": rev.jctr_runner(batches, args.dtype),
-            "pooled": here.dense_only_runner(batches, args.dtype)}
+    opt = {"optimizer": args.optimizer}
+    return {"this": here.jctr_runner(batches, args.dtype, **opt),
+            "revision": rev.jctr_runner(batches, args.dtype, **opt),
+            "pooled": here.dense_only_runner(batches, args.dtype, **opt)}
 
 
 def table_pair(args, rev):
@@ -149,6 +151,9 @@ def main() -> int:
     ap.add_argument("--hot", type=int, default=10)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--batch", type=int, default=8192, help="train: samples a step")
+    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"),
+                    help="train: bench_train's optimizers (a revision before 2026-12-07 has "
+                         "only sgd)")
     ap.add_argument("--table", default="evict", choices=("evict", "evict-room", "insert"))
     ap.add_argument("--load", type=float, default=0.85, help="insert: slots full at the end")
     ap.add_argument("--capacity", type=int, default=2_000_000)

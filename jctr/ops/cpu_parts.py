@@ -25,7 +25,9 @@ started, or with one part, the handler runs every part itself before it returns.
 A kernel whose parts are followed by a serial end on the calling thread uses
 :func:`run_and_wait` instead (no future: the call returns when every part is done, and the
 end runs there; a future would let XLA's thread start other work that the end then competes
-with for the cores).
+with for the cores). A kernel whose serial work follows each part in order (a pipeline: the
+training lookup's pass over a piece once its probes are done, the helpers probing the pieces
+after it) uses :func:`run_in_order`.
 
 Each part must write what no other part reads or writes (the kernels split by ranges of
 positions, segments or rows), so the results are the same bits however the parts are spread.

@@ -569,9 +569,9 @@ if AVAILABLE:
         return (counters[0] - counters[1]) * 100 > num_slots * _CROWDED_PERCENT
 
     # a split find-and-assign's job record: slot keys, slot rows, scratch, free rows and
-    # their count, counters, keys, valid, rows, granted, counts, the batch's positions, the
-    # slots, the slots, rep and new of the positions and their length (0: lean); then each
-    # part's done flag, then each position's mark (int32: _find_assign)
+    # their count, counters, keys, valid, rows, granted, counts, how many positions and
+    # slots; the positions' slots, rep and new and their length (0: lean); then each part's
+    # done flag, then each position's mark (int32: _find_assign)
     _FOUND_WORDS = 17
     # positions in a piece of a split find-and-assign: the lines its probes fetched (~3 a
     # key in a crowded table: 1.5 MB) are still in the caches when its pass runs

@@ -845,7 +845,9 @@ def test_native_eviction_makes_the_xla_choices_key_by_key(policy, samples, monke
     slots: many windows shared, keys taken before a later key's turn), the native kernel
     (each key claiming in turn, a bucket's ranks compared in vector registers for windows of
     eight) and the XLA formulation of ``_evict`` in chunks of one key leave the same slots,
-    rows, scores, placed positions and evicted keys. (Whole lookups may place new keys in
+    rows, scores, placed positions and evicted keys, tombstones where keys were left without
+    a row, and give every position (300 repeats of earlier ones, 20 without a slot) the
+    same slot and row after it. (Whole lookups may place new keys in
     other slots: the two finds resolve a contested free slot differently, so this compares
     the eviction itself.) On a GPU the XLA formulation ranks a step's keys together: the
     dictionary model checks those choices (``test_eviction_equals_a_dictionary_model``)."""
@@ -873,24 +875,44 @@ def test_native_eviction_makes_the_xla_choices_key_by_key(policy, samples, monke
     rows = np.where(found, slot_rows[slots], -1).astype(np.int32)
     score[slots[found], 0] = 12  # this step's (the lookup stamps them before it evicts)
     needy = ~found & (rng.random(n) < 0.9)
+    # repeats of earlier positions (their representative given, as the lookup's dedupe
+    # gives it; a first position's is itself or -1) and positions without a slot
+    again = rng.choice(n, 300)
+    rep = np.concatenate([np.where(rng.random(n) < 0.5, np.arange(n), -1), again,
+                          np.full(20, -1)]).astype(np.int32)
+    keys = np.concatenate([keys, keys[again], np.zeros(20, np.int64)])
+    slots = np.concatenate([slots, slots[again], np.full(20, -1, np.int32)])
+    rows = np.concatenate([rows, rows[again], np.full(20, -1, np.int32)])
+    needy = np.concatenate([needy, np.zeros(320, bool)])
     table = create_table(capacity, ev)._replace(
         slot_keys=jnp.asarray(slot_keys), slot_rows=jnp.asarray(slot_rows),
         slot_score=jnp.asarray(score), clock=jnp.int32(12))
     out = {}
     for kernels in ("auto", "reference"):
         monkeypatch.setenv("JCTR_KERNELS", kernels)
-        after, placed, gone, to = jax.jit(
-            lambda t, k, s, r, d: ht._evict(t, k, s, r, d, ev))(
+        after, placed, gone, at, rows_after, n_placed = jax.jit(
+            lambda t, k, s, r, p, d: ht._evict(t, k, s, r, p, d, ev))(
             table, jnp.asarray(keys), jnp.asarray(slots), jnp.asarray(rows),
-            jnp.asarray(needy))
+            jnp.asarray(rep), jnp.asarray(needy))
         out[kernels] = [np.asarray(x) for x in (
-            after.slot_keys, after.slot_rows, after.slot_score, placed, gone, to,
-            after.evicted, after.tombstones)]
+            after.slot_keys, after.slot_rows, after.slot_score, placed, gone, at, rows_after,
+            n_placed, after.evicted, after.tombstones)]
     for name, a, b in zip(("slot keys", "slot rows", "scores", "placed", "gone", "slots",
-                           "evicted", "tombstones"), out["auto"], out["reference"]):
+                           "rows", "placed count", "evicted", "tombstones"), out["auto"],
+                          out["reference"]):
         np.testing.assert_array_equal(a, b, err_msg=name)
-    placed = out["auto"][3]
+    slot_keys_after, slot_rows_after, _, placed, _, at, rows_after = out["auto"][:7]
     assert placed.sum() > 0.7 * needy.sum() and not placed[~needy].any()
+    left = needy & ~placed
+    assert (slot_keys_after[slots[left]] == TOMBSTONE).all()
+    assert left.any() or samples > 4  # four slots a key leave ~230 keys without a row
+    # every position reads its key's row where it sits now: a repeat its representative's
+    ok = at >= 0
+    np.testing.assert_array_equal(rows_after[ok], np.where(
+        rows[ok] >= 0, rows[ok], slot_rows_after[at[ok]]))
+    first = np.where(rep >= 0, rep, np.arange(rep.size))
+    assert (rows_after[n:n + 300][placed[again]] == rows_after[again][placed[again]]).all()
+    assert (at == at[first]).all() and (rows_after[:n][placed[:n]] >= 0).all()
 
 
 def test_a_restored_evicting_table_makes_the_choices_of_the_one_saved():

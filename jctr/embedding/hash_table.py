@@ -181,32 +181,18 @@ def lookup(table: HashTable, keys: jax.Array, valid: jax.Array, capacity: int, *
             jnp.where(rows >= 0, slots, table.num_slots), 0].set(table.clock, mode="drop"))
 
         def evict(t: HashTable):
-            t, placed, gone, to = _evict(t, keys, slots, rows, needy, eviction)
-            # a key left without a row gives its slot back (a tombstone: probes of keys
-            # placed after it go on), or refused keys would fill the slots step by step
-            left = needy & ~placed
-            # a key that replaced another in place holds that key's slot: so do its repeats
-            # (their representative is its first position)
-            at = to.at[jnp.where(rep >= 0, rep, jnp.arange(keys.shape[0], dtype=jnp.int32))
-                       ].get(mode="clip")
-            return t._replace(
-                slot_keys=t.slot_keys.at[jnp.where(left, slots, t.num_slots)].set(
-                    TOMBSTONE, mode="drop"),
-                tombstones=t.tombstones + jnp.sum(left, dtype=jnp.int32)), placed, gone, at
+            return _evict(t, keys, slots, rows, rep, needy, eviction)
 
         # a step whose new keys all found free rows (a table not yet full) skips it all (a
-        # loop run at most once: a cond would copy the table in its untaken branch)
-        _, table, placed, evicted, slots = jax.lax.while_loop(
+        # loop run at most once: a cond would copy the table in its untaken branch); rows
+        # found or granted stay (no key of this step is evicted): the positions of keys
+        # that took an evicted row get it from the eviction
+        _, table, placed, evicted, slots, rows, n_placed = jax.lax.while_loop(
             lambda c: c[0], lambda c: (False, *evict(c[1])),
             (jnp.any(needy), table, jnp.zeros_like(needy), jnp.full(keys.shape, EMPTY_KEY),
-             slots))
+             slots, rows, jnp.int32(0)))
         granted = granted | placed
-        n_granted = n_granted + jnp.sum(placed, dtype=jnp.int32)
-        # rows found or granted stay (no key of this step is evicted): only the positions of
-        # keys that took an evicted row read theirs (a gather that skips the others' slots)
-        missing = (rows < 0) & (slots >= 0)
-        rows = jnp.where(missing, table.slot_rows.at[jnp.where(missing, slots, table.num_slots)]
-                         .get(mode="fill", fill_value=-1), rows)
+        n_granted = n_granted + n_placed
         table = table._replace(slot_score=_count_touches(table, keys, slots, rows,
                                                          restart | placed, eviction))
         # after the step's writes to the scores (no copy of them)
@@ -327,8 +313,8 @@ def _rank(score: jax.Array, clock: jax.Array, eviction: EvictionConfig) -> jax.A
     return jnp.where(last == clock, _NEVER, rank)
 
 
-def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
-           ) -> tuple[HashTable, jax.Array, jax.Array, jax.Array]:
+def _evict(table: HashTable, keys, slots, rows, rep, needy, eviction: EvictionConfig
+           ) -> tuple[HashTable, jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
     """Rows for the ``needy`` positions (new keys that found no free row, each in its slot
     already). A new key ranks the keys of the ``eviction.samples`` slots from the first slot
     of its home bucket on (where its probe began: keys of every age, their scores beside the
@@ -356,11 +342,16 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
     tombstones, so buckets stay open to probes and the slots are built again far less
     often.
 
+    A key left without a row gives its slot back as a tombstone (probes of keys placed
+    after it go on), or refused keys would fill the slots step by step.
+
     The needy positions are compacted once: the cost follows them, not the batch. Returns
     the table, which positions got a row, the key each of them evicted (``EMPTY_KEY``
-    elsewhere) and the slot each position's key holds after it (``slots`` but where a key
-    replaced another in place). The keys with ``rows`` (found, granted) must carry this
-    step in their scores already (:func:`lookup` stamps them), so that none is chosen."""
+    elsewhere), the slot each position's key holds after it (``slots`` but where a key
+    replaced another in place: its repeats too, by ``rep``, their representative, -1:
+    itself), each position's row after it (``rows`` where it had one) and the keys placed.
+    The keys with ``rows`` (found, granted) must carry this step in their scores already
+    (:func:`lookup` stamps them), so that none is chosen."""
     n = slots.shape[0]
     n_slots = table.num_slots
     clock = table.clock
@@ -369,8 +360,8 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
     width = eviction.samples
     offsets = jnp.arange(width, dtype=jnp.int32)
 
-    def reference(slot_keys, slot_rows, score, scratch, keys, slots, needy, clock, *,
-                  chunk: int = chunk):
+    def reference(slot_keys, slot_rows, score, scratch, keys, slots, needy, clock, rows, rep,
+                  *, chunk: int = chunk):
         ar = jnp.arange(chunk, dtype=jnp.int32)
 
         # the needy positions in batch order, compacted once (then padded for the last chunk)
@@ -450,17 +441,25 @@ def _evict(table: HashTable, keys, slots, rows, needy, eviction: EvictionConfig
                 lambda c: c[4] < count, body,
                 (slot_keys, slot_rows, score, scratch, jnp.int32(0), jnp.zeros((n,), bool),
                  jnp.full((n,), EMPTY_KEY, jnp.int64), slots, jnp.zeros((), jnp.int32)))
-        return slot_keys, slot_rows, score, scratch, placed, gone_keys, to_slots, added
+        left = needy & ~placed
+        slot_keys = slot_keys.at[jnp.where(left, slots, n_slots)].set(TOMBSTONE, mode="drop")
+        # a key that replaced another in place holds that key's slot: so do its repeats
+        at = to_slots.at[jnp.where(rep >= 0, rep, jnp.arange(n, dtype=jnp.int32))].get(
+            mode="clip")
+        missing = (rows < 0) & (at >= 0)
+        rows = jnp.where(missing, slot_rows.at[jnp.where(missing, at, n_slots)].get(
+            mode="fill", fill_value=-1), rows)
+        return (slot_keys, slot_rows, score, scratch, placed, gone_keys, at, rows,
+                added + jnp.sum(left, dtype=jnp.int32), jnp.sum(placed, dtype=jnp.int32))
 
-    slot_keys, slot_rows, score, scratch, placed, gone_keys, to_slots, added = evict_rows(
-        reference, table.slot_keys, table.slot_rows, score, table.scratch, keys, slots, needy,
-        clock,
-        policy=eviction.policy, epoch_steps=eviction.epoch_steps, samples=width, chunk=chunk)
-    n_placed = jnp.sum(placed, dtype=jnp.int32)
+    slot_keys, slot_rows, score, scratch, placed, gone_keys, at, rows, added, n_placed = \
+        evict_rows(reference, table.slot_keys, table.slot_rows, score, table.scratch, keys,
+                   slots, needy, clock, rows, rep, policy=eviction.policy,
+                   epoch_steps=eviction.epoch_steps, samples=width, chunk=chunk)
     table = table._replace(slot_keys=slot_keys, slot_rows=slot_rows, slot_score=score,
                            scratch=scratch, evicted=table.evicted + n_placed,
                            tombstones=table.tombstones + added)
-    return table, placed, gone_keys, to_slots
+    return table, placed, gone_keys, at, rows, n_placed
 
 
 def _give_back(slot_keys, scratch, starts):

@@ -32,7 +32,9 @@ Kernels here:
 * ``jctr_cpu_evict``: the eviction of a full table (the rows its new keys take, by the
   policy's ranking of the keys in a window of slots from each new key's home bucket on, their
   scores beside them; a bucket's ranks compared in vector registers), each new key claiming in
-  turn: the choices of XLA's rounds over chunks of one key, without their scatters.
+  turn: the choices of XLA's rounds over chunks of one key, without their scatters; then
+  the tombstones of keys left without a row and every position's slot and row after it
+  (a placed key's row kept as it claims: no gather from the slots).
 * ``jctr_cpu_rebuild_slots``: a table's slots built again without its tombstones, in place,
   in one sweep (each key moved back to the first empty slot of its probe); XLA's
   formulation: a find-or-insert of every key into new slots, then scatters of the rows and
@@ -1437,15 +1439,20 @@ if AVAILABLE:
         return best
 
     @numba.njit(inline="always")
-    def _evict_all(slot_keys, slot_rows, score, keys, slots, needy, params, placed, gone, to,
-                   added):
+    def _evict_all(slot_keys, slot_rows, score, keys, slots, needy, params, rows, rep,
+                   placed, gone, at, rows_out, counts):
         """:func:`jctr.embedding.hash_table._evict` with chunks of one key: each needy key in
         batch order ranks its window (then, if nothing there can be taken, its next ones) and
         claims the lowest-ranked key at once, which then carries this step (no later key
         takes it). A key on the new key's probe before its own slot is replaced in place (the
         new key takes its slot, row and scores; the new key's own slot is given back);
         another moves its row (the chosen key's slot given back): :func:`_give_back`. A
-        key's lines are fetched ``_EVICT_AHEAD`` keys ahead."""
+        key's lines are fetched ``_EVICT_AHEAD`` keys ahead. Then what the XLA formulation
+        does after its rounds (:func:`jctr.embedding.hash_table._evict`): the slots of keys
+        left without a row become tombstones, each position gets the slot its key holds
+        (``at``: its representative's, ``rep``) and, where ``rows`` has none, the row there
+        (``rows_out``: a placed key's row is kept as it claims, so the batch's rows need no
+        gather from the slots); ``counts``: tombstones made, keys placed."""
         clock, policy, epoch_steps, width = params[0], params[1], params[2], params[3]
         # a call's argument, not a constant: numba's cache of this file's kernels does not
         # see a change in jctr.ops.hashing, the XLA formulation's source of it
@@ -1458,10 +1465,12 @@ if AVAILABLE:
         stride = columns * 4
         # windows of one bucket (they start at one) ranked in vector registers
         vector = width == _BUCKET and columns == (2 if policy == 1 or policy == 3 else 1)
+        to = np.empty(n, np.int32)  # each position's slot after its claim
         for i in range(n):
             placed[i] = False
             gone[i] = EMPTY_KEY
             to[i] = slots[i]
+        claimed = np.empty(n, np.int32)  # the row a placed position took
         order = np.flatnonzero(needy)
         m = order.size
         homes = np.empty(m, np.int64)
@@ -1500,9 +1509,27 @@ if AVAILABLE:
                     freed = best
                 made += _give_back(keys_at, n_slots, freed, unpassed_reach)
                 score[to[pos], 0] = clock
+                claimed[pos] = slot_rows[to[pos]]
                 placed[pos] = True
                 break
-        added[0] = made
+        taken = 0
+        for j in range(m):  # a key left without a row gives its slot back as a tombstone
+            pos = order[j]
+            if placed[pos]:
+                taken += 1
+            elif slots[pos] >= 0:
+                slot_keys[slots[pos]] = _TOMBSTONE
+                made += 1
+        for i in range(n):  # repeats hold their representative's slot
+            r = rep[i] if rep[i] >= 0 else i
+            s = to[r]
+            at[i] = s
+            if rows[i] < 0 and s >= 0:
+                rows_out[i] = claimed[r] if placed[r] else slot_rows[s]
+            else:
+                rows_out[i] = rows[i]
+        counts[0] = made
+        counts[1] = taken
 
     def _evict_rows(frame_pointer):
         frame = _address(frame_pointer)
@@ -1519,10 +1546,13 @@ if AVAILABLE:
                    carray(_pointer(slot_data), (n,), np.int32),
                    carray(_pointer(needy_data), (n,), np.bool_),
                    carray(_pointer(param_data), (5,), np.int64),
+                   carray(_pointer(_buffer(frame, _FRAME_ARGS, 7)[0]), (n,), np.int32),
+                   carray(_pointer(_buffer(frame, _FRAME_ARGS, 8)[0]), (n,), np.int32),
                    carray(_pointer(_buffer(frame, _FRAME_RETS, 3)[0]), (n,), np.bool_),
                    carray(_pointer(_buffer(frame, _FRAME_RETS, 4)[0]), (n,), np.int64),
                    carray(_pointer(_buffer(frame, _FRAME_RETS, 5)[0]), (n,), np.int32),
-                   carray(_pointer(_buffer(frame, _FRAME_RETS, 6)[0]), (1,), np.int32))
+                   carray(_pointer(_buffer(frame, _FRAME_RETS, 6)[0]), (n,), np.int32),
+                   carray(_pointer(_buffer(frame, _FRAME_RETS, 7)[0]), (2,), np.int32))
         return _pointer(0)
 
     @numba.njit(inline="always")
@@ -1948,14 +1978,17 @@ def adam_rows(values: jax.Array, m: jax.Array, v: jax.Array, rows: jax.Array,
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")  # the kernel's policy codes
 
 
-def evict(slot_keys, slot_rows, score, keys, slots, needy, clock, *, policy: str,
+def evict(slot_keys, slot_rows, score, keys, slots, needy, clock, rows, rep, *, policy: str,
           epoch_steps: int, samples: int):
     """:func:`jctr.embedding.hash_table._evict`'s choice of keys for the ``needy`` positions
     in chunks of one key (each claims in turn), in one native pass with the XLA
     formulation's choices for ``chunk=1`` (``score``: the keys' scores beside their slots,
-    with this step's keys stamped). Returns (slot_keys, slot_rows, score, placed, gone keys,
-    each position's slot after it, tombstones made [1]); the buffers are updated in place
-    when they can be donated. CPU only."""
+    with this step's keys stamped), then its tombstones for keys left without a row and
+    every position's slot and row after it (``rows``: the lookup's, ``rep``: each
+    position's representative, -1: itself). Returns (slot_keys, slot_rows, score, placed,
+    gone keys, each position's slot after it, each position's row after it, [tombstones
+    made, keys placed]); the buffers are updated in place when they can be donated. CPU
+    only."""
     _register()
     n = slots.shape[0]
     if policy == "score":  # ranks as lfu: its second column holds the caller's scores
@@ -1969,10 +2002,11 @@ def evict(slot_keys, slot_rows, score, keys, slots, needy, clock, *, policy: str
          jax.ShapeDtypeStruct(slot_rows.shape, jnp.int32),
          jax.ShapeDtypeStruct(score.shape, jnp.int32),
          jax.ShapeDtypeStruct((n,), jnp.bool_), jax.ShapeDtypeStruct((n,), jnp.int64),
-         jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((1,), jnp.int32)),
+         jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32),
+         jax.ShapeDtypeStruct((2,), jnp.int32)),
         input_output_aliases={0: 0, 1: 1, 2: 2})(
             slot_keys, slot_rows, score, keys.astype(jnp.int64), slots.astype(jnp.int32),
-            needy.astype(jnp.bool_), params)
+            needy.astype(jnp.bool_), params, rows.astype(jnp.int32), rep.astype(jnp.int32))
 
 
 def rebuild_slots(slot_keys, slot_rows, score):

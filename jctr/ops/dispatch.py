@@ -431,8 +431,8 @@ def rebuild_slots(reference, slot_keys, slot_rows, score):
 GPU_EVICT_CHUNK = 1 << 18
 
 
-def evict_rows(reference, slot_keys, slot_rows, score, scratch, keys, slots, needy, clock, *,
-               policy: str, epoch_steps: int, samples: int, chunk: int):
+def evict_rows(reference, slot_keys, slot_rows, score, scratch, keys, slots, needy, clock,
+               rows, rep, *, policy: str, epoch_steps: int, samples: int, chunk: int):
     """The rows a full table's new keys take (``reference``: the XLA formulation,
     :func:`jctr.embedding.hash_table._evict`'s, called with the same arguments and the
     ``chunk`` of needy keys it ranks together); on CPU the native kernel
@@ -440,20 +440,24 @@ def evict_rows(reference, slot_keys, slot_rows, score, scratch, keys, slots, nee
     claims in turn: ``chunk`` must be 1); on GPU the XLA formulation with chunks of up to
     ``GPU_EVICT_CHUNK`` keys (the choices of that chunk: the same in every run). ``scratch``
     (int32 [slots], contents never matter) holds the XLA rounds' claims; the native kernel
-    claims in turn and passes it through. Returns (slot_keys, slot_rows, score, scratch,
-    placed, gone keys, each position's slot after it, tombstones made)."""
-    args = (slot_keys, slot_rows, score, scratch, keys, slots, needy, clock)
+    claims in turn and passes it through. ``rows`` (the lookup's, -1: none) and ``rep``
+    (each position's representative, -1: itself) give every position its key's slot and
+    row after the eviction. Returns (slot_keys, slot_rows, score, scratch, placed, gone
+    keys, each position's slot after it, each position's row after it, tombstones made,
+    keys placed): the slots of keys left without a row are tombstones."""
+    args = (slot_keys, slot_rows, score, scratch, keys, slots, needy, clock, rows, rep)
     if _mode() == "reference" or not cpu_ffi.AVAILABLE:
         return reference(*args, chunk=chunk)
     gpu_chunk = max(chunk, min(keys.shape[0], GPU_EVICT_CHUNK))
 
-    def cpu(slot_keys, slot_rows, score, scratch, keys, slots, needy, clock):
+    def cpu(slot_keys, slot_rows, score, scratch, keys, slots, needy, clock, rows, rep):
         if chunk != 1:
             raise ValueError(f"the native eviction claims a key at a time: chunk {chunk}, "
                              "expected 1")
-        slot_keys, slot_rows, score, placed, gone, to, added = cpu_ffi.evict(
-            slot_keys, slot_rows, score, keys, slots, needy, clock, policy=policy,
+        slot_keys, slot_rows, score, placed, gone, at, rows, counts = cpu_ffi.evict(
+            slot_keys, slot_rows, score, keys, slots, needy, clock, rows, rep, policy=policy,
             epoch_steps=epoch_steps, samples=samples)
-        return slot_keys, slot_rows, score, scratch, placed, gone, to, added[0]
+        return (slot_keys, slot_rows, score, scratch, placed, gone, at, rows, counts[0],
+                counts[1])
 
     return _by_platform(*args, cpu=cpu, default=functools.partial(reference, chunk=gpu_chunk))

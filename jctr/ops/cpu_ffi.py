@@ -1465,12 +1465,12 @@ if AVAILABLE:
         stride = columns * 4
         # windows of one bucket (they start at one) ranked in vector registers
         vector = width == _BUCKET and columns == (2 if policy == 1 or policy == 3 else 1)
-        to = np.empty(n, np.int32)  # each position's slot after its claim
-        for i in range(n):
-            placed[i] = False
-            gone[i] = EMPTY_KEY
-            to[i] = slots[i]
-        claimed = np.empty(n, np.int32)  # the row a placed position took
+        # each needy position's slot and row after its claim (then every position's)
+        to, claimed = at, rows_out
+        placed[:] = False
+        gone[:] = EMPTY_KEY
+        to[:] = slots
+        claimed[:] = rows
         order = np.flatnonzero(needy)
         m = order.size
         homes = np.empty(m, np.int64)
@@ -1520,14 +1520,19 @@ if AVAILABLE:
             elif slots[pos] >= 0:
                 slot_keys[slots[pos]] = _TOMBSTONE
                 made += 1
-        for i in range(n):  # repeats hold their representative's slot
+        # a position without a row: its key's slot (a repeat holds its representative's,
+        # whose entries the claims wrote) and the row there. A position with a row keeps
+        # both: its key took none (its representative has its slot)
+        for i in range(n):
+            if rows[i] >= 0:
+                continue
             r = rep[i] if rep[i] >= 0 else i
-            s = to[r]
+            if r == i and placed[i]:
+                continue
+            s = at[r]
             at[i] = s
-            if rows[i] < 0 and s >= 0:
-                rows_out[i] = claimed[r] if placed[r] else slot_rows[s]
-            else:
-                rows_out[i] = rows[i]
+            if s >= 0:
+                rows_out[i] = rows_out[r] if placed[r] else slot_rows[s]
         counts[0] = made
         counts[1] = taken
 

@@ -313,8 +313,9 @@ def test_every_held_key_is_found_after_evictions_in_place_and_erases(samples, ke
     """A small table (64 rows, 128 slots: long runs, probes that wrap) through 200 steps of
     40 keys from 300 (repeats, returning and new keys) with an erase of five held keys every
     37 steps: after every step each key the table holds is found at its row by a lookup that
-    inserts nothing, and no key is held twice. (Replacing keys in place and emptying runs of
-    tombstones must never cut a key off its probe.)"""
+    inserts nothing, every position of the step (a repeat of a key that took an evicted row
+    too) read the row its key holds after it, and no key is held twice. (Replacing keys in
+    place and emptying runs of tombstones must never cut a key off its probe.)"""
     monkeypatch.setenv("JCTR_KERNELS", kernels)
     ev, capacity = EvictionConfig("lru", samples=samples), 64
     step = jax.jit(lambda t, k: lookup(t, k, jnp.ones(k.shape, bool), capacity, insert=True,
@@ -325,7 +326,11 @@ def test_every_held_key_is_found_after_evictions_in_place_and_erases(samples, ke
     rng = np.random.default_rng(samples)
     table = create_table(capacity, ev)
     for i in range(200):
-        table, _ = step(table, jnp.asarray(rng.integers(0, 300, 40)))
+        keys = jnp.asarray(rng.integers(0, 300, 40))
+        table, lk = step(table, keys)
+        _, now = find(table, keys)
+        np.testing.assert_array_equal(np.asarray(lk.rows), np.asarray(now.rows),
+                                      err_msg=f"step {i}")
         if i % 37 == 5:
             held, _ = export_items(table)
             table, _ = drop(table, jnp.asarray(rng.choice(held, 5, replace=False)))

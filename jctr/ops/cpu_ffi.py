@@ -176,24 +176,6 @@ if AVAILABLE:
     def _width(num_slots):
         return _BUCKET if num_slots % _BUCKET == 0 else 1
 
-    @numba.njit(inline="always")
-    def _probe(slot_keys, key, pos, num_slots, insert):
-        """The slot of ``key`` probing from ``pos`` (its home), -1 when absent; with
-        ``insert`` an absent key takes the empty slot its probe ends at."""
-        for _ in range(num_slots):  # a full sweep bounds a full table
-            cur = slot_keys[pos]
-            if cur == key:
-                return pos
-            if cur == EMPTY_KEY:  # tombstones are passed over
-                if insert:
-                    slot_keys[pos] = key
-                    return pos
-                return -1
-            pos += 1
-            if pos == num_slots:
-                pos = 0
-        return -1
-
     _KEYS8 = ir.VectorType(ir.IntType(64), BUCKET)
 
     def _splat(builder, value, vector_type):
@@ -228,53 +210,39 @@ if AVAILABLE:
         return types.int64(types.int64, types.int64), codegen
 
     @numba.njit(inline="always")
-    def _probe_buckets(slot_keys, keys_at, key, pos, num_slots, insert):
-        """:func:`_probe` for slots in buckets of eight (``pos`` a bucket's first slot), a
-        bucket at a time."""
-        for _ in range(num_slots // _BUCKET):
-            code = _bucket_code(keys_at + 8 * pos, key)
-            at = code & 15
-            if at < _BUCKET:
-                if code & 16:
-                    return pos + at
-                if insert:
-                    slot_keys[pos + at] = key
-                    return pos + at
-                return -1
-            pos += _BUCKET
-            if pos == num_slots:
-                pos = 0
-        return -1
-
-    @numba.njit(inline="always")
-    def _probe_from(slot_keys, keys_at, key, pos, width, num_slots, insert):
-        """The key's slot probing from ``pos``, its home: bucket by bucket where the slots
-        are in buckets."""
-        if width == _BUCKET:
-            return _probe_buckets(slot_keys, keys_at, key, pos, num_slots, insert)
-        return _probe(slot_keys, key, pos, num_slots, insert)
-
-    @numba.njit(inline="always")
     def _probe_stop(slot_keys, keys_at, key, pos, width, num_slots):
-        """(the key's slot or -1, where its probe from ``pos`` stopped): the first slot of
-        the bucket (a slot, when not in buckets) that holds the key or an empty slot; -1
-        when a full sweep found neither."""
+        """The probe of ``key`` from ``pos`` (its home, or where an earlier probe of it
+        stopped; a bucket's first slot where the slots are in buckets of eight, read a bucket
+        at a time), passing tombstones: (its slot or -1, the empty slot that ended it or -1,
+        the first slot of the bucket (a slot, when not in buckets) where it stopped, -1 when
+        a full sweep found neither the key nor an empty slot)."""
         step = width if width == _BUCKET else 1
         for _ in range(num_slots // step):
             if width == _BUCKET:
                 code = _bucket_code(keys_at + 8 * pos, key)
-                if code & 15 < _BUCKET:
-                    return (pos + (code & 15) if code & 16 else -1), pos
+                at = code & 15
+                if at < _BUCKET:
+                    return (pos + at, -1, pos) if code & 16 else (-1, pos + at, pos)
             else:
                 cur = slot_keys[pos]
                 if cur == key:
-                    return pos, pos
+                    return pos, -1, pos
                 if cur == EMPTY_KEY:
-                    return -1, pos
+                    return -1, pos, pos
             pos += step
             if pos == num_slots:
                 pos = 0
-        return -1, -1
+        return -1, -1, -1
+
+    @numba.njit(inline="always")
+    def _probe_from(slot_keys, keys_at, key, pos, width, num_slots, insert):
+        """The key's slot probing from ``pos`` (:func:`_probe_stop`), -1 when absent; with
+        ``insert`` an absent key takes the empty slot its probe ended at."""
+        s, empty, _ = _probe_stop(slot_keys, keys_at, key, pos, width, num_slots)
+        if s < 0 and insert and empty >= 0:
+            slot_keys[empty] = key
+            return empty
+        return s
 
     @numba.njit(inline="always")
     def _probe_slots(slot_keys, keys_at, key, buckets, width, num_slots, insert):
@@ -367,12 +335,22 @@ if AVAILABLE:
         cpu_parts.work(_address(data), _lookup_part)
 
     @numba.njit(inline="always")
+    def _representative(i, s, keys, valid, scratch):
+        """Position ``i``'s representative for its slot ``s``: the earlier position of the
+        same key the slot's scratch names (a stale entry from an earlier batch never names an
+        earlier valid position of the same key, as the first such position wrote its own),
+        else ``i``, which the scratch then names."""
+        p = scratch[s]
+        if p >= 0 and p < i and valid[p] and keys[p] == keys[i]:
+            return p
+        scratch[s] = i
+        return i
+
+    @numba.njit(inline="always")
     def _take_row(i, s, keys, valid, slot_rows, scratch, free_rows, size0, free0, capacity,
                   n_new, n_granted, rows, rep, new, granted, dedupe, lean):
-        """Position ``i``'s row for its slot ``s``: an earlier position of the same slot
-        (``scratch[s]``, checked against the batch's keys: a stale entry from an earlier
-        batch never names an earlier valid position of the same key, as the first such
-        position wrote its own) is its representative; a first position whose slot has no
+        """Position ``i``'s row for its slot ``s``: an earlier position of the same key is
+        its representative (:func:`_representative`); a first position whose slot has no
         row takes the top of the free stack, else the next row never handed out, while there
         is one. Without ``dedupe`` a slot that has a row gives it with no representative.
         With ``lean`` (no dedupe) ``rep`` and ``new`` are not written (no caller reads them:
@@ -396,15 +374,10 @@ if AVAILABLE:
         # batch before (that one took a row): its scratch line, not fetched ahead, is left
         # alone (a wait for memory per new key; the wait left is the table full's)
         first = not dedupe and n_new < free0 + capacity - size0
-        p = -1 if first else scratch[s]
-        if p >= 0 and p < i and valid[p] and keys[p] == keys[i]:
-            if not lean:
-                rep[i] = p
-        else:
-            if not first:
-                scratch[s] = i
-            if not lean:
-                rep[i] = i
+        p = i if first else _representative(i, s, keys, valid, scratch)
+        if not lean:
+            rep[i] = p
+        if p == i:
             if slot_rows[s] < 0:
                 if not lean:
                     new[i] = True
@@ -473,13 +446,7 @@ if AVAILABLE:
                 continue
             if m == -2:  # its representative (what _take_row gives a key with a row)
                 if dedupe:
-                    s = slots[i]
-                    p = scratch[s]
-                    if p >= 0 and p < i and valid[p] and keys[p] == keys[i]:
-                        rep[i] = p
-                    else:
-                        scratch[s] = i
-                        rep[i] = i
+                    rep[i] = _representative(i, slots[i], keys, valid, scratch)
                 continue
             s = -1
             if valid[i]:
@@ -631,8 +598,8 @@ if AVAILABLE:
                 _fetch_home(keys_at, rows_at, a, crowded or width != _BUCKET)
             s, stop, r = -1, -1, -1
             if valid[i]:
-                s, stop = _probe_stop(slot_keys, keys_at, keys[i], homes[i & (_HOMES - 1)],
-                                      width, num_slots)
+                s, _, stop = _probe_stop(slot_keys, keys_at, keys[i],
+                                         homes[i & (_HOMES - 1)], width, num_slots)
                 r = slot_rows[s] if s >= 0 else -1
                 if r < 0:
                     marks[i] = stop

@@ -309,12 +309,19 @@ def _take_parts(job, part):
         p = atomic_add(job + 8 * _NEXT, 1)
         if p >= parts:
             break
-        part(job, p)
-        flags = load(job, _FLAGS)
-        if flags != 0:
-            atomic_swap(job + 8 * (flags + p), 1)
-        last |= atomic_add(job + 8 * _DONE, 1) == parts - 1
+        last |= _run_part(job, part, p)
     return last
+
+
+@numba.njit(inline="always")
+def _run_part(job, part, p):
+    """Part ``p`` run and counted done (its done flag set where :func:`run_in_order` keeps
+    them); True if it was the last part done."""
+    part(job, p)
+    flags = load(job, _FLAGS)
+    if flags != 0:
+        atomic_swap(job + 8 * (flags + p), 1)
+    return atomic_add(job + 8 * _DONE, 1) == load(job, _PARTS) - 1
 
 
 @numba.njit(inline="always")
@@ -428,9 +435,7 @@ def run_in_order(job, frame, task, part, after, flags):
         while atomic_add(job + 8 * (flags + step), 0) == 0:
             p = atomic_add(job + 8 * _NEXT, 1)
             if p < parts:
-                part(job, p)
-                atomic_swap(job + 8 * (flags + p), 1)
-                atomic_add(job + 8 * _DONE, 1)
+                _run_part(job, part, p)
             else:  # the step's part under way on a helper
                 _sched_yield()
         after(job, step)

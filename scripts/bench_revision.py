@@ -151,9 +151,9 @@ def main() -> int:
     ap.add_argument("--hot", type=int, default=10)
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--batch", type=int, default=8192, help="train: samples a step")
-    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "adam"),
+    ap.add_argument("--optimizer", default="sgd", choices=("sgd", "adam", "adagrad"),
                     help="train: bench_train's optimizers (a revision before 2026-12-07 has "
-                         "only sgd)")
+                         "only sgd; adagrad: from this session's)")
     ap.add_argument("--table", default="evict", choices=("evict", "evict-room", "insert"))
     ap.add_argument("--load", type=float, default=0.85, help="insert: slots full at the end")
     ap.add_argument("--capacity", type=int, default=2_000_000)

@@ -2,7 +2,8 @@
 
 Model (the Criteo Kaggle shape): 13 dense features, 26 slots with the Kaggle cardinalities capped
 at 1,000,000 rows, embedding dim 16, bottom MLP 512-256-64-16, top MLP 512-256-1, plain SGD
-(``--optimizer adam``: Adam on the touched rows, PyTorch's SparseAdam and Adam).
+(``--optimizer adam``: Adam on the touched rows, PyTorch's SparseAdam and Adam; ``adagrad``:
+AdaGrad on the touched rows, PyTorch's Adagrad).
 The baseline is the classic DLRM reference: one nn.EmbeddingBag(sparse=True) per slot, dense
 MLPs, dot interaction, torch.optim.SGD. Both train on the same batches, made before the timing and
 held in memory (the data pipeline is measured separately); every step takes a batch no earlier
@@ -80,6 +81,12 @@ def jctr_batch(ranks, dense, label) -> Batch:
 # ``--optimizer adam``: HugeCTR's Adam on the touched rows (``update_type: Local``) against
 # PyTorch's SparseAdam on the tables and Adam on the MLPs, the same hyperparameters
 ADAM = {"learning_rate": 0.001, "beta1": 0.9, "beta2": 0.999, "epsilon": 1e-7}
+# ``--optimizer adagrad``: HugeCTR's AdaGrad on the touched rows against PyTorch's Adagrad
+# (sparse gradients on the tables; the same rule, epsilon beside the root)
+ADAGRAD = {"learning_rate": 0.01, "initial_accu_value": 0.0, "epsilon": 1e-7}
+OPTIMIZERS = {"sgd": {"type": "SGD", "sgd_hparam": {"learning_rate": 0.1}},
+              "adam": {"type": "Adam", "update_type": "Local", "adam_hparam": ADAM},
+              "adagrad": {"type": "AdaGrad", "update_type": "Local", "adagrad_hparam": ADAGRAD}}
 
 
 def jctr_config(batch: int, hot: int, optimizer: str = "sgd") -> dict:
@@ -88,9 +95,7 @@ def jctr_config(batch: int, hot: int, optimizer: str = "sgd") -> dict:
     slots = len(KAGGLE_CAPPED)
     return {
         "solver": {"max_iter": 1, "batchsize": batch, "input_key_type": "I64"},
-        "optimizer": ({"type": "SGD", "sgd_hparam": {"learning_rate": 0.1}}
-                      if optimizer == "sgd" else
-                      {"type": "Adam", "update_type": "Local", "adam_hparam": ADAM}),
+        "optimizer": OPTIMIZERS[optimizer],
         "layers": [
             {"name": "data", "type": "Data", "source": "unused", "eval_source": "unused",
              "label": {"top": "label", "label_dim": 1}, "dense": {"top": "dense",
@@ -203,6 +208,9 @@ def torch_runner(batches, dtype: str, device: str = "cpu", optimizer: str = "sgd
     model = DLRMRef().to(device)
     if optimizer == "sgd":
         opts = [torch.optim.SGD(model.parameters(), lr=0.1)]
+    elif optimizer == "adagrad":  # sparse gradients on the tables, dense on the MLPs
+        opts = [torch.optim.Adagrad(model.parameters(), lr=ADAGRAD["learning_rate"],
+                                    eps=ADAGRAD["epsilon"])]
     else:
         hyper = {"lr": ADAM["learning_rate"], "betas": (ADAM["beta1"], ADAM["beta2"]),
                  "eps": ADAM["epsilon"]}
@@ -283,9 +291,9 @@ def main() -> int:
     ap.add_argument("--torch-device", default=None,
                     help="the PyTorch reference's device (default: cuda where JAX runs on a GPU)")
     ap.add_argument("--json", help="also write the results here")
-    ap.add_argument("--optimizer", choices=["sgd", "adam"], default="sgd",
-                    help="plain SGD (the DLRM reference), or Adam on the touched rows "
-                    "(jctr's update_type Local; PyTorch's SparseAdam and Adam)")
+    ap.add_argument("--optimizer", choices=["sgd", "adam", "adagrad"], default="sgd",
+                    help="plain SGD (the DLRM reference), or Adam / AdaGrad on the touched "
+                    "rows (jctr's update_type Local; PyTorch's SparseAdam and Adam, Adagrad)")
     ap.add_argument("--l2", action="store_true",
                     help="also time the table regularized on its touched rows and on all rows "
                     "(l2_rows), against the plain step")

@@ -662,38 +662,54 @@ def _bag_of_repeats(seed, n=5000, capacity=1000, num_segments=900, dim=16):
     return rows, segments, rep, grads, state
 
 
-def _adam_native_and_reference(seed: int, combiner: str, dim: int):
-    """(native rows, reference rows, rows before, the batch's rows) of one Adam step."""
-    from jctr.config.schema import OptimizerConfig
+def _rule_native_and_reference(opt, seed: int, combiner: str, dim: int):
+    """(native tables, reference tables, tables before, the batch's rows) of one step of the
+    optimizer ``opt`` (``Local``) on a bag: the values, then its state (Adam's m and v; an
+    AdaGrad accumulator that is 0 on some rows)."""
     from jctr.embedding import row_optimizers as row_opt
-    from jctr.ops import adam_by_segment
+    from jctr.ops import row_rule_by_segment
     from jctr.ops.bag import embedding_bag_backward_reference
 
-    opt = OptimizerConfig("Adam", update_type="Local")
     rows, segments, rep, grads, state = _bag_of_repeats(seed, dim=dim)
+    names = row_opt.slot_names(opt)
+    if opt.type != "Adam":  # one state: v's (non-negative) for AdaGrad's accumulator
+        state = (state[0], state[2] if opt.type == "AdaGrad" else state[1])
+        state[1][::7] = 0.0  # new rows' (AdaGrad's first step: the gradient's sign times lr)
     n, capacity, num_segments = rows.size, state[0].shape[0], grads.shape[0]
     lr, count = jnp.float32(0.01), jnp.int32(3 + 5 * seed)
 
-    def reference(values, m, v):
+    def reference(values, *states):
         g = embedding_bag_backward_reference(jnp.asarray(grads), jnp.asarray(segments),
                                              jnp.asarray(rep), num_segments, combiner)
         at = jnp.where(jnp.asarray(rep) == jnp.arange(n), jnp.asarray(rows), capacity)
-        w, slots = row_opt.apply_rows(opt, values, {"m": m, "v": v}, at, g, lr, count)
-        return w, slots["m"], slots["v"]
+        w, slots = row_opt.apply_rows(opt, values, dict(zip(names, states)), at, g, lr, count)
+        return (w, *(slots[name] for name in names))
 
-    def native(values, m, v):
-        return adam_by_segment(values, m, v, jnp.asarray(rows), jnp.asarray(rep),
-                               jnp.asarray(segments), jnp.asarray(grads),
-                               row_opt.adam_params(opt, lr, count), num_segments, combiner,
-                               reference)
+    def native(*tables):
+        return row_rule_by_segment(opt.type, tables, jnp.asarray(rows), jnp.asarray(rep),
+                                   jnp.asarray(segments), jnp.asarray(grads),
+                                   row_opt.rule_params(opt, lr, count), num_segments,
+                                   combiner, reference)
 
     return ([np.asarray(x) for x in jax.jit(native)(*state)],
             [np.asarray(x) for x in jax.jit(reference)(*state)], state, rows)
 
 
+def _assert_rows_match(got, want, state, rows, names):
+    """Native tables equal the reference's to a rounding (where one fuses a multiply-add and
+    the other does not, and what that moves in a row); rows no position touches keep every
+    bit, touched ones move."""
+    touched = np.zeros(state[0].shape[0], bool)
+    touched[rows[rows >= 0]] = True
+    for name, a, b, before in zip(names, got, want, state):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(before).max())
+        assert np.array_equal(a[~touched], before[~touched]), name
+        assert not np.array_equal(a[touched], before[touched]), name
+
+
 @pytest.mark.parametrize("combiner", ["sum", "mean"])
 def test_the_native_adam_step_of_a_bag_gives_the_reference_rows(combiner):
-    """``jctr_cpu_adam_rows`` (:func:`jctr.ops.adam_by_segment` on CPU) against the jnp
+    """``jctr_cpu_adam_rows`` (:func:`jctr.ops.row_rule_by_segment` on CPU) against the jnp
     formulation it replaces: gradients summed at the representatives
     (``embedding_bag_backward_reference``), then ``row_optimizers.apply_rows``'s gathered
     Adam step (the HugeCTR rule, ``adam_update`` in HugeCTR's
@@ -702,25 +718,45 @@ def test_the_native_adam_step_of_a_bag_gives_the_reference_rows(combiner):
     moments' ``b * m + (1 - b) * g`` into a fused multiply-add in most lanes but not all (an
     LLVM choice per lane), so the moments may differ in their last bit there, and the rows
     by as little; rows no position touches keep every bit."""
+    from jctr.config.schema import OptimizerConfig
+
     for seed, dim in ((0, 16), (1, 32), (2, 24)):  # 24: the lane loop, not vector code
-        got, want, state, rows = _adam_native_and_reference(seed, combiner, dim)
-        touched = np.zeros(state[0].shape[0], bool)
-        touched[rows[rows >= 0]] = True
-        for name, a, b, before in zip("wmv", got, want, state):
-            # a moment's rounding (where one fuses a multiply-add) and what it moves in a row
-            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(before).max())
-            assert np.array_equal(a[~touched], before[~touched]), name
-            assert not np.array_equal(a[touched], before[touched]), name
+        got, want, state, rows = _rule_native_and_reference(
+            OptimizerConfig("Adam", update_type="Local"), seed, combiner, dim)
+        _assert_rows_match(got, want, state, rows, "wmv")
 
 
-def test_an_adam_training_step_takes_the_native_row_update():
-    """A bag's Adam step (``update_type: Local``) on CPU runs ``jctr_cpu_adam_rows`` in
-    place of XLA's scatters and gathers, its workspaces counted in the step's temporaries,
-    and a training step of it gives the rows of the jnp path (JCTR_KERNELS=reference) to
-    within a rounding of the moments."""
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+@pytest.mark.parametrize("rule", ["AdaGrad", "MomentumSGD", "Nesterov"])
+def test_the_native_one_state_step_of_a_bag_gives_the_reference_rows(rule, combiner):
+    """``jctr_cpu_one_state_rows`` (:func:`jctr.ops.row_rule_by_segment` on CPU) against the
+    jnp formulation it replaces, for the three rules with one state a row: AdaGrad as
+    HugeCTR's ``opt_adagrad_kernel`` (HugeCTR/src/optimizers/sparse_optimizer.cu: ``accum +=
+    g * g``, ``w -= lr * g / (sqrt(accum) + eps)``),
+    MomentumSGD and Nesterov as ``row_optimizers._row_rule`` (``m = factor * m + g``, ``w -=
+    lr * m``, Nesterov ``w -= lr * (g + factor * m)``: with a constant lr HugeCTR's
+    ``opt_momentum_sgd_kernel`` / ``opt_nesterov_kernel``, whose state is ``-lr`` times this
+    one). Sums exact; the state and the rows to a rounding where XLA fuses a multiply-add
+    in a lane and the kernel does or not."""
+    from jctr.config.schema import OptimizerConfig
+
+    opt = OptimizerConfig(rule, update_type="Local", momentum_factor=0.9, epsilon=1e-7)
+    for seed, dim in ((0, 16), (1, 32), (2, 24)):  # 24: the lane loop, not vector code
+        got, want, state, rows = _rule_native_and_reference(opt, seed, combiner, dim)
+        _assert_rows_match(got, want, state, rows, ("w", "state"))
+
+
+@pytest.mark.parametrize("rule", ["Adam", "AdaGrad", "MomentumSGD", "Nesterov"])
+def test_a_training_step_takes_the_native_row_update(rule):
+    """A bag's Adam, AdaGrad, MomentumSGD or Nesterov step (``update_type: Local``) on CPU
+    runs ``jctr_cpu_adam_rows`` / ``jctr_cpu_one_state_rows`` in place of XLA's scatters and
+    gathers, its workspaces counted in the step's temporaries, and a training step of it
+    gives the rows of the jnp path (JCTR_KERNELS=reference) to within a rounding of the
+    state."""
     import os
 
     from jctr.config.schema import OptimizerConfig
+    from jctr.embedding.row_optimizers import slot_names
     from jctr.embedding.sparse_embedding import (
         EmbeddingSpec,
         apply_gradients,
@@ -728,9 +764,9 @@ def test_an_adam_training_step_takes_the_native_row_update():
         lookup_rows,
     )
 
+    opt = OptimizerConfig(rule, update_type="Local", momentum_factor=0.9)
     spec = EmbeddingSpec("t", capacity=4096, dim=16, slot_num=3, max_features=6,
-                         one_hot=False, input_index=0,
-                         optimizer=OptimizerConfig("Adam", update_type="Local"))
+                         one_hot=False, input_index=0, optimizer=opt)
     rng = np.random.default_rng(1)
     keys = jnp.asarray(rng.integers(0, 300, 4 * 6), jnp.int64)
     segments = jnp.asarray(np.repeat(np.arange(12), 2), jnp.int32)
@@ -742,7 +778,8 @@ def test_an_adam_training_step_takes_the_native_row_update():
                                jnp.int32(1))
 
     lowered = jax.jit(step).lower(init_embedding(spec))
-    assert "jctr_cpu_adam_rows" in lowered.as_text()
+    kernel = "jctr_cpu_adam_rows" if rule == "Adam" else "jctr_cpu_one_state_rows"
+    assert kernel in lowered.as_text()
     # the kernel's workspaces are XLA's buffers: the step's temporaries (the memory plan)
     # hold the summed rows [positions, dim] and two int32 lists
     assert lowered.compile().memory_analysis().temp_size_in_bytes >= 24 * (16 + 2) * 4
@@ -752,8 +789,9 @@ def test_an_adam_training_step_takes_the_native_row_update():
         want = jax.jit(step)(init_embedding(spec))
     finally:
         del os.environ["JCTR_KERNELS"]
-    for a, b in ((got.values, want.values), (got.slots["m"], want.slots["m"]),
-                 (got.slots["v"], want.slots["v"])):
+    names = slot_names(opt)
+    for a, b in ((got.values, want.values),
+                 *((got.slots[name], want.slots[name]) for name in names)):
         a, b = np.asarray(a), np.asarray(b)
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * np.abs(b).max())
-    assert np.asarray(got.slots["m"]).any()
+    assert np.asarray(got.slots[names[0]]).any()

@@ -84,6 +84,44 @@ def test_local_and_global_differ_for_adam_on_untouched_rows():
     np.testing.assert_allclose(local[3], glob[3], rtol=1e-6)
 
 
+def _hugectr_adagrad(w, accum, g, lr, eps):
+    """One step of HugeCTR's AdaGrad in float32, element by element: ``accum += g * g;
+    w -= lr * g / (sqrt(accum) + eps)`` (``opt_adagrad_kernel`` in
+    HugeCTR/src/optimizers/sparse_optimizer.cu for embedding rows, ``ada_grad_update_kernel``
+    in HugeCTR/src/optimizers/adagrad_optimizer.cu for the dense weights)."""
+    f = np.float32
+    accum = (accum + g * g).astype(f)
+    return (w - (f(lr) * g).astype(f) / (np.sqrt(accum) + f(eps))).astype(f), accum
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-4, 1e-6])
+def test_adagrad_is_hugectrs_epsilon_beside_the_root(scale):
+    """AdaGrad's rows and dense weights take HugeCTR's step ``lr * g / (sqrt(accum) + eps)``,
+    not optax's ``g / sqrt(accum + eps)``: for small gradients (``scale`` 1e-4, 1e-6: those
+    of rare keys) optax's would move a new row a third, or a thousandth, as far."""
+    opt = OptimizerConfig("AdaGrad", learning_rate=0.05, initial_accu_value=0.0,
+                          epsilon=1e-7)
+    rng = np.random.default_rng(3)
+    values = rng.normal(size=(CAP, DIM)).astype(np.float32)
+    rows = np.array([3, 17, 5, 39])
+    steps = [(rows, (scale * rng.normal(size=(4, DIM))).astype(np.float32))
+             for _ in range(3)]
+    w, acc = values[rows], np.zeros((4, DIM), np.float32)
+    for _, g in steps:
+        w, acc = _hugectr_adagrad(w, acc, g, 0.05, 1e-7)
+    got = _run_rows(opt, jnp.asarray(values), steps)
+    np.testing.assert_allclose(got[rows], w, rtol=1e-6, atol=1e-7)
+    tx = dense_optimizer(opt)
+    p = jnp.asarray(values[rows])
+    state = tx.init(p)
+    for _, g in steps:
+        upd, state = tx.update(jnp.asarray(g), state, p)
+        p = optax.apply_updates(p, upd)
+    np.testing.assert_allclose(np.asarray(p), w, rtol=1e-6, atol=1e-7)
+    # the accumulator keeps optax's state: a dense checkpoint of either loads as the other
+    assert type(state[0]).__name__ == "ScaleByRssState"
+
+
 def test_lazy_global_applies_missed_decay():
     opt = OptimizerConfig("Adam", update_type="LazyGlobal", learning_rate=0.01, beta1=0.9,
                           beta2=0.99)

@@ -75,9 +75,9 @@ def _weight_rule(opt: OptimizerConfig, w, g, new_state: dict, lr, count):
         m_hat = new_state["m"] / (1.0 - jnp.float32(opt.beta1) ** c)
         v_hat = new_state["v"] / (1.0 - jnp.float32(opt.beta2) ** c)
         return w - lr * m_hat / (jnp.sqrt(v_hat) + opt.epsilon)
-    if t == "AdaGrad":
+    if t == "AdaGrad":  # HugeCTR's: epsilon beside the root, not under it (as optax puts it)
         acc = new_state["accum"]
-        return w - lr * jnp.where(acc > 0, g * jax.lax.rsqrt(acc + opt.epsilon), 0.0)
+        return w - jnp.where(acc > 0, lr * g / (jnp.sqrt(acc) + opt.epsilon), 0.0)
     raise ValueError(t)
 
 
@@ -90,15 +90,26 @@ def _row_rule(opt: OptimizerConfig, w, g, state: dict, lr, count):
 
 
 def steps_bags_natively(opt: OptimizerConfig) -> bool:
-    """Whether a bag's rows may step through :func:`jctr.ops.adam_by_segment` (Adam on the
-    touched rows alone: ``Local``, no ``last_step`` to catch up)."""
-    return opt.type == "Adam" and opt.update_type == "Local"
+    """Whether a bag's rows may step through :func:`jctr.ops.row_rule_by_segment` (Adam,
+    AdaGrad, MomentumSGD or Nesterov on the touched rows alone: ``Local``, no ``last_step``
+    to catch up)."""
+    return opt.type in ("Adam", "AdaGrad", "MomentumSGD", "Nesterov") and (
+        opt.update_type == "Local")
+
+
+def rule_params(opt: OptimizerConfig, lr, count) -> jax.Array:
+    """The scalars of :func:`_row_rule` as :func:`jctr.ops.row_rule_by_segment` takes them:
+    :func:`adam_params` for Adam, else float32 [3] lr, epsilon, momentum factor."""
+    if opt.type == "Adam":
+        return adam_params(opt, lr, count)
+    return jnp.stack([jnp.asarray(lr, jnp.float32), jnp.float32(opt.epsilon),
+                      jnp.float32(opt.momentum_factor)])
 
 
 def adam_params(opt: OptimizerConfig, lr, count) -> jax.Array:
     """float32 [8]: beta1, 1 - beta1, beta2, 1 - beta2, the bias corrections 1 - beta ** t
     and lr, epsilon: the scalars of :func:`_row_rule`'s Adam, each computed as it computes
-    it (:func:`jctr.ops.adam_by_segment`)."""
+    it (:func:`jctr.ops.row_rule_by_segment`)."""
     c = count.astype(jnp.float32)
     return jnp.stack([jnp.float32(opt.beta1), jnp.float32(1.0 - opt.beta1),
                       jnp.float32(opt.beta2), jnp.float32(1.0 - opt.beta2),

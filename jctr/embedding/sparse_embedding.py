@@ -21,11 +21,11 @@ from jctr.embedding.hash_table import (
     score_function,
 )
 from jctr.ops import (
-    adam_by_segment,
     embedding_bag_backward,
     embedding_bag_forward,
     initialize_rows,
     key_uniform,
+    row_rule_by_segment,
     sgd_by_segment,
     sum_at_representatives,
 )
@@ -258,29 +258,32 @@ def apply_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,
             values, lk.rows, segments, flat, -lr, b * spec.slot_num, spec.combiner))
     if row_opt.steps_bags_natively(spec.optimizer) and not spec.l1 and (
             spec.l2_all or not spec.l2):
-        return _adam_by_segment(spec, state, lk, segments, flat, lr, count)
+        return _rule_by_segment(spec, state, lk, segments, flat, lr, count)
     g = embedding_bag_backward(flat, segments, lk.rep, b * spec.slot_num, spec.combiner,
                                one_hot=spec.one_hot)
     return _apply_rows(spec, state, lk, g, lr, count, keys, clicks, shows)
 
 
-def _adam_by_segment(spec, state, lk, segments, flat, lr, count) -> EmbeddingState:
-    """Adam on the bag's distinct rows from the segments' gradients (on CPU one native pass:
-    :func:`jctr.ops.adam_by_segment`); the same as :func:`_apply_rows` on the row sums."""
+def _rule_by_segment(spec, state, lk, segments, flat, lr, count) -> EmbeddingState:
+    """The optimizer's rule on the bag's distinct rows from the segments' gradients (on CPU
+    one native pass: :func:`jctr.ops.row_rule_by_segment`); the same as :func:`_apply_rows`
+    on the row sums."""
     values, _ = _decay_all(spec, state.values, lr)
     capacity, num_segments = values.shape[0], flat.shape[0]
+    names = row_opt.slot_names(spec.optimizer)
 
-    def reference(values, m, v):
+    def reference(values, *states):
         g = embedding_bag_backward(flat, segments, lk.rep, num_segments, spec.combiner,
                                    one_hot=spec.one_hot)
-        w, slots = row_opt.apply_rows(spec.optimizer, values, {"m": m, "v": v},
+        w, slots = row_opt.apply_rows(spec.optimizer, values, dict(zip(names, states)),
                                       _rep_rows(lk, capacity), g, lr, count)
-        return w, slots["m"], slots["v"]
+        return (w, *(slots[name] for name in names))
 
-    values, m, v = adam_by_segment(
-        values, state.slots["m"], state.slots["v"], lk.rows, lk.rep, segments, flat,
-        row_opt.adam_params(spec.optimizer, lr, count), num_segments, spec.combiner, reference)
-    return state._replace(values=values, slots={**state.slots, "m": m, "v": v})
+    values, *states = row_rule_by_segment(
+        spec.optimizer.type, (values, *(state.slots[name] for name in names)), lk.rows,
+        lk.rep, segments, flat, row_opt.rule_params(spec.optimizer, lr, count), num_segments,
+        spec.combiner, reference)
+    return state._replace(values=values, slots={**state.slots, **dict(zip(names, states))})
 
 
 def apply_key_gradients(spec: EmbeddingSpec, state: EmbeddingState, lk: Lookup,

@@ -25,10 +25,11 @@ Kernels here:
   over the pieces before, in batch order, finding their lines in cache; it probes only the
   keys the parts did not find (from where their probe stopped) and, with dedupe, sets the
   representatives of the others: the same bits as one pass.
-* ``jctr_cpu_adam_rows``: Adam on a bag's distinct rows (``update_type: Local``): the rows
-  listed with their gradients summed in batch order, then stepped in parts on every thread;
-  XLA's formulation writes [n, dim] zeros, scatter-adds the gradients at the representatives,
-  then gathers, steps and scatters back the rows and moments in chunks.
+* ``jctr_cpu_adam_rows`` / ``jctr_cpu_one_state_rows``: Adam, or AdaGrad, MomentumSGD and
+  Nesterov, on a bag's distinct rows (``update_type: Local``): the rows listed with their
+  gradients summed in batch order, then stepped in parts on every thread; XLA's formulation
+  writes [n, dim] zeros, scatter-adds the gradients at the representatives, then gathers,
+  steps and scatters back the rows and their state in chunks.
 * ``jctr_cpu_evict``: the eviction of a full table (the rows its new keys take, by the
   policy's ranking of the keys in a window of slots from each new key's home bucket on, their
   scores beside them; a bucket's ranks compared in vector registers), each new key claiming in
@@ -1021,8 +1022,49 @@ if AVAILABLE:
         return types.void(types.int64, types.int64, types.int64, types.int64,
                           types.int64), codegen
 
+    # the row rules' codes: a one-state rule's place in ONE_STATE_RULES, then Adam
+    _ADAGRAD, _MOMENTUM, _NESTEROV, _ADAM = 0, 1, 2, 3
+
+    def _one_state_intrinsic(rule):
+        """Vector code of one one-state rule (the rule fixed when the code is made)."""
+        @intrinsic
+        def one_state_16(typingctx, w_at, s_at, g_at, params_at):
+            def codegen(context, builder, signature, args):
+                f32 = ir.FloatType()
+                ptr = _ROW16.as_pointer()
+                w_p, s_p = (builder.inttoptr(a, ptr) for a in args[:2])
+                g = builder.load(builder.inttoptr(args[2], ptr), align=4)
+                params = builder.inttoptr(args[3], f32.as_pointer())
+                lr, eps, factor = (builder.load(builder.gep(params, [ir.Constant(
+                    ir.IntType(64), j)])) for j in range(3))
+                lr, eps, factor, minus_lr = (_splat(builder, x, _ROW16) for x in (
+                    lr, eps, factor, builder.fneg(lr)))
+                fma = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(_ROW16, [_ROW16] * 3), "llvm.fma.v16f32")
+                w, s = builder.load(w_p, align=4), builder.load(s_p, align=4)
+                if rule == _ADAGRAD:  # w - (a > 0 ? lr * g / (sqrt(a) + eps) : 0)
+                    sqrt = cgutils.get_or_insert_function(
+                        builder.module, ir.FunctionType(_ROW16, [_ROW16]), "llvm.sqrt.v16f32")
+                    s = builder.call(fma, [g, g, s])
+                    zero = ir.Constant(_ROW16, [0.0] * 16)
+                    step = builder.fdiv(builder.fmul(lr, g),
+                                        builder.fadd(builder.call(sqrt, [s]), eps))
+                    w = builder.fsub(w, builder.select(
+                        builder.fcmp_ordered(">", s, zero), step, zero))
+                else:  # momentum: m = factor * m + g; w - lr * m (Nesterov: g + factor * m)
+                    s = builder.call(fma, [factor, s, g])
+                    d = s if rule == _MOMENTUM else builder.call(fma, [factor, s, g])
+                    w = builder.call(fma, [minus_lr, d, w])
+                builder.store(s, s_p, align=4)
+                builder.store(w, w_p, align=4)
+            return types.void(types.int64, types.int64, types.int64, types.int64), codegen
+        return one_state_16
+
+    _adagrad_16, _momentum_16, _nesterov_16 = (
+        _one_state_intrinsic(rule) for rule in (_ADAGRAD, _MOMENTUM, _NESTEROV))
+
     @numba.njit(inline="always")
-    def _adam_sums(rows, rep, segments, grads, capacity, listed, summed, index):
+    def _row_sums(rows, rep, segments, grads, capacity, listed, summed, index):
         """The distinct rows of a bag (``listed``, in the order of their first positions) and
         their gradients (``summed``): each the sum of its positions' segment gradients in
         batch order from 0, as XLA's scatter-add at the representatives
@@ -1106,61 +1148,131 @@ if AVAILABLE:
                 v[r, c] = vc
                 values[r, c] = values[r, c] - lr * (mc / d1) / (np.sqrt(vc / d2) + eps)
 
-    # the Adam job record: values, m, v, capacity, dim, listed rows, their sums, params, rows
-    _ADAM_WORDS = 9
+    @numba.njit(inline="always")
+    def _one_state_step(values, state, listed, summed, params, rule, lo, hi):
+        """AdaGrad, MomentumSGD or Nesterov (``rule``) on the listed rows ``lo`` to ``hi``
+        with their summed gradients, the two lines of a row ``_ROWS_AHEAD`` on fetched
+        first. ``params``: lr, epsilon, momentum factor (float32). AdaGrad is HugeCTR's
+        ``a = accum + g * g; w - lr * g / (sqrt(a) + eps)`` (no step where ``a`` is 0); the
+        momentum ``factor * m + g`` and the weight's ``w - lr * d`` are fused multiply-adds,
+        as XLA's CPU code fuses them (in most lanes: a rounding apart elsewhere,
+        tests/test_cpu_ffi.py)."""
+        dim = values.shape[1]
+        lr, eps, factor = params[0], params[1], params[2]
+        values_at, state_at = values.ctypes.data, state.ctypes.data
+        for j in range(lo, hi):
+            ahead = j + _ROWS_AHEAD
+            if ahead < hi:
+                line = 4 * dim * np.int64(listed[ahead])
+                _prefetch(values_at + line)
+                _prefetch(state_at + line)
+            r = listed[j]
+            if dim % 16 == 0:
+                for c in range(0, dim, 16):
+                    at = 4 * (dim * np.int64(r) + c)
+                    g_at = summed.ctypes.data + 4 * (dim * np.int64(j) + c)
+                    if rule == _ADAGRAD:
+                        _adagrad_16(values_at + at, state_at + at, g_at, params.ctypes.data)
+                    elif rule == _MOMENTUM:
+                        _momentum_16(values_at + at, state_at + at, g_at, params.ctypes.data)
+                    else:
+                        _nesterov_16(values_at + at, state_at + at, g_at, params.ctypes.data)
+                continue
+            for c in range(dim):
+                g = summed[j, c]
+                if rule == _ADAGRAD:
+                    a = _fma(g, g, state[r, c])
+                    state[r, c] = a
+                    if a > 0:
+                        values[r, c] = values[r, c] - lr * g / (np.sqrt(a) + eps)
+                    continue
+                m = _fma(factor, state[r, c], g)
+                state[r, c] = m
+                d = m if rule == _MOMENTUM else _fma(factor, m, g)
+                values[r, c] = _fma(-lr, d, values[r, c])
+
+    # the row update's job record: values, its one or two state tables (0: none), capacity,
+    # dim, listed rows, their sums, params, how many rows, the rule
+    _ROWS_WORDS = 10
 
     @numba.njit(inline="always")
-    def _adam_part(job, p):
-        """Part ``p`` of the Adam step: its range of the listed (distinct) rows."""
+    def _rows_part(job, p):
+        """Part ``p`` of a row update: its range of the listed (distinct) rows."""
         h = cpu_parts.HEADER
         capacity, dim, k = cpu_parts.load(job, h + 3), cpu_parts.load(job, h + 4), \
             cpu_parts.load(job, h + 8)
+        rule = cpu_parts.load(job, h + 9)
         lo, hi = cpu_parts.part_range(job, p, k)
-        _adam_step(carray(_pointer(cpu_parts.load(job, h)), (capacity, dim), np.float32),
-                   carray(_pointer(cpu_parts.load(job, h + 1)), (capacity, dim), np.float32),
-                   carray(_pointer(cpu_parts.load(job, h + 2)), (capacity, dim), np.float32),
-                   carray(_pointer(cpu_parts.load(job, h + 5)), (k,), np.int32),
-                   carray(_pointer(cpu_parts.load(job, h + 6)), (k, dim), np.float32),
-                   carray(_pointer(cpu_parts.load(job, h + 7)), (8,), np.float32), lo, hi)
+        values = carray(_pointer(cpu_parts.load(job, h)), (capacity, dim), np.float32)
+        first = carray(_pointer(cpu_parts.load(job, h + 1)), (capacity, dim), np.float32)
+        listed = carray(_pointer(cpu_parts.load(job, h + 5)), (k,), np.int32)
+        summed = carray(_pointer(cpu_parts.load(job, h + 6)), (k, dim), np.float32)
+        if rule == _ADAM:
+            _adam_step(values, first,
+                       carray(_pointer(cpu_parts.load(job, h + 2)), (capacity, dim),
+                              np.float32), listed, summed,
+                       carray(_pointer(cpu_parts.load(job, h + 7)), (8,), np.float32), lo, hi)
+        else:
+            _one_state_step(values, first, listed, summed,
+                            carray(_pointer(cpu_parts.load(job, h + 7)), (3,), np.float32),
+                            rule, lo, hi)
 
-    def _adam_task(data):
-        cpu_parts.work(_address(data), _adam_part)
+    def _rows_task(data):
+        cpu_parts.work(_address(data), _rows_part)
+
+    @numba.njit(inline="always")
+    def _rows_job(frame, states, rule):
+        """A row update's handler body: arguments values, ``states`` state tables, rows,
+        representatives, segments, segment gradients, params; results the tables (aliased
+        to theirs) and two workspaces."""
+        t = states + 1
+        _, value_dims = _buffer(frame, _FRAME_ARGS, 0)
+        shape = carray(_pointer(value_dims), (2,), np.int64)
+        capacity, dim = shape[0], shape[1]
+        for a in range(t):
+            _adopt(_buffer(frame, _FRAME_RETS, a)[0], _buffer(frame, _FRAME_ARGS, a)[0],
+                   4 * capacity * dim)
+        row_data, row_dims = _buffer(frame, _FRAME_ARGS, t)
+        n = _word(row_dims)
+        grad_data, grad_dims = _buffer(frame, _FRAME_ARGS, t + 3)
+        # workspaces XLA allocates (the results after the tables: counted in the step's
+        # temporaries, which the memory plan reads): the listed rows' sums (the first k rows
+        # used), the listed rows and each first position's place in the list
+        summed = carray(_pointer(_buffer(frame, _FRAME_RETS, t)[0]), (n, dim), np.float32)
+        lists = _buffer(frame, _FRAME_RETS, t + 1)[0]
+        listed = carray(_pointer(lists), (n,), np.int32)
+        k = _row_sums(carray(_pointer(row_data), (n,), np.int32),
+                      carray(_pointer(_buffer(frame, _FRAME_ARGS, t + 1)[0]), (n,), np.int32),
+                      carray(_pointer(_buffer(frame, _FRAME_ARGS, t + 2)[0]), (n,), np.int32),
+                      carray(_pointer(grad_data), (_word(grad_dims), dim), np.float32),
+                      capacity, listed, summed, carray(_pointer(lists + 4 * n), (n,), np.int32))
+        # parts: ranges of the listed rows (distinct: parts write apart); every part done
+        # before the lists are freed
+        job = cpu_parts.begin(frame, _ROWS_WORDS, _parts_of(k))
+        h = cpu_parts.HEADER
+        second = _buffer(frame, _FRAME_RETS, 2)[0] if states == 2 else np.int64(0)
+        words = (_buffer(frame, _FRAME_RETS, 0)[0], _buffer(frame, _FRAME_RETS, 1)[0], second,
+                 capacity, dim, np.int64(listed.ctypes.data), np.int64(summed.ctypes.data),
+                 _buffer(frame, _FRAME_ARGS, t + 4)[0], k, np.int64(rule))
+        for w in range(_ROWS_WORDS):
+            cpu_parts.store(job, h + w, words[w])
+        cpu_parts.run_and_wait(job, frame, cpu_parts.symbol("jctr_task_row_rules"), _rows_part)
+        cpu_parts.release(job)
 
     def _adam_rows_frame(frame_pointer):
         frame = _address(frame_pointer)
         if _answer_metadata(frame):
             return _pointer(0)
-        outs = (_buffer(frame, _FRAME_RETS, 0)[0], _buffer(frame, _FRAME_RETS, 1)[0],
-                _buffer(frame, _FRAME_RETS, 2)[0])
-        _, value_dims = _buffer(frame, _FRAME_ARGS, 0)
-        shape = carray(_pointer(value_dims), (2,), np.int64)
-        capacity, dim = shape[0], shape[1]
-        for a in range(3):
-            _adopt(outs[a], _buffer(frame, _FRAME_ARGS, a)[0], 4 * capacity * dim)
-        row_data, row_dims = _buffer(frame, _FRAME_ARGS, 3)
-        n = _word(row_dims)
-        grad_data, grad_dims = _buffer(frame, _FRAME_ARGS, 6)
-        # workspaces XLA allocates (results 3 and 4: counted in the step's temporaries, which
-        # the memory plan reads): the listed rows' sums (the first k rows used), the listed
-        # rows and each first position's place in the list
-        summed = carray(_pointer(_buffer(frame, _FRAME_RETS, 3)[0]), (n, dim), np.float32)
-        lists = _buffer(frame, _FRAME_RETS, 4)[0]
-        listed = carray(_pointer(lists), (n,), np.int32)
-        k = _adam_sums(carray(_pointer(row_data), (n,), np.int32),
-                       carray(_pointer(_buffer(frame, _FRAME_ARGS, 4)[0]), (n,), np.int32),
-                       carray(_pointer(_buffer(frame, _FRAME_ARGS, 5)[0]), (n,), np.int32),
-                       carray(_pointer(grad_data), (_word(grad_dims), dim), np.float32),
-                       capacity, listed, summed, carray(_pointer(lists + 4 * n), (n,), np.int32))
-        # parts: ranges of the listed rows (distinct: parts write apart); every part done
-        # before the lists are freed
-        job = cpu_parts.begin(frame, _ADAM_WORDS, _parts_of(k))
-        h = cpu_parts.HEADER
-        words = (outs[0], outs[1], outs[2], capacity, dim, np.int64(listed.ctypes.data),
-                 np.int64(summed.ctypes.data), _buffer(frame, _FRAME_ARGS, 7)[0], k)
-        for w in range(_ADAM_WORDS):
-            cpu_parts.store(job, h + w, words[w])
-        cpu_parts.run_and_wait(job, frame, cpu_parts.symbol("jctr_task_adam_rows"), _adam_part)
-        cpu_parts.release(job)
+        _rows_job(frame, 2, _ADAM)
+        return _pointer(0)
+
+    def _one_state_rows_frame(frame_pointer):
+        frame = _address(frame_pointer)
+        if _answer_metadata(frame):
+            return _pointer(0)
+        # params: lr, epsilon, momentum factor, the rule's code (a small float32 integer)
+        params = carray(_pointer(_buffer(frame, _FRAME_ARGS, 6)[0]), (4,), np.float32)
+        _rows_job(frame, 1, np.int64(params[3]))
         return _pointer(0)
 
     _TOMBSTONE = EMPTY_KEY + 1
@@ -1745,7 +1857,7 @@ if AVAILABLE:
                              ("jctr_task_find_assign", _find_assign_task),
                              ("jctr_task_bag_sum", _bag_task),
                              ("jctr_task_init_rows", _init_task),
-                             ("jctr_task_adam_rows", _adam_task),
+                             ("jctr_task_row_rules", _rows_task),
                              ("jctr_task_pair_dots", _pair_dots_task)):
             cpu_parts.register_task(_name, cpu_parts.cfunc(_task, types.void(types.voidptr)))
         _hash_lookup_handler = _cfunc(_hash_lookup)
@@ -1755,6 +1867,7 @@ if AVAILABLE:
         _bag_sum_handler = _cfunc(_bag_sum_frame)
         _add_by_segment_handler = _cfunc(_add_by_segment_frame)
         _adam_rows_handler = _cfunc(_adam_rows_frame)
+        _one_state_rows_handler = _cfunc(_one_state_rows_frame)
         _evict_handler = _cfunc(_evict_rows)
         _rebuild_handler = _cfunc(_rebuild_rows)
         _pair_dots_handler = _cfunc(_pair_dots)
@@ -1783,6 +1896,7 @@ def _register() -> None:
                           ("jctr_cpu_bag_sum", _bag_sum_handler),
                           ("jctr_cpu_add_by_segment", _add_by_segment_handler),
                           ("jctr_cpu_adam_rows", _adam_rows_handler),
+                          ("jctr_cpu_one_state_rows", _one_state_rows_handler),
                           ("jctr_cpu_evict", _evict_handler),
                           ("jctr_cpu_rebuild_slots", _rebuild_handler),
                           ("jctr_cpu_pair_dots", _pair_dots_handler),
@@ -1945,6 +2059,36 @@ def adam_rows(values: jax.Array, m: jax.Array, v: jax.Array, rows: jax.Array,
             values, m, v, rows.astype(jnp.int32), rep.astype(jnp.int32),
             segments.astype(jnp.int32), grads.astype(jnp.float32),
             params.astype(jnp.float32)))[:3]
+
+
+ONE_STATE_RULES = ("AdaGrad", "MomentumSGD", "Nesterov")  # the kernel's rule codes
+
+
+def one_state_rows(values: jax.Array, state: jax.Array, rows: jax.Array, rep: jax.Array,
+                   segments: jax.Array, grads: jax.Array,
+                   params: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(values, state) after AdaGrad, MomentumSGD or Nesterov on the distinct rows of a bag,
+    their gradients summed as :func:`adam_rows` sums them; ``params`` float32 [4]: lr,
+    epsilon, momentum factor, the rule's place in :data:`ONE_STATE_RULES`. What
+    :func:`jctr.embedding.row_optimizers.apply_rows` gives, to a rounding where XLA fuses a
+    multiply-add and the kernel does not or the other way round, without its [n, dim]
+    arrays. In place when the tables can be donated. CPU only.
+
+    Example::
+
+        params = jnp.array([0.05, 1e-7, 0.0, ONE_STATE_RULES.index("AdaGrad")], jnp.float32)
+        values, accum = one_state_rows(values, accum, rows, rep, segments, grads, params)
+    """
+    _register()
+    out = jax.ShapeDtypeStruct(values.shape, jnp.float32)
+    n = rows.shape[0]
+    work = (jax.ShapeDtypeStruct((n, values.shape[1]), jnp.float32),
+            jax.ShapeDtypeStruct((2 * n,), jnp.int32))
+    return tuple(jax.ffi.ffi_call(
+        "jctr_cpu_one_state_rows", (out, out, *work), input_output_aliases={0: 0, 1: 1})(
+            values, state, rows.astype(jnp.int32), rep.astype(jnp.int32),
+            segments.astype(jnp.int32), grads.astype(jnp.float32),
+            params.astype(jnp.float32)))[:2]
 
 
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")  # the kernel's policy codes

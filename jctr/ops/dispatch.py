@@ -162,25 +162,32 @@ def embedding_bag_backward(grad_out, segments, rep, num_segments: int, combiner:
     return ref.embedding_bag_backward_reference(grad_out, segments, rep, num_segments, combiner)
 
 
-def adam_by_segment(values, m, v, rows, rep, segments, grad_out, params, num_segments: int,
-                    combiner: str, reference):
-    """(values, m, v) after Adam on a bag's distinct rows (``rep``: each position's
-    representative; ``params``: see :func:`jctr.ops.cpu_ffi.adam_rows`); ``reference(values,
-    m, v)`` is the jnp formulation (the row gradients summed at the representatives, then
-    the rows gathered, stepped and scattered back in chunks). On CPU one native pass lists
-    the distinct rows with their summed gradients and steps them in parts (the same rows to a
-    rounding of the moments, where XLA fuses a multiply-add and the kernel does not or the
+def row_rule_by_segment(rule: str, tables: tuple, rows, rep, segments, grad_out, params,
+                        num_segments: int, combiner: str, reference) -> tuple:
+    """``tables`` (the values, then the optimizer's state: Adam's m and v, or the one state
+    of ``AdaGrad``, ``MomentumSGD``, ``Nesterov``) after the ``rule`` on a bag's distinct rows
+    (``rep``: each position's representative; ``params``: Adam's, see
+    :func:`jctr.ops.cpu_ffi.adam_rows`, or lr, epsilon, momentum factor); ``reference(*tables)``
+    is the jnp formulation (the row gradients summed at the representatives, then the rows
+    gathered, stepped and scattered back in chunks). On CPU one native pass lists the
+    distinct rows with their summed gradients and steps them in parts (the same rows to a
+    rounding of the state, where XLA fuses a multiply-add and the kernel does not or the
     other way round; without the [n, dim] arrays of zeros, gradients and gathered rows and
     their scatters: docs/performance.md); elsewhere the reference."""
-    args = (values, m, v)
-    if not _native_rows(values) or m.shape != values.shape or v.shape != values.shape:
-        return reference(*args)
+    values = tables[0]
+    if not _native_rows(values) or any(t.shape != values.shape for t in tables[1:]) or (
+            len(tables) != (3 if rule == "Adam" else 2)):
+        return reference(*tables)
 
-    def cpu(values, m, v):
+    def cpu(*tables):
         g = ref.per_position(grad_out, segments, num_segments) if combiner == "mean" else grad_out
-        return cpu_ffi.adam_rows(values, m, v, rows, rep, segments, g, params)
+        if rule == "Adam":
+            return cpu_ffi.adam_rows(*tables, rows, rep, segments, g, params)
+        code = jnp.float32(cpu_ffi.ONE_STATE_RULES.index(rule))
+        return cpu_ffi.one_state_rows(*tables, rows, rep, segments, g,
+                                      jnp.concatenate([params, code[None]]))
 
-    return _by_platform(*args, cpu=cpu, default=reference)
+    return _by_platform(*tables, cpu=cpu, default=reference)
 
 
 def sgd_by_segment(values, rows, segments, grad_out, factor, num_segments: int,

@@ -94,6 +94,46 @@ def _hugectr_adagrad(w, accum, g, lr, eps):
     return (w - (f(lr) * g).astype(f) / (np.sqrt(accum) + f(eps))).astype(f), accum
 
 
+def _hugectr_adam(w, m, v, g, t, lr, b1, b2, eps):
+    """Step ``t`` of HugeCTR's Adam in float32: ``m = b1 * m + (1 - b1) * g``, ``v = b2 * v
+    + (1 - b2) * g * g``, ``w -= alpha_t * m / (sqrt(v) + eps)`` with ``alpha_t = lr *
+    sqrt(1 - b2 ** t) / (1 - b1 ** t)`` (``opt_adam_kernel`` in
+    HugeCTR/src/optimizers/sparse_optimizer.cu for embedding rows, ``adam_update`` in
+    adam_optimizer.cu for the dense weights; ``alpha_t`` on the host in double)."""
+    f = np.float32
+    m = (f(b1) * m + f(1 - b1) * g).astype(f)
+    v = (f(b2) * v + f(1 - b2) * g * g).astype(f)
+    alpha = f(lr * np.sqrt(1 - b2 ** t) / (1 - b1 ** t))
+    return (w - (alpha * m).astype(f) / (np.sqrt(v) + f(eps))).astype(f), m, v
+
+
+@pytest.mark.parametrize("scale", [1.0, 1e-4, 1e-6])
+def test_adam_is_hugectrs_epsilon_beside_the_root(scale):
+    """Adam's rows and dense weights take HugeCTR's step ``alpha_t * m / (sqrt(v) + eps)``,
+    the bias corrections in ``alpha_t``, not optax's ``m_hat / (sqrt(v_hat) + eps)``: for
+    small gradients early in training (``scale`` 1e-6) HugeCTR's epsilon, 32 times heavier
+    at step 1, makes the step several times smaller."""
+    opt = OptimizerConfig("Adam", learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-7)
+    rng = np.random.default_rng(4)
+    values = rng.normal(size=(CAP, DIM)).astype(np.float32)
+    rows = np.array([3, 17, 5, 39])
+    steps = [(rows, (scale * rng.normal(size=(4, DIM))).astype(np.float32))
+             for _ in range(3)]
+    w, m, v = values[rows], np.zeros((4, DIM), np.float32), np.zeros((4, DIM), np.float32)
+    for t, (_, g) in enumerate(steps, 1):
+        w, m, v = _hugectr_adam(w, m, v, g, t, 0.001, 0.9, 0.999, 1e-7)
+    got = _run_rows(opt, jnp.asarray(values), steps)
+    np.testing.assert_allclose(got[rows], w, rtol=1e-6, atol=1e-7)
+    tx = dense_optimizer(opt)
+    p = jnp.asarray(values[rows])
+    state = tx.init(p)
+    for _, g in steps:
+        upd, state = tx.update(jnp.asarray(g), state, p)
+        p = optax.apply_updates(p, upd)
+    np.testing.assert_allclose(np.asarray(p), w, rtol=1e-6, atol=1e-7)
+    assert type(state[0]).__name__ == "ScaleByAdamState"
+
+
 @pytest.mark.parametrize("scale", [1.0, 1e-4, 1e-6])
 def test_adagrad_is_hugectrs_epsilon_beside_the_root(scale):
     """AdaGrad's rows and dense weights take HugeCTR's step ``lr * g / (sqrt(accum) + eps)``,

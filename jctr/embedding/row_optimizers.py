@@ -70,11 +70,9 @@ def _weight_rule(opt: OptimizerConfig, w, g, new_state: dict, lr, count):
     if t in ("MomentumSGD", "Nesterov"):
         m = new_state["momentum"]
         return w - lr * (g + opt.momentum_factor * m if t == "Nesterov" else m)
-    if t == "Adam":
-        c = count.astype(jnp.float32)
-        m_hat = new_state["m"] / (1.0 - jnp.float32(opt.beta1) ** c)
-        v_hat = new_state["v"] / (1.0 - jnp.float32(opt.beta2) ** c)
-        return w - lr * m_hat / (jnp.sqrt(v_hat) + opt.epsilon)
+    if t == "Adam":  # HugeCTR's: epsilon beside sqrt(v), the bias corrections in the step size
+        return w - adam_step_size(opt, lr, count) * new_state["m"] / (
+            jnp.sqrt(new_state["v"]) + opt.epsilon)
     if t == "AdaGrad":  # HugeCTR's: epsilon beside the root, not under it (as optax puts it)
         acc = new_state["accum"]
         return w - jnp.where(acc > 0, lr * g / (jnp.sqrt(acc) + opt.epsilon), 0.0)
@@ -106,15 +104,25 @@ def rule_params(opt: OptimizerConfig, lr, count) -> jax.Array:
                       jnp.float32(opt.momentum_factor)])
 
 
-def adam_params(opt: OptimizerConfig, lr, count) -> jax.Array:
-    """float32 [8]: beta1, 1 - beta1, beta2, 1 - beta2, the bias corrections 1 - beta ** t
-    and lr, epsilon: the scalars of :func:`_row_rule`'s Adam, each computed as it computes
-    it (:func:`jctr.ops.row_rule_by_segment`)."""
+def adam_step_size(opt: OptimizerConfig, lr, count) -> jax.Array:
+    """HugeCTR's ``alpha_t = lr * sqrt(1 - beta2 ** t) / (1 - beta1 ** t)`` (float32; ``t``:
+    the 1-based step): Adam's bias corrections folded into the step size, so that epsilon
+    is added to ``sqrt(v)`` itself (``adam_update``, HugeCTR/src/optimizers/adam_optimizer.cu;
+    ``opt_adam_kernel``, sparse_optimizer.cu), not to the corrected ``sqrt(v_hat)`` as optax
+    adds it: early in training, and for rows whose gradients are tiny, HugeCTR's steps are
+    the smaller ones."""
     c = count.astype(jnp.float32)
+    return jnp.asarray(lr, jnp.float32) * jnp.sqrt(1.0 - jnp.float32(opt.beta2) ** c) / (
+        1.0 - jnp.float32(opt.beta1) ** c)
+
+
+def adam_params(opt: OptimizerConfig, lr, count) -> jax.Array:
+    """float32 [6]: beta1, 1 - beta1, beta2, 1 - beta2, :func:`adam_step_size`, epsilon: the
+    scalars of :func:`_row_rule`'s Adam, each computed as it computes it
+    (:func:`jctr.ops.row_rule_by_segment`)."""
     return jnp.stack([jnp.float32(opt.beta1), jnp.float32(1.0 - opt.beta1),
                       jnp.float32(opt.beta2), jnp.float32(1.0 - opt.beta2),
-                      1.0 - jnp.float32(opt.beta1) ** c, 1.0 - jnp.float32(opt.beta2) ** c,
-                      jnp.asarray(lr, jnp.float32), jnp.float32(opt.epsilon)])
+                      adam_step_size(opt, lr, count), jnp.float32(opt.epsilon)])
 
 
 def initial_scales(opt: OptimizerConfig, dim: int, bound: float) -> jax.Array | float:

@@ -995,18 +995,18 @@ if AVAILABLE:
     @intrinsic
     def _adam_16(typingctx, w_at, m_at, v_at, g_at, params_at):
         """Adam on sixteen float32 of a row (``w_at``, ``m_at``, ``v_at``) with their summed
-        gradients (``g_at``) as vector code (numba leaves the lane loop scalar: three
-        divisions and a square root a lane); ``params_at``: the eight float32 of
-        :func:`_adam_step`. The same operations and roundings as its scalar loop."""
+        gradients (``g_at``) as vector code (numba leaves the lane loop scalar: a division
+        and a square root a lane); ``params_at``: the six float32 of :func:`_adam_step`.
+        The same operations and roundings as its scalar loop."""
         def codegen(context, builder, signature, args):
             f32 = ir.FloatType()
             ptr = _ROW16.as_pointer()
             w_p, m_p, v_p = (builder.inttoptr(a, ptr) for a in args[:3])
             g = builder.load(builder.inttoptr(args[3], ptr), align=4)
             params = builder.inttoptr(args[4], f32.as_pointer())
-            b1, ob1, b2, ob2, d1, d2, lr, eps = (
+            b1, ob1, b2, ob2, size, eps = (
                 _splat(builder, builder.load(builder.gep(params, [ir.Constant(
-                    ir.IntType(64), j)])), _ROW16) for j in range(8))
+                    ir.IntType(64), j)])), _ROW16) for j in range(6))
             fma = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(_ROW16, [_ROW16] * 3), "llvm.fma.v16f32")
             sqrt = cgutils.get_or_insert_function(
@@ -1016,8 +1016,8 @@ if AVAILABLE:
                                    builder.fmul(builder.fmul(ob2, g), g)])
             builder.store(m, m_p, align=4)
             builder.store(v, v_p, align=4)
-            step = builder.fdiv(builder.fmul(lr, builder.fdiv(m, d1)),
-                                builder.fadd(builder.call(sqrt, [builder.fdiv(v, d2)]), eps))
+            step = builder.fdiv(builder.fmul(size, m),
+                                builder.fadd(builder.call(sqrt, [v]), eps))
             builder.store(builder.fsub(builder.load(w_p, align=4), step), w_p, align=4)
         return types.void(types.int64, types.int64, types.int64, types.int64,
                           types.int64), codegen
@@ -1117,13 +1117,14 @@ if AVAILABLE:
     def _adam_step(values, m, v, listed, summed, params, lo, hi):
         """Adam on the listed rows ``lo`` to ``hi`` with their summed gradients, the three
         lines of a row ``_ROWS_AHEAD`` on fetched first. ``params``: beta1, 1 - beta1, beta2,
-        1 - beta2, the two bias corrections, lr, epsilon (float32, as XLA computes them).
+        1 - beta2, the step size (HugeCTR's ``alpha_t``), epsilon (float32, as XLA computes
+        them); the step ``alpha_t * m / (sqrt(v) + epsilon)``.
         The moments are ``fma(beta, m, (1 - beta) * g)``, as XLA's CPU code contracts them in
         the lanes where LLVM fuses them (not all: a rounding apart elsewhere,
         tests/test_cpu_ffi.py)."""
         dim = values.shape[1]
-        b1, ob1, b2, ob2 = params[0], params[1], params[2], params[3]
-        d1, d2, lr, eps = params[4], params[5], params[6], params[7]
+        b1, ob1, b2, ob2, size, eps = (params[0], params[1], params[2], params[3], params[4],
+                                       params[5])
         values_at, m_at, v_at = values.ctypes.data, m.ctypes.data, v.ctypes.data
         for j in range(lo, hi):
             ahead = j + _ROWS_AHEAD
@@ -1146,7 +1147,7 @@ if AVAILABLE:
                 vc = _fma(b2, v[r, c], ob2 * g * g)
                 m[r, c] = mc
                 v[r, c] = vc
-                values[r, c] = values[r, c] - lr * (mc / d1) / (np.sqrt(vc / d2) + eps)
+                values[r, c] = values[r, c] - size * mc / (np.sqrt(vc) + eps)
 
     @numba.njit(inline="always")
     def _one_state_step(values, state, listed, summed, params, rule, lo, hi):
@@ -1211,7 +1212,7 @@ if AVAILABLE:
             _adam_step(values, first,
                        carray(_pointer(cpu_parts.load(job, h + 2)), (capacity, dim),
                               np.float32), listed, summed,
-                       carray(_pointer(cpu_parts.load(job, h + 7)), (8,), np.float32), lo, hi)
+                       carray(_pointer(cpu_parts.load(job, h + 7)), (6,), np.float32), lo, hi)
         else:
             _one_state_step(values, first, listed, summed,
                             carray(_pointer(cpu_parts.load(job, h + 7)), (3,), np.float32),
@@ -2040,8 +2041,8 @@ def adam_rows(values: jax.Array, m: jax.Array, v: jax.Array, rows: jax.Array,
     """(values, m, v) after Adam on the distinct rows of a bag: row ``rows[i]`` of each
     position whose ``rep`` is itself steps with the sum, in batch order, of the segment
     gradients ``grads[segments[j]]`` of the positions ``j`` whose ``rep`` is ``i`` (segments
-    outside ``grads`` add 0); ``params`` float32 [8]: beta1, 1 - beta1, beta2, 1 - beta2,
-    1 - beta1 ** t, 1 - beta2 ** t, lr, epsilon. What
+    outside ``grads`` add 0); ``params`` float32 [6]: beta1, 1 - beta1, beta2, 1 - beta2,
+    the step size ``lr * sqrt(1 - beta2 ** t) / (1 - beta1 ** t)``, epsilon. What
     :func:`jctr.embedding.row_optimizers.apply_rows` on
     :func:`jctr.ops.bag.embedding_bag_backward_reference`'s sums gives, to a rounding of the
     moments (XLA fuses their multiply-add in some lanes only), without its [n, dim] arrays.

@@ -107,59 +107,46 @@ def _hugectr_adam(w, m, v, g, t, lr, b1, b2, eps):
     return (w - (alpha * m).astype(f) / (np.sqrt(v) + f(eps))).astype(f), m, v
 
 
+HUGECTR_RULES = {  # the config, HugeCTR's step in float32, its state before the first step
+    "Adam": (OptimizerConfig("Adam", learning_rate=0.001, beta1=0.9, beta2=0.999,
+                             epsilon=1e-7),
+             lambda w, st, g, t: _hugectr_adam(w, *st, g, t, 0.001, 0.9, 0.999, 1e-7), 2),
+    "AdaGrad": (OptimizerConfig("AdaGrad", learning_rate=0.05, initial_accu_value=0.0,
+                                epsilon=1e-7),
+                lambda w, st, g, t: _hugectr_adagrad(w, *st, g, 0.05, 1e-7), 1),
+}
+
+
 @pytest.mark.parametrize("scale", [1.0, 1e-4, 1e-6])
-def test_adam_is_hugectrs_epsilon_beside_the_root(scale):
-    """Adam's rows and dense weights take HugeCTR's step ``alpha_t * m / (sqrt(v) + eps)``,
-    the bias corrections in ``alpha_t``, not optax's ``m_hat / (sqrt(v_hat) + eps)``: for
-    small gradients early in training (``scale`` 1e-6) HugeCTR's epsilon, 32 times heavier
-    at step 1, makes the step several times smaller."""
-    opt = OptimizerConfig("Adam", learning_rate=0.001, beta1=0.9, beta2=0.999, epsilon=1e-7)
+@pytest.mark.parametrize("rule", ["Adam", "AdaGrad"])
+def test_adam_and_adagrad_are_hugectrs_epsilon_beside_the_root(rule, scale):
+    """Adam's and AdaGrad's rows and dense weights take HugeCTR's steps, ``alpha_t * m /
+    (sqrt(v) + eps)`` with the bias corrections in ``alpha_t`` and ``lr * g / (sqrt(accum) +
+    eps)``, not optax's ``m_hat / (sqrt(v_hat) + eps)`` and ``g / sqrt(accum + eps)``: for
+    the small gradients of rare keys (``scale`` 1e-4, 1e-6) optax's Adam steps several times
+    further early in training (HugeCTR's epsilon weighs 32 times more at step 1), its AdaGrad
+    a third, or a thousandth, as far. The dense state keeps optax's types, so that a
+    checkpoint of either form loads as the other."""
+    opt, hugectr, states = HUGECTR_RULES[rule]
     rng = np.random.default_rng(4)
     values = rng.normal(size=(CAP, DIM)).astype(np.float32)
     rows = np.array([3, 17, 5, 39])
     steps = [(rows, (scale * rng.normal(size=(4, DIM))).astype(np.float32))
              for _ in range(3)]
-    w, m, v = values[rows], np.zeros((4, DIM), np.float32), np.zeros((4, DIM), np.float32)
+    w, state = values[rows], (np.zeros((4, DIM), np.float32),) * states
     for t, (_, g) in enumerate(steps, 1):
-        w, m, v = _hugectr_adam(w, m, v, g, t, 0.001, 0.9, 0.999, 1e-7)
+        w, *state = hugectr(w, state, g, t)
     got = _run_rows(opt, jnp.asarray(values), steps)
     np.testing.assert_allclose(got[rows], w, rtol=1e-6, atol=1e-7)
     tx = dense_optimizer(opt)
     p = jnp.asarray(values[rows])
-    state = tx.init(p)
+    dense_state = tx.init(p)
     for _, g in steps:
-        upd, state = tx.update(jnp.asarray(g), state, p)
+        upd, dense_state = tx.update(jnp.asarray(g), dense_state, p)
         p = optax.apply_updates(p, upd)
     np.testing.assert_allclose(np.asarray(p), w, rtol=1e-6, atol=1e-7)
-    assert type(state[0]).__name__ == "ScaleByAdamState"
-
-
-@pytest.mark.parametrize("scale", [1.0, 1e-4, 1e-6])
-def test_adagrad_is_hugectrs_epsilon_beside_the_root(scale):
-    """AdaGrad's rows and dense weights take HugeCTR's step ``lr * g / (sqrt(accum) + eps)``,
-    not optax's ``g / sqrt(accum + eps)``: for small gradients (``scale`` 1e-4, 1e-6: those
-    of rare keys) optax's would move a new row a third, or a thousandth, as far."""
-    opt = OptimizerConfig("AdaGrad", learning_rate=0.05, initial_accu_value=0.0,
-                          epsilon=1e-7)
-    rng = np.random.default_rng(3)
-    values = rng.normal(size=(CAP, DIM)).astype(np.float32)
-    rows = np.array([3, 17, 5, 39])
-    steps = [(rows, (scale * rng.normal(size=(4, DIM))).astype(np.float32))
-             for _ in range(3)]
-    w, acc = values[rows], np.zeros((4, DIM), np.float32)
-    for _, g in steps:
-        w, acc = _hugectr_adagrad(w, acc, g, 0.05, 1e-7)
-    got = _run_rows(opt, jnp.asarray(values), steps)
-    np.testing.assert_allclose(got[rows], w, rtol=1e-6, atol=1e-7)
-    tx = dense_optimizer(opt)
-    p = jnp.asarray(values[rows])
-    state = tx.init(p)
-    for _, g in steps:
-        upd, state = tx.update(jnp.asarray(g), state, p)
-        p = optax.apply_updates(p, upd)
-    np.testing.assert_allclose(np.asarray(p), w, rtol=1e-6, atol=1e-7)
-    # the accumulator keeps optax's state: a dense checkpoint of either loads as the other
-    assert type(state[0]).__name__ == "ScaleByRssState"
+    assert isinstance(dense_state[0], optax.ScaleByAdamState if rule == "Adam"
+                      else optax.ScaleByRssState)
 
 
 def test_lazy_global_applies_missed_decay():

@@ -996,8 +996,8 @@ if AVAILABLE:
     def _adam_16(typingctx, w_at, m_at, v_at, g_at, params_at):
         """Adam on sixteen float32 of a row (``w_at``, ``m_at``, ``v_at``) with their summed
         gradients (``g_at``) as vector code (numba leaves the lane loop scalar: a division
-        and a square root a lane); ``params_at``: the six float32 of :func:`_adam_step`.
-        The same operations and roundings as its scalar loop."""
+        and a square root a lane); ``params_at``: the six float32 of :func:`_step_rows`.
+        The same operations and roundings as its lane loop (:func:`_step_lane`)."""
         def codegen(context, builder, signature, args):
             f32 = ir.FloatType()
             ptr = _ROW16.as_pointer()
@@ -1114,83 +1114,68 @@ if AVAILABLE:
         return k
 
     @numba.njit(inline="always")
-    def _adam_step(values, m, v, listed, summed, params, lo, hi):
-        """Adam on the listed rows ``lo`` to ``hi`` with their summed gradients, the three
-        lines of a row ``_ROWS_AHEAD`` on fetched first. ``params``: beta1, 1 - beta1, beta2,
-        1 - beta2, the step size (HugeCTR's ``alpha_t``), epsilon (float32, as XLA computes
-        them); the step ``alpha_t * m / (sqrt(v) + epsilon)``.
-        The moments are ``fma(beta, m, (1 - beta) * g)``, as XLA's CPU code contracts them in
-        the lanes where LLVM fuses them (not all: a rounding apart elsewhere,
-        tests/test_cpu_ffi.py)."""
-        dim = values.shape[1]
-        b1, ob1, b2, ob2, size, eps = (params[0], params[1], params[2], params[3], params[4],
-                                       params[5])
-        values_at, m_at, v_at = values.ctypes.data, m.ctypes.data, v.ctypes.data
-        for j in range(lo, hi):
-            ahead = j + _ROWS_AHEAD
-            if ahead < hi:
-                line = 4 * dim * np.int64(listed[ahead])
-                _prefetch(values_at + line)
-                _prefetch(m_at + line)
-                _prefetch(v_at + line)
-            r = listed[j]
-            if dim % 16 == 0:
-                for c in range(0, dim, 16):
-                    at = 4 * (dim * np.int64(r) + c)
-                    _adam_16(values_at + at, m_at + at, v_at + at,
-                             summed.ctypes.data + 4 * (dim * np.int64(j) + c),
-                             params.ctypes.data)
-                continue
-            for c in range(dim):
-                g = summed[j, c]
-                mc = _fma(b1, m[r, c], ob1 * g)
-                vc = _fma(b2, v[r, c], ob2 * g * g)
-                m[r, c] = mc
-                v[r, c] = vc
-                values[r, c] = values[r, c] - size * mc / (np.sqrt(vc) + eps)
+    def _step_lane(values, first, second, r, c, g, params, rule):
+        """Lane ``c`` of row ``r`` stepped with its summed gradient ``g`` by the ``rule``
+        (``first``, ``second``: Adam's m and v; a one-state rule's state and, unused, the
+        same), as the rule's vector code steps sixteen lanes."""
+        if rule == _ADAM:
+            mc = _fma(params[0], first[r, c], params[1] * g)
+            vc = _fma(params[2], second[r, c], params[3] * g * g)
+            first[r, c] = mc
+            second[r, c] = vc
+            values[r, c] = values[r, c] - params[4] * mc / (np.sqrt(vc) + params[5])
+        elif rule == _ADAGRAD:
+            a = _fma(g, g, first[r, c])
+            first[r, c] = a
+            if a > 0:
+                values[r, c] = values[r, c] - params[0] * g / (np.sqrt(a) + params[1])
+        else:
+            m = _fma(params[2], first[r, c], g)
+            first[r, c] = m
+            d = m if rule == _MOMENTUM else _fma(params[2], m, g)
+            values[r, c] = _fma(-params[0], d, values[r, c])
 
     @numba.njit(inline="always")
-    def _one_state_step(values, state, listed, summed, params, rule, lo, hi):
-        """AdaGrad, MomentumSGD or Nesterov (``rule``) on the listed rows ``lo`` to ``hi``
-        with their summed gradients, the two lines of a row ``_ROWS_AHEAD`` on fetched
-        first. ``params``: lr, epsilon, momentum factor (float32). AdaGrad is HugeCTR's
-        ``a = accum + g * g; w - lr * g / (sqrt(a) + eps)`` (no step where ``a`` is 0); the
-        momentum ``factor * m + g`` and the weight's ``w - lr * d`` are fused multiply-adds,
-        as XLA's CPU code fuses them (in most lanes: a rounding apart elsewhere,
-        tests/test_cpu_ffi.py)."""
+    def _step_rows(values, first, second, listed, summed, params, rule, lo, hi):
+        """The ``rule`` on the listed rows ``lo`` to ``hi`` with their summed gradients, the
+        lines of a row ``_ROWS_AHEAD`` on fetched first (its vector and state: three for
+        Adam, two for the others). ``params`` (float32, as XLA computes them): Adam's beta1,
+        1 - beta1, beta2, 1 - beta2, the step size (HugeCTR's ``alpha_t``), epsilon, the step
+        ``alpha_t * m / (sqrt(v) + epsilon)``; the others' lr, epsilon, momentum factor,
+        AdaGrad HugeCTR's ``a = accum + g * g; w - lr * g / (sqrt(a) + eps)`` (no step where
+        ``a`` is 0), the momenta ``m = factor * m + g``, ``w - lr * m`` (Nesterov: ``w - lr *
+        (g + factor * m)``). The moments and momenta and the momenta's weight step are fused
+        multiply-adds, as XLA's CPU code contracts them in the lanes where LLVM fuses them
+        (not all: a rounding apart elsewhere, tests/test_cpu_ffi.py)."""
         dim = values.shape[1]
-        lr, eps, factor = params[0], params[1], params[2]
-        values_at, state_at = values.ctypes.data, state.ctypes.data
+        values_at, first_at, second_at = (values.ctypes.data, first.ctypes.data,
+                                          second.ctypes.data)
+        params_at = params.ctypes.data
         for j in range(lo, hi):
             ahead = j + _ROWS_AHEAD
             if ahead < hi:
                 line = 4 * dim * np.int64(listed[ahead])
                 _prefetch(values_at + line)
-                _prefetch(state_at + line)
+                _prefetch(first_at + line)
+                if rule == _ADAM:
+                    _prefetch(second_at + line)
             r = listed[j]
             if dim % 16 == 0:
                 for c in range(0, dim, 16):
                     at = 4 * (dim * np.int64(r) + c)
                     g_at = summed.ctypes.data + 4 * (dim * np.int64(j) + c)
-                    if rule == _ADAGRAD:
-                        _adagrad_16(values_at + at, state_at + at, g_at, params.ctypes.data)
+                    if rule == _ADAM:
+                        _adam_16(values_at + at, first_at + at, second_at + at, g_at,
+                                 params_at)
+                    elif rule == _ADAGRAD:
+                        _adagrad_16(values_at + at, first_at + at, g_at, params_at)
                     elif rule == _MOMENTUM:
-                        _momentum_16(values_at + at, state_at + at, g_at, params.ctypes.data)
+                        _momentum_16(values_at + at, first_at + at, g_at, params_at)
                     else:
-                        _nesterov_16(values_at + at, state_at + at, g_at, params.ctypes.data)
+                        _nesterov_16(values_at + at, first_at + at, g_at, params_at)
                 continue
             for c in range(dim):
-                g = summed[j, c]
-                if rule == _ADAGRAD:
-                    a = _fma(g, g, state[r, c])
-                    state[r, c] = a
-                    if a > 0:
-                        values[r, c] = values[r, c] - lr * g / (np.sqrt(a) + eps)
-                    continue
-                m = _fma(factor, state[r, c], g)
-                state[r, c] = m
-                d = m if rule == _MOMENTUM else _fma(factor, m, g)
-                values[r, c] = _fma(-lr, d, values[r, c])
+                _step_lane(values, first, second, r, c, summed[j, c], params, rule)
 
     # the row update's job record: values, its one or two state tables (0: none), capacity,
     # dim, listed rows, their sums, params, how many rows, the rule
@@ -1204,19 +1189,15 @@ if AVAILABLE:
             cpu_parts.load(job, h + 8)
         rule = cpu_parts.load(job, h + 9)
         lo, hi = cpu_parts.part_range(job, p, k)
-        values = carray(_pointer(cpu_parts.load(job, h)), (capacity, dim), np.float32)
-        first = carray(_pointer(cpu_parts.load(job, h + 1)), (capacity, dim), np.float32)
-        listed = carray(_pointer(cpu_parts.load(job, h + 5)), (k,), np.int32)
-        summed = carray(_pointer(cpu_parts.load(job, h + 6)), (k, dim), np.float32)
-        if rule == _ADAM:
-            _adam_step(values, first,
-                       carray(_pointer(cpu_parts.load(job, h + 2)), (capacity, dim),
-                              np.float32), listed, summed,
-                       carray(_pointer(cpu_parts.load(job, h + 7)), (6,), np.float32), lo, hi)
-        else:
-            _one_state_step(values, first, listed, summed,
-                            carray(_pointer(cpu_parts.load(job, h + 7)), (3,), np.float32),
-                            rule, lo, hi)
+        first = cpu_parts.load(job, h + 1)
+        second = cpu_parts.load(job, h + 2) if rule == _ADAM else first
+        _step_rows(carray(_pointer(cpu_parts.load(job, h)), (capacity, dim), np.float32),
+                   carray(_pointer(first), (capacity, dim), np.float32),
+                   carray(_pointer(second), (capacity, dim), np.float32),
+                   carray(_pointer(cpu_parts.load(job, h + 5)), (k,), np.int32),
+                   carray(_pointer(cpu_parts.load(job, h + 6)), (k, dim), np.float32),
+                   carray(_pointer(cpu_parts.load(job, h + 7)), (6 if rule == _ADAM else 3,),
+                          np.float32), rule, lo, hi)
 
     def _rows_task(data):
         cpu_parts.work(_address(data), _rows_part)

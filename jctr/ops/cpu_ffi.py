@@ -2028,19 +2028,24 @@ def adam_rows(values: jax.Array, m: jax.Array, v: jax.Array, rows: jax.Array,
     :func:`jctr.ops.bag.embedding_bag_backward_reference`'s sums gives, to a rounding of the
     moments (XLA fuses their multiply-add in some lanes only), without its [n, dim] arrays.
     In place when the tables can be donated. CPU only."""
+    return _row_rule("jctr_cpu_adam_rows", (values, m, v), rows, rep, segments, grads, params)
+
+
+def _row_rule(target: str, tables: tuple, rows, rep, segments, grads, params) -> tuple:
+    """The row-rule kernel ``target`` on ``tables`` (values, then the state), in place."""
     _register()
-    out = jax.ShapeDtypeStruct(values.shape, jnp.float32)
+    out = jax.ShapeDtypeStruct(tables[0].shape, jnp.float32)
     n = rows.shape[0]
     # the kernel's workspaces as results XLA allocates, so that the step's temporaries
     # (the memory plan) count them: the distinct rows' summed gradients, two int32 lists
-    work = (jax.ShapeDtypeStruct((n, values.shape[1]), jnp.float32),
+    work = (jax.ShapeDtypeStruct((n, tables[0].shape[1]), jnp.float32),
             jax.ShapeDtypeStruct((2 * n,), jnp.int32))
+    t = len(tables)
     return tuple(jax.ffi.ffi_call(
-        "jctr_cpu_adam_rows", (out, out, out, *work),
-        input_output_aliases={0: 0, 1: 1, 2: 2})(
-            values, m, v, rows.astype(jnp.int32), rep.astype(jnp.int32),
+        target, (out,) * t + work, input_output_aliases={a: a for a in range(t)})(
+            *tables, rows.astype(jnp.int32), rep.astype(jnp.int32),
             segments.astype(jnp.int32), grads.astype(jnp.float32),
-            params.astype(jnp.float32)))[:3]
+            params.astype(jnp.float32)))[:t]
 
 
 ONE_STATE_RULES = ("AdaGrad", "MomentumSGD", "Nesterov")  # the kernel's rule codes
@@ -2061,16 +2066,8 @@ def one_state_rows(values: jax.Array, state: jax.Array, rows: jax.Array, rep: ja
         params = jnp.array([0.05, 1e-7, 0.0, ONE_STATE_RULES.index("AdaGrad")], jnp.float32)
         values, accum = one_state_rows(values, accum, rows, rep, segments, grads, params)
     """
-    _register()
-    out = jax.ShapeDtypeStruct(values.shape, jnp.float32)
-    n = rows.shape[0]
-    work = (jax.ShapeDtypeStruct((n, values.shape[1]), jnp.float32),
-            jax.ShapeDtypeStruct((2 * n,), jnp.int32))
-    return tuple(jax.ffi.ffi_call(
-        "jctr_cpu_one_state_rows", (out, out, *work), input_output_aliases={0: 0, 1: 1})(
-            values, state, rows.astype(jnp.int32), rep.astype(jnp.int32),
-            segments.astype(jnp.int32), grads.astype(jnp.float32),
-            params.astype(jnp.float32)))[:2]
+    return _row_rule("jctr_cpu_one_state_rows", (values, state), rows, rep, segments, grads,
+                     params)
 
 
 EVICTION_POLICIES = ("lru", "lfu", "epoch_lru", "epoch_lfu")  # the kernel's policy codes

@@ -45,8 +45,8 @@ def _scale_by_hugectr_adam(b1: float, b2: float, eps: float) -> optax.GradientTr
     ``sqrt(v_hat)``: at step 1 with beta2 0.999 HugeCTR's epsilon weighs 32 times more. Its
     state is optax's ``ScaleByAdamState``, so checkpoints of either load as the other."""
     def init(params):
-        zeros = jax.tree.map(jnp.zeros_like, params)
-        return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32), mu=zeros,
+        return optax.ScaleByAdamState(count=jnp.zeros([], jnp.int32),
+                                      mu=jax.tree.map(jnp.zeros_like, params),
                                       nu=jax.tree.map(jnp.zeros_like, params))
 
     def update(updates, state, params=None):

@@ -149,6 +149,27 @@ def test_adam_and_adagrad_are_hugectrs_epsilon_beside_the_root(rule, scale):
                       else optax.ScaleByRssState)
 
 
+@pytest.mark.parametrize("rule", ["Adam", "AdaGrad"])
+def test_dense_state_of_hugectrs_formulas_is_optaxs(rule):
+    """A checkpoint written with optax's Adam / AdaGrad (jctr before HugeCTR's formulas) holds
+    the same state tree, leaf for leaf, as HugeCTR's formulas make: it restores and trains on
+    (the moments and the accumulator mean the same; only the step computed from them
+    changed)."""
+    import jax
+
+    opt = HUGECTR_RULES[rule][0]
+    params = {"w": jnp.ones((3, 4)), "b": jnp.zeros((4,))}
+    for clause in (opt, OptimizerConfig(**{**opt.__dict__, "warmup_steps": 10})):
+        lr = learning_rate_schedule(clause)
+        old = (optax.adam(lr, b1=opt.beta1, b2=opt.beta2, eps=opt.epsilon) if rule == "Adam"
+               else optax.adagrad(lr, initial_accumulator_value=opt.initial_accu_value,
+                                  eps=opt.epsilon)).init(params)
+        new = dense_optimizer(clause).init(params)
+        assert jax.tree.structure(old) == jax.tree.structure(new)
+        for a, b in zip(jax.tree.leaves(old), jax.tree.leaves(new)):
+            assert a.shape == b.shape and a.dtype == b.dtype
+
+
 def test_lazy_global_applies_missed_decay():
     opt = OptimizerConfig("Adam", update_type="LazyGlobal", learning_rate=0.01, beta1=0.9,
                           beta2=0.99)

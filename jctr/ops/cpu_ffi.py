@@ -1177,8 +1177,8 @@ if AVAILABLE:
             for c in range(dim):
                 _step_lane(values, first, second, r, c, summed[j, c], params, rule)
 
-    # the row update's job record: values, its one or two state tables (0: none), capacity,
-    # dim, listed rows, their sums, params, how many rows, the rule
+    # the row update's job record: values, its two state tables (a one-state rule's twice),
+    # capacity, dim, listed rows, their sums, params, how many rows, the rule
     _ROWS_WORDS = 10
 
     @numba.njit(inline="always")
@@ -1189,11 +1189,9 @@ if AVAILABLE:
             cpu_parts.load(job, h + 8)
         rule = cpu_parts.load(job, h + 9)
         lo, hi = cpu_parts.part_range(job, p, k)
-        first = cpu_parts.load(job, h + 1)
-        second = cpu_parts.load(job, h + 2) if rule == _ADAM else first
         _step_rows(carray(_pointer(cpu_parts.load(job, h)), (capacity, dim), np.float32),
-                   carray(_pointer(first), (capacity, dim), np.float32),
-                   carray(_pointer(second), (capacity, dim), np.float32),
+                   carray(_pointer(cpu_parts.load(job, h + 1)), (capacity, dim), np.float32),
+                   carray(_pointer(cpu_parts.load(job, h + 2)), (capacity, dim), np.float32),
                    carray(_pointer(cpu_parts.load(job, h + 5)), (k,), np.int32),
                    carray(_pointer(cpu_parts.load(job, h + 6)), (k, dim), np.float32),
                    carray(_pointer(cpu_parts.load(job, h + 7)), (6 if rule == _ADAM else 3,),
@@ -1232,8 +1230,8 @@ if AVAILABLE:
         # before the lists are freed
         job = cpu_parts.begin(frame, _ROWS_WORDS, _parts_of(k))
         h = cpu_parts.HEADER
-        second = _buffer(frame, _FRAME_RETS, 2)[0] if states == 2 else np.int64(0)
-        words = (_buffer(frame, _FRAME_RETS, 0)[0], _buffer(frame, _FRAME_RETS, 1)[0], second,
+        words = (_buffer(frame, _FRAME_RETS, 0)[0], _buffer(frame, _FRAME_RETS, 1)[0],
+                 _buffer(frame, _FRAME_RETS, states)[0],
                  capacity, dim, np.int64(listed.ctypes.data), np.int64(summed.ctypes.data),
                  _buffer(frame, _FRAME_ARGS, t + 4)[0], k, np.int64(rule))
         for w in range(_ROWS_WORDS):
